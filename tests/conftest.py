@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny data files and fast CLI runs on the bundled model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+CONFIGS = REPO / "configs"
+
+POSITIVE = ["great hotel, friendly staff", "lovely clean room", "excellent breakfast", "would stay again", "superb view"]
+NEGATIVE = ["dirty room and rude staff", "terrible noise all night", "awful breakfast", "never again", "broken shower"]
+
+
+def rows(n: int = 40, text: str = "review", label: str = "label", as_names: bool = False) -> list[dict]:
+    out = []
+    for i in range(n):
+        positive = i % 2 == 0
+        pool = POSITIVE if positive else NEGATIVE
+        value = ("positive" if positive else "negative") if as_names else int(positive)
+        out.append({text: f"{pool[i % len(pool)]} #{i}", label: value})
+    return out
+
+
+def write_csv(path: Path, data: list[dict], sep: str = ",") -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(data[0]), delimiter=sep)
+        writer.writeheader()
+        writer.writerows(data)
+    return path
+
+
+def write_jsonl(path: Path, data: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in data) + "\n", encoding="utf-8")
+    return path
+
+
+# Overrides that make any recipe a seconds-long smoke run on the bundled model.
+FAST = [
+    "--trainer.max_steps=2",
+    "--trainer.limit_val_batches=2",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.enable_checkpointing=false",
+    "--data.limit_train_samples=64",
+    "--data.limit_eval_samples=16",
+]
+
+
+@pytest.fixture
+def fast_args(tmp_path):
+    return FAST + [f"--trainer.default_root_dir={tmp_path}"]

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rows, write_csv, write_jsonl
+from lit_memory.data import TextClassificationData
+from lit_memory.errors import UserError
+
+
+def make(source, **kwargs) -> TextClassificationData:
+    kwargs.setdefault("limit_train_samples", None)
+    return TextClassificationData(source=str(source), **kwargs)
+
+
+def test_bundled_default_is_binary_tweets_with_requested_subset():
+    dm = TextClassificationData(limit_train_samples=100, limit_eval_samples=50)
+    dm.setup()
+    assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [100, 50, 50]
+    assert dm.resolved_label_names == ["negative", "positive"]
+    labels = set(int(v) for v in dm.splits["train"]["labels"])
+    assert labels == {0, 1}
+
+
+def test_bundled_three_class_option():
+    dm = TextClassificationData(num_labels=3, limit_train_samples=300, limit_eval_samples=10)
+    dm.setup()
+    assert dm.resolved_label_names == ["negative", "neutral", "positive"]
+    assert set(int(v) for v in dm.splits["train"]["labels"]) == {0, 1, 2}
+
+
+def test_csv_with_custom_columns_and_string_labels(tmp_path):
+    path = write_csv(tmp_path / "d.csv", rows(40, text="comment", label="stars", as_names=True))
+    dm = make(path, text_column="comment", label_column="stars")
+    dm.setup()
+    assert dm.resolved_label_names == ["negative", "positive"]  # sorted distinct names
+    assert sum(len(dm.splits[s]) for s in ("train", "validation", "test")) == 40
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) >= {"input_ids", "attention_mask", "labels"}
+
+
+def test_tsv_and_jsonl_with_custom_columns(tmp_path):
+    tsv = write_csv(tmp_path / "d.tsv", rows(30, text="body", label="y"), sep="\t")
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows(30, text="body", label="y"))
+    for path in (tsv, jsonl):
+        dm = make(path, text_column="body", label_column="y")
+        dm.setup()
+        assert sum(len(dm.splits[s]) for s in ("train", "validation", "test")) == 30
+        assert dm.resolved_label_names is None  # integer labels are used as ids
+
+
+def test_splits_are_stratified_and_reproducible(tmp_path):
+    path = write_csv(tmp_path / "d.csv", rows(100))
+    a, b = make(path, seed=1), make(path, seed=1)
+    a.setup(), b.setup()
+    assert a.splits["validation"][0]["input_ids"].tolist() == b.splits["validation"][0]["input_ids"].tolist()
+    assert sorted(int(v) for v in a.splits["validation"]["labels"]) == [0] * 5 + [1] * 5
+
+
+@pytest.mark.parametrize("padding", ["longest", "max_length"])
+def test_padding_shapes(tmp_path, padding):
+    dm = make(write_csv(tmp_path / "d.csv", rows(40)), padding=padding, max_length=48, batch_size=8)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    lengths = batch["attention_mask"].sum(-1)
+    if padding == "max_length":
+        assert batch["input_ids"].shape == (8, 48)
+    else:  # padded to the longest sequence in this batch only
+        assert batch["input_ids"].shape == (8, int(lengths.max()))
+        assert batch["input_ids"].shape[1] < 48
+
+
+def test_truncation_to_max_length(tmp_path):
+    data = [{"review": "word " * 200, "label": i % 2} for i in range(20)]
+    dm = make(write_csv(tmp_path / "d.csv", data), max_length=16)
+    dm.setup()
+    assert next(iter(dm.train_dataloader()))["input_ids"].shape[1] == 16
+
+
+# -- errors: one clear line, raised before any training --------------------------------------
+
+
+def test_missing_file():
+    with pytest.raises(UserError, match="data file not found: nowhere/reviews.csv"):
+        make("nowhere/reviews.csv")
+
+
+def test_missing_column(tmp_path):
+    dm = make(write_csv(tmp_path / "d.csv", rows(20, text="comment")))
+    with pytest.raises(UserError, match=r"column 'review' not found in .*d\.csv; columns are \['comment', 'label'\]"):
+        dm.prepare_data()
+
+
+def test_labels_outside_num_labels(tmp_path):
+    data = rows(20)
+    data[3]["label"] = 5
+    dm = make(write_csv(tmp_path / "d.csv", data))
+    with pytest.raises(UserError, match=r"label 5 in column 'label' of the train split is outside num_labels=2"):
+        dm.prepare_data()
+
+
+def test_too_many_string_labels(tmp_path):
+    data = [{"review": f"text {i}", "label": f"c{i % 3}"} for i in range(30)]
+    dm = make(write_csv(tmp_path / "d.csv", data))
+    with pytest.raises(UserError, match=r"3 label names .* but num_labels=2"):
+        dm.prepare_data()
+
+
+def test_empty_split_after_filtering(tmp_path):
+    dm = make(write_csv(tmp_path / "d.csv", rows(20, as_names=True)), label_names=["bad", "worse"])
+    with pytest.raises(UserError, match=r"the train split of .*d\.csv is empty after filtering: no row has a text"):
+        dm.prepare_data()
+
+
+def test_source_too_small_to_split(tmp_path):
+    dm = make(write_csv(tmp_path / "d.csv", rows(2)))
+    with pytest.raises(UserError, match=r"only 1 usable row\(s\) left: too few to split"):
+        dm.prepare_data()
+
+
+def test_zero_sample_limit_is_an_empty_split():
+    with pytest.raises(UserError, match=r"the validation/test split would be empty: its sample limit is 0"):
+        TextClassificationData(limit_eval_samples=0)
+
+
+def test_bad_fractions():
+    with pytest.raises(UserError, match="must leave data to train on"):
+        TextClassificationData(val_fraction=0.6, test_fraction=0.5)
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"x")
+    with pytest.raises(UserError, match="unsupported data file"):
+        make(path)
