@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 import yaml
 
-from conftest import CONFIGS, RECIPES
+from conftest import CONFIGS, FAST, RECIPES
+from lit_memory import recipes
 from lit_memory.cli import LitMemoryCLI, main
 
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
@@ -67,3 +71,78 @@ def test_data_errors_stop_before_the_run_folder_exists(tmp_path, capsys):
         main(["fit", f"--data.source={csv}", f"--trainer.default_root_dir={root}"])
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: column 'review' not found in")
     assert not root.exists()
+
+
+def print_config(argv, capsys) -> dict:
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *argv, "--print_config"])
+    assert exit_.value.code == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_recipe_name_stands_for_its_file_where_it_is_given(capsys):
+    # later sources win: the recipe overrides what comes before it, and is overridden by what follows
+    config = print_config(["--data.batch_size=8", "--recipe", "accumulate", "--config", str(CONFIGS / "bert-large.yaml")], capsys)
+    assert config["data"]["batch_size"] == 1 and config["trainer"]["accumulate_grad_batches"] == 32
+    assert config["model"]["model_name_or_path"] == "bundled:bert-large"
+    config = print_config(["--recipe=accumulate", "--data.batch_size=8"], capsys)
+    assert config["data"]["batch_size"] == 8 and config["trainer"]["accumulate_grad_batches"] == 32
+    assert config == print_config(["--config", str(RECIPES / "accumulate.yaml"), "--data.batch_size=8"], capsys)
+
+
+def test_checkpoints_load_with_weights_only_by_default(capsys):
+    assert print_config([], capsys)["weights_only"] is True
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """A 2-step fit of a tiny random BERT with the Adafactor recipe: its run folder."""
+    root = tmp_path_factory.mktemp("first")
+    args = ["fit", "--recipe", "adafactor", "--config", str(CONFIGS / "bert-large.yaml"), TINY_BERT, *FAST]
+    extra = ["--trainer.accumulate_grad_batches=1", "--data.batch_size=4", "--trainer.enable_checkpointing=true"]
+    cli = LitMemoryCLI(args=[*args, *extra, f"--trainer.default_root_dir={root}"])
+    return Path(cli.trainer.log_dir)
+
+
+def resolved(run_dir: Path) -> dict:
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["trainer"].pop("default_root_dir")  # the one run-specific path
+    return config
+
+
+def test_a_fit_writes_a_shareable_recipe_that_reproduces_its_settings(shared_run, tmp_path):
+    text = (shared_run / recipes.SHARED_RECIPE).read_text()
+    header = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("# ") and ": " in line)
+    assert header["command"].startswith("python -m lit_memory fit --recipe adafactor --config ")
+    assert header["machine"].startswith("1 node(s) x 1 cpu device(s);")
+    for package in ("lit_memory", "torch", "lightning", "transformers"):
+        version = __import__(package).__version__
+        assert f"{package} {version}" in header["versions"]
+    assert header["measured peak memory"].startswith("not measured")
+    shared = yaml.safe_load(text)
+    assert shared["trainer"]["default_root_dir"] is None and shared["ckpt_path"] is None
+    assert shared["model"]["optimizer"]["class_path"] == "transformers.Adafactor"
+
+    # someone else runs it as is, from their own folder
+    rerun = LitMemoryCLI(args=["fit", "--config", str(shared_run / recipes.SHARED_RECIPE), f"--trainer.default_root_dir={tmp_path}"])
+    assert rerun.trainer.global_step == 2
+    assert resolved(Path(rerun.trainer.log_dir)) == resolved(shared_run)
+
+
+def test_resume_restores_optimizer_and_loop_state_with_weights_only(shared_run, tmp_path):
+    [ckpt] = (shared_run / "checkpoints").glob("*.ckpt")
+    state = torch.load(ckpt, weights_only=True)  # tensors and plain data only: no pickled code needed
+    assert state["optimizer_states"][0]["state"] and state["global_step"] == 2
+    cli = LitMemoryCLI(
+        args=[
+            "fit",
+            "--config", str(shared_run / recipes.SHARED_RECIPE),
+            f"--ckpt_path={ckpt}",
+            "--trainer.max_steps=4",
+            "--trainer.max_epochs=2",  # the checkpoint was taken at the end of epoch 0
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert cli.config.fit.weights_only is True
+    assert cli.trainer.global_step == 4
+    assert cli.trainer.optimizers[0].state_dict()["state"][0]["step"] == 4  # Adafactor's count went on from 2
