@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import inspect
 import io
 import json
 import re
@@ -187,8 +188,7 @@ class Reference:
 
     @functools.cached_property
     def allowed(self) -> bool:
-        listed = any(self.path == entry or self.path.startswith(entry + ".") for entry in ALLOWLIST)
-        return listed and not _defined_outside(self.path)
+        return _listed(self.path) and not _defined_outside(self.path)
 
     def __str__(self) -> str:
         return f"{self.path} ({self.source}: {self.key})" if self.key else f"{self.path} ({self.source})"
@@ -270,26 +270,31 @@ def references_in_tree(
         return references_in_checkpoint(base / tree)
     if tree.endswith(_CONFIG_SUFFIXES) and _is_file(base / tree):  # a nested config file
         return references_in_file(base / tree, seen)
+    if last != "class_path" and (_is_file(base / tree) or _is_file(Path(tree))):
+        return []  # a data file such as train.csv, even beside a train.py
     if _DOTTED.fullmatch(tree) and (last == "class_path" or _importable(tree)):
         return [Reference(tree, source, key)]
     return []
 
 
+def _listed(path: str) -> bool:
+    return any(path == entry or path.startswith(entry + ".") for entry in ALLOWLIST)
+
+
 def _defined_outside(path: str) -> bool:
-    """Whether an allowlisted path names code defined outside the allowlist, as
-    ``lightning.pytorch.cli.os.system`` (which is ``os.system``) does. Resolved the way the parser
-    will resolve it, importing only allowlisted modules; a path that does not resolve is left to
-    the parser to report."""
-    from jsonargparse import _util  # private: the parser's own resolver and its allowlist check
+    """Whether an allowlisted path names code defined elsewhere, as ``lightning.pytorch.cli.os.system``
+    (that is ``os.system``) does. Resolved the way the parser resolves it, which imports only
+    allowlisted modules; a path that does not resolve is left to the parser to report."""
+    from jsonargparse import _util  # private: the parser's own resolver
 
     with import_allowlist(enforced=True):
         try:
-            _util.import_object(path)
-        except ImportError as err:
+            obj = _util.import_object(path)
+        except ImportError as err:  # jsonargparse's ImportDenied: defined outside the allowlist
             return type(err).__name__ == "ImportDenied"
         except (AttributeError, ValueError):
             return False
-    return False
+    return not _listed(obj.__name__ if inspect.ismodule(obj) else str(getattr(obj, "__module__", "")))
 
 
 def _join(key: str, part: Any) -> str:

@@ -267,6 +267,16 @@ def test_nested_config_files_are_read_before_parsing(boom, tmp_path, capsys):
     assert not boom.marker.exists()
 
 
+def test_a_data_file_named_like_a_module_is_not_taken_for_code(tmp_path, monkeypatch, capsys):
+    (tmp_path / "train.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w')\n")
+    (tmp_path / "train.csv").write_text("review,label\ngood,1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = yaml.safe_load(run_main(["fit", "--data.source=train.csv", "--print_config"], capsys)[1])
+    assert config["data"]["source"] == "train.csv"
+    assert not (tmp_path / "IMPORTED").exists()
+
+
 def test_what_the_scan_cannot_see_the_parser_refuses(boom, tmp_path, capsys):
     # A trainer config in JSON (the scan reads nested .yaml/.yml only): jsonargparse's own allowlist stops it.
     (tmp_path / "trainer.json").write_text(json.dumps({"callbacks": [{"class_path": f"{boom.name}.Boom"}]}))
