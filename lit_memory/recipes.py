@@ -370,7 +370,8 @@ def shared_recipe(config_yaml: str, command: str, machine: str, run_dir: Path) -
     )
     lines = [
         f"# {SHARED_RECIPE}: the fully resolved settings of one lit_memory fit run, to share as one file.",
-        f"# rerun: python -m lit_memory fit --config {SHARED_RECIPE}   (inspect: python -m lit_memory recipes check {SHARED_RECIPE})",
+        f"# rerun: python -m lit_memory fit --config {SHARED_RECIPE}"
+        f"   (inspect it first: python -m lit_memory recipes check {SHARED_RECIPE})",
         f"# command: {command}",
         f"# machine: {machine}",
         f"# versions: {versions}",
@@ -430,7 +431,7 @@ def check(path: Path, trusted: bool) -> None:
             f"since parsing imports them. Pass {TRUST_FLAG} to parse it anyway, only if you trust its source"
         )
     problems = []
-    if unknown := _unknown_keys(_load_yaml(path.read_text(encoding="utf-8"), str(path)), _fit_schema(trusted)):
+    if unknown := _unknown_keys(_load_yaml(path.read_text(encoding="utf-8"), str(path)), _fit_schema()):
         problems.append(f"unknown keys: {', '.join(unknown)}")
     code, output = _print_config(["--config", str(path)], trusted)
     if code:
@@ -445,19 +446,18 @@ def _print_config(args: list[str], trusted: bool) -> tuple[int, str]:
     Returns the exit status and the printed config (or the parser's error)."""
     from lit_memory.cli import LitMemoryCLI
 
-    out, err = io.StringIO(), io.StringIO()
+    out, err, code = io.StringIO(), io.StringIO(), 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             LitMemoryCLI(args=["fit", *args, "--print_config", *([TRUST_FLAG] if trusted else [])])
-    except SystemExit as exit_:
-        return (exit_.code or 0), (err.getvalue() if exit_.code else out.getvalue())
-    raise AssertionError("--print_config always exits")
+    except SystemExit as exit_:  # --print_config always exits
+        code = exit_.code or 0
+    return code, (err if code else out).getvalue()
 
 
-def _fit_schema(trusted: bool) -> dict:
-    code, output = _print_config([], trusted)
-    assert code == 0, output  # the defaults alone always parse
-    return yaml.safe_load(output)
+def _fit_schema() -> dict:
+    """Every key `fit` accepts, with its default."""
+    return yaml.safe_load(_print_config([], trusted=False)[1])
 
 
 def _unknown_keys(tree: Any, schema: Any, key: str = "") -> list[str]:

@@ -82,7 +82,8 @@ def print_config(argv, capsys) -> dict:
 
 def test_recipe_name_stands_for_its_file_where_it_is_given(capsys):
     # later sources win: the recipe overrides what comes before it, and is overridden by what follows
-    config = print_config(["--data.batch_size=8", "--recipe", "accumulate", "--config", str(CONFIGS / "bert-large.yaml")], capsys)
+    bert_large = str(CONFIGS / "bert-large.yaml")
+    config = print_config(["--data.batch_size=8", "--recipe", "accumulate", "--config", bert_large], capsys)
     assert config["data"]["batch_size"] == 1 and config["trainer"]["accumulate_grad_batches"] == 32
     assert config["model"]["model_name_or_path"] == "bundled:bert-large"
     config = print_config(["--recipe=accumulate", "--data.batch_size=8"], capsys)
@@ -119,12 +120,13 @@ def test_a_fit_writes_a_shareable_recipe_that_reproduces_its_settings(shared_run
         version = __import__(package).__version__
         assert f"{package} {version}" in header["versions"]
     assert header["measured peak memory"].startswith("not measured")
-    shared = yaml.safe_load(text)
-    assert shared["trainer"]["default_root_dir"] is None and shared["ckpt_path"] is None
-    assert shared["model"]["optimizer"]["class_path"] == "transformers.Adafactor"
+    settings = yaml.safe_load(text)
+    assert settings["trainer"]["default_root_dir"] is None and settings["ckpt_path"] is None
+    assert settings["model"]["optimizer"]["class_path"] == "transformers.Adafactor"
 
     # someone else runs it as is, from their own folder
-    rerun = LitMemoryCLI(args=["fit", "--config", str(shared_run / recipes.SHARED_RECIPE), f"--trainer.default_root_dir={tmp_path}"])
+    shared = str(shared_run / recipes.SHARED_RECIPE)
+    rerun = LitMemoryCLI(args=["fit", "--config", shared, f"--trainer.default_root_dir={tmp_path}"])
     assert rerun.trainer.global_step == 2
     assert resolved(Path(rerun.trainer.log_dir)) == resolved(shared_run)
 

@@ -223,7 +223,11 @@ UNTRUSTED_RECIPES = {
         "MOD.Boom",
         "model.config_overrides.x.class_path",
     ),
-    "re_export": ("model:\n  optimizer: lightning.pytorch.cli.os.system\n", "lightning.pytorch.cli.os.system", "model.optimizer"),
+    "re_export": (  # os.system, reached through a module that imports os
+        "model:\n  optimizer: lightning.pytorch.cli.os.system\n",
+        "lightning.pytorch.cli.os.system",
+        "model.optimizer",
+    ),
 }
 
 
@@ -239,18 +243,22 @@ def test_fit_refuses_a_recipe_naming_code_outside_the_allowlist(case, boom, tmp_
     assert not boom.marker.exists() and not boom.runs.exists()
 
 
-UNTRUSTED_ARGS = {
+UNTRUSTED_ARGS = {  # argv, what the error names
     "override": (["--model.optimizer=os.system"], "os.system (command line: model.optimizer)"),
-    "class_path_override": (["--model.optimizer.class_path", "MOD.Boom"], "MOD.Boom (command line: model.optimizer.class_path)"),
+    "class_path": (["--model.optimizer.class_path", "MOD.Boom"], "MOD.Boom (command line: model.optimizer.class_path)"),
     "append": (["--trainer.callbacks+=MOD.Boom"], "MOD.Boom (command line: trainer.callbacks+)"),
-    "json_value": (['--model.optimizer={"class_path": "MOD.Boom"}'], "MOD.Boom (command line: model.optimizer.class_path)"),
-    "inline_config": (["-c", "{trainer: {callbacks: [{class_path: MOD.Boom}]}}"], "MOD.Boom (command line: trainer.callbacks.0.class_path)"),
+    "json": (['--model.optimizer={"class_path": "MOD.Boom"}'], "MOD.Boom (command line: model.optimizer.class_path)"),
+    "inline_config": (
+        ["-c", "{trainer: {callbacks: [{class_path: MOD.Boom}]}}"],
+        "MOD.Boom (command line: trainer.callbacks.0.class_path)",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", UNTRUSTED_ARGS)
 def test_fit_refuses_command_line_overrides_naming_code_outside_the_allowlist(case, boom, capsys):
-    args, named = ([a.replace("MOD", boom.name) for a in UNTRUSTED_ARGS[case][0]], UNTRUSTED_ARGS[case][1].replace("MOD", boom.name))
+    args = [arg.replace("MOD", boom.name) for arg in UNTRUSTED_ARGS[case][0]]
+    named = UNTRUSTED_ARGS[case][1].replace("MOD", boom.name)
     code, _, err = run_main(["fit", *args, f"--trainer.default_root_dir={boom.runs}"], capsys)
     assert code == 2
     [line] = err.strip().splitlines()
@@ -287,7 +295,8 @@ def test_what_the_scan_cannot_see_the_parser_refuses(boom, tmp_path, capsys):
 
 
 def test_trust_recipe_lets_the_parser_import_it(boom, capsys):
-    code, out, _ = run_main(["fit", f"--trainer.callbacks+={boom.name}.Boom", "--print_config", "--trust-recipe"], capsys)
+    argv = ["fit", f"--trainer.callbacks+={boom.name}.Boom", "--print_config", "--trust-recipe"]
+    code, out, _ = run_main(argv, capsys)
     assert code == 0
     assert yaml.safe_load(out)["trainer"]["callbacks"] == [{"class_path": f"{boom.name}.Boom"}]
     assert boom.marker.read_text() == "import-time side effect"  # so the refusals above did stop real code
@@ -325,7 +334,8 @@ def test_a_checkpoint_with_pickled_code_is_refused_before_anything_loads_it(tmp_
             return open, (str(marker), "w")  # unpickling creates the file
 
     torch.save({"state_dict": {}, "hyper_parameters": {}, "payload": Payload()}, tmp_path / "bad.ckpt")
-    code, _, err = run_main(["fit", f"--ckpt_path={tmp_path / 'bad.ckpt'}", f"--trainer.default_root_dir={tmp_path / 'runs'}"], capsys)
+    argv = ["fit", f"--ckpt_path={tmp_path / 'bad.ckpt'}", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
+    code, _, err = run_main(argv, capsys)
     assert code == 2
     [line] = err.strip().splitlines()
     assert line.startswith(f"error: cannot load checkpoint {tmp_path / 'bad.ckpt'} with weights_only=True: ")
