@@ -19,11 +19,16 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -105,9 +110,9 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
     def __init__(
         self,
         device: Optional[_DEVICE] = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        accelerator: Optional[Accelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
     ) -> None:
         super().__init__(device or "cpu", accelerator, checkpoint_io, precision_plugin)
         self._device_given = device is not None
@@ -214,9 +219,9 @@ class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
     def __init__(
         self,
         device: Optional[_DEVICE] = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision: Any = None,
+        accelerator: Optional[FabricAccelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[FabricPrecision] = None,
     ) -> None:
         super().__init__(device or "cpu", accelerator, checkpoint_io, precision)
         self._device_given = device is not None
