@@ -25,7 +25,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+if __name__ == "__main__":  # a script: import this checkout's lit_memory
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lit_memory.model import SequenceClassifier, full_state_dict  # noqa: E402
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy  # noqa: E402
@@ -40,10 +41,10 @@ STRATEGIES = {
 BATCH, BATCHES_PER_EPOCH, LENGTH = 4, 6, 16
 
 
-def tiny_bert(optimizer=None, dropout: float = 0.1, schedule: str = "linear") -> SequenceClassifier:
+def tiny_bert(optimizer=None, dropout: float = 0.1, schedule: str = "linear", cls=SequenceClassifier):
     overrides = {**TINY, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01))
-    return SequenceClassifier(
+    return cls(
         "bundled:bert-large",
         pretrained=False,
         config_overrides=overrides,
@@ -113,7 +114,6 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--resume")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the test machine's cores are shared between processes
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     train(args.out, args.strategy, args.devices, resume=args.resume)
 

@@ -27,6 +27,7 @@ from conftest import CONFIGS, RECIPES, REPO
 from lit_memory import fused
 from lit_memory.cli import LitMemoryCLI, main
 from lit_memory.errors import UserError
+from lit_memory.model import SequenceClassifier
 from lit_memory.strategies import FABRIC_CLIPPING, FusedFabricStrategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
 
 CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
@@ -158,35 +159,31 @@ def test_fsdp_config_selects_the_fused_fsdp_strategy():
 # -- what fusion cannot do: one line, before training ----------------------------------------
 
 
-class ManualOptimization(worker.SequenceClassifier):
+class ManualOptimization(SequenceClassifier):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
 
 
-class TwoOptimizers(worker.SequenceClassifier):
+class TwoOptimizers(SequenceClassifier):
     def configure_optimizers(self):
         head = list(self.model.classifier.parameters())
         body = [p for p in self.model.parameters() if all(p is not h for h in head)]
         return [torch.optim.AdamW(head), torch.optim.AdamW(body)]
 
 
-def tiny(cls=worker.SequenceClassifier):
-    return cls("bundled:bert-large", pretrained=False, config_overrides=worker.TINY, save_pretrained=False)
-
-
 ERRORS = {
-    "accumulation": (FusedSingleDeviceStrategy, tiny, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
-    "clipping": (FusedSingleDeviceStrategy, tiny, {"gradient_clip_val": 1.0}, fused.CLIPPING),
+    "accumulation": (FusedSingleDeviceStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
+    "clipping": (FusedSingleDeviceStrategy, worker.tiny_bert, {"gradient_clip_val": 1.0}, fused.CLIPPING),
     "fp16-scaler": (
         FusedSingleDeviceStrategy,
-        tiny,
+        worker.tiny_bert,
         {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
         fused.SCALER,
     ),
-    "manual": (FusedSingleDeviceStrategy, lambda: tiny(ManualOptimization), {}, fused.MANUAL),
-    "two-optimizers": (FusedSingleDeviceStrategy, lambda: tiny(TwoOptimizers), {}, fused.SEVERAL),
-    "fsdp-accumulation": (FusedFSDPStrategy, tiny, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
+    "manual": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=ManualOptimization), {}, fused.MANUAL),
+    "two-optimizers": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=TwoOptimizers), {}, fused.SEVERAL),
+    "fsdp-accumulation": (FusedFSDPStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
 }
 
 
