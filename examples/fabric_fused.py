@@ -1,0 +1,56 @@
+"""Fabric with the fused backward + optimizer step.
+
+``fabric.backward(loss)`` updates each parameter as soon as its gradient is ready and frees that
+gradient, so a full set of gradients never exists. The loop is an ordinary Fabric loop; only the
+strategy changes, and ``optimizer.step()`` / ``zero_grad()`` may stay (they find nothing to do).
+
+    python examples/fabric_fused.py             # a tiny random BERT: a few seconds on a CPU
+    python examples/fabric_fused.py --unfused   # the same loop unfused: the same numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import lightning as L
+import torch
+from transformers import AutoModelForSequenceClassification, get_scheduler
+
+from lit_memory.model import load_config, weight_decay_groups
+from lit_memory.strategies import FusedFabricStrategy
+
+TINY_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+
+
+def random_batches(steps: int, batch_size: int = 4, length: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (steps, batch_size, length), generator=g)
+    labels = torch.randint(0, 2, (steps, batch_size), generator=g)
+    return [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
+
+
+def train(fused: bool = True, steps: int = 10) -> torch.nn.Module:
+    fabric = L.Fabric(devices=1, strategy=FusedFabricStrategy() if fused else "auto")
+    fabric.seed_everything(42)
+    model = AutoModelForSequenceClassification.from_config(load_config("bundled:bert-large", 2, TINY_BERT))
+    optimizer = torch.optim.AdamW(weight_decay_groups(model), lr=1e-3, weight_decay=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    schedule = get_scheduler("linear", optimizer, num_warmup_steps=steps // 3, num_training_steps=steps)
+    model.train()
+    for step, batch in enumerate(random_batches(steps)):
+        loss = model(**fabric.to_device(batch)).loss
+        fabric.backward(loss)  # fused: every parameter is updated here and its gradient freed
+        held = sum(p.grad is not None for p in model.parameters())
+        optimizer.step()  # fused: no gradient left, nothing to do; unfused: the update
+        optimizer.zero_grad()
+        schedule.step()
+        fabric.print(f"step {step}: loss {loss.item():.4f}, gradients held after backward: {held}")
+    return model
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--unfused", action="store_true", help="a plain strategy, for comparison")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    train(fused=not args.unfused, steps=args.steps)

@@ -1,0 +1,248 @@
+"""Lightning strategies: the fused backward + optimizer step (`lit_memory.fused`) and FSDP2 sharding.
+
+Trainer, from YAML::
+
+    trainer:
+      strategy:
+        class_path: lit_memory.FusedSingleDeviceStrategy   # or lit_memory.FusedFSDPStrategy
+
+Fabric: ``Fabric(strategy=FusedFabricStrategy())``, then ``fabric.backward(loss)`` steps the
+parameters as it goes (see ``examples/fabric_fused.py``).
+
+Every fused strategy has ``fused_step = True``: other code detects fusion with
+``getattr(trainer.strategy, "fused_step", False)``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+
+from lit_memory import fused
+from lit_memory.errors import UserError
+from lit_memory.fused import FusedStep
+from lit_memory.model import transformer_layers
+
+
+class _AcceleratorDevice:
+    """Without an explicit ``device``, train on the first device the Trainer or Fabric selected.
+
+    Lightning's single-device strategies default to ``"cpu"`` when built by the user; Lightning
+    hands its device selection (from ``accelerator`` and ``devices``) to any strategy that has a
+    ``parallel_devices`` attribute, so this one uses it: YAML needs no device, CPU and CUDA alike.
+    """
+
+    parallel_devices: Optional[list[torch.device]] = None
+    _device_given = False
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device_given or not self.parallel_devices:
+            return self._root_device
+        return torch.device(self.parallel_devices[0])
+
+
+class _FusedTrainerStep:
+    """For a Trainer strategy: refuse what fusion cannot honour, then fuse the one optimizer."""
+
+    fused_step = True
+    _fused: Optional[FusedStep] = None
+
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        if model.trainer.state.fn == TrainerFn.FITTING:  # before data, run folder or model exist
+            _check_trainer(model.trainer, model, self.precision_plugin)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        try:
+            super().setup_optimizers(trainer)
+        except RuntimeError as err:  # Lightning refuses several optimizers first, pointing at manual optimization
+            if "multiple optimizers" not in str(err):
+                raise
+            raise UserError(fused.SEVERAL) from None
+        self._unfuse()
+        self._fused = FusedStep(self.optimizers[0])
+
+    def teardown(self) -> None:
+        self._unfuse()  # a later fit (or a plain backward) must not step through stale hooks
+        super().teardown()
+
+    def _unfuse(self) -> None:
+        if self._fused is not None:
+            self._fused.remove()
+            self._fused = None
+
+
+def _check_trainer(trainer: Trainer, model: LightningModule, precision_plugin: Any) -> None:
+    if not model.automatic_optimization:
+        raise UserError(fused.MANUAL)
+    if trainer.accumulate_grad_batches > 1:
+        raise UserError(fused.ACCUMULATION)
+    if trainer.gradient_clip_val:
+        raise UserError(fused.CLIPPING)
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise UserError(fused.SCALER)
+
+
+class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDeviceStrategy):
+    """One device (CPU or GPU), with the fused backward + optimizer step.
+
+    Args:
+        device: defaults to the device the Trainer selects from ``accelerator`` and ``devices``.
+    """
+
+    def __init__(
+        self,
+        device: Optional[_DEVICE] = None,
+        accelerator: Optional[Accelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(device or "cpu", accelerator, checkpoint_io, precision_plugin)
+        self._device_given = device is not None
+
+    # Optimizer state in checkpoints is keyed by parameter name, as ModelParallelStrategy does.
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if all(isinstance(key, int) for key in state["state"]):  # an unfused run's: by position
+                optimizer.load_state_dict(state)
+            else:
+                set_optimizer_state_dict(self.lightning_module, optimizer, state)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2) over every device of every node, sharding for the user.
+
+    Lightning's `ModelParallelStrategy` leaves sharding to ``configure_model``; this one applies
+    ``fully_shard`` to each transformer layer of every Hugging Face model in the LightningModule,
+    then to the model, so each layer's parameters are gathered only while it computes.
+
+    Args:
+        save_distributed_checkpoint: each rank writes its shard (a checkpoint folder); ``false``
+            gathers a single file on rank 0.
+    """
+
+    def __init__(
+        self,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    def setup_environment(self) -> None:
+        # One data-parallel dimension over all processes (ModelParallelStrategy's default is one per node).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def setup(self, trainer: Trainer) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for model in _hugging_face_models(self.lightning_module):
+            shard(model, mesh)
+        super().setup(trainer)
+
+
+def shard(model: nn.Module, mesh: Any) -> None:
+    """FSDP2: each transformer layer, then the root (once; a second fit finds it sharded)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return
+    for layer in transformer_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _hugging_face_models(module: LightningModule) -> list[nn.Module]:
+    from transformers import PreTrainedModel
+
+    models = [m for m in module.children() if isinstance(m, PreTrainedModel)]
+    if not models:
+        name = type(module).__name__
+        raise UserError(f"FSDP2Strategy shards the Hugging Face models a LightningModule holds; {name} holds none")
+    return models
+
+
+class FusedFSDPStrategy(_FusedTrainerStep, FSDP2Strategy):
+    """FSDP2 with the fused backward + optimizer step on each rank's parameter shards."""
+
+
+FABRIC_CLIPPING = (
+    "fabric.clip_gradients runs after backward, when the fused step has already applied and freed every "
+    "gradient: remove the call, or remove the fused strategy"
+)
+
+
+class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
+    """Fabric on one device with the fused step: ``fabric.backward(loss)`` updates the parameters.
+
+    ``optimizer.step()`` after it is harmless (it finds no gradient left), so existing loops keep
+    working; ``zero_grad`` is unnecessary. Gradient accumulation with ``fabric.no_backward_sync``
+    cannot work: every backward steps.
+
+    Args:
+        device: defaults to the device Fabric selects from ``accelerator`` and ``devices``.
+    """
+
+    fused_step = True
+
+    def __init__(
+        self,
+        device: Optional[_DEVICE] = None,
+        accelerator: Optional[FabricAccelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[FabricPrecision] = None,
+    ) -> None:
+        super().__init__(device or "cpu", accelerator, checkpoint_io, precision)
+        self._device_given = device is not None
+        self._fused: Optional[FusedStep] = None
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._fused is not None:
+            raise UserError(fused.SEVERAL)
+        if getattr(self.precision, "scaler", None) is not None:
+            raise UserError(fused.SCALER)
+        self._fused = FusedStep(optimizer)
+        return optimizer
+
+    def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise UserError(FABRIC_CLIPPING)
+
+    def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
+        raise UserError(FABRIC_CLIPPING)
+
+    def teardown(self) -> None:
+        if self._fused is not None:
+            self._fused.remove()
+            self._fused = None
+        super().teardown()

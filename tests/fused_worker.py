@@ -1,0 +1,122 @@
+"""Train a tiny random BERT for a few steps with a given strategy; used by tests/test_strategies.py.
+
+Run in the test process (one device) or as a script (new processes: resuming, and FSDP, whose
+launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest):
+
+    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT]
+
+The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
+(step 6, ...) with the random-number state, so a resumed run sees exactly the batches and dropout
+masks the uninterrupted run saw. At the end the model is exported as the CLI does it
+(``OUT/hf_model``, gathered from the shards under FSDP) and rank 0 writes the final full
+parameters to ``OUT/params.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+if __name__ == "__main__":  # a script: import this checkout's lit_memory
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lit_memory.model import SequenceClassifier, full_state_dict  # noqa: E402
+from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy  # noqa: E402
+
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+STRATEGIES = {
+    "single": lambda: "auto",
+    "fused-single": FusedSingleDeviceStrategy,
+    "fsdp": FSDP2Strategy,
+    "fused-fsdp": FusedFSDPStrategy,
+}
+BATCH, BATCHES_PER_EPOCH, LENGTH = 4, 6, 16
+
+
+def tiny_bert(optimizer=None, dropout: float = 0.1, schedule: str = "linear", cls=SequenceClassifier):
+    overrides = {**TINY, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01))
+    return cls(
+        "bundled:bert-large",
+        pretrained=False,
+        config_overrides=overrides,
+        optimizer=optimizer,
+        lr_scheduler_type=schedule,
+        warmup_ratio=0.3,
+    )
+
+
+def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30000, (n, LENGTH), generator=g)
+    labels = torch.randint(0, 2, (n,), generator=g)
+    return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
+
+
+class RandomState(Callback):
+    """Lightning checkpoints do not keep the random-number state; dropout needs it to resume exactly."""
+
+    def state_dict(self) -> dict:
+        return {"torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+
+
+def train(
+    out: Path,
+    strategy: str = "fused-single",
+    devices: int = 1,
+    steps: int = 10,
+    resume: Optional[str] = None,
+    model: Optional[SequenceClassifier] = None,
+    callbacks: Optional[list[Callback]] = None,
+) -> SequenceClassifier:
+    L.seed_everything(42)
+    model = model or tiny_bert()
+    data = DataLoader(batches(BATCH * BATCHES_PER_EPOCH * devices), batch_size=BATCH, shuffle=False)
+    trainer = L.Trainer(
+        strategy=STRATEGIES[strategy](),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[
+            ModelCheckpoint(out / "checkpoints", save_top_k=-1, every_n_train_steps=BATCHES_PER_EPOCH),
+            RandomState(),
+            *(callbacks or []),
+        ],
+    )
+    trainer.fit(model, data, ckpt_path=resume)
+    params = full_state_dict(model.model)  # a collective under FSDP: every rank calls it
+    if trainer.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(params, out / "params.pt")
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strategy", choices=STRATEGIES, default="fused-single")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--resume")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    train(args.out, args.strategy, args.devices, resume=args.resume)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The fused-step core on plain PyTorch loops: same numbers as the unfused optimizer, less gradient memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from transformers import Adafactor, get_scheduler
+
+from fused_worker import batches, tiny_bert
+from lit_memory.errors import UserError
+from lit_memory.fused import FusedStep
+from lit_memory.model import SequenceClassifier, weight_decay_groups
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Fewer threads than the two shared cores keep these small models fast and timings steady."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model(dropout: float = 0.1) -> torch.nn.Module:
+    torch.manual_seed(0)
+    module = tiny_bert(dropout=dropout)
+    module.configure_model()
+    return module.model
+
+
+def train(net, optimizer, fused: bool, steps: int = 10, start: int = 0, schedule=None):
+    """``steps`` closure-style steps on fixed batches; with ``fused``, through a FusedStep."""
+    fusion = FusedStep(optimizer) if fused else None
+    torch.manual_seed(1 + start)  # dropout masks
+    for batch in batches(steps, seed=start):
+        batch = {k: v[None] for k, v in batch.items()}
+
+        @torch.enable_grad()  # as Lightning's closure: Adafactor steps under no_grad
+        def closure():
+            optimizer.zero_grad()
+            loss = net(**batch).loss
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        if schedule:
+            schedule.step()
+        if fused:
+            assert all(p.grad is None for p in net.parameters())  # every gradient freed by its step
+    if fusion:
+        fusion.remove()
+    return net
+
+
+def assert_same_parameters(a, b, atol: float) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=atol, rtol=0, msg=name)
+
+
+def warmup_and_decay(optimizer):
+    return get_scheduler("linear", optimizer, num_warmup_steps=3, num_training_steps=10)
+
+
+OPTIMIZERS = {
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+    "SGD-momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01),
+    "Adafactor": lambda params: Adafactor(
+        params, lr=1e-3, scale_parameter=False, relative_step=False, weight_decay=0.01
+    ),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_matches_the_unfused_optimizer(name):
+    make = OPTIMIZERS[name]
+    plain, fused = model(), model()
+    plain_opt, fused_opt = make(weight_decay_groups(plain)), make(weight_decay_groups(fused))
+    train(plain, plain_opt, fused=False, schedule=warmup_and_decay(plain_opt))
+    train(fused, fused_opt, fused=True, schedule=warmup_and_decay(fused_opt))
+    assert_same_parameters(plain, fused, atol=1e-6)
+    # The state lives in the original optimizer, in its own format: same keys, same numbers.
+    torch.testing.assert_close(fused_opt.state_dict(), plain_opt.state_dict(), atol=1e-6, rtol=0)
+
+
+@pytest.fixture
+def bitsandbytes_overrides():
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    manager.initialize()  # process-wide: start and end clean
+    yield manager
+    manager.initialize()
+
+
+def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_overrides):
+    """Tolerance 0: AdamW8bit quantises each parameter's state in blocks of 256 of that parameter's
+    own elements and needs no statistic across parameters, so stepping one parameter at a time does
+    the very same arithmetic. bitsandbytes' documented per-parameter override (32-bit state for the
+    word embeddings, registered by position in the optimizer's groups) must reach that parameter's
+    one-parameter copy, and only it."""
+    import bitsandbytes as bnb
+
+    runs = []
+    for fused in (False, True):
+        bitsandbytes_overrides.initialize()
+        net = model()
+        bitsandbytes_overrides.override_config(net.bert.embeddings.word_embeddings.weight, "optim_bits", 32)
+        groups = weight_decay_groups(net)
+        bitsandbytes_overrides.register_parameters(groups)
+        optimizer = bnb.optim.AdamW8bit(groups, lr=1e-3, weight_decay=0.01)
+        runs.append((train(net, optimizer, fused=fused, schedule=warmup_and_decay(optimizer)), optimizer))
+    (plain, _), (fused, _) = runs
+    assert_same_parameters(plain, fused, atol=0)
+    dtypes = [{n: opt.state[p]["state1"].dtype for n, p in net.named_parameters()} for net, opt in runs]
+    assert dtypes[0] == dtypes[1]
+    assert dtypes[1]["bert.embeddings.word_embeddings.weight"] == torch.float32  # the override
+    assert dtypes[1]["bert.encoder.layer.0.intermediate.dense.weight"] == torch.uint8  # 8-bit elsewhere
+
+
+@pytest.mark.parametrize("resume_fused", [True, False], ids=["into-fused", "into-unfused"])
+def test_state_dict_resumes_exactly(resume_fused):
+    make = OPTIMIZERS["AdamW"]
+    uninterrupted = model(dropout=0.0)
+    optimizer = make(weight_decay_groups(uninterrupted))
+    train(uninterrupted, optimizer, fused=True, steps=5)
+    train(uninterrupted, optimizer, fused=True, steps=5, start=5)
+
+    first = model(dropout=0.0)
+    first_opt = make(weight_decay_groups(first))
+    train(first, first_opt, fused=True, steps=5)
+    second = model(dropout=0.0)
+    second.load_state_dict(first.state_dict())
+    second_opt = make(weight_decay_groups(second))
+    second_opt.load_state_dict(first_opt.state_dict())  # a fused optimizer's state loads anywhere
+    train(second, second_opt, fused=resume_fused, steps=5, start=5)
+    assert_same_parameters(uninterrupted, second, atol=1e-6)
+
+
+def test_memory_gradients_live_one_at_a_time_on_minilm():
+    """MemTracker labels every parameter's gradient; it reports the breakdown only at the moment of
+    the *total* peak, so the test reads its live gradient bytes each time a gradient arrives."""
+    sizes, peaks = None, {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        module = SequenceClassifier("bundled:minilm")
+        module.configure_model()
+        net = module.model
+        optimizer = torch.optim.AdamW(weight_decay_groups(net), lr=2e-5)
+        batch = {k: v[None].repeat(2, 1) for k, v in batches(1)[0].items()}
+        peaks[fused] = 0
+        with MemTracker() as tracker:
+            loss = net(**batch).loss  # the tracker hooks each parameter as its module runs...
+            fusion = FusedStep(optimizer) if fused else None  # ...before the fused step's hooks
+
+            def sample(grad):
+                live = tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.GRAD]
+                peaks[fused] = max(peaks[fused], live)
+
+            handles = [p.register_hook(sample) for p in net.parameters()]
+            loss.backward()
+        for handle in handles:
+            handle.remove()
+        if fusion:
+            fusion.remove()
+        sizes = [p.numel() * p.element_size() for p in net.parameters()]
+    assert peaks[False] == sum(sizes)  # unfused: every gradient alive at the end of backward
+    assert peaks[True] <= max(sizes)  # fused: only the gradient being applied (the word embeddings')
+    assert max(sizes) < sum(sizes) / 1.9  # on MiniLM, the bound is about half of all gradients
+
+
+def test_remove_restores_ordinary_backward():
+    net = model()
+    fusion = FusedStep(torch.optim.SGD(net.parameters(), lr=0.1))
+    fusion.remove()
+    net(**{k: v[None] for k, v in batches(1)[0].items()}).loss.backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_bitsandbytes_refuses_sharded_parameters(tmp_path):
+    import bitsandbytes as bnb
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (1,)), [Replicate()]))
+        with pytest.raises(UserError, match="AdamW8bit cannot step FSDP-sharded parameters yet"):
+            FusedStep(bnb.optim.AdamW8bit([param]))
+    finally:
+        dist.destroy_process_group()

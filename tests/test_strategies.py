@@ -1,0 +1,253 @@
+"""The fused strategies in Trainer (one device, FSDP over 2 CPU processes) and Fabric.
+
+Multi-process and resumed runs go through ``tests/fused_worker.py`` in a subprocess: Lightning's
+launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
+from lightning.pytorch.plugins import MixedPrecision
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification
+
+import fused_worker as worker
+from conftest import CONFIGS, RECIPES, REPO
+from lit_memory import fused
+from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.errors import UserError
+from lit_memory.model import SequenceClassifier
+from lit_memory.strategies import FABRIC_CLIPPING, FusedFabricStrategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
+
+CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the two cores are shared with the worker processes
+    yield
+    torch.set_num_threads(threads)
+
+
+class StepLog:
+    """The lr and weight decay of every step applied to each parameter, by parameter identity.
+
+    A global optimizer hook sees every step: the original optimizer's (a no-op when fused: its
+    gradients are gone) and each per-parameter optimizer's inside backward.
+    """
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[tuple[float, float]]] = defaultdict(list)
+
+    def __enter__(self) -> "StepLog":
+        self.handle = register_optimizer_step_post_hook(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _record(self, optimizer, args, kwargs) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:  # this step applied to it
+                    self.steps[id(param)].append((group["lr"], group["weight_decay"]))
+
+    def by_name(self, module: torch.nn.Module) -> dict[str, list[tuple[float, float]]]:
+        return {name: self.steps[id(param)] for name, param in module.named_parameters()}
+
+
+def load(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path / "params.pt")
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+def run_worker(out: Path, *args: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fused_worker.py"), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+# -- one device ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory):
+    """Unfused and fused Trainer runs: 10 steps, dropout on, linear warmup (3 steps) then decay."""
+    runs = {}
+    for strategy in ("single", "fused-single"):
+        out = tmp_path_factory.mktemp(strategy)
+        with StepLog() as log:
+            module = worker.train(out, strategy)
+        runs[strategy] = {"out": out, "module": module, "steps": log.by_name(module.model)}
+    return runs
+
+
+def test_single_device_fused_matches_unfused_with_lr_schedule(single_runs):
+    plain, fusion = single_runs["single"], single_runs["fused-single"]
+    assert getattr(fusion["module"].trainer.strategy, "fused_step", False)
+    assert_same(load(plain["out"]), load(fusion["out"]))
+    # Each parameter's own optimizer stepped with the lr the scheduler set for that step, and kept
+    # its group's weight decay (matrices 0.01, biases and LayerNorm 0).
+    assert fusion["steps"] == plain["steps"]
+    lrs = [lr for lr, _ in fusion["steps"]["classifier.weight"]]
+    assert len(lrs) == 10 and lrs[3] == max(lrs) and lrs[0] < lrs[1] < lrs[3] > lrs[-1]  # warmup, then decay
+    assert {wd for _, wd in fusion["steps"]["classifier.weight"]} == {0.01}
+    assert {wd for _, wd in fusion["steps"]["bert.encoder.layer.0.output.LayerNorm.weight"]} == {0.0}
+    assert all(p.grad is None for p in fusion["module"].parameters())
+
+
+def test_single_device_resumes_in_a_new_process(single_runs, tmp_path):
+    fusion = single_runs["fused-single"]
+    checkpoint = fusion["out"] / CHECKPOINT
+    saved = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]
+    trainable = {f"model.{n}" for n, p in fusion["module"].model.named_parameters() if p.requires_grad}
+    assert set(saved["state"]) == trainable  # optimizer state keyed by parameter name
+    run_worker(tmp_path, "--strategy", "fused-single", "--resume", str(checkpoint))
+    assert_same(load(tmp_path), load(fusion["out"]))  # 6 steps + resume to 10 == 10 steps
+
+
+def test_an_unfused_checkpoint_resumes_fused(single_runs, tmp_path):
+    plain = single_runs["single"]
+    worker.train(tmp_path, "fused-single", resume=str(plain["out"] / CHECKPOINT))
+    assert_same(load(tmp_path), load(plain["out"]))
+
+
+# -- FSDP, 2 processes -----------------------------------------------------------------------
+
+
+def test_fsdp_fused_matches_unfused_and_resumes_in_new_processes(tmp_path):
+    plain, fusion, resumed = tmp_path / "plain", tmp_path / "fused", tmp_path / "resumed"
+    run_worker(plain, "--strategy", "fsdp", "--devices", "2")
+    run_worker(fusion, "--strategy", "fused-fsdp", "--devices", "2")
+    assert_same(load(plain), load(fusion))
+    exported = AutoModelForSequenceClassification.from_pretrained(fusion / "hf_model")  # gathered from the shards
+    assert_same(exported.state_dict(), load(fusion))
+    run_worker(resumed, "--strategy", "fused-fsdp", "--devices", "2", "--resume", str(fusion / CHECKPOINT))
+    assert_same(load(resumed), load(fusion))
+
+
+def test_fsdp_config_selects_the_fused_fsdp_strategy():
+    configs = ["--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "fsdp.yaml")]
+    devices = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.num_nodes=3"]
+    cli = LitMemoryCLI(args=[*configs, *devices], run=False)
+    assert isinstance(cli.trainer.strategy, FusedFSDPStrategy) and cli.trainer.strategy.fused_step
+    assert cli.trainer.world_size == 6
+
+
+# -- what fusion cannot do: one line, before training ----------------------------------------
+
+
+class ManualOptimization(SequenceClassifier):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+class TwoOptimizers(SequenceClassifier):
+    def configure_optimizers(self):
+        head = list(self.model.classifier.parameters())
+        body = [p for p in self.model.parameters() if all(p is not h for h in head)]
+        return [torch.optim.AdamW(head), torch.optim.AdamW(body)]
+
+
+ERRORS = {
+    "accumulation": (FusedSingleDeviceStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
+    "clipping": (FusedSingleDeviceStrategy, worker.tiny_bert, {"gradient_clip_val": 1.0}, fused.CLIPPING),
+    "fp16-scaler": (
+        FusedSingleDeviceStrategy,
+        worker.tiny_bert,
+        {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
+        fused.SCALER,
+    ),
+    "manual": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=ManualOptimization), {}, fused.MANUAL),
+    "two-optimizers": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=TwoOptimizers), {}, fused.SEVERAL),
+    "fsdp-accumulation": (FusedFSDPStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_what_fusion_cannot_do_fails_before_training(case, tmp_path):
+    strategy, module, settings, message = ERRORS[case]
+    module = module()
+    trainer = L.Trainer(strategy=strategy(), accelerator="cpu", max_steps=1, default_root_dir=tmp_path, **settings)
+    with pytest.raises(UserError) as error:
+        trainer.fit(module, DataLoader(worker.batches(8), batch_size=4))
+    assert str(error.value) == message and "\n" not in message
+    assert trainer.global_step == 0
+    if case != "two-optimizers":  # the optimizers exist only once the model does
+        assert module.model is None  # refused before the model was even built
+
+
+def test_cli_prints_the_refusal_as_one_line_and_writes_nothing(tmp_path, capsys):
+    root = tmp_path / "runs"
+    args = ["--config", str(RECIPES / "fused.yaml"), "--trainer.accumulate_grad_batches=4"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, f"--trainer.default_root_dir={root}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {fused.ACCUMULATION}"]
+    assert not root.exists()
+
+
+# -- Fabric ----------------------------------------------------------------------------------
+
+
+def test_fabric_example_matches_unfused_with_lr_schedule():
+    spec = importlib.util.spec_from_file_location("fabric_fused", REPO / "examples" / "fabric_fused.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    models, steps = {}, {}
+    for fusion in (False, True):
+        with StepLog() as log:
+            models[fusion] = example.train(fused=fusion, steps=10).module  # unwrapped from Fabric's
+        steps[fusion] = log.by_name(models[fusion])
+    assert_same(dict(models[False].named_parameters()), dict(models[True].named_parameters()))
+    assert steps[True] == steps[False]
+    assert len({lr for lr, _ in steps[True]["classifier.weight"]}) > 5  # the schedule moved the lr
+    assert all(p.grad is None for p in models[True].parameters())
+
+
+FABRIC_ERRORS = {
+    "two-optimizers": (
+        {},
+        lambda fabric, net, opt: fabric.setup(net, opt, torch.optim.SGD(net.parameters())),
+        fused.SEVERAL,
+    ),
+    "fp16-scaler": (
+        {"plugins": [FabricMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
+        lambda fabric, net, opt: fabric.setup(net, opt),
+        fused.SCALER,
+    ),
+    "clipping": ({}, lambda fabric, net, opt: fabric.clip_gradients(*fabric.setup(net, opt), 1.0), FABRIC_CLIPPING),
+}
+
+
+@pytest.mark.parametrize("case", FABRIC_ERRORS)
+def test_fabric_refuses_what_fusion_cannot_do(case):
+    settings, action, message = FABRIC_ERRORS[case]
+    fabric = L.Fabric(accelerator="cpu", strategy=FusedFabricStrategy(), **settings)
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(UserError) as error:
+        action(fabric, net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert str(error.value) == message
