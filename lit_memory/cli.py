@@ -20,6 +20,7 @@ from lit_memory import recipes
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.model import SequenceClassifier
+from lit_memory.precision import cpu_fallback
 
 # subcommand -> "module:function"; each function takes the remaining argv.
 TOOLS: dict[str, str] = {"recipes": "lit_memory.recipes:main"}
@@ -113,6 +114,17 @@ class LitMemoryCLI(LightningCLI):
             "data.tokenizer_name_or_path",
             compute_fn=lambda tokenizer, model: tokenizer or model,
         )
+        parser.add_argument(
+            "--cpu_bf16_fallback",
+            type=bool,
+            default=True,
+            help="On a CPU without native bf16 (AVX512-BF16/AMX), train bf16 recipes in 32-true, with a warning.",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.cpu_bf16_fallback:
+            config.trainer.precision = cpu_fallback(config.trainer.precision, config.trainer.accelerator)
 
     def after_fit(self) -> None:
         self._print_metrics("val")

@@ -22,14 +22,14 @@ in `lit_memory.strategies` refuse those settings with these messages before trai
 from __future__ import annotations
 
 import copy
-import sys
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
 
-from lit_memory.errors import UserError
+from lit_memory.eightbit import is_bitsandbytes
+
 
 # One line each: what cannot work, and what to do instead.
 ACCUMULATION = (
@@ -64,20 +64,28 @@ class FusedStep:
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
+        self.steps_shards = False  # whether some copy steps a local shard (bitsandbytes under FSDP2)
         self._handles = []
         for group_index, group in enumerate(optimizer.param_groups):
             for param_index, param in enumerate(group["params"]):
                 if not param.requires_grad:  # frozen: no gradient, no hook (torch refuses one)
                     continue
-                hook = partial(self._step, _single(optimizer, group_index, param_index), group_index)
+                single, shard = _single(optimizer, group_index, param_index)
+                self.steps_shards |= shard is not None
+                hook = partial(self._step, single, shard, group_index)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
-    def _step(self, single: Optimizer, group_index: int, param: torch.Tensor) -> None:
-        single.state = self.optimizer.state  # re-read: load_state_dict replaces it
+    def _step(self, single: Optimizer, shard: Optional[torch.Tensor], group_index: int, param: torch.Tensor) -> None:
+        state = self.optimizer.state  # re-read: load_state_dict replaces it
+        single.state = state if shard is None else _ShardState(state, shard, param)
         group = self.optimizer.param_groups[group_index]
         single.param_groups[0].update((k, v) for k, v in group.items() if k != "params")
+        if shard is not None:
+            shard.grad = param.grad.to_local()
         single.step()
         param.grad = None
+        if shard is not None:
+            shard.grad = None
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -85,8 +93,9 @@ class FusedStep:
         self._handles.clear()
 
 
-def _single(optimizer: Optimizer, group_index: int, param_index: int) -> Optimizer:
-    """A copy of ``optimizer`` that optimises one of its parameters, exactly as the original would.
+def _single(optimizer: Optimizer, group_index: int, param_index: int) -> tuple[Optimizer, Optional[torch.Tensor]]:
+    """A copy of ``optimizer`` that optimises one of its parameters, exactly as the original would,
+    and the local shard it steps instead of the parameter, if it needs one (see `_local_shard`).
 
     Constructors cannot rebuild an optimizer in general (bitsandbytes keeps settings such as
     ``min_8bit_size`` in ``args``, and AdamW8bit refuses its own ``optim_bits`` back), so the copy
@@ -95,43 +104,60 @@ def _single(optimizer: Optimizer, group_index: int, param_index: int) -> Optimiz
     """
     group = optimizer.param_groups[group_index]
     param = group["params"][param_index]
-    _check_shard(optimizer, param)
+    shard = _local_shard(optimizer, param)
     single = object.__new__(type(optimizer))
     # An LR scheduler wraps the original's bound `step` on the instance: that one stays behind.
     vars(single).update((k, v) for k, v in vars(optimizer).items() if k not in ("step", "_opt_called"))
-    Optimizer.__init__(single, [{**group, "params": [param]}], optimizer.defaults)
-    if _is_bitsandbytes(optimizer):
-        single.mng = _bitsandbytes_overrides(optimizer.mng, (group_index, param_index))
-    return single
+    Optimizer.__init__(single, [{**group, "params": [param if shard is None else shard]}], optimizer.defaults)
+    if is_bitsandbytes(optimizer):
+        single.mng = _bitsandbytes_overrides(optimizer.mng, (group_index, param_index), param)
+    return single, shard
 
 
-def _check_shard(optimizer: Optimizer, param: torch.Tensor) -> None:
-    """Where the tensor a per-parameter optimizer steps is decided: today always the parameter itself.
+def _local_shard(optimizer: Optimizer, param: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where the tensor a per-parameter optimizer steps is decided.
 
     torch optimizers step FSDP2's sharded (DTensor) parameters directly. bitsandbytes' kernels know
-    nothing of DTensor: they would need each rank's local shard, with its state saved as a DTensor.
+    nothing of DTensor, so its copies step this rank's local shard: a plain tensor sharing the
+    parameter's storage, so updating it updates the parameter.
     """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(param, DTensor) and _is_bitsandbytes(optimizer):
-        raise UserError(
-            f"{type(optimizer).__name__} cannot step FSDP-sharded parameters yet: "
-            "use a torch optimizer (e.g. torch.optim.AdamW) with FSDP, or train on one device"
-        )
+    if isinstance(param, DTensor) and is_bitsandbytes(optimizer):
+        return param.to_local().detach()
+    return None
 
 
-def _is_bitsandbytes(optimizer: Optimizer) -> bool:
-    module = sys.modules.get("bitsandbytes.optim.optimizer")  # loaded if the optimizer is one
-    return module is not None and isinstance(optimizer, module.Optimizer8bit)
+class _ShardState:
+    """The original optimizer's state (keyed by the sharded parameter, as its ``state_dict`` needs)
+    as seen by a copy that steps the local shard; bitsandbytes only reads ``state[t]`` and ``t in state``."""
+
+    def __init__(self, state: dict, shard: torch.Tensor, param: torch.Tensor) -> None:
+        self.state, self.shard, self.param = state, shard, param
+
+    def _key(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.param if tensor is self.shard else tensor
+
+    def __getitem__(self, tensor: torch.Tensor) -> dict:
+        return self.state[self._key(tensor)]
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return self._key(tensor) in self.state
 
 
-def _bitsandbytes_overrides(manager: Any, index: tuple[int, int]) -> Any:
+def _bitsandbytes_overrides(manager: Any, index: tuple[int, int], param: torch.Tensor) -> Any:
     """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a one-parameter copy.
 
-    The process-wide `GlobalOptimManager` finds overrides by parameter id or by the parameter's
-    (group, index) in the optimizer; a one-parameter optimizer is always at (0, 0), so it gets a view
-    of the manager whose (0, 0) entry is its parameter's original one. Writes by id stay shared.
+    The process-wide `GlobalOptimManager` finds overrides by the parameter's (group, index) in the
+    optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). A
+    one-parameter optimizer is always at (0, 0) and may step a local shard with another id, so it
+    gets a view of the manager whose (0, 0) entry is everything its parameter was given.
     """
+    config = dict(manager.index2config.get(index, {}))
+    for module, name, module_config in manager.module_weight_config_triple:
+        if getattr(module, name) is param:
+            config.update(module_config)
+    config.update(manager.pid2config.get(id(param), {}))
     view = copy.copy(manager)
-    view.index2config = {(0, 0): manager.index2config[index]} if index in manager.index2config else {}
+    view.index2config = {(0, 0): config} if config else {}
     return view

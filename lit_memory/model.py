@@ -23,7 +23,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrai
 
 from lit_memory import bundled
 from lit_memory.data import load_tokenizer
+from lit_memory.eightbit import EmbeddingState, is_bitsandbytes, keep_embeddings_32bit, swap_stable_embedding
 from lit_memory.errors import UserError
+from lit_memory.lora import LoRA, apply_lora, is_lora
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,16 @@ class SequenceClassifier(L.LightningModule):
         gradient_checkpointing: recompute activations in backward (non-reentrant).
         freeze: ``body`` (the whole encoder, as the seed did), ``embeddings``, or an int N for the
             embeddings plus the first N layers. The classifier head always trains.
-        optimizer: any optimizer class path with its init args (AdamW by default). Biases and
-            LayerNorm weights are put in a group without weight decay.
+        optimizer: any optimizer class path with its init args (AdamW by default; bitsandbytes'
+            8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
+            weights are put in a group without weight decay.
+        embedding_optimizer_state: how a bitsandbytes 8-bit optimizer treats the embedding
+            matrices: ``32bit`` keeps them on 32-bit state (bitsandbytes' per-parameter override),
+            ``stable_embedding`` swaps the input embeddings for ``bitsandbytes.nn.StableEmbedding``
+            (pretrained vectors kept, a LayerNorm added, 32-bit state), ``8bit`` quantises them
+            like the rest. Other optimizers ignore it (``stable_embedding`` still swaps).
+        lora: LoRA adapters (peft) on the given linear layers; the rest of the encoder is frozen,
+            the classifier head trains in full, and the adapters are merged before export.
         lr_scheduler_type: a transformers schedule name (``linear`` is the HF Trainer's default),
             stepped every optimizer step. ``constant`` by default, as in Lightning when no scheduler
             is configured: one short epoch learns more with a flat rate (on the bundled subset,
@@ -66,6 +76,8 @@ class SequenceClassifier(L.LightningModule):
         gradient_checkpointing: bool = False,
         freeze: Freeze = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
+        embedding_optimizer_state: EmbeddingState = "32bit",
+        lora: Optional[LoRA] = None,
         lr_scheduler_type: str = "constant",
         warmup_ratio: float = 0.0,
         save_pretrained: bool = True,
@@ -77,6 +89,8 @@ class SequenceClassifier(L.LightningModule):
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
         self.optimizer_factory = optimizer
+        # hparams hold plain data (LightningCLI's config, a checkpoint's dict): keep the dataclass here.
+        self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
         self.hf_config = load_config(model_name_or_path, num_labels, config_overrides)
         _check_freeze(freeze, self.hf_config.num_hidden_layers)
         self.model: Optional[PreTrainedModel] = None
@@ -105,8 +119,12 @@ class SequenceClassifier(L.LightningModule):
             model = AutoModelForSequenceClassification.from_config(self.hf_config)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes
         freeze_modules(model, self.hparams.freeze)
+        if self.hparams.embedding_optimizer_state == "stable_embedding":
+            swap_stable_embedding(model)
         if self.hparams.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)
         self.model = model
 
     def forward(self, **batch: torch.Tensor):
@@ -143,6 +161,8 @@ class SequenceClassifier(L.LightningModule):
         from transformers import get_scheduler
 
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
+        if is_bitsandbytes(optimizer) and self.hparams.embedding_optimizer_state == "32bit":
+            keep_embeddings_32bit(self.model)
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,
@@ -161,6 +181,8 @@ class SequenceClassifier(L.LightningModule):
 
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
+        if is_lora(self.model):  # training is over: fold the adapters into the weights for good
+            self.model = self.model.merge_and_unload()
         names = getattr(self.trainer.datamodule, "resolved_label_names", None) if self._trainer else None
         if names:
             self.model.config.id2label = dict(enumerate(names))

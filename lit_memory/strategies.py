@@ -193,8 +193,30 @@ def _hugging_face_models(module: LightningModule) -> list[nn.Module]:
     return models
 
 
+SHARD_STATE = (
+    "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
+    "checkpoints cannot hold it: this checkpoint has the model and the trainer's state but no optimizer state, "
+    "and cannot resume training (load its weights with ckpt_path in validate/test, or export hf_model)"
+)
+
+
 class FusedFSDPStrategy(_FusedTrainerStep, FSDP2Strategy):
-    """FSDP2 with the fused backward + optimizer step on each rank's parameter shards."""
+    """FSDP2 with the fused backward + optimizer step on each rank's parameter shards.
+
+    With a bitsandbytes optimizer the fused step updates each rank's local shard (bitsandbytes knows
+    nothing of DTensor); that 8-bit state cannot be gathered or resharded, so it is left out of
+    checkpoints (`SHARD_STATE`) rather than saved in a form that would resume wrongly.
+    """
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._fused is not None and self._fused.steps_shards:
+            return {}
+        return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self._fused is not None and self._fused.steps_shards:
+            raise UserError(SHARD_STATE)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 
 FABRIC_CLIPPING = (

@@ -159,7 +159,7 @@ def test_list_shows_tiers_in_order_with_parent_description_and_measured_numbers(
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines()[1 : 1 + len(ALL)]}
     assert_parents_first(list(rows))
-    assert rows["4gb"].split()[:4] == ["4gb", "short-seq", "3.41", "GiB"]  # the latest row wins
+    assert rows["4gb"].split()[:4] == ["4gb", header("4gb")["parent"], "3.41", "GiB"]  # the latest row wins
     assert rows["4gb"].split()[4] == "55.0"
     assert rows["4gb"].endswith(header("4gb")["4gb"])
     assert rows["baseline"].split()[1:5] == ["none", "15.10", "GiB", "70.1"]
