@@ -138,11 +138,15 @@ class SequenceClassifier(L.LightningModule):
 
     # -- optimisation --------------------------------------------------------------------------
 
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
+        return self.optimizer_factory(weight_decay_groups(self.model))
+
     def configure_optimizers(self):
         # Imported here: transformers.optimization pulls in peft and bitsandbytes (1.5 s at start-up).
         from transformers import get_scheduler
 
-        optimizer = self.optimizer_factory(weight_decay_groups(self.model))
+        optimizer = self.build_optimizer()
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,
