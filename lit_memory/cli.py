@@ -11,6 +11,7 @@ import importlib
 import sys
 from typing import Optional
 
+import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory.data import TextClassificationData
@@ -85,3 +86,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except torch.OutOfMemoryError as err:
+        # The memory callback has printed the breakdown at the failure and a recipe that fits.
+        print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)

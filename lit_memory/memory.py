@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -25,7 +26,8 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lit_memory.errors import UserError
 
@@ -109,6 +111,10 @@ class Footprint:
 class MemoryBudgetExceeded(torch.OutOfMemoryError):
     """Raised by a `Tracker` with a budget: the same error (and report path) as CUDA running out."""
 
+    def __init__(self, message: str, categories: dict[str, int]) -> None:
+        super().__init__(message)
+        self.categories = categories  # what was live when the budget was crossed
+
 
 class _NoHook:
     def remove(self) -> None:
@@ -137,6 +143,24 @@ class Tracker(MemTracker):
                 if not param.requires_grad and param not in self._param_to_grad_hook_handles:
                     self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _register_global_optimizer_hook(self) -> None:
+        # Lightning runs training_step and backward inside `optimizer.step(closure)`, so MemTracker's
+        # step pre-hook would count the whole step as optimizer memory: the phase decides instead
+        # (`enter_phase("step")`). The post-hook still labels the optimizer's state.
+        def label_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._track_optimizer_states(_MemRefType.OPT, optimizer)
+
+        self._optimizer_hook_handles = (register_optimizer_step_post_hook(label_state),)
+
+    # MemTracker warns when a module was freed before its backward hook runs; nothing to track then.
+    def _pre_bw_hook(self, module: Optional[torch.nn.Module], args: Any) -> None:
+        if module is not None:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: Optional[torch.nn.Module], args: Any) -> None:
+        if module is not None:
+            super()._post_bw_hook(module, args)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Only the global peak is used here. MemTracker also updates a peak per module, walking every
@@ -169,6 +193,7 @@ class Tracker(MemTracker):
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
         self.phase = phase
+        self._in_opt = phase == "step"  # tensors created while stepping are the optimizer's
 
     def _close_phase(self) -> None:
         if self.phase is not None:
@@ -186,9 +211,21 @@ class Tracker(MemTracker):
             live = self.live_bytes()
             if live > self.budget:
                 raise MemoryBudgetExceeded(
-                    f"tracked tensors need {format_bytes(live)}, over the budget of {format_bytes(self.budget)}"
+                    f"tracked tensors need {format_bytes(live)}, over the budget of {format_bytes(self.budget)}",
+                    self.categories(),
                 )
         return out
+
+
+def _tensors(data: Any) -> list[torch.Tensor]:
+    """The tensors in a batch (dicts such as transformers' BatchEncoding, lists, tuples)."""
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        return [t for item in data for t in _tensors(item)]
+    return []
 
 
 def live_breakdown(module: torch.nn.Module, optimizers: list, allocated: int) -> dict[str, int]:
@@ -278,9 +315,12 @@ class MemoryMonitor(L.Callback):
             self.setup_ = estimate.Setup.from_run(trainer, pl_module)
         except AttributeError:  # not a SequenceClassifier with our data module: measure only
             return
-        self.predictions["analytic"] = estimate.analytic(self.setup_)
-        if self.simulate:
-            self.predictions["simulated"] = estimate.simulate(self.setup_)
+        methods = {"analytic": estimate.analytic, **({"simulated": estimate.simulate} if self.simulate else {})}
+        for name, predict in methods.items():
+            try:
+                self.predictions[name] = predict(self.setup_)
+            except Exception as err:  # a model the predictions do not cover must still train (and be measured)
+                log.warning(f"no {name} memory prediction: {type(err).__name__}: {err}")
 
     # -- measurement ---------------------------------------------------------------------------
 
@@ -306,9 +346,9 @@ class MemoryMonitor(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx
         if self._tracking(trainer):
-            self.tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
-            self.tracker.track_external(pl_module, *trainer.optimizers, batch)
-            self.tracker.__enter__()
+            tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
+            tracker.track_external(pl_module, *trainer.optimizers, *_tensors(batch))
+            self.tracker = tracker.__enter__()
         self._enter_phase(trainer, "forward")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -348,17 +388,17 @@ class MemoryMonitor(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         oom = None
         if isinstance(exception, torch.OutOfMemoryError):
-            oom = self._oom(trainer, pl_module)
+            oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
         if self.tracker is not None:
             self._stop_tracker()
         self._write(trainer, oom)
         if oom is not None:
             self._print_oom(trainer, oom)
 
-    def _oom(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        if self.tracker is not None:
+    def _oom(self, trainer: L.Trainer, pl_module: L.LightningModule, categories: Optional[dict] = None) -> dict[str, Any]:
+        if categories is None and self.tracker is not None:
             categories = self.tracker.categories()
-        else:
+        if categories is None:  # untracked step: the tensors themselves, the rest of the allocator's count
             allocated = torch.cuda.memory_allocated(self._device(trainer)) if self._on_cuda(trainer) else 0
             categories = live_breakdown(pl_module, trainer.optimizers, allocated)
         return {
