@@ -151,17 +151,18 @@ def is_fused(strategy: Any) -> bool:
     return bool(getattr(strategy, "fused_step", False))
 
 
-def parameter_count_bytes(parameters: int, bytes_per_parameter: int) -> float:
-    """The seed's model-file formula: parameters x bytes / 1024^3 (GiB)."""
+def file_gib(parameters: int, bytes_per_parameter: int) -> float:
+    """The seed's model-file size: parameters x bytes per parameter / 1024^3 (GiB)."""
     return parameters * bytes_per_parameter / 1024**3
 
 
-def peft_adamw_bytes(frozen: int, trainable: int, bytes_per_value: int = 4) -> dict[str, int]:
-    """The seed's PEFT accounting (K frozen + N trainable): weights K+N, gradients N, AdamW state 2N values."""
+def seed_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optimizer_values: int = 2) -> dict[str, int]:
+    """The seed's accounting for K frozen and N trainable parameters: weights K+N, gradients N, optimizer
+    state 2N values (Adam's two moments). Full fine-tuning is K = 0: 4 values per parameter."""
     return {
         "weights": (frozen + trainable) * bytes_per_value,
         "gradients": trainable * bytes_per_value,
-        "optimizer": 2 * trainable * bytes_per_value,
+        "optimizer": optimizer_values * trainable * bytes_per_value,
     }
 
 
@@ -672,11 +673,8 @@ def format_report(data: dict) -> str:
     lines.append(f"  {'peak total':<26}" + "".join(f"{format_bytes(data['peak_bytes'][c]):>20}" for c in cols))
     lines.append(f"  {'peak phase':<26}" + "".join(f"{data['peak_phase'][c]:>20}" for c in cols))
     lines.append(f"{'inference (no autograd)':<28}" + "".join(f"{format_bytes(data['inference_bytes'][c]):>20}" for c in cols))
-    files = model["file_bytes"]
-    lines.append(
-        f"model file (parameters x bytes / 1024^3): fp32 {files['fp32'] / 2**30:.2f} GiB, "
-        f"fp16 {files['fp16'] / 2**30:.2f} GiB, int8 {files['int8'] / 2**30:.2f} GiB"
-    )
+    sizes = ", ".join(f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1)))
+    lines.append(f"model file (parameters x bytes / 1024^3): {sizes}")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
 

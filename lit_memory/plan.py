@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -286,7 +287,7 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
             "--memory.track_steps=0",
             f"--data.limit_train_samples={effective * (steps + 1)}",
         ]
-        cli = LitMemoryCLI(args=["--config", str(path), *args, *overrides], run=False)
+        cli = LitMemoryCLI(args=[*args, "--config", str(path), *overrides], run=False)
         timer = StepTimer()
         cli.trainer.callbacks.append(timer)
         cli.trainer.fit(cli.model, cli.datamodule)
@@ -375,7 +376,11 @@ def plan(
         raise UserError(f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} do not fit in simulation")
     if measured:
         effective = base.batch_size * base.accumulate_grad_batches
-        timed = [(measure(recipe_text(c, s, recipes, budget, ""), args, effective), c, s) for c, s in confirmed]
+        timed = []
+        for candidate, simulated in confirmed:
+            seconds = measure(recipe_text(candidate, simulated, recipes, budget, ""), args, effective)
+            print(f"measured {seconds:.3f} s per optimizer step: {candidate.setup.describe()}")
+            timed.append((seconds, candidate, simulated))
         _, chosen, simulated = min(timed, key=lambda t: t[0])
         return chosen, simulated, everything
     chosen, simulated = confirmed[0]
@@ -398,7 +403,7 @@ def main(argv: list[str]) -> None:
     base = resolve(rest, ours.device)
     recipes = shipped_recipes()
     chosen, simulated, everything = plan(base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure)
-    command = " ".join(["python -m lit_memory plan", *argv])
+    command = "python -m lit_memory plan " + shlex.join(argv)
     Path(ours.output).write_text(recipe_text(chosen, simulated, recipes, budget, command))
     fits = sum(c.prediction.footprint.peak <= budget for c in everything)
     print(f"{fits} of {len(everything)} setups are predicted to fit {format_bytes(budget)}; the fastest by the rule:")
@@ -406,4 +411,4 @@ def main(argv: list[str]) -> None:
     print(f"  analytic:  {_breakdown(chosen.prediction)}")
     if simulated is not None:
         print(f"  simulated: {_breakdown(simulated)}")
-    print(f"wrote {ours.output}: python -m lit_memory fit --config {ours.output} {' '.join(rest)}".rstrip())
+    print(f"wrote {ours.output}: python -m lit_memory fit {shlex.join([*rest, '--config', ours.output])}")
