@@ -22,7 +22,7 @@ import json
 import math
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -195,30 +195,76 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _hf_dims(config) -> dict[str, Any]:
-    h = config.hidden_size
-    return {
-        "h": h,
-        "f": getattr(config, "intermediate_size", None) or 4 * h,
-        "heads": config.num_attention_heads,
-        "layers": config.num_hidden_layers,
-        "attn_dropout": getattr(config, "attention_probs_dropout_prob", getattr(config, "attention_dropout", 0.0)) or 0.0,
-        "hidden_dropout": getattr(config, "hidden_dropout_prob", getattr(config, "dropout", 0.0)) or 0.0,
-        "eager": getattr(config, "_attn_implementation", "sdpa") == "eager",
-        "token_types": bool(getattr(config, "type_vocab_size", 0)),
-    }
+@dataclass(frozen=True)
+class Shape:
+    """What the activation model reads: one layer's sizes, the batch, the bytes of the precision."""
+
+    h: int  # hidden size
+    f: int  # FFN size
+    heads: int
+    batch: int
+    length: int
+    param_b: int  # bytes of weights, gradients, the residual stream and LayerNorm inputs
+    compute_b: int  # bytes of linear/GELU outputs: 2 under autocast
+    autocast: bool
+    cuda: bool
+    attention_dropout: bool
+    hidden_dropout: bool
+    eager: bool  # attention written out in Python (attn_implementation="eager") instead of SDPA
+    token_types: bool
+
+    @classmethod
+    def of(cls, config, setup: Setup) -> "Shape":
+        param, compute, autocast = PRECISIONS[setup.precision]
+        h = config.hidden_size
+        return cls(
+            h=h,
+            f=getattr(config, "intermediate_size", None) or 4 * h,
+            heads=config.num_attention_heads,
+            batch=setup.batch_size,
+            length=setup.max_length,
+            param_b=param.itemsize,
+            compute_b=compute.itemsize,
+            autocast=autocast,
+            cuda=setup.device == "cuda",
+            attention_dropout=bool(
+                getattr(config, "attention_probs_dropout_prob", getattr(config, "attention_dropout", 0))
+            ),
+            hidden_dropout=bool(getattr(config, "hidden_dropout_prob", getattr(config, "dropout", 0))),
+            eager=getattr(config, "_attn_implementation", "sdpa") == "eager",
+            token_types=bool(getattr(config, "type_vocab_size", 0)),
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.length
+
+    @property
+    def mask_b(self) -> int:
+        """Dropout keeps a 1-byte mask on CUDA, a noise tensor as wide as its input on CPU."""
+        return 1 if self.cuda else self.compute_b
+
+    def math_attention(self, training: bool = True) -> bool:
+        """Whether attention keeps heads x length x length probabilities: the math kernel, which the
+        CPU falls back to for attention dropout (training only), or eager attention."""
+        return self.eager or (not self.cuda and training and self.attention_dropout)
+
+    @property
+    def attention_b(self) -> int:
+        # The CPU's math kernel computes 16-bit inputs in fp32.
+        return self.compute_b if self.cuda else max(self.param_b, 4)
 
 
-def batch_bytes(setup: Setup, config) -> int:
+def batch_bytes(shape: Shape) -> int:
     """input_ids, attention_mask (and token_type_ids) as int64, plus the labels."""
-    inputs = 3 if _hf_dims(config)["token_types"] else 2
-    return 8 * setup.batch_size * (inputs * setup.max_length + 1)
+    inputs = 3 if shape.token_types else 2
+    return 8 * shape.batch * (inputs * shape.length + 1)
 
 
 # -- the analytic model -------------------------------------------------------------------------
 
 
-def layer_bytes_per_token(dims: dict[str, Any], setup: Setup) -> float:
+def layer_bytes_per_token(x: Shape) -> int:
     """Bytes one BERT-style encoder layer keeps for backward, per token (the stated per-layer model).
 
     With h = hidden size, f = FFN size, a = heads, s = sequence length, c = compute bytes
@@ -230,24 +276,36 @@ def layer_bytes_per_token(dims: dict[str, Any], setup: Setup) -> float:
     * attention: memory-efficient/flash kernels (CUDA; CPU without attention dropout) keep q, k, v
       and the output, ``4h * c + 4a``; the math kernel (CPU with attention dropout, or eager) keeps
       q, k, v, probabilities, dropout noise and dropped probabilities, ``(3h + 3as) * 4`` on CPU
-      (where it computes in fp32, 8 bytes for fp64);
+      (where it computes in fp32);
     * GELU input ``f * c``; two hidden dropouts ``2h * m``; two LayerNorm inputs ``2h * p`` + stats.
     """
-    h, f, a, s = dims["h"], dims["f"], dims["heads"], setup.max_length
-    param_b, compute_b = (torch.finfo(d).bits // 8 for d in PRECISIONS[setup.precision][:2])
-    autocast = PRECISIONS[setup.precision][2]
-    cuda = setup.device == "cuda"
-    mask_b = 1 if cuda else compute_b
-    linear_inputs = (h * (3 if autocast else 1) + 2 * h + f) * compute_b
-    math_attention = dims["eager"] or (not cuda and dims["attn_dropout"] > 0)
-    if math_attention:
-        attn_b = compute_b if cuda else max(param_b, 4)  # CPU's math kernel computes 16-bit inputs in fp32
-        attn_mask_b = 1 if cuda else attn_b
-        attention = (3 * h + 2 * a * s) * attn_b + (a * s * attn_mask_b if dims["attn_dropout"] > 0 else 0)
+    h, f, a, s, c = x.h, x.f, x.heads, x.length, x.compute_b
+    linear_inputs = (h * (3 if x.autocast else 1) + 2 * h + f) * c
+    if x.math_attention():
+        noise = a * s * (1 if x.cuda else x.attention_b) if x.attention_dropout else 0
+        attention = (3 * h + 2 * a * s) * x.attention_b + noise
     else:
-        attention = 4 * h * compute_b + 4 * a
-    dropout = 2 * h * mask_b if dims["hidden_dropout"] > 0 else 0
-    return linear_inputs + attention + f * compute_b + dropout + 2 * h * param_b + 16
+        attention = 4 * h * c + 4 * a
+    dropout = 2 * h * x.mask_b if x.hidden_dropout else 0
+    return linear_inputs + attention + f * c + dropout + 2 * h * x.param_b + 16
+
+
+def working_set_per_token(x: Shape, training: bool = True) -> int:
+    """Bytes per token a layer holds at once when it saves nothing (a checkpointed forward, inference):
+    the attention block (q, k, v and the probabilities, or the fused kernel's output) or the FFN (its
+    input, the intermediate and its activation), whichever is larger."""
+    h, a, s = x.h, x.heads, x.length
+    if x.math_attention(training):
+        attention = (3 * h + (3 if training else 2) * a * s) * x.attention_b
+    else:
+        attention = 4 * h * x.compute_b
+    return max(attention, (2 * x.f + h) * x.compute_b)
+
+
+def backward_temp_per_token(x: Shape) -> int:
+    """Gradients w.r.t. activations in flight early in backward: the FFN intermediate's and two
+    hidden-size ones, while the layer's saved tensors are not yet released."""
+    return (x.f + 2 * x.h) * x.compute_b
 
 
 def _linear_bytes(modules, compute_b: int, trainable_only: bool = False) -> int:
@@ -268,13 +326,7 @@ class _Activations:
     backward_temp: int  # gradients w.r.t. activations in flight early in backward
 
 
-def _activations(model: nn.Module, setup: Setup) -> _Activations:
-    dims = _hf_dims(model.config)
-    h, f, a, s, b = dims["h"], dims["f"], dims["heads"], setup.max_length, setup.batch_size
-    tokens = b * s
-    param_b, compute_b = (torch.finfo(d).bits // 8 for d in PRECISIONS[setup.precision][:2])
-    autocast = PRECISIONS[setup.precision][2]
-    cuda = setup.device == "cuda"
+def _activations(model: nn.Module, x: Shape, checkpointing: bool) -> _Activations:
     layers = list(transformer_layers(model))
     embeddings = getattr(model.base_model, "embeddings", None) or model.get_input_embeddings()
 
@@ -286,75 +338,44 @@ def _activations(model: nn.Module, setup: Setup) -> _Activations:
     emb_trains = trains(embeddings) or getattr(model, "_require_grads_hook", None) is not None
     first = 0 if emb_trains else next((i for i, layer in enumerate(layers) if trains(layer)), len(layers))
     active = layers[first:]
-    head = [m for name, m in model.named_children() if name != model.base_model_prefix]
     pooler = getattr(model.base_model, "pooler", None)
-    if pooler is not None:
-        head.append(pooler)
+    head = [m for name, m in model.named_children() if name != model.base_model_prefix] + ([pooler] if pooler else [])
 
-    per_layer = layer_bytes_per_token(dims, setup) * tokens
-    layer_input = h * param_b * tokens
+    layer_input = x.tokens * x.h * x.param_b
     saved = 0
     if emb_trains:  # LayerNorm input, its stats, dropout noise
-        saved += tokens * (h * param_b + 8 + (h * (1 if cuda else param_b) if dims["hidden_dropout"] > 0 else 0))
+        saved += x.tokens * (x.h * x.param_b + 8 + (x.h * (1 if x.cuda else x.param_b) if x.hidden_dropout else 0))
     if active or (pooler is not None and trains(pooler)):
         # the pooler keeps the last hidden state (without autocast its first-token view pins all of it)
-        saved += b * h * compute_b * 3 + (b * h * compute_b if autocast else layer_input)
-    weight_copies = _linear_bytes(active + head, compute_b) if autocast else 0
-    recompute = 0
-    if setup.model.get("gradient_checkpointing") and active:
-        # Each layer keeps only its input; backward recomputes one layer at a time (with its 16-bit weights).
-        forward = saved + len(active) * layer_input
-        cached = _linear_bytes(active + head, compute_b, trainable_only=True) if autocast else 0
-        layer_copies = _linear_bytes(active[:1], compute_b) if autocast else 0
-        recompute = per_layer + layer_copies
+        saved += 3 * x.batch * x.h * x.compute_b + (x.batch * x.h * x.compute_b if x.autocast else layer_input)
+    if not active:
+        return _Activations(forward=saved, backward=saved, transient=0, backward_temp=0)
+    per_layer = layer_bytes_per_token(x) * x.tokens
+    backward_temp = backward_temp_per_token(x) * x.tokens
+    if checkpointing:
+        # Each layer keeps only its input; backward recomputes one layer at a time (with its 16-bit
+        # weights), while autocast's cache holds every trainable weight's copy until forward ends.
+        kept = saved + len(active) * layer_input
+        cached = _linear_bytes(active + head, x.compute_b, trainable_only=True) if x.autocast else 0
+        one_layer_copies = _linear_bytes(active[:1], x.compute_b) if x.autocast else 0
         return _Activations(
-            forward=forward + cached,
-            backward=forward + recompute,
-            transient=int(_working_set(dims, setup) * tokens),
-            backward_temp=_backward_temp(dims, tokens, s, compute_b, cuda),
+            forward=kept + cached,
+            backward=kept + per_layer + one_layer_copies,
+            transient=working_set_per_token(x) * x.tokens,
+            backward_temp=backward_temp,
         )
-    forward = saved + len(active) * per_layer + weight_copies
+    forward = saved + len(active) * per_layer + (_linear_bytes(active + head, x.compute_b) if x.autocast else 0)
     return _Activations(
-        forward=forward,
-        backward=forward,
-        transient=_transient(dims, tokens, s, compute_b, cuda) if active else 0,
-        backward_temp=_backward_temp(dims, tokens, s, compute_b, cuda) if active else 0,
+        forward=forward, backward=forward, transient=2 * x.h * x.compute_b * x.tokens, backward_temp=backward_temp
     )
 
 
-def _working_set(dims: dict[str, Any], setup: Setup) -> float:
-    """Bytes per token a layer holds at once when nothing is saved (checkpointed forward, inference):
-    the attention block (q, k, v and the attention probabilities, or the fused kernel's output) or the
-    FFN (its input, the intermediate and its activation), whichever is larger."""
-    h, f, a, s = dims["h"], dims["f"], dims["heads"], setup.max_length
-    param_b, compute_b = (torch.finfo(d).bits // 8 for d in PRECISIONS[setup.precision][:2])
-    cuda = setup.device == "cuda"
-    if dims["eager"] or (not cuda and dims["attn_dropout"] > 0):
-        attention = (3 * h + 3 * a * s) * (compute_b if cuda else max(param_b, 4))
-    else:
-        attention = 4 * h * compute_b
-    return max(attention, (2 * f + h) * compute_b)
-
-
-def _transient(dims, tokens, s, compute_b, cuda) -> int:
-    return int(2 * dims["h"] * tokens * compute_b)
-
-
-def _backward_temp(dims, tokens, s, compute_b, cuda) -> int:
-    return int((dims["f"] + 2 * dims["h"]) * tokens * compute_b)
-
-
-def _inference(model: nn.Module, setup: Setup, weights: int, batch: int) -> int:
-    """Weights + batch + what one layer holds at a time without autograd."""
-    dims = _hf_dims(model.config)
-    h, f, a, s = dims["h"], dims["f"], dims["heads"], setup.max_length
-    tokens = setup.batch_size * s
-    compute_b = torch.finfo(PRECISIONS[setup.precision][1]).bits // 8
-    attention = 4 * h + (2 * a * s if dims["eager"] else 0)  # eval: no dropout, so the fused SDPA kernels
-    live = tokens * (h + max(attention, 2 * f + h)) * compute_b
+def _inference(model: nn.Module, x: Shape, weights: int) -> int:
+    """Weights + batch + one layer's working set without autograd (eval: no dropout)."""
+    live = x.tokens * (x.h * x.param_b + working_set_per_token(x, training=False))
     # autocast caches its 16-bit copy of every weight that requires grad, even without autograd
-    copies = _linear_bytes([model], compute_b, trainable_only=True) if PRECISIONS[setup.precision][2] else 0
-    return weights + batch + int(live) + copies
+    copies = _linear_bytes([model], x.compute_b, trainable_only=True) if x.autocast else 0
+    return weights + batch_bytes(x) + live + copies
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer, device: str) -> tuple[int, int, list[str]]:
@@ -372,7 +393,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: str) -> tuple[int,
         return _bitsandbytes_bytes(optimizer, groups), 0, notes
     if name == "Adafactor":
         state = 0
-        for group, g in zip(optimizer.param_groups, groups):
+        for group, g in zip(optimizer.param_groups, groups, strict=True):
             for p in g:
                 factored = p.ndim >= 2
                 values = p.numel() // p.shape[-1] + p.numel() // p.shape[-2] if factored else p.numel()
@@ -393,7 +414,9 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: str) -> tuple[int,
         temps = (defaults.get("weight_decay", 0) != 0) + (defaults.get("nesterov", False))
         return state, unit * temps, notes
     if "betas" not in defaults:
-        notes.append(f"{name}: optimizer state assumed Adam-like (two values per parameter); the simulation measures it")
+        notes.append(
+            f"{name}: optimizer state assumed Adam-like (two values per parameter); the simulation measures it"
+        )
     moments = 2 + bool(defaults.get("amsgrad", False))
     steps = 4 * len(params) if device == "cpu" else 0  # Adam's step counters stay on the CPU unless capturable
     state = moments * sum(_nbytes(p) for p in params) + steps
@@ -410,7 +433,11 @@ def _foreach(optimizer: torch.optim.Optimizer, device: str) -> bool:
     """torch's default: foreach kernels on CUDA, a loop over parameters on CPU."""
     foreach = optimizer.defaults.get("foreach")
     if foreach is None:
-        return device == "cuda" and not optimizer.defaults.get("fused") and type(optimizer).__module__.startswith("torch.optim")
+        return (
+            device == "cuda"
+            and not optimizer.defaults.get("fused")
+            and type(optimizer).__module__.startswith("torch.optim")
+        )
     return bool(foreach)
 
 
@@ -443,7 +470,12 @@ _META_BUILDS: dict[tuple, tuple] = {}
 
 
 def _meta_build(setup: Setup) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
-    key = (setup.module_class, json.dumps(setup.model, sort_keys=True, default=str), id(setup.optimizer), setup.precision)
+    key = (
+        setup.module_class,
+        json.dumps(setup.model, sort_keys=True, default=str),
+        id(setup.optimizer),
+        setup.precision,
+    )
     if key not in _META_BUILDS:
         _META_BUILDS[key] = (*build(setup, torch.device("meta")), setup.optimizer)
     return _META_BUILDS[key][:2]
@@ -459,18 +491,27 @@ def analytic(setup: Setup) -> Prediction:
     grads = sum(_nbytes(p) for p in trainable)
     largest_grad = max((_nbytes(p) for p in trainable), default=0)
     state, step_temp, notes = optimizer_bytes(optimizer, setup.device)
-    act = _activations(model, setup)
-    batch = batch_bytes(setup, model.config)
+    shape = Shape.of(model.config, setup)
+    act = _activations(model, shape, bool(setup.model.get("gradient_checkpointing")))
+    batch = batch_bytes(shape)
 
     def phase(gradients=0, optimizer=state, activations=0, other=batch) -> dict[str, int]:
-        return {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations, "other": other}
+        return {
+            "weights": weights,
+            "gradients": gradients,
+            "optimizer": optimizer,
+            "activations": activations,
+            "other": other,
+        }
 
     footprint = Footprint()
     accumulating = setup.accumulate_grad_batches > 1
     if setup.fused:
         # Each gradient is applied and freed as soon as it is accumulated: never more than one at a time.
         footprint.add("forward", phase(activations=act.forward + act.transient))
-        footprint.add("backward", phase(gradients=largest_grad, activations=act.backward, other=batch + act.backward_temp))
+        footprint.add(
+            "backward", phase(gradients=largest_grad, activations=act.backward, other=batch + act.backward_temp)
+        )
     else:
         # Lightning zeroes gradients after training_step, so the previous step's are alive in forward.
         footprint.add("forward", phase(gradients=grads, activations=act.forward + act.transient))
@@ -486,7 +527,7 @@ def analytic(setup: Setup) -> Prediction:
         method="analytic",
         device=setup.device,
         footprint=footprint,
-        inference=_inference(model, setup, weights, batch),
+        inference=_inference(model, shape, weights),
         parameters=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
         seconds=time.perf_counter() - start,
@@ -505,7 +546,7 @@ def _fake_batch(setup: Setup, config) -> dict[str, torch.Tensor]:
         "attention_mask": torch.ones(shape, dtype=torch.long),
         "labels": torch.zeros(setup.batch_size, dtype=torch.long),
     }
-    if _hf_dims(config)["token_types"]:
+    if getattr(config, "type_vocab_size", 0):
         batch["token_type_ids"] = torch.zeros(shape, dtype=torch.long)
     return batch
 
@@ -519,7 +560,9 @@ def _use_device_defaults(optimizer: torch.optim.Optimizer, device: str) -> None:
                 group["foreach"] = True
 
 
-def _step_after_backward(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup) -> Callable[[], None]:
+def _step_after_backward(
+    module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup
+) -> Callable[[], None]:
     """What runs after ``loss.backward()``: the optimizer step.
 
     The seam for the fused step (issue 3): a fused strategy wraps ``optimizer`` into per-parameter
@@ -530,9 +573,9 @@ def _step_after_backward(module: SequenceClassifier, optimizer: torch.optim.Opti
     return optimizer.step
 
 
-def simulate(setup: Setup) -> Optional[Prediction]:
+def simulate(setup: Setup) -> Prediction:
     """One training step of the configured module on fake tensors, tracked per phase on ``cpu``.
-    Returns None (with the reason in ``skipped``) when the step cannot run on fake tensors."""
+    Raises NotImplementedError for a step it cannot run yet (the fused step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
@@ -580,7 +623,7 @@ def simulate(setup: Setup) -> Optional[Prediction]:
         footprint=tracker.footprint,
         inference=inference.footprint.peak,
         parameters=sum(p.numel() for p in module.model.parameters()),
-        trainable=len(trainable) and sum(p.numel() for p in trainable),
+        trainable=sum(p.numel() for p in trainable),
         seconds=time.perf_counter() - start,
     )
 
@@ -651,8 +694,13 @@ def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction],
     }
 
 
-LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer state",
-          "activations": "activations", "other": "other/temporary"}  # fmt: skip
+LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+    "other": "other/temporary",
+}
 
 
 def format_report(data: dict) -> str:
@@ -663,17 +711,24 @@ def format_report(data: dict) -> str:
     lines = [
         f"{model['name']}: {model['parameters'] / 1e6:.1f} M parameters ({model['trainable'] / 1e6:.1f} M trainable); "
         f"batch {setup['batch_size']} x {setup['max_length']} tokens, {setup['precision']}, {setup['optimizer']}, "
-        f"accumulate {setup['accumulate_grad_batches']}, checkpointing {'on' if setup['gradient_checkpointing'] else 'off'}, "
+        f"accumulate {setup['accumulate_grad_batches']}, "
+        f"checkpointing {'on' if setup['gradient_checkpointing'] else 'off'}, "
         f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}",
         "",
         f"{'training step, at the peak':<28}" + "".join(f"{heads[c]:>20}" for c in cols),
     ]
     for category in CATEGORIES:
-        lines.append(f"  {LABELS[category]:<26}" + "".join(f"{format_bytes(data['categories'][c][category]):>20}" for c in cols))
+        lines.append(
+            f"  {LABELS[category]:<26}" + "".join(f"{format_bytes(data['categories'][c][category]):>20}" for c in cols)
+        )
     lines.append(f"  {'peak total':<26}" + "".join(f"{format_bytes(data['peak_bytes'][c]):>20}" for c in cols))
     lines.append(f"  {'peak phase':<26}" + "".join(f"{data['peak_phase'][c]:>20}" for c in cols))
-    lines.append(f"{'inference (no autograd)':<28}" + "".join(f"{format_bytes(data['inference_bytes'][c]):>20}" for c in cols))
-    sizes = ", ".join(f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1)))
+    lines.append(
+        f"{'inference (no autograd)':<28}" + "".join(f"{format_bytes(data['inference_bytes'][c]):>20}" for c in cols)
+    )
+    sizes = ", ".join(
+        f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1))
+    )
     lines.append(f"model file (parameters x bytes / 1024^3): {sizes}")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
@@ -687,7 +742,9 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-simulate", action="store_true", help="analytic only (milliseconds instead of seconds)")
-    parser.add_argument("--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)")
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
+    )
     ours, rest = parser.parse_known_args(argv)
     setup = resolve(rest, ours.device)
     predicted = analytic(setup)

@@ -49,8 +49,22 @@ CATEGORY_OF = {
 }
 SCHEMA_VERSION = 1
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
@@ -135,7 +149,9 @@ class Tracker(MemTracker):
         self.footprint = Footprint()
         self.phase: Optional[str] = None
 
-    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
         # MemTracker hooks every parameter's gradient, which raises on frozen ones: mark those as
         # already hooked (with handles that remove nothing) so it skips them.
         if install_grad_hooks:
@@ -244,7 +260,13 @@ def live_breakdown(module: torch.nn.Module, optimizers: list, allocated: int) ->
     weights = nbytes(list(module.parameters()) + list(module.buffers()))
     grads = nbytes(p.grad for p in module.parameters() if p.grad is not None)
     state = nbytes(v for opt in optimizers for s in opt.state.values() for v in s.values())
-    return {"weights": weights, "gradients": grads, "optimizer": state, "activations": max(allocated - weights - grads - state, 0), "other": 0}
+    return {
+        "weights": weights,
+        "gradients": grads,
+        "optimizer": state,
+        "activations": max(allocated - weights - grads - state, 0),
+        "other": 0,
+    }
 
 
 def breakdown_line(categories: dict[str, int]) -> str:
@@ -395,7 +417,9 @@ class MemoryMonitor(L.Callback):
         if oom is not None:
             self._print_oom(trainer, oom)
 
-    def _oom(self, trainer: L.Trainer, pl_module: L.LightningModule, categories: Optional[dict] = None) -> dict[str, Any]:
+    def _oom(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, categories: Optional[dict] = None
+    ) -> dict[str, Any]:
         if categories is None and self.tracker is not None:
             categories = self.tracker.categories()
         if categories is None:  # untracked step: the tensors themselves, the rest of the allocator's count
@@ -413,8 +437,9 @@ class MemoryMonitor(L.Callback):
     def _print_oom(self, trainer: L.Trainer, oom: dict[str, Any]) -> None:
         limit = oom["limit_bytes"]
         print(
-            f"out of memory in the {oom['phase']} phase of batch {oom['batch']}: {format_bytes(oom['live_bytes'])} live = "
-            f"{breakdown_line(oom['categories'])} (limit {format_bytes(limit)})",
+            f"out of memory in the {oom['phase']} phase of batch {oom['batch']}: "
+            f"{format_bytes(oom['live_bytes'])} live = {breakdown_line(oom['categories'])} "
+            f"(limit {format_bytes(limit)})",
             file=sys.stderr,
         )
         print(self._suggestion(limit), file=sys.stderr)
@@ -425,18 +450,23 @@ class MemoryMonitor(L.Callback):
         from lit_memory import plan
 
         found = plan.lightest_fitting_recipe(self.setup_, limit)
+        size = format_bytes(limit)
         if found is None:
-            return f"no shipped recipe is predicted to fit {format_bytes(limit)}: try `python -m lit_memory plan --budget {format_bytes(limit).replace(' ', '')} <your configs>`"
+            budget = size.replace(" ", "")
+            return f"no shipped recipe is predicted to fit {size}: try `python -m lit_memory plan --budget {budget} ...`"
         path, peak = found
-        return f"lightest shipped recipe predicted to fit {format_bytes(limit)}: --config {path} (predicted peak {format_bytes(peak)})"
+        return f"lightest shipped recipe predicted to fit {size}: --config {path} (predicted peak {format_bytes(peak)})"
 
     def report(self, trainer: L.Trainer, oom: Optional[dict] = None) -> dict[str, Any]:
         """The content of memory.json (schema: docs/memory.md)."""
         device = self._device(trainer)
         on_cuda = device.type == "cuda"
         predicted = {name: p.footprint for name, p in self.predictions.items()}
-        sources = {"analytic": predicted.get("analytic"), "simulated": predicted.get("simulated"),
-                   "measured": self.measured if self.measured.phases else None}  # fmt: skip
+        sources = {
+            "analytic": predicted.get("analytic"),
+            "simulated": predicted.get("simulated"),
+            "measured": self.measured if self.measured.phases else None,
+        }
         cuda = None
         if on_cuda:
             cuda = {
@@ -482,7 +512,9 @@ class MemoryMonitor(L.Callback):
         lines = [f"memory on {self._device(trainer).type}{shape} (measured: {self.tracked_batches} tracked batches):"]
         lines.append(f"  {'':<12}" + "".join(f"{name:>14}" for name in columns))
         for category in CATEGORIES:
-            lines.append(f"  {category:<12}" + "".join(f"{format_bytes(f.categories[category]):>14}" for f in columns.values()))
+            lines.append(
+                f"  {category:<12}" + "".join(f"{format_bytes(f.categories[category]):>14}" for f in columns.values())
+            )
         lines.append(f"  {'peak':<12}" + "".join(f"{format_bytes(f.peak):>14}" for f in columns.values()))
         lines.append(f"  {'(phase)':<12}" + "".join(f"{str(f.peak_phase):>14}" for f in columns.values()))
         if self.cuda_phases:

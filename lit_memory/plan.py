@@ -146,7 +146,9 @@ def rank(setup: Setup, prediction: Prediction, longest: int) -> tuple:
     """Sort key of the module docstring's rule: smaller is faster."""
     autocast = PRECISIONS[setup.precision][2]
     sixteen_bit = PRECISIONS[setup.precision][1].itemsize == 2
-    precision = (0 if autocast else 1 if sixteen_bit else 2) if setup.device == "cuda" else (0 if not sixteen_bit else 1)
+    precision = (
+        (0 if autocast else 1 if sixteen_bit else 2) if setup.device == "cuda" else (0 if not sixteen_bit else 1)
+    )
     steady_state = prediction.footprint.phases["forward"]["optimizer"]
     return (
         setup.model.get("freeze") is not None or setup.max_length < longest,
@@ -227,7 +229,9 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
     return out
 
 
-def lightest_fitting_recipe(base: Setup, limit: int, recipes: Optional[list[Recipe]] = None) -> Optional[tuple[str, int]]:
+def lightest_fitting_recipe(
+    base: Setup, limit: int, recipes: Optional[list[Recipe]] = None
+) -> Optional[tuple[str, int]]:
     """The shipped recipe, applied to ``base``'s model and data, that the rule prefers among those
     predicted (analytically) to fit ``limit``: (its path, its predicted peak)."""
     recipes = shipped_recipes() if recipes is None else recipes
@@ -300,7 +304,11 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
 def _parent(blocks: dict[str, Block], recipes: list[Recipe]) -> tuple[Recipe, list[str]]:
     def differences(recipe: Recipe) -> list[str]:
         keys = dict.fromkeys([*blocks, *recipe.blocks])
-        return [k for k in keys if (blocks[k].value if k in blocks else None) != (recipe.blocks[k].value if k in recipe.blocks else None)]
+        return [
+            k
+            for k in keys
+            if (blocks[k].value if k in blocks else None) != (recipe.blocks[k].value if k in recipe.blocks else None)
+        ]
 
     parent = min(recipes, key=lambda r: len(differences(r)))
     return parent, differences(parent)
@@ -312,12 +320,17 @@ def _breakdown(prediction: Prediction) -> str:
     return f"{parts}; peak {format_bytes(f.peak)} in {f.peak_phase} on {prediction.device}"
 
 
-def recipe_text(chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str) -> str:
+def recipe_text(
+    chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
+) -> str:
     parent, changes = _parent(chosen.blocks, recipes)
     parent_prediction = analytic(apply(chosen.setup, {k: b.value for k, b in parent.blocks.items()}))
-    shrinks = [c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]]
+    shrinks = [
+        c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]
+    ]
+    where = f"{chosen.setup.model.get('model_name_or_path')}, {chosen.setup.device}"
     header = [
-        f"# planned: the fastest setup predicted to fit {format_bytes(budget)} ({chosen.setup.model.get('model_name_or_path')}, {chosen.setup.device})",
+        f"# planned: the fastest setup predicted to fit {format_bytes(budget)} ({where})",
         f"# parent: {parent.name}",
         f"# changes: {', '.join(changes) if changes else 'none'}",
         f"# shrinks: {', '.join(shrinks) if shrinks else 'nothing'} (predicted, against {parent.name})",
@@ -357,7 +370,10 @@ def plan(
     recipes = shipped_recipes() if recipes is None else recipes
     everything = candidates(base, recipes)
     longest = max(c.setup.max_length for c in everything)
-    fitting = sorted((c for c in everything if c.prediction.footprint.peak <= budget), key=lambda c: rank(c.setup, c.prediction, longest))
+    fitting = sorted(
+        (c for c in everything if c.prediction.footprint.peak <= budget),
+        key=lambda c: rank(c.setup, c.prediction, longest),
+    )
     if not fitting:
         smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
         raise UserError(
@@ -373,7 +389,9 @@ def plan(
         if len(confirmed) == wanted:
             break
     if not confirmed:
-        raise UserError(f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} do not fit in simulation")
+        raise UserError(
+            f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} do not fit in simulation"
+        )
     if measured:
         effective = base.batch_size * base.accumulate_grad_batches
         timed = []
@@ -394,15 +412,25 @@ def main(argv: list[str]) -> None:
         "argument (--config FILE for the model/data, dotted overrides).",
     )
     parser.add_argument("--budget", required=True, help="memory to fit, e.g. 4GiB, 8GB, 6000MiB")
-    parser.add_argument("--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)")
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
+    )
     parser.add_argument("--output", default="planned.yaml", help="where to write the recipe (default: planned.yaml)")
-    parser.add_argument("--measure", action="store_true", help=f"time the {MEASURED} best candidates on this machine and keep the fastest")
-    parser.add_argument("--no-simulate", action="store_true", help="trust the analytic model without simulating the choice")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help=f"time the {MEASURED} best candidates on this machine and keep the fastest",
+    )
+    parser.add_argument(
+        "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
+    )
     ours, rest = parser.parse_known_args(argv)
     budget = parse_bytes(ours.budget)
     base = resolve(rest, ours.device)
     recipes = shipped_recipes()
-    chosen, simulated, everything = plan(base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure)
+    chosen, simulated, everything = plan(
+        base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
+    )
     command = "python -m lit_memory plan " + shlex.join(argv)
     Path(ours.output).write_text(recipe_text(chosen, simulated, recipes, budget, command))
     fits = sum(c.prediction.footprint.peak <= budget for c in everything)

@@ -100,9 +100,13 @@ def test_analytic_agrees_with_the_simulation(case):
 def test_cuda_target_runs_the_foreach_optimizer_and_both_methods_count_its_temporaries():
     setup = minilm(batch_size=1, max_length=32, device="cuda")
     predicted, simulated = analytic(setup), simulate(setup)
-    step = {name: p.footprint.phases["step"]["optimizer"] - p.footprint.phases["forward"]["optimizer"] for name, p in
-            (("analytic", predicted), ("simulated", simulated))}  # fmt: skip
-    decayed = sum(p.numel() * 4 for p in estimate.build(setup, torch.device("meta"))[0].model.parameters() if p.ndim >= 2)
+    step = {
+        name: p.footprint.phases["step"]["optimizer"] - p.footprint.phases["forward"]["optimizer"]
+        for name, p in (("analytic", predicted), ("simulated", simulated))
+    }
+    decayed = sum(
+        p.numel() * 4 for p in estimate.build(setup, torch.device("meta"))[0].model.parameters() if p.ndim >= 2
+    )
     assert step["simulated"] == pytest.approx(decayed, rel=0.01)  # one temporary per parameter of the group
     assert step["analytic"] == pytest.approx(step["simulated"], rel=0.01)
 
@@ -135,7 +139,9 @@ def test_4gb_settings_fit_in_4_gib_only_with_the_fused_step():
 
 
 def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
-    main(["estimate", "--json", "--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "bert-large.yaml")])
+    main(
+        ["estimate", "--json", "--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "bert-large.yaml")]
+    )
     data = json.loads(capsys.readouterr().out)
     assert set(data["peak_bytes"]) == {"analytic", "simulated"}
     for method in ("analytic", "simulated"):
@@ -150,7 +156,16 @@ def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
 def test_estimate_without_simulation_prints_a_table(capsys):
     main(["estimate", "--no-simulate", "--device", "cpu", "--config", str(RECIPES / "accumulate.yaml")])
     out = capsys.readouterr().out
-    for label in ("weights", "gradients", "optimizer state", "activations", "other/temporary", "peak total", "inference", "model file"):
+    for label in (
+        "weights",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "other/temporary",
+        "peak total",
+        "inference",
+        "model file",
+    ):
         assert label in out
     assert "simulated (cpu)" not in out
 

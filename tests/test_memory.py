@@ -68,7 +68,17 @@ def test_tracker_budget_raises_cudas_out_of_memory_error_with_the_breakdown():
 
 
 def run(recipe: str, tmp_path: Path, *extra: str) -> tuple[LitMemoryCLI, dict]:
-    cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}", *extra])
+    cli = LitMemoryCLI(
+        args=[
+            "fit",
+            "--config",
+            str(RECIPES / f"{recipe}.yaml"),
+            *FAST,
+            *MEASURE,
+            f"--trainer.default_root_dir={tmp_path}",
+            *extra,
+        ]
+    )
     return cli, json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
 
 
@@ -78,7 +88,9 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     # predictions describe. Accumulating 2 micro-batches keeps the recipes' memory shape (gradients
     # live across micro-batches) at a 16th of the steps.
     accumulate = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())["trainer"]["accumulate_grad_batches"]
-    cli, report = run(recipe, tmp_path, f"--trainer.accumulate_grad_batches={min(accumulate, 2)}", "--memory.simulate=true")
+    cli, report = run(
+        recipe, tmp_path, f"--trainer.accumulate_grad_batches={min(accumulate, 2)}", "--memory.simulate=true"
+    )
     measured = report["peak_bytes"]["measured"]
     assert report["tracked_batches"] == report["batches"] == 2 * min(accumulate, 2)
     for method in ("analytic", "simulated"):
@@ -109,8 +121,17 @@ def test_memory_is_measured_by_default_and_configurable(capsys):
 def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, capsys):
     # baseline needs about 1.4 GiB on the bundled model: a 600 MiB budget fails in the first forward.
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(RECIPES / "baseline.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}",
-              "--memory.budget=600MiB"])  # fmt: skip
+        main(
+            [
+                "fit",
+                "--config",
+                str(RECIPES / "baseline.yaml"),
+                *FAST,
+                *MEASURE,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--memory.budget=600MiB",
+            ]
+        )
     assert exit_.value.code == 1
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith(("/", " "))]
     report, suggestion, error = err[-3:]

@@ -18,8 +18,8 @@ from test_recipes import flatten
 
 MiB = 2**20
 # A 2-layer, 64-wide BERT: plans and short runs in seconds.
-TINY = ["--config", str(CONFIGS / "bert-large.yaml"),
-        '--model.config_overrides={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}']  # fmt: skip
+TINY_LAYERS = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+TINY = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(TINY_LAYERS)}"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,11 @@ def test_impossible_budget_names_the_smallest_need(minilm_candidates):
 
 
 def header(text: str) -> dict[str, str]:
-    return dict(re.match(r"# (\w[\w-]*): (.*)", line).groups() for line in text.splitlines() if re.match(r"# (\w[\w-]*): ", line))
+    return dict(
+        re.match(r"# (\w[\w-]*): (.*)", line).groups()
+        for line in text.splitlines()
+        if re.match(r"# (\w[\w-]*): ", line)
+    )
 
 
 def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
@@ -83,8 +87,20 @@ def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
         if re.match(r"\s*[\w.]+:\s*[^\s#]", line):
             assert "#" in line, f"no comment on '{line.strip()}'"
     # It runs (2 steps) inside the budget it was planned for.
-    cli = LitMemoryCLI(args=["fit", *TINY, "--config", str(out), *FAST, "--data.padding=max_length", "--trainer.limit_val_batches=0",
-                             "--model.save_pretrained=false", f"--trainer.default_root_dir={tmp_path}", "--memory.budget=60MiB"])  # fmt: skip
+    cli = LitMemoryCLI(
+        args=[
+            "fit",
+            *TINY,
+            "--config",
+            str(out),
+            *FAST,
+            "--data.padding=max_length",
+            "--trainer.limit_val_batches=0",
+            "--model.save_pretrained=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--memory.budget=60MiB",
+        ]
+    )
     assert cli.trainer.global_step == 2
     memory = json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
     assert memory["peak_bytes"]["measured"] <= 60 * MiB
