@@ -49,22 +49,11 @@ CATEGORY_OF = {
 }
 SCHEMA_VERSION = 1
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# Units, case-insensitive: decimal K/KB, M/MB, G/GB, T/TB; binary KiB, MiB, GiB, TiB; bare numbers are bytes.
+_UNITS = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    _UNITS[_prefix] = _UNITS[_prefix + "b"] = 1000**_power
+    _UNITS[_prefix + "ib"] = 1024**_power
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
@@ -453,7 +442,7 @@ class MemoryMonitor(L.Callback):
         size = format_bytes(limit)
         if found is None:
             budget = size.replace(" ", "")
-            return f"no shipped recipe is predicted to fit {size}: try `python -m lit_memory plan --budget {budget} ...`"
+            return f"no shipped recipe is predicted to fit {size}: try `python -m lit_memory plan --budget {budget}`"
         path, peak = found
         return f"lightest shipped recipe predicted to fit {size}: --config {path} (predicted peak {format_bytes(peak)})"
 
