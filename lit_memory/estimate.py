@@ -378,9 +378,12 @@ def _inference(model: nn.Module, x: Shape, weights: int) -> int:
     return weights + batch_bytes(x) + live + copies
 
 
-def optimizer_bytes(optimizer: torch.optim.Optimizer, device: str) -> tuple[int, int, list[str]]:
+def optimizer_bytes(
+    optimizer: torch.optim.Optimizer, device: str, per_parameter: bool = False
+) -> tuple[int, int, list[str]]:
     """(steady-state optimizer state, extra bytes the step allocates, notes) from the optimizer's class,
-    its parameter groups and the parameter shapes."""
+    its parameter groups and the parameter shapes. ``per_parameter``: stepped one parameter at a
+    time (the fused step), so a foreach step's temporaries cover one parameter, not a group."""
     cls = type(optimizer)
     module, name = cls.__module__, cls.__name__
     notes: list[str] = []
@@ -406,7 +409,8 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: str) -> tuple[int,
         return state, 4 * largest_numel * (2 + 2 * low), notes
     foreach = _foreach(optimizer, device)
     group_bytes = max(sum(_nbytes(p) for p in g) for g in groups)
-    unit = group_bytes if foreach else largest  # foreach ops allocate one tensor per parameter of a group at once
+    # foreach ops allocate one tensor per parameter of a group at once
+    unit = group_bytes if foreach and not per_parameter else largest
     defaults = optimizer.defaults
     if name == "SGD":
         momentum = defaults.get("momentum", 0) != 0
@@ -464,6 +468,10 @@ def _bitsandbytes_bytes(optimizer, groups) -> int:
     return total
 
 
+def _total(categories: dict[str, int]) -> int:
+    return sum(categories.values())
+
+
 # Meta-device builds by (hyper-parameters, optimizer factory, precision): `plan` predicts hundreds of
 # setups that share a handful of models. The factory is kept in the value so its id stays unique.
 _META_BUILDS: dict[tuple, tuple] = {}
@@ -507,11 +515,13 @@ def analytic(setup: Setup) -> Prediction:
     footprint = Footprint()
     accumulating = setup.accumulate_grad_batches > 1
     if setup.fused:
-        # Each gradient is applied and freed as soon as it is accumulated: never more than one at a time.
+        # Each gradient is applied by its own optimizer step and freed as soon as it is accumulated:
+        # early in backward the activations dominate, at its end the largest parameter is stepped.
         footprint.add("forward", phase(activations=act.forward + act.transient))
-        footprint.add(
-            "backward", phase(gradients=largest_grad, activations=act.backward, other=batch + act.backward_temp)
-        )
+        step_one = optimizer_bytes(optimizer, setup.device, per_parameter=True)[1]
+        early = phase(activations=act.backward, other=batch + act.backward_temp)
+        late = phase(gradients=largest_grad, optimizer=state + step_one)
+        footprint.add("backward", max(early, late, key=_total))
     else:
         # Lightning zeroes gradients after training_step, so the previous step's are alive in forward.
         footprint.add("forward", phase(gradients=grads, activations=act.forward + act.transient))
@@ -521,7 +531,7 @@ def analytic(setup: Setup) -> Prediction:
         else:
             early = phase(activations=act.backward, other=batch + act.backward_temp)
             late = phase(gradients=grads)
-        footprint.add("backward", max(early, late, key=lambda c: sum(c.values())))
+        footprint.add("backward", max(early, late, key=_total))
         footprint.add("step", phase(gradients=grads, optimizer=state + step_temp))
     return Prediction(
         method="analytic",

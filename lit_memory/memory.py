@@ -266,10 +266,11 @@ class MemoryMonitor(L.Callback):
     """Measure memory in every run; write ``memory.json``; explain an out-of-memory error.
 
     Args:
-        track_steps: optimizer steps whose micro-batches are tracked tensor by tensor with torch's
-            MemTracker (per category and per phase). Its Python dispatch slows those steps, so only
-            the first few are tracked: the first creates the optimizer state, the second is the
-            steady state. 0 turns tensor tracking off; on CUDA the allocator's peaks
+        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker (per category
+            and per phase). Its Python dispatch slows the tracked micro-batches, so only the first
+            steps are tracked (the first creates the optimizer state, the second is the steady state),
+            and of an accumulation window only the micro-batches that differ: the first, the second
+            and the last. 0 turns tensor tracking off; on CUDA the allocator's peaks
             (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read every step regardless.
         budget: a memory limit such as ``4GiB``. On CUDA it caps this process with
             ``torch.cuda.set_per_process_memory_fraction``; on CPU the tracker raises CUDA's
@@ -335,8 +336,13 @@ class MemoryMonitor(L.Callback):
 
     # -- measurement ---------------------------------------------------------------------------
 
-    def _tracking(self, trainer: L.Trainer) -> bool:
-        return self.budget is not None and not self._on_cuda(trainer) or trainer.global_step < self.track_steps
+    def _tracking(self, trainer: L.Trainer, batch_idx: int) -> bool:
+        if self.budget is not None and not self._on_cuda(trainer):
+            return True  # the CPU budget is enforced by the tracker
+        # Within an accumulation window the micro-batches after the second repeat the second's memory:
+        # track the first (gradients zeroed), the second (accumulating) and the one that steps.
+        accumulate = trainer.accumulate_grad_batches
+        return trainer.global_step < self.track_steps and batch_idx % accumulate in {0, 1, accumulate - 1}
 
     def _enter_phase(self, trainer: L.Trainer, phase: str) -> None:
         self._close_cuda_phase(trainer)
@@ -356,7 +362,7 @@ class MemoryMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx
-        if self._tracking(trainer):
+        if self._tracking(trainer, batch_idx):
             tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
             tracker.track_external(pl_module, *trainer.optimizers, *_tensors(batch))
             self.tracker = tracker.__enter__()
@@ -402,7 +408,8 @@ class MemoryMonitor(L.Callback):
             oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
         if self.tracker is not None:
             self._stop_tracker()
-        self._write(trainer, oom)
+        if oom is not None or self.batches:  # not for bad input caught before training
+            self._write(trainer, oom)
         if oom is not None:
             self._print_oom(trainer, oom)
 
@@ -487,8 +494,8 @@ class MemoryMonitor(L.Callback):
     @rank_zero_only
     def _write(self, trainer: L.Trainer, oom: Optional[dict] = None) -> None:
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "memory.json").write_text(json.dumps(self.report(trainer, oom), indent=2) + "\n")
+        if run_dir.is_dir():  # created by Lightning with the run's config.yaml; never made here
+            (run_dir / "memory.json").write_text(json.dumps(self.report(trainer, oom), indent=2) + "\n")
 
     @rank_zero_only
     def _print_table(self, trainer: L.Trainer) -> None:

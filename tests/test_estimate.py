@@ -133,7 +133,8 @@ def test_4gb_settings_fit_in_4_gib_only_with_the_fused_step():
     fused = analytic(bert_large(fused=is_fused(StubFusedStrategy()), **settings))
     assert fused.footprint.peak < 4 * GiB < unfused.footprint.peak
     word_embeddings = 30522 * 1024 * 4  # the largest single gradient
-    assert max(phase["gradients"] for phase in fused.footprint.phases.values()) == word_embeddings
+    assert max(phase["gradients"] for phase in fused.footprint.phases.values()) <= word_embeddings
+    assert unfused.footprint.phases["forward"]["gradients"] == 4 * unfused.trainable  # all of them, fp32
     # 8-bit state: 2 bytes + block scales per value, 32-bit (8 bytes) under bitsandbytes' min_8bit_size.
     assert fused.footprint.categories["optimizer"] / fused.parameters == pytest.approx(2.0, rel=0.02)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,15 @@ from torch import nn
 from conftest import FAST, RECIPES
 from lit_memory.cli import LitMemoryCLI, main
 from lit_memory.errors import UserError
-from lit_memory.memory import CATEGORIES, PHASES, MemoryBudgetExceeded, Tracker, format_bytes, parse_bytes
+from lit_memory.memory import (
+    CATEGORIES,
+    PHASES,
+    MemoryBudgetExceeded,
+    MemoryMonitor,
+    Tracker,
+    format_bytes,
+    parse_bytes,
+)
 
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 # Every batch padded to max_length, so the measured batch has the predicted (worst-case) shape.
@@ -65,6 +74,18 @@ def test_tracker_budget_raises_cudas_out_of_memory_error_with_the_breakdown():
     assert isinstance(err.value, MemoryBudgetExceeded)
     assert sum(err.value.categories.values()) > 40_000
     assert err.value.categories["weights"] > 0
+
+
+def test_accumulation_windows_track_only_the_micro_batches_that_differ():
+    monitor = MemoryMonitor(track_steps=2)
+    trainer = SimpleNamespace(
+        accumulate_grad_batches=8, global_step=0, strategy=SimpleNamespace(root_device=torch.device("cpu"))
+    )
+    assert [i for i in range(8) if monitor._tracking(trainer, i)] == [0, 1, 7]
+    trainer.global_step = 2  # past the tracked steps
+    assert not any(monitor._tracking(trainer, i) for i in range(16, 24))
+    budgeted = MemoryMonitor(track_steps=2, budget="1GiB")  # a CPU budget is enforced at every micro-batch
+    assert all(budgeted._tracking(trainer, i) for i in range(16, 24))
 
 
 def run(recipe: str, tmp_path: Path, *extra: str) -> tuple[LitMemoryCLI, dict]:
