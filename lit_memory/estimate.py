@@ -570,17 +570,34 @@ def _use_device_defaults(optimizer: torch.optim.Optimizer, device: str) -> None:
                 group["foreach"] = True
 
 
-def _step_after_backward(
-    module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup
-) -> Callable[[], None]:
-    """What runs after ``loss.backward()``: the optimizer step.
+@dataclass
+class _Stepping:
+    """How the simulated step updates the parameters."""
 
-    The seam for the fused step (issue 3): a fused strategy wraps ``optimizer`` into per-parameter
-    optimizers stepped from post-accumulate-grad hooks installed here, and returns a no-op.
+    optimizers: list  # whose state exists before the tracked step (tracked from its start)
+    warm: Callable[[], None]  # one step on zero gradients, leaving behind what a previous step leaves
+    after_backward: Callable[[], None]  # what runs after loss.backward()
+
+
+def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup) -> _Stepping:
+    """Lightning's step: ``optimizer.step()`` after backward; the gradients stay alive until the next
+    ``zero_grad``, which Lightning calls after the next ``training_step``.
+
+    The seam for the fused step (issue 3): for ``setup.fused``, install the fused core's
+    post-accumulate-grad hooks here (per-parameter optimizers built from ``optimizer``, as the
+    strategy builds them); ``optimizers`` are those per-parameter optimizers, ``warm`` steps them on
+    zero gradients and frees the gradients, and ``after_backward`` does nothing (backward stepped).
     """
     if setup.fused:
-        raise NotImplementedError("simulating the fused step needs lit_memory.fused")
-    return optimizer.step
+        raise NotImplementedError("simulating the fused step needs lit_memory.fused (issue 3)")
+    trainable = [p for p in module.model.parameters() if p.requires_grad]
+
+    def warm() -> None:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+
+    return _Stepping(optimizers=[optimizer], warm=warm, after_backward=optimizer.step)
 
 
 def simulate(setup: Setup) -> Prediction:
@@ -596,17 +613,13 @@ def simulate(setup: Setup) -> Prediction:
     with fake, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
         _use_device_defaults(optimizer, setup.device)
-        step = _step_after_backward(module, optimizer, setup)
-        trainable = [p for p in module.model.parameters() if p.requires_grad]
-        # A previous step: the optimizer state exists and its gradients are still alive.
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
+        stepping = _stepping(module, optimizer, setup)
+        stepping.warm()  # the steady state: the optimizer state exists
         batch = _fake_batch(setup, module.model.config)
         forward_context = torch.autocast("cpu", dtype=compute) if autocast else contextlib.nullcontext()
 
         tracker = Tracker("cpu")
-        tracker.track_external(module, optimizer, batch)
+        tracker.track_external(module, *stepping.optimizers, batch)
         with tracker:
             tracker.enter_phase("forward")
             with forward_context:
@@ -616,7 +629,7 @@ def simulate(setup: Setup) -> Prediction:
             tracker.enter_phase("backward")
             loss.backward()
             tracker.enter_phase("step")
-            step()
+            stepping.after_backward()
         del loss
 
         optimizer.zero_grad()
@@ -633,7 +646,7 @@ def simulate(setup: Setup) -> Prediction:
         footprint=tracker.footprint,
         inference=inference.footprint.peak,
         parameters=sum(p.numel() for p in module.model.parameters()),
-        trainable=sum(p.numel() for p in trainable),
+        trainable=sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         seconds=time.perf_counter() - start,
     )
 

@@ -403,6 +403,7 @@ class MemoryMonitor(L.Callback):
         self._print_table(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._close_cuda_phase(trainer)
         oom = None
         if isinstance(exception, torch.OutOfMemoryError):
             oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
