@@ -308,13 +308,14 @@ def backward_temp_per_token(x: Shape) -> int:
     return (x.f + 2 * x.h) * x.compute_b
 
 
-def _linear_bytes(modules, compute_b: int, trainable_only: bool = False) -> int:
-    """16-bit copies autocast makes of linear weights and biases."""
+def _linear_bytes(modules, compute_b: int) -> int:
+    """The 16-bit copies autocast makes of linear weights and biases. Lightning runs autocast without
+    its cache, so a copy lives only while backward needs it (it is saved with the layer's input)."""
     total = 0
     for module in modules:
         for sub in module.modules():
             if isinstance(sub, nn.Linear):
-                total += sum(p.numel() for p in sub.parameters(recurse=False) if p.requires_grad or not trainable_only)
+                total += sum(p.numel() for p in sub.parameters(recurse=False))
     return total * compute_b
 
 
@@ -353,13 +354,11 @@ def _activations(model: nn.Module, x: Shape, checkpointing: bool) -> _Activation
     per_layer = layer_bytes_per_token(x) * x.tokens
     backward_temp = backward_temp_per_token(x) * x.tokens
     if checkpointing:
-        # Each layer keeps only its input; backward recomputes one layer at a time (with its 16-bit
-        # weights), while autocast's cache holds every trainable weight's copy until forward ends.
+        # Each layer keeps only its input; backward recomputes one layer at a time (with its 16-bit weights).
         kept = saved + len(active) * layer_input
-        cached = _linear_bytes(active + head, x.compute_b, trainable_only=True) if x.autocast else 0
         one_layer_copies = _linear_bytes(active[:1], x.compute_b) if x.autocast else 0
         return _Activations(
-            forward=kept + cached,
+            forward=kept,
             backward=kept + per_layer + one_layer_copies,
             transient=working_set_per_token(x) * x.tokens,
             backward_temp=backward_temp,
@@ -370,12 +369,10 @@ def _activations(model: nn.Module, x: Shape, checkpointing: bool) -> _Activation
     )
 
 
-def _inference(model: nn.Module, x: Shape, weights: int) -> int:
+def _inference(x: Shape, weights: int) -> int:
     """Weights + batch + one layer's working set without autograd (eval: no dropout)."""
     live = x.tokens * (x.h * x.param_b + working_set_per_token(x, training=False))
-    # autocast caches its 16-bit copy of every weight that requires grad, even without autograd
-    copies = _linear_bytes([model], x.compute_b, trainable_only=True) if x.autocast else 0
-    return weights + batch_bytes(x) + live + copies
+    return weights + batch_bytes(x) + live
 
 
 def optimizer_bytes(
@@ -537,7 +534,7 @@ def analytic(setup: Setup) -> Prediction:
         method="analytic",
         device=setup.device,
         footprint=footprint,
-        inference=_inference(model, shape, weights),
+        inference=_inference(shape, weights),
         parameters=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
         seconds=time.perf_counter() - start,
@@ -603,11 +600,11 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
 def simulate(setup: Setup) -> Prediction:
     """One training step of the configured module on fake tensors, tracked per phase on ``cpu``.
     Raises NotImplementedError for a step it cannot run yet (the fused step)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
     autocast = PRECISIONS[setup.precision][2]
-    compute = PRECISIONS[setup.precision][1]
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the optimizer's own small real tensors
     module, optimizer = build(setup, fake)
     with fake, warnings.catch_warnings():
@@ -616,13 +613,17 @@ def simulate(setup: Setup) -> Prediction:
         stepping = _stepping(module, optimizer, setup)
         stepping.warm()  # the steady state: the optimizer state exists
         batch = _fake_batch(setup, module.model.config)
-        forward_context = torch.autocast("cpu", dtype=compute) if autocast else contextlib.nullcontext()
+        # Lightning's own autocast context (it disables autocast's weight cache); one per use.
+        plugin = MixedPrecision(setup.precision, "cpu") if autocast else None
+
+        def forward_context() -> contextlib.AbstractContextManager:
+            return plugin.forward_context() if plugin else contextlib.nullcontext()
 
         tracker = Tracker("cpu")
         tracker.track_external(module, *stepping.optimizers, batch)
         with tracker:
             tracker.enter_phase("forward")
-            with forward_context:
+            with forward_context():
                 loss = module.training_step(batch, 0)
             if setup.accumulate_grad_batches == 1:  # else: a mid-window micro-batch keeps its gradients
                 optimizer.zero_grad()
@@ -637,7 +638,7 @@ def simulate(setup: Setup) -> Prediction:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         inference = Tracker("cpu")
         inference.track_external(module.model, inputs)
-        with inference, torch.no_grad(), forward_context:
+        with inference, torch.no_grad(), forward_context():
             inference.enter_phase("forward")
             module.model(**inputs)
     return Prediction(

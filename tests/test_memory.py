@@ -14,6 +14,7 @@ from torch import nn
 from conftest import FAST, RECIPES
 from lit_memory.cli import LitMemoryCLI, main
 from lit_memory.errors import UserError
+from lit_memory.estimate import is_fused
 from lit_memory.memory import (
     CATEGORIES,
     PHASES,
@@ -114,9 +115,11 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     )
     measured = report["peak_bytes"]["measured"]
     assert report["tracked_batches"] == report["batches"] == 2 * min(accumulate, 2)
-    for method in ("analytic", "simulated"):
+    # The fused step is not simulated until its hooks are wired into estimate._stepping.
+    predictions = ["analytic"] if is_fused(cli.trainer.strategy) else ["analytic", "simulated"]
+    for method in predictions:
         assert report["peak_bytes"][method] == pytest.approx(measured, rel=0.10), method
-    for method in ("analytic", "simulated", "measured"):
+    for method in (*predictions, "measured"):
         assert set(report["categories"][method]) == set(CATEGORIES)
         assert sum(report["categories"][method].values()) == report["peak_bytes"][method]
         assert set(report["phases"][method]) == set(PHASES)
@@ -126,7 +129,7 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     # The end-of-fit table: predicted and measured side by side, per category.
     out = capsys.readouterr().out
     table = out[out.index("memory on cpu") :].splitlines()
-    assert table[1].split() == ["analytic", "simulated", "measured"]
+    assert table[1].split() == [*predictions, "measured"]
     rows = {line.split()[0]: line.split()[1:] for line in table[2:8]}
     assert list(rows) == [*CATEGORIES, "peak"]
     assert rows["peak"][-2:] == format_bytes(measured).split()
