@@ -13,17 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lit_memory import recipes
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
+from lit_memory.memory import MemoryMonitor
 from lit_memory.model import SequenceClassifier
 from lit_memory.precision import cpu_fallback
 
 # subcommand -> "module:function"; each function takes the remaining argv.
-TOOLS: dict[str, str] = {"recipes": "lit_memory.recipes:main"}
+TOOLS: dict[str, str] = {
+    "estimate": "lit_memory.estimate:main",
+    "plan": "lit_memory.plan:main",
+    "recipes": "lit_memory.recipes:main",
+}
 
 # The seed's hyper-parameters (lr 2e-5, weight decay 0.01) as the CLI's optimizer default.
 DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-5, "weight_decay": 0.01}}
@@ -107,6 +113,9 @@ class LitMemoryCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
+        # Memory is measured in every run: a forced callback (always present, unlike a default in
+        # `trainer.callbacks`, which a user's list would replace) with its own `memory:` config block.
+        parser.add_lightning_class_args(MemoryMonitor, "memory")
         # One source of truth: the model decides the classes and the tokenizer, the data follows.
         parser.link_arguments("model.num_labels", "data.num_labels")
         parser.link_arguments(
@@ -158,3 +167,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except torch.OutOfMemoryError as err:
+        # The memory callback has printed the breakdown at the failure and a recipe that fits.
+        print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)

@@ -8,6 +8,7 @@ quantisation hurts most): by its per-parameter override, or by swapping in its `
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Literal
 
@@ -23,18 +24,19 @@ def is_bitsandbytes(optimizer: Optimizer) -> bool:
     return module is not None and isinstance(optimizer, module.Optimizer8bit)
 
 
-def keep_embeddings_32bit(model: nn.Module) -> None:
+def keep_embeddings_32bit(model: nn.Module, optimizer: Optimizer) -> None:
     """bitsandbytes' per-parameter override: every embedding matrix keeps 32-bit optimizer state.
 
-    The override is keyed by the parameter (not its position in the optimizer), which is what the
-    fused step's one-parameter optimizers need.
+    bitsandbytes keeps overrides in a process-wide manager keyed by ``id(parameter)``; they are given
+    to this optimizer alone (its own copy of the manager), so they cannot leak to a later model whose
+    parameters reuse a freed id. Keyed by parameter, they also reach the fused step's copies.
     """
-    from bitsandbytes.optim import GlobalOptimManager
-
-    manager = GlobalOptimManager.get_instance()
+    manager = copy.copy(optimizer.mng)
+    manager.pid2config = dict(manager.pid2config)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
-            manager.override_config(module.weight, "optim_bits", 32)
+            manager.pid2config[id(module.weight)] = {**manager.pid2config.get(id(module.weight), {}), "optim_bits": 32}
+    optimizer.mng = manager
 
 
 def swap_stable_embedding(model: nn.Module) -> None:

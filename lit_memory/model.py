@@ -156,13 +156,18 @@ class SequenceClassifier(L.LightningModule):
 
     # -- optimisation --------------------------------------------------------------------------
 
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
+        optimizer = self.optimizer_factory(weight_decay_groups(self.model))
+        if is_bitsandbytes(optimizer) and self.hparams.embedding_optimizer_state == "32bit":
+            keep_embeddings_32bit(self.model, optimizer)
+        return optimizer
+
     def configure_optimizers(self):
         # Imported here: transformers.optimization pulls in peft and bitsandbytes (1.5 s at start-up).
         from transformers import get_scheduler
 
-        optimizer = self.optimizer_factory(weight_decay_groups(self.model))
-        if is_bitsandbytes(optimizer) and self.hparams.embedding_optimizer_state == "32bit":
-            keep_embeddings_32bit(self.model)
+        optimizer = self.build_optimizer()
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,
@@ -217,6 +222,9 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers also makes the embeddings' output require grad, which only reentrant checkpointing
+    # needs; with it a frozen encoder would still run (and keep memory for) a backward of its own.
+    model.disable_input_require_grads()
 
 
 def transformer_layers(model: PreTrainedModel) -> nn.ModuleList:

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import rows, write_csv, write_jsonl
 from lit_memory.data import TextClassificationData

@@ -30,8 +30,10 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 0, 1])}
 
 
-def train(model: torch.nn.Module, fused: bool, steps: int = 3) -> torch.optim.Optimizer:
+def train(model: torch.nn.Module, fused: bool, steps: int = 3, embeddings_32bit: bool = False) -> torch.optim.Optimizer:
     optimizer = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)
+    if embeddings_32bit:
+        keep_embeddings_32bit(model, optimizer)
     step = FusedStep(optimizer) if fused else None
     for i in range(steps):
         torch.manual_seed(100 + i)  # the same dropout masks in every run
@@ -51,8 +53,7 @@ def state_bits(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.d
 @pytest.mark.parametrize("fused", [False, True])
 def test_embeddings_keep_32bit_state_and_the_rest_goes_8bit(fused):
     model = tiny_bert()
-    keep_embeddings_32bit(model)
-    optimizer = train(model, fused)
+    optimizer = train(model, fused, embeddings_32bit=True)
     embeddings = model.bert.embeddings
     for emb in (embeddings.word_embeddings, embeddings.position_embeddings):
         assert state_bits(optimizer, emb.weight) == torch.float32
@@ -63,6 +64,15 @@ def test_without_the_override_embeddings_are_8bit_too():
     model = tiny_bert()
     optimizer = train(model, fused=True)
     assert state_bits(optimizer, model.bert.embeddings.word_embeddings.weight) == torch.uint8
+
+
+def test_the_override_belongs_to_its_optimizer_alone():
+    model = tiny_bert()
+    first = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)
+    keep_embeddings_32bit(model, first)
+    second = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)  # e.g. a later model reusing freed ids
+    assert id(model.bert.embeddings.word_embeddings.weight) in first.mng.pid2config
+    assert id(model.bert.embeddings.word_embeddings.weight) not in second.mng.pid2config
 
 
 def test_stable_embedding_keeps_the_pretrained_vectors_and_32bit_state():
@@ -92,10 +102,9 @@ def test_fused_8bit_steps_fsdp_local_shards_exactly_as_unsharded(one_rank_group)
     for layer in sharded.bert.encoder.layer:
         fully_shard(layer)
     fully_shard(sharded)
-    for model in (plain, sharded):
-        keep_embeddings_32bit(model)
-    reference = train(plain, fused=True)
-    optimizer = train(sharded, fused=True)  # bitsandbytes knows nothing of DTensor: the core steps local shards
+    reference = train(plain, fused=True, embeddings_32bit=True)
+    # bitsandbytes knows nothing of DTensor: the core steps local shards
+    optimizer = train(sharded, fused=True, embeddings_32bit=True)
 
     word = sharded.bert.embeddings.word_embeddings.weight
     assert isinstance(word, DTensor)

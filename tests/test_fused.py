@@ -177,15 +177,29 @@ def test_remove_restores_ordinary_backward():
     assert all(p.grad is not None for p in net.parameters())
 
 
-def test_bitsandbytes_refuses_sharded_parameters(tmp_path):
+def test_bitsandbytes_steps_the_local_shard_of_a_sharded_parameter(tmp_path):
+    """bitsandbytes cannot step a DTensor: the fused copy steps the rank's local shard, in place,
+    with the 32-bit override intact. On a one-rank mesh that must equal plain AdamW8bit."""
     import bitsandbytes as bnb
     import torch.distributed as dist
-    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (1,)), [Replicate()]))
-        with pytest.raises(UserError, match="AdamW8bit cannot step FSDP-sharded parameters yet"):
-            FusedStep(bnb.optim.AdamW8bit([param]))
+        torch.manual_seed(0)
+        start, grads = torch.randn(64, 64), [torch.randn(64, 64) for _ in range(3)]
+        sharded = torch.nn.Parameter(distribute_tensor(start.clone(), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        plain = torch.nn.Parameter(start.clone())
+        fused_opt, ref_opt = bnb.optim.AdamW8bit([sharded], lr=1e-2), bnb.optim.AdamW8bit([plain], lr=1e-2)
+        fusion = FusedStep(fused_opt)
+        assert fusion.steps_shards
+        for grad in grads:
+            (sharded * distribute_tensor(grad, sharded.device_mesh, [Shard(0)])).sum().backward()
+            (plain * grad).sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert sharded.grad is None
+        assert torch.equal(sharded.to_local(), plain.detach())
+        assert fused_opt.state[sharded]["state1"].dtype == torch.uint8  # 8-bit state, keyed by the parameter
     finally:
         dist.destroy_process_group()

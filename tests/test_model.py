@@ -71,6 +71,14 @@ def test_gradient_checkpointing_is_on_when_asked():
                                off.model.bert.embeddings.word_embeddings.weight.grad)
 
 
+def test_checkpointing_a_frozen_body_runs_no_backward_through_it():
+    module = minilm(freeze="body", gradient_checkpointing=True)
+    ids = batch()["input_ids"]
+    assert not module.model.bert.embeddings(input_ids=ids).requires_grad  # nothing to differentiate below the head
+    module.model(**batch()).loss.backward()
+    assert module.model.classifier.weight.grad is not None
+
+
 def test_model_is_in_train_mode_after_configure_model():
     module = minilm()
     assert all(m.training for m in module.model.modules())  # dropout active, as in any fine-tune

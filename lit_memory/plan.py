@@ -1,0 +1,435 @@
+"""``python -m lit_memory plan --budget 4GiB [configs...]``: the fastest recipe predicted to fit.
+
+The candidates are the shipped recipes' switches (every setting that differs between recipes:
+precision, checkpointing, optimizer, freezing, sequence length, strategy) in every combination,
+with the configured effective batch split into micro-batches of every power of two. Each is
+predicted analytically (milliseconds); the fastest that fits is confirmed by the simulation and
+written as a recipe, with its predicted breakdown in the header.
+
+"Fastest" follows a stated rule; the first difference decides:
+
+1. quality: every parameter trains and every token is kept (freezing and truncation cost accuracy);
+2. no gradient accumulation;
+3. no gradient checkpointing (it recomputes the forward pass in backward);
+4. the larger micro-batch;
+5. on CUDA 16-bit mixed precision before fp32 (tensor cores), on CPU fp32 first;
+6. the optimizer that keeps more state (closest to AdamW's updates);
+7. Lightning's own optimizer step before the fused step (one optimizer step per parameter).
+
+With ``--measure`` the measured time per optimizer step decides among the first candidates that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+import yaml
+
+from lit_memory.errors import UserError
+from lit_memory.estimate import (
+    DEVICES,
+    PRECISIONS,
+    Prediction,
+    Setup,
+    analytic,
+    is_fused,
+    normalize_precision,
+    resolve,
+    simulate,
+)
+from lit_memory.memory import CATEGORIES, format_bytes, parse_bytes
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
+RULE = (
+    "quality (no freezing, no truncation) > no accumulation > no checkpointing > larger micro-batch > "
+    "16-bit mixed precision on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
+)
+CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
+MEASURED = 3  # candidates timed with --measure
+COMMENT_COLUMN = 34
+
+
+@dataclass(frozen=True)
+class Block:
+    """One setting of a recipe: ``section.key``, its value, and its lines (comments included)."""
+
+    key: str
+    value: Any
+    text: str
+
+
+@dataclass
+class Recipe:
+    name: str
+    path: Path
+    blocks: dict[str, Block]
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Split a recipe into its second-level settings, keeping each one's lines verbatim."""
+    data = yaml.safe_load(path.read_text()) or {}
+    lines: dict[str, list[str]] = {}
+    section = key = None
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent == 0:
+            section = stripped.split(":")[0]
+        elif indent == 2:
+            key = f"{section}.{stripped.split(':')[0]}"
+            lines[key] = [line]
+        else:
+            lines[key].append(line)
+    blocks = {}
+    for key, text in lines.items():
+        section, name = key.split(".", 1)
+        blocks[key] = Block(key, data[section][name], "\n".join(text))
+    return Recipe(path.stem, path, blocks)
+
+
+def shipped_recipes(folder: Path = RECIPES) -> list[Recipe]:
+    paths = sorted(folder.glob("*.yaml"), key=lambda p: (p.stem != "baseline", p.stem))
+    return [load_recipe(p) for p in paths]
+
+
+# -- turning settings into setups ---------------------------------------------------------------
+
+_FACTORIES: dict[str, Callable] = {}
+
+
+def optimizer_factory(spec: dict) -> Callable:
+    """An optimizer config (class_path + init_args) as the callable the CLI would give the module."""
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _FACTORIES:
+        from jsonargparse import ArgumentParser
+        from lightning.pytorch.cli import OptimizerCallable
+
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_argument("--optimizer", type=OptimizerCallable)
+        _FACTORIES[key] = parser.instantiate(parser.parse_object({"optimizer": spec})).optimizer
+    return _FACTORIES[key]
+
+
+def apply(base: Setup, values: dict[str, Any]) -> Setup:
+    """``base`` with recipe settings applied (settings that do not change a step's memory are ignored)."""
+    model, changes = dict(base.model), {}
+    for key, value in values.items():
+        section, name = key.split(".", 1)
+        if key == "trainer.precision":
+            changes["precision"] = normalize_precision(value)
+        elif key == "trainer.accumulate_grad_batches":
+            changes["accumulate_grad_batches"] = value
+        elif key == "trainer.strategy":
+            changes["fused"] = is_fused(value)
+        elif key in ("data.batch_size", "data.max_length"):
+            changes[name] = value
+        elif key == "model.optimizer":
+            changes["optimizer"] = optimizer_factory(value)
+        elif section == "model":
+            model[name] = value
+    return replace(base, model=model, **changes)
+
+
+def rank(setup: Setup, prediction: Prediction, longest: int) -> tuple:
+    """Sort key of the module docstring's rule: smaller is faster."""
+    autocast = PRECISIONS[setup.precision][2]
+    sixteen_bit = PRECISIONS[setup.precision][1].itemsize == 2
+    precision = (
+        (0 if autocast else 1 if sixteen_bit else 2) if setup.device == "cuda" else (0 if not sixteen_bit else 1)
+    )
+    steady_state = prediction.footprint.phases["forward"]["optimizer"]
+    return (
+        setup.model.get("freeze") is not None or setup.max_length < longest,
+        setup.accumulate_grad_batches > 1,
+        bool(setup.model.get("gradient_checkpointing")),
+        -setup.batch_size,
+        precision,
+        -steady_state,
+        setup.fused,
+    )
+
+
+@dataclass
+class Candidate:
+    blocks: dict[str, Block]  # every setting the planned recipe will state
+    setup: Setup
+    prediction: Prediction
+
+
+def _micro_batches(effective: int) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs that keep the effective batch: every power-of-two split."""
+    pairs = []
+    accumulate = 1
+    while accumulate <= effective:
+        if effective % accumulate == 0:
+            pairs.append((effective // accumulate, accumulate))
+        accumulate *= 2
+    return pairs
+
+
+def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
+    effective = micro * accumulate
+    return {
+        "data.batch_size": Block(
+            "data.batch_size", micro, _line("batch_size", micro, "activations grow linearly with the micro-batch")
+        ),
+        "trainer.accumulate_grad_batches": Block(
+            "trainer.accumulate_grad_batches",
+            accumulate,
+            _line(
+                "accumulate_grad_batches",
+                accumulate,
+                "an optimizer step after every micro-batch"
+                if accumulate == 1
+                else f"activations: {accumulate} micro-batches of {micro} make one step of {effective}",
+            ),
+        ),
+    }
+
+
+def _line(name: str, value: Any, comment: str) -> str:
+    setting = f"  {name}: {value}"
+    return f"{setting:<{COMMENT_COLUMN - 1}} # {comment}"
+
+
+def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
+    """Every combination of the recipes' differing settings, each micro-batch split, predicted."""
+    keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS))
+    options: dict[str, list[Optional[Block]]] = {}
+    for key in keys:
+        seen: dict[str, Optional[Block]] = {}
+        for recipe in recipes:
+            block = recipe.blocks.get(key)
+            seen.setdefault(json.dumps(block.value if block else "<absent>", sort_keys=True, default=str), block)
+        options[key] = list(seen.values())
+    order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
+    effective = base.batch_size * base.accumulate_grad_batches
+    out = []
+    for combination in itertools.product(*options.values()):
+        chosen = {b.key: b for b in combination if b is not None}
+        for micro, accumulate in _micro_batches(effective):
+            blocks = {**chosen, **_batch_blocks(micro, accumulate)}
+            blocks = dict(sorted(blocks.items(), key=lambda kv: order.index(kv[0])))
+            setup = apply(base, {k: b.value for k, b in blocks.items()})
+            if setup.fused and setup.accumulate_grad_batches > 1:
+                continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
+            out.append(Candidate(blocks, setup, analytic(setup)))
+    return out
+
+
+def lightest_fitting_recipe(
+    base: Setup, limit: int, recipes: Optional[list[Recipe]] = None
+) -> Optional[tuple[str, int]]:
+    """The shipped recipe, applied to ``base``'s model and data, that the rule prefers among those
+    predicted (analytically) to fit ``limit``: (its path, its predicted peak)."""
+    recipes = shipped_recipes() if recipes is None else recipes
+    fitting = []
+    for recipe in recipes:
+        setup = apply(base, {k: b.value for k, b in recipe.blocks.items()})
+        prediction = analytic(setup)
+        if prediction.footprint.peak <= limit:
+            fitting.append((recipe, setup, prediction))
+    if not fitting:
+        return None
+    longest = max(s.max_length for _, s, _ in fitting)
+    recipe, _, prediction = min(fitting, key=lambda f: rank(f[1], f[2], longest))
+    return f"recipes/{recipe.path.name}", prediction.footprint.peak
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+class StepTimer(L.Callback):
+    """Wall time per optimizer step (its micro-batches summed), the first (warm-up) step excluded."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, float] = {}
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = batch_idx // trainer.accumulate_grad_batches
+        self.times[step] = self.times.get(step, 0.0) + time.perf_counter() - self._start
+
+    @property
+    def seconds_per_step(self) -> float:
+        steps = [t for s, t in self.times.items() if s > 0]
+        return sum(steps) / len(steps) if steps else float("inf")
+
+
+def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float:
+    """Seconds per optimizer step of a recipe, from a short real run on this machine."""
+    from lit_memory.cli import LitMemoryCLI
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "candidate.yaml"
+        path.write_text(text)
+        overrides = [
+            f"--trainer.max_steps={steps}",
+            "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={tmp}",
+            "--model.save_pretrained=false",
+            "--memory.track_steps=0",
+            f"--data.limit_train_samples={effective * (steps + 1)}",
+        ]
+        cli = LitMemoryCLI(args=[*args, "--config", str(path), *overrides], run=False)
+        timer = StepTimer()
+        cli.trainer.callbacks.append(timer)
+        cli.trainer.fit(cli.model, cli.datamodule)
+    return timer.seconds_per_step
+
+
+# -- the recipe ---------------------------------------------------------------------------------
+
+
+def _parent(blocks: dict[str, Block], recipes: list[Recipe]) -> tuple[Recipe, list[str]]:
+    def differences(recipe: Recipe) -> list[str]:
+        keys = dict.fromkeys([*blocks, *recipe.blocks])
+        return [
+            k
+            for k in keys
+            if (blocks[k].value if k in blocks else None) != (recipe.blocks[k].value if k in recipe.blocks else None)
+        ]
+
+    parent = min(recipes, key=lambda r: len(differences(r)))
+    return parent, differences(parent)
+
+
+def _breakdown(prediction: Prediction) -> str:
+    f = prediction.footprint
+    parts = ", ".join(f"{c} {format_bytes(f.categories[c])}" for c in CATEGORIES)
+    return f"{parts}; peak {format_bytes(f.peak)} in {f.peak_phase} on {prediction.device}"
+
+
+def recipe_text(
+    chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
+) -> str:
+    parent, changes = _parent(chosen.blocks, recipes)
+    parent_prediction = analytic(apply(chosen.setup, {k: b.value for k, b in parent.blocks.items()}))
+    shrinks = [
+        c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]
+    ]
+    where = f"{chosen.setup.model.get('model_name_or_path')}, {chosen.setup.device}"
+    header = [
+        f"# planned: the fastest setup predicted to fit {format_bytes(budget)} ({where})",
+        f"# parent: {parent.name}",
+        f"# changes: {', '.join(changes) if changes else 'none'}",
+        f"# shrinks: {', '.join(shrinks) if shrinks else 'nothing'} (predicted, against {parent.name})",
+        f"# predicted-analytic: {_breakdown(chosen.prediction)}",
+    ]
+    if simulated is not None:
+        header.append(f"# predicted-simulated: {_breakdown(simulated)}")
+    header += [f"# rule: {RULE}", f"# made by: {command}"]
+    body = []
+    for section in ("trainer", "model", "data"):
+        keys = [k for k in chosen.blocks if k.startswith(section + ".")]
+        if keys:
+            body.append(f"{section}:")
+            body += [chosen.blocks[k].text for k in keys]
+    return "\n".join(header + body) + "\n"
+
+
+# -- the subcommand -----------------------------------------------------------------------------
+
+
+def plan(
+    base: Setup,
+    budget: int,
+    args: list[str],
+    recipes: Optional[list[Recipe]] = None,
+    confirm: bool = True,
+    measured: bool = False,
+) -> tuple[Candidate, Optional[Prediction], list[Candidate]]:
+    """Pick the candidate to write: (chosen, its simulation, all candidates)."""
+    recipes = shipped_recipes() if recipes is None else recipes
+    everything = candidates(base, recipes)
+    longest = max(c.setup.max_length for c in everything)
+    fitting = sorted(
+        (c for c in everything if c.prediction.footprint.peak <= budget),
+        key=lambda c: rank(c.setup, c.prediction, longest),
+    )
+    if not fitting:
+        smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
+        raise UserError(
+            f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)}; the smallest "
+            f"needs {format_bytes(smallest.prediction.footprint.peak)} ({smallest.setup.describe()})"
+        )
+    wanted = MEASURED if measured else 1
+    confirmed: list[tuple[Candidate, Optional[Prediction]]] = []
+    for candidate in fitting[:CONFIRMATIONS] if confirm else fitting[:wanted]:
+        simulated = simulate(candidate.setup) if confirm else None
+        if simulated is None or simulated.footprint.peak <= budget:
+            confirmed.append((candidate, simulated))
+        if len(confirmed) == wanted:
+            break
+    if not confirmed:
+        raise UserError(
+            f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} do not fit in simulation"
+        )
+    if measured:
+        effective = base.batch_size * base.accumulate_grad_batches
+        timed = []
+        for candidate, simulated in confirmed:
+            seconds = measure(recipe_text(candidate, simulated, recipes, budget, ""), args, effective)
+            print(f"measured {seconds:.3f} s per optimizer step: {candidate.setup.describe()}")
+            timed.append((seconds, candidate, simulated))
+        _, chosen, simulated = min(timed, key=lambda t: t[0])
+        return chosen, simulated, everything
+    chosen, simulated = confirmed[0]
+    return chosen, simulated, everything
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_memory plan",
+        description="Write the fastest recipe predicted to fit a memory budget. Every other argument is a fit "
+        "argument (--config FILE for the model/data, dotted overrides).",
+    )
+    parser.add_argument("--budget", required=True, help="memory to fit, e.g. 4GiB, 8GB, 6000MiB")
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
+    )
+    parser.add_argument("--output", default="planned.yaml", help="where to write the recipe (default: planned.yaml)")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help=f"time the {MEASURED} best candidates on this machine and keep the fastest",
+    )
+    parser.add_argument(
+        "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
+    )
+    ours, rest = parser.parse_known_args(argv)
+    budget = parse_bytes(ours.budget)
+    base = resolve(rest, ours.device)
+    recipes = shipped_recipes()
+    chosen, simulated, everything = plan(
+        base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
+    )
+    command = "python -m lit_memory plan " + shlex.join(argv)
+    Path(ours.output).write_text(recipe_text(chosen, simulated, recipes, budget, command))
+    fits = sum(c.prediction.footprint.peak <= budget for c in everything)
+    print(f"{fits} of {len(everything)} setups are predicted to fit {format_bytes(budget)}; the fastest by the rule:")
+    print(f"  {chosen.setup.describe()}")
+    print(f"  analytic:  {_breakdown(chosen.prediction)}")
+    if simulated is not None:
+        print(f"  simulated: {_breakdown(simulated)}")
+    print(f"wrote {ours.output}: python -m lit_memory fit {shlex.join([*rest, '--config', ours.output])}")

@@ -1,0 +1,193 @@
+"""Predictions: the seed's worked examples, analytic vs simulated, and the estimate subcommand."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from transformers import Adafactor
+
+from conftest import CONFIGS, RECIPES
+from lit_memory import estimate
+from lit_memory.cli import main
+from lit_memory.estimate import Setup, analytic, file_gib, is_fused, seed_bytes, simulate
+from lit_memory.memory import CATEGORIES
+
+GiB = 2**30
+ADAMW = partial(torch.optim.AdamW, lr=2e-5, weight_decay=0.01)
+BERT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
+MT5_PARAMETERS = 582_000_000  # the seed's rounding of mT5's 582,401,280
+LORA_K, LORA_N = 582_401_280, 884_736  # mT5 frozen, LoRA's trainable parameters (the seed's run)
+
+
+def minilm(**kwargs) -> Setup:
+    model = {"model_name_or_path": "bundled:minilm", **kwargs.pop("model", {})}
+    return Setup(model=model, optimizer=kwargs.pop("optimizer", ADAMW), **{"device": "cpu", **kwargs})
+
+
+def bert_large(**kwargs) -> Setup:
+    model = {"model_name_or_path": "bundled:bert-large", **kwargs.pop("model", {})}
+    return Setup(model=model, optimizer=kwargs.pop("optimizer", ADAMW), **kwargs)
+
+
+# -- the seed's worked examples ------------------------------------------------------------------
+
+
+def test_model_file_sizes_match_the_seed():
+    assert file_gib(110_000_000, 4) == pytest.approx(0.40978, abs=1e-5)  # BERT-base: 0.40978 GB = 419.62 MB
+    assert file_gib(110_000_000, 4) * 1024 == pytest.approx(419.62, abs=0.01)
+    assert file_gib(MT5_PARAMETERS, 4) == pytest.approx(2.168, abs=1e-3)
+    # The real BERT-base architecture, built from its config: its fp32 file is the seed's 420 MB.
+    prediction = analytic(bert_large(model={"config_overrides": BERT_BASE}, batch_size=1, max_length=8))
+    assert 108e6 < prediction.parameters < 111e6
+    assert file_gib(prediction.parameters, 4) * 1024 == pytest.approx(420, rel=0.01)
+
+
+def test_full_and_peft_training_bytes_match_the_seed():
+    full = seed_bytes(0, MT5_PARAMETERS)
+    assert sum(full.values()) / GiB == pytest.approx(8.672, abs=1e-3)  # weights + gradients + AdamW: 4x
+    lora = seed_bytes(LORA_K, LORA_N)
+    assert lora == {"weights": (LORA_K + LORA_N) * 4, "gradients": LORA_N * 4, "optimizer": 2 * LORA_N * 4}
+    assert sum(lora.values()) / GiB == pytest.approx(2.18, abs=0.01)  # "K+4N ~ 2.18GB"
+    saving = sum(seed_bytes(0, LORA_K).values()) - sum(lora.values())
+    assert saving == (3 * LORA_K - 4 * LORA_N) * 4
+    assert saving / GiB == pytest.approx(6.49, abs=0.01)  # "3K-4N ~ 6.49GB"
+
+
+def test_analytic_model_follows_the_seed_for_frozen_plus_trainable_parameters():
+    # A frozen body (K) and a trainable head (N): the analytic categories are the seed's K+N, N, 2N.
+    prediction = analytic(minilm(model={"freeze": "body"}, batch_size=1, max_length=16))
+    at_forward = prediction.footprint.phases["forward"]
+    frozen, trainable = prediction.parameters - prediction.trainable, prediction.trainable
+    expected = seed_bytes(frozen, trainable)
+    buffers = 8 * 2 * 512  # position_ids, token_type_ids
+    assert at_forward["weights"] == expected["weights"] + buffers
+    assert at_forward["gradients"] == expected["gradients"]
+    assert at_forward["optimizer"] == expected["optimizer"] + 4 * 2  # + Adam's step counter per tensor (CPU)
+
+
+# -- analytic vs simulated -------------------------------------------------------------------------
+
+CASES = {
+    "fp32 AdamW": {},
+    "accumulate": {"batch_size": 1, "accumulate_grad_batches": 4},
+    "bf16-mixed + checkpointing": {"precision": "bf16-mixed", "model": {"gradient_checkpointing": True}},
+    "bf16-true": {"precision": "bf16-true"},
+    "Adafactor": {"optimizer": partial(Adafactor, lr=1e-4, relative_step=False, scale_parameter=False)},
+    "SGD momentum": {"optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01)},
+    "AdamW8bit": {"optimizer": partial(bnb.optim.AdamW8bit, lr=1e-4)},
+    "freeze 4 layers": {"model": {"freeze": 4}},
+    "freeze body + checkpointing": {"model": {"freeze": "body", "gradient_checkpointing": True}},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_analytic_agrees_with_the_simulation(case):
+    setup = minilm(**{"batch_size": 8, "max_length": 64, **CASES[case]})
+    predicted, simulated = analytic(setup), simulate(setup)
+    assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.05)
+    for phase in simulated.footprint.phases:  # every phase, not only the peak
+        want = sum(simulated.footprint.phases[phase].values())
+        assert sum(predicted.footprint.phases[phase].values()) == pytest.approx(want, rel=0.10), phase
+    for prediction in (predicted, simulated):
+        assert sum(prediction.footprint.categories.values()) == prediction.footprint.peak
+    assert predicted.inference == pytest.approx(simulated.inference, rel=0.10)
+
+
+def test_cuda_target_runs_the_foreach_optimizer_and_both_methods_count_its_temporaries():
+    setup = minilm(batch_size=1, max_length=32, device="cuda")
+    predicted, simulated = analytic(setup), simulate(setup)
+    step = {
+        name: p.footprint.phases["step"]["optimizer"] - p.footprint.phases["forward"]["optimizer"]
+        for name, p in (("analytic", predicted), ("simulated", simulated))
+    }
+    decayed = sum(
+        p.numel() * 4 for p in estimate.build(setup, torch.device("meta"))[0].model.parameters() if p.ndim >= 2
+    )
+    assert step["simulated"] == pytest.approx(decayed, rel=0.01)  # one temporary per parameter of the group
+    assert step["analytic"] == pytest.approx(step["simulated"], rel=0.01)
+
+
+# -- BERT-large: the tiers the issue names -------------------------------------------------------------
+
+
+class StubFusedStrategy:
+    fused_step = True
+
+
+def test_fused_step_is_detected_from_the_strategy():
+    assert is_fused(StubFusedStrategy()) and is_fused(StubFusedStrategy)
+    assert not is_fused("auto") and not is_fused(None) and not is_fused("ddp")
+
+
+def test_4gb_settings_fit_in_4_gib_and_the_fused_step_frees_the_gradients():
+    settings = {
+        "precision": "bf16-mixed",
+        "model": {"gradient_checkpointing": True},
+        "optimizer": partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01),
+    }
+    unfused = analytic(bert_large(**settings))
+    fused = analytic(bert_large(fused=is_fused(StubFusedStrategy()), **settings))
+    assert fused.footprint.peak < unfused.footprint.peak < 4 * GiB
+    all_gradients = 4 * unfused.trainable  # fp32, alive in forward without fusion
+    assert unfused.footprint.phases["forward"]["gradients"] == all_gradients
+    word_embeddings = 30522 * 1024 * 4  # the largest single gradient
+    assert max(phase["gradients"] for phase in fused.footprint.phases.values()) <= word_embeddings
+    assert unfused.footprint.peak - fused.footprint.peak > 0.75 * all_gradients
+    # 8-bit state: 2 bytes + block scales per value; 32-bit (8 bytes) for the embedding matrices (the
+    # default `embedding_optimizer_state: 32bit`) and under bitsandbytes' min_8bit_size.
+    embeddings = (30522 + 512 + 2) * 1024
+    expected = 8 * embeddings + 2 * (fused.parameters - embeddings)
+    assert fused.footprint.categories["optimizer"] == pytest.approx(expected, rel=0.02)
+    all_8bit = analytic(bert_large(fused=True, **{**settings, "model": {"gradient_checkpointing": True,
+                                                                         "embedding_optimizer_state": "8bit"}}))
+    assert all_8bit.footprint.categories["optimizer"] / all_8bit.parameters == pytest.approx(2.0, rel=0.02)
+
+
+def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
+    main(
+        ["estimate", "--json", "--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "bert-large.yaml")]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["peak_bytes"]) == {"analytic", "simulated"}
+    for method in ("analytic", "simulated"):
+        assert isinstance(data["peak_bytes"][method], int) and data["peak_bytes"][method] > 10 * GiB
+        assert set(data["categories"][method]) == set(CATEGORIES)
+        assert sum(data["categories"][method].values()) == data["peak_bytes"][method]
+    assert data["model"]["file_bytes"]["fp32"] == 4 * data["model"]["parameters"]
+    assert data["device"] == {"analytic": "cuda", "simulated": "cpu"}
+    assert any("simulated on CPU" in note for note in data["notes"])
+
+
+def test_estimate_without_simulation_prints_a_table(capsys):
+    main(["estimate", "--no-simulate", "--device", "cpu", "--config", str(RECIPES / "accumulate.yaml")])
+    out = capsys.readouterr().out
+    for label in (
+        "weights",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "other/temporary",
+        "peak total",
+        "inference",
+        "model file",
+    ):
+        assert label in out
+    assert "simulated (cpu)" not in out
+
+
+def test_estimate_json_without_simulation_has_null_simulated_entries(capsys):
+    main(["estimate", "--json", "--no-simulate", "--config", str(RECIPES / "accumulate.yaml")])
+    data = json.loads(capsys.readouterr().out)
+    assert data["peak_bytes"]["simulated"] is None and data["categories"]["simulated"] is None
+    assert data["setup"]["accumulate_grad_batches"] == 32 and data["setup"]["batch_size"] == 1
+
+
+def test_unmodelled_precision_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--no-simulate", "--trainer.precision=transformer-engine"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: precision 'transformer-engine' is not modelled")

@@ -1,0 +1,167 @@
+"""Measurement: the tracker, memory.json in every run, predicted vs measured, the out-of-memory report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from conftest import FAST, RECIPES
+from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.errors import UserError
+from lit_memory.memory import (
+    CATEGORIES,
+    PHASES,
+    MemoryBudgetExceeded,
+    MemoryMonitor,
+    Tracker,
+    format_bytes,
+    parse_bytes,
+)
+
+ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+# Every batch padded to max_length, so the measured batch has the predicted (worst-case) shape.
+MEASURE = ["--data.padding=max_length", "--trainer.limit_val_batches=0", "--model.save_pretrained=false"]
+
+
+def test_parse_and_format_bytes():
+    assert parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("3.5 GB") == 3_500_000_000
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes(1000) == 1000
+    assert format_bytes(3 * 2**30 // 2) == "1.50 GiB"
+    with pytest.raises(UserError, match="cannot read '4 gigs' as a memory size"):
+        parse_bytes("4 gigs")
+
+
+def tiny_step(tracker: Tracker):
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(16, 64)
+    tracker.track_external(model, optimizer, x)
+    with tracker:
+        tracker.enter_phase("forward")
+        loss = model(x).square().mean()
+        tracker.enter_phase("backward")
+        loss.backward()
+        tracker.enter_phase("step")
+        optimizer.step()
+    return model
+
+
+def test_tracker_attributes_each_phase():
+    tracker = Tracker()
+    model = tiny_step(tracker)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    phases = tracker.footprint.phases
+    assert set(phases) == set(PHASES)
+    assert phases["forward"]["weights"] == params and phases["forward"]["gradients"] == 0
+    assert phases["forward"]["activations"] >= 16 * 256 * 4  # at least the hidden layer's output
+    assert 0 < phases["backward"]["gradients"] <= params and phases["step"]["gradients"] == params
+    assert phases["step"]["optimizer"] >= 2 * params  # Adam's moments (+ step counters, temporaries)
+    assert tracker.footprint.peak == sum(tracker.footprint.categories.values())
+
+
+def test_tracker_budget_raises_cudas_out_of_memory_error_with_the_breakdown():
+    tracker = Tracker(budget=40_000)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        tiny_step(tracker)
+    assert isinstance(err.value, MemoryBudgetExceeded)
+    assert sum(err.value.categories.values()) > 40_000
+    assert err.value.categories["weights"] > 0
+
+
+def test_accumulation_windows_track_only_the_micro_batches_that_differ():
+    monitor = MemoryMonitor(track_steps=2)
+    trainer = SimpleNamespace(
+        accumulate_grad_batches=8, global_step=0, strategy=SimpleNamespace(root_device=torch.device("cpu"))
+    )
+    assert [i for i in range(8) if monitor._tracking(trainer, i)] == [0, 1, 7]
+    trainer.global_step = 2  # past the tracked steps
+    assert not any(monitor._tracking(trainer, i) for i in range(16, 24))
+    budgeted = MemoryMonitor(track_steps=2, budget="1GiB")  # a CPU budget is enforced at every micro-batch
+    assert all(budgeted._tracking(trainer, i) for i in range(16, 24))
+
+
+def run(recipe: str, tmp_path: Path, *extra: str) -> tuple[LitMemoryCLI, dict]:
+    cli = LitMemoryCLI(
+        args=[
+            "fit",
+            "--config",
+            str(RECIPES / f"{recipe}.yaml"),
+            *FAST,
+            *MEASURE,
+            f"--trainer.default_root_dir={tmp_path}",
+            *extra,
+        ]
+    )
+    return cli, json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path, capsys):
+    # Two optimizer steps: the first creates the optimizer state, the second is the steady state the
+    # predictions describe. Accumulating 2 micro-batches keeps the recipes' memory shape (gradients
+    # live across micro-batches) at a 16th of the steps.
+    accumulate = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())["trainer"]["accumulate_grad_batches"]
+    cli, report = run(
+        recipe, tmp_path, f"--trainer.accumulate_grad_batches={min(accumulate, 2)}", "--memory.simulate=true"
+    )
+    measured = report["peak_bytes"]["measured"]
+    assert report["tracked_batches"] == report["batches"] == 2 * min(accumulate, 2)
+    predictions = ["analytic", "simulated"]
+    for method in predictions:
+        assert report["peak_bytes"][method] == pytest.approx(measured, rel=0.10), method
+    for method in (*predictions, "measured"):
+        assert set(report["categories"][method]) == set(CATEGORIES)
+        assert sum(report["categories"][method].values()) == report["peak_bytes"][method]
+        assert set(report["phases"][method]) == set(PHASES)
+    assert report["device"]["type"] == "cpu" and report["config"] == "config.yaml"
+    assert (Path(cli.trainer.log_dir) / "config.yaml").exists()  # the resolved config beside the evidence
+    assert cli.trainer.progress_bar_metrics["mem_peak_gib"] == pytest.approx(measured / 2**30, rel=1e-4)
+    # The end-of-fit table: predicted and measured side by side, per category.
+    out = capsys.readouterr().out
+    table = out[out.index("memory on cpu") :].splitlines()
+    assert table[1].split() == [*predictions, "measured"]
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:8]}
+    assert list(rows) == [*CATEGORIES, "peak"]
+    assert rows["peak"][-2:] == format_bytes(measured).split()
+
+
+def test_memory_is_measured_by_default_and_configurable(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["memory"] == {"track_steps": 2, "budget": None, "simulate": False}
+
+
+def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, capsys):
+    # baseline needs about 1.4 GiB on the bundled model: a 600 MiB budget fails in the first forward.
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "fit",
+                "--config",
+                str(RECIPES / "baseline.yaml"),
+                *FAST,
+                *MEASURE,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--memory.budget=600MiB",
+            ]
+        )
+    assert exit_.value.code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith(("/", " "))]
+    report, suggestion, error = err[-3:]
+    assert report.startswith("out of memory in the forward phase of batch 0: ")
+    assert all(name in report for name in CATEGORIES) and report.endswith("(limit 600.00 MiB)")
+    assert suggestion.startswith("lightest shipped recipe predicted to fit 600.00 MiB: --config recipes/")
+    suggested = suggestion.split("--config ")[1].split()[0]
+    assert suggested != "recipes/baseline.yaml"
+    assert error.startswith("error: out of memory: tracked tensors need")
+    memory = json.loads(next(tmp_path.rglob("memory.json")).read_text())
+    assert memory["oom"]["phase"] == "forward" and memory["oom"]["live_bytes"] > 600 * 2**20

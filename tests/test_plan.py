@@ -1,0 +1,117 @@
+"""plan: the fastest recipe predicted to fit, written as a shareable recipe that runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, FAST, RECIPES
+from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.errors import UserError
+from lit_memory.estimate import resolve
+from lit_memory.plan import candidates, plan, shipped_recipes
+from test_recipes import flatten
+
+MiB = 2**20
+# A 2-layer, 64-wide BERT: plans and short runs in seconds.
+TINY_LAYERS = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+TINY = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(TINY_LAYERS)}"]
+
+
+@pytest.fixture(scope="module")
+def minilm_candidates():
+    base = resolve([], "cpu")
+    return base, candidates(base, shipped_recipes())
+
+
+def test_candidates_cover_every_switch_and_micro_batch(minilm_candidates):
+    base, everything = minilm_candidates
+    setups = [c.setup for c in everything]
+    assert {s.batch_size for s in setups} == {32, 16, 8, 4, 2, 1}
+    assert all(s.batch_size * s.accumulate_grad_batches == 32 for s in setups)  # the effective batch is kept
+    assert {s.max_length for s in setups} == {64, 128}
+    assert {bool(s.model["gradient_checkpointing"]) for s in setups} == {False, True}
+    assert {s.model["freeze"] for s in setups} == {None, "body"}
+    shipped = {yaml.safe_load(p.read_text())["model"]["optimizer"]["class_path"] for p in RECIPES.glob("*.yaml")}
+    assert {s.optimizer_name for s in setups} == {path.rsplit(".", 1)[1] for path in shipped}
+    assert {s.precision for s in setups} == {"32-true", "bf16-mixed"} and {s.fused for s in setups} == {False, True}
+
+
+def test_when_everything_fits_the_plan_is_the_baseline(minilm_candidates):
+    base, _ = minilm_candidates
+    chosen, _, _ = plan(base, 100 * 2**30, [], confirm=False)
+    assert chosen.setup.batch_size == 32 and chosen.setup.accumulate_grad_batches == 1
+    assert not chosen.setup.model["gradient_checkpointing"] and chosen.setup.model["freeze"] is None
+    assert chosen.setup.optimizer_name == "AdamW" and chosen.setup.max_length == 128
+
+
+def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
+    base, everything = minilm_candidates
+    chosen, _, _ = plan(base, 600 * MiB, [], confirm=False)  # baseline (1.4 GiB) does not fit
+    assert chosen.prediction.footprint.peak <= 600 * MiB
+    assert chosen.setup.accumulate_grad_batches == 1 and chosen.setup.model["gradient_checkpointing"]
+    assert chosen.setup.model["freeze"] is None and chosen.setup.max_length == 128  # quality kept
+
+
+def test_impossible_budget_names_the_smallest_need(minilm_candidates):
+    base, _ = minilm_candidates
+    with pytest.raises(UserError, match=r"predicted to fit 1.00 MiB; the smallest needs .* MiB \(batch"):
+        plan(base, 1 * MiB, [], confirm=False)
+
+
+def header(text: str) -> dict[str, str]:
+    return dict(
+        re.match(r"# (\w[\w-]*): (.*)", line).groups()
+        for line in text.splitlines()
+        if re.match(r"# (\w[\w-]*): ", line)
+    )
+
+
+def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    main(["plan", "--budget", "60MiB", "--device", "cpu", "--output", str(out), *TINY])  # its baseline needs 113 MiB
+    assert "wrote" in capsys.readouterr().out
+    text = out.read_text()
+    fields = header(text)
+    assert {"planned", "parent", "changes", "shrinks", "predicted-analytic", "predicted-simulated"} <= set(fields)
+    # The recipe convention: the header's changes are exactly the differences from its parent.
+    mine = flatten(yaml.safe_load(text))
+    parent = flatten(yaml.safe_load((RECIPES / f"{fields['parent']}.yaml").read_text()))
+    changed = {k for k in mine.keys() | parent.keys() if mine.get(k, "<absent>") != parent.get(k, "<absent>")}
+    declared = [] if fields["changes"] == "none" else fields["changes"].split(", ")
+    assert {k for k in changed if not any(k == d or k.startswith(d + ".") for d in declared)} == set()
+    assert all(any(k == d or k.startswith(d + ".") for k in changed) for d in declared)
+    for line in text.splitlines():
+        if re.match(r"\s*[\w.]+:\s*[^\s#]", line):
+            assert "#" in line, f"no comment on '{line.strip()}'"
+    # It runs (2 steps) inside the budget it was planned for.
+    cli = LitMemoryCLI(
+        args=[
+            "fit",
+            *TINY,
+            "--config",
+            str(out),
+            *FAST,
+            "--data.padding=max_length",
+            "--trainer.limit_val_batches=0",
+            "--model.save_pretrained=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--memory.budget=60MiB",
+        ]
+    )
+    assert cli.trainer.global_step == 2
+    memory = json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
+    assert memory["peak_bytes"]["measured"] <= 60 * MiB
+
+
+def test_measure_times_the_best_candidates(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    main(["plan", "--budget", "8GiB", "--device", "cpu", "--measure", "--no-simulate", "--output", str(out), *TINY])
+    assert capsys.readouterr().out.count("s per optimizer step") == 3
+    recipe = yaml.safe_load(out.read_text())
+    # Everything fits 8 GiB: the measured choice is among the rule's three best, all unaccumulated.
+    assert recipe["trainer"]["accumulate_grad_batches"] == 1 and recipe["data"]["batch_size"] == 32
