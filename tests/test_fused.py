@@ -8,7 +8,6 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
 from fused_worker import batches, tiny_bert
-from lit_memory.errors import UserError
 from lit_memory.fused import FusedStep
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 
