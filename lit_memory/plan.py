@@ -47,8 +47,8 @@ from lit_memory.estimate import (
     simulate,
 )
 from lit_memory.memory import CATEGORIES, format_bytes, parse_bytes
+from lit_memory.recipes import recipes_dir
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 RULE = (
     "quality (no freezing, no truncation) > no accumulation > no checkpointing > larger micro-batch > "
@@ -99,7 +99,9 @@ def load_recipe(path: Path) -> Recipe:
     return Recipe(path.stem, path, blocks)
 
 
-def shipped_recipes(folder: Path = RECIPES) -> list[Recipe]:
+def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
+    """The shipped recipes (from the checkout or the installed package), baseline first."""
+    folder = recipes_dir() if folder is None else folder
     paths = sorted(folder.glob("*.yaml"), key=lambda p: (p.stem != "baseline", p.stem))
     return [load_recipe(p) for p in paths]
 

@@ -382,19 +382,19 @@ def shared_recipe(config_yaml: str, command: str, machine: str, run_dir: Path) -
 
 
 def measured_peak(run_dir: Path) -> Optional[str]:
-    """The peak recorded in the run's ``memory.json`` (memory accounting), or None.
+    """The peak the run measured, from its ``memory.json`` (schema: docs/memory.md), or None.
 
-    Read defensively: the first top-level number whose key mentions ``peak``; one whose key
-    ends in ``bytes`` is shown in GiB.
+    On CUDA the allocator's maxima (what decides whether a GPU fits); elsewhere the tensor tracker's peak.
     """
     try:
         record = json.loads((run_dir / "memory.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        cuda, tracked = record.get("cuda"), record["peak_bytes"]["measured"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    for key, value in record.items() if isinstance(record, dict) else ():
-        if "peak" in key and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return f"{value / 2**30:.2f} GiB" if key.endswith("bytes") else f"{value} ({key})"
-    return None
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    if cuda:
+        return f"{gib(cuda['max_allocated_bytes'])} allocated, {gib(cuda['max_reserved_bytes'])} reserved (CUDA)"
+    return f"{gib(tracked)} (tensor tracker, {record['device']['type']})" if tracked else None
 
 
 def describe_machine(trainer: Any) -> str:

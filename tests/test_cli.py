@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,8 @@ def test_a_fit_writes_a_shareable_recipe_that_reproduces_its_settings(shared_run
     for package in ("lit_memory", "torch", "lightning", "transformers"):
         version = __import__(package).__version__
         assert f"{package} {version}" in header["versions"]
-    assert header["measured peak memory"].startswith("not measured")
+    measured = json.loads((shared_run / "memory.json").read_text())["peak_bytes"]["measured"]
+    assert header["measured peak memory"] == f"{measured / 2**30:.2f} GiB (tensor tracker, cpu)"
     settings = yaml.safe_load(text)
     assert settings["trainer"]["default_root_dir"] is None and settings["ckpt_path"] is None
     assert settings["model"]["optimizer"]["class_path"] == "transformers.Adafactor"

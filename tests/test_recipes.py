@@ -372,5 +372,11 @@ def test_measured_peak_reads_memory_json_defensively(tmp_path):
     assert recipes.measured_peak(tmp_path) is None  # no memory.json
     (tmp_path / "memory.json").write_text("{not json")
     assert recipes.measured_peak(tmp_path) is None
-    (tmp_path / "memory.json").write_text(json.dumps({"device": "cuda", "peak_bytes": 3 * 2**30 + 2**29}))
-    assert recipes.measured_peak(tmp_path) == "3.50 GiB"
+    (tmp_path / "memory.json").write_text(json.dumps({"peak_bytes": 3}))  # another schema
+    assert recipes.measured_peak(tmp_path) is None
+    cpu = {"device": {"type": "cpu"}, "peak_bytes": {"measured": 3 * 2**30 + 2**29}, "cuda": None}
+    (tmp_path / "memory.json").write_text(json.dumps(cpu))
+    assert recipes.measured_peak(tmp_path) == "3.50 GiB (tensor tracker, cpu)"
+    cuda = {**cpu, "device": {"type": "cuda"}, "cuda": {"max_allocated_bytes": 2**31, "max_reserved_bytes": 5 * 2**29}}
+    (tmp_path / "memory.json").write_text(json.dumps(cuda))
+    assert recipes.measured_peak(tmp_path) == "2.00 GiB allocated, 2.50 GiB reserved (CUDA)"
