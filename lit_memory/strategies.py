@@ -186,7 +186,9 @@ def shard(model: nn.Module, mesh: Any) -> None:
 def _hugging_face_models(module: LightningModule) -> list[nn.Module]:
     from transformers import PreTrainedModel
 
-    models = [m for m in module.children() if isinstance(m, PreTrainedModel)]
+    # A peft model wraps the Hugging Face one (its adapters live inside the layers sharded with them).
+    models = [getattr(m, "get_base_model", lambda: m)() for m in module.children()]
+    models = [m for m in models if isinstance(m, PreTrainedModel)]
     if not models:
         name = type(module).__name__
         raise UserError(f"FSDP2Strategy shards the Hugging Face models a LightningModule holds; {name} holds none")
