@@ -106,7 +106,10 @@ def ordered(names: str) -> list[str]:
 def bench_overrides(run_dir: Path, warmup: int, steps: int, validate_after: Optional[int]) -> list[str]:
     """What every benchmarked fit gets after the user's arguments (so they win)."""
     # A CSV logger writing straight into run_dir: memory.json, step_times.json, metrics.csv are found there.
-    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "", "version": ""}}
+    logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
+    }
     timer = {"class_path": f"{__name__}.StepTimer", "init_args": {"warmup": warmup}}
     args = [
         f"--trainer.max_steps={warmup + steps}",
@@ -145,12 +148,15 @@ def _configured(recipe: str, args: list[str]):
         seed_log.disabled = False
 
 
-def plan(names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str]) -> list[Plan]:
+def plan(
+    names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str]
+) -> list[Plan]:
     """Resolve every recipe with the user's arguments before anything runs: bad input fails here."""
     from lit_memory.peer import NoTrainerEquivalent, trainer_arguments
 
     plans = []
     for name in names:
+        # Fixed-length batches, as the seed had them: every step the same work, the predicted worst case.
         base = ["--config", str(recipes.recipe_path(name)), *user_args, "--data.padding=max_length"]
         run_dir = (out / "runs" / name).resolve()
         cli = _configured(name, base + bench_overrides(run_dir, warmup, steps, None))
@@ -244,7 +250,11 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def bench(plans: list[Plan], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str]) -> list[dict]:
+def bench(
+    plans: list[Plan], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str],
+    done: Callable[[list[dict]], None] = lambda rows: None,
+) -> list[dict]:
+    """Run every plan (and its peer); `done` gets the rows so far after each recipe."""
     from tqdm import tqdm
 
     logs = out / "logs"
@@ -272,6 +282,7 @@ def bench(plans: list[Plan], out: Path, warmup: int, steps: int, evaluate: bool,
                 row["memory_ours_over_peer"] = _ratio(row.get("peak_measured_bytes"), row.get("peer_peak_bytes"))
                 row["samples_per_s_ours_over_peer"] = _ratio(row.get("samples_per_s"), row.get("peer_samples_per_s"))
             rows.append(row)
+            done(rows)
     return rows
 
 
@@ -395,7 +406,10 @@ def plot(rows: list[dict], info: dict[str, Any], path: Path) -> None:
         series.append(("peer_peak_bytes", "peer_samples_per_s", peer, "x", f" ({peer})"))
     top = LIMIT_GIB
     for peak_key, speed_key, label, marker, suffix in series:
-        points = [(r[speed_key], r[peak_key] / 2**30, r["recipe"]) for r in rows if r.get(peak_key) and r.get(speed_key)]
+        points = [
+            (r[speed_key], r[peak_key] / 2**30, r["recipe"])
+            for r in rows if r.get(peak_key) and r.get(speed_key)
+        ]
         if points:
             ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
             for x, y, name in points:
@@ -443,7 +457,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--peer", help=f"also train each recipe with: {', '.join(PEERS)}")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="output folder (default bench/)")
     parser.add_argument(
-        "--update-readme", action="store_true", help=f"write the table into {recipes.recipes_dir() / recipes.BENCH_TABLE}"
+        "--update-readme", action="store_true", help=f"also write the table into recipes/{recipes.BENCH_TABLE}"
     )
     args, user_args = parser.parse_known_args(argv)
     if args.steps < 1:
@@ -458,16 +472,22 @@ def main(argv: list[str]) -> None:
     names = ordered(args.recipes)
     plans = plan(names, user_args, args.out, args.warmup, args.steps, args.eval, args.peer)
 
-    rows = bench(plans, args.out, args.warmup, args.steps, args.eval, args.peer)
-    info = {
-        "command": shlex.join(["python", "-m", "lit_memory", "bench", *argv]),
-        "machine": machine(rows),
-        "settings": {"recipes": names, "steps": args.steps, "warmup": args.warmup, "eval": args.eval, "peer": args.peer},
-    }
-    write_outputs(rows, info, args.out)
-    if args.update_readme:
+    def info(rows: list[dict]) -> dict[str, Any]:
+        return {
+            "command": shlex.join(["python", "-m", "lit_memory", "bench", *argv]),
+            "machine": machine(rows),
+            "settings": {
+                "recipes": names, "steps": args.steps, "warmup": args.warmup, "eval": args.eval, "peer": args.peer
+            },
+        }
+
+    def save(rows: list[dict]) -> None:  # after every recipe: an interrupted run keeps what it measured
+        write_outputs(rows, info(rows), args.out)
+
+    rows = bench(plans, args.out, args.warmup, args.steps, args.eval, args.peer, save)
+    if args.update_readme:  # only a finished run
         readme = recipes.recipes_dir() / recipes.BENCH_TABLE
-        readme.write_text(markdown(rows, info, "Recipes, measured"), encoding="utf-8")
+        readme.write_text(markdown(rows, info(rows), "Recipes, measured"), encoding="utf-8")
     print(f"wrote {', '.join(str(args.out / f) for f in ('bench.md', 'bench.csv', 'bench.json', 'bench.png'))}")
     failed = [r["recipe"] for r in rows if r.get("error")]
     if failed:

@@ -70,7 +70,7 @@ def trainer_arguments(cli: Any) -> dict[str, Any]:
         "lr_scheduler_type": config.model.lr_scheduler_type,
         "warmup_steps": config.model.warmup_ratio,  # a float below 1 is a ratio of the steps
         "use_cpu": use_cpu,
-        "seed": config.seed_everything if isinstance(config.seed_everything, int) else 42,
+        "seed": config.seed_everything if type(config.seed_everything) is int else 42,  # not a bool
         "dataloader_num_workers": config.data.num_workers,
         **PRECISION[precision],
     }
@@ -84,19 +84,25 @@ class PeerMeter(TrainerCallback):
         self.stamps: list[float] = []
         self.peak = 0
         self.tracker = None
+        self.micro_batch = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    # One tracker per micro-batch, as the memory callback does (MemTracker follows one forward per module).
+    # One tracker per micro-batch (MemTracker follows one forward per module), and as the memory callback
+    # does, of an accumulation window only the micro-batches that differ: the first, the second, the last.
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.micro_batch = 0
         if not self.cuda and state.global_step < self.track_steps:
             self._track(model, optimizer)
 
     def on_substep_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.tracker is not None:
             self._stop_tracking()
+        self.micro_batch += 1
+        last = args.gradient_accumulation_steps - 1
+        if not self.cuda and state.global_step < self.track_steps and self.micro_batch in (1, last):
             self._track(model, optimizer)
 
     def _track(self, model, optimizer) -> None:
