@@ -26,6 +26,7 @@ from lit_memory.precision import cpu_fallback
 
 # subcommand -> "module:function"; each function takes the remaining argv.
 TOOLS: dict[str, str] = {
+    "bench": "lit_memory.bench:main",
     "estimate": "lit_memory.estimate:main",
     "plan": "lit_memory.plan:main",
     "recipes": "lit_memory.recipes:main",

@@ -677,8 +677,9 @@ def simulate(setup: Setup) -> Prediction:
 # -- the subcommand -----------------------------------------------------------------------------
 
 
-def resolve(args: list[str], device: str = "cuda") -> Setup:
-    """The setup ``fit`` would train with these configs and overrides (nothing is built or loaded)."""
+def configured(args: list[str]):
+    """The CLI as ``fit`` would set it up for these configs and overrides: resolved config, the
+    module (its model not yet built) and the data module; no Trainer, no weights, no data read."""
     from lit_memory.cli import LitMemoryCLI
 
     class ConfigOnly(LitMemoryCLI):
@@ -688,7 +689,12 @@ def resolve(args: list[str], device: str = "cuda") -> Setup:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # args come from our argv
-        cli = ConfigOnly(args=args, run=False)
+        return ConfigOnly(args=args, run=False)
+
+
+def resolve(args: list[str], device: str = "cuda") -> Setup:
+    """The setup ``fit`` would train with these configs and overrides (nothing is built or loaded)."""
+    cli = configured(args)
     trainer = cli.config.trainer
     return Setup(
         model=_init_args(SequenceClassifier, cli.model.hparams),

@@ -122,6 +122,12 @@ def _cell(row: dict[str, str], word: str) -> str:
     return next((value for column, value in row.items() if word in column and value), "-")
 
 
+def tier_order() -> list[str]:
+    """The shipped recipes, parents before their children: the tiers read top down."""
+    folder = recipes_dir()
+    return _tier_order({name: header(folder / f"{name}.yaml") for name in names()})
+
+
 def list_recipes() -> None:
     folder = recipes_dir()
     table = folder / BENCH_TABLE
@@ -129,7 +135,7 @@ def list_recipes() -> None:
     headers = {name: header(folder / f"{name}.yaml") for name in names()}
     width = max(map(len, headers)) + 2
     print(f"{'recipe':{width}}{'parent':{width}}{'peak':>10}  {'samples/s':>9}  description")
-    for name in _tier_order(headers):
+    for name in tier_order():
         row, fields = measured.get(name, {}), headers[name]
         print(
             f"{name:{width}}{fields.get('parent', '-'):{width}}{_cell(row, 'peak'):>10}  "

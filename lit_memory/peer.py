@@ -1,0 +1,190 @@
+"""The peer: the same model, data and settings trained by `transformers.Trainer`, measured like ours.
+
+A recipe's resolved config is mapped onto the `TrainingArguments` the seed used (batch,
+accumulation, gradient checkpointing, ``optim``, learning rate, weight decay, bf16); freezing and
+LoRA are applied to the model by our `SequenceClassifier.configure_model`, the data comes from our
+`TextClassificationData` (same split, tokenisation and fixed-length collator). Everything else is
+the Trainer's default, as people run it (it clips gradients to norm 1.0; ours do not clip). Settings
+the Trainer has no switch for (the fused backward + step, sharded strategies, other optimizers)
+raise `NoTrainerEquivalent`.
+
+Run by ``python -m lit_memory bench --peer hf-trainer`` in a fresh process per recipe:
+``python -m lit_memory.peer --out DIR --warmup W --steps N <fit args>``. Writes ``DIR/peer.json``:
+the peak memory (CUDA: the allocator's peaks; CPU: tensors tracked by the same `Tracker` as our
+`MemoryMonitor`, over the first optimizer steps) and the wall time of each step after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback
+
+from lit_memory.bench import synchronized_clock
+from lit_memory.errors import UserError
+
+PEER_JSON = "peer.json"
+# Our optimizer class paths -> the Trainer's `optim` names.
+OPTIM = {
+    "torch.optim.AdamW": "adamw_torch",
+    "transformers.Adafactor": "adafactor",
+    "transformers.optimization.Adafactor": "adafactor",
+    "bitsandbytes.optim.AdamW8bit": "adamw_bnb_8bit",
+}
+PRECISION = {"32-true": {}, "bf16-mixed": {"bf16": True}, "16-mixed": {"fp16": True}}
+
+
+class NoTrainerEquivalent(Exception):
+    """A recipe setting `transformers.Trainer` has no switch for; the message says which."""
+
+
+def trainer_arguments(cli: Any) -> dict[str, Any]:
+    """`TrainingArguments` keywords equivalent to a resolved fit config (`estimate.configured`)."""
+    from lit_memory.estimate import is_fused, normalize_precision
+
+    config = cli.config
+    if is_fused(cli.config_init.trainer.strategy):
+        raise NoTrainerEquivalent("no Trainer equivalent (fused backward + step)")
+    if config.trainer.strategy not in ("auto", "single_device"):
+        raise NoTrainerEquivalent("no Trainer equivalent (strategy)")
+    precision = normalize_precision(config.trainer.precision)
+    if precision not in PRECISION:
+        raise NoTrainerEquivalent(f"no Trainer equivalent (precision {precision})")
+    optimizer = config.model.optimizer
+    if optimizer.class_path not in OPTIM:
+        raise NoTrainerEquivalent(f"no Trainer equivalent (optimizer {optimizer.class_path})")
+    init = optimizer.init_args
+    accelerator = str(config.trainer.accelerator)
+    use_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    return {
+        "per_device_train_batch_size": config.data.batch_size,
+        "gradient_accumulation_steps": config.trainer.accumulate_grad_batches,
+        "gradient_checkpointing": config.model.gradient_checkpointing,
+        "optim": OPTIM[optimizer.class_path],
+        "learning_rate": init.lr,
+        "weight_decay": init.weight_decay,
+        "lr_scheduler_type": config.model.lr_scheduler_type,
+        "warmup_steps": config.model.warmup_ratio,  # a float below 1 is a ratio of the steps
+        "use_cpu": use_cpu,
+        "seed": config.seed_everything if type(config.seed_everything) is int else 42,  # not a bool
+        "dataloader_num_workers": config.data.num_workers,
+        **PRECISION[precision],
+    }
+
+
+class PeerMeter(TrainerCallback):
+    """Step times after `warmup` optimizer steps; peak memory (tracked on CPU, allocator on CUDA)."""
+
+    def __init__(self, warmup: int, track_steps: int, cuda: bool) -> None:
+        self.warmup, self.track_steps, self.cuda = warmup, track_steps, cuda
+        self.stamps: list[float] = []
+        self.peak = 0
+        self.tracker = None
+        self.micro_batch = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    # One tracker per micro-batch (MemTracker follows one forward per module), and as the memory callback
+    # does, of an accumulation window only the micro-batches that differ: the first, the second, the last.
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.micro_batch = 0
+        if not self.cuda and state.global_step < self.track_steps:
+            self._track(model, optimizer)
+
+    def on_substep_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.tracker is not None:
+            self._stop_tracking()
+        self.micro_batch += 1
+        last = args.gradient_accumulation_steps - 1
+        if not self.cuda and state.global_step < self.track_steps and self.micro_batch in (1, last):
+            self._track(model, optimizer)
+
+    def _track(self, model, optimizer) -> None:
+        from lit_memory.memory import Tracker
+
+        self.tracker = Tracker("cpu")
+        # What exists already (parameters, gradients, optimizer state) is registered; the rest is seen made.
+        self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
+        self.tracker.__enter__()
+
+    def _stop_tracking(self) -> None:
+        self.peak = max(self.peak, sum(self.tracker.categories("peak").values()))
+        self.tracker.__exit__(None, None, None)
+        self.tracker = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self._stop_tracking()
+        if state.global_step >= self.warmup:
+            self.stamps.append(synchronized_clock(self.cuda))
+
+    def record(self, samples_per_step: int) -> dict[str, Any]:
+        return {
+            "peak_bytes": torch.cuda.max_memory_allocated() if self.cuda else self.peak,
+            "reserved_bytes": torch.cuda.max_memory_reserved() if self.cuda else None,
+            "step_times_s": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
+            "samples_per_step": samples_per_step,
+            "device": torch.cuda.get_device_name() if self.cuda else "cpu",
+        }
+
+
+def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: int = 2) -> dict[str, Any]:
+    """Train `warmup + steps` optimizer steps with `transformers.Trainer`; return the measurements."""
+    from transformers import Trainer, TrainingArguments
+
+    from lit_memory.estimate import configured
+
+    cli = configured(fit_args)
+    kwargs = trainer_arguments(cli)
+    module, data = cli.model, cli.datamodule
+    # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
+    module.hparams.gradient_checkpointing = False
+    module.configure_model()
+    data.prepare_data()
+    loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=warmup + steps,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        **kwargs,
+    )
+    cuda = not args.use_cpu and torch.cuda.is_available()
+    meter = PeerMeter(warmup, track_steps, cuda)
+    trainer = Trainer(
+        model=module.model,
+        args=args,
+        train_dataset=loader.dataset,
+        data_collator=loader.collate_fn,
+        callbacks=[meter],
+    )
+    trainer.train()
+    samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    return meter.record(samples)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lit_memory.peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    ours, fit_args = parser.parse_known_args(argv)
+    try:
+        record = run(fit_args, ours.out, ours.warmup, ours.steps)
+    except (UserError, NoTrainerEquivalent) as err:
+        raise SystemExit(f"error: {err}") from err
+    ours.out.mkdir(parents=True, exist_ok=True)
+    (ours.out / PEER_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

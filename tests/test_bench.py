@@ -1,0 +1,137 @@
+"""`python -m lit_memory bench`: one real bench run (two recipes, the peer, --eval, --update-readme)
+on a tiny random BERT, checked from its outputs; a failing recipe; bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import pytest
+from conftest import RECIPES
+
+from lit_memory import bench, recipes
+from lit_memory.cli import main
+
+# A 2-layer BERT with random weights on a few short samples: each recipe runs in seconds.
+TINY = [
+    "--model.model_name_or_path=bundled:bert-large",
+    "--model.pretrained=false",
+    "--model.config_overrides={num_hidden_layers: 2, hidden_size: 64, num_attention_heads: 4, intermediate_size: 128}",
+    "--data.limit_train_samples=64",
+    "--data.limit_eval_samples=16",
+    "--data.batch_size=4",
+    "--data.max_length=32",
+]
+REQUIRED = ["recipe", "peak_measured_bytes", "peak_predicted_bytes", "step_time_s", "samples_per_s", "val_f1"]
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """A copy of the shipped recipes folder, so --update-readme writes its README there."""
+    folder = tmp_path_factory.mktemp("shipped") / "recipes"
+    shutil.copytree(RECIPES, folder, ignore=shutil.ignore_patterns("README.md"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(recipes, "PACKAGED", folder)
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def run(shipped, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    args = ["--recipes", "fused,baseline", "--steps", "2", "--warmup", "2", "--eval", "--peer", "hf-trainer"]
+    main(["bench", *args, "--update-readme", "--out", str(out), *TINY])
+    with open(out / "bench.csv", newline="") as f:
+        rows = {row["recipe"]: row for row in csv.DictReader(f)}
+    return out, rows
+
+
+def test_bench_writes_table_csv_json_and_chart_with_numbers_per_recipe(run, shipped, capsys):
+    out, rows = run
+    assert list(rows) == ["baseline", "fused"]  # tier order, whatever order they were asked in
+    for name, row in rows.items():
+        assert not row["error"], row["error"]
+        for column in REQUIRED[1:-1]:
+            assert float(row[column]) > 0, (name, column)
+        assert 0 <= float(row["val_f1"]) <= 1  # validated once, after the step budget
+        # bench reads the predicted and measured peaks of the same run (memory accounting keeps them within 10 %)
+        assert abs(int(row["peak_predicted_bytes"]) / int(row["peak_measured_bytes"]) - 1) < 0.10
+        assert float(row["samples_per_s"]) == pytest.approx(4 / float(row["step_time_s"]))  # batch 4, no accumulation
+        times = json.loads((out / "runs" / name / bench.STEP_TIMES).read_text())
+        assert len(times["step_times_s"]) == 2 and times["samples_per_step"] == 4  # the 2 steps after warm-up
+
+    table = recipes.bench_table((out / "bench.md").read_text())
+    assert list(table) == ["baseline", "fused"]
+    assert table["baseline"]["peak measured"].endswith("MiB")
+    assert float(table["fused"]["samples/s"]) > 0
+
+    record = json.loads((out / "bench.json").read_text())
+    assert [r["recipe"] for r in record["rows"]] == ["baseline", "fused"]
+    assert record["command"].startswith("python -m lit_memory bench --recipes fused,baseline")
+    assert record["machine"]["device"] == "cpu" and record["machine"]["torch"]
+    header = (out / "bench.md").read_text().split("\n|")[0]
+    assert record["command"] in header and f"torch {record['machine']['torch']}" in header
+
+    from matplotlib.image import imread
+
+    image = imread(out / "bench.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+    # --update-readme: the shipped folder's README holds the same table, and `recipes list` shows it.
+    readme = recipes.bench_table((shipped / recipes.BENCH_TABLE).read_text())
+    assert readme["baseline"]["samples/s"] == table["baseline"]["samples/s"]
+    recipes.list_recipes()
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
+    assert table["baseline"]["peak measured"].split()[0] in listed["baseline"].split()
+    assert table["baseline"]["samples/s"] in listed["baseline"].split()
+
+
+def test_the_peer_trains_the_same_settings_with_the_trainer_and_is_measured_the_same_way(run):
+    out, rows = run
+    baseline, fused = rows["baseline"], rows["fused"]
+    # Same model, data and fp32 AdamW, same tensor tracker: the same memory within a few percent.
+    assert float(baseline["memory_ours_over_peer"]) == pytest.approx(1.0, abs=0.05)
+    assert float(baseline["peer_samples_per_s"]) > 0
+    assert float(baseline["samples_per_s_ours_over_peer"]) == pytest.approx(
+        float(baseline["samples_per_s"]) / float(baseline["peer_samples_per_s"])
+    )
+    assert fused["peer_note"] == "no Trainer equivalent (fused backward + step)"
+    assert not fused["peer_peak_bytes"]
+    assert "no Trainer equivalent" in recipes.bench_table((out / "bench.md").read_text())["fused"]["note"]
+
+
+def test_a_failing_recipe_is_a_row_with_its_error_not_a_crash(tmp_path, capsys):
+    # The fused step refuses gradient accumulation: the fit exits with its one-line error.
+    accumulate = "--trainer.accumulate_grad_batches=2"
+    main(["bench", "--recipes", "fused", "--steps", "1", "--out", str(tmp_path), *TINY, accumulate])
+    with open(tmp_path / "bench.csv", newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert "cannot accumulate gradients" in row["error"] and not row["peak_measured_bytes"]
+    assert "error: exit status 2: the fused step" in (tmp_path / "bench.md").read_text()
+    assert "failed: fused" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--recipes", "baseline,nope"], "error: unknown recipe 'nope'; choose one of: 4gb,"),
+        (["--peer", "deepspeed"], "error: unknown peer 'deepspeed'; choose one of: hf-trainer"),
+        (["--steps", "0"], "error: --steps must be at least 1, got 0"),
+        (["--warmup", "1"], "error: --warmup must be at least 2"),
+        (["--recipes", "baseline", "--config", "gone.yaml"], 'error: recipe baseline: Parser key "config": File'),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_runs(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *args, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_runs_the_seed_tiers_in_the_seed_order_then_ours():
+    order = bench.ordered("all")
+    assert order[:6] == list(bench.SEED_TIERS)
+    assert sorted(order) == recipes.names()
+    assert bench.ordered("4gb,baseline, freeze.yaml") == ["baseline", "freeze", "4gb"]

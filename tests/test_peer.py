@@ -1,0 +1,39 @@
+"""The HF Trainer peer: recipes map onto the seed's TrainingArguments (running it: tests/test_bench.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import RECIPES
+
+from lit_memory.estimate import configured
+from lit_memory.peer import NoTrainerEquivalent, trainer_arguments
+
+
+def arguments(recipe: str, *overrides: str) -> dict:
+    return trainer_arguments(configured(["--config", str(RECIPES / f"{recipe}.yaml"), *overrides]))
+
+
+def test_the_seed_tiers_map_onto_the_seeds_training_arguments():
+    # The seed's 5th tier: batch 1, accumulate 32, gradient checkpointing, optim="adafactor", lr 2e-5, wd 0.01.
+    freeze = arguments("freeze")
+    assert {k: freeze[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps")} == {
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 32,
+    }
+    assert freeze["gradient_checkpointing"] is True and freeze["optim"] == "adafactor"
+    assert (freeze["learning_rate"], freeze["weight_decay"]) == (2e-5, 0.01)
+    baseline = arguments("baseline")
+    assert baseline["per_device_train_batch_size"] == 32 and baseline["gradient_accumulation_steps"] == 1
+    assert baseline["optim"] == "adamw_torch" and not baseline["gradient_checkpointing"]
+    assert arguments("8bit")["optim"] == "adamw_bnb_8bit"
+    assert arguments("baseline", "--trainer.accelerator=cpu")["use_cpu"] is True
+
+
+def test_bf16_maps_to_bf16_unless_the_cli_falls_back_to_fp32():
+    assert arguments("bf16", "--cpu_bf16_fallback=false", "--trainer.accelerator=cpu")["bf16"] is True
+
+
+@pytest.mark.parametrize("recipe", ["fused", "4gb"])
+def test_the_fused_step_has_no_trainer_equivalent(recipe):
+    with pytest.raises(NoTrainerEquivalent, match="fused backward"):
+        arguments(recipe)
