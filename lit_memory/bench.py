@@ -61,6 +61,9 @@ class StepTimer(L.Callback):
         self.stamps: list[float] = []
         self._step = 0
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.run_dir = Path(trainer.log_dir)  # a collective under distributed strategies: every rank asks
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self._step:
             return  # inside an accumulation window: no optimizer step yet
@@ -76,7 +79,7 @@ class StepTimer(L.Callback):
             "step_times_s": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
         }
-        (Path(trainer.log_dir) / STEP_TIMES).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        (self.run_dir / STEP_TIMES).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 # -- what to run --------------------------------------------------------------------------------

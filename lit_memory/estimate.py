@@ -7,9 +7,9 @@
   autocast) on fake tensors (``FakeTensorMode``), attributed by torch's ``MemTracker``. CUDA
   cannot be faked on the CPU build of torch, so the step runs CPU kernels.
 
-Both follow Lightning's order within a step: ``training_step`` (the previous step's gradients
-are still alive), ``zero_grad`` (at the first micro-batch of an accumulation window), backward,
-optimizer step. Each gives the bytes per category at the peak of each phase; the peak is the
+Both follow a training step in order: ``training_step`` (no gradient alive, except the window's
+in the middle of an accumulation window), backward, optimizer step (after which
+`SequenceClassifier.optimizer_step` frees the gradients). Each gives the bytes per category at the peak of each phase; the peak is the
 largest phase. ``python -m lit_memory estimate`` prints both; ``--json`` for machines.
 """
 
@@ -542,8 +542,10 @@ def analytic(setup: Setup) -> Prediction:
         footprint.add("backward", max(early, late, key=_total))
         footprint.add("step", phase())  # Lightning's step after backward finds every gradient gone
     else:
-        # Lightning zeroes gradients after training_step, so the previous step's are alive in forward.
-        footprint.add("forward", phase(gradients=grads, activations=act.forward + act.transient))
+        # SequenceClassifier.optimizer_step frees the gradients after the step; mid-window micro-batches
+        # of an accumulation run their forward with the window's gradients alive.
+        alive = grads if accumulating else 0
+        footprint.add("forward", phase(gradients=alive, activations=act.forward + act.transient))
         if accumulating:  # mid-window: gradients accumulate into the existing ones, through a temporary
             early = phase(gradients=grads, activations=act.backward, other=batch + act.backward_temp)
             late = phase(gradients=grads, other=batch + largest_grad)
@@ -599,9 +601,9 @@ class _Stepping:
 
 
 def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup) -> _Stepping:
-    """Lightning's step: ``optimizer.step()`` after backward; the gradients stay alive until the next
-    ``zero_grad``, which Lightning calls after the next ``training_step``. With the fused step
-    (issue 3) the strategy's own core steps and frees each gradient inside backward instead.
+    """Lightning's step: ``optimizer.step()`` after backward, then `SequenceClassifier.optimizer_step`
+    frees the gradients. With the fused step the strategy's own core steps and frees each gradient
+    inside backward instead.
     """
     trainable = [p for p in module.model.parameters() if p.requires_grad]
 
@@ -609,8 +611,8 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
         for p in trainable:
             p.grad = torch.zeros_like(p)
         optimizer.step()  # creates the state; fused copies share the original optimizer's state
-        if setup.fused:
-            optimizer.zero_grad()  # a fused step leaves no gradient behind
+        if setup.accumulate_grad_batches == 1:  # else: a mid-window micro-batch keeps the window's gradients
+            optimizer.zero_grad()  # a step leaves no gradient behind (see above)
 
     if setup.fused:
         from lit_memory.fused import FusedStep
@@ -647,8 +649,6 @@ def simulate(setup: Setup) -> Prediction:
             tracker.enter_phase("forward")
             with forward_context():
                 loss = module.training_step(batch, 0)
-            if setup.accumulate_grad_batches == 1:  # else: a mid-window micro-batch keeps its gradients
-                optimizer.zero_grad()
             tracker.enter_phase("backward")
             loss.backward()
             tracker.enter_phase("step")

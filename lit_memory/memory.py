@@ -315,6 +315,9 @@ class MemoryMonitor(L.Callback):
     # -- predictions ---------------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Asked on every rank: under a distributed strategy `log_dir` is a collective (a broadcast),
+        # and asking it on rank 0 alone, when writing, would pair with another rank's next collective.
+        self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
         if stage == "fit" and self.budget is not None and self._on_cuda(trainer):
             device = self._device(trainer)
             total = torch.cuda.get_device_properties(device).total_memory
@@ -494,8 +497,8 @@ class MemoryMonitor(L.Callback):
 
     @rank_zero_only
     def _write(self, trainer: L.Trainer, oom: Optional[dict] = None) -> None:
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        if run_dir.is_dir():  # created by Lightning with the run's config.yaml; never made here
+        run_dir = getattr(self, "run_dir", None)  # None: failed before setup
+        if run_dir is not None and run_dir.is_dir():  # created by Lightning with the run's config.yaml; never made here
             (run_dir / "memory.json").write_text(json.dumps(self.report(trainer, oom), indent=2) + "\n")
 
     @rank_zero_only

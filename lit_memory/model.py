@@ -112,7 +112,11 @@ class SequenceClassifier(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call this more than once
             return
-        if self.hparams.pretrained:
+        self.model = self.build_model(self.hparams.pretrained)
+
+    def build_model(self, pretrained: bool) -> nn.Module:
+        """The Hugging Face model with the configured switches (freeze, embeddings, checkpointing, LoRA)."""
+        if pretrained:
             path = bundled.resolve_model(self.hparams.model_name_or_path)
             model = AutoModelForSequenceClassification.from_pretrained(path, config=self.hf_config)
         else:
@@ -125,7 +129,7 @@ class SequenceClassifier(L.LightningModule):
             enable_gradient_checkpointing(model)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
-        self.model = model
+        return model
 
     def forward(self, **batch: torch.Tensor):
         return self.model(**batch)
@@ -177,6 +181,12 @@ class SequenceClassifier(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Free the gradients now, as the HF Trainer does: Lightning zeroes them only after the next
+        # training_step, so they would sit through the next forward (4 B per trainable parameter).
+        optimizer.zero_grad(set_to_none=True)
+
     # -- export --------------------------------------------------------------------------------
 
     def on_fit_end(self) -> None:
@@ -186,20 +196,28 @@ class SequenceClassifier(L.LightningModule):
 
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
-        if is_lora(self.model):  # training is over: fold the adapters into the weights for good
+        sharded = is_sharded(self.model)
+        if is_lora(self.model) and not sharded:  # training is over: fold the adapters into the weights
             self.model = self.model.merge_and_unload()
-        names = getattr(self.trainer.datamodule, "resolved_label_names", None) if self._trainer else None
-        if names:
-            self.model.config.id2label = dict(enumerate(names))
-            self.model.config.label2id = {n: i for i, n in enumerate(names)}
         state = full_state_dict(self.model)  # a collective under sharding: every rank calls it
-        self._save_on_rank_zero(path, state)
+        self._save_on_rank_zero(path, state, sharded)
         if self._trainer is not None:
             self.trainer.strategy.barrier("export_pretrained")
 
     @rank_zero_only
-    def _save_on_rank_zero(self, path: Path, state: dict[str, torch.Tensor]) -> None:
-        self.model.save_pretrained(path, state_dict=state)
+    def _save_on_rank_zero(self, path: Path, state: dict[str, torch.Tensor], sharded: bool) -> None:
+        model = self.model
+        if is_lora(model) and sharded:
+            # peft cannot merge FSDP2's sharded (DTensor) weights: merge a plain copy of the gathered state.
+            model = self.build_model(pretrained=False)
+            model.load_state_dict(state)
+            model = model.merge_and_unload()
+            state = model.state_dict()
+        names = getattr(self.trainer.datamodule, "resolved_label_names", None) if self._trainer else None
+        if names:
+            model.config.id2label = dict(enumerate(names))
+            model.config.label2id = {n: i for i, n in enumerate(names)}
+        model.save_pretrained(path, state_dict=state)
         load_tokenizer(self.tokenizer_name_or_path).save_pretrained(path)
         log.info(f"saved the fine-tuned model to {path}")
 
@@ -271,11 +289,16 @@ def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     return groups
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state on CPU, gathering shards when parameters are DTensors (FSDP2)."""
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 has sharded the model (its parameters are DTensors)."""
     from torch.distributed.tensor import DTensor
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU, gathering shards when parameters are DTensors (FSDP2)."""
+    if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

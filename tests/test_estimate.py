@@ -60,12 +60,13 @@ def test_full_and_peft_training_bytes_match_the_seed():
 def test_analytic_model_follows_the_seed_for_frozen_plus_trainable_parameters():
     # A frozen body (K) and a trainable head (N): the analytic categories are the seed's K+N, N, 2N.
     prediction = analytic(minilm(model={"freeze": "body"}, batch_size=1, max_length=16))
-    at_forward = prediction.footprint.phases["forward"]
+    at_forward, at_step = prediction.footprint.phases["forward"], prediction.footprint.phases["step"]
     frozen, trainable = prediction.parameters - prediction.trainable, prediction.trainable
     expected = seed_bytes(frozen, trainable)
     buffers = 8 * 2 * 512  # position_ids, token_type_ids
     assert at_forward["weights"] == expected["weights"] + buffers
-    assert at_forward["gradients"] == expected["gradients"]
+    assert at_forward["gradients"] == 0  # freed after the previous step
+    assert at_step["gradients"] == expected["gradients"]
     assert at_forward["optimizer"] == expected["optimizer"] + 4 * 2  # + Adam's step counter per tensor (CPU)
 
 
@@ -132,11 +133,12 @@ def test_4gb_settings_fit_in_4_gib_and_the_fused_step_frees_the_gradients():
     unfused = analytic(bert_large(**settings))
     fused = analytic(bert_large(fused=is_fused(StubFusedStrategy()), **settings))
     assert fused.footprint.peak < unfused.footprint.peak < 4 * GiB
-    all_gradients = 4 * unfused.trainable  # fp32, alive in forward without fusion
-    assert unfused.footprint.phases["forward"]["gradients"] == all_gradients
+    all_gradients = 4 * unfused.trainable  # fp32, all alive at the step without fusion
+    assert unfused.footprint.phases["step"]["gradients"] == all_gradients
     word_embeddings = 30522 * 1024 * 4  # the largest single gradient
     assert max(phase["gradients"] for phase in fused.footprint.phases.values()) <= word_embeddings
-    assert unfused.footprint.peak - fused.footprint.peak > 0.75 * all_gradients
+    # Fused, the peak moves to early backward (activations): still 0.6 GiB, half the gradients, lower.
+    assert unfused.footprint.peak - fused.footprint.peak > 0.4 * all_gradients
     # 8-bit state: 2 bytes + block scales per value; 32-bit (8 bytes) for the embedding matrices (the
     # default `embedding_optimizer_state: 32bit`) and under bitsandbytes' min_8bit_size.
     embeddings = (30522 + 512 + 2) * 1024

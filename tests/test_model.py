@@ -138,3 +138,26 @@ def test_export_reloads_with_plain_transformers_and_same_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, module.model(**inputs).logits)
     assert (tmp_path / "hf_model" / "tokenizer_config.json").exists()
+
+
+def test_gradients_are_freed_after_each_optimizer_step_not_after_the_next_forward(tmp_path):
+    import lightning as L
+
+    class GradientsAtForward(L.Callback):
+        def __init__(self) -> None:
+            self.alive: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.alive.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+    module = SequenceClassifier(
+        model_name_or_path="bundled:bert-large", pretrained=False, config_overrides=TINY_BERT,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    probe = GradientsAtForward()
+    trainer = L.Trainer(
+        max_steps=3, callbacks=[probe], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu",
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch() for _ in range(3)], batch_size=None))
+    assert trainer.global_step == 3 and probe.alive == [0, 0, 0]  # Lightning alone: [0, n, n]

@@ -194,6 +194,30 @@ def test_4gb_recipe_trains_on_fsdp_with_two_processes(tmp_path):
     assert resumed.stderr.strip().splitlines()[-1] == f"error: {SHARD_STATE}"
 
 
+def test_lora_recipe_trains_on_fsdp_and_exports_the_merged_model(tmp_path):
+    """peft's adapters inside FSDP2-sharded layers; at the end the gathered adapters are merged into
+    plain weights (peft cannot merge DTensors) and saved for plain transformers."""
+    args = [
+        "--config", str(RECIPES / "lora.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
+        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false", "--data.limit_train_samples=128",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_memory", "fit", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lightning_logs" / "version_0" / "hf_model")
+    assert not any("lora" in name for name in tuned.state_dict())
+    pretrained = SequenceClassifier()
+    pretrained.configure_model()
+    adapted, untouched = "bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.0.attention.self.key.weight"
+    assert not torch.equal(tuned.state_dict()[adapted], pretrained.model.state_dict()[adapted])  # merged
+    assert torch.equal(tuned.state_dict()[untouched], pretrained.model.state_dict()[untouched])  # no adapter
+
+
+
 # -- what fusion cannot do: one line, before training ----------------------------------------
 
 
