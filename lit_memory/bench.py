@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
 import io
 import json
 import logging
@@ -472,6 +473,10 @@ def main(argv: list[str]) -> None:
         )
     if args.peer is not None and args.peer not in PEERS:
         raise UserError(f"unknown peer {args.peer!r}; choose one of: {', '.join(PEERS)}")
+    needed = ["matplotlib"] + (["accelerate"] if args.peer else [])  # the chart; transformers.Trainer
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"bench needs {' and '.join(missing)}: pip install 'lit-memory[bench]'")
     names = ordered(args.recipes)
     plans = plan(names, user_args, args.out, args.warmup, args.steps, args.eval, args.peer)
 

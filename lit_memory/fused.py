@@ -130,7 +130,8 @@ def _local_shard(optimizer: Optimizer, param: torch.Tensor) -> Optional[torch.Te
 
 class _ShardState:
     """The original optimizer's state (keyed by the sharded parameter, as its ``state_dict`` needs)
-    as seen by a copy that steps the local shard; bitsandbytes only reads ``state[t]`` and ``t in state``."""
+    as seen by a copy that steps the local shard: bitsandbytes reads ``state[t]`` and ``t in state``,
+    memory trackers iterate ``values()``/``items()`` (this copy's one parameter)."""
 
     def __init__(self, state: dict, shard: torch.Tensor, param: torch.Tensor) -> None:
         self.state, self.shard, self.param = state, shard, param
@@ -143,6 +144,12 @@ class _ShardState:
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
         return self._key(tensor) in self.state
+
+    def items(self) -> list[tuple[torch.Tensor, dict]]:
+        return [(self.shard, self.state[self.param])] if self.param in self.state else []
+
+    def values(self) -> list[dict]:
+        return [state for _, state in self.items()]
 
 
 def _bitsandbytes_overrides(manager: Any, index: tuple[int, int], param: torch.Tensor) -> Any:

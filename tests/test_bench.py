@@ -4,6 +4,7 @@ on a tiny random BERT, checked from its outputs; a failing recipe; bad input."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import shutil
 
@@ -127,6 +128,15 @@ def test_bad_input_is_one_line_before_anything_runs(args, message, tmp_path, cap
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_bench_extra_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(SystemExit):
+        main(["bench", "--recipes", "baseline", "--peer", "hf-trainer", "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().err == "error: bench needs accelerate: pip install 'lit-memory[bench]'\n"
     assert not (tmp_path / "out").exists()
 
 
