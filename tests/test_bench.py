@@ -32,6 +32,8 @@ def shipped(tmp_path_factory):
     """A copy of the shipped recipes folder, so --update-readme writes its README there."""
     folder = tmp_path_factory.mktemp("shipped") / "recipes"
     shutil.copytree(RECIPES, folder, ignore=shutil.ignore_patterns("README.md"))
+    start, end = bench.README_MARKERS
+    (folder.parent / "README.md").write_text(f"# project\n\n{start}\nold table\n{end}\n\n## next section\n")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(recipes, "PACKAGED", folder)
         yield folder
@@ -81,6 +83,9 @@ def test_bench_writes_table_csv_json_and_chart_with_numbers_per_recipe(run, ship
     # --update-readme: the shipped folder's README holds the same table, and `recipes list` shows it.
     readme = recipes.bench_table((shipped / recipes.BENCH_TABLE).read_text())
     assert readme["baseline"]["samples/s"] == table["baseline"]["samples/s"]
+    project = (shipped.parent / "README.md").read_text()  # the project README's copy, between its markers
+    assert "old table" not in project and project.endswith("<!-- /bench table -->\n\n## next section\n")
+    assert recipes.bench_table(project)["baseline"]["samples/s"] == table["baseline"]["samples/s"]
     recipes.list_recipes()
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
     assert table["baseline"]["peak measured"].split()[0] in listed["baseline"].split()
