@@ -148,6 +148,8 @@ def _configured(recipe: str, args: list[str]):
         lines = [line for line in err.getvalue().splitlines() if "error:" in line] or [f"exit status {exit_.code}"]
         message = lines[-1].split("error:", 1)[-1].strip()
         raise UserError(f"recipe {recipe}: {message}") from None
+    except UserError as error:  # a refusal: one line each, naming the recipe
+        raise UserError("\n".join(f"recipe {recipe}: {line}" for line in str(error).splitlines())) from None
     finally:
         seed_log.disabled = False
 
@@ -164,7 +166,7 @@ def plan(
         base = ["--config", str(recipes.recipe_path(name)), *user_args, "--data.padding=max_length"]
         run_dir = (out / "runs" / name).resolve()
         cli = _configured(name, base + bench_overrides(run_dir, warmup, steps, None))
-        validate_after = (warmup + steps) * cli.config.trainer.accumulate_grad_batches if evaluate else None
+        validate_after = (warmup + steps) * cli.settings.trainer.accumulate_grad_batches if evaluate else None
         note = None
         if peer is not None:
             try:

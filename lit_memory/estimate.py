@@ -138,7 +138,7 @@ def normalize_precision(precision: Any) -> str:
 
 def is_fused(strategy: Any) -> bool:
     """True for strategies that step each parameter from its gradient hook (class attribute ``fused_step``)."""
-    if isinstance(strategy, dict):
+    if isinstance(strategy, dict) or hasattr(strategy, "class_path"):  # a class spec, parsed or plain
         strategy = strategy.get("class_path", "")
     if isinstance(strategy, str):
         from lightning.pytorch.strategies import StrategyRegistry
@@ -678,24 +678,18 @@ def simulate(setup: Setup) -> Prediction:
 
 
 def configured(args: list[str]):
-    """The CLI as ``fit`` would set it up for these configs and overrides: resolved config, the
-    module (its model not yet built) and the data module; no Trainer, no weights, no data read."""
-    from lit_memory.cli import LitMemoryCLI
+    """The run ``fit ARGS`` would train, resolved and checked (`lit_memory.cli.resolve`), its module
+    (model not yet built) and data module instantiated; no Trainer (it may name a GPU this machine
+    lacks), no weights, no data read."""
+    from lit_memory.cli import resolve as resolve_run
 
-    class ConfigOnly(LitMemoryCLI):
-        # Resolve exactly as `fit` does, but build no Trainer: it may name a GPU this machine lacks.
-        def instantiate_trainer(self, **kwargs):
-            return None
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # args come from our argv
-        return ConfigOnly(args=args, run=False)
+    return resolve_run(["fit", *args]).build(trainer=False)
 
 
 def resolve(args: list[str], device: str = "cuda") -> Setup:
     """The setup ``fit`` would train with these configs and overrides (nothing is built or loaded)."""
     cli = configured(args)
-    trainer = cli.config.trainer
+    trainer = cli.settings.trainer
     return Setup(
         model=_init_args(SequenceClassifier, cli.model.hparams),
         optimizer=cli.model.optimizer_factory,
@@ -703,7 +697,7 @@ def resolve(args: list[str], device: str = "cuda") -> Setup:
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         batch_size=cli.datamodule.batch_size,
         max_length=cli.datamodule.max_length,
-        fused=is_fused(cli.config_init.trainer.strategy),
+        fused=is_fused(trainer.strategy),
         device=device,
     )
 

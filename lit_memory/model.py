@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -118,7 +119,13 @@ class SequenceClassifier(L.LightningModule):
         """The Hugging Face model with the configured switches (freeze, embeddings, checkpointing, LoRA)."""
         if pretrained:
             path = bundled.resolve_model(self.hparams.model_name_or_path)
-            model = AutoModelForSequenceClassification.from_pretrained(path, config=self.hf_config)
+            try:
+                model = AutoModelForSequenceClassification.from_pretrained(path, config=self.hf_config)
+            except pickle.UnpicklingError as err:  # transformers loads pickled weights with weights_only=True
+                raise UserError(
+                    f"cannot load the weights of {self.hparams.model_name_or_path!r} with weights_only=True: "
+                    f"{str(err).splitlines()[0]} (convert them to safetensors from a trusted copy)"
+                ) from None
         else:
             model = AutoModelForSequenceClassification.from_config(self.hf_config)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes

@@ -46,8 +46,8 @@ def trainer_arguments(cli: Any) -> dict[str, Any]:
     """`TrainingArguments` keywords equivalent to a resolved fit config (`estimate.configured`)."""
     from lit_memory.estimate import is_fused, normalize_precision
 
-    config = cli.config
-    if is_fused(cli.config_init.trainer.strategy):
+    config = cli.settings
+    if is_fused(config.trainer.strategy):
         raise NoTrainerEquivalent("no Trainer equivalent (fused backward + step)")
     if config.trainer.strategy not in ("auto", "single_device"):
         raise NoTrainerEquivalent("no Trainer equivalent (strategy)")

@@ -275,7 +275,7 @@ class StepTimer(L.Callback):
 
 def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float:
     """Seconds per optimizer step of a recipe, from a short real run on this machine."""
-    from lit_memory.cli import LitMemoryCLI
+    from lit_memory.cli import resolve as resolve_run
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "candidate.yaml"
@@ -293,7 +293,7 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
             "--memory.track_steps=0",
             f"--data.limit_train_samples={effective * (steps + 1)}",
         ]
-        cli = LitMemoryCLI(args=[*args, "--config", str(path), *overrides], run=False)
+        cli = resolve_run(["fit", *args, "--config", str(path), *overrides]).build()
         timer = StepTimer()
         cli.trainer.callbacks.append(timer)
         cli.trainer.fit(cli.model, cli.datamodule)

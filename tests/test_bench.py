@@ -12,7 +12,7 @@ import pytest
 from conftest import RECIPES
 
 from lit_memory import bench, recipes
-from lit_memory.cli import main
+from lit_memory.__main__ import main
 
 # A 2-layer BERT with random weights on a few short samples: each recipe runs in seconds.
 TINY = [

@@ -9,7 +9,8 @@ import yaml
 
 from conftest import CONFIGS, FAST, RECIPES
 from lit_memory import recipes
-from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.__main__ import main
+from lit_memory.cli import LitMemoryCLI
 
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 TINY_BERT = '--model.config_overrides={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
@@ -150,3 +151,46 @@ def test_resume_restores_optimizer_and_loop_state_with_weights_only(shared_run, 
     assert cli.config.fit.weights_only is True
     assert cli.trainer.global_step == 4
     assert cli.trainer.optimizers[0].state_dict()["state"][0]["step"] == 4  # Adafactor's count went on from 2
+
+
+def test_resuming_with_other_settings_is_one_line_naming_them(shared_run, tmp_path, capsys):
+    [ckpt] = (shared_run / "checkpoints").glob("*.ckpt")
+    argv = ["fit", "--config", str(shared_run / recipes.SHARED_RECIPE), f"--ckpt_path={ckpt}",
+            "--model.optimizer=torch.optim.AdamW", "--data.batch_size=8", f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: checkpoint {ckpt} was made with other settings (")
+    assert "model.optimizer.class_path: 'transformers.Adafactor' in the checkpoint, 'torch.optim.AdamW' here" in line
+    assert "data.batch_size: 4 in the checkpoint, 8 here" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_last_checkpoint_is_found_by_lightnings_rules_and_checked_before_anything_runs(tmp_path, capsys):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "ckpts" / "last.ckpt"  # a distributed checkpoint whose metadata runs code
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(folder), no_dist=True)
+    marker = tmp_path / "UNPICKLED"
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"dirpath": str(tmp_path / "ckpts"), "save_last": True}}
+    argv = ["fit", "--ckpt_path=last", f"--trainer.callbacks+={json.dumps(callback)}",
+            f"--trainer.default_root_dir={tmp_path / 'runs'}"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: refusing ckpt_path={str(folder)!r}: its .metadata names code to run when unpickled")
+    assert not marker.exists() and not (tmp_path / "runs").exists()
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")

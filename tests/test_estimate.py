@@ -12,7 +12,7 @@ from transformers import Adafactor
 
 from conftest import CONFIGS, RECIPES
 from lit_memory import estimate
-from lit_memory.cli import main
+from lit_memory.__main__ import main
 from lit_memory.estimate import Setup, analytic, file_gib, is_fused, seed_bytes, simulate
 from lit_memory.memory import CATEGORIES
 

@@ -12,7 +12,8 @@ import yaml
 from torch import nn
 
 from conftest import FAST, RECIPES
-from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.__main__ import main
+from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
 from lit_memory.memory import (
     CATEGORIES,

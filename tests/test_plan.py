@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from conftest import CONFIGS, FAST, RECIPES
-from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.__main__ import main
+from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
 from lit_memory.estimate import resolve
 from lit_memory.plan import candidates, plan, shipped_recipes

@@ -6,18 +6,14 @@ import json
 import re
 import subprocess
 import sys
-import textwrap
-import uuid
 import zipfile
-from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 
 from conftest import RECIPES, REPO
 from lit_memory import recipes
-from lit_memory.cli import main
+from lit_memory.__main__ import main
 
 SEED_TIERS = ["baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq"]
 
@@ -171,201 +167,26 @@ def test_show_prints_the_recipe_with_its_comments(capsys):
     assert code == 0 and out == (RECIPES / "4gb.yaml").read_text()
 
 
-def test_check_lists_import_paths_and_passes_a_shipped_recipe(capsys):
-    code, out, _ = run_main(["recipes", "check", str(RECIPES / "adafactor.yaml")], capsys)
+@pytest.mark.parametrize("name", ALL)
+def test_check_passes_every_shipped_recipe_and_says_what_it_imports(name, capsys):
+    code, out, _ = run_main(["recipes", "check", str(RECIPES / f"{name}.yaml")], capsys)
     assert code == 0
-    assert "allowed  transformers.Adafactor  (model.optimizer.class_path)" in out
-    assert out.strip().splitlines()[-1] == f"ok: {RECIPES / 'adafactor.yaml'} parses against the `fit` schema"
+    optimizer = load(name)["model.optimizer.class_path"]
+    assert f"model.optimizer: {optimizer}" in out.splitlines()[0]
+    assert out.strip().splitlines()[-1] == (
+        f"ok: {RECIPES / f'{name}.yaml'} parses against the `fit` schema and needs no --trust-recipe"
+    )
 
 
 def test_check_reports_unknown_keys_and_type_errors(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_step: 3\nmodel:\n  batchsize: 4\n  gradient_checkpointing: maybe\n")
-    code, _, err = run_main(["recipes", "check", str(bad)], capsys)
+    code, out, err = run_main(["recipes", "check", str(bad)], capsys)
     assert code == 2
-    [line] = err.strip().splitlines()
-    assert line.startswith(f"error: {bad}: unknown keys: trainer.max_step, model.batchsize; ")
-    assert 'Parser key "model.gradient_checkpointing"' in line and "maybe" in line
-
-
-# -- trust: nothing a recipe names outside the allowlist is imported ---------------------------
-
-
-@pytest.fixture
-def boom(tmp_path, monkeypatch):
-    """A module on sys.path that leaves a file behind when imported or called: did anything run?"""
-    name = f"boom_{uuid.uuid4().hex[:8]}"
-    marker = tmp_path / "IMPORTED"
-    (tmp_path / f"{name}.py").write_text(
-        textwrap.dedent(f"""
-            import pathlib
-            from lightning.pytorch.callbacks import Callback
-            pathlib.Path({str(marker)!r}).write_text("import-time side effect")
-
-            class Boom(Callback):
-                pass
-
-            def make(*args, **kwargs):
-                pathlib.Path({str(marker)!r}).write_text("called")
-        """)
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield SimpleNamespace(name=name, marker=marker, runs=tmp_path / "runs")
-    sys.modules.pop(name, None)
-
-
-UNTRUSTED_RECIPES = {
-    "class_path": ("model:\n  optimizer:\n    class_path: os.system\n", "os.system", "model.optimizer.class_path"),
-    "callable_as_string": ("model:\n  optimizer: os.system\n", "os.system", "model.optimizer"),
-    "callback": ("trainer:\n  callbacks:\n    - class_path: MOD.Boom\n", "MOD.Boom", "trainer.callbacks.0.class_path"),
-    "nested_init_args": (
-        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LambdaCallback\n"
-        "      init_args:\n        on_fit_start: MOD.make\n",
-        "MOD.make",
-        "trainer.callbacks.0.init_args.on_fit_start",
-    ),
-    "logger": ("trainer:\n  logger:\n    class_path: MOD.Boom\n", "MOD.Boom", "trainer.logger.class_path"),
-    "plugin": ("trainer:\n  plugins: [MOD.Boom]\n", "MOD.Boom", "trainer.plugins.0"),
-    "any_typed_dict": (
-        "model:\n  config_overrides:\n    x: {class_path: MOD.Boom}\n",
-        "MOD.Boom",
-        "model.config_overrides.x.class_path",
-    ),
-    "re_export": (  # os.system, reached through a module that imports os
-        "model:\n  optimizer: lightning.pytorch.cli.os.system\n",
-        "lightning.pytorch.cli.os.system",
-        "model.optimizer",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", UNTRUSTED_RECIPES)
-def test_fit_refuses_a_recipe_naming_code_outside_the_allowlist(case, boom, tmp_path, capsys):
-    text, path, key = (s.replace("MOD", boom.name) for s in UNTRUSTED_RECIPES[case])
-    recipe = tmp_path / "shared.yaml"
-    recipe.write_text(text)
-    code, _, err = run_main(["fit", "--config", str(recipe), f"--trainer.default_root_dir={boom.runs}"], capsys)
-    assert code == 2
-    [line] = err.strip().splitlines()
-    assert line.startswith(f"error: refusing to import code outside the recipe allowlist: {path} ({recipe}: {key}).")
-    assert not boom.marker.exists() and not boom.runs.exists()
-
-
-UNTRUSTED_ARGS = {  # argv, what the error names
-    "override": (["--model.optimizer=os.system"], "os.system (command line: model.optimizer)"),
-    "class_path": (["--model.optimizer.class_path", "MOD.Boom"], "MOD.Boom (command line: model.optimizer.class_path)"),
-    "append": (["--trainer.callbacks+=MOD.Boom"], "MOD.Boom (command line: trainer.callbacks+)"),
-    "json": (['--model.optimizer={"class_path": "MOD.Boom"}'], "MOD.Boom (command line: model.optimizer.class_path)"),
-    "inline_config": (
-        ["-c", "{trainer: {callbacks: [{class_path: MOD.Boom}]}}"],
-        "MOD.Boom (command line: trainer.callbacks.0.class_path)",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", UNTRUSTED_ARGS)
-def test_fit_refuses_command_line_overrides_naming_code_outside_the_allowlist(case, boom, capsys):
-    args = [arg.replace("MOD", boom.name) for arg in UNTRUSTED_ARGS[case][0]]
-    named = UNTRUSTED_ARGS[case][1].replace("MOD", boom.name)
-    code, _, err = run_main(["fit", *args, f"--trainer.default_root_dir={boom.runs}"], capsys)
-    assert code == 2
-    [line] = err.strip().splitlines()
-    assert line.startswith(f"error: refusing to import code outside the recipe allowlist: {named}.")
-    assert not boom.marker.exists() and not boom.runs.exists()
-
-
-def test_nested_config_files_are_read_before_parsing(boom, tmp_path, capsys):
-    (tmp_path / "model.yml").write_text(f"optimizer:\n  class_path: {boom.name}.Boom\n")
-    (tmp_path / "outer.yaml").write_text("model: model.yml\n")
-    code, _, err = run_main(["fit", "--conf", str(tmp_path / "outer.yaml")], capsys)  # --conf: argparse's prefix
-    assert code == 2
-    assert f"{boom.name}.Boom ({tmp_path / 'model.yml'}: optimizer.class_path)" in err.strip()
-    assert not boom.marker.exists()
-
-
-def test_a_data_file_named_like_a_module_is_not_taken_for_code(tmp_path, monkeypatch, capsys):
-    (tmp_path / "train.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w')\n")
-    (tmp_path / "train.csv").write_text("review,label\ngood,1\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    config = yaml.safe_load(run_main(["fit", "--data.source=train.csv", "--print_config"], capsys)[1])
-    assert config["data"]["source"] == "train.csv"
-    assert not (tmp_path / "IMPORTED").exists()
-
-
-def test_what_the_scan_cannot_see_the_parser_refuses(boom, tmp_path, capsys):
-    # A trainer config in JSON (the scan reads nested .yaml/.yml only): jsonargparse's own allowlist stops it.
-    (tmp_path / "trainer.json").write_text(json.dumps({"callbacks": [{"class_path": f"{boom.name}.Boom"}]}))
-    code, _, err = run_main(["fit", "--trainer", str(tmp_path / "trainer.json"), "--print_config"], capsys)
-    assert code == 2
-    assert f"Importing '{boom.name}.Boom' is not allowed" in err
-    assert not boom.marker.exists()
-
-
-def test_trust_recipe_lets_the_parser_import_it(boom, capsys):
-    argv = ["fit", f"--trainer.callbacks+={boom.name}.Boom", "--print_config", "--trust-recipe"]
-    code, out, _ = run_main(argv, capsys)
-    assert code == 0
-    assert yaml.safe_load(out)["trainer"]["callbacks"] == [{"class_path": f"{boom.name}.Boom"}]
-    assert boom.marker.read_text() == "import-time side effect"  # so the refusals above did stop real code
-
-
-def test_check_lists_refused_paths_and_does_not_parse(boom, tmp_path, capsys):
-    recipe = tmp_path / "shared.yaml"
-    recipe.write_text(
-        f"trainer:\n  logger:\n    class_path: {boom.name}.Boom\n"
-        f"  callbacks:\n    - class_path: lightning.pytorch.callbacks.LambdaCallback\n"
-        f"      init_args:\n        on_fit_start: {boom.name}.make\n"
-        "model:\n  optimizer:\n    class_path: transformers.Adafactor\n"
-    )
-    code, out, err = run_main(["recipes", "check", str(recipe)], capsys)
-    assert code == 2
-    assert out.splitlines() == [
-        f"import paths named by {recipe}:",
-        f"  REFUSED  {boom.name}.Boom  (trainer.logger.class_path)",
-        "  allowed  lightning.pytorch.callbacks.LambdaCallback  (trainer.callbacks.0.class_path)",
-        f"  REFUSED  {boom.name}.make  (trainer.callbacks.0.init_args.on_fit_start)",
-        "  allowed  transformers.Adafactor  (model.optimizer.class_path)",
-    ]
-    assert err.strip().splitlines() == [
-        f"error: {recipe}: 2 import path(s) outside the allowlist ({', '.join(recipes.ALLOWLIST)}); not parsed, "
-        "since parsing imports them. Pass --trust-recipe to parse it anyway, only if you trust its source"
-    ]
-    assert not boom.marker.exists()
-
-
-def test_a_checkpoint_with_pickled_code_is_refused_before_anything_loads_it(tmp_path, capsys):
-    marker = tmp_path / "UNPICKLED"
-
-    class Payload:
-        def __reduce__(self):
-            return open, (str(marker), "w")  # unpickling creates the file
-
-    torch.save({"state_dict": {}, "hyper_parameters": {}, "payload": Payload()}, tmp_path / "bad.ckpt")
-    argv = ["fit", f"--ckpt_path={tmp_path / 'bad.ckpt'}", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
-    code, _, err = run_main(argv, capsys)
-    assert code == 2
-    [line] = err.strip().splitlines()
-    assert line.startswith(f"error: cannot load checkpoint {tmp_path / 'bad.ckpt'} with weights_only=True: ")
-    assert not marker.exists() and not (tmp_path / "runs").exists()
-
-
-def test_a_checkpoints_hyperparameters_are_checked_like_a_recipe(boom, tmp_path, capsys):
-    ckpt = tmp_path / "resume.ckpt"
-    torch.save({"state_dict": {}, "hyper_parameters": {"optimizer": {"class_path": f"{boom.name}.Boom"}}}, ckpt)
-    code, _, err = run_main(["fit", "--ckpt_path", str(ckpt), f"--trainer.default_root_dir={boom.runs}"], capsys)
-    assert code == 2
-    assert f"{boom.name}.Boom ({ckpt}: hyper_parameters.optimizer.class_path)" in err
-    assert not boom.marker.exists() and not boom.runs.exists()
-
-
-def test_the_parser_allowlist_is_only_active_inside_the_cli():
-    from jsonargparse import _common
-
-    before = dict(_common.parsing_settings)
-    with recipes.import_allowlist(enforced=True):
-        assert _common.parsing_settings["import_path_verdicts"]["*"] is False
-    assert _common.parsing_settings == before
+    problems = [line for line in out.splitlines() if line.startswith("  problem  ")]
+    assert problems[0] == "  problem  unknown keys: trainer.max_step, model.batchsize"
+    assert problems[1] == "  problem  Parser key \"model.gradient_checkpointing\": Expected a <class 'bool'>. Got value: maybe"
+    assert err.strip().splitlines() == [f"error: {bad}: 2 problem(s)"]
 
 
 def test_measured_peak_reads_memory_json_defensively(tmp_path):

@@ -26,7 +26,8 @@ from transformers import AutoModelForSequenceClassification
 import fused_worker as worker
 from conftest import CONFIGS, RECIPES, REPO
 from lit_memory import fused
-from lit_memory.cli import LitMemoryCLI, main
+from lit_memory.__main__ import main
+from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
 from lit_memory.model import SequenceClassifier
 from lit_memory.strategies import (
