@@ -166,3 +166,13 @@ def test_compiled_layers_keep_the_fused_step_and_its_gradients():
     eager, compiled = trained(False), trained(True)
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_4gb_recipe_trains_with_selective_checkpointing_and_offloading_from_the_command_line(fast_args):
+    from conftest import RECIPES
+    from lit_memory.cli import LitMemoryCLI
+
+    switches = ["--model.gradient_checkpointing=selective", "--model.offload_activations=true"]
+    cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / "4gb.yaml"), *switches, *fast_args])
+    assert cli.trainer.global_step == 2
+    assert cli.model.hparams.gradient_checkpointing == "selective" and cli.model.activation_offload.seen[0] > 0
