@@ -176,3 +176,22 @@ def test_the_4gb_recipe_trains_with_selective_checkpointing_and_offloading_from_
     cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / "4gb.yaml"), *switches, *fast_args])
     assert cli.trainer.global_step == 2
     assert cli.model.hparams.gradient_checkpointing == "selective" and cli.model.activation_offload.seen[0] > 0
+
+
+def test_the_step_time_example_times_every_variant(monkeypatch, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "step_ab.py"
+    spec = importlib.util.spec_from_file_location("step_ab", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    variants = [{}, {"gradient_checkpointing": "selective"}]
+    argv = ["step_ab.py", "--config_overrides", json.dumps(TINY), "--batch", "4", "--length", "8", "--warmup", "0",
+            "--steps", "2", "--variants", json.dumps(variants)]
+    monkeypatch.setattr("sys.argv", argv)
+    example.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.rsplit(": first step", 1)[0] for line in lines] == [json.dumps(v) for v in variants]
+    assert lines[0].endswith("(1.00x)")
