@@ -74,7 +74,9 @@ class SequenceClassifier(L.LightningModule):
         warmup_ratio: fraction of the optimizer steps spent warming up.
         save_pretrained: at the end of fit, save model + tokenizer with ``save_pretrained`` into
             ``<run folder>/hf_model`` so the result loads with plain transformers.
-        compile: ``torch.compile`` each transformer layer.
+        compile: ``torch.compile`` each transformer layer (regional: one compiled graph reused by
+            every layer). Works with the fused step and checkpointing, not with
+            ``offload_activations``; compiled dropout draws other masks than eager dropout.
     """
 
     def __init__(
