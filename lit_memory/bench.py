@@ -55,12 +55,17 @@ def synchronized_clock(cuda: bool) -> float:
 
 class StepTimer(L.Callback):
     """Wall time of each optimizer step after `warmup` steps, written to ``step_times.json`` in the
-    run folder with the samples one optimizer step consumes (micro-batch x accumulation x devices)."""
+    run folder with the samples one optimizer step consumes (micro-batch x accumulation x devices).
+    The warm-up steps' times are recorded apart (``warmup_step_times_s``: tracking, compilation)."""
 
     def __init__(self, warmup: int = 3) -> None:
         self.warmup = warmup
         self.stamps: list[float] = []
+        self.warmup_stamps: list[float] = []
         self._step = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.warmup_stamps.append(synchronized_clock(pl_module.device.type == "cuda"))
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.run_dir = Path(trainer.log_dir)  # a collective under distributed strategies: every rank asks
@@ -69,8 +74,11 @@ class StepTimer(L.Callback):
         if trainer.global_step == self._step:
             return  # inside an accumulation window: no optimizer step yet
         self._step = trainer.global_step
+        now = synchronized_clock(pl_module.device.type == "cuda")
+        if self._step <= self.warmup:
+            self.warmup_stamps.append(now)
         if self._step >= self.warmup:
-            self.stamps.append(synchronized_clock(pl_module.device.type == "cuda"))
+            self.stamps.append(now)
 
     @rank_zero_only
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -78,6 +86,7 @@ class StepTimer(L.Callback):
         record = {
             "warmup": self.warmup,
             "step_times_s": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
+            "warmup_step_times_s": [b - a for a, b in zip(self.warmup_stamps, self.warmup_stamps[1:])],
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
         }
         (self.run_dir / STEP_TIMES).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

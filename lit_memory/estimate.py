@@ -28,10 +28,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lit_memory.activations import OffloadActivations
 from lit_memory.errors import UserError
 from lit_memory.lora import apply_lora
 from lit_memory.memory import CATEGORIES, Footprint, Tracker, format_bytes
-from lit_memory.model import SequenceClassifier, transformer_layers
+from lit_memory.model import SequenceClassifier, checkpoint_policy, transformer_layers
 
 # precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
 PRECISIONS = {
@@ -86,6 +87,16 @@ class Setup:
         return self.module_class(**{**self.model, "pretrained": False}, optimizer=self.optimizer)
 
     @property
+    def checkpointing(self) -> Optional[str]:
+        """``None``, ``"full"`` or ``"selective"``."""
+        return checkpoint_policy(self.model.get("gradient_checkpointing"))
+
+    @property
+    def offloading(self) -> bool:
+        """Whether saved activations leave the device (offloading is a no-op on a CPU run)."""
+        return bool(self.model.get("offload_activations")) and self.device == "cuda"
+
+    @property
     def optimizer_name(self) -> str:
         func = getattr(self.optimizer, "args", ())
         cls = next((a for a in func if isinstance(a, type)), None) or self.optimizer
@@ -99,8 +110,10 @@ class Setup:
             self.optimizer_name,
             f"accumulate {self.accumulate_grad_batches}",
         ]
-        if hp.get("gradient_checkpointing"):
-            parts.append("gradient checkpointing")
+        if self.checkpointing:
+            parts.append(f"{self.checkpointing} gradient checkpointing")
+        if hp.get("offload_activations"):
+            parts.append("activations offloaded")
         if hp.get("freeze") is not None:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
@@ -304,6 +317,23 @@ def layer_bytes_per_token(x: Shape, lora: Optional[tuple[int, int]] = None) -> i
     return linear_inputs + attention + f * c + dropout + 2 * h * x.param_b + 16
 
 
+def selective_bytes_per_token(x: Shape, lora: Optional[tuple[int, int]] = None) -> int:
+    """Bytes selective checkpointing keeps per layer per token besides the layer's input
+    (`lit_memory.activations.selective_policy`): the outputs of the six linear layers (Q, K, V,
+    attention output, FFN in and out), ``(5h + f) * c``, and, where a fused attention kernel runs
+    without dropout, its output and log-sum-exp, ``h * c + 4a``. An attention kernel with dropout is
+    recomputed (it draws random numbers), as is the math attention path. With LoRA each adapter
+    also keeps its two matmul outputs, ``adapters * (r + h) * c``."""
+    h, f, c = x.h, x.f, x.compute_b
+    saved = (5 * h + f) * c
+    if not x.math_attention() and not x.attention_dropout:
+        saved += h * c + 4 * x.heads
+    if lora is not None:
+        adapters, rank = lora
+        saved += adapters * (rank + h) * c
+    return saved
+
+
 def working_set_per_token(x: Shape, training: bool = True) -> int:
     """Bytes per token a layer holds at once when it saves nothing (a checkpointed forward, inference):
     the attention block (q, k, v and the probabilities, or the fused kernel's output) or the FFN (its
@@ -341,7 +371,10 @@ class _Activations:
     backward_temp: int  # gradients w.r.t. activations in flight early in backward
 
 
-def _activations(model: nn.Module, x: Shape, checkpointing: bool) -> _Activations:
+def _activations(model: nn.Module, x: Shape, checkpointing: Optional[str], offload: bool = False) -> _Activations:
+    """Activation bytes of a training step. ``checkpointing``: None, ``"full"`` or ``"selective"``;
+    ``offload``: what autograd saves (with checkpointing, each layer's input and the tensors outside
+    the layers) lives in host memory, and one layer's input is brought back at a time in backward."""
     layers = list(transformer_layers(model))
     embeddings = getattr(model.base_model, "embeddings", None) or model.get_input_embeddings()
 
@@ -365,15 +398,21 @@ def _activations(model: nn.Module, x: Shape, checkpointing: bool) -> _Activation
         saved += 3 * x.batch * x.h * x.compute_b + (x.batch * x.h * x.compute_b if x.autocast else layer_input)
     if not active:  # frozen layers keep nothing for backward, but their forward still has a working set
         return _Activations(forward=saved, backward=saved, transient=working_set_per_token(x) * x.tokens, backward_temp=0)
-    per_layer = layer_bytes_per_token(x, _lora_adapters(active[0])) * x.tokens
+    lora = _lora_adapters(active[0])
+    per_layer = layer_bytes_per_token(x, lora) * x.tokens
     backward_temp = backward_temp_per_token(x) * x.tokens
     if checkpointing:
-        # Each layer keeps only its input; backward recomputes one layer at a time (with its 16-bit weights).
-        kept = saved + len(active) * layer_input
+        # Each layer keeps its input (selective: also its matmul outputs); backward recomputes one layer
+        # at a time (with its 16-bit weights), whose full set of saved tensors then exists.
+        cached = selective_bytes_per_token(x, lora) * x.tokens if checkpointing == "selective" else 0
+        if offload:  # the layer inputs and the tensors outside the layers wait in host memory
+            kept, back = len(active) * cached, layer_input
+        else:
+            kept, back = saved + len(active) * (layer_input + cached), 0
         one_layer_copies = _linear_bytes(active[:1], x.compute_b) if x.autocast else 0
         return _Activations(
             forward=kept,
-            backward=kept + per_layer + one_layer_copies,
+            backward=kept + back + per_layer - cached + one_layer_copies,
             transient=working_set_per_token(x) * x.tokens,
             backward_temp=backward_temp,
         )
@@ -518,7 +557,7 @@ def analytic(setup: Setup) -> Prediction:
     largest_grad = max((_nbytes(p) for p in trainable), default=0)
     state, step_temp, notes = optimizer_bytes(optimizer, setup.device)
     shape = Shape.of(model.config, setup)
-    act = _activations(model, shape, bool(setup.model.get("gradient_checkpointing")))
+    act = _activations(model, shape, setup.checkpointing, setup.offloading)
     batch = batch_bytes(shape)
 
     def phase(gradients=0, optimizer=state, activations=0, other=batch) -> dict[str, int]:
@@ -631,6 +670,10 @@ def simulate(setup: Setup) -> Prediction:
     autocast = PRECISIONS[setup.precision][2]
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the optimizer's own small real tensors
     module, optimizer = build(setup, fake)
+    if setup.offloading:
+        # The step runs on the CPU here, standing in for the GPU: offload to the meta device instead
+        # of host memory, so the offloaded tensors leave the tracked device as they would leave the GPU.
+        module.activation_offload = OffloadActivations(host="meta")
     with fake, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
         _use_device_defaults(optimizer, setup.device)
@@ -724,7 +767,8 @@ def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction])
             "precision": setup.precision,
             "optimizer": setup.optimizer_name,
             "accumulate_grad_batches": setup.accumulate_grad_batches,
-            "gradient_checkpointing": bool(setup.model.get("gradient_checkpointing")),
+            "gradient_checkpointing": setup.checkpointing or False,
+            "offload_activations": bool(setup.model.get("offload_activations")),
             "freeze": setup.model.get("freeze"),
             "fused": setup.fused,
         },
@@ -756,7 +800,8 @@ def format_report(data: dict) -> str:
         f"{model['name']}: {model['parameters'] / 1e6:.1f} M parameters ({model['trainable'] / 1e6:.1f} M trainable); "
         f"batch {setup['batch_size']} x {setup['max_length']} tokens, {setup['precision']}, {setup['optimizer']}, "
         f"accumulate {setup['accumulate_grad_batches']}, "
-        f"checkpointing {'on' if setup['gradient_checkpointing'] else 'off'}, "
+        f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
+        f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
         f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}",
         "",
         f"{'training step, at the peak':<28}" + "".join(f"{heads[c]:>20}" for c in cols),

@@ -7,6 +7,7 @@ contexts create it directly where and how it will train.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import pickle
@@ -23,6 +24,7 @@ from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, Multi
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from lit_memory import bundled
+from lit_memory.activations import OffloadActivations, checkpoint_kwargs
 from lit_memory.data import load_tokenizer
 from lit_memory.eightbit import EmbeddingState, is_bitsandbytes, keep_embeddings_32bit, swap_stable_embedding
 from lit_memory.errors import UserError
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 # transformers schedules that need nothing beyond warmup and total steps.
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 Freeze = Optional[Union[Literal["body", "embeddings"], int]]
+# true is "full" (every layer's forward recomputed in backward), as it always was.
+Checkpointing = Union[bool, Literal["full", "selective"]]
 
 
 class SequenceClassifier(L.LightningModule):
@@ -45,7 +49,13 @@ class SequenceClassifier(L.LightningModule):
             config with random weights (memory and speed work without downloading weights).
         config_overrides: keyword overrides for the Hugging Face config (e.g. ``num_hidden_layers``).
         tokenizer_name_or_path: defaults to ``model_name_or_path``.
-        gradient_checkpointing: recompute activations in backward (non-reentrant).
+        gradient_checkpointing: recompute activations in backward (non-reentrant): ``true``/``full``
+            keeps each transformer layer's input and re-runs its whole forward; ``selective`` also
+            keeps its matmul and fused-attention outputs and recomputes only the cheap ops (GELU,
+            dropout, LayerNorm, adds); ``false`` keeps everything.
+        offload_activations: move the tensors autograd saves in the forward pass (with
+            checkpointing: each layer's input) to pinned host memory, and back for backward. Needs
+            ``gradient_checkpointing``; a no-op on CPU.
         freeze: ``body`` (the whole encoder, as the seed did), ``embeddings``, or an int N for the
             embeddings plus the first N layers. The classifier head always trains.
         optimizer: any optimizer class path with its init args (AdamW by default; bitsandbytes'
@@ -65,6 +75,9 @@ class SequenceClassifier(L.LightningModule):
         warmup_ratio: fraction of the optimizer steps spent warming up.
         save_pretrained: at the end of fit, save model + tokenizer with ``save_pretrained`` into
             ``<run folder>/hf_model`` so the result loads with plain transformers.
+        compile: ``torch.compile`` each transformer layer (regional: one compiled graph reused by
+            every layer). Works with the fused step and checkpointing, not with
+            ``offload_activations``; compiled dropout draws other masks than eager dropout.
     """
 
     def __init__(
@@ -74,7 +87,8 @@ class SequenceClassifier(L.LightningModule):
         pretrained: bool = True,
         config_overrides: Optional[dict[str, Any]] = None,
         tokenizer_name_or_path: Optional[str] = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Checkpointing = False,
+        offload_activations: bool = False,
         freeze: Freeze = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         embedding_optimizer_state: EmbeddingState = "32bit",
@@ -82,6 +96,7 @@ class SequenceClassifier(L.LightningModule):
         lr_scheduler_type: str = "constant",
         warmup_ratio: float = 0.0,
         save_pretrained: bool = True,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -89,6 +104,19 @@ class SequenceClassifier(L.LightningModule):
             raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        policy = checkpoint_policy(gradient_checkpointing)
+        if offload_activations and policy is None:
+            raise UserError(
+                "model.offload_activations needs model.gradient_checkpointing (full or selective): without it every "
+                "activation of every layer would cross to host memory and back each step"
+            )
+        if offload_activations and compile:
+            raise UserError(
+                "model.offload_activations does not work with model.compile: compiled layers hand their weights to "
+                "autograd's saved-tensor hooks, which would copy them to host memory every step; drop one of the two"
+            )
+        # Entered around each training forward pass (saved-tensor hooks), reused across steps.
+        self.activation_offload = OffloadActivations() if offload_activations else None
         self.optimizer_factory = optimizer
         # hparams hold plain data (LightningCLI's config, a checkpoint's dict): keep the dataclass here.
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
@@ -132,10 +160,16 @@ class SequenceClassifier(L.LightningModule):
         freeze_modules(model, self.hparams.freeze)
         if self.hparams.embedding_optimizer_state == "stable_embedding":
             swap_stable_embedding(model)
-        if self.hparams.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+        policy = checkpoint_policy(self.hparams.gradient_checkpointing)
+        if policy is not None:
+            enable_gradient_checkpointing(model, policy)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
+        if self.hparams.compile:
+            # Regional: one graph per transformer layer, compiled once and reused by all of them. Each
+            # layer's backward still hands its gradients over as it ends, so the fused step's bound holds.
+            for layer in transformer_layers(model):
+                layer.compile()
         return model
 
     def forward(self, **batch: torch.Tensor):
@@ -144,7 +178,8 @@ class SequenceClassifier(L.LightningModule):
     # -- steps ---------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        with self.activation_offload or contextlib.nullcontext():
+            loss = self.model(**batch).loss
         self.log("train_loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0])
         return loss
 
@@ -240,9 +275,21 @@ def load_config(name_or_path: str, num_labels: int, overrides: Optional[dict[str
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+def checkpoint_policy(value: Any) -> Optional[str]:
+    """``model.gradient_checkpointing`` as ``None`` (off), ``"full"`` or ``"selective"``."""
+    if value is False or value is None:
+        return None
+    if value is True or value == "full":
+        return "full"
+    if value == "selective":
+        return "selective"
+    raise UserError(f"gradient_checkpointing={value!r} is not one of: false, true (= full), full, selective")
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") -> None:
     # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
-    kwargs = {"use_reentrant": False}
+    # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).
+    kwargs = checkpoint_kwargs(policy)
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -45,6 +45,7 @@ class NoTrainerEquivalent(Exception):
 def trainer_arguments(cli: Any) -> dict[str, Any]:
     """`TrainingArguments` keywords equivalent to a resolved fit config (`estimate.configured`)."""
     from lit_memory.estimate import is_fused, normalize_precision
+    from lit_memory.model import checkpoint_policy
 
     config = cli.settings
     if is_fused(config.trainer.strategy):
@@ -58,12 +59,19 @@ def trainer_arguments(cli: Any) -> dict[str, Any]:
     if optimizer.class_path not in OPTIM:
         raise NoTrainerEquivalent(f"no Trainer equivalent (optimizer {optimizer.class_path})")
     init = optimizer.init_args
+    checkpointing = checkpoint_policy(config.model.gradient_checkpointing)
+    if checkpointing == "selective":
+        raise NoTrainerEquivalent("no Trainer equivalent (selective checkpointing)")
+    if getattr(config.model, "offload_activations", False):
+        raise NoTrainerEquivalent("no Trainer equivalent (activation offloading)")
+    if getattr(config.model, "compile", False):
+        raise NoTrainerEquivalent("no Trainer equivalent (per-layer compile)")
     accelerator = str(config.trainer.accelerator)
     use_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     return {
         "per_device_train_batch_size": config.data.batch_size,
         "gradient_accumulation_steps": config.trainer.accumulate_grad_batches,
-        "gradient_checkpointing": config.model.gradient_checkpointing,
+        "gradient_checkpointing": checkpointing is not None,
         "optim": OPTIM[optimizer.class_path],
         "learning_rate": init.lr,
         "weight_decay": init.weight_decay,

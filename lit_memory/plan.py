@@ -10,7 +10,9 @@ written as a recipe, with its predicted breakdown in the header.
 
 1. quality: every parameter trains and every token is kept (freezing and truncation cost accuracy);
 2. no gradient accumulation;
-3. no gradient checkpointing (it recomputes the forward pass in backward);
+3. the least recompute: no gradient checkpointing, then selective (recomputes only cheap ops), then
+   full (re-runs every layer's forward in backward); with equal recompute, no activation offloading
+   (it copies each layer's input to host memory and back);
 4. the larger micro-batch;
 5. on CUDA 16-bit mixed precision before fp32 (tensor cores), on CPU fp32 first;
 6. the optimizer that keeps more state (closest to AdamW's updates);
@@ -51,7 +53,8 @@ from lit_memory.recipes import recipes_dir
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 RULE = (
-    "quality (no freezing, no truncation) > no accumulation > no checkpointing > larger micro-batch > "
+    "quality (no freezing, no truncation) > no accumulation > no checkpointing > selective > full checkpointing > "
+    "no offloading > larger micro-batch > "
     "16-bit mixed precision on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
 )
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
@@ -155,7 +158,8 @@ def rank(setup: Setup, prediction: Prediction, longest: int) -> tuple:
     return (
         setup.model.get("freeze") is not None or setup.max_length < longest,
         setup.accumulate_grad_batches > 1,
-        bool(setup.model.get("gradient_checkpointing")),
+        (None, "selective", "full").index(setup.checkpointing),
+        bool(setup.model.get("offload_activations")),
         -setup.batch_size,
         precision,
         -steady_state,
@@ -227,7 +231,11 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
             setup = apply(base, {k: b.value for k, b in blocks.items()})
             if setup.fused and setup.accumulate_grad_batches > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
-            out.append(Candidate(blocks, setup, analytic(setup)))
+            try:
+                prediction = analytic(setup)
+            except UserError:
+                continue  # settings the module refuses together (offloading without checkpointing)
+            out.append(Candidate(blocks, setup, prediction))
     return out
 
 

@@ -98,6 +98,56 @@ def test_analytic_agrees_with_the_simulation(case):
     assert predicted.inference == pytest.approx(simulated.inference, rel=0.10)
 
 
+# Selective checkpointing and offloading where activations are the peak: the fused step (no full set
+# of gradients), batch 16 x 64. Offloading is a no-op on CPU, so its cases predict for CUDA (the
+# simulation offloads to the meta device), with dropout off: the CPU then runs the kernels the CUDA
+# model assumes (fused attention, no dropout noise tensors).
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+RECOMPUTE_CASES = {
+    "selective": {"model": {"gradient_checkpointing": "selective"}},
+    "bf16-mixed + selective": {"precision": "bf16-mixed", "model": {"gradient_checkpointing": "selective"}},
+    "selective + offload": {
+        "device": "cuda",
+        "model": {"gradient_checkpointing": "selective", "offload_activations": True, "config_overrides": NO_DROPOUT},
+    },
+    "bf16-mixed + full + offload": {
+        "device": "cuda",
+        "precision": "bf16-mixed",
+        "model": {"gradient_checkpointing": True, "offload_activations": True, "config_overrides": NO_DROPOUT},
+    },
+}
+
+
+@pytest.mark.parametrize("case", RECOMPUTE_CASES)
+def test_recompute_settings_analytic_agrees_with_the_simulation(case):
+    setup = minilm(**{"batch_size": 16, "max_length": 64, "fused": True, **RECOMPUTE_CASES[case]})
+    predicted, simulated = analytic(setup), simulate(setup)
+    assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.05)
+    for phase in ("forward", "backward"):
+        want = sum(simulated.footprint.phases[phase].values())
+        assert sum(predicted.footprint.phases[phase].values()) == pytest.approx(want, rel=0.10), phase
+
+
+def test_recompute_settings_order_bert_large_activations():
+    settings = {"precision": "bf16-mixed", "fused": True}
+
+    def activations(**model) -> int:  # at the end of the forward pass: what backward will use
+        return analytic(bert_large(model=model, **settings)).footprint.phases["forward"]["activations"]
+
+    none, full, selective = activations(), activations(gradient_checkpointing=True), activations(
+        gradient_checkpointing="selective"
+    )
+    assert full < selective < none
+    # What selective keeps on top of full: the six linear outputs, (5h + f) bf16 values per token and
+    # layer (BERT's attention dropout makes the attention kernel recompute rather than be kept).
+    tokens, h, f = 32 * 128, 1024, 4096
+    assert selective - full == 24 * tokens * (5 * h + f) * 2
+    # Offloading takes each layer's input (h fp32 values per token) off the device.
+    offloaded = activations(gradient_checkpointing=True, offload_activations=True)
+    assert full - offloaded >= 23 * tokens * h * 4
+    assert activations(gradient_checkpointing="selective", offload_activations=True) < selective
+
+
 def test_cuda_target_runs_the_foreach_optimizer_and_both_methods_count_its_temporaries():
     setup = minilm(batch_size=1, max_length=32, device="cuda")
     predicted, simulated = analytic(setup), simulate(setup)

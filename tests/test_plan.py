@@ -116,3 +116,36 @@ def test_measure_times_the_best_candidates(tmp_path, capsys):
     recipe = yaml.safe_load(out.read_text())
     # Everything fits 8 GiB: the measured choice is among the rule's three best, all unaccumulated.
     assert recipe["trainer"]["accumulate_grad_batches"] == 1 and recipe["data"]["batch_size"] == 32
+
+
+def test_rule_prefers_less_recompute_then_no_offloading():
+    from lit_memory.estimate import analytic
+    from lit_memory.plan import apply, rank
+
+    base = resolve([], "cuda")
+
+    def key(**model) -> tuple:
+        setup = apply(base, {f"model.{name}": value for name, value in model.items()})
+        return rank(setup, analytic(setup), base.max_length)
+
+    order = [
+        key(gradient_checkpointing=False),
+        key(gradient_checkpointing="selective"),
+        key(gradient_checkpointing="selective", offload_activations=True),
+        key(gradient_checkpointing=True),
+        key(gradient_checkpointing=True, offload_activations=True),
+    ]
+    assert order == sorted(order) and len(set(order)) == len(order)
+
+
+def test_a_recipe_with_offloading_adds_candidates_but_never_offloading_without_checkpointing(tmp_path):
+    from lit_memory.plan import load_recipe
+
+    text = (RECIPES / "4gb.yaml").read_text()
+    assert "  gradient_checkpointing: true" in text
+    offloading = tmp_path / "offload.yaml"
+    offloading.write_text(text.replace("  gradient_checkpointing: true", "  offload_activations: true\n  gradient_checkpointing: selective"))
+    setups = [c.setup for c in candidates(resolve([], "cuda"), [*shipped_recipes(), load_recipe(offloading)])]
+    assert {s.checkpointing for s in setups} == {None, "full", "selective"}
+    assert any(s.model.get("offload_activations") for s in setups)
+    assert not any(s.model.get("offload_activations") and s.checkpointing is None for s in setups)

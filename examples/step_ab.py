@@ -1,0 +1,93 @@
+"""Step time of model switches side by side, interleaved in one process.
+
+On a shared machine the load changes from minute to minute, so runs one after another (as `bench`
+does) can differ several-fold for the same settings. Here every variant is built once and their
+training steps (forward, then backward with the fused optimizer step inside) alternate, so the
+load hits all of them alike; the median step per variant is printed, and the first step apart
+(it includes compilation).
+
+    # the recompute cost of checkpointing: BERT-large width, 2 layers, bf16 autocast, 8-bit AdamW
+    python examples/step_ab.py --config_overrides '{"num_hidden_layers": 2}' --batch 8 --length 128 \\
+        --bf16 --adamw8bit --variants '[{}, {"gradient_checkpointing": true}, {"gradient_checkpointing": "selective"}]'
+    # torch.compile on the launch-bound proxy (BERT-large depth, tiny width): fused.yaml's settings,
+    # then 4gb.yaml's (checkpointing, bf16, 8-bit AdamW)
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+        --batch 8 --length 16 --steps 20 --variants '[{}, {"compile": true}]'
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+        --batch 8 --length 16 --steps 20 --bf16 --adamw8bit \\
+        --variants '[{"gradient_checkpointing": true}, {"gradient_checkpointing": true, "compile": true}, {}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from functools import partial
+
+import torch
+
+from lit_memory.fused import FusedStep
+from lit_memory.model import SequenceClassifier
+
+
+def build(variant: dict, args: argparse.Namespace) -> SequenceClassifier:
+    torch.manual_seed(0)
+    module = SequenceClassifier(
+        model_name_or_path="bundled:bert-large", pretrained=False, config_overrides=args.config_overrides, **variant
+    )
+    if args.adamw8bit:
+        import bitsandbytes as bnb
+
+        module.optimizer_factory = partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01)
+    module.configure_model()
+    FusedStep(module.build_optimizer())  # the fused step's hooks, as fused.yaml and 4gb.yaml train
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", type=json.loads, required=True, help="JSON list of SequenceClassifier kwargs")
+    parser.add_argument("--config_overrides", type=json.loads, default={})
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as bf16-mixed")
+    parser.add_argument("--adamw8bit", action="store_true", help="bitsandbytes AdamW8bit instead of AdamW")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "input_ids": torch.randint(1000, 2000, (args.batch, args.length), generator=g),
+        "attention_mask": torch.ones(args.batch, args.length, dtype=torch.long),
+        "labels": torch.randint(0, 2, (args.batch,), generator=g),
+    }
+    autocast = partial(torch.autocast, "cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext
+    modules = [build(v, args) for v in args.variants]
+
+    def step(module: SequenceClassifier) -> float:
+        start = time.perf_counter()
+        with autocast():
+            loss = module.model(**batch).loss
+        loss.backward()
+        return time.perf_counter() - start
+
+    first = [step(m) for m in modules]
+    for _ in range(args.warmup):
+        for m in modules:
+            step(m)
+    times = [[] for _ in modules]
+    for _ in range(args.steps):
+        for i, m in enumerate(modules):
+            times[i].append(step(m))
+    base = statistics.median(times[0])
+    for variant, first_s, ts in zip(args.variants, first, times):
+        median = statistics.median(ts)
+        print(f"{json.dumps(variant)}: first step {first_s:.2f} s, median step {median * 1000:.1f} ms ({median / base:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
