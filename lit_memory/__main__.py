@@ -1,22 +1,21 @@
-"""`python -m lit_memory`: Lightning's subcommands (fit, validate, test, predict) and the project's tools."""
+"""`python -m lit_memory`: Lightning's subcommands (fit, validate, test, predict) and the project's tools.
+
+The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
+the tools, and hands the tools' memory predictions and out-of-memory advice to a run as hooks.
+"""
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Optional
 
 import torch
 
+from lit_memory import cli
 from lit_memory.errors import UserError
+from lit_memory.tools import advice, bench, estimate, plan, recipes
 
-# subcommand -> "module:function"; each function takes the remaining argv.
-TOOLS: dict[str, str] = {
-    "bench": "lit_memory.bench:main",
-    "estimate": "lit_memory.estimate:main",
-    "plan": "lit_memory.plan:main",
-    "recipes": "lit_memory.recipes:main",
-}
+TOOLS = {"bench": bench.main, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -27,18 +26,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         if args and args[0] in TOOLS:
-            module, function = TOOLS[args[0]].split(":")
-            getattr(importlib.import_module(module), function)(args[1:])
+            TOOLS[args[0]](args[1:])
         else:
-            from lit_memory.cli import resolve
-
-            resolve(args).launch()
+            cli.resolve(args, predict=estimate.predict_run, advise=advice.advise).launch()
     except UserError as err:
         for line in str(err).splitlines():
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except torch.OutOfMemoryError as err:
-        # The memory callback has printed the breakdown at the failure and a recipe that fits.
+        # The memory monitor has printed the breakdown at the failure and a recipe that fits.
         print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
 

@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lit_memory import recipes, trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
-from lit_memory.memory import MemoryMonitor
+from lit_memory.monitor import Advise, MemoryMonitor, Predict
 from lit_memory.model import SequenceClassifier
 from lit_memory.precision import cpu_fallback
 
@@ -112,7 +112,9 @@ class ImportRefused(UserError):
 class LitMemoryCLI(LightningCLI):
     """LightningCLI for the project's module and data, with ``--recipe NAME``, the trust checks and
     the memory monitor. ``defer=True`` stops after parsing and checking (see `resolve`);
-    ``collect=True`` keeps refused values in ``refusals`` and raises parse errors (``recipes check``)."""
+    ``collect=True`` keeps refused values in ``refusals`` and raises parse errors (``recipes check``).
+    ``predict`` and ``advise`` are the memory monitor's hooks (`lit_memory.monitor`): the tools that
+    predict memory and advise on running out, given by whoever runs the CLI."""
 
     def __init__(
         self,
@@ -120,6 +122,8 @@ class LitMemoryCLI(LightningCLI):
         run: bool = True,
         defer: bool = False,
         collect: bool = False,
+        predict: Optional[Predict] = None,
+        advise: Optional[Advise] = None,
         **kwargs: Any,
     ) -> None:
         argv = sys.argv[1:] if args is None else args
@@ -139,6 +143,7 @@ class LitMemoryCLI(LightningCLI):
             )
         self._deferred = defer
         self._collect = collect
+        self._memory_hooks = {"predict": predict, "advise": advise}
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         if collect:  # parse errors raise (ArgumentError) instead of exiting
@@ -234,10 +239,19 @@ class LitMemoryCLI(LightningCLI):
         if not self._deferred:
             super()._run_subcommand(subcommand)
 
+    def after_instantiate_classes(self) -> None:
+        if self._deferred:
+            return
+        monitor = self.config_init[self.subcommand]["memory"] if self.subcommand else self.config_init["memory"]
+        for name, hook in self._memory_hooks.items():
+            if hook is not None:
+                setattr(monitor, name, hook)
+
     def build(self, trainer: bool = True) -> "LitMemoryCLI":
         """Instantiate the module and data module (and the Trainer): ``self.model``, ``self.datamodule``."""
         if trainer:
             LightningCLI.instantiate_classes(self)
+            self.after_instantiate_classes()
         else:
             self.config_init = self.parser.instantiate_classes(self.config)
             self.datamodule = self._get(self.config_init, "data")

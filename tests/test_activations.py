@@ -10,7 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lit_memory.activations import OffloadActivations, selective_policy
 from lit_memory.errors import UserError
-from lit_memory.memory import Tracker
+from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers
 
 # Dropout stays on (BERT's 0.1): recomputed dropout must draw the masks the forward pass drew.

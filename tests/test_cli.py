@@ -9,6 +9,7 @@ import yaml
 
 from conftest import CONFIGS, FAST, RECIPES
 from lit_memory import recipes
+from lit_memory.memory import records
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 
@@ -121,8 +122,8 @@ def test_a_fit_writes_a_shareable_recipe_that_reproduces_its_settings(shared_run
     for package in ("lit_memory", "torch", "lightning", "transformers"):
         version = __import__(package).__version__
         assert f"{package} {version}" in header["versions"]
-    measured = json.loads((shared_run / "memory.json").read_text())["peak_bytes"]["measured"]
-    assert header["measured peak memory"] == f"{measured / 2**30:.2f} GiB (tensor tracker, cpu)"
+    assert header["measured peak memory"] == records.peak_summary(shared_run)
+    assert header["measured peak memory"].endswith(" process RSS growth (cpu)")
     settings = yaml.safe_load(text)
     assert settings["trainer"]["default_root_dir"] is None and settings["ckpt_path"] is None
     assert settings["model"]["optimizer"]["class_path"] == "transformers.Adafactor"

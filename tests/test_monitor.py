@@ -1,8 +1,7 @@
-"""Measurement: the tracker, memory.json in every run, predicted vs measured, the out-of-memory report."""
+"""The memory monitor: memory.json in every run, predicted vs measured, the out-of-memory report."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,68 +12,16 @@ from torch import nn
 
 from conftest import FAST, RECIPES
 from lit_memory.__main__ import main
-from lit_memory.cli import LitMemoryCLI
-from lit_memory.errors import UserError
-from lit_memory.memory import (
-    CATEGORIES,
-    PHASES,
-    MemoryBudgetExceeded,
-    MemoryMonitor,
-    Tracker,
-    format_bytes,
-    parse_bytes,
-)
+from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.memory import records
+from lit_memory.memory.footprint import CATEGORIES, PHASES, format_bytes
+from lit_memory.monitor import MemoryMonitor
+from lit_memory.tools.advice import advise
+from lit_memory.tools.estimate import predict_run
 
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 # Every batch padded to max_length, so the measured batch has the predicted (worst-case) shape.
 MEASURE = ["--data.padding=max_length", "--trainer.limit_val_batches=0", "--model.save_pretrained=false"]
-
-
-def test_parse_and_format_bytes():
-    assert parse_bytes("4GiB") == 4 * 2**30
-    assert parse_bytes("3.5 GB") == 3_500_000_000
-    assert parse_bytes("512MiB") == 512 * 2**20
-    assert parse_bytes(1000) == 1000
-    assert format_bytes(3 * 2**30 // 2) == "1.50 GiB"
-    with pytest.raises(UserError, match="cannot read '4 gigs' as a memory size"):
-        parse_bytes("4 gigs")
-
-
-def tiny_step(tracker: Tracker):
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
-    optimizer = torch.optim.Adam(model.parameters())
-    x = torch.randn(16, 64)
-    tracker.track_external(model, optimizer, x)
-    with tracker:
-        tracker.enter_phase("forward")
-        loss = model(x).square().mean()
-        tracker.enter_phase("backward")
-        loss.backward()
-        tracker.enter_phase("step")
-        optimizer.step()
-    return model
-
-
-def test_tracker_attributes_each_phase():
-    tracker = Tracker()
-    model = tiny_step(tracker)
-    params = sum(p.numel() * 4 for p in model.parameters())
-    phases = tracker.footprint.phases
-    assert set(phases) == set(PHASES)
-    assert phases["forward"]["weights"] == params and phases["forward"]["gradients"] == 0
-    assert phases["forward"]["activations"] >= 16 * 256 * 4  # at least the hidden layer's output
-    assert 0 < phases["backward"]["gradients"] <= params and phases["step"]["gradients"] == params
-    assert phases["step"]["optimizer"] >= 2 * params  # Adam's moments (+ step counters, temporaries)
-    assert tracker.footprint.peak == sum(tracker.footprint.categories.values())
-
-
-def test_tracker_budget_raises_cudas_out_of_memory_error_with_the_breakdown():
-    tracker = Tracker(budget=40_000)
-    with pytest.raises(torch.OutOfMemoryError) as err:
-        tiny_step(tracker)
-    assert isinstance(err.value, MemoryBudgetExceeded)
-    assert sum(err.value.categories.values()) > 40_000
-    assert err.value.categories["weights"] > 0
 
 
 def test_accumulation_windows_track_only_the_micro_batches_that_differ():
@@ -89,19 +36,16 @@ def test_accumulation_windows_track_only_the_micro_batches_that_differ():
     assert all(budgeted._tracking(trainer, i) for i in range(16, 24))
 
 
+def fit(args: list[str]) -> LitMemoryCLI:
+    """A fit as `python -m lit_memory fit` runs it: with the tools' predictions and advice as the monitor's hooks."""
+    run = resolve(["fit", *args], predict=predict_run, advise=advise)
+    run.launch()
+    return run
+
+
 def run(recipe: str, tmp_path: Path, *extra: str) -> tuple[LitMemoryCLI, dict]:
-    cli = LitMemoryCLI(
-        args=[
-            "fit",
-            "--config",
-            str(RECIPES / f"{recipe}.yaml"),
-            *FAST,
-            *MEASURE,
-            f"--trainer.default_root_dir={tmp_path}",
-            *extra,
-        ]
-    )
-    return cli, json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
+    cli = fit(["--config", str(RECIPES / f"{recipe}.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}", *extra])
+    return cli, records.read_memory(Path(cli.trainer.log_dir))
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES)
@@ -113,25 +57,29 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     cli, report = run(
         recipe, tmp_path, f"--trainer.accumulate_grad_batches={min(accumulate, 2)}", "--memory.simulate=true"
     )
-    measured = report["peak_bytes"]["measured"]
+    tracked = report["measured"]["tracked"]
+    measured = tracked["peak_bytes"]
     assert report["tracked_batches"] == report["batches"] == 2 * min(accumulate, 2)
     predictions = ["analytic", "simulated"]
     for method in predictions:
-        assert report["peak_bytes"][method] == pytest.approx(measured, rel=0.10), method
-    for method in (*predictions, "measured"):
-        assert set(report["categories"][method]) == set(CATEGORIES)
-        assert sum(report["categories"][method].values()) == report["peak_bytes"][method]
-        assert set(report["phases"][method]) == set(PHASES)
-    assert report["device"]["type"] == "cpu" and report["config"] == "config.yaml"
+        assert report["predicted"][method]["peak_bytes"] == pytest.approx(measured, rel=0.10), method
+    for footprint in (*(report["predicted"][m] for m in predictions), tracked):
+        assert set(footprint["categories"]) == set(CATEGORIES)
+        assert sum(footprint["categories"].values()) == footprint["peak_bytes"]
+        assert set(footprint["phases"]) == set(PHASES)
+    process = report["measured"]["process"]
+    assert process["max_rss_bytes"] >= process["rss_at_start_bytes"] > measured / 4  # the process holds more
+    assert report["device"]["type"] == "cpu" and report["config"] == "config.yaml" and report["world_size"] == 1
     assert (Path(cli.trainer.log_dir) / "config.yaml").exists()  # the resolved config beside the evidence
     assert cli.trainer.progress_bar_metrics["mem_peak_gib"] == pytest.approx(measured / 2**30, rel=1e-4)
-    # The end-of-fit table: predicted and measured side by side, per category.
+    # The end-of-fit table: predicted and measured side by side, per category, then the process.
     out = capsys.readouterr().out
     table = out[out.index("memory on cpu") :].splitlines()
-    assert table[1].split() == [*predictions, "measured"]
-    rows = {line.split()[0]: line.split()[1:] for line in table[2:8]}
-    assert list(rows) == [*CATEGORIES, "peak"]
+    assert table[0].split()[-4:] == ["analytic", "simulated", "tracked", "tensors"]
+    rows = {line[:28].strip(): line[28:].split() for line in table[1:8]}
+    assert list(rows) == ["weights", "gradients", "optimizer state", "activations", "other/temporary", "peak", "(phase)"]
     assert rows["peak"][-2:] == format_bytes(measured).split()
+    assert table[8].startswith("  process: max RSS ")
 
 
 def test_memory_is_measured_by_default_and_configurable(capsys):
@@ -164,7 +112,7 @@ def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, cap
     suggested = suggestion.split("--config ")[1].split()[0]
     assert suggested != "recipes/baseline.yaml"
     assert error.startswith("error: out of memory: tracked tensors need")
-    memory = json.loads(next(tmp_path.rglob("memory.json")).read_text())
+    memory = records.read_memory(next(tmp_path.rglob("memory.json")).parent)
     assert memory["oom"]["phase"] == "forward" and memory["oom"]["live_bytes"] > 600 * 2**20
 
 
@@ -186,10 +134,11 @@ def tracked_categories(tmp_path: Path, *args: str) -> tuple[int, dict[str, int]]
         args=["fit", "--config", str(RECIPES / "baseline.yaml"), *args, *FAST, *MEASURE,
               "--cpu_bf16_fallback=false", f"--trainer.default_root_dir={tmp_path}"]  # measure bf16 as written
     )
-    report = json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
+    report = records.read_memory(Path(cli.trainer.log_dir))
     assert report["batch_shape"] == [32, 128]
-    phases = report["phases"]["measured"].values()
-    return report["peak_bytes"]["measured"], {c: max(p["categories"][c] for p in phases) for c in CATEGORIES}
+    tracked = report["measured"]["tracked"]
+    phases = tracked["phases"].values()
+    return tracked["peak_bytes"], {c: max(p["categories"][c] for p in phases) for c in CATEGORIES}
 
 
 def test_4gb_is_a_third_of_baseline_and_each_switch_shrinks_its_category(tmp_path):

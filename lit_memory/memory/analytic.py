@@ -1,213 +1,43 @@
-"""Predict a training step's memory before running it, two ways, side by side.
+"""The analytic model of a training step's memory: bytes per parameter, an activation model.
 
-* analytic: the seed's bytes per parameter (by precision and optimizer), the parameter shapes of
-  the configured model (built on the ``meta`` device: nothing allocated, nothing downloaded), and
-  a per-layer activation model of a BERT-style encoder layer (see `layer_bytes_per_token`);
-* simulated: one real training step of the configured module (its optimizer, checkpointing,
-  autocast) on fake tensors (``FakeTensorMode``), attributed by torch's ``MemTracker``. CUDA
-  cannot be faked on the CPU build of torch, so the step runs CPU kernels.
-
-Both follow a training step in order: ``training_step`` (no gradient alive, except the window's
-in the middle of an accumulation window), backward, optimizer step (after which
-`SequenceClassifier.optimizer_step` frees the gradients). Each gives the bytes per category at the peak of each phase; the peak is the
-largest phase. ``python -m lit_memory estimate`` prints both; ``--json`` for machines.
+The reference post's accounting (bytes per parameter by precision and optimizer) over the parameter
+shapes of the configured model, built on the ``meta`` device (nothing allocated, nothing downloaded),
+plus a per-layer activation model of a BERT-style encoder layer (`layer_bytes_per_token`). It follows
+a training step in order: ``training_step`` (no gradient alive, except the window's in the middle of
+an accumulation window), backward, optimizer step (after which `SequenceClassifier.optimizer_step`
+frees the gradients), and gives the bytes per category at the peak of each phase. Milliseconds per
+setup: `lit_memory.tools.plan` predicts hundreds.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import inspect
 import json
 import math
 import time
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
-from lit_memory.activations import OffloadActivations
-from lit_memory.errors import UserError
-from lit_memory.lora import apply_lora
-from lit_memory.memory import CATEGORIES, Footprint, Tracker, format_bytes
-from lit_memory.model import SequenceClassifier, checkpoint_policy, transformer_layers
-
-# precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
-PRECISIONS = {
-    "32-true": (torch.float32, torch.float32, False),
-    "64-true": (torch.float64, torch.float64, False),
-    "bf16-mixed": (torch.float32, torch.bfloat16, True),
-    "16-mixed": (torch.float32, torch.float16, True),
-    "bf16-true": (torch.bfloat16, torch.bfloat16, False),
-    "16-true": (torch.float16, torch.float16, False),
-}
-DEVICES = ("cuda", "cpu")
-CUDA_NOTES = (
-    "CUDA differs from the CPU simulation in: attention kernels (CUDA's memory-efficient/flash SDPA keeps "
-    "no heads x length x length probabilities; CPU falls back to the math kernel when attention dropout is on), "
-    "dropout masks (1 byte per value on CUDA, a full-width noise tensor on CPU), the caching allocator "
-    "(rounds blocks to 512 B and reserves more than it allocates) and cuBLAS workspaces (a few MiB)."
-)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Everything a training step's memory depends on, resolved from configs or a running trainer."""
-
-    model: dict[str, Any]  # the module's init args, optimizer excluded
-    optimizer: Callable  # the module's optimizer factory (params -> Optimizer)
-    precision: str = "32-true"
-    accumulate_grad_batches: int = 1
-    batch_size: int = 32
-    max_length: int = 128
-    fused: bool = False
-    device: str = "cuda"  # the device type the analytic prediction is for
-    module_class: type = SequenceClassifier
-
-    @classmethod
-    def from_run(cls, trainer, module) -> "Setup":
-        """The setup of a running fit (raises AttributeError for modules/data without these settings)."""
-        data = trainer.datamodule
-        return cls(
-            model=_init_args(type(module), module.hparams),
-            optimizer=module.optimizer_factory,
-            precision=normalize_precision(trainer.precision),
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            batch_size=data.batch_size,
-            max_length=data.max_length,
-            fused=is_fused(trainer.strategy),
-            device=trainer.strategy.root_device.type,
-            module_class=type(module),
-        )
-
-    def module(self) -> SequenceClassifier:
-        # Always from the config: weights are never loaded to predict memory.
-        return self.module_class(**{**self.model, "pretrained": False}, optimizer=self.optimizer)
-
-    @property
-    def checkpointing(self) -> Optional[str]:
-        """``None``, ``"full"`` or ``"selective"``."""
-        return checkpoint_policy(self.model.get("gradient_checkpointing"))
-
-    @property
-    def offloading(self) -> bool:
-        """Whether saved activations leave the device (offloading is a no-op on a CPU run)."""
-        return bool(self.model.get("offload_activations")) and self.device == "cuda"
-
-    @property
-    def optimizer_name(self) -> str:
-        func = getattr(self.optimizer, "args", ())
-        cls = next((a for a in func if isinstance(a, type)), None) or self.optimizer
-        return getattr(cls, "__name__", str(cls))
-
-    def describe(self) -> str:
-        hp = self.model
-        parts = [
-            f"batch {self.batch_size} x {self.max_length} tokens",
-            self.precision,
-            self.optimizer_name,
-            f"accumulate {self.accumulate_grad_batches}",
-        ]
-        if self.checkpointing:
-            parts.append(f"{self.checkpointing} gradient checkpointing")
-        if hp.get("offload_activations"):
-            parts.append("activations offloaded")
-        if hp.get("freeze") is not None:
-            parts.append(f"freeze {hp['freeze']}")
-        if self.fused:
-            parts.append("fused backward+step")
-        return ", ".join(parts)
-
-
-@dataclass
-class Prediction:
-    method: str  # "analytic" or "simulated"
-    device: str  # the device type the numbers are for
-    footprint: Footprint
-    inference: int  # bytes held by a forward pass without autograd at the same batch shape
-    parameters: int = 0
-    trainable: int = 0
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-
-def _init_args(cls: type, hparams: Any) -> dict[str, Any]:
-    names = [n for n in inspect.signature(cls).parameters if n != "optimizer"]
-    return {n: hparams[n] for n in names if n in hparams}
-
-
-def normalize_precision(precision: Any) -> str:
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "bf16 is supported for historical reasons"
-        unified = str(_convert_precision_to_unified_args(precision or "32-true"))
-    if unified not in PRECISIONS:
-        raise UserError(f"precision {precision!r} is not modelled; choose one of: {', '.join(PRECISIONS)}")
-    return unified
-
-
-def is_fused(strategy: Any) -> bool:
-    """True for strategies that step each parameter from its gradient hook (class attribute ``fused_step``)."""
-    if isinstance(strategy, dict) or hasattr(strategy, "class_path"):  # a class spec, parsed or plain
-        strategy = strategy.get("class_path", "")
-    if isinstance(strategy, str):
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        if strategy in StrategyRegistry:
-            strategy = StrategyRegistry[strategy]["strategy"]
-        elif "." in strategy:
-            import pkgutil
-
-            strategy = pkgutil.resolve_name(strategy)
-    return bool(getattr(strategy, "fused_step", False))
-
+from lit_memory.memory.footprint import Footprint
+from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
+from lit_memory.model import SequenceClassifier, transformer_layers
 
 def file_gib(parameters: int, bytes_per_parameter: int) -> float:
-    """The seed's model-file size: parameters x bytes per parameter / 1024^3 (GiB)."""
+    """The reference post's model-file size: parameters x bytes per parameter / 1024^3 (GiB)."""
     return parameters * bytes_per_parameter / 1024**3
 
 
-def seed_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optimizer_values: int = 2) -> dict[str, int]:
-    """The seed's accounting for K frozen and N trainable parameters: weights K+N, gradients N, optimizer
+def reference_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optimizer_values: int = 2) -> dict[str, int]:
+    """The reference post's accounting for K frozen and N trainable parameters: weights K+N, gradients N, optimizer
     state 2N values (Adam's two moments). Full fine-tuning is K = 0: 4 values per parameter."""
     return {
         "weights": (frozen + trainable) * bytes_per_value,
         "gradients": trainable * bytes_per_value,
         "optimizer": optimizer_values * trainable * bytes_per_value,
     }
-
-
-# -- building the configured module -------------------------------------------------------------
-
-
-def build(setup: Setup, context: contextlib.AbstractContextManager) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
-    """The configured module and its optimizer, exactly as ``fit`` builds them, with tensors created
-    under ``context`` (the ``meta`` device for the analytic model, fake tensors for the simulation)."""
-    module = setup.module()
-    # peft cannot create LoRA adapters under FakeTensorMode (its .to() goes through torch's tensor
-    # swap, which fake tensors refuse): add them afterwards, as the few small real tensors they are.
-    lora, module.lora = module.lora, None
-    with context, _tensor_init_context(setup.precision):
-        module.configure_model()
-    if lora is not None:
-        module.lora, module.model = lora, apply_lora(module.model, lora)
-    # Outside the context: optimizers may build small lookup tensors from data (bitsandbytes' quantile maps).
-    optimizer = module.build_optimizer()
-    return module, optimizer
-
-
-def _tensor_init_context(precision: str) -> contextlib.AbstractContextManager:
-    """Lightning's "-true" precisions create the module's tensors in their dtype (its tensor_init_context)."""
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
-
-    if precision in ("bf16-true", "16-true"):
-        return HalfPrecision(precision).tensor_init_context()
-    if precision == "64-true":
-        return DoublePrecision().tensor_init_context()
-    return contextlib.nullcontext()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -464,7 +294,7 @@ def optimizer_bytes(
         largest_numel = max(p.numel() for p in params)
         low = any(p.dtype != torch.float32 for p in params)
         return state, 4 * largest_numel * (2 + 2 * low), notes
-    foreach = _foreach(optimizer, device)
+    foreach = foreach_default(optimizer, device)
     group_bytes = max(sum(_nbytes(p) for p in g) for g in groups)
     # foreach ops allocate one tensor per parameter of a group at once
     unit = group_bytes if foreach and not per_parameter else largest
@@ -490,7 +320,7 @@ def optimizer_bytes(
     return state, unit * temps, notes
 
 
-def _foreach(optimizer: torch.optim.Optimizer, device: str) -> bool:
+def foreach_default(optimizer: torch.optim.Optimizer, device: str) -> bool:
     """torch's default: foreach kernels on CUDA, a loop over parameters on CPU."""
     foreach = optimizer.defaults.get("foreach")
     if foreach is None:
@@ -529,21 +359,21 @@ def _total(categories: dict[str, int]) -> int:
     return sum(categories.values())
 
 
-# Meta-device builds by (hyper-parameters, optimizer factory, precision): `plan` predicts hundreds of
-# setups that share a handful of models. The factory is kept in the value so its id stays unique.
-_META_BUILDS: dict[tuple, tuple] = {}
+# The last meta-device builds: `plan` predicts hundreds of setups that share a handful of models.
+_META_BUILDS: OrderedDict[tuple, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
+META_BUILDS_KEPT = 16
 
 
 def _meta_build(setup: Setup) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
-    key = (
-        setup.module_class,
-        json.dumps(setup.model, sort_keys=True, default=str),
-        id(setup.optimizer),
-        setup.precision,
-    )
-    if key not in _META_BUILDS:
-        _META_BUILDS[key] = (*build(setup, torch.device("meta")), setup.optimizer)
-    return _META_BUILDS[key][:2]
+    # The optimizer factory is part of the key (hashed by identity) and so kept alive with its build.
+    key = (setup.module_class, json.dumps(setup.model, sort_keys=True, default=str), setup.optimizer, setup.precision)
+    if key in _META_BUILDS:
+        _META_BUILDS.move_to_end(key)
+    else:
+        _META_BUILDS[key] = build(setup, torch.device("meta"))
+        if len(_META_BUILDS) > META_BUILDS_KEPT:
+            _META_BUILDS.popitem(last=False)
+    return _META_BUILDS[key]
 
 
 def analytic(setup: Setup) -> Prediction:
@@ -605,238 +435,3 @@ def analytic(setup: Setup) -> Prediction:
     )
 
 
-# -- the simulation -----------------------------------------------------------------------------
-
-
-def _fake_batch(setup: Setup, config) -> dict[str, torch.Tensor]:
-    # The worst case a run can see: every micro-batch full and padded to max_length.
-    shape = (setup.batch_size, setup.max_length)
-    batch = {
-        "input_ids": torch.randint(0, config.vocab_size, shape),
-        "attention_mask": torch.ones(shape, dtype=torch.long),
-        "labels": torch.zeros(setup.batch_size, dtype=torch.long),
-    }
-    if getattr(config, "type_vocab_size", 0):
-        batch["token_type_ids"] = torch.zeros(shape, dtype=torch.long)
-    return batch
-
-
-def _use_device_defaults(optimizer: torch.optim.Optimizer, device: str) -> None:
-    """Run the optimizer implementation torch picks on ``device``: on CUDA, foreach kernels (their
-    temporaries are a whole parameter group at once) where the config leaves ``foreach`` unset."""
-    if device == "cuda" and _foreach(optimizer, device):
-        for group in optimizer.param_groups:
-            if group.get("foreach", False) is None:
-                group["foreach"] = True
-
-
-@dataclass
-class _Stepping:
-    """How the simulated step updates the parameters."""
-
-    optimizers: list  # whose state exists before the tracked step (tracked from its start)
-    warm: Callable[[], None]  # one step on zero gradients, leaving behind what a previous step leaves
-    after_backward: Callable[[], None]  # what runs after loss.backward()
-
-
-def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup) -> _Stepping:
-    """Lightning's step: ``optimizer.step()`` after backward, then `SequenceClassifier.optimizer_step`
-    frees the gradients. With the fused step the strategy's own core steps and frees each gradient
-    inside backward instead.
-    """
-    trainable = [p for p in module.model.parameters() if p.requires_grad]
-
-    def warm() -> None:
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()  # creates the state; fused copies share the original optimizer's state
-        if setup.accumulate_grad_batches == 1:  # else: a mid-window micro-batch keeps the window's gradients
-            optimizer.zero_grad()  # a step leaves no gradient behind (see above)
-
-    if setup.fused:
-        from lit_memory.fused import FusedStep
-
-        FusedStep(optimizer)  # hooks on the (throwaway, fake) model's parameters
-        return _Stepping(optimizers=[optimizer], warm=warm, after_backward=lambda: None)
-    return _Stepping(optimizers=[optimizer], warm=warm, after_backward=optimizer.step)
-
-
-def simulate(setup: Setup) -> Prediction:
-    """One training step of the configured module on fake tensors, tracked per phase on ``cpu``."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    start = time.perf_counter()
-    autocast = PRECISIONS[setup.precision][2]
-    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the optimizer's own small real tensors
-    module, optimizer = build(setup, fake)
-    if setup.offloading:
-        # The step runs on the CPU here, standing in for the GPU: offload to the meta device instead
-        # of host memory, so the offloaded tensors leave the tracked device as they would leave the GPU.
-        module.activation_offload = OffloadActivations(host="meta")
-    with fake, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
-        _use_device_defaults(optimizer, setup.device)
-        stepping = _stepping(module, optimizer, setup)
-        stepping.warm()  # the steady state: the optimizer state exists
-        batch = _fake_batch(setup, module.model.config)
-        # Lightning's own autocast context (it disables autocast's weight cache); one per use.
-        plugin = MixedPrecision(setup.precision, "cpu") if autocast else None
-
-        def forward_context() -> contextlib.AbstractContextManager:
-            return plugin.forward_context() if plugin else contextlib.nullcontext()
-
-        tracker = Tracker("cpu")
-        tracker.track_external(module, *stepping.optimizers, batch)
-        with tracker:
-            tracker.enter_phase("forward")
-            with forward_context():
-                loss = module.training_step(batch, 0)
-            tracker.enter_phase("backward")
-            loss.backward()
-            tracker.enter_phase("step")
-            stepping.after_backward()
-        del loss
-
-        optimizer.zero_grad()
-        module.model.eval()
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        inference = Tracker("cpu")
-        inference.track_external(module.model, inputs)
-        with inference, torch.no_grad(), forward_context():
-            inference.enter_phase("forward")
-            module.model(**inputs)
-    return Prediction(
-        method="simulated",
-        device="cpu",
-        footprint=tracker.footprint,
-        inference=inference.footprint.peak,
-        parameters=sum(p.numel() for p in module.model.parameters()),
-        trainable=sum(p.numel() for p in module.model.parameters() if p.requires_grad),
-        seconds=time.perf_counter() - start,
-    )
-
-
-# -- the subcommand -----------------------------------------------------------------------------
-
-
-def configured(args: list[str]):
-    """The run ``fit ARGS`` would train, resolved and checked (`lit_memory.cli.resolve`), its module
-    (model not yet built) and data module instantiated; no Trainer (it may name a GPU this machine
-    lacks), no weights, no data read."""
-    from lit_memory.cli import resolve as resolve_run
-
-    return resolve_run(["fit", *args]).build(trainer=False)
-
-
-def resolve(args: list[str], device: str = "cuda") -> Setup:
-    """The setup ``fit`` would train with these configs and overrides (nothing is built or loaded)."""
-    cli = configured(args)
-    trainer = cli.settings.trainer
-    return Setup(
-        model=_init_args(SequenceClassifier, cli.model.hparams),
-        optimizer=cli.model.optimizer_factory,
-        precision=normalize_precision(trainer.precision),
-        accumulate_grad_batches=trainer.accumulate_grad_batches,
-        batch_size=cli.datamodule.batch_size,
-        max_length=cli.datamodule.max_length,
-        fused=is_fused(trainer.strategy),
-        device=device,
-    )
-
-
-def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction]) -> dict:
-    """The --json object (memory.json uses the same keys for its predictions)."""
-    both = {"analytic": analytic_, "simulated": simulated}
-    params = analytic_.parameters
-    notes = list(analytic_.notes)
-    if simulated is not None:
-        notes.append(f"simulated on CPU with fake tensors (nothing allocated) in {simulated.seconds:.1f} s")
-        if setup.device == "cuda":
-            notes.append(CUDA_NOTES)
-    return {
-        "model": {
-            "name": setup.model.get("model_name_or_path"),
-            "parameters": params,
-            "trainable": analytic_.trainable,
-            "file_bytes": {"fp32": 4 * params, "fp16": 2 * params, "int8": params},
-        },
-        "setup": {
-            "batch_size": setup.batch_size,
-            "max_length": setup.max_length,
-            "precision": setup.precision,
-            "optimizer": setup.optimizer_name,
-            "accumulate_grad_batches": setup.accumulate_grad_batches,
-            "gradient_checkpointing": setup.checkpointing or False,
-            "offload_activations": bool(setup.model.get("offload_activations")),
-            "freeze": setup.model.get("freeze"),
-            "fused": setup.fused,
-        },
-        "device": {"analytic": setup.device, "simulated": "cpu"},
-        "peak_bytes": {k: (p.footprint.peak if p else None) for k, p in both.items()},
-        "peak_phase": {k: (p.footprint.peak_phase if p else None) for k, p in both.items()},
-        "categories": {k: (p.footprint.categories if p else None) for k, p in both.items()},
-        "phases": {k: (p.footprint.to_dict()["phases"] if p else None) for k, p in both.items()},
-        "inference_bytes": {k: (p.inference if p else None) for k, p in both.items()},
-        "notes": notes,
-    }
-
-
-LABELS = {
-    "weights": "weights",
-    "gradients": "gradients",
-    "optimizer": "optimizer state",
-    "activations": "activations",
-    "other": "other/temporary",
-}
-
-
-def format_report(data: dict) -> str:
-    model = data["model"]
-    cols = [k for k in ("analytic", "simulated") if data["peak_bytes"][k] is not None]
-    heads = {"analytic": f"analytic ({data['device']['analytic']})", "simulated": "simulated (cpu)"}
-    setup = data["setup"]
-    lines = [
-        f"{model['name']}: {model['parameters'] / 1e6:.1f} M parameters ({model['trainable'] / 1e6:.1f} M trainable); "
-        f"batch {setup['batch_size']} x {setup['max_length']} tokens, {setup['precision']}, {setup['optimizer']}, "
-        f"accumulate {setup['accumulate_grad_batches']}, "
-        f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
-        f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
-        f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}",
-        "",
-        f"{'training step, at the peak':<28}" + "".join(f"{heads[c]:>20}" for c in cols),
-    ]
-    for category in CATEGORIES:
-        lines.append(
-            f"  {LABELS[category]:<26}" + "".join(f"{format_bytes(data['categories'][c][category]):>20}" for c in cols)
-        )
-    lines.append(f"  {'peak total':<26}" + "".join(f"{format_bytes(data['peak_bytes'][c]):>20}" for c in cols))
-    lines.append(f"  {'peak phase':<26}" + "".join(f"{data['peak_phase'][c]:>20}" for c in cols))
-    lines.append(
-        f"{'inference (no autograd)':<28}" + "".join(f"{format_bytes(data['inference_bytes'][c]):>20}" for c in cols)
-    )
-    sizes = ", ".join(
-        f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1))
-    )
-    lines.append(f"model file (parameters x bytes / 1024^3): {sizes}")
-    lines += [f"note: {n}" for n in data["notes"]]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m lit_memory estimate",
-        description="Predict a training step's memory per category (analytic and simulated). "
-        "Every other argument is a fit argument: --config FILE (repeatable), dotted overrides.",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--no-simulate", action="store_true", help="analytic only (milliseconds instead of seconds)")
-    parser.add_argument(
-        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
-    )
-    ours, rest = parser.parse_known_args(argv)
-    setup = resolve(rest, ours.device)
-    predicted = analytic(setup)
-    simulated = None if ours.no_simulate else simulate(setup)
-    data = report(setup, predicted, simulated)
-    print(json.dumps(data, indent=2) if ours.json else format_report(data))

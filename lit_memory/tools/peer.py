@@ -1,6 +1,6 @@
 """The peer: the same model, data and settings trained by `transformers.Trainer`, measured like ours.
 
-A recipe's resolved config is mapped onto the `TrainingArguments` the seed used (batch,
+A recipe's resolved config is mapped onto the `TrainingArguments` the reference post used (batch,
 accumulation, gradient checkpointing, ``optim``, learning rate, weight decay, bf16); freezing and
 LoRA are applied to the model by our `SequenceClassifier.configure_model`, the data comes from our
 `TextClassificationData` (same split, tokenisation and fixed-length collator). Everything else is
@@ -9,7 +9,7 @@ the Trainer has no switch for (the fused backward + step, sharded strategies, ot
 raise `NoTrainerEquivalent`.
 
 Run by ``python -m lit_memory bench --peer hf-trainer`` in a fresh process per recipe:
-``python -m lit_memory.peer --out DIR --warmup W --steps N <fit args>``. Writes ``DIR/peer.json``:
+``python -m lit_memory.tools.peer --out DIR --warmup W --steps N <fit args>``. Writes ``DIR/peer.json``:
 the peak memory (CUDA: the allocator's peaks; CPU: tensors tracked by the same `Tracker` as our
 `MemoryMonitor`, over the first optimizer steps) and the wall time of each step after warm-up.
 """
@@ -24,8 +24,12 @@ from typing import Any, Optional
 import torch
 from transformers import TrainerCallback
 
-from lit_memory.bench import synchronized_clock
+from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
+from lit_memory.memory.setup import is_fused, normalize_precision
+from lit_memory.memory.tracker import Tracker
+from lit_memory.model import checkpoint_policy
+from lit_memory.monitor import clock
 
 PEER_JSON = "peer.json"
 # Our optimizer class paths -> the Trainer's `optim` names.
@@ -42,10 +46,8 @@ class NoTrainerEquivalent(Exception):
     """A recipe setting `transformers.Trainer` has no switch for; the message says which."""
 
 
-def trainer_arguments(cli: Any) -> dict[str, Any]:
-    """`TrainingArguments` keywords equivalent to a resolved fit config (`estimate.configured`)."""
-    from lit_memory.estimate import is_fused, normalize_precision
-    from lit_memory.model import checkpoint_policy
+def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
+    """`TrainingArguments` keywords equivalent to a resolved fit run (`lit_memory.cli.resolve`)."""
 
     config = cli.settings
     if is_fused(config.trainer.strategy):
@@ -114,8 +116,6 @@ class PeerMeter(TrainerCallback):
             self._track(model, optimizer)
 
     def _track(self, model, optimizer) -> None:
-        from lit_memory.memory import Tracker
-
         self.tracker = Tracker("cpu")
         # What exists already (parameters, gradients, optimizer state) is registered; the rest is seen made.
         self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
@@ -130,7 +130,7 @@ class PeerMeter(TrainerCallback):
         if self.tracker is not None:
             self._stop_tracking()
         if state.global_step >= self.warmup:
-            self.stamps.append(synchronized_clock(self.cuda))
+            self.stamps.append(clock(torch.device("cuda" if self.cuda else "cpu")))
 
     def record(self, samples_per_step: int) -> dict[str, Any]:
         return {
@@ -146,9 +146,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
     """Train `warmup + steps` optimizer steps with `transformers.Trainer`; return the measurements."""
     from transformers import Trainer, TrainingArguments
 
-    from lit_memory.estimate import configured
-
-    cli = configured(fit_args)
+    cli = resolve(["fit", *fit_args]).build(trainer=False)
     kwargs = trainer_arguments(cli)
     module, data = cli.model, cli.datamodule
     # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
@@ -181,7 +179,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_memory.peer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_memory.tools.peer", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)

@@ -24,32 +24,28 @@ With ``--measure`` the measured time per optimizer step decides among the first 
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import shlex
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import lightning as L
-import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
 
+from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.estimate import (
-    DEVICES,
-    PRECISIONS,
-    Prediction,
-    Setup,
-    analytic,
-    is_fused,
-    normalize_precision,
-    resolve,
-    simulate,
-)
-from lit_memory.memory import CATEGORIES, format_bytes, parse_bytes
+from lit_memory.memory.analytic import analytic
+from lit_memory.memory.footprint import CATEGORIES, format_bytes, parse_bytes
+from lit_memory.memory.report import breakdown
+from lit_memory.memory.setup import DEVICES, PRECISIONS, Prediction, Setup, is_fused, normalize_precision
+from lit_memory.memory.simulate import simulate
+from lit_memory.monitor import StepTimer
 from lit_memory.recipes import recipes_dir
+from lit_memory.tools.estimate import setup_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 RULE = (
@@ -64,11 +60,17 @@ COMMENT_COLUMN = 34
 
 @dataclass(frozen=True)
 class Block:
-    """One setting of a recipe: ``section.key``, its value, and its lines (comments included)."""
+    """One setting of a recipe: ``section.key``, its value (as YAML loads it: the nested maps keep their
+    own comments) and its comment."""
 
     key: str
     value: Any
-    text: str
+    comment: Optional[str] = None
+
+    @property
+    def plain(self) -> Any:
+        """The value as plain dicts, lists and scalars (what the CLI parses)."""
+        return json.loads(json.dumps(self.value))
 
 
 @dataclass
@@ -78,27 +80,21 @@ class Recipe:
     blocks: dict[str, Block]
 
 
+def _yaml() -> YAML:
+    yaml = YAML()  # round-trip: keeps comments, so a planned recipe says what each setting shrinks
+    yaml.width = 120
+    return yaml
+
+
 def load_recipe(path: Path) -> Recipe:
-    """Split a recipe into its second-level settings, keeping each one's lines verbatim."""
-    data = yaml.safe_load(path.read_text()) or {}
-    lines: dict[str, list[str]] = {}
-    section = key = None
-    for line in path.read_text().splitlines():
-        stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        indent = len(line) - len(line.lstrip())
-        if indent == 0:
-            section = stripped.split(":")[0]
-        elif indent == 2:
-            key = f"{section}.{stripped.split(':')[0]}"
-            lines[key] = [line]
-        else:
-            lines[key].append(line)
+    """A recipe's second-level settings, each with its value and its end-of-line comment."""
+    data = _yaml().load(path.read_text(encoding="utf-8")) or {}
     blocks = {}
-    for key, text in lines.items():
-        section, name = key.split(".", 1)
-        blocks[key] = Block(key, data[section][name], "\n".join(text))
+    for section, settings in data.items():
+        for name, value in settings.items():
+            token = settings.ca.items.get(name, [None] * 3)[2]
+            comment = token.value.strip().lstrip("#").strip() if token is not None else None
+            blocks[f"{section}.{name}"] = Block(f"{section}.{name}", value, comment)
     return Recipe(path.stem, path, blocks)
 
 
@@ -187,27 +183,15 @@ def _micro_batches(effective: int) -> list[tuple[int, int]]:
 
 def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
     effective = micro * accumulate
+    step = (
+        "an optimizer step after every micro-batch"
+        if accumulate == 1
+        else f"activations: {accumulate} micro-batches of {micro} make one step of {effective}"
+    )
     return {
-        "data.batch_size": Block(
-            "data.batch_size", micro, _line("batch_size", micro, "activations grow linearly with the micro-batch")
-        ),
-        "trainer.accumulate_grad_batches": Block(
-            "trainer.accumulate_grad_batches",
-            accumulate,
-            _line(
-                "accumulate_grad_batches",
-                accumulate,
-                "an optimizer step after every micro-batch"
-                if accumulate == 1
-                else f"activations: {accumulate} micro-batches of {micro} make one step of {effective}",
-            ),
-        ),
+        "data.batch_size": Block("data.batch_size", micro, "activations grow linearly with the micro-batch"),
+        "trainer.accumulate_grad_batches": Block("trainer.accumulate_grad_batches", accumulate, step),
     }
-
-
-def _line(name: str, value: Any, comment: str) -> str:
-    setting = f"  {name}: {value}"
-    return f"{setting:<{COMMENT_COLUMN - 1}} # {comment}"
 
 
 def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
@@ -218,7 +202,7 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
         seen: dict[str, Optional[Block]] = {}
         for recipe in recipes:
             block = recipe.blocks.get(key)
-            seen.setdefault(json.dumps(block.value if block else "<absent>", sort_keys=True, default=str), block)
+            seen.setdefault(json.dumps(block.plain if block else "<absent>", sort_keys=True), block)
         options[key] = list(seen.values())
     order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
     effective = base.batch_size * base.accumulate_grad_batches
@@ -228,7 +212,7 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
         for micro, accumulate in _micro_batches(effective):
             blocks = {**chosen, **_batch_blocks(micro, accumulate)}
             blocks = dict(sorted(blocks.items(), key=lambda kv: order.index(kv[0])))
-            setup = apply(base, {k: b.value for k, b in blocks.items()})
+            setup = apply(base, {k: b.plain for k, b in blocks.items()})
             if setup.fused and setup.accumulate_grad_batches > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
             try:
@@ -247,7 +231,7 @@ def lightest_fitting_recipe(
     recipes = shipped_recipes() if recipes is None else recipes
     fitting = []
     for recipe in recipes:
-        setup = apply(base, {k: b.value for k, b in recipe.blocks.items()})
+        setup = apply(base, {k: b.plain for k, b in recipe.blocks.items()})
         prediction = analytic(setup)
         if prediction.footprint.peak <= limit:
             fitting.append((recipe, setup, prediction))
@@ -261,35 +245,13 @@ def lightest_fitting_recipe(
 # -- measuring ----------------------------------------------------------------------------------
 
 
-class StepTimer(L.Callback):
-    """Wall time per optimizer step (its micro-batches summed), the first (warm-up) step excluded."""
-
-    def __init__(self) -> None:
-        self.times: dict[int, float] = {}
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = batch_idx // trainer.accumulate_grad_batches
-        self.times[step] = self.times.get(step, 0.0) + time.perf_counter() - self._start
-
-    @property
-    def seconds_per_step(self) -> float:
-        steps = [t for s, t in self.times.items() if s > 0]
-        return sum(steps) / len(steps) if steps else float("inf")
-
-
 def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float:
-    """Seconds per optimizer step of a recipe, from a short real run on this machine."""
-    from lit_memory.cli import resolve as resolve_run
-
+    """Seconds per optimizer step of a recipe (median after a warm-up step), from a short real run here."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "candidate.yaml"
         path.write_text(text)
         overrides = [
-            f"--trainer.max_steps={steps}",
+            f"--trainer.max_steps={steps + 1}",
             "--trainer.limit_val_batches=0",
             "--trainer.num_sanity_val_steps=0",
             "--trainer.logger=false",
@@ -299,12 +261,12 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
             f"--trainer.default_root_dir={tmp}",
             "--model.save_pretrained=false",
             "--memory.track_steps=0",
-            f"--data.limit_train_samples={effective * (steps + 1)}",
+            f"--data.limit_train_samples={effective * (steps + 2)}",
         ]
-        cli = resolve_run(["fit", *args, "--config", str(path), *overrides]).build()
-        timer = StepTimer()
-        cli.trainer.callbacks.append(timer)
-        cli.trainer.fit(cli.model, cli.datamodule)
+        run = resolve(["fit", *args, "--config", str(path), *overrides]).build()
+        timer = StepTimer(warmup=1)
+        run.trainer.callbacks.append(timer)
+        run.trainer.fit(run.model, run.datamodule)
     return timer.seconds_per_step
 
 
@@ -317,7 +279,7 @@ def _parent(blocks: dict[str, Block], recipes: list[Recipe]) -> tuple[Recipe, li
         return [
             k
             for k in keys
-            if (blocks[k].value if k in blocks else None) != (recipe.blocks[k].value if k in recipe.blocks else None)
+            if (blocks[k].plain if k in blocks else None) != (recipe.blocks[k].plain if k in recipe.blocks else None)
         ]
 
     parent = min(recipes, key=lambda r: len(differences(r)))
@@ -325,16 +287,14 @@ def _parent(blocks: dict[str, Block], recipes: list[Recipe]) -> tuple[Recipe, li
 
 
 def _breakdown(prediction: Prediction) -> str:
-    f = prediction.footprint
-    parts = ", ".join(f"{c} {format_bytes(f.categories[c])}" for c in CATEGORIES)
-    return f"{parts}; peak {format_bytes(f.peak)} in {f.peak_phase} on {prediction.device}"
+    return breakdown(prediction.footprint, prediction.device)
 
 
 def recipe_text(
     chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
 ) -> str:
     parent, changes = _parent(chosen.blocks, recipes)
-    parent_prediction = analytic(apply(chosen.setup, {k: b.value for k, b in parent.blocks.items()}))
+    parent_prediction = analytic(apply(chosen.setup, {k: b.plain for k, b in parent.blocks.items()}))
     shrinks = [
         c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]
     ]
@@ -349,19 +309,22 @@ def recipe_text(
     if simulated is not None:
         header.append(f"# predicted-simulated: {_breakdown(simulated)}")
     header += [f"# rule: {RULE}", f"# made by: {command}"]
-    body = []
-    for section in ("trainer", "model", "data"):
-        keys = [k for k in chosen.blocks if k.startswith(section + ".")]
-        if keys:
-            body.append(f"{section}:")
-            body += [chosen.blocks[k].text for k in keys]
-    return "\n".join(header + body) + "\n"
+    body = CommentedMap()
+    for key, block in chosen.blocks.items():
+        section, name = key.split(".", 1)
+        settings = body.setdefault(section, CommentedMap())
+        settings[name] = block.value
+        if block.comment:
+            settings.yaml_add_eol_comment(f"# {block.comment}", name, column=COMMENT_COLUMN)
+    text = io.StringIO()
+    _yaml().dump(body, text)
+    return "\n".join(header) + "\n" + text.getvalue()
 
 
 # -- the subcommand -----------------------------------------------------------------------------
 
 
-def plan(
+def choose(
     base: Setup,
     budget: int,
     args: list[str],
@@ -429,9 +392,9 @@ def main(argv: list[str]) -> None:
     )
     ours, rest = parser.parse_known_args(argv)
     budget = parse_bytes(ours.budget)
-    base = resolve(rest, ours.device)
+    base = setup_of(resolve(["fit", *rest]), ours.device)
     recipes = shipped_recipes()
-    chosen, simulated, everything = plan(
+    chosen, simulated, everything = choose(
         base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)

@@ -11,8 +11,13 @@ import shutil
 import pytest
 from conftest import RECIPES
 
-from lit_memory import bench, recipes
+from lit_memory import recipes
 from lit_memory.__main__ import main
+from lit_memory.memory import records
+from lit_memory.memory.footprint import format_bytes
+from lit_memory.monitor import StepTimer
+from lit_memory.tools import bench
+from lit_memory.tools import recipes as recipe_commands
 
 # A 2-layer BERT with random weights on a few short samples: each recipe runs in seconds.
 TINY = [
@@ -29,14 +34,21 @@ REQUIRED = ["recipe", "peak_measured_bytes", "peak_predicted_bytes", "step_time_
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
-    """A copy of the shipped recipes folder, so --update-readme writes its README there."""
+    """A copy of a checkout's recipes folder, so --update-readme writes there."""
     folder = tmp_path_factory.mktemp("shipped") / "recipes"
-    shutil.copytree(RECIPES, folder, ignore=shutil.ignore_patterns("README.md"))
+    shutil.copytree(RECIPES, folder, ignore=shutil.ignore_patterns("README.md", records.BENCH_JSON))
     start, end = bench.README_MARKERS
     (folder.parent / "README.md").write_text(f"# project\n\n{start}\nold table\n{end}\n\n## next section\n")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(recipes, "PACKAGED", folder)
+        patch.setattr(recipes, "PACKAGED", folder.parent / "not-installed")
+        patch.setattr(recipes, "CHECKOUT", folder)
         yield folder
+
+
+def table_rows(markdown: str) -> dict[str, list[str]]:
+    """The cells of a bench Markdown table, by recipe."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| `")]
+    return {line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")] for line in lines}
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +72,15 @@ def test_bench_writes_table_csv_json_and_chart_with_numbers_per_recipe(run, ship
         # bench reads the predicted and measured peaks of the same run (memory accounting keeps them within 10 %)
         assert abs(int(row["peak_predicted_bytes"]) / int(row["peak_measured_bytes"]) - 1) < 0.10
         assert float(row["samples_per_s"]) == pytest.approx(4 / float(row["step_time_s"]))  # batch 4, no accumulation
-        times = json.loads((out / "runs" / name / bench.STEP_TIMES).read_text())
+        times = json.loads((out / "runs" / name / StepTimer.FILE).read_text())
         assert len(times["step_times_s"]) == 2 and times["samples_per_step"] == 4  # the 2 steps after warm-up
+        assert len(times["warmup_step_times_s"]) == 2
+        assert float(row["process_growth_bytes"]) > 0  # on CPU: what the process grew by, beside the tensors
 
-    table = recipes.bench_table((out / "bench.md").read_text())
+    table = table_rows((out / "bench.md").read_text())
     assert list(table) == ["baseline", "fused"]
-    assert table["baseline"]["peak measured"].endswith("MiB")
-    assert float(table["fused"]["samples/s"]) > 0
+    assert format_bytes(int(rows["baseline"]["peak_measured_bytes"])) in table["baseline"]
+    assert "| recipe | tracked tensors | peak predicted | process RSS growth |" in (out / "bench.md").read_text()
 
     record = json.loads((out / "bench.json").read_text())
     assert [r["recipe"] for r in record["rows"]] == ["baseline", "fused"]
@@ -80,16 +94,17 @@ def test_bench_writes_table_csv_json_and_chart_with_numbers_per_recipe(run, ship
     image = imread(out / "bench.png")
     assert image.shape[0] > 100 and image.shape[1] > 100
 
-    # --update-readme: the shipped folder's README holds the same table, and `recipes list` shows it.
-    readme = recipes.bench_table((shipped / recipes.BENCH_TABLE).read_text())
-    assert readme["baseline"]["samples/s"] == table["baseline"]["samples/s"]
+    # --update-readme: the checkout's recipes folder holds the same table and rows, and `recipes list` shows them.
+    assert table_rows((shipped / "README.md").read_text()) == table
+    assert records.read_bench(shipped / records.BENCH_JSON)["baseline"] == record["rows"][0]
     project = (shipped.parent / "README.md").read_text()  # the project README's copy, between its markers
     assert "old table" not in project and project.endswith("<!-- /bench table -->\n\n## next section\n")
-    assert recipes.bench_table(project)["baseline"]["samples/s"] == table["baseline"]["samples/s"]
-    recipes.list_recipes()
+    assert table_rows(project) == table
+    recipe_commands.list_recipes()
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
-    assert table["baseline"]["peak measured"].split()[0] in listed["baseline"].split()
-    assert table["baseline"]["samples/s"] in listed["baseline"].split()
+    baseline = record["rows"][0]
+    assert format_bytes(baseline["peak_measured_bytes"]) in listed["baseline"]
+    assert f"{baseline['samples_per_s']:.1f}" in listed["baseline"].split()
 
 
 def test_the_peer_trains_the_same_settings_with_the_trainer_and_is_measured_the_same_way(run):
@@ -103,7 +118,7 @@ def test_the_peer_trains_the_same_settings_with_the_trainer_and_is_measured_the_
     )
     assert fused["peer_note"] == "no Trainer equivalent (fused backward + step)"
     assert not fused["peer_peak_bytes"]
-    assert "no Trainer equivalent" in recipes.bench_table((out / "bench.md").read_text())["fused"]["note"]
+    assert "no Trainer equivalent" in table_rows((out / "bench.md").read_text())["fused"][-1]
 
 
 def test_a_failing_recipe_is_a_row_with_its_error_not_a_crash(tmp_path, capsys):
@@ -145,8 +160,17 @@ def test_missing_bench_extra_is_one_line_before_anything_runs(tmp_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
-def test_all_runs_the_seed_tiers_in_the_seed_order_then_ours():
+def test_update_readme_refuses_an_installed_package_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(recipes, "PACKAGED", RECIPES)  # as if installed from the wheel
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--recipes", "baseline", "--update-readme", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --update-readme writes into a checkout's recipes/")
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_runs_the_reference_tiers_in_their_order_then_ours():
     order = bench.ordered("all")
-    assert order[:6] == list(bench.SEED_TIERS)
+    assert order[:6] == list(bench.REFERENCE_TIERS)
     assert sorted(order) == recipes.names()
     assert bench.ordered("4gb,baseline, freeze.yaml") == ["baseline", "freeze", "4gb"]

@@ -11,10 +11,11 @@ import torch
 from transformers import Adafactor
 
 from conftest import CONFIGS, RECIPES
-from lit_memory import estimate
 from lit_memory.__main__ import main
-from lit_memory.estimate import Setup, analytic, file_gib, is_fused, seed_bytes, simulate
-from lit_memory.memory import CATEGORIES
+from lit_memory.memory.analytic import analytic, file_gib, reference_bytes
+from lit_memory.memory.footprint import CATEGORIES
+from lit_memory.memory.setup import Setup, build, is_fused
+from lit_memory.memory.simulate import simulate
 
 GiB = 2**30
 ADAMW = partial(torch.optim.AdamW, lr=2e-5, weight_decay=0.01)
@@ -47,12 +48,12 @@ def test_model_file_sizes_match_the_seed():
 
 
 def test_full_and_peft_training_bytes_match_the_seed():
-    full = seed_bytes(0, MT5_PARAMETERS)
+    full = reference_bytes(0, MT5_PARAMETERS)
     assert sum(full.values()) / GiB == pytest.approx(8.672, abs=1e-3)  # weights + gradients + AdamW: 4x
-    lora = seed_bytes(LORA_K, LORA_N)
+    lora = reference_bytes(LORA_K, LORA_N)
     assert lora == {"weights": (LORA_K + LORA_N) * 4, "gradients": LORA_N * 4, "optimizer": 2 * LORA_N * 4}
     assert sum(lora.values()) / GiB == pytest.approx(2.18, abs=0.01)  # "K+4N ~ 2.18GB"
-    saving = sum(seed_bytes(0, LORA_K).values()) - sum(lora.values())
+    saving = sum(reference_bytes(0, LORA_K).values()) - sum(lora.values())
     assert saving == (3 * LORA_K - 4 * LORA_N) * 4
     assert saving / GiB == pytest.approx(6.49, abs=0.01)  # "3K-4N ~ 6.49GB"
 
@@ -62,7 +63,7 @@ def test_analytic_model_follows_the_seed_for_frozen_plus_trainable_parameters():
     prediction = analytic(minilm(model={"freeze": "body"}, batch_size=1, max_length=16))
     at_forward, at_step = prediction.footprint.phases["forward"], prediction.footprint.phases["step"]
     frozen, trainable = prediction.parameters - prediction.trainable, prediction.trainable
-    expected = seed_bytes(frozen, trainable)
+    expected = reference_bytes(frozen, trainable)
     buffers = 8 * 2 * 512  # position_ids, token_type_ids
     assert at_forward["weights"] == expected["weights"] + buffers
     assert at_forward["gradients"] == 0  # freed after the previous step
@@ -156,7 +157,7 @@ def test_cuda_target_runs_the_foreach_optimizer_and_both_methods_count_its_tempo
         for name, p in (("analytic", predicted), ("simulated", simulated))
     }
     decayed = sum(
-        p.numel() * 4 for p in estimate.build(setup, torch.device("meta"))[0].model.parameters() if p.ndim >= 2
+        p.numel() * 4 for p in build(setup, torch.device("meta"))[0].model.parameters() if p.ndim >= 2
     )
     assert step["simulated"] == pytest.approx(decayed, rel=0.01)  # one temporary per parameter of the group
     assert step["analytic"] == pytest.approx(step["simulated"], rel=0.01)
@@ -204,11 +205,12 @@ def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
         ["estimate", "--json", "--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "bert-large.yaml")]
     )
     data = json.loads(capsys.readouterr().out)
-    assert set(data["peak_bytes"]) == {"analytic", "simulated"}
+    assert set(data["predicted"]) == {"analytic", "simulated"}
     for method in ("analytic", "simulated"):
-        assert isinstance(data["peak_bytes"][method], int) and data["peak_bytes"][method] > 10 * GiB
-        assert set(data["categories"][method]) == set(CATEGORIES)
-        assert sum(data["categories"][method].values()) == data["peak_bytes"][method]
+        footprint = data["predicted"][method]
+        assert isinstance(footprint["peak_bytes"], int) and footprint["peak_bytes"] > 10 * GiB
+        assert set(footprint["categories"]) == set(CATEGORIES)
+        assert sum(footprint["categories"].values()) == footprint["peak_bytes"]
     assert data["model"]["file_bytes"]["fp32"] == 4 * data["model"]["parameters"]
     assert data["device"] == {"analytic": "cuda", "simulated": "cpu"}
     assert any("simulated on CPU" in note for note in data["notes"])
@@ -223,7 +225,7 @@ def test_estimate_without_simulation_prints_a_table(capsys):
         "optimizer state",
         "activations",
         "other/temporary",
-        "peak total",
+        "peak",
         "inference",
         "model file",
     ):
@@ -234,7 +236,7 @@ def test_estimate_without_simulation_prints_a_table(capsys):
 def test_estimate_json_without_simulation_has_null_simulated_entries(capsys):
     main(["estimate", "--json", "--no-simulate", "--config", str(RECIPES / "accumulate.yaml")])
     data = json.loads(capsys.readouterr().out)
-    assert data["peak_bytes"]["simulated"] is None and data["categories"]["simulated"] is None
+    assert data["predicted"]["simulated"] is None and data["inference_bytes"]["simulated"] is None
     assert data["setup"]["accumulate_grad_batches"] == 32 and data["setup"]["batch_size"] == 1
 
 

@@ -1,20 +1,20 @@
-"""The HF Trainer peer: recipes map onto the seed's TrainingArguments (running it: tests/test_bench.py)."""
+"""The HF Trainer peer: recipes map onto the reference post's TrainingArguments (running it: tests/tools/test_bench.py)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import RECIPES
 
-from lit_memory.estimate import configured
-from lit_memory.peer import NoTrainerEquivalent, trainer_arguments
+from lit_memory.cli import resolve
+from lit_memory.tools.peer import NoTrainerEquivalent, trainer_arguments
 
 
 def arguments(recipe: str, *overrides: str) -> dict:
-    return trainer_arguments(configured(["--config", str(RECIPES / f"{recipe}.yaml"), *overrides]))
+    return trainer_arguments(resolve(["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides]))
 
 
-def test_the_seed_tiers_map_onto_the_seeds_training_arguments():
-    # The seed's 5th tier: batch 1, accumulate 32, gradient checkpointing, optim="adafactor", lr 2e-5, wd 0.01.
+def test_the_reference_tiers_map_onto_the_reference_posts_training_arguments():
+    # The reference post's 5th tier: batch 1, accumulate 32, gradient checkpointing, optim="adafactor", lr 2e-5, wd 0.01.
     freeze = arguments("freeze")
     assert {k: freeze[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps")} == {
         "per_device_train_batch_size": 1,

@@ -11,13 +11,20 @@ import yaml
 
 from conftest import CONFIGS, FAST, RECIPES
 from lit_memory.__main__ import main
-from lit_memory.cli import LitMemoryCLI
+from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.estimate import resolve
-from lit_memory.plan import candidates, plan, shipped_recipes
+from lit_memory.memory import records
+from lit_memory.memory.analytic import analytic
+from lit_memory.tools.estimate import setup_of
+from lit_memory.tools.plan import apply, candidates, choose, load_recipe, rank, shipped_recipes
 from test_recipes import flatten
 
 MiB = 2**20
+
+
+def base_setup(device: str):
+    """What `fit` with no arguments trains (the bundled MiniLM, the default settings), for ``device``."""
+    return setup_of(resolve(["fit"]), device)
 # A 2-layer, 64-wide BERT: plans and short runs in seconds.
 TINY_LAYERS = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 TINY = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(TINY_LAYERS)}"]
@@ -25,7 +32,7 @@ TINY = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides
 
 @pytest.fixture(scope="module")
 def minilm_candidates():
-    base = resolve([], "cpu")
+    base = base_setup("cpu")
     return base, candidates(base, shipped_recipes())
 
 
@@ -44,7 +51,7 @@ def test_candidates_cover_every_switch_and_micro_batch(minilm_candidates):
 
 def test_when_everything_fits_the_plan_is_the_baseline(minilm_candidates):
     base, _ = minilm_candidates
-    chosen, _, _ = plan(base, 100 * 2**30, [], confirm=False)
+    chosen, _, _ = choose(base, 100 * 2**30, [], confirm=False)
     assert chosen.setup.batch_size == 32 and chosen.setup.accumulate_grad_batches == 1
     assert not chosen.setup.model["gradient_checkpointing"] and chosen.setup.model["freeze"] is None
     assert chosen.setup.optimizer_name == "AdamW" and chosen.setup.max_length == 128
@@ -52,7 +59,7 @@ def test_when_everything_fits_the_plan_is_the_baseline(minilm_candidates):
 
 def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
     base, everything = minilm_candidates
-    chosen, _, _ = plan(base, 600 * MiB, [], confirm=False)  # baseline (1.4 GiB) does not fit
+    chosen, _, _ = choose(base, 600 * MiB, [], confirm=False)  # baseline (1.4 GiB) does not fit
     assert chosen.prediction.footprint.peak <= 600 * MiB
     assert chosen.setup.accumulate_grad_batches == 1 and chosen.setup.model["gradient_checkpointing"]
     assert chosen.setup.model["freeze"] is None and chosen.setup.max_length == 128  # quality kept
@@ -61,7 +68,7 @@ def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
 def test_impossible_budget_names_the_smallest_need(minilm_candidates):
     base, _ = minilm_candidates
     with pytest.raises(UserError, match=r"predicted to fit 1.00 MiB; the smallest needs .* MiB \(batch"):
-        plan(base, 1 * MiB, [], confirm=False)
+        choose(base, 1 * MiB, [], confirm=False)
 
 
 def header(text: str) -> dict[str, str]:
@@ -105,8 +112,8 @@ def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
         ]
     )
     assert cli.trainer.global_step == 2
-    memory = json.loads((Path(cli.trainer.log_dir) / "memory.json").read_text())
-    assert memory["peak_bytes"]["measured"] <= 60 * MiB
+    memory = records.read_memory(Path(cli.trainer.log_dir))
+    assert records.measured_peak(memory) <= 60 * MiB
 
 
 def test_measure_times_the_best_candidates(tmp_path, capsys):
@@ -119,10 +126,7 @@ def test_measure_times_the_best_candidates(tmp_path, capsys):
 
 
 def test_rule_prefers_less_recompute_then_no_offloading():
-    from lit_memory.estimate import analytic
-    from lit_memory.plan import apply, rank
-
-    base = resolve([], "cuda")
+    base = base_setup("cuda")
 
     def key(**model) -> tuple:
         setup = apply(base, {f"model.{name}": value for name, value in model.items()})
@@ -139,13 +143,11 @@ def test_rule_prefers_less_recompute_then_no_offloading():
 
 
 def test_a_recipe_with_offloading_adds_candidates_but_never_offloading_without_checkpointing(tmp_path):
-    from lit_memory.plan import load_recipe
-
     text = (RECIPES / "4gb.yaml").read_text()
     assert "  gradient_checkpointing: true" in text
     offloading = tmp_path / "offload.yaml"
     offloading.write_text(text.replace("  gradient_checkpointing: true", "  offload_activations: true\n  gradient_checkpointing: selective"))
-    setups = [c.setup for c in candidates(resolve([], "cuda"), [*shipped_recipes(), load_recipe(offloading)])]
+    setups = [c.setup for c in candidates(base_setup("cuda"), [*shipped_recipes(), load_recipe(offloading)])]
     assert {s.checkpointing for s in setups} == {None, "full", "selective"}
     assert any(s.model.get("offload_activations") for s in setups)
     assert not any(s.model.get("offload_activations") and s.checkpointing is None for s in setups)

@@ -1,0 +1,88 @@
+"""What memory is counted in: five categories, three phases of a training step, bytes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from lit_memory.errors import UserError
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
+PHASES = ("forward", "backward", "step")
+LABELS = {  # as tables show them
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+    "other": "other/temporary",
+}
+
+# Units, case-insensitive: decimal K/KB, M/MB, G/GB, T/TB; binary KiB, MiB, GiB, TiB; bare numbers are bytes.
+_UNITS = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    _UNITS[_prefix] = _UNITS[_prefix + "b"] = 1000**_power
+    _UNITS[_prefix + "ib"] = 1024**_power
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """``4GiB`` -> 4294967296; ``4GB`` / ``4G`` are powers of ten, a bare number is bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"cannot read {value!r} as a memory size: use e.g. 4GiB, 3.5GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def breakdown_line(categories: dict[str, int]) -> str:
+    return " + ".join(f"{name} {format_bytes(categories.get(name, 0))}" for name in CATEGORIES)
+
+
+@dataclass
+class Footprint:
+    """Bytes per category at the peak of each training phase; the peak is the largest of them."""
+
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, phase: str, categories: dict[str, int]) -> None:
+        """Keep, per phase, the composition with the largest total (the peak over steps)."""
+        if phase not in self.phases or sum(categories.values()) > sum(self.phases[phase].values()):
+            self.phases[phase] = {c: int(categories.get(c, 0)) for c in CATEGORIES}
+
+    def merge(self, other: "Footprint") -> None:
+        for phase, categories in other.phases.items():
+            self.add(phase, categories)
+
+    @property
+    def peak_phase(self) -> Optional[str]:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()), default=None)
+
+    @property
+    def categories(self) -> dict[str, int]:
+        return dict(self.phases[self.peak_phase]) if self.phases else dict.fromkeys(CATEGORIES, 0)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.categories.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak,
+            "peak_phase": self.peak_phase,
+            "categories": self.categories,
+            "phases": {p: {"peak_bytes": sum(c.values()), "categories": c} for p, c in self.phases.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Footprint":
+        return cls({phase: dict(entry["categories"]) for phase, entry in data["phases"].items()})

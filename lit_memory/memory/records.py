@@ -1,0 +1,122 @@
+"""The two files memory numbers travel in, written and read only here.
+
+- ``memory.json``, in every fit's run folder beside ``config.yaml``: what was predicted and measured
+  (schema: docs/memory.md);
+- ``bench.json``, in a bench output folder (and beside the shipped recipes, for ``recipes list``):
+  the machine, the command and one row per recipe.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from lit_memory.memory.footprint import Footprint, format_bytes
+
+MEMORY_JSON = "memory.json"
+MEMORY_SCHEMA = 2
+BENCH_JSON = "bench.json"
+METHODS = ("analytic", "simulated")
+
+
+def memory_record(
+    *,
+    device: dict[str, Any],
+    world_size: int,
+    batch_shape: Optional[list[int]],
+    batches: int,
+    tracked_batches: int,
+    optimizer_steps: int,
+    predicted: dict[str, Optional[Footprint]],
+    measured: dict[str, Any],
+    ranks: Optional[list[dict[str, Any]]] = None,
+    oom: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """The content of ``memory.json``. Every number is for one rank (one device); ``measured`` is
+    rank 0's and ``ranks`` has every rank's when there are several."""
+    tracked = measured.get("tracked")
+    return {
+        "schema": MEMORY_SCHEMA,
+        "device": device,
+        "world_size": world_size,
+        "config": "config.yaml",
+        "batch_shape": batch_shape,
+        "batches": batches,
+        "tracked_batches": tracked_batches,
+        "optimizer_steps": optimizer_steps,
+        "predicted": {m: (f.to_dict() if f is not None else None) for m, f in predicted.items()},
+        "measured": {
+            "tracked": tracked.to_dict() if isinstance(tracked, Footprint) else tracked,
+            "process": measured.get("process"),
+            "cuda": measured.get("cuda"),
+        },
+        "ranks": ranks,
+        "oom": oom,
+    }
+
+
+def write_memory(run_dir: Path, record: dict[str, Any]) -> None:
+    (run_dir / MEMORY_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def read_memory(run_dir: Path) -> dict[str, Any]:
+    """A run's ``memory.json``; ValueError if it is missing, unreadable or of another schema."""
+    try:
+        record = json.loads((run_dir / MEMORY_JSON).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"no {MEMORY_JSON} in {run_dir}: {err}") from None
+    if not isinstance(record, dict) or record.get("schema") != MEMORY_SCHEMA:
+        raise ValueError(f"{run_dir / MEMORY_JSON} is not a schema-{MEMORY_SCHEMA} memory record")
+    return record
+
+
+def measured_peak(record: dict[str, Any]) -> Optional[int]:
+    """What decides whether a device fits: the CUDA allocator's peak, else the tracked tensors' peak."""
+    measured = record["measured"]
+    if measured.get("cuda"):
+        return measured["cuda"]["max_allocated_bytes"]
+    return (measured.get("tracked") or {}).get("peak_bytes")
+
+
+def predicted_peak(record: dict[str, Any]) -> tuple[Optional[int], Optional[str]]:
+    """(peak, method): the simulated prediction where it ran, else the analytic one."""
+    for method in reversed(METHODS):
+        footprint = record["predicted"].get(method)
+        if footprint:
+            return footprint["peak_bytes"], method
+    return None, None
+
+
+def peak_summary(run_dir: Path) -> Optional[str]:
+    """The measured peak in words, for a shared recipe's header; None without a readable record."""
+    try:
+        record = read_memory(run_dir)
+        measured = record["measured"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    cuda, tracked, process = measured.get("cuda"), measured.get("tracked"), measured.get("process")
+    if cuda:
+        return (
+            f"{format_bytes(cuda['max_allocated_bytes'])} allocated, "
+            f"{format_bytes(cuda['max_reserved_bytes'])} reserved (CUDA)"
+        )
+    parts = []
+    if tracked:
+        parts.append(f"{format_bytes(tracked['peak_bytes'])} tracked tensors")
+    if process:
+        parts.append(f"{format_bytes(process['growth_bytes'])} process RSS growth")
+    return f"{', '.join(parts)} ({record['device']['type']})" if parts else None
+
+
+def write_bench(out: Path, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    (out / BENCH_JSON).write_text(json.dumps({**info, "rows": rows}, indent=2) + "\n", encoding="utf-8")
+
+
+def read_bench(path: Path) -> dict[str, dict[str, Any]]:
+    """The rows of a ``bench.json`` by recipe name (empty if there is none)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return {row["recipe"]: row for row in data["rows"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}

@@ -1,0 +1,175 @@
+"""What a training step's memory depends on (`Setup`), and the configured module built from it.
+
+A `Setup` is resolved from a run's settings (`lit_memory.tools.estimate.setup_of`) or from a
+running Trainer (`Setup.from_run`); `build` makes the module and optimizer exactly as ``fit``
+does, with tensors created under a context that allocates nothing (the ``meta`` device, fake
+tensors). The analytic model (`analytic`) and the simulation (`simulate`) both start here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from lit_memory.errors import UserError
+from lit_memory.lora import apply_lora
+from lit_memory.memory.footprint import Footprint
+from lit_memory.model import SequenceClassifier, checkpoint_policy
+
+# precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
+PRECISIONS = {
+    "32-true": (torch.float32, torch.float32, False),
+    "64-true": (torch.float64, torch.float64, False),
+    "bf16-mixed": (torch.float32, torch.bfloat16, True),
+    "16-mixed": (torch.float32, torch.float16, True),
+    "bf16-true": (torch.bfloat16, torch.bfloat16, False),
+    "16-true": (torch.float16, torch.float16, False),
+}
+DEVICES = ("cuda", "cpu")
+@dataclass(frozen=True)
+class Setup:
+    """Everything a training step's memory depends on, resolved from configs or a running trainer."""
+
+    model: dict[str, Any]  # the module's init args, optimizer excluded
+    optimizer: Callable  # the module's optimizer factory (params -> Optimizer)
+    precision: str = "32-true"
+    accumulate_grad_batches: int = 1
+    batch_size: int = 32
+    max_length: int = 128
+    fused: bool = False
+    device: str = "cuda"  # the device type the analytic prediction is for
+    module_class: type = SequenceClassifier
+
+    @classmethod
+    def from_run(cls, trainer, module) -> "Setup":
+        """The setup of a running fit (raises AttributeError for modules/data without these settings)."""
+        data = trainer.datamodule
+        return cls(
+            model=init_args(type(module), module.hparams),
+            optimizer=module.optimizer_factory,
+            precision=normalize_precision(trainer.precision),
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            batch_size=data.batch_size,
+            max_length=data.max_length,
+            fused=is_fused(trainer.strategy),
+            device=trainer.strategy.root_device.type,
+            module_class=type(module),
+        )
+
+    def module(self) -> SequenceClassifier:
+        # Always from the config: weights are never loaded to predict memory.
+        return self.module_class(**{**self.model, "pretrained": False}, optimizer=self.optimizer)
+
+    @property
+    def checkpointing(self) -> Optional[str]:
+        """``None``, ``"full"`` or ``"selective"``."""
+        return checkpoint_policy(self.model.get("gradient_checkpointing"))
+
+    @property
+    def offloading(self) -> bool:
+        """Whether saved activations leave the device (offloading is a no-op on a CPU run)."""
+        return bool(self.model.get("offload_activations")) and self.device == "cuda"
+
+    @property
+    def optimizer_name(self) -> str:
+        func = getattr(self.optimizer, "args", ())
+        cls = next((a for a in func if isinstance(a, type)), None) or self.optimizer
+        return getattr(cls, "__name__", str(cls))
+
+    def describe(self) -> str:
+        hp = self.model
+        parts = [
+            f"batch {self.batch_size} x {self.max_length} tokens",
+            self.precision,
+            self.optimizer_name,
+            f"accumulate {self.accumulate_grad_batches}",
+        ]
+        if self.checkpointing:
+            parts.append(f"{self.checkpointing} gradient checkpointing")
+        if hp.get("offload_activations"):
+            parts.append("activations offloaded")
+        if hp.get("freeze") is not None:
+            parts.append(f"freeze {hp['freeze']}")
+        if self.fused:
+            parts.append("fused backward+step")
+        return ", ".join(parts)
+
+
+@dataclass
+class Prediction:
+    method: str  # "analytic" or "simulated"
+    device: str  # the device type the numbers are for
+    footprint: Footprint
+    inference: int  # bytes held by a forward pass without autograd at the same batch shape
+    parameters: int = 0
+    trainable: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def init_args(cls: type, hparams: Any) -> dict[str, Any]:
+    """A module's init args (its optimizer excluded) from its hyper-parameters."""
+    names = [n for n in inspect.signature(cls).parameters if n != "optimizer"]
+    return {n: hparams[n] for n in names if n in hparams}
+
+
+def normalize_precision(precision: Any) -> str:
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "bf16 is supported for historical reasons"
+        unified = str(_convert_precision_to_unified_args(precision or "32-true"))
+    if unified not in PRECISIONS:
+        raise UserError(f"precision {precision!r} is not modelled; choose one of: {', '.join(PRECISIONS)}")
+    return unified
+
+
+def is_fused(strategy: Any) -> bool:
+    """True for strategies that step each parameter from its gradient hook (class attribute ``fused_step``)."""
+    if isinstance(strategy, dict) or hasattr(strategy, "class_path"):  # a class spec, parsed or plain
+        strategy = strategy.get("class_path", "")
+    if isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        if strategy in StrategyRegistry:
+            strategy = StrategyRegistry[strategy]["strategy"]
+        elif "." in strategy:
+            import pkgutil
+
+            strategy = pkgutil.resolve_name(strategy)
+    return bool(getattr(strategy, "fused_step", False))
+
+
+# -- building the configured module -------------------------------------------------------------
+
+
+def build(setup: Setup, context: contextlib.AbstractContextManager) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
+    """The configured module and its optimizer, exactly as ``fit`` builds them, with tensors created
+    under ``context`` (the ``meta`` device for the analytic model, fake tensors for the simulation)."""
+    module = setup.module()
+    # peft cannot create LoRA adapters under FakeTensorMode (its .to() goes through torch's tensor
+    # swap, which fake tensors refuse): add them afterwards, as the few small real tensors they are.
+    lora, module.lora = module.lora, None
+    with context, _tensor_init_context(setup.precision):
+        module.configure_model()
+    if lora is not None:
+        module.lora, module.model = lora, apply_lora(module.model, lora)
+    # Outside the context: optimizers may build small lookup tensors from data (bitsandbytes' quantile maps).
+    optimizer = module.build_optimizer()
+    return module, optimizer
+
+
+def _tensor_init_context(precision: str) -> contextlib.AbstractContextManager:
+    """Lightning's "-true" precisions create the module's tensors in their dtype (its tensor_init_context)."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+    if precision in ("bf16-true", "16-true"):
+        return HalfPrecision(precision).tensor_init_context()
+    if precision == "64-true":
+        return DoublePrecision().tensor_init_context()
+    return contextlib.nullcontext()

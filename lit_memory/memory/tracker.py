@@ -1,0 +1,236 @@
+"""Measured memory: torch's MemTracker attributing every live tensor, and the process's own peak.
+
+`Tracker` is torch's `MemTracker` (``torch.distributed._tools.mem_tracker``, which labels each
+tensor a parameter, buffer, gradient, optimizer state, activation or temporary from its dispatch
+mode and hooks) with per-phase peaks (``enter_phase``) and an optional budget. The same tracker
+measures real runs (`lit_memory.monitor`) and, on fake tensors, simulates them
+(`lit_memory.memory.simulate`), so predicted and measured numbers share one definition of each
+category. Its numbers are *tracked tensors*: what the process holds beyond them (the Python
+runtime, libraries, allocator caches) is `ProcessPeak`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from lit_memory.memory.footprint import CATEGORIES, Footprint, format_bytes
+
+# MemTracker's reference types -> our categories. Temporaries of the backward pass and tensors
+# tracked from outside (the batch) are "other"; tensors created inside `optimizer.step`
+# (its state and its temporaries) are "optimizer", as MemTracker attributes them.
+CATEGORY_OF = {
+    "Parameter": "weights",
+    "Buffer": "weights",
+    "Gradient": "gradients",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "other",
+    "Other": "other",
+}
+
+
+class MemoryBudgetExceeded(torch.OutOfMemoryError):
+    """Raised by a `Tracker` with a budget: the same error (and report path) as CUDA running out."""
+
+    def __init__(self, message: str, categories: dict[str, int]) -> None:
+        super().__init__(message)
+        self.categories = categories  # what was live when the budget was crossed
+
+
+class Tracker(MemTracker):
+    """torch's MemTracker with per-phase peaks (``enter_phase``) and an optional budget in bytes.
+
+    Only tensors on ``device`` count (on CUDA, torch keeps e.g. Adam's step counters on the CPU).
+    Tensors created before the tracker is entered must be registered with ``track_external``.
+
+    MemTracker is private torch API; four of its hooks are replaced here, each for a reason given
+    where it is. Everything else (dispatch, storage accounting, module tracking) is torch's.
+    """
+
+    def __init__(self, device: Union[str, torch.device] = "cpu", budget: Optional[int] = None) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.budget = budget
+        self.footprint = Footprint()
+        self.phase: Optional[str] = None
+
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        # MemTracker hooks every parameter's gradient: that raises on frozen parameters, and its
+        # post-accumulate hook reads `.grad` after the fused step has freed it (a warning per
+        # parameter). These hooks label trainable parameters' gradients and skip what is gone.
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._label_gradient),
+                        param.register_post_accumulate_grad_hook(lambda p: self._label_gradient(p.grad)),
+                    )
+        return sizes
+
+    def _label_gradient(self, grad: Optional[torch.Tensor]) -> None:
+        if grad is not None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _register_global_optimizer_hook(self) -> None:
+        # Lightning runs training_step and backward inside `optimizer.step(closure)`, so MemTracker's
+        # step pre-hook would count the whole step as optimizer memory: the phase decides instead
+        # (`enter_phase("step")`). After a step, label the state of the parameters that optimizer
+        # stepped, not its whole state: the fused step's bucket optimizers share one state dict, and
+        # scanning all of it after each bucket is quadratic.
+        def label_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            state = optimizer.state
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param in state:
+                        for value in state[param].values():
+                            if isinstance(value, torch.Tensor):
+                                self._update_and_maybe_create_winfos(value, _MemRefType.OPT)
+
+        self._optimizer_hook_handles = (register_optimizer_step_post_hook(label_state),)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # Only the global peak is used here. MemTracker also updates a peak per module, walking every
+        # tracked module after every op: most of its cost on a 24-layer model.
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+    def categories(self, which: str = "current") -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for device, snapshot in self.get_tracker_snapshot(which).items():
+            if self._counts(device):
+                for kind, size in snapshot.items():
+                    name = getattr(kind, "value", kind)  # MemTracker's reference-type enum, or "Total"
+                    if name in CATEGORY_OF:
+                        out[CATEGORY_OF[name]] += size
+        return out
+
+    def _counts(self, device: torch.device) -> bool:
+        return device.type == self.device.type and self.device.index in (None, device.index)
+
+    def live_bytes(self) -> int:
+        # Read in place: get_tracker_snapshot() deep-copies, too slow to run after every op.
+        return sum(snap["Total"] for dev, snap in self._curr_mem_snap.items() if self._counts(dev))
+
+    def enter_phase(self, phase: str) -> None:
+        self._close_phase()
+        # Restart the peak from what is live now, exactly as MemTracker.__enter__ initialises it.
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        self.phase = phase
+        self._in_opt = phase == "step"  # tensors created while stepping are the optimizer's
+
+    def _close_phase(self) -> None:
+        if self.phase is not None:
+            self.footprint.add(self.phase, self.categories("peak"))
+        self.phase = None
+
+    def __enter__(self) -> "Tracker":
+        # MemTracker warns for each module whose backward hook finds it freed (nothing to track
+        # then); those warnings are noise in a training log, and only those are silenced.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        if self._depth == 1:
+            self._close_phase()
+        super().__exit__(*args)
+        if self._depth == 0:
+            self._quiet.__exit__(None, None, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.budget is not None:
+            live = self.live_bytes()
+            if live > self.budget:
+                raise MemoryBudgetExceeded(
+                    f"tracked tensors need {format_bytes(live)}, over the budget of {format_bytes(self.budget)}",
+                    self.categories(),
+                )
+        return out
+
+
+def batch_tensors(data: Any) -> list[torch.Tensor]:
+    """The tensors in a batch (dicts such as transformers' BatchEncoding, lists, tuples)."""
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        return [t for item in data for t in batch_tensors(item)]
+    return []
+
+
+def live_breakdown(module: torch.nn.Module, optimizers: list, allocated: int) -> dict[str, int]:
+    """Categories of what is live, from the tensors themselves: weights, gradients and optimizer
+    state are summed; the rest of ``allocated`` is activations and temporaries (reported as activations)."""
+    seen: set[int] = set()
+
+    def nbytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+    weights = nbytes(list(module.parameters()) + list(module.buffers()))
+    grads = nbytes(p.grad for p in module.parameters() if p.grad is not None)
+    state = nbytes(v for opt in optimizers for s in opt.state.values() for v in s.values())
+    return {
+        "weights": weights,
+        "gradients": grads,
+        "optimizer": state,
+        "activations": max(allocated - weights - grads - state, 0),
+        "other": 0,
+    }
+
+
+class ProcessPeak:
+    """The process's resident memory: its size when started and its peak since (max RSS).
+
+    The kernel keeps the peak (``getrusage``'s ``ru_maxrss``) for the process's whole life and it
+    cannot be reset, so the growth over a run is the peak minus the size at its start: what this
+    run added on top of the interpreter, libraries and anything allocated before it.
+    """
+
+    def __init__(self) -> None:
+        self.start = current_rss()
+
+    @property
+    def peak(self) -> int:
+        # ru_maxrss is in KiB on Linux, in bytes on macOS.
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+    @property
+    def growth(self) -> int:
+        return max(self.peak - self.start, 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"rss_at_start_bytes": self.start, "max_rss_bytes": self.peak, "growth_bytes": self.growth}
+
+
+def current_rss() -> int:
+    """Resident set size now (Linux: /proc; elsewhere the peak so far, the best portable bound)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss if sys.platform == "darwin" else maxrss * 1024

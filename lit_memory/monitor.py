@@ -1,0 +1,365 @@
+"""Measure every run: memory (the `memory:` block of every fit) and step times.
+
+`MemoryMonitor` measures and records, nothing else: the first optimizer steps tensor by tensor
+(`lit_memory.memory.tracker.Tracker`, per category and phase), the CUDA allocator's peaks, the
+process's peak, on every rank; it writes ``memory.json`` and prints measured (and, if given,
+predicted) per category at the end. Predictions and out-of-memory advice are the tools' work: they
+reach a run through the monitor's ``predict`` and ``advise`` hooks (`lit_memory.cli.resolve` is
+given them by ``python -m lit_memory``), so the runtime never imports the tools.
+
+`StepTimer` is the one step timer: wall time of each optimizer step (bench, plan ``--measure``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from lit_memory.errors import UserError
+from lit_memory.memory import records
+from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes, parse_bytes
+from lit_memory.memory.report import table
+from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
+
+log = logging.getLogger(__name__)
+
+# (trainer, module, simulate) -> predicted footprints per method ("analytic", "simulated")
+Predict = Callable[[L.Trainer, L.LightningModule, bool], dict[str, Footprint]]
+# (trainer, limit in bytes) -> one line: what to run instead
+Advise = Callable[[L.Trainer, int], str]
+
+
+class MemoryMonitor(L.Callback):
+    """Measure memory in every run; write ``memory.json``; explain an out-of-memory error.
+
+    Args:
+        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker (per category
+            and per phase). Its Python dispatch slows the tracked micro-batches, so only the first
+            steps are tracked (the first creates the optimizer state, the second is the steady state),
+            and of an accumulation window only the micro-batches that differ: the first, the second
+            and the last. 0 turns tensor tracking off; on CUDA the allocator's peaks
+            (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read every step regardless.
+        budget: a memory limit such as ``4GiB``. On CUDA it caps this process with
+            ``torch.cuda.set_per_process_memory_fraction`` for the run; on CPU the tracker raises
+            CUDA's out-of-memory error when the tracked tensors exceed it (every step is then tracked).
+        simulate: also predict by simulation at the start of fit (one training step on fake tensors:
+            seconds on the bundled model, about half a minute on BERT-large), when predictions are given.
+    """
+
+    def __init__(self, track_steps: int = 2, budget: Optional[str] = None, simulate: bool = False) -> None:
+        if track_steps < 0:
+            raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
+        self.track_steps = track_steps
+        self.budget = parse_bytes(budget) if budget is not None else None
+        self.simulate = simulate
+        self.predict: Optional[Predict] = None
+        self.advise: Optional[Advise] = None
+        self.tracker: Optional[Tracker] = None
+        self.measured = Footprint()
+        self.predictions: dict[str, Footprint] = {}
+        self.process: Optional[ProcessPeak] = None
+        self.cuda: Optional[dict[str, Any]] = None
+        self.batches = 0
+        self.tracked_batches = 0
+        self._phase: Optional[str] = None
+        self._batch_idx = 0
+        self._fraction: Optional[float] = None
+
+    # -- where ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _device(trainer: L.Trainer) -> torch.device:
+        return trainer.strategy.root_device
+
+    def _on_cuda(self, trainer: L.Trainer) -> bool:
+        return self._device(trainer).type == "cuda"
+
+    def limit(self, trainer: L.Trainer) -> Optional[int]:
+        """The memory this run may use: the budget, else the CUDA device's total."""
+        if self.budget is not None:
+            return self.budget
+        if self._on_cuda(trainer):
+            return torch.cuda.get_device_properties(self._device(trainer)).total_memory
+        return None
+
+    # -- set-up and predictions ----------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Asked on every rank: under a distributed strategy `log_dir` is a collective (a broadcast),
+        # and asking it on rank 0 alone, when writing, would pair with another rank's next collective.
+        self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        if stage == "fit" and self.budget is not None and self._on_cuda(trainer):
+            device = self._device(trainer)
+            total = torch.cuda.get_device_properties(device).total_memory
+            self._fraction = torch.cuda.get_per_process_memory_fraction(device)
+            torch.cuda.set_per_process_memory_fraction(min(self.budget / total, 1.0), device)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._fraction is not None:  # the cap belongs to this run, not to the process
+            torch.cuda.set_per_process_memory_fraction(self._fraction, self._device(trainer))
+            self._fraction = None
+        if self.tracker is not None:
+            self._stop_tracker()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.process = ProcessPeak()
+        if self._on_cuda(trainer):
+            # The allocator's peaks are never reset here (a user's own readings stay theirs): the
+            # run's peak is the highest reading, and its phase the one in which it last rose.
+            self.cuda = {"max_allocated_bytes": 0, "max_reserved_bytes": 0, "peak_phase": None}
+        if self.predict is not None:
+            self.predictions = self.predict(trainer, pl_module, self.simulate)
+
+    # -- measurement ---------------------------------------------------------------------------
+
+    def _tracking(self, trainer: L.Trainer, batch_idx: int) -> bool:
+        if self.budget is not None and not self._on_cuda(trainer):
+            return True  # the CPU budget is enforced by the tracker
+        # Within an accumulation window the micro-batches after the second repeat the second's memory:
+        # track the first (gradients zeroed), the second (accumulating) and the one that steps.
+        accumulate = trainer.accumulate_grad_batches
+        return trainer.global_step < self.track_steps and batch_idx % accumulate in {0, 1, accumulate - 1}
+
+    def _enter_phase(self, trainer: L.Trainer, phase: str) -> None:
+        self._read_cuda(trainer)
+        self._phase = phase
+        if self.tracker is not None:
+            self.tracker.enter_phase(phase)
+
+    def _read_cuda(self, trainer: L.Trainer) -> None:
+        if self.cuda is None or self._phase is None:
+            return
+        device = self._device(trainer)
+        allocated = torch.cuda.max_memory_allocated(device)
+        if allocated > self.cuda["max_allocated_bytes"]:
+            self.cuda.update(max_allocated_bytes=allocated, peak_phase=self._phase)
+        self.cuda["max_reserved_bytes"] = max(self.cuda["max_reserved_bytes"], torch.cuda.max_memory_reserved(device))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_idx = batch_idx
+        if self._tracking(trainer, batch_idx):
+            tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
+            tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
+            self.tracker = tracker.__enter__()
+        self._enter_phase(trainer, "forward")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._enter_phase(trainer, "backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._enter_phase(trainer, "step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._read_cuda(trainer)
+        self._phase = None
+        self.batches += 1
+        if self.tracker is not None:
+            self._stop_tracker()
+            self.tracked_batches += 1
+        peak = self.measured_peak()
+        if peak:
+            pl_module.log("mem_peak_gib", peak / 2**30, prog_bar=True, logger=False)
+
+    def _stop_tracker(self) -> None:
+        tracker, self.tracker = self.tracker, None
+        tracker.__exit__(None, None, None)
+        self.measured.merge(tracker.footprint)
+
+    def measured_peak(self) -> Optional[int]:
+        """The peak so far: the CUDA allocator's when on CUDA, else the tracked tensors'."""
+        if self.cuda:
+            return self.cuda["max_allocated_bytes"] or None
+        return self.measured.peak or None
+
+    def measurements(self) -> dict[str, Any]:
+        """This rank's measurements, as ``memory.json`` keeps them."""
+        return {
+            "tracked": self.measured.to_dict() if self.measured.phases else None,
+            "process": self.process.to_dict() if self.process else None,
+            "cuda": dict(self.cuda) if self.cuda else None,
+        }
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        ranks = None
+        if trainer.world_size > 1:  # every rank's numbers: each holds its own shard and activations
+            gathered = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, self.measurements())
+            ranks = [{"rank": rank, **m} for rank, m in enumerate(gathered)]
+        self._write(trainer, ranks=ranks)
+        self._print_table(trainer, ranks)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._read_cuda(trainer)
+        oom = None
+        if isinstance(exception, torch.OutOfMemoryError):
+            oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
+        if self.tracker is not None:
+            self._stop_tracker()
+        if oom is not None or self.batches:  # not for bad input caught before training
+            self._write(trainer, oom=oom)
+        if oom is not None:
+            self._print_oom(trainer, oom)
+
+    def _oom(self, trainer: L.Trainer, pl_module: L.LightningModule, categories: Optional[dict]) -> dict[str, Any]:
+        if categories is None and self.tracker is not None:
+            categories = self.tracker.categories()
+        if categories is None:  # untracked step: the tensors themselves, the rest of the allocator's count
+            allocated = torch.cuda.memory_allocated(self._device(trainer)) if self._on_cuda(trainer) else 0
+            categories = live_breakdown(pl_module, trainer.optimizers, allocated)
+        return {
+            "phase": self._phase,
+            "batch": self._batch_idx,
+            "live_bytes": sum(categories.values()),
+            "limit_bytes": self.limit(trainer),
+            "categories": categories,
+        }
+
+    @rank_zero_only
+    def _print_oom(self, trainer: L.Trainer, oom: dict[str, Any]) -> None:
+        limit = oom["limit_bytes"]
+        print(
+            f"out of memory in the {oom['phase']} phase of batch {oom['batch']}: "
+            f"{format_bytes(oom['live_bytes'])} live = {breakdown_line(oom['categories'])} "
+            f"(limit {format_bytes(limit)})",
+            file=sys.stderr,
+        )
+        if self.advise is not None and limit is not None:
+            print(self.advise(trainer, limit), file=sys.stderr)
+        else:
+            print("run `python -m lit_memory plan --budget <your GPU memory> <your configs>` for a recipe that fits",
+                  file=sys.stderr)
+
+    def record(self, trainer: L.Trainer, ranks: Optional[list] = None, oom: Optional[dict] = None) -> dict[str, Any]:
+        """The content of memory.json (schema: docs/memory.md)."""
+        device = self._device(trainer)
+        on_cuda = device.type == "cuda"
+        data = trainer.datamodule
+        shape = [data.batch_size, data.max_length] if hasattr(data, "batch_size") and hasattr(data, "max_length") else None
+        return records.memory_record(
+            device={
+                "type": device.type,
+                "name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+                "total_bytes": torch.cuda.get_device_properties(device).total_memory if on_cuda else None,
+                "limit_bytes": self.limit(trainer),
+            },
+            world_size=trainer.world_size,
+            batch_shape=shape,
+            batches=self.batches,
+            tracked_batches=self.tracked_batches,
+            optimizer_steps=trainer.global_step,
+            predicted={m: self.predictions.get(m) for m in records.METHODS},
+            measured=self.measurements(),
+            ranks=ranks,
+            oom=oom,
+        )
+
+    @rank_zero_only
+    def _write(self, trainer: L.Trainer, ranks: Optional[list] = None, oom: Optional[dict] = None) -> None:
+        run_dir = getattr(self, "run_dir", None)  # None: failed before setup
+        if run_dir is not None and run_dir.is_dir():  # created by Lightning with the run's config.yaml; never made here
+            records.write_memory(run_dir, self.record(trainer, ranks, oom))
+
+    @rank_zero_only
+    def _print_table(self, trainer: L.Trainer, ranks: Optional[list]) -> None:
+        columns = dict(self.predictions)
+        if self.measured.phases:
+            columns["tracked tensors"] = self.measured
+        if not columns:
+            return
+        data = trainer.datamodule
+        shape = f", batch {data.batch_size} x {data.max_length} tokens" if hasattr(data, "max_length") else ""
+        per = f" per rank ({trainer.world_size} ranks)" if trainer.world_size > 1 else ""
+        title = f"memory on {self._device(trainer).type}{per}{shape}"
+        lines = [table(title, columns)]
+        if self.process is not None:
+            lines.append(
+                f"  process: max RSS {format_bytes(self.process.peak)}, grew {format_bytes(self.process.growth)} "
+                f"during the run (tensors plus the runtime, libraries and allocator caches)"
+            )
+        if self.cuda:
+            lines.append(
+                f"  cuda allocator: max allocated {format_bytes(self.cuda['max_allocated_bytes'])} "
+                f"(in {self.cuda['peak_phase']}), max reserved {format_bytes(self.cuda['max_reserved_bytes'])}"
+            )
+        for rank in ranks or []:
+            tracked = rank["tracked"]["peak_bytes"] if rank["tracked"] else None
+            lines.append(f"  rank {rank['rank']}: tracked peak {format_bytes(tracked)}")
+        print("\n".join(lines))
+
+
+class StepTimer(L.Callback):
+    """Wall time of each optimizer step (its micro-batches together), the first ``warmup`` steps apart.
+
+    Args:
+        warmup: optimizer steps timed but kept apart (first steps compile, allocate, fill caches).
+        save: write ``step_times.json`` into the run folder at the end of training (bench reads it).
+    """
+
+    FILE = "step_times.json"
+
+    def __init__(self, warmup: int = 3, save: bool = False) -> None:
+        self.warmup = warmup
+        self.save = save
+        self.stamps: list[float] = []
+        self._step = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step
+        self.stamps = [clock(pl_module.device)]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._step:  # an optimizer step happened (not mid accumulation window)
+            self._step = trainer.global_step
+            self.stamps.append(clock(pl_module.device))
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds of each optimizer step, warm-up included (``warmup_times``, ``timed_times``)."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+    @property
+    def warmup_times(self) -> list[float]:
+        return self.step_times[: self.warmup]
+
+    @property
+    def timed_times(self) -> list[float]:
+        return self.step_times[self.warmup :]
+
+    @property
+    def seconds_per_step(self) -> float:
+        """Median of the timed steps (robust to one step slowed by something else on the machine)."""
+        return statistics.median(self.timed_times) if self.timed_times else float("inf")
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.save:
+            return
+        batch_size = getattr(trainer.datamodule, "batch_size", None)
+        record = {
+            "warmup": self.warmup,
+            "warmup_step_times_s": self.warmup_times,
+            "step_times_s": self.timed_times,
+            "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
+        }
+        (self.run_dir / self.FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels run asynchronously: wait until the step's work is done
+    return time.perf_counter()
+

@@ -1,0 +1,137 @@
+"""``python -m lit_memory estimate``: a training step's memory per category, predicted two ways
+before any run: the analytic model (`lit_memory.memory.analytic`) and the simulated step
+(`lit_memory.memory.simulate`), for the run ``fit`` would train with the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Optional
+
+import lightning as L
+
+from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.memory.analytic import analytic, file_gib
+from lit_memory.memory.footprint import Footprint, format_bytes
+from lit_memory.memory.report import table
+from lit_memory.memory.setup import DEVICES, Prediction, Setup, init_args, is_fused, normalize_precision
+from lit_memory.memory.simulate import simulate
+from lit_memory.model import SequenceClassifier
+
+CUDA_NOTES = (
+    "CUDA differs from the CPU simulation in: attention kernels (CUDA's memory-efficient/flash SDPA keeps "
+    "no heads x length x length probabilities; CPU falls back to the math kernel when attention dropout is on), "
+    "dropout masks (1 byte per value on CUDA, a full-width noise tensor on CPU), the caching allocator "
+    "(rounds blocks to 512 B and reserves more than it allocates) and cuBLAS workspaces (a few MiB)."
+)
+
+
+
+def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
+    """The setup a resolved run (`lit_memory.cli.resolve`) would train; its model is not built."""
+    if not hasattr(run, "model"):
+        run.build(trainer=False)
+    trainer = run.settings.trainer
+    return Setup(
+        model=init_args(SequenceClassifier, run.model.hparams),
+        optimizer=run.model.optimizer_factory,
+        precision=normalize_precision(trainer.precision),
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        batch_size=run.datamodule.batch_size,
+        max_length=run.datamodule.max_length,
+        fused=is_fused(trainer.strategy),
+        device=device,
+    )
+
+
+def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) -> dict[str, Footprint]:
+    """The monitor's ``predict`` hook: this run's predicted footprints, by method (``memory.json``)."""
+    try:
+        setup = Setup.from_run(trainer, module)
+    except AttributeError:  # not a SequenceClassifier with our data module: measure only
+        return {}
+    methods = {"analytic": analytic, **({"simulated": simulate} if simulated else {})}
+    predictions = {}
+    for name, predict in methods.items():
+        try:
+            predictions[name] = predict(setup).footprint
+        except Exception as err:  # a model the predictions do not cover must still train (and be measured)
+            print(f"warning: no {name} memory prediction: {type(err).__name__}: {err}")
+    return predictions
+
+
+def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction]) -> dict:
+    """The --json object; ``predicted`` has the footprints as ``memory.json`` keeps them."""
+    both = {"analytic": analytic_, "simulated": simulated}
+    params = analytic_.parameters
+    notes = list(analytic_.notes)
+    if simulated is not None:
+        notes.append(f"simulated on CPU with fake tensors (nothing allocated) in {simulated.seconds:.1f} s")
+        if setup.device == "cuda":
+            notes.append(CUDA_NOTES)
+    return {
+        "model": {
+            "name": setup.model.get("model_name_or_path"),
+            "parameters": params,
+            "trainable": analytic_.trainable,
+            "file_bytes": {"fp32": 4 * params, "fp16": 2 * params, "int8": params},
+        },
+        "setup": {
+            "batch_size": setup.batch_size,
+            "max_length": setup.max_length,
+            "precision": setup.precision,
+            "optimizer": setup.optimizer_name,
+            "accumulate_grad_batches": setup.accumulate_grad_batches,
+            "gradient_checkpointing": setup.checkpointing or False,
+            "offload_activations": bool(setup.model.get("offload_activations")),
+            "freeze": setup.model.get("freeze"),
+            "fused": setup.fused,
+        },
+        "device": {"analytic": setup.device, "simulated": "cpu"},
+        "predicted": {k: (p.footprint.to_dict() if p else None) for k, p in both.items()},
+        "inference_bytes": {k: (p.inference if p else None) for k, p in both.items()},
+        "notes": notes,
+    }
+
+
+def format_report(data: dict) -> str:
+    model, setup = data["model"], data["setup"]
+    heads = {"analytic": f"analytic ({data['device']['analytic']})", "simulated": "simulated (cpu)"}
+    columns = {heads[k]: Footprint.from_dict(f) for k, f in data["predicted"].items() if f is not None}
+    inference = [format_bytes(data["inference_bytes"][k]) for k, f in data["predicted"].items() if f is not None]
+    sizes = ", ".join(
+        f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1))
+    )
+    lines = [
+        f"{model['name']}: {model['parameters'] / 1e6:.1f} M parameters ({model['trainable'] / 1e6:.1f} M trainable); "
+        f"batch {setup['batch_size']} x {setup['max_length']} tokens, {setup['precision']}, {setup['optimizer']}, "
+        f"accumulate {setup['accumulate_grad_batches']}, "
+        f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
+        f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
+        f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}",
+        "",
+        table("training step, at the peak", columns, {"inference (no autograd)": inference}),
+        f"model file (parameters x bytes / 1024^3): {sizes}",
+    ]
+    lines += [f"note: {n}" for n in data["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_memory estimate",
+        description="Predict a training step's memory per category (analytic and simulated). "
+        "Every other argument is a fit argument: --config FILE (repeatable), dotted overrides.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-simulate", action="store_true", help="analytic only (milliseconds instead of seconds)")
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
+    )
+    ours, rest = parser.parse_known_args(argv)
+    setup = setup_of(resolve(["fit", *rest]), ours.device)
+    predicted = analytic(setup)
+    simulated = None if ours.no_simulate else simulate(setup)
+    data = report(setup, predicted, simulated)
+    print(json.dumps(data, indent=2) if ours.json else format_report(data))

@@ -1,0 +1,89 @@
+"""The tracker: every live tensor attributed, per phase; the process's own peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lit_memory.memory.footprint import PHASES
+from lit_memory.memory.tracker import MemoryBudgetExceeded, ProcessPeak, Tracker
+
+
+def tiny_step(tracker: Tracker):
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(16, 64)
+    tracker.track_external(model, optimizer, x)
+    with tracker:
+        tracker.enter_phase("forward")
+        loss = model(x).square().mean()
+        tracker.enter_phase("backward")
+        loss.backward()
+        tracker.enter_phase("step")
+        optimizer.step()
+    return model
+
+
+def test_tracker_attributes_each_phase():
+    tracker = Tracker()
+    model = tiny_step(tracker)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    phases = tracker.footprint.phases
+    assert set(phases) == set(PHASES)
+    assert phases["forward"]["weights"] == params and phases["forward"]["gradients"] == 0
+    assert phases["forward"]["activations"] >= 16 * 256 * 4  # at least the hidden layer's output
+    assert 0 < phases["backward"]["gradients"] <= params and phases["step"]["gradients"] == params
+    assert phases["step"]["optimizer"] >= 2 * params  # Adam's moments (+ step counters, temporaries)
+    assert tracker.footprint.peak == sum(tracker.footprint.categories.values())
+
+
+def test_tracker_budget_raises_cudas_out_of_memory_error_with_the_breakdown():
+    tracker = Tracker(budget=40_000)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        tiny_step(tracker)
+    assert isinstance(err.value, MemoryBudgetExceeded)
+    assert sum(err.value.categories.values()) > 40_000
+    assert err.value.categories["weights"] > 0
+
+
+def test_frozen_parameters_and_gradients_freed_inside_backward_are_tracked_quietly(recwarn):
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
+    model[0].weight.requires_grad_(False)  # MemTracker's own hooks raise on a frozen parameter
+    for p in model[1].parameters():  # a fused step frees each gradient as soon as it is accumulated
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    tracker = Tracker()
+    tracker.track_external(model)
+    with tracker:
+        tracker.enter_phase("backward")
+        model(torch.randn(8, 32)).sum().backward()
+    assert tracker.footprint.phases["backward"]["weights"] == sum(p.numel() * 4 for p in model.parameters())
+    assert not [w for w in recwarn if "Expected a tensor" in str(w.message)]  # MemTracker's, for a freed gradient
+
+
+def test_only_the_stepped_optimizers_state_is_labelled_after_a_step():
+    params = [nn.Parameter(torch.randn(64)) for _ in range(4)]
+    shared = torch.optim.SGD(params, lr=0.1, momentum=0.9)  # the state both bucket optimizers share
+    buckets = [torch.optim.SGD(params[:2], lr=0.1, momentum=0.9), torch.optim.SGD(params[2:], lr=0.1, momentum=0.9)]
+    for bucket in buckets:
+        bucket.state = shared.state
+    tracker = Tracker()
+    tracker.track_external(*params)
+    labelled = []
+    original = tracker._update_and_maybe_create_winfos
+    tracker._update_and_maybe_create_winfos = lambda t, kind: labelled.append(kind) or original(t, kind)
+    with tracker:
+        tracker.enter_phase("step")
+        for bucket in buckets:
+            for p in params:
+                p.grad = torch.ones_like(p)
+            bucket.step()
+    # 2 momentum buffers after each bucket: not the whole shared state again after the second
+    assert sum(kind.value == "Optstate" for kind in labelled) == 4
+
+
+def test_process_peak_grows_with_a_large_allocation():
+    process = ProcessPeak()
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    assert process.growth >= 48 * 2**20 and process.peak >= process.start
+    del block
