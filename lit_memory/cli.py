@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -109,6 +110,31 @@ class ImportRefused(UserError):
         self.denied = denied
 
 
+class _DropTips(logging.Filter):
+    """Lightning's advertisements for its cloud products, among its info lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+# Known noise, matched by message so every other warning stays visible: Lightning's notice that
+# tensorboardX is optional (the CSV logger it picks instead is what we want), its use of a pytree API
+# torch deprecated, and the model summary's note that it sizes bf16 weights as fp32.
+NOISE = (
+    r"Starting from v1\.9\.0, `tensorboardX` has been removed",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Precision .* is not supported by the model summary",
+)
+
+
+def quiet_known_noise() -> None:
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropTips) for f in lightning_info.filters):
+        lightning_info.addFilter(_DropTips())
+    for message in NOISE:
+        warnings.filterwarnings("ignore", message=message)
+
+
 class LitMemoryCLI(LightningCLI):
     """LightningCLI for the project's module and data, with ``--recipe NAME``, the trust checks and
     the memory monitor. ``defer=True`` stops after parsing and checking (see `resolve`);
@@ -141,6 +167,7 @@ class LitMemoryCLI(LightningCLI):
                 f"{trust.TRUST_FLAG} cannot lift the import allowlist in a process that has already enforced it: "
                 "run the trusted command in a process of its own"
             )
+        quiet_known_noise()
         self._deferred = defer
         self._collect = collect
         self._memory_hooks = {"predict": predict, "advise": advise}

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
 from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
@@ -148,12 +148,16 @@ class SequenceClassifier(L.LightningModule):
         if pretrained:
             path = bundled.resolve_model(self.hparams.model_name_or_path)
             try:
-                model = AutoModelForSequenceClassification.from_pretrained(path, config=self.hf_config)
+                with quiet_transformers():  # its loading report: said below in our own words
+                    model, loading = AutoModelForSequenceClassification.from_pretrained(
+                        path, config=self.hf_config, output_loading_info=True
+                    )
             except pickle.UnpicklingError as err:  # transformers loads pickled weights with weights_only=True
                 raise UserError(
                     f"cannot load the weights of {self.hparams.model_name_or_path!r} with weights_only=True: "
                     f"{str(err).splitlines()[0]} (convert them to safetensors from a trusted copy)"
                 ) from None
+            report_loading(model, loading)
         else:
             model = AutoModelForSequenceClassification.from_config(self.hf_config)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes
@@ -259,9 +263,10 @@ class SequenceClassifier(L.LightningModule):
         if names:
             model.config.id2label = dict(enumerate(names))
             model.config.label2id = {n: i for i, n in enumerate(names)}
-        model.save_pretrained(path, state_dict=state)
-        load_tokenizer(self.tokenizer_name_or_path).save_pretrained(path)
-        log.info(f"saved the fine-tuned model to {path}")
+        with quiet_transformers():
+            model.save_pretrained(path, state_dict=state)
+            load_tokenizer(self.tokenizer_name_or_path).save_pretrained(path)
+        rank_zero_info(f"saved the fine-tuned model to {path} (loads with AutoModelForSequenceClassification.from_pretrained)")
 
 
 # -- helpers shared with other modules ---------------------------------------------------------
@@ -286,6 +291,39 @@ def checkpoint_policy(value: Any) -> Optional[str]:
     raise UserError(f"gradient_checkpointing={value!r} is not one of: false, true (= full), full, selective")
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' loading/saving reports and progress bars off, for calls whose outcome we report ourselves."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def report_loading(model: PreTrainedModel, loading: dict[str, Any]) -> None:
+    """One line for what every fine-tune expects (a new classification head), a warning for anything else."""
+    head = {name for name, _ in model.named_children() if name != model.base_model_prefix}
+    missing = sorted(loading["missing_keys"])
+    new_head = [key for key in missing if key.split(".")[0] in head]
+    if new_head:
+        rank_zero_info(f"classifier head initialised: {model.config.num_labels} labels ({', '.join(new_head)})")
+    surprises = {
+        "not in the checkpoint, initialised at random": sorted(set(missing) - set(new_head)),
+        "in the checkpoint but not in the model, ignored": sorted(loading["unexpected_keys"]),
+        "of another shape in the checkpoint, initialised at random": sorted(map(str, loading["mismatched_keys"])),
+    }
+    for what, keys in surprises.items():
+        if keys:
+            rank_zero_warn(f"{len(keys)} weight(s) {what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+
+
 def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") -> None:
     # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
     # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).
@@ -297,6 +335,7 @@ def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") 
     # transformers also makes the embeddings' output require grad, which only reentrant checkpointing
     # needs; with it a frozen encoder would still run (and keep memory for) a backward of its own.
     model.disable_input_require_grads()
+    model.config.use_cache = False  # nothing to cache in training; transformers warns at every forward otherwise
 
 
 def transformer_layers(model: PreTrainedModel) -> nn.ModuleList:
