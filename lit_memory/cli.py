@@ -15,9 +15,10 @@ from typing import Any, Optional, Union
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from lit_memory import recipes
+from lit_memory import recipes, resume
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory import MemoryMonitor
@@ -135,6 +136,12 @@ class LitMemoryCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.cpu_bf16_fallback:
             config.trainer.precision = cpu_fallback(config.trainer.precision, config.trainer.accelerator)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
+            trainer = self._get(self.config_init, "trainer", default={})
+            kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+        return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         self._print_metrics("val")
