@@ -34,8 +34,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-# The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32,
-# minutes on a small GPU with BERT-large; the fine-tunes this is for run for thousands of steps.
+# The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32, so
+# long runs are saved several times an epoch and short ones (the bundled 4,000 samples) at their end.
 EVERY_N_TRAIN_STEPS = 500
 
 
@@ -188,7 +188,15 @@ class ResumeCheckpoint(ModelCheckpoint):
             logger = trainer.loggers[0]
             runs = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
             last = re.compile(rf"{self.CHECKPOINT_NAME_LAST}(-v\d+)?{re.escape(self.FILE_EXTENSION)}")
-            found |= {str(p) for p in runs.glob("*/checkpoints/*") if last.fullmatch(p.name)}
+            for link in runs.glob("*/checkpoints/*"):
+                if not last.fullmatch(link.name):
+                    continue
+                if link.exists():
+                    found.add(str(link))
+                elif link.is_symlink():
+                    # Killed after the previous checkpoint was removed and before last.ckpt was relinked
+                    # to the new one, which is whole: Lightning then takes the newest of the run's.
+                    found |= {str(p) for p in link.parent.glob(f"*{self.FILE_EXTENSION}") if p.exists()}
         return found
 
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
@@ -169,6 +174,52 @@ def test_the_loader_resumes_inside_the_epoch_and_starts_the_next_one_afresh():
     after_last.sampler.set_epoch(2)
     original.sampler.set_epoch(2)
     assert [b.tolist() for b in after_last] == [b.tolist() for b in original]
+
+
+def test_every_random_state_comes_back_from_a_weights_only_checkpoint(tmp_path):
+    def draw() -> tuple:
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    torch.save(ExactResume().state_dict(), tmp_path / "state.pt")
+    expected = draw()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    restored = ExactResume()
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    draw()  # anything in between, set-up for instance
+    restored.on_train_start(trainer, None)
+    assert draw() == expected
+
+    other = ExactResume()  # written by 2 processes, resumed by 1: says so, restores nothing
+    other.load_state_dict({"rng": 2 * torch.load(tmp_path / "state.pt", weights_only=True)["rng"]})
+    with pytest.warns(UserWarning, match="written by 2 processes and this run has 1"):
+        other.on_train_start(trainer, None)
+    assert draw() != expected
+
+
+def test_last_is_the_newest_last_ckpt_of_the_earlier_runs(tmp_path):
+    """Lightning's own lookup of ``ckpt_path="last"`` (which asks ResumeCheckpoint) on the run folders a
+    kill leaves: each run writes into a new version_N, and a kill between removing the previous
+    checkpoint and relinking last.ckpt leaves it dangling."""
+    def checkpoints(version: int, *steps: int) -> Path:
+        folder = tmp_path / "lightning_logs" / f"version_{version}" / "checkpoints"
+        folder.mkdir(parents=True)
+        for step in steps:
+            (folder / f"epoch=0-step={step}.ckpt").write_bytes(b"")
+            os.utime(folder / f"epoch=0-step={step}.ckpt", (step, step))  # written in step order
+        return folder
+
+    older, newer = checkpoints(0, 5), checkpoints(1, 10, 15)
+    (older / "last.ckpt").symlink_to("epoch=0-step=5.ckpt")
+    (newer / "last.ckpt").symlink_to("epoch=0-step=10.ckpt")
+    trainer = Trainer(logger=CSVLogger(tmp_path), callbacks=[ResumeCheckpoint()], enable_progress_bar=False)
+
+    def last() -> str:
+        return trainer._checkpoint_connector._select_ckpt_path(TrainerFn.FITTING, "last", True, False)
+
+    assert last() == str(newer / "last.ckpt")  # not the new run's own (empty) folder
+    (newer / "epoch=0-step=10.ckpt").unlink()  # killed before last.ckpt was relinked to step 15
+    assert last() == str(newer / "epoch=0-step=15.ckpt")
 
 
 def test_fit_checkpoints_every_few_hundred_steps_unless_configured_otherwise():
