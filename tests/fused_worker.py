@@ -75,8 +75,8 @@ def train(
     model = model or tiny_bert()
     # Its own generator: a DataLoader otherwise draws from the global random state every epoch, which
     # a resumed run (restoring that state after the checkpoint's step) would not repeat.
-    generator = torch.Generator().manual_seed(0)
-    data = DataLoader(batches(BATCH * BATCHES_PER_EPOCH * devices), batch_size=BATCH, shuffle=False, generator=generator)
+    samples, generator = batches(BATCH * BATCHES_PER_EPOCH * devices), torch.Generator().manual_seed(0)
+    data = DataLoader(samples, batch_size=BATCH, shuffle=False, generator=generator)
     trainer = L.Trainer(
         strategy=STRATEGIES[strategy](),
         accelerator="cpu",

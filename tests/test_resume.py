@@ -238,4 +238,5 @@ def test_a_default_fit_keeps_last_ckpt(reviews, fast_args):
     cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / "baseline.yaml"), *tiny, *args])
     assert isinstance(cli.trainer.checkpoint_callback, ResumeCheckpoint)
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)
-    assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()  # fewer steps than the interval: kept at the end
+    # fewer steps than the interval: last.ckpt is written when the fit ends
+    assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()
