@@ -20,10 +20,11 @@ from typing import Any, Optional, Union
 import torch
 import yaml
 from jsonargparse import Namespace
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lit_memory import recipes, trust
+from lit_memory import recipes, resume, trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
@@ -316,6 +317,12 @@ class LitMemoryCLI(LightningCLI):
 
     def before_predict(self) -> None:
         self._check_checkpoint()
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
+            trainer = self._get(self.config_init, "trainer", default={})
+            kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+        return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         self._print_metrics("val")

@@ -14,11 +14,13 @@ from typing import Literal, Optional
 
 import datasets
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from lit_memory import bundled
 from lit_memory.errors import UserError
+from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,8 @@ class TextClassificationData(L.LightningDataModule):
         limit_train_samples: train on a random subset of this many samples (``null`` for all).
             The default keeps every recipe under 10 minutes on a 2-core CPU.
         limit_eval_samples: the same for validation and test.
-        seed: seed for splitting and sub-sampling.
+        seed: seed for splitting, sub-sampling and the training order (a function of the seed and
+            the epoch only, so a resumed run sees the batches the interrupted one would have).
         num_workers: DataLoader workers.
     """
 
@@ -263,16 +266,21 @@ class TextClassificationData(L.LightningDataModule):
         return DataCollatorWithPadding(self.tokenizer, padding="longest")
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            self.splits[split],
-            batch_size=batch_size,
-            shuffle=shuffle,
-            collate_fn=self._collator(),
-            num_workers=self.num_workers,
-        )
+        # A generator of its own: a DataLoader otherwise draws its workers' seed from the global
+        # random state at every epoch, which would shift the dropout masks that follow.
+        generator = torch.Generator().manual_seed(self.seed)
+        kwargs = {"collate_fn": self._collator(), "num_workers": self.num_workers, "generator": generator}
+        if not shuffle:
+            return DataLoader(self.splits[split], batch_size=batch_size, shuffle=False, **kwargs)
+        # Sharded here under DDP/FSDP (as Lightning's DistributedSampler would), by (seed, epoch).
+        shards = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
+        sampler = ResumableSampler(self.splits[split], seed=self.seed, **shards)
+        return ResumableDataLoader(self.splits[split], batch_size=batch_size, sampler=sampler, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, shuffle=True)
+        # overfit_batches trains on the first batches in order: Lightning would swap out the sampler.
+        overfit = bool(getattr(self.trainer, "overfit_batches", 0))
+        return self._loader("train", self.batch_size, shuffle=not overfit)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", self.eval_batch_size, shuffle=False)

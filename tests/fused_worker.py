@@ -6,10 +6,10 @@ launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest)
     python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT]
 
 The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
-(step 6, ...) with the random-number state, so a resumed run sees exactly the batches and dropout
-masks the uninterrupted run saw. At the end the model is exported as the CLI does it
-(``OUT/hf_model``, gathered from the shards under FSDP) and rank 0 writes the final full
-parameters to ``OUT/params.pt``.
+(step 6, ...) with every rank's random-number state (`lit_memory.resume.ExactResume`), so a
+resumed run sees exactly the batches and dropout masks the uninterrupted run saw. At the end the
+model is exported as the CLI does it (``OUT/hf_model``, gathered from the shards under FSDP) and
+rank 0 writes the final full parameters to ``OUT/params.pt``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ if __name__ == "__main__":  # a script: import this checkout's lit_memory
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lit_memory.model import SequenceClassifier, full_state_dict  # noqa: E402
+from lit_memory.resume import ExactResume  # noqa: E402
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
@@ -61,16 +62,6 @@ def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
 
 
-class RandomState(Callback):
-    """Lightning checkpoints do not keep the random-number state; dropout needs it to resume exactly."""
-
-    def state_dict(self) -> dict:
-        return {"torch": torch.get_rng_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(state["torch"])
-
-
 def train(
     out: Path,
     strategy: str = "fused-single",
@@ -82,7 +73,10 @@ def train(
 ) -> SequenceClassifier:
     L.seed_everything(42)
     model = model or tiny_bert()
-    data = DataLoader(batches(BATCH * BATCHES_PER_EPOCH * devices), batch_size=BATCH, shuffle=False)
+    # Its own generator: a DataLoader otherwise draws from the global random state every epoch, which
+    # a resumed run (restoring that state after the checkpoint's step) would not repeat.
+    samples, generator = batches(BATCH * BATCHES_PER_EPOCH * devices), torch.Generator().manual_seed(0)
+    data = DataLoader(samples, batch_size=BATCH, shuffle=False, generator=generator)
     trainer = L.Trainer(
         strategy=STRATEGIES[strategy](),
         accelerator="cpu",
@@ -95,7 +89,7 @@ def train(
         default_root_dir=out,
         callbacks=[
             ModelCheckpoint(out / "checkpoints", save_top_k=-1, every_n_train_steps=BATCHES_PER_EPOCH),
-            RandomState(),
+            ExactResume(),
             *(callbacks or []),
         ],
     )

@@ -1,0 +1,211 @@
+"""Exact resume: a fit killed part-way and resumed from a checkpoint ends with the weights of the
+run that was never interrupted.
+
+Lightning's checkpoints already hold the weights, the optimizer and LR-scheduler states and the
+loops' progress (global step, epoch, batch index). What they lack, and this module adds:
+
+- the data order: `ResumableSampler` shuffles as a function of (seed, epoch) only, like torch's
+  `DistributedSampler` (it is one, so under DDP/FSDP it also shards, and Lightning calls its
+  ``set_epoch``); `ResumableDataLoader` reports how far into the epoch it is, and Lightning saves
+  that in the checkpoint and hands it back on resume (its stateful-dataloader interface);
+- the random-number state: `ExactResume` saves the torch (CPU and CUDA), numpy and Python states
+  of every rank in the checkpoint and restores each rank's own when training restarts, so dropout
+  draws the masks the uninterrupted run drew;
+- checkpoints often enough to matter: `ResumeCheckpoint`, the checkpoint ``fit`` keeps by default
+  (every `EVERY_N_TRAIN_STEPS` steps, ``last.ckpt`` linked to the newest), and
+  ``--ckpt_path last`` finds the newest ``last.ckpt`` of the earlier runs in the same log folder.
+
+Exactness holds while nothing between the checkpoint and the next training step draws from the
+global random generators: the data module's loaders draw from generators of their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+# The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32, so
+# long runs are saved several times an epoch and short ones (the bundled 4,000 samples) at their end.
+EVERY_N_TRAIN_STEPS = 500
+
+
+class ResumableSampler(DistributedSampler):
+    """Shuffle as a function of (seed, epoch) only, shard over ``num_replicas``, and, once after a
+    resume, start the epoch part-way.
+
+    torch's `DistributedSampler` already shuffles by (seed, epoch) and Lightning calls its
+    ``set_epoch`` before every epoch; this adds the start. Being a `DistributedSampler`, it is kept
+    as it is under DDP/FSDP (Lightning injects its own only in place of other samplers), so build it
+    with the trainer's ``distributed_sampler_kwargs``.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.start = 0  # the sample of this rank's share the pass in progress began at
+        self._resume: Optional[tuple[int, int]] = None
+
+    def resume(self, epoch: int, start: int) -> None:
+        """Begin the next pass at sample ``start`` of this rank's share, if it is epoch ``epoch``."""
+        self._resume = (epoch, start)
+
+    def __iter__(self) -> Iterator[int]:
+        # A generator: the order is drawn at the first index taken, after Lightning's set_epoch,
+        # not when the DataLoader makes its iterator (Lightning makes one before restoring).
+        resume, self._resume = self._resume, None
+        # Lightning decides the epoch: a checkpoint written after an epoch's last batch, or at the
+        # end of a fit that stopped part-way, goes on with a new epoch from its first sample.
+        self.start = resume[1] if resume is not None and resume[0] == self.epoch else 0
+        yield from itertools.islice(super().__iter__(), self.start, None)
+
+
+class ResumableDataLoader(DataLoader):
+    """A training DataLoader over a `ResumableSampler` whose position inside the epoch is saved in
+    checkpoints: Lightning saves ``state_dict()`` of any training loader that has one and hands it
+    back to ``load_state_dict()`` on resume, and the loader then goes on from there.
+    """
+
+    _epoch = 0
+    _handed_out = 0  # batches of the pass in progress handed out so far
+
+    def __iter__(self) -> Iterator[Any]:
+        # Also a generator, so this runs when the pass really begins, with the sampler's.
+        self._epoch, self._handed_out = self.sampler.epoch, 0
+        for batch in super().__iter__():
+            self._handed_out += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batches": self.sampler.start // self.batch_size + self._handed_out}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.resume(state["epoch"], state["batches"] * self.batch_size)
+
+
+class ExactResume(Callback):
+    """Save every rank's random-number state in checkpoints; on resume, restore each rank's own
+    just before training restarts, and restore the training loader's position where Lightning
+    did not (see `_restore_loader_states`).
+
+    The states are gathered from all ranks into the checkpoint's trainer state (for FSDP's sharded
+    checkpoints that is the ``meta.pt`` rank 0 writes), a few KiB per rank.
+    """
+
+    def __init__(self) -> None:
+        self._states: Optional[list[dict[str, Any]]] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        # Called on every rank while a checkpoint is written, right after the step it follows.
+        return {"rng": _all_gather(_rng_states())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._states = state["rng"]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _restore_loader_states(trainer)
+        if self._states is None:
+            return
+        states, self._states = self._states, None
+        if len(states) != trainer.world_size:
+            rank_zero_warn(
+                f"the checkpoint was written by {len(states)} processes and this run has {trainer.world_size}: "
+                "training goes on, but with other data shards and random states than the interrupted run's"
+            )
+            return
+        _set_rng_states(_from_checkpoint(states[trainer.global_rank]))
+
+
+def _restore_loader_states(trainer: Trainer) -> None:
+    """Hand the training loaders their saved states where Lightning has not.
+
+    Lightning loads them when it first builds the training loaders after a restore, but a
+    ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (for the LR
+    schedule's length) builds them before the restore, and they then never get their states
+    (Lightning issue #20550, open in 2.6). Done here, just before the first batch is fetched, with
+    Lightning's own methods; a no-op once Lightning has loaded them itself.
+    """
+    loop = trainer.fit_loop
+    if not loop._combined_loader_states_to_load or loop._data_fetcher is None:
+        return
+    loop._load_combined_loader_states()
+    iter(loop._data_fetcher)  # the loaders' iterators were made before the states were loaded
+
+
+def _rng_states() -> dict[str, Any]:
+    states = _collect_rng_states(include_cuda=True)
+    if "numpy" in states:  # its key array as a tensor: checkpoints load with weights_only=True
+        kind, keys, *rest = states["numpy"]
+        states["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), *rest)
+    return states
+
+
+def _from_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
+    if "numpy" in states:
+        kind, keys, *rest = states["numpy"]
+        states = {**states, "numpy": (kind, keys.numpy().astype("uint32"), *rest)}
+    return states
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+class ResumeCheckpoint(ModelCheckpoint):
+    """Lightning's `ModelCheckpoint` with defaults for long runs, the checkpoint ``fit`` keeps when
+    none is configured: one every ``every_n_train_steps`` optimizer steps (the previous one removed)
+    and ``last.ckpt`` linked to it, so ``--ckpt_path last`` resumes from the newest.
+
+    Each run logs into a new ``version_N`` folder; ``ckpt_path="last"`` here also looks in the
+    earlier ones, so a run killed in ``version_0`` resumes from ``version_0/checkpoints/last.ckpt``.
+    """
+
+    def __init__(
+        self,
+        every_n_train_steps: int = EVERY_N_TRAIN_STEPS,
+        save_last: Optional[Union[bool, Literal["link"]]] = "link",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(every_n_train_steps=every_n_train_steps, save_last=save_last, **kwargs)
+        self._in_run_folder = kwargs.get("dirpath") is None
+
+    def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
+        # Lightning's "last" looks only in this run's own folder (private API, checked by tests/test_resume.py).
+        found = super()._find_last_checkpoints(trainer)
+        if self._in_run_folder and trainer.loggers:
+            logger = trainer.loggers[0]
+            runs = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
+            last = re.compile(rf"{self.CHECKPOINT_NAME_LAST}(-v\d+)?{re.escape(self.FILE_EXTENSION)}")
+            for link in runs.glob("*/checkpoints/*"):
+                if not last.fullmatch(link.name):
+                    continue
+                if link.exists():
+                    found.add(str(link))
+                elif link.is_symlink():
+                    # Killed after the previous checkpoint was removed and before last.ckpt was relinked
+                    # to the new one, which is whole: Lightning then takes the newest of the run's.
+                    found |= {str(p) for p in link.parent.glob(f"*{self.FILE_EXTENSION}") if p.exists()}
+        return found
+
+
+def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Optional[bool]) -> list[Callback]:
+    """The configured callbacks plus what exact resume needs: `ExactResume`, and `ResumeCheckpoint`
+    unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured."""
+    callbacks = list(callbacks or [])
+    if not any(isinstance(c, ExactResume) for c in callbacks):
+        callbacks.append(ExactResume())
+    if enable_checkpointing is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        callbacks.append(ResumeCheckpoint())
+    return callbacks

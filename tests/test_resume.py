@@ -1,0 +1,242 @@
+"""Exact resume (`lit_memory.resume`): a fit SIGKILLed mid-epoch and resumed with ``--ckpt_path last``
+ends with the weights of the run that was never interrupted, and its log goes on with the same
+steps, losses and learning rates.
+
+Each run is a ``python -m lit_memory fit`` subprocess on a tiny random BERT with dropout, shuffled
+data, fp32 on CPU: 2 epochs of 8 steps, a checkpoint every 5 steps, killed after step 11 (in the
+second epoch), resumed from the step-10 checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.states import TrainerFn
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
+from lit_memory.cli import LitMemoryCLI
+from lit_memory.resume import (
+    EVERY_N_TRAIN_STEPS,
+    ExactResume,
+    ResumableDataLoader,
+    ResumableSampler,
+    ResumeCheckpoint,
+    fit_callbacks,
+)
+
+EVERY, KILL_AFTER, EPOCHS, STEPS_PER_EPOCH = 5, 11, 2, 8
+TINY = '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory) -> Path:
+    # 40 rows: 32 train (8 batches of 4), 4 validation, 4 test
+    return write_csv(tmp_path_factory.mktemp("data") / "reviews.csv", rows(40))
+
+
+def fit(root: Path, recipe: str, data: Path, *more: str) -> subprocess.CompletedProcess:
+    args = [
+        "--config", str(RECIPES / f"{recipe}.yaml"),
+        "--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false", f"--model.config_overrides={TINY}",
+        "--model.lr_scheduler_type=linear", "--model.warmup_ratio=0.25", "--model.optimizer.init_args.lr=1e-3",
+        f"--data.source={data}", "--data.batch_size=4", "--data.max_length=16",
+        f"--trainer.max_epochs={EPOCHS}", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
+        "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.callbacks+=lit_memory.resume.ResumeCheckpoint", f"--trainer.callbacks.every_n_train_steps={EVERY}",
+        "--trainer.callbacks+=LearningRateMonitor", "--trainer.callbacks.logging_interval=step",
+        f"--trainer.default_root_dir={root}",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "lit_memory", "fit", "--trust-recipe", *args, *more],  # trust: the test's killer
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+
+
+def kill_and_resume(full: Path, interrupted: Path, recipe: str, data: Path, *more: str) -> None:
+    """The uninterrupted run in ``full``; in ``interrupted``, the run killed after step 11 and its resume."""
+    done = fit(full, recipe, data, *more)
+    assert done.returncode == 0, done.stderr[-4000:]
+    killed = fit(interrupted, recipe, data, *more, "--trainer.callbacks+=interrupt.KillAfterStep",
+                 f"--trainer.callbacks.step={KILL_AFTER}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    last = interrupted / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.resolve().name == "epoch=1-step=10.ckpt"  # mid-epoch: step 2 of the second epoch
+    resumed = fit(interrupted, recipe, data, *more, "--ckpt_path=last")  # a new run folder, version_1
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"Restoring states from the checkpoint path at {last}" in resumed.stdout + resumed.stderr
+
+
+def run(root: Path, version: int = 0) -> Path:
+    return root / "lightning_logs" / f"version_{version}"
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    wa, wb = load_file(a / "hf_model" / "model.safetensors"), load_file(b / "hf_model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def train_log(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Per logged training step: the loss and the learning rate of each parameter group."""
+    log = {}
+    for row in csv.DictReader(open(run_dir / "metrics.csv")):
+        values = {k: float(v) for k, v in row.items() if v and (k == "train_loss" or k.startswith("lr-"))}
+        if values:
+            log.setdefault(int(row["step"]), {}).update(values)
+    return log
+
+
+def assert_log_goes_on(full: Path, resumed: Path) -> None:
+    whole, rest = train_log(full), train_log(resumed)
+    assert sorted(whole) == list(range(EPOCHS * STEPS_PER_EPOCH))
+    assert sorted(rest) == list(range(10, EPOCHS * STEPS_PER_EPOCH))  # the step count goes on from 10
+    lrs = sorted({k for step in whole.values() for k in step if k.startswith("lr-")})
+    assert lrs and len({whole[s][lrs[0]] for s in whole}) > 10  # the linear schedule moves the lr every step
+    for step, values in rest.items():
+        assert values.keys() == whole[step].keys()
+        for key, value in values.items():
+            assert value == pytest.approx(whole[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "fused", "8bit"])
+def test_a_run_killed_mid_epoch_resumes_exactly(recipe, reviews, tmp_path):
+    kill_and_resume(tmp_path / "full", tmp_path / "interrupted", recipe, reviews)
+    assert max_weight_difference(run(tmp_path / "full"), run(tmp_path / "interrupted", 1)) <= 1e-6
+    assert_log_goes_on(run(tmp_path / "full"), run(tmp_path / "interrupted", 1))
+
+
+def test_fsdp_run_killed_mid_epoch_resumes_exactly_from_its_sharded_checkpoint(reviews, tmp_path):
+    """FSDP2 with the fused step over 2 CPU processes: each rank has its own data shard, batch
+    lengths and dropout masks, so each restores its own random state from the sharded checkpoint."""
+    fsdp = ["--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=2",
+            "--data.batch_size=2"]  # 2 per rank: still 8 steps per epoch
+    kill_and_resume(tmp_path / "full", tmp_path / "interrupted", "fused", reviews, *fsdp)
+    assert (run(tmp_path / "interrupted") / "checkpoints" / "epoch=1-step=10.ckpt" / "meta.pt").is_file()  # sharded
+    assert max_weight_difference(run(tmp_path / "full"), run(tmp_path / "interrupted", 1)) <= 1e-5
+    assert_log_goes_on(run(tmp_path / "full"), run(tmp_path / "interrupted", 1))
+
+
+# -- the parts ----------------------------------------------------------------------------------
+
+
+def test_the_training_order_is_a_function_of_seed_and_epoch_and_shards_the_data():
+    data = list(range(10))
+    order = lambda epoch, **kw: list(_at_epoch(ResumableSampler(data, seed=3, **kw), epoch))  # noqa: E731
+    torch.manual_seed(0)
+    first = order(1)
+    torch.manual_seed(1)  # the global random state plays no part
+    assert order(1) == first and sorted(first) == data
+    assert order(2) != first
+    halves = [order(1, num_replicas=2, rank=r) for r in (0, 1)]
+    assert sorted(halves[0] + halves[1]) == data
+
+
+def _at_epoch(sampler: ResumableSampler, epoch: int) -> ResumableSampler:
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def test_the_loader_resumes_inside_the_epoch_and_starts_the_next_one_afresh():
+    def loader() -> ResumableDataLoader:
+        return ResumableDataLoader(list(range(10)), batch_size=2, sampler=ResumableSampler(list(range(10)), seed=0))
+
+    original = loader()
+    original.sampler.set_epoch(1)
+    epoch1 = [b.tolist() for b in original]
+    it = iter(original)
+    seen = [next(it).tolist() for _ in range(2)]
+    assert original.state_dict() == {"epoch": 1, "batches": 2}
+
+    resumed = loader()
+    resumed.load_state_dict(original.state_dict())
+    resumed.sampler.set_epoch(1)  # Lightning sets the epoch before each pass
+    it = iter(resumed)
+    assert seen + [next(it).tolist()] == epoch1[:3]
+    assert resumed.state_dict() == {"epoch": 1, "batches": 3}  # the skipped batches count: a second resume works
+    assert [b.tolist() for b in it] == epoch1[3:]
+
+    after_last = loader()  # a checkpoint after the epoch's last batch: Lightning goes on with the next epoch
+    after_last.load_state_dict({"epoch": 1, "batches": 5})
+    after_last.sampler.set_epoch(2)
+    original.sampler.set_epoch(2)
+    assert [b.tolist() for b in after_last] == [b.tolist() for b in original]
+
+
+def test_every_random_state_comes_back_from_a_weights_only_checkpoint(tmp_path):
+    def draw() -> tuple:
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    torch.save(ExactResume().state_dict(), tmp_path / "state.pt")
+    expected = draw()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    restored = ExactResume()
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    draw()  # anything in between, set-up for instance
+    restored.on_train_start(trainer, None)
+    assert draw() == expected
+
+    other = ExactResume()  # written by 2 processes, resumed by 1: says so, restores nothing
+    other.load_state_dict({"rng": 2 * torch.load(tmp_path / "state.pt", weights_only=True)["rng"]})
+    with pytest.warns(UserWarning, match="written by 2 processes and this run has 1"):
+        other.on_train_start(trainer, None)
+    assert draw() != expected
+
+
+def test_last_is_the_newest_last_ckpt_of_the_earlier_runs(tmp_path):
+    """Lightning's own lookup of ``ckpt_path="last"`` (which asks ResumeCheckpoint) on the run folders a
+    kill leaves: each run writes into a new version_N, and a kill between removing the previous
+    checkpoint and relinking last.ckpt leaves it dangling."""
+    def checkpoints(version: int, *steps: int) -> Path:
+        folder = tmp_path / "lightning_logs" / f"version_{version}" / "checkpoints"
+        folder.mkdir(parents=True)
+        for step in steps:
+            (folder / f"epoch=0-step={step}.ckpt").write_bytes(b"")
+            os.utime(folder / f"epoch=0-step={step}.ckpt", (step, step))  # written in step order
+        return folder
+
+    older, newer = checkpoints(0, 5), checkpoints(1, 10, 15)
+    (older / "last.ckpt").symlink_to("epoch=0-step=5.ckpt")
+    (newer / "last.ckpt").symlink_to("epoch=0-step=10.ckpt")
+    trainer = Trainer(logger=CSVLogger(tmp_path), callbacks=[ResumeCheckpoint()], enable_progress_bar=False)
+
+    def last() -> str:
+        return trainer._checkpoint_connector._select_ckpt_path(TrainerFn.FITTING, "last", True, False)
+
+    assert last() == str(newer / "last.ckpt")  # not the new run's own (empty) folder
+    (newer / "epoch=0-step=10.ckpt").unlink()  # killed before last.ckpt was relinked to step 15
+    assert last() == str(newer / "epoch=0-step=15.ckpt")
+
+
+def test_fit_checkpoints_every_few_hundred_steps_unless_configured_otherwise():
+    default = fit_callbacks(None, None)
+    assert [type(c) for c in default] == [ExactResume, ResumeCheckpoint]
+    assert default[1]._every_n_train_steps == EVERY_N_TRAIN_STEPS and default[1].save_last == "link"
+    own = ModelCheckpoint(monitor="val_f1", mode="max")
+    assert fit_callbacks([own], None)[0] is own and len(fit_callbacks([own], None)) == 2  # the user's is kept alone
+    assert [type(c) for c in fit_callbacks(None, False)] == [ExactResume]  # --trainer.enable_checkpointing=false
+
+
+def test_a_default_fit_keeps_last_ckpt(reviews, fast_args):
+    args = [a for a in fast_args if not a.startswith("--trainer.enable_checkpointing")]
+    tiny = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={TINY}", "--data.batch_size=4",
+            f"--data.source={reviews}"]
+    cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / "baseline.yaml"), *tiny, *args])
+    assert isinstance(cli.trainer.checkpoint_callback, ResumeCheckpoint)
+    assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)
+    # fewer steps than the interval: last.ckpt is written when the fit ends
+    assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()
