@@ -101,22 +101,14 @@ class TextClassificationData(L.LightningDataModule):
             if num_labels not in BUNDLED_LABELS:
                 raise UserError(f"the bundled tweets have 2 or 3 classes, not num_labels={num_labels}")
             label_names = BUNDLED_LABELS[num_labels]
-        self.source = source
-        self.text_column = text_column or (BUNDLED_COLUMNS[0] if is_bundled else "review")
-        self.label_column = label_column or (BUNDLED_COLUMNS[1] if is_bundled else "label")
-        self.label_names = label_names
-        self.num_labels = num_labels
-        self.tokenizer_name_or_path = tokenizer_name_or_path
-        self.max_length = max_length
-        self.padding = padding
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.val_fraction = val_fraction
-        self.test_fraction = test_fraction
-        self.limit_train_samples = limit_train_samples
-        self.limit_eval_samples = limit_eval_samples
-        self.seed = seed
-        self.num_workers = num_workers
+        # Every argument, as given, in `hparams` (and in checkpoints); the defaults that depend on the source resolved.
+        self.save_hyperparameters()
+        self.hparams.update(
+            text_column=text_column or (BUNDLED_COLUMNS[0] if is_bundled else "review"),
+            label_column=label_column or (BUNDLED_COLUMNS[1] if is_bundled else "label"),
+            label_names=label_names,
+            eval_batch_size=eval_batch_size or batch_size,
+        )
         self._local_file = self._check_local_file(source)
         self.splits: Optional[datasets.DatasetDict] = None
         self.tokenizer = None
@@ -140,9 +132,9 @@ class TextClassificationData(L.LightningDataModule):
     def _load_raw(self) -> datasets.DatasetDict:
         if self._local_file is None:
             try:
-                raw = datasets.load_dataset(self.source)
+                raw = datasets.load_dataset(self.hparams.source)
             except Exception as err:  # hub/network errors come in many types; report the first line
-                raise UserError(f"cannot load dataset {self.source!r}: {str(err).splitlines()[0]}") from err
+                raise UserError(f"cannot load dataset {self.hparams.source!r}: {str(err).splitlines()[0]}") from err
             return raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict(train=raw)
         builder, kwargs = FILE_FORMATS[self._local_file.suffix.lower()]
         if builder == "csv":
@@ -158,7 +150,7 @@ class TextClassificationData(L.LightningDataModule):
         self, split: datasets.Dataset, name: str, label_names: Optional[list[str]], where: str
     ) -> datasets.Dataset:
         """Map labels to ids in [0, num_labels), dropping empty texts and unlisted string labels."""
-        text, label = self.text_column, self.label_column
+        text, label = self.hparams.text_column, self.hparams.label_column
         split = split.filter(lambda row: row[text] is not None and str(row[text]).strip() != "")
         if label_names is not None:  # string labels
             index = {str(n): i for i, n in enumerate(label_names)}
@@ -170,34 +162,34 @@ class TextClassificationData(L.LightningDataModule):
             split = split.map(lambda row: {"labels": index[str(row[label])]})
         else:  # integer labels: check the range instead of guessing
             for value in set(split[label]):
-                if not isinstance(value, int) or not 0 <= value < self.num_labels:
+                if not isinstance(value, int) or not 0 <= value < self.hparams.num_labels:
                     raise UserError(
                         f"label {value!r} in column {label!r} of the {name} split is outside num_labels="
-                        f"{self.num_labels} (expected 0..{self.num_labels - 1}); set model.num_labels or data.label_names"
+                        f"{self.hparams.num_labels} (expected 0..{self.hparams.num_labels - 1}); set model.num_labels or data.label_names"
                     )
             split = split.map(lambda row: {"labels": row[label]})
         return split.select_columns([text, "labels"])
 
     def _resolve_label_names(self, raw: datasets.DatasetDict) -> Optional[list[str]]:
-        if self.label_names is not None:
-            names = list(self.label_names)
+        if self.hparams.label_names is not None:
+            names = list(self.hparams.label_names)
         else:
-            values = {v for split in raw.values() for v in split[self.label_column]}
+            values = {v for split in raw.values() for v in split[self.hparams.label_column]}
             if all(isinstance(v, int) for v in values):
                 return None
             names = sorted(str(v) for v in values)  # like datasets' class_encode_column
-        if len(names) > self.num_labels:
+        if len(names) > self.hparams.num_labels:
             raise UserError(
-                f"{len(names)} label names {names} but num_labels={self.num_labels}; set model.num_labels or data.label_names"
+                f"{len(names)} label names {names} but num_labels={self.hparams.num_labels}; set model.num_labels or data.label_names"
             )
         return names
 
     def load_splits(self) -> datasets.DatasetDict:
         """Read, check, encode, split and sub-sample the source (untokenised)."""
         raw = self._load_raw()
-        where = self.source if self._local_file is None else str(self._local_file)
+        where = self.hparams.source if self._local_file is None else str(self._local_file)
         for split in raw.values():
-            missing = [c for c in (self.text_column, self.label_column) if c not in split.column_names]
+            missing = [c for c in (self.hparams.text_column, self.hparams.label_column) if c not in split.column_names]
             if missing:
                 raise UserError(
                     f"column {missing[0]!r} not found in {where}; columns are {split.column_names} "
@@ -206,27 +198,27 @@ class TextClassificationData(L.LightningDataModule):
         label_names = self._resolve_label_names(raw)
         encoded = {name: self._encode_labels(split, name, label_names, where) for name, split in raw.items()}
         splits = self._split(encoded)
-        limits = {"train": self.limit_train_samples, "validation": self.limit_eval_samples, "test": self.limit_eval_samples}
+        limits = {"train": self.hparams.limit_train_samples, "validation": self.hparams.limit_eval_samples, "test": self.hparams.limit_eval_samples}
         for name in SPLITS:
             limit = limits[name]
             if limit is not None and limit < len(splits[name]):
-                splits[name] = splits[name].shuffle(seed=self.seed).select(range(limit))
+                splits[name] = splits[name].shuffle(seed=self.hparams.seed).select(range(limit))
         self.resolved_label_names = label_names
         return datasets.DatasetDict(splits)
 
     def _split(self, encoded: dict[str, datasets.Dataset]) -> dict[str, datasets.Dataset]:
         """Use the source's own splits; carve the missing validation/test splits out of train."""
         if "train" not in encoded:
-            raise UserError(f"{self.source} has no 'train' split (splits: {sorted(encoded)})")
+            raise UserError(f"{self.hparams.source} has no 'train' split (splits: {sorted(encoded)})")
         splits = dict(encoded)
-        fractions = {"validation": self.val_fraction, "test": self.test_fraction}
+        fractions = {"validation": self.hparams.val_fraction, "test": self.hparams.test_fraction}
         carve = {name: f for name, f in fractions.items() if name not in encoded and f > 0}
         if carve:
             held_out = sum(carve.values())
-            parts = _train_test_split(encoded["train"], held_out, self.seed, self.num_labels)
+            parts = _train_test_split(encoded["train"], held_out, self.hparams.seed, self.hparams.num_labels)
             splits["train"] = parts["train"]
             if len(carve) == 2:
-                rest = _train_test_split(parts["test"], carve["test"] / held_out, self.seed, self.num_labels)
+                rest = _train_test_split(parts["test"], carve["test"] / held_out, self.hparams.seed, self.hparams.num_labels)
                 splits["validation"], splits["test"] = rest["train"], rest["test"]
             else:
                 splits[next(iter(carve))] = parts["test"]
@@ -245,8 +237,8 @@ class TextClassificationData(L.LightningDataModule):
             self._tokenize(self.load_splits())
 
     def _tokenize(self, splits: datasets.DatasetDict) -> None:
-        self.tokenizer = tokenizer = load_tokenizer(self.tokenizer_name_or_path)
-        text, max_length = self.text_column, self.max_length
+        self.tokenizer = tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
+        text, max_length = self.hparams.text_column, self.hparams.max_length
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length).
         # The function closes over locals only: `datasets` hashes it, and hashing `self` would
         # serialise the attached trainer and model (seconds per call).
@@ -258,38 +250,38 @@ class TextClassificationData(L.LightningDataModule):
         )
         self.splits.set_format("torch")
         counts = ", ".join(f"{name} {len(self.splits[name])}" for name in SPLITS)
-        log.info(f"data: {counts} samples from {self.source}")
+        log.info(f"data: {counts} samples from {self.hparams.source}")
 
     def _collator(self) -> DataCollatorWithPadding:
-        if self.padding == "max_length":
-            return DataCollatorWithPadding(self.tokenizer, padding="max_length", max_length=self.max_length)
+        if self.hparams.padding == "max_length":
+            return DataCollatorWithPadding(self.tokenizer, padding="max_length", max_length=self.hparams.max_length)
         return DataCollatorWithPadding(self.tokenizer, padding="longest")
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         # A generator of its own: a DataLoader otherwise draws its workers' seed from the global
         # random state at every epoch, which would shift the dropout masks that follow.
-        generator = torch.Generator().manual_seed(self.seed)
-        kwargs = {"collate_fn": self._collator(), "num_workers": self.num_workers, "generator": generator}
+        generator = torch.Generator().manual_seed(self.hparams.seed)
+        kwargs = {"collate_fn": self._collator(), "num_workers": self.hparams.num_workers, "generator": generator}
         if not shuffle:
             return DataLoader(self.splits[split], batch_size=batch_size, shuffle=False, **kwargs)
         # Sharded here under DDP/FSDP (as Lightning's DistributedSampler would), by (seed, epoch).
         shards = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
-        sampler = ResumableSampler(self.splits[split], seed=self.seed, **shards)
+        sampler = ResumableSampler(self.splits[split], seed=self.hparams.seed, **shards)
         return ResumableDataLoader(self.splits[split], batch_size=batch_size, sampler=sampler, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
         # overfit_batches trains on the first batches in order: Lightning would swap out the sampler.
         overfit = bool(getattr(self.trainer, "overfit_batches", 0))
-        return self._loader("train", self.batch_size, shuffle=not overfit)
+        return self._loader("train", self.hparams.batch_size, shuffle=not overfit)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", self.eval_batch_size, shuffle=False)
+        return self._loader("validation", self.hparams.eval_batch_size, shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size, shuffle=False)
+        return self._loader("test", self.hparams.eval_batch_size, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size, shuffle=False)
+        return self._loader("test", self.hparams.eval_batch_size, shuffle=False)
 
 
 def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: int) -> datasets.DatasetDict:

@@ -244,8 +244,7 @@ class MemoryMonitor(L.Callback):
         """The content of memory.json (schema: docs/memory.md)."""
         device = self._device(trainer)
         on_cuda = device.type == "cuda"
-        data = trainer.datamodule
-        shape = [data.batch_size, data.max_length] if hasattr(data, "batch_size") and hasattr(data, "max_length") else None
+        shape = batch_shape(trainer)
         return records.memory_record(
             device={
                 "type": device.type,
@@ -277,8 +276,7 @@ class MemoryMonitor(L.Callback):
             columns["tracked tensors"] = self.measured
         if not columns:
             return
-        data = trainer.datamodule
-        shape = f", batch {data.batch_size} x {data.max_length} tokens" if hasattr(data, "max_length") else ""
+        shape = f", batch {' x '.join(map(str, batch_shape(trainer)))} tokens" if batch_shape(trainer) else ""
         per = f" per rank ({trainer.world_size} ranks)" if trainer.world_size > 1 else ""
         title = f"memory on {self._device(trainer).type}{per}{shape}"
         lines = [table(title, columns)]
@@ -348,7 +346,7 @@ class StepTimer(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.save:
             return
-        batch_size = getattr(trainer.datamodule, "batch_size", None)
+        batch_size = (batch_shape(trainer) or [None])[0]
         record = {
             "warmup": self.warmup,
             "warmup_step_times_s": self.warmup_times,
@@ -356,6 +354,14 @@ class StepTimer(L.Callback):
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
         }
         (self.run_dir / self.FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def batch_shape(trainer: L.Trainer) -> Optional[list[int]]:
+    """[micro-batch size, sequence length] of a data module that has them in its hyper-parameters."""
+    hparams = getattr(trainer.datamodule, "hparams", {})
+    if "batch_size" in hparams and "max_length" in hparams:
+        return [hparams["batch_size"], hparams["max_length"]]
+    return None
 
 
 def clock(device: torch.device) -> float:

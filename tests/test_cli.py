@@ -35,7 +35,7 @@ def test_layered_configs_switch_model(fast_args):
     )
     assert cli.model.hparams.pretrained is False
     assert cli.model.model.config.num_hidden_layers == 2
-    assert cli.datamodule.tokenizer_name_or_path == "bundled:bert-large"  # the tokenizer follows the model
+    assert cli.datamodule.hparams.tokenizer_name_or_path == "bundled:bert-large"  # the tokenizer follows the model
 
 
 def test_print_config_shows_the_seed_defaults(capsys):

@@ -38,8 +38,8 @@ def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
         optimizer=run.model.optimizer_factory,
         precision=normalize_precision(trainer.precision),
         accumulate_grad_batches=trainer.accumulate_grad_batches,
-        batch_size=run.datamodule.batch_size,
-        max_length=run.datamodule.max_length,
+        batch_size=run.datamodule.hparams.batch_size,
+        max_length=run.datamodule.hparams.max_length,
         fused=is_fused(trainer.strategy),
         device=device,
     )
