@@ -364,6 +364,54 @@ _META_BUILDS: OrderedDict[tuple, tuple[SequenceClassifier, torch.optim.Optimizer
 META_BUILDS_KEPT = 16
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """One rank's share under FSDP2 as lit_memory applies it (`fully_shard` on each transformer layer,
+    then on the model): 1/N of the weights, gradients and optimizer state, plus what FSDP2 gathers.
+
+    The root unit (embeddings, pooler, head) stays gathered from its forward to the end of backward
+    (FSDP2 does not reshard the root after forward); a layer is gathered while it computes, and the
+    next one is prefetched meanwhile: two layers at once. A unit's gradients exist unsharded until its
+    reduce-scatter: the largest unit's at most.
+    """
+
+    ranks: int
+    gathered: int  # unsharded parameters alive at once
+    reducing: int  # unsharded gradients of the largest unit
+
+    @classmethod
+    def of(cls, model: nn.Module, setup: Setup) -> Optional["Sharding"]:
+        if not setup.sharded or setup.world_size < 2:
+            return None
+        layers = transformer_layers(model)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_layers]
+        layer_bytes = [sum(_nbytes(p) for p in layer.parameters()) for layer in layers]
+        layer_grads = [sum(_nbytes(p) for p in layer.parameters() if p.requires_grad) for layer in layers]
+        root_grads = sum(_nbytes(p) for p in root if p.requires_grad)
+        return cls(
+            ranks=setup.world_size,
+            gathered=sum(_nbytes(p) for p in root) + 2 * max(layer_bytes, default=0),
+            reducing=max([root_grads, *layer_grads]),
+        )
+
+    def per_rank(self, categories: dict[str, int], unsharded: int) -> dict[str, int]:
+        n = self.ranks
+        return {
+            **categories,
+            "weights": math.ceil(categories["weights"] / n) + self.gathered,
+            "gradients": math.ceil(categories["gradients"] / n) + unsharded,
+            "optimizer": math.ceil(categories["optimizer"] / n),
+        }
+
+    def describe(self) -> str:
+        return (
+            f"per rank of {self.ranks} (FSDP2): 1/{self.ranks} of weights, gradients and optimizer state, plus "
+            f"{self.gathered / 2**20:.0f} MiB of gathered weights (the root unit and two layers) and up to "
+            f"{self.reducing / 2**20:.0f} MiB of a unit's gradients before they are reduced"
+        )
+
+
 def _meta_build(setup: Setup) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
     # The optimizer factory is part of the key (hashed by identity) and so kept alive with its build.
     key = (setup.module_class, json.dumps(setup.model, sort_keys=True, default=str), setup.optimizer, setup.precision)
@@ -389,15 +437,19 @@ def analytic(setup: Setup) -> Prediction:
     shape = Shape.of(model.config, setup)
     act = _activations(model, shape, setup.checkpointing, setup.offloading)
     batch = batch_bytes(shape)
+    sharding = Sharding.of(model, setup)
 
-    def phase(gradients=0, optimizer=state, activations=0, other=batch) -> dict[str, int]:
-        return {
+    def phase(gradients=0, optimizer=state, activations=0, other=batch, unsharded=0) -> dict[str, int]:
+        """One phase's bytes per category, for one rank. ``unsharded``: gradients alive unsharded under
+        FSDP (a unit's, before its reduce-scatter); ``gradients`` is then what the rank keeps sharded."""
+        categories = {
             "weights": weights,
             "gradients": gradients,
             "optimizer": optimizer,
             "activations": activations,
             "other": other,
         }
+        return sharding.per_rank(categories, unsharded) if sharding else categories
 
     footprint = Footprint()
     accumulating = setup.accumulate_grad_batches > 1
@@ -407,7 +459,8 @@ def analytic(setup: Setup) -> Prediction:
         footprint.add("forward", phase(activations=act.forward + act.transient))
         step_one = optimizer_bytes(optimizer, setup.device, per_parameter=True)[1]
         early = phase(activations=act.backward, other=batch + act.backward_temp)
-        late = phase(gradients=largest_grad, optimizer=state + step_one)
+        # Under FSDP a bucket's gradients exist unsharded until reduced, then as the rank's shard.
+        late = phase(gradients=largest_grad, optimizer=state + step_one, unsharded=largest_grad if sharding else 0)
         footprint.add("backward", max(early, late, key=_total))
         footprint.add("step", phase())  # Lightning's step after backward finds every gradient gone
     else:
@@ -420,9 +473,11 @@ def analytic(setup: Setup) -> Prediction:
             late = phase(gradients=grads, other=batch + largest_grad)
         else:
             early = phase(activations=act.backward, other=batch + act.backward_temp)
-            late = phase(gradients=grads)
+            late = phase(gradients=grads, unsharded=sharding.reducing if sharding else 0)
         footprint.add("backward", max(early, late, key=_total))
         footprint.add("step", phase(gradients=grads, optimizer=state + step_temp))
+    if sharding:
+        notes.append(sharding.describe())
     return Prediction(
         method="analytic",
         device=setup.device,

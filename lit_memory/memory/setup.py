@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import pkgutil
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -44,6 +45,8 @@ class Setup:
     fused: bool = False
     device: str = "cuda"  # the device type the analytic prediction is for
     module_class: type = SequenceClassifier
+    sharded: bool = False  # FSDP: parameters, gradients and optimizer state split over the ranks
+    world_size: int = 1  # processes (devices x nodes): the numbers are per rank
 
     @classmethod
     def from_run(cls, trainer, module) -> "Setup":
@@ -59,6 +62,8 @@ class Setup:
             fused=is_fused(trainer.strategy),
             device=trainer.strategy.root_device.type,
             module_class=type(module),
+            sharded=is_sharded(trainer.strategy),
+            world_size=trainer.world_size,
         )
 
     def module(self) -> SequenceClassifier:
@@ -97,6 +102,8 @@ class Setup:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
             parts.append("fused backward+step")
+        if self.sharded:
+            parts.append(f"sharded over {self.world_size} ranks")
         return ", ".join(parts)
 
 
@@ -129,20 +136,35 @@ def normalize_precision(precision: Any) -> str:
     return unified
 
 
-def is_fused(strategy: Any) -> bool:
-    """True for strategies that step each parameter from its gradient hook (class attribute ``fused_step``)."""
+def strategy_class(strategy: Any) -> Any:
+    """The strategy a config names (a registry name, a class path, a class spec) or is: a class or an instance."""
     if isinstance(strategy, dict) or hasattr(strategy, "class_path"):  # a class spec, parsed or plain
         strategy = strategy.get("class_path", "")
     if isinstance(strategy, str):
         from lightning.pytorch.strategies import StrategyRegistry
 
         if strategy in StrategyRegistry:
-            strategy = StrategyRegistry[strategy]["strategy"]
-        elif "." in strategy:
-            import pkgutil
+            return StrategyRegistry[strategy]["strategy"]
+        if "." in strategy:
+            return pkgutil.resolve_name(strategy)
+    return strategy
 
-            strategy = pkgutil.resolve_name(strategy)
-    return bool(getattr(strategy, "fused_step", False))
+
+def is_fused(strategy: Any) -> bool:
+    """True for strategies that step parameters from their gradient hooks (``fused_step``), as configured."""
+    init_args = strategy.get("init_args") if isinstance(strategy, dict) or hasattr(strategy, "class_path") else None
+    if init_args and init_args.get("fused") is not None:  # the strategies that take it as an argument
+        return bool(init_args.get("fused"))
+    return bool(getattr(strategy_class(strategy), "fused_step", False))
+
+
+def is_sharded(strategy: Any) -> bool:
+    """True for FSDP strategies (Lightning's FSDPStrategy, ModelParallelStrategy and ours built on it)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    found = strategy_class(strategy)
+    sharding = (FSDPStrategy, ModelParallelStrategy)
+    return isinstance(found, sharding) or (isinstance(found, type) and issubclass(found, sharding))
 
 
 # -- building the configured module -------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional
+from typing import Any, Optional
 
 import lightning as L
 
@@ -15,7 +15,7 @@ from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.memory.analytic import analytic, file_gib
 from lit_memory.memory.footprint import Footprint, format_bytes
 from lit_memory.memory.report import table
-from lit_memory.memory.setup import DEVICES, Prediction, Setup, init_args, is_fused, normalize_precision
+from lit_memory.memory.setup import DEVICES, Prediction, Setup, init_args, is_fused, is_sharded, normalize_precision
 from lit_memory.memory.simulate import simulate
 from lit_memory.model import SequenceClassifier
 
@@ -33,6 +33,7 @@ def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
     if not hasattr(run, "model"):
         run.build(trainer=False)
     trainer = run.settings.trainer
+    sharded = is_sharded(trainer.strategy)
     return Setup(
         model=init_args(SequenceClassifier, run.model.hparams),
         optimizer=run.model.optimizer_factory,
@@ -42,7 +43,22 @@ def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
         max_length=run.datamodule.hparams.max_length,
         fused=is_fused(trainer.strategy),
         device=device,
+        sharded=sharded,
+        world_size=ranks(trainer.devices) * trainer.num_nodes if sharded else 1,
     )
+
+
+def ranks(devices: Any) -> int:
+    """Devices per node as configured: a count, a list of indices, or "auto"/-1 (every device this machine
+    has, which is not the machine a prediction is for: then 1; pass --trainer.devices N)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    try:
+        return max(int(devices), 1)
+    except (TypeError, ValueError):
+        return 1
 
 
 def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) -> dict[str, Footprint]:
@@ -51,7 +67,8 @@ def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) 
         setup = Setup.from_run(trainer, module)
     except AttributeError:  # not a SequenceClassifier with our data module: measure only
         return {}
-    methods = {"analytic": analytic, **({"simulated": simulate} if simulated else {})}
+    # The simulation runs one device: a sharded run's per-rank numbers are the analytic model's.
+    methods = {"analytic": analytic, **({"simulated": simulate} if simulated and not setup.sharded else {})}
     predictions = {}
     for name, predict in methods.items():
         try:
@@ -87,6 +104,8 @@ def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction])
             "offload_activations": bool(setup.model.get("offload_activations")),
             "freeze": setup.model.get("freeze"),
             "fused": setup.fused,
+            "sharded": setup.sharded,
+            "world_size": setup.world_size,
         },
         "device": {"analytic": setup.device, "simulated": "cpu"},
         "predicted": {k: (p.footprint.to_dict() if p else None) for k, p in both.items()},
@@ -109,7 +128,8 @@ def format_report(data: dict) -> str:
         f"accumulate {setup['accumulate_grad_batches']}, "
         f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
         f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
-        f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}",
+        f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}"
+        + (f", per rank of {setup['world_size']} (FSDP)" if setup.get("sharded") else ""),
         "",
         table("training step, at the peak", columns, {"inference (no autograd)": inference}),
         f"model file (parameters x bytes / 1024^3): {sizes}",
@@ -132,6 +152,8 @@ def main(argv: list[str]) -> None:
     ours, rest = parser.parse_known_args(argv)
     setup = setup_of(resolve(["fit", *rest]), ours.device)
     predicted = analytic(setup)
-    simulated = None if ours.no_simulate else simulate(setup)
+    simulated = None if ours.no_simulate or setup.sharded else simulate(setup)
+    if setup.sharded and not ours.no_simulate:
+        predicted.notes.append("not simulated: the simulation runs one device, so per-rank numbers are analytic")
     data = report(setup, predicted, simulated)
     print(json.dumps(data, indent=2) if ours.json else format_report(data))
