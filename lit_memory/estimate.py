@@ -62,6 +62,7 @@ class Setup:
     batch_size: int = 32
     max_length: int = 128
     fused: bool = False
+    bucket: str = "layer"  # the fused strategy's bucket setting (lit_memory.fused.parse_bucket)
     device: str = "cuda"  # the device type the analytic prediction is for
     module_class: type = SequenceClassifier
 
@@ -77,6 +78,7 @@ class Setup:
             batch_size=data.batch_size,
             max_length=data.max_length,
             fused=is_fused(trainer.strategy),
+            bucket=getattr(trainer.strategy, "bucket", "layer"),
             device=trainer.strategy.root_device.type,
             module_class=type(module),
         )
@@ -104,7 +106,7 @@ class Setup:
         if hp.get("freeze") is not None:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
-            parts.append("fused backward+step")
+            parts.append(f"fused backward+step ({self.bucket} buckets)")
         return ", ".join(parts)
 
 
@@ -397,11 +399,12 @@ def _inference(x: Shape, weights: int) -> int:
 
 
 def optimizer_bytes(
-    optimizer: torch.optim.Optimizer, device: str, per_parameter: bool = False
+    optimizer: torch.optim.Optimizer, device: str, stepped: Optional[list[list[torch.Tensor]]] = None
 ) -> tuple[int, int, list[str]]:
     """(steady-state optimizer state, extra bytes the step allocates, notes) from the optimizer's class,
-    its parameter groups and the parameter shapes. ``per_parameter``: stepped one parameter at a
-    time (the fused step), so a foreach step's temporaries cover one parameter, not a group."""
+    its parameter groups and the parameter shapes. ``stepped``: the parameters one step updates, as
+    the lists a foreach call covers at once (a fused step's bucket, split by group); by default all
+    of them, by group."""
     cls = type(optimizer)
     module, name = cls.__module__, cls.__name__
     notes: list[str] = []
@@ -409,7 +412,8 @@ def optimizer_bytes(
     params = [p for g in groups for p in g]
     if not params:
         return 0, 0, notes
-    largest = max(_nbytes(p) for p in params)
+    stepped = stepped or groups
+    largest = max(_nbytes(p) for g in stepped for p in g)
     if module.startswith("bitsandbytes"):
         return _bitsandbytes_bytes(optimizer, groups), 0, notes
     if name == "Adafactor":
@@ -422,13 +426,12 @@ def optimizer_bytes(
                 state += 4 * values + 4  # fp32 statistics (+ the RMS scalar)
         # update = grad**2 + eps, its factored approximation and -update: two fp32 copies of the largest
         # parameter at a time, two more when the parameter and gradient are cast up from 16 bits.
-        largest_numel = max(p.numel() for p in params)
-        low = any(p.dtype != torch.float32 for p in params)
+        largest_numel = max(p.numel() for g in stepped for p in g)
+        low = any(p.dtype != torch.float32 for g in stepped for p in g)
         return state, 4 * largest_numel * (2 + 2 * low), notes
     foreach = _foreach(optimizer, device)
-    group_bytes = max(sum(_nbytes(p) for p in g) for g in groups)
-    # foreach ops allocate one tensor per parameter of a group at once
-    unit = group_bytes if foreach and not per_parameter else largest
+    # foreach ops allocate one tensor per parameter of a group (of a bucket, fused) at once
+    unit = max(sum(_nbytes(p) for p in g) for g in stepped) if foreach else largest
     defaults = optimizer.defaults
     if name == "SGD":
         momentum = defaults.get("momentum", 0) != 0
@@ -533,12 +536,19 @@ def analytic(setup: Setup) -> Prediction:
     footprint = Footprint()
     accumulating = setup.accumulate_grad_batches > 1
     if setup.fused:
-        # Each gradient is applied by its own optimizer step and freed as soon as it is accumulated:
-        # early in backward the activations dominate, at its end the largest parameter is stepped.
+        # Each bucket's gradients are applied by one optimizer step and freed as soon as the last of
+        # them is accumulated: early in backward the activations dominate, later the bucket whose
+        # gradients and step temporaries are largest is stepped.
         footprint.add("forward", phase(activations=act.forward + act.transient))
-        step_one = optimizer_bytes(optimizer, setup.device, per_parameter=True)[1]
         early = phase(activations=act.backward, other=batch + act.backward_temp)
-        late = phase(gradients=largest_grad, optimizer=state + step_one)
+        late = max(
+            (
+                phase(gradients=sum(_nbytes(p) for p in b), optimizer=state + optimizer_bytes(optimizer, setup.device, by_group)[1])
+                for b, by_group in _buckets(module, optimizer, setup.bucket)
+            ),
+            key=_total,
+            default=phase(),
+        )
         footprint.add("backward", max(early, late, key=_total))
         footprint.add("step", phase())  # Lightning's step after backward finds every gradient gone
     else:
@@ -567,6 +577,18 @@ def analytic(setup: Setup) -> Prediction:
 
 
 # -- the simulation -----------------------------------------------------------------------------
+
+
+def _buckets(
+    module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: str
+) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
+    """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`), each
+    with its parameters split by group, as its optimizer steps them (one foreach call per group)."""
+    from lit_memory.fused import group_parameters
+
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+    buckets = group_parameters([p for p in module.parameters() if id(p) in group_of], module, bucket)
+    return [(b, [[p for p in b if group_of[id(p)] == g] for g in sorted({group_of[id(p)] for p in b})]) for b in buckets]
 
 
 def _fake_batch(setup: Setup, config) -> dict[str, torch.Tensor]:
@@ -615,9 +637,9 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
             optimizer.zero_grad()  # a step leaves no gradient behind (see above)
 
     if setup.fused:
-        from lit_memory.fused import FusedStep
+        from lit_memory.fused import OptimizerInBackward
 
-        FusedStep(optimizer)  # hooks on the (throwaway, fake) model's parameters
+        OptimizerInBackward(optimizer, module, setup.bucket)  # hooks on the (throwaway, fake) model's parameters
         return _Stepping(optimizers=[optimizer], warm=warm, after_backward=lambda: None)
     return _Stepping(optimizers=[optimizer], warm=warm, after_backward=optimizer.step)
 
@@ -704,6 +726,7 @@ def resolve(args: list[str], device: str = "cuda") -> Setup:
         batch_size=cli.datamodule.batch_size,
         max_length=cli.datamodule.max_length,
         fused=is_fused(cli.config_init.trainer.strategy),
+        bucket=getattr(cli.config_init.trainer.strategy, "bucket", "layer"),
         device=device,
     )
 

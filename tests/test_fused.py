@@ -8,7 +8,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
 from fused_worker import batches, tiny_bert
-from lit_memory.fused import FusedStep
+from lit_memory.fused import OptimizerInBackward, group_parameters
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 
 
@@ -28,9 +28,13 @@ def model(dropout: float = 0.1) -> torch.nn.Module:
     return module.model
 
 
-def train(net, optimizer, fused: bool, steps: int = 10, start: int = 0, schedule=None):
-    """``steps`` closure-style steps on fixed batches; with ``fused``, through a FusedStep."""
-    fusion = FusedStep(optimizer) if fused else None
+# Every bucket setting; 0.1 MiB buckets hold a few of the tiny model's matrices, across layers and groups.
+BUCKETS = ("layer", "0.1 MiB", "param")
+
+
+def train(net, optimizer, fused: bool, steps: int = 10, start: int = 0, schedule=None, bucket: str = "layer"):
+    """``steps`` closure-style steps on fixed batches; with ``fused``, stepped inside backward."""
+    fusion = OptimizerInBackward(optimizer, net, bucket) if fused else None
     torch.manual_seed(1 + start)  # dropout masks
     for batch in batches(steps, seed=start):
         batch = {k: v[None] for k, v in batch.items()}
@@ -70,13 +74,14 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_fused_step_matches_the_unfused_optimizer(name):
+def test_fused_step_matches_the_unfused_optimizer(name, bucket):
     make = OPTIMIZERS[name]
     plain, fused = model(), model()
     plain_opt, fused_opt = make(weight_decay_groups(plain)), make(weight_decay_groups(fused))
     train(plain, plain_opt, fused=False, schedule=warmup_and_decay(plain_opt))
-    train(fused, fused_opt, fused=True, schedule=warmup_and_decay(fused_opt))
+    train(fused, fused_opt, fused=True, schedule=warmup_and_decay(fused_opt), bucket=bucket)
     assert_same_parameters(plain, fused, atol=1e-6)
     # The state lives in the original optimizer, in its own format: same keys, same numbers.
     torch.testing.assert_close(fused_opt.state_dict(), plain_opt.state_dict(), atol=1e-6, rtol=0)
@@ -92,12 +97,13 @@ def bitsandbytes_overrides():
     manager.initialize()
 
 
-def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_overrides):
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_overrides, bucket):
     """Tolerance 0: AdamW8bit quantises each parameter's state in blocks of 256 of that parameter's
-    own elements and needs no statistic across parameters, so stepping one parameter at a time does
-    the very same arithmetic. bitsandbytes' documented per-parameter override (32-bit state for the
-    word embeddings, registered by position in the optimizer's groups) must reach that parameter's
-    one-parameter copy, and only it."""
+    own elements and needs no statistic across parameters, so stepping a bucket at a time does the
+    very same arithmetic. bitsandbytes' documented per-parameter override (32-bit state for the
+    word embeddings, registered by position in the optimizer's groups) must reach that parameter in
+    its bucket's copy, at its position there, and only it."""
     import bitsandbytes as bnb
 
     runs = []
@@ -108,7 +114,8 @@ def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_ov
         groups = weight_decay_groups(net)
         bitsandbytes_overrides.register_parameters(groups)
         optimizer = bnb.optim.AdamW8bit(groups, lr=1e-3, weight_decay=0.01)
-        runs.append((train(net, optimizer, fused=fused, schedule=warmup_and_decay(optimizer)), optimizer))
+        schedule = warmup_and_decay(optimizer)
+        runs.append((train(net, optimizer, fused=fused, schedule=schedule, bucket=bucket), optimizer))
     (plain, _), (fused, _) = runs
     assert_same_parameters(plain, fused, atol=0)
     dtypes = [{n: opt.state[p]["state1"].dtype for n, p in net.named_parameters()} for net, opt in runs]
@@ -136,9 +143,11 @@ def test_state_dict_resumes_exactly(resume_fused):
     assert_same_parameters(uninterrupted, second, atol=1e-6)
 
 
-def test_memory_gradients_live_one_at_a_time_on_minilm():
+@pytest.mark.parametrize("bucket", ["layer", "param", "100 MiB"])
+def test_memory_gradients_alive_are_at_most_the_largest_bucket_on_minilm(bucket):
     """MemTracker labels every parameter's gradient; it reports the breakdown only at the moment of
-    the *total* peak, so the test reads its live gradient bytes each time a gradient arrives."""
+    the *total* peak, so the test reads its live gradient bytes each time a gradient has been
+    accumulated, just before the fused step's hook (registered after the sampling one) runs."""
     sizes, peaks = None, {}
     for fused in (False, True):
         torch.manual_seed(0)
@@ -150,27 +159,32 @@ def test_memory_gradients_live_one_at_a_time_on_minilm():
         peaks[fused] = 0
         with MemTracker() as tracker:
             loss = net(**batch).loss  # the tracker hooks each parameter as its module runs...
-            fusion = FusedStep(optimizer) if fused else None  # ...before the fused step's hooks
 
-            def sample(grad):
+            def sample(param):
                 live = tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.GRAD]
                 peaks[fused] = max(peaks[fused], live)
 
-            handles = [p.register_hook(sample) for p in net.parameters()]
+            handles = [p.register_post_accumulate_grad_hook(sample) for p in net.parameters()]
+            fusion = OptimizerInBackward(optimizer, net, bucket) if fused else None  # ...then the fused step's
             loss.backward()
         for handle in handles:
             handle.remove()
         if fusion:
             fusion.remove()
         sizes = [p.numel() * p.element_size() for p in net.parameters()]
+        buckets = [sum(p.numel() * p.element_size() for p in b) for b in group_parameters(list(net.parameters()), net, bucket)]
     assert peaks[False] == sum(sizes)  # unfused: every gradient alive at the end of backward
-    assert peaks[True] <= max(sizes)  # fused: only the gradient being applied (the word embeddings')
-    assert max(sizes) < sum(sizes) / 1.9  # on MiniLM, the bound is about half of all gradients
+    assert peaks[True] == max(buckets)  # fused: the bucket being applied, at most; all of it at its step
+    if bucket == "100 MiB":
+        assert max(buckets) == sum(sizes)  # one bucket: all of MiniLM's 90.9 MB
+    else:
+        # Each layer is a bucket of 7.1 MB; the largest is the word embeddings' alone, about half of all gradients.
+        assert max(buckets) == max(sizes) < sum(sizes) / 1.9
 
 
 def test_remove_restores_ordinary_backward():
     net = model()
-    fusion = FusedStep(torch.optim.SGD(net.parameters(), lr=0.1))
+    fusion = OptimizerInBackward(torch.optim.SGD(net.parameters(), lr=0.1), net)
     fusion.remove()
     net(**{k: v[None] for k, v in batches(1)[0].items()}).loss.backward()
     assert all(p.grad is not None for p in net.parameters())
@@ -190,7 +204,7 @@ def test_bitsandbytes_steps_the_local_shard_of_a_sharded_parameter(tmp_path):
         sharded = torch.nn.Parameter(distribute_tensor(start.clone(), init_device_mesh("cpu", (1,)), [Shard(0)]))
         plain = torch.nn.Parameter(start.clone())
         fused_opt, ref_opt = bnb.optim.AdamW8bit([sharded], lr=1e-2), bnb.optim.AdamW8bit([plain], lr=1e-2)
-        fusion = FusedStep(fused_opt)
+        fusion = OptimizerInBackward(fused_opt)
         assert fusion.steps_shards
         for grad in grads:
             (sharded * distribute_tensor(grad, sharded.device_mesh, [Shard(0)])).sum().backward()
