@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lit_memory import recipes
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
+from lit_memory.fused import parse_bucket
 from lit_memory.memory import MemoryMonitor
 from lit_memory.model import SequenceClassifier
 from lit_memory.precision import cpu_fallback
@@ -135,6 +136,11 @@ class LitMemoryCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.cpu_bf16_fallback:
             config.trainer.precision = cpu_fallback(config.trainer.precision, config.trainer.accelerator)
+        # The fused strategies refuse a bad bucket when built, but jsonargparse would wrap that line into
+        # its error for the Trainer's `strategy` union: check it first, as one line.
+        bucket = getattr(getattr(config.trainer.strategy, "init_args", None), "bucket", None)
+        if bucket is not None:
+            parse_bucket(bucket)
 
     def after_fit(self) -> None:
         self._print_metrics("val")

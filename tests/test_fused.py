@@ -216,3 +216,72 @@ def test_bitsandbytes_steps_the_local_shard_of_a_sharded_parameter(tmp_path):
         assert fused_opt.state[sharded]["state1"].dtype == torch.uint8  # 8-bit state, keyed by the parameter
     finally:
         dist.destroy_process_group()
+
+
+def test_a_bucket_whose_parameter_gets_no_gradient_is_stepped_at_the_end_of_backward():
+    """One bucket holds the whole model and the loss uses neither the pooler nor the classifier, so the
+    bucket never completes: at the end of backward it is stepped with the gradients it has (as an
+    unfused step skips parameters without one), and no gradient is held past its backward."""
+    plain, fused = model(dropout=0.0), model(dropout=0.0)
+    plain_opt, fused_opt = (OPTIMIZERS["AdamW"](weight_decay_groups(net)) for net in (plain, fused))
+    fusion = OptimizerInBackward(fused_opt, fused, "100 MiB")
+    assert len(fusion.hooks.buckets) == 1
+    for batch in batches(3):
+        for net in (plain, fused):
+            net.bert(input_ids=batch["input_ids"][None]).last_hidden_state.square().mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert all(p.grad is None for p in fused.parameters())
+    fusion.remove()
+    assert_same_parameters(plain, fused, atol=1e-6)
+    assert torch.equal(fused.classifier.weight, model(dropout=0.0).classifier.weight)  # never had a gradient
+
+
+def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(tmp_path):
+    """torch's distributed checkpoint (Lightning's FSDP2 resume) loads into existing optimizer state and
+    otherwise creates it with a zero gradient for every parameter and a full step. Created bucket by
+    bucket instead (on FSDP2 shards, one rank), the tracked peak is lower by all gradients but one
+    bucket's, the state is the same and the parameters do not move. Eight layers train (the
+    embeddings are frozen), so one layer's gradients stand against eight."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lit_memory.memory import Tracker
+
+    layers = {"num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        runs = {}
+        for bucketed in (True, False):
+            torch.manual_seed(0)
+            module = SequenceClassifier("bundled:bert-large", pretrained=False, config_overrides=layers, freeze="embeddings")
+            module.configure_model()
+            net = module.model
+            for layer in net.bert.encoder.layer:
+                fully_shard(layer)
+            fully_shard(net)
+            before = {n: p.detach().full_tensor().clone() for n, p in net.named_parameters()}
+            optimizer = OPTIMIZERS["AdamW"](weight_decay_groups(net))
+            fusion = OptimizerInBackward(optimizer, net)
+            tracker = Tracker("cpu")
+            tracker.track_external(net, optimizer)
+            with tracker:
+                tracker.enter_phase("step")
+                fusion.initialize_state() if bucketed else _init_optim_state(optimizer)
+            fusion.remove()
+            assert all(torch.equal(p.full_tensor(), before[n]) for n, p in net.named_parameters())
+            assert all(p.grad is None for p in net.parameters())
+            state = {n: {k: v.shape for k, v in optimizer.state[p].items()} for n, p in net.named_parameters() if p.requires_grad}
+            state_bytes = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for s in optimizer.state.values() for v in s.values())
+            # Beyond the weights and the state created: the zero gradients and the step's temporaries.
+            runs[bucketed] = (tracker.footprint.peak - tracker.footprint.categories["weights"] - state_bytes, state)
+        (bucketed_extra, bucketed_state), (full_extra, full_state) = runs[True], runs[False]
+        assert bucketed_state == full_state
+        gradients = sum(4 * p.numel() for p in net.parameters() if p.requires_grad)
+        layer = sum(4 * p.numel() for p in net.bert.encoder.layer[0].parameters())  # the largest bucket
+        assert full_extra >= gradients > 7 * layer
+        assert bucketed_extra <= 2 * layer  # one layer's gradients, and its step's temporaries
+    finally:
+        dist.destroy_process_group()
