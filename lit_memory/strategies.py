@@ -325,4 +325,5 @@ class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
+        self._module = None
         super().teardown()
