@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 
-from lit_memory.fused import FusedStep
+from lit_memory.fused import OptimizerInBackward
 from lit_memory.model import SequenceClassifier
 
 
@@ -43,7 +43,7 @@ def build(variant: dict, args: argparse.Namespace) -> SequenceClassifier:
 
         module.optimizer_factory = partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01)
     module.configure_model()
-    FusedStep(module.build_optimizer())  # the fused step's hooks, as fused.yaml and 4gb.yaml train
+    OptimizerInBackward(module.build_optimizer(), module.model)  # the fused step (layer buckets), as fused.yaml and 4gb.yaml train
     return module
 
 

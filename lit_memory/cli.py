@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lit_memory import recipes, resume, trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
+from lit_memory.fused import parse_bucket
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
 from lit_memory.model import SequenceClassifier
 from lit_memory.precision import cpu_fallback
@@ -256,6 +257,11 @@ class LitMemoryCLI(LightningCLI):
         self._check_values(settings)  # again: a resumed checkpoint's hyper-parameters are merged in by now
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
+        # The fused strategies refuse a bad bucket when built, but jsonargparse would wrap that line into
+        # its error for the Trainer's `strategy` union: check it first, as one line.
+        bucket = getattr(getattr(settings.trainer.strategy, "init_args", None), "bucket", None)
+        if bucket is not None:
+            parse_bucket(bucket)
 
     # -- building and running ------------------------------------------------------------------
 

@@ -1,18 +1,36 @@
-"""The fused backward + optimizer step: each parameter is updated, and its gradient freed, as soon
-as backward has produced that gradient, so a full set of gradients never exists.
+"""The fused backward + optimizer step: parameters are updated, and their gradients freed, as soon as
+backward has produced those gradients, so a full set of gradients never exists.
 
-`FusedStep(optimizer)` takes the optimizer the user configured (any torch optimizer, transformers'
-Adafactor, bitsandbytes' 8-bit optimizers) and gives each of its trainable parameters a copy of it
-for that parameter alone, stepped from the parameter's `Tensor.register_post_accumulate_grad_hook`.
-Everyone else (Lightning, Fabric, LR schedulers, checkpoints) keeps talking to the original:
+Parameters are stepped in *buckets*. A bucket's optimizer steps once, over all of the bucket's
+parameters (one call: torch's multi-tensor foreach or fused kernels where torch picks them or the user
+asks for them), when backward has accumulated the last of their gradients; then those gradients are
+freed. So at most about one bucket's gradients are alive, and the host makes one optimizer call per
+bucket instead of one per parameter. The ``bucket`` setting (`parse_bucket`):
 
-- hyper-parameters: before each step a copy takes its group's current values from the original's
-  ``param_groups``, where LR schedulers write them, so weight-decay groups and schedules hold;
-- state: every copy keeps its state in the original's ``state``, so ``state_dict()`` and
-  ``load_state_dict()`` are the original's own, in its own format;
-- ``step(closure)`` is the original's: it runs the closure (forward and backward, during which every
-  parameter is stepped) and then finds no gradient left. A gradient that did not come through
-  backward (set by hand, or by torch's checkpoint utilities) is still applied there, by the original.
+- ``layer`` (the default): each transformer layer of a Hugging Face model is a bucket; every other
+  parameter is bucketed with the module that holds it (the word embeddings, the position embeddings,
+  the embeddings' LayerNorm, the pooler, the classifier: each its own bucket);
+- ``"N MiB"``: consecutive parameters, in the order backward produces their gradients (the model's
+  parameter order reversed), up to N MiB of gradients per bucket;
+- ``param``: one bucket per parameter.
+
+Two layers:
+
+- `BucketHooks(buckets)`: the hooks. Each `Bucket` is an optimizer and the parameters it waits for;
+  a bucket is stepped when its last gradient arrives, and at the end of every backward any bucket
+  still waiting (a parameter that got no gradient this time) is stepped with the gradients it has.
+- `OptimizerInBackward(optimizer, module, bucket)`: the optimizer the user configured, stepped
+  inside backward through buckets whose optimizers are copies of it. Everyone else (Lightning,
+  Fabric, LR schedulers, checkpoints) keeps talking to the original:
+
+  - hyper-parameters: before each step a bucket's optimizer takes its groups' current values from
+    the original's ``param_groups``, where LR schedulers write them, so weight-decay groups and
+    schedules hold (a bucket may hold parameters of several groups: one group each);
+  - state: every copy keeps its state in the original's ``state``, so ``state_dict()`` and
+    ``load_state_dict()`` are the original's own, in its own format;
+  - ``step(closure)`` is the original's: it runs the closure (forward and backward, during which every
+    bucket is stepped) and then finds no gradient left. A gradient that did not come through
+    backward (set by hand, or by torch's checkpoint utilities) is still applied there, by the original.
 
 The one thing fusion cannot do is look at gradients after backward: no accumulation over
 micro-batches, no gradient clipping, no skipped steps (fp16 gradient scaling). The strategies
@@ -22,13 +40,18 @@ in `lit_memory.strategies` refuse those settings with these messages before trai
 from __future__ import annotations
 
 import copy
+import re
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
+from torch import nn
+from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from lit_memory.eightbit import is_bitsandbytes
+from lit_memory.errors import UserError
 
 
 # One line each: what cannot work, and what to do instead.
@@ -37,10 +60,18 @@ ACCUMULATION = (
     "trainer.accumulate_grad_batches to 1 (fit the batch with model.gradient_checkpointing) "
     "or remove the fused strategy"
 )
+ACCUMULATION_SCHEDULE = (
+    "the fused step updates the parameters in every backward, so it cannot accumulate gradients: remove the "
+    "GradientAccumulationScheduler callback (or keep its factors at 1), or remove the fused strategy"
+)
 CLIPPING = (
     "the fused step applies each gradient as soon as backward produces it, so no gradient is left to clip after "
     "backward: remove trainer.gradient_clip_val (a warmup, model.warmup_ratio, also tames early updates) "
     "or remove the fused strategy"
+)
+CLIPPING_HOOK = (
+    "the fused step applies each gradient as soon as backward produces it, so the module's "
+    "configure_gradient_clipping finds no gradient to clip: remove that override, or remove the fused strategy"
 )
 SCALER = (
     "the fused step cannot skip a step after an fp16 gradient overflow, which 16-mixed's gradient scaler needs: "
@@ -55,37 +86,108 @@ SEVERAL = (
     "(parameter groups for different settings) or remove the fused strategy"
 )
 
+DEFAULT_BUCKET = "layer"
+_MIB = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*MiB\s*")
 
-class FusedStep:
-    """Step ``optimizer`` parameter by parameter inside backward; `remove` restores normal stepping.
 
-    ``optimizer`` stays the one that Lightning, LR schedulers and checkpoints use.
+def parse_bucket(setting: Any) -> Union[str, int]:
+    """``layer`` or ``param`` as given, or ``"N MiB"`` as bytes; anything else is one `UserError` line."""
+    if setting in ("layer", "param"):
+        return setting
+    match = _MIB.fullmatch(setting) if isinstance(setting, str) else None
+    if match is None or float(match.group(1)) <= 0:
+        raise UserError(f"bucket must be layer, param or a size such as '25 MiB', got {setting!r}")
+    return int(float(match.group(1)) * 2**20)
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients one optimizer call applies, once all of them have arrived.
+
+    ``optimizer`` steps exactly these parameters (for each ``params[i]``, ``shards[i]`` where given:
+    the local shard it steps instead). With a ``source`` (the optimizer the user configured, of which
+    ``optimizer`` is a copy), each of ``optimizer``'s groups takes the hyper-parameters of the
+    source's group ``source_groups[i]`` before every step, and the state lives in the source's.
+    Without one, ``optimizer`` is used as it is (an optimizer the user made for these parameters).
     """
 
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-        self.steps_shards = False  # whether some copy steps a local shard (bitsandbytes under FSDP2)
-        self._handles = []
-        for group_index, group in enumerate(optimizer.param_groups):
-            for param_index, param in enumerate(group["params"]):
-                if not param.requires_grad:  # frozen: no gradient, no hook (torch refuses one)
-                    continue
-                single, shard = _single(optimizer, group_index, param_index)
-                self.steps_shards |= shard is not None
-                hook = partial(self._step, single, shard, group_index)
-                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+    optimizer: Optimizer
+    params: list[torch.Tensor]
+    source: Optional[Optimizer] = None
+    source_groups: Sequence[int] = ()
+    shards: Optional[list[torch.Tensor]] = None
+    arrived: int = field(default=0, init=False)  # gradients accumulated in this backward so far
 
-    def _step(self, single: Optimizer, shard: Optional[torch.Tensor], group_index: int, param: torch.Tensor) -> None:
-        state = self.optimizer.state  # re-read: load_state_dict replaces it
-        single.state = state if shard is None else _ShardState(state, shard, param)
-        group = self.optimizer.param_groups[group_index]
-        single.param_groups[0].update((k, v) for k, v in group.items() if k != "params")
-        if shard is not None:
-            shard.grad = param.grad.to_local()
-        single.step()
-        param.grad = None
-        if shard is not None:
-            shard.grad = None
+    def __post_init__(self) -> None:
+        self._shard_state = _ShardState(dict(zip(self.shards, self.params))) if self.shards else None
+
+    def step(self) -> None:
+        """Apply the gradients the bucket's parameters hold, then free them."""
+        if self.source is not None:
+            self._sync()
+        if self.shards:
+            for shard, param in zip(self.shards, self.params):
+                shard.grad = None if param.grad is None else param.grad.to_local()
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+        if self.shards:
+            for shard in self.shards:
+                shard.grad = None
+
+    def _sync(self) -> None:
+        # Re-read every step: LR schedulers write the source's groups, load_state_dict replaces its state.
+        state = self.source.state
+        if self._shard_state is None:
+            self.optimizer.state = state
+        else:
+            self._shard_state.state = state
+            self.optimizer.state = self._shard_state
+        groups = self.source.param_groups
+        for group, index in zip(self.optimizer.param_groups, self.source_groups):
+            group.update((k, v) for k, v in groups[index].items() if k != "params")
+
+
+class BucketHooks:
+    """Step each bucket from its parameters' ``register_post_accumulate_grad_hook`` when backward has
+    accumulated the last of their gradients; `remove` restores normal stepping.
+
+    A parameter may get no gradient in some backward (a branch the batch did not use): at the end of
+    every backward, buckets still waiting are stepped with the gradients they have, as an unfused step
+    would skip the parameters without one, so no gradient is held past its backward. The end of
+    backward is an autograd engine callback, as torch's FSDP queues its own.
+    """
+
+    def __init__(self, buckets: list[Bucket]) -> None:
+        self.buckets = buckets
+        self._waiting: dict[Bucket, None] = {}  # buckets with some of their gradients (an ordered set)
+        self._flushing = -1  # the backward (autograd graph task) whose end steps them
+        self._handles = [
+            param.register_post_accumulate_grad_hook(partial(self._arrived, bucket))
+            for bucket in buckets
+            for param in bucket.params
+        ]
+
+    def _arrived(self, bucket: Bucket, param: torch.Tensor) -> None:
+        backward = torch._C._current_graph_task_id()  # by id, not a flag: a failed backward runs no callback
+        if backward != self._flushing:
+            self._flushing = backward
+            # Runs after every callback queued before it: FSDP2's (queued when backward starts), which
+            # delivers the root module's gradients, comes first.
+            Variable._execution_engine.queue_callback(self._flush)
+        bucket.arrived += 1
+        if bucket.arrived < len(bucket.params):
+            self._waiting[bucket] = None
+            return
+        self._waiting.pop(bucket, None)
+        bucket.arrived = 0
+        bucket.step()
+
+    def _flush(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for bucket in waiting:
+            bucket.arrived = 0
+            bucket.step()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -93,29 +195,179 @@ class FusedStep:
         self._handles.clear()
 
 
-def _single(optimizer: Optimizer, group_index: int, param_index: int) -> tuple[Optimizer, Optional[torch.Tensor]]:
-    """A copy of ``optimizer`` that optimises one of its parameters, exactly as the original would,
-    and the local shard it steps instead of the parameter, if it needs one (see `_local_shard`).
+class OptimizerInBackward:
+    """Step ``optimizer`` bucket by bucket inside backward; `remove` restores normal stepping.
+
+    ``optimizer`` stays the one that Lightning, LR schedulers and checkpoints use; its buckets step
+    copies of it (`copy_bucket`). ``module`` (the model, or the LightningModule holding it) is where
+    ``layer`` buckets find the transformer layers; parameters it does not hold are one bucket each.
+    """
+
+    def __init__(self, optimizer: Optimizer, module: Optional[nn.Module] = None, bucket: str = DEFAULT_BUCKET) -> None:
+        parse_bucket(bucket)
+        self.optimizer, self.module, self.bucket = optimizer, module, bucket
+        self._fuse()
+
+    def _fuse(self) -> None:
+        self._trainable = self._signature()
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        groups = group_parameters(params, self.module, self.bucket)
+        self.hooks = BucketHooks([copy_bucket(self.optimizer, group) for group in groups])
+
+    def _signature(self) -> tuple:
+        return tuple((id(p), p.requires_grad) for group in self.optimizer.param_groups for p in group["params"])
+
+    def refresh(self) -> None:
+        """Re-fuse if the optimizer's trainable parameters changed (a parameter group added, parameters
+        unfrozen or frozen, as Lightning's `BaseFinetuning` does between epochs): a parameter without a
+        hook would be stepped only after backward, its gradient held through it. One pass over the
+        parameters' flags: call it before every backward."""
+        if self._signature() != self._trainable:
+            self.hooks.remove()
+            self._fuse()
+
+    @property
+    def steps_shards(self) -> bool:
+        """Whether some bucket steps local shards (bitsandbytes under FSDP2): that state cannot be resharded."""
+        return any(bucket.shards for bucket in self.hooks.buckets)
+
+    @torch.no_grad()
+    def initialize_state(self) -> None:
+        """Create the optimizer state as a first step would, one bucket at a time on zero gradients and
+        a zero learning rate, if it does not exist yet.
+
+        torch's distributed checkpoint loads optimizer state into existing state, and creates it
+        otherwise (``_init_optim_state``) with a zero gradient for every parameter at once and a full
+        unfused step: a full set of gradients, on exactly the setups that cannot afford one. Here at
+        most one bucket's zero gradients exist at a time.
+        """
+        if self.optimizer.state:
+            return
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:  # as torch does: lr 0 leaves the parameters as they are
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        try:
+            for bucket in self.hooks.buckets:
+                for param in bucket.params:
+                    param.grad = torch.zeros_like(param)
+                bucket.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+
+    def remove(self) -> None:
+        self.hooks.remove()
+
+
+# -- which parameters share a bucket ---------------------------------------------------------------
+
+
+def group_parameters(params: list[torch.Tensor], module: Optional[nn.Module], setting: str) -> list[list[torch.Tensor]]:
+    """``params`` split into buckets by ``setting`` (see the module docstring), in the order backward
+    produces their gradients: the module's parameter order reversed (parameters it does not hold last)."""
+    kind = parse_bucket(setting)
+    order = _gradient_order(params, module)
+    if kind == "param":
+        return [[p] for p in order]
+    if kind == "layer":
+        keys = _layer_keys(module) if module is not None else {}
+        buckets: dict[int, list[torch.Tensor]] = {}
+        for p in order:
+            buckets.setdefault(keys.get(id(p), id(p)), []).append(p)
+        return list(buckets.values())
+    sized: list[list[torch.Tensor]] = []
+    size = 0
+    for p in order:
+        nbytes = gradient_bytes(p)
+        if sized and size + nbytes <= kind:
+            sized[-1].append(p)
+            size += nbytes
+        else:
+            sized.append([p])
+            size = nbytes
+    return sized
+
+
+def gradient_bytes(param: torch.Tensor) -> int:
+    """Bytes of the gradient this process holds for ``param`` (its local shard under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
+
+
+def _gradient_order(params: list[torch.Tensor], module: Optional[nn.Module]) -> list[torch.Tensor]:
+    wanted = {id(p): p for p in params}
+    order = [p for p in reversed(list(module.parameters())) if id(p) in wanted] if module is not None else []
+    seen = {id(p) for p in order}
+    return order + [p for p in params if id(p) not in seen]
+
+
+def _layer_keys(module: nn.Module) -> dict[int, int]:
+    """id(parameter) -> its bucket: the transformer layer holding it, else the module holding it directly."""
+    from transformers import PreTrainedModel
+
+    from lit_memory.model import transformer_layers
+
+    keys: dict[int, int] = {}
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel):
+            try:
+                layers = transformer_layers(sub)
+            except UserError:  # no stack of layers found: its modules are the buckets
+                continue
+            for layer in layers:
+                keys.update((id(p), id(layer)) for p in layer.parameters())
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            keys.setdefault(id(p), id(sub))
+    return keys
+
+
+# -- a bucket of the configured optimizer ----------------------------------------------------------
+
+
+def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
+    """A bucket stepping ``params`` (some of ``optimizer``'s) with a copy of ``optimizer`` that
+    optimises exactly them, as the original would: one group per original group they come from.
 
     Constructors cannot rebuild an optimizer in general (bitsandbytes keeps settings such as
     ``min_8bit_size`` in ``args``, and AdamW8bit refuses its own ``optim_bits`` back), so the copy
     keeps every attribute of the original and re-initialises only torch's own bookkeeping (hooks,
-    state, groups) for the one parameter.
+    state, groups) for these parameters.
     """
-    group = optimizer.param_groups[group_index]
-    param = group["params"][param_index]
-    shard = _local_shard(optimizer, param)
-    single = object.__new__(type(optimizer))
+    wanted = {id(p) for p in params}
+    members: dict[int, list[tuple[int, torch.Tensor]]] = {}  # original group -> [(index in it, parameter)]
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) in wanted:
+                members.setdefault(g, []).append((i, p))
+    ordered = [p for g in members for _, p in members[g]]
+    shards = [_local_shard(optimizer, p) for p in ordered]
+    stepped = {id(p): p if s is None else s for p, s in zip(ordered, shards)}
+
+    bucket_optimizer = object.__new__(type(optimizer))
     # An LR scheduler wraps the original's bound `step` on the instance: that one stays behind.
-    vars(single).update((k, v) for k, v in vars(optimizer).items() if k not in ("step", "_opt_called"))
-    Optimizer.__init__(single, [{**group, "params": [param if shard is None else shard]}], optimizer.defaults)
+    vars(bucket_optimizer).update((k, v) for k, v in vars(optimizer).items() if k not in ("step", "_opt_called"))
+    groups = [
+        {**optimizer.param_groups[g], "params": [stepped[id(p)] for _, p in members[g]]} for g in members
+    ]
+    Optimizer.__init__(bucket_optimizer, groups, optimizer.defaults)
     if is_bitsandbytes(optimizer):
-        single.mng = _bitsandbytes_overrides(optimizer.mng, (group_index, param_index), param)
-    return single, shard
+        positions = [[(g, i) for i, _ in members[g]] for g in members]
+        bucket_optimizer.mng = _bitsandbytes_overrides(optimizer.mng, positions, [[p for _, p in members[g]] for g in members])
+    has_shards = any(s is not None for s in shards)
+    return Bucket(
+        bucket_optimizer,
+        ordered,
+        source=optimizer,
+        source_groups=list(members),
+        shards=[stepped[id(p)] for p in ordered] if has_shards else None,
+    )
 
 
 def _local_shard(optimizer: Optimizer, param: torch.Tensor) -> Optional[torch.Tensor]:
-    """Where the tensor a per-parameter optimizer steps is decided.
+    """Where the tensor a bucket's optimizer steps is decided.
 
     torch optimizers step FSDP2's sharded (DTensor) parameters directly. bitsandbytes' kernels know
     nothing of DTensor, so its copies step this rank's local shard: a plain tensor sharing the
@@ -129,42 +381,44 @@ def _local_shard(optimizer: Optimizer, param: torch.Tensor) -> Optional[torch.Te
 
 
 class _ShardState:
-    """The original optimizer's state (keyed by the sharded parameter, as its ``state_dict`` needs)
-    as seen by a copy that steps the local shard: bitsandbytes reads ``state[t]`` and ``t in state``,
-    memory trackers iterate ``values()``/``items()`` (this copy's one parameter)."""
+    """The original optimizer's state (keyed by the sharded parameters, as its ``state_dict`` needs)
+    as seen by a copy that steps local shards: bitsandbytes reads ``state[t]`` and ``t in state``,
+    memory trackers iterate ``values()``/``items()`` (this bucket's parameters)."""
 
-    def __init__(self, state: dict, shard: torch.Tensor, param: torch.Tensor) -> None:
-        self.state, self.shard, self.param = state, shard, param
-
-    def _key(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.param if tensor is self.shard else tensor
+    def __init__(self, param_of: dict[torch.Tensor, torch.Tensor]) -> None:
+        self.param_of = param_of  # local shard -> its sharded parameter
+        self.state: dict = {}
 
     def __getitem__(self, tensor: torch.Tensor) -> dict:
-        return self.state[self._key(tensor)]
+        return self.state[self.param_of.get(tensor, tensor)]
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
-        return self._key(tensor) in self.state
+        return self.param_of.get(tensor, tensor) in self.state
 
     def items(self) -> list[tuple[torch.Tensor, dict]]:
-        return [(self.shard, self.state[self.param])] if self.param in self.state else []
+        return [(shard, self.state[param]) for shard, param in self.param_of.items() if param in self.state]
 
     def values(self) -> list[dict]:
         return [state for _, state in self.items()]
 
 
-def _bitsandbytes_overrides(manager: Any, index: tuple[int, int], param: torch.Tensor) -> Any:
-    """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a one-parameter copy.
+def _bitsandbytes_overrides(manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]]) -> Any:
+    """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a bucket's copy.
 
     The process-wide `GlobalOptimManager` finds overrides by the parameter's (group, index) in the
-    optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). A
-    one-parameter optimizer is always at (0, 0) and may step a local shard with another id, so it
-    gets a view of the manager whose (0, 0) entry is everything its parameter was given.
+    optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). In the copy a
+    parameter has another (group, index), and may be stepped as a local shard with another id, so the
+    copy gets a view of the manager whose (group, index) entries are everything its parameters were given.
     """
-    config = dict(manager.index2config.get(index, {}))
-    for module, name, module_config in manager.module_weight_config_triple:
-        if getattr(module, name) is param:
-            config.update(module_config)
-    config.update(manager.pid2config.get(id(param), {}))
     view = copy.copy(manager)
-    view.index2config = {(0, 0): config} if config else {}
+    view.index2config = {}
+    for g, (group_positions, group_params) in enumerate(zip(positions, params)):
+        for i, (position, param) in enumerate(zip(group_positions, group_params)):
+            config = dict(manager.index2config.get(position, {}))
+            for module, name, module_config in manager.module_weight_config_triple:
+                if getattr(module, name) is param:
+                    config.update(module_config)
+            config.update(manager.pid2config.get(id(param), {}))
+            if config:
+                view.index2config[(g, i)] = config
     return view

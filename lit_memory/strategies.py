@@ -9,8 +9,8 @@ Trainer, from YAML::
 Fabric: ``Fabric(strategy=FusedFabricStrategy())``, then ``fabric.backward(loss)`` steps the
 parameters as it goes (see ``examples/fabric_fused.py``).
 
-Every fused strategy has ``fused_step = True``: other code detects fusion with
-``getattr(trainer.strategy, "fused_step", False)``.
+Every fused strategy has ``fused_step = True`` and a ``bucket`` setting (`lit_memory.fused.parse_bucket`:
+``layer``, ``param`` or ``"N MiB"``): other code detects fusion with ``getattr(trainer.strategy, "fused_step", False)``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDevi
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
@@ -36,7 +37,7 @@ from torch.optim import Optimizer
 
 from lit_memory import fused
 from lit_memory.errors import UserError
-from lit_memory.fused import FusedStep
+from lit_memory.fused import DEFAULT_BUCKET, OptimizerInBackward, parse_bucket
 from lit_memory.model import transformer_layers
 
 
@@ -62,7 +63,12 @@ class _FusedTrainerStep:
     """For a Trainer strategy: refuse what fusion cannot honour, then fuse the one optimizer."""
 
     fused_step = True
-    _fused: Optional[FusedStep] = None
+    bucket = DEFAULT_BUCKET
+    _fused: Optional[OptimizerInBackward] = None
+
+    def _set_bucket(self, bucket: str) -> None:
+        parse_bucket(bucket)  # a bad setting is one line when the strategy is built
+        self.bucket = bucket
 
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
@@ -76,8 +82,14 @@ class _FusedTrainerStep:
             if "multiple optimizers" not in str(err):
                 raise
             raise UserError(fused.SEVERAL) from None
+        _check_trainer(trainer, self.lightning_module, self.precision_plugin)  # callbacks the module added since
         self._unfuse()
-        self._fused = FusedStep(self.optimizers[0])
+        self._fused = OptimizerInBackward(self.optimizers[0], self.lightning_module, self.bucket)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._fused is not None:
+            self._fused.refresh()  # parameters unfrozen or added since (BaseFinetuning) get their hooks
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def teardown(self) -> None:
         self._unfuse()  # a later fit (or a plain backward) must not step through stale hooks
@@ -94,8 +106,12 @@ def _check_trainer(trainer: Trainer, model: LightningModule, precision_plugin: A
         raise UserError(fused.MANUAL)
     if trainer.accumulate_grad_batches > 1:
         raise UserError(fused.ACCUMULATION)
+    if any(isinstance(c, GradientAccumulationScheduler) and c.going_to_accumulate_grad_batches() for c in trainer.callbacks):
+        raise UserError(fused.ACCUMULATION_SCHEDULE)
     if trainer.gradient_clip_val:
         raise UserError(fused.CLIPPING)
+    if type(model).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
+        raise UserError(fused.CLIPPING_HOOK)
     if getattr(precision_plugin, "scaler", None) is not None:
         raise UserError(fused.SCALER)
 
@@ -104,16 +120,20 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
     """One device (CPU or GPU), with the fused backward + optimizer step.
 
     Args:
+        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer),
+            ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
         device: defaults to the device the Trainer selects from ``accelerator`` and ``devices``.
     """
 
     def __init__(
         self,
+        bucket: str = DEFAULT_BUCKET,
         device: Optional[_DEVICE] = None,
         accelerator: Optional[Accelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
+        self._set_bucket(bucket)
         super().__init__(device or "cpu", accelerator, checkpoint_io, precision_plugin)
         self._device_given = device is not None
 
@@ -126,13 +146,12 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
         return get_optimizer_state_dict(self.lightning_module, optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
+        # The optimizer's own load_state_dict maps the saved groups' parameter keys (names here, positions
+        # from an unfused run) onto its groups by position, as torch's set_optimizer_state_dict does in
+        # the end; that function first creates the state with a zero gradient for every parameter and a
+        # full step, a full set of gradients on exactly the setups that cannot afford one.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if all(isinstance(key, int) for key in state["state"]):  # an unfused run's: by position
-                optimizer.load_state_dict(state)
-            else:
-                set_optimizer_state_dict(self.lightning_module, optimizer, state)
+            optimizer.load_state_dict(state)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -208,7 +227,23 @@ class FusedFSDPStrategy(_FusedTrainerStep, FSDP2Strategy):
     With a bitsandbytes optimizer the fused step updates each rank's local shard (bitsandbytes knows
     nothing of DTensor); that 8-bit state cannot be gathered or resharded, so it is left out of
     checkpoints (`SHARD_STATE`) rather than saved in a form that would resume wrongly.
+
+    Args:
+        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer, as
+            sharded), ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
+        save_distributed_checkpoint: each rank writes its shard (a checkpoint folder); ``false``
+            gathers a single file on rank 0.
     """
+
+    def __init__(
+        self,
+        bucket: str = DEFAULT_BUCKET,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        self._set_bucket(bucket)
+        super().__init__(save_distributed_checkpoint, process_group_backend, timeout)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._fused is not None and self._fused.steps_shards:
@@ -216,8 +251,11 @@ class FusedFSDPStrategy(_FusedTrainerStep, FSDP2Strategy):
         return super().optimizer_state(optimizer)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if self._fused is not None and self._fused.steps_shards:
-            raise UserError(SHARD_STATE)
+        if self._fused is not None:
+            if self._fused.steps_shards:
+                raise UserError(SHARD_STATE)
+            # Lightning loads into existing optimizer state (torch would create it with all gradients at once).
+            self._fused.initialize_state()
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 
@@ -234,7 +272,12 @@ class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
     working; ``zero_grad`` is unnecessary. Gradient accumulation with ``fabric.no_backward_sync``
     cannot work: every backward steps.
 
+    ``layer`` buckets find the transformer layers in the module set up before the optimizer
+    (``fabric.setup(model, optimizer)`` does that); without one, each parameter is its own bucket.
+
     Args:
+        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer),
+            ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
         device: defaults to the device Fabric selects from ``accelerator`` and ``devices``.
     """
 
@@ -242,22 +285,35 @@ class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
 
     def __init__(
         self,
+        bucket: str = DEFAULT_BUCKET,
         device: Optional[_DEVICE] = None,
         accelerator: Optional[FabricAccelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[FabricPrecision] = None,
     ) -> None:
+        parse_bucket(bucket)
         super().__init__(device or "cpu", accelerator, checkpoint_io, precision)
+        self.bucket = bucket
         self._device_given = device is not None
-        self._fused: Optional[FusedStep] = None
+        self._module: Optional[nn.Module] = None
+        self._fused: Optional[OptimizerInBackward] = None
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._module = module = super().setup_module(module)
+        return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._fused is not None:
             raise UserError(fused.SEVERAL)
         if getattr(self.precision, "scaler", None) is not None:
             raise UserError(fused.SCALER)
-        self._fused = FusedStep(optimizer)
+        self._fused = OptimizerInBackward(optimizer, self._module, self.bucket)
         return optimizer
+
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self._fused is not None:
+            self._fused.refresh()  # parameters unfrozen or added since get their hooks
+        super().backward(tensor, module, *args, **kwargs)
 
     def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise UserError(FABRIC_CLIPPING)
@@ -269,4 +325,5 @@ class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
+        self._module = None
         super().teardown()

@@ -145,7 +145,7 @@ def test_bad_settings_are_one_line():
 @pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile (inductor) on CPU needs a C++ compiler")
 def test_compiled_layers_keep_the_fused_step_and_its_gradients():
     """One compilation of a tiny layer: about 20 s on a 2-core CPU."""
-    from lit_memory.fused import FusedStep
+    from lit_memory.fused import OptimizerInBackward
 
     no_dropout = {**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}  # compiled RNG differs
 
@@ -157,7 +157,7 @@ def test_compiled_layers_keep_the_fused_step_and_its_gradients():
         )
         module.configure_model()
         optimizer = torch.optim.AdamW(module.model.parameters(), lr=1e-3)
-        FusedStep(optimizer)
+        OptimizerInBackward(optimizer, module.model)
         for _ in range(2):
             module.training_step(batch(), 0).backward()
         assert all(p.grad is None for p in module.model.parameters())  # every parameter stepped and freed

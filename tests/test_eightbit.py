@@ -11,7 +11,7 @@ import torch.distributed as dist
 from bitsandbytes.nn import StableEmbedding
 
 from lit_memory.eightbit import keep_embeddings_32bit, swap_stable_embedding
-from lit_memory.fused import FusedStep
+from lit_memory.fused import OptimizerInBackward
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
@@ -34,7 +34,7 @@ def train(model: torch.nn.Module, fused: bool, steps: int = 3, embeddings_32bit:
     optimizer = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)
     if embeddings_32bit:
         keep_embeddings_32bit(model, optimizer)
-    step = FusedStep(optimizer) if fused else None
+    step = OptimizerInBackward(optimizer, model) if fused else None
     for i in range(steps):
         torch.manual_seed(100 + i)  # the same dropout masks in every run
         model(**batch(i)).loss.backward()

@@ -8,7 +8,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
 from fused_worker import batches, tiny_bert
-from lit_memory.fused import FusedStep
+from lit_memory.fused import OptimizerInBackward, group_parameters
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 
 
@@ -28,9 +28,13 @@ def model(dropout: float = 0.1) -> torch.nn.Module:
     return module.model
 
 
-def train(net, optimizer, fused: bool, steps: int = 10, start: int = 0, schedule=None):
-    """``steps`` closure-style steps on fixed batches; with ``fused``, through a FusedStep."""
-    fusion = FusedStep(optimizer) if fused else None
+# Every bucket setting; 0.1 MiB buckets hold a few of the tiny model's matrices, across layers and groups.
+BUCKETS = ("layer", "0.1 MiB", "param")
+
+
+def train(net, optimizer, fused: bool, steps: int = 10, start: int = 0, schedule=None, bucket: str = "layer"):
+    """``steps`` closure-style steps on fixed batches; with ``fused``, stepped inside backward."""
+    fusion = OptimizerInBackward(optimizer, net, bucket) if fused else None
     torch.manual_seed(1 + start)  # dropout masks
     for batch in batches(steps, seed=start):
         batch = {k: v[None] for k, v in batch.items()}
@@ -70,13 +74,14 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_fused_step_matches_the_unfused_optimizer(name):
+def test_fused_step_matches_the_unfused_optimizer(name, bucket):
     make = OPTIMIZERS[name]
     plain, fused = model(), model()
     plain_opt, fused_opt = make(weight_decay_groups(plain)), make(weight_decay_groups(fused))
     train(plain, plain_opt, fused=False, schedule=warmup_and_decay(plain_opt))
-    train(fused, fused_opt, fused=True, schedule=warmup_and_decay(fused_opt))
+    train(fused, fused_opt, fused=True, schedule=warmup_and_decay(fused_opt), bucket=bucket)
     assert_same_parameters(plain, fused, atol=1e-6)
     # The state lives in the original optimizer, in its own format: same keys, same numbers.
     torch.testing.assert_close(fused_opt.state_dict(), plain_opt.state_dict(), atol=1e-6, rtol=0)
@@ -92,12 +97,13 @@ def bitsandbytes_overrides():
     manager.initialize()
 
 
-def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_overrides):
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_overrides, bucket):
     """Tolerance 0: AdamW8bit quantises each parameter's state in blocks of 256 of that parameter's
-    own elements and needs no statistic across parameters, so stepping one parameter at a time does
-    the very same arithmetic. bitsandbytes' documented per-parameter override (32-bit state for the
-    word embeddings, registered by position in the optimizer's groups) must reach that parameter's
-    one-parameter copy, and only it."""
+    own elements and needs no statistic across parameters, so stepping a bucket at a time does the
+    very same arithmetic. bitsandbytes' documented per-parameter override (32-bit state for the
+    word embeddings, registered by position in the optimizer's groups) must reach that parameter in
+    its bucket's copy, at its position there, and only it."""
     import bitsandbytes as bnb
 
     runs = []
@@ -108,7 +114,8 @@ def test_bitsandbytes_8bit_matches_unfused_with_a_32bit_override(bitsandbytes_ov
         groups = weight_decay_groups(net)
         bitsandbytes_overrides.register_parameters(groups)
         optimizer = bnb.optim.AdamW8bit(groups, lr=1e-3, weight_decay=0.01)
-        runs.append((train(net, optimizer, fused=fused, schedule=warmup_and_decay(optimizer)), optimizer))
+        schedule = warmup_and_decay(optimizer)
+        runs.append((train(net, optimizer, fused=fused, schedule=schedule, bucket=bucket), optimizer))
     (plain, _), (fused, _) = runs
     assert_same_parameters(plain, fused, atol=0)
     dtypes = [{n: opt.state[p]["state1"].dtype for n, p in net.named_parameters()} for net, opt in runs]
@@ -136,9 +143,11 @@ def test_state_dict_resumes_exactly(resume_fused):
     assert_same_parameters(uninterrupted, second, atol=1e-6)
 
 
-def test_memory_gradients_live_one_at_a_time_on_minilm():
+@pytest.mark.parametrize("bucket", ["layer", "param", "100 MiB"])
+def test_memory_gradients_alive_are_at_most_the_largest_bucket_on_minilm(bucket):
     """MemTracker labels every parameter's gradient; it reports the breakdown only at the moment of
-    the *total* peak, so the test reads its live gradient bytes each time a gradient arrives."""
+    the *total* peak, so the test reads its live gradient bytes each time a gradient has been
+    accumulated, just before the fused step's hook (registered after the sampling one) runs."""
     sizes, peaks = None, {}
     for fused in (False, True):
         torch.manual_seed(0)
@@ -150,27 +159,32 @@ def test_memory_gradients_live_one_at_a_time_on_minilm():
         peaks[fused] = 0
         with MemTracker() as tracker:
             loss = net(**batch).loss  # the tracker hooks each parameter as its module runs...
-            fusion = FusedStep(optimizer) if fused else None  # ...before the fused step's hooks
 
-            def sample(grad):
+            def sample(param):
                 live = tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.GRAD]
                 peaks[fused] = max(peaks[fused], live)
 
-            handles = [p.register_hook(sample) for p in net.parameters()]
+            handles = [p.register_post_accumulate_grad_hook(sample) for p in net.parameters()]
+            fusion = OptimizerInBackward(optimizer, net, bucket) if fused else None  # ...then the fused step's
             loss.backward()
         for handle in handles:
             handle.remove()
         if fusion:
             fusion.remove()
         sizes = [p.numel() * p.element_size() for p in net.parameters()]
+        buckets = [sum(p.numel() * p.element_size() for p in b) for b in group_parameters(list(net.parameters()), net, bucket)]
     assert peaks[False] == sum(sizes)  # unfused: every gradient alive at the end of backward
-    assert peaks[True] <= max(sizes)  # fused: only the gradient being applied (the word embeddings')
-    assert max(sizes) < sum(sizes) / 1.9  # on MiniLM, the bound is about half of all gradients
+    assert peaks[True] == max(buckets)  # fused: the bucket being applied, at most; all of it at its step
+    if bucket == "100 MiB":
+        assert max(buckets) == sum(sizes)  # one bucket: all of MiniLM's 90.9 MB
+    else:
+        # Each layer is a bucket of 7.1 MB; the largest is the word embeddings' alone, about half of all gradients.
+        assert max(buckets) == max(sizes) < sum(sizes) / 1.9
 
 
 def test_remove_restores_ordinary_backward():
     net = model()
-    fusion = FusedStep(torch.optim.SGD(net.parameters(), lr=0.1))
+    fusion = OptimizerInBackward(torch.optim.SGD(net.parameters(), lr=0.1), net)
     fusion.remove()
     net(**{k: v[None] for k, v in batches(1)[0].items()}).loss.backward()
     assert all(p.grad is not None for p in net.parameters())
@@ -190,7 +204,7 @@ def test_bitsandbytes_steps_the_local_shard_of_a_sharded_parameter(tmp_path):
         sharded = torch.nn.Parameter(distribute_tensor(start.clone(), init_device_mesh("cpu", (1,)), [Shard(0)]))
         plain = torch.nn.Parameter(start.clone())
         fused_opt, ref_opt = bnb.optim.AdamW8bit([sharded], lr=1e-2), bnb.optim.AdamW8bit([plain], lr=1e-2)
-        fusion = FusedStep(fused_opt)
+        fusion = OptimizerInBackward(fused_opt)
         assert fusion.steps_shards
         for grad in grads:
             (sharded * distribute_tensor(grad, sharded.device_mesh, [Shard(0)])).sum().backward()
@@ -200,5 +214,74 @@ def test_bitsandbytes_steps_the_local_shard_of_a_sharded_parameter(tmp_path):
             assert sharded.grad is None
         assert torch.equal(sharded.to_local(), plain.detach())
         assert fused_opt.state[sharded]["state1"].dtype == torch.uint8  # 8-bit state, keyed by the parameter
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bucket_whose_parameter_gets_no_gradient_is_stepped_at_the_end_of_backward():
+    """One bucket holds the whole model and the loss uses neither the pooler nor the classifier, so the
+    bucket never completes: at the end of backward it is stepped with the gradients it has (as an
+    unfused step skips parameters without one), and no gradient is held past its backward."""
+    plain, fused = model(dropout=0.0), model(dropout=0.0)
+    plain_opt, fused_opt = (OPTIMIZERS["AdamW"](weight_decay_groups(net)) for net in (plain, fused))
+    fusion = OptimizerInBackward(fused_opt, fused, "100 MiB")
+    assert len(fusion.hooks.buckets) == 1
+    for batch in batches(3):
+        for net in (plain, fused):
+            net.bert(input_ids=batch["input_ids"][None]).last_hidden_state.square().mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert all(p.grad is None for p in fused.parameters())
+    fusion.remove()
+    assert_same_parameters(plain, fused, atol=1e-6)
+    assert torch.equal(fused.classifier.weight, model(dropout=0.0).classifier.weight)  # never had a gradient
+
+
+def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(tmp_path):
+    """torch's distributed checkpoint (Lightning's FSDP2 resume) loads into existing optimizer state and
+    otherwise creates it with a zero gradient for every parameter and a full step. Created bucket by
+    bucket instead (on FSDP2 shards, one rank), the tracked peak is lower by all gradients but one
+    bucket's, the state is the same and the parameters do not move. Eight layers train (the
+    embeddings are frozen), so one layer's gradients stand against eight."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lit_memory.memory.tracker import Tracker
+
+    layers = {"num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        runs = {}
+        for bucketed in (True, False):
+            torch.manual_seed(0)
+            module = SequenceClassifier("bundled:bert-large", pretrained=False, config_overrides=layers, freeze="embeddings")
+            module.configure_model()
+            net = module.model
+            for layer in net.bert.encoder.layer:
+                fully_shard(layer)
+            fully_shard(net)
+            before = {n: p.detach().full_tensor().clone() for n, p in net.named_parameters()}
+            optimizer = OPTIMIZERS["AdamW"](weight_decay_groups(net))
+            fusion = OptimizerInBackward(optimizer, net)
+            tracker = Tracker("cpu")
+            tracker.track_external(net, optimizer)
+            with tracker:
+                tracker.enter_phase("step")
+                fusion.initialize_state() if bucketed else _init_optim_state(optimizer)
+            fusion.remove()
+            assert all(torch.equal(p.full_tensor(), before[n]) for n, p in net.named_parameters())
+            assert all(p.grad is None for p in net.parameters())
+            state = {n: {k: v.shape for k, v in optimizer.state[p].items()} for n, p in net.named_parameters() if p.requires_grad}
+            state_bytes = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for s in optimizer.state.values() for v in s.values())
+            # Beyond the weights and the state created: the zero gradients and the step's temporaries.
+            runs[bucketed] = (tracker.footprint.peak - tracker.footprint.categories["weights"] - state_bytes, state)
+        (bucketed_extra, bucketed_state), (full_extra, full_state) = runs[True], runs[False]
+        assert bucketed_state == full_state
+        gradients = sum(4 * p.numel() for p in net.parameters() if p.requires_grad)
+        layer = sum(4 * p.numel() for p in net.bert.encoder.layer[0].parameters())  # the largest bucket
+        assert full_extra >= gradients > 7 * layer
+        assert bucketed_extra <= 2 * layer  # one layer's gradients, and its step's temporaries
     finally:
         dist.destroy_process_group()

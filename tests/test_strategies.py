@@ -18,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler
 from lightning.pytorch.plugins import MixedPrecision
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
@@ -29,6 +30,8 @@ from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
+from lit_memory.memory.tracker import Tracker
+from lit_memory.monitor import MemoryMonitor
 from lit_memory.model import SequenceClassifier
 from lit_memory.strategies import (
     FABRIC_CLIPPING,
@@ -142,6 +145,94 @@ def test_an_unfused_checkpoint_resumes_fused(single_runs, tmp_path):
     assert_same(load(tmp_path), load(plain["out"]))
 
 
+class TrackedLoad(FusedSingleDeviceStrategy):
+    """Tracks the tensors that loading the optimizer state allocates."""
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        tracker = Tracker("cpu")
+        tracker.track_external(self.lightning_module, *self.optimizers)
+        with tracker:
+            tracker.enter_phase("load")
+            super().load_optimizer_state_dict(checkpoint)
+        self.loading = tracker.footprint
+
+
+def test_resuming_allocates_less_than_a_training_step(tmp_path):
+    """Loading the optimizer state creates no gradient and runs no step: its tracked peak stays under
+    a steady-state training step's. torch's set_optimizer_state_dict would first give every parameter a
+    zero gradient and run a full step: here 8 layers' gradients where a step holds one layer's (the
+    embeddings are frozen, and a batch of 4 tokens keeps activations small)."""
+    layers = {**worker.TINY, "num_hidden_layers": 8}
+    data = DataLoader([{k: v[:4] if v.ndim else v for k, v in b.items()} for b in worker.batches(8)], batch_size=1)
+
+    def fit(steps: int, strategy: FusedSingleDeviceStrategy, resume=None, callbacks=()) -> SequenceClassifier:
+        torch.manual_seed(0)
+        module = SequenceClassifier(
+            "bundled:bert-large", pretrained=False, config_overrides=layers, freeze="embeddings", save_pretrained=False
+        )
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=list(callbacks),
+        )
+        trainer.fit(module, data, ckpt_path=resume)
+        if resume is None:
+            trainer.save_checkpoint(tmp_path / "4.ckpt")
+        return module
+
+    fit(4, FusedSingleDeviceStrategy())
+    strategy, monitor = TrackedLoad(), MemoryMonitor(track_steps=6)  # tracks the steps after resuming: 5 and 6
+    resumed = fit(6, strategy, resume=tmp_path / "4.ckpt", callbacks=[monitor])
+    assert resumed.trainer.global_step == 6 and monitor.tracked_batches == 2
+    assert strategy.loading.peak <= monitor.measured.peak
+    trainable = sum(4 * p.numel() for p in resumed.parameters() if p.requires_grad)
+    assert strategy.loading.peak < monitor.measured.peak - trainable / 2  # far below: no gradients at all
+
+
+class UnfreezeEmbeddings(BaseFinetuning):
+    """Lightning's fine-tuning callback: at epoch 1 (step 6) the frozen embeddings train, as a new param group."""
+
+    def freeze_before_training(self, pl_module) -> None:
+        pass  # the module freezes them when it builds the model (`freeze="embeddings"`), after this hook
+
+    def finetune_function(self, pl_module, epoch: int, optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.bert.embeddings, optimizer, lr=1e-3)
+
+
+class GradientsAfterBackward(Callback):
+    def __init__(self) -> None:
+        self.held = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.held.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+
+class FrozenEmbeddingsNoSchedule(SequenceClassifier):
+    """Embeddings frozen at build; no LR scheduler (torch's LambdaLR refuses param groups added later)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, freeze="embeddings", **kwargs)
+
+    def configure_optimizers(self):
+        return self.build_optimizer()
+
+
+def test_parameters_unfrozen_during_training_are_fused_and_match_unfused(tmp_path):
+    runs = {}
+    for strategy in ("single", "fused-single"):
+        held = GradientsAfterBackward()
+        module = worker.tiny_bert(cls=FrozenEmbeddingsNoSchedule)
+        worker.train(tmp_path / strategy, strategy, model=module, callbacks=[UnfreezeEmbeddings(), held])
+        runs[strategy] = (load(tmp_path / strategy), held.held)
+    assert_same(runs["single"][0], runs["fused-single"][0])
+    assert runs["fused-single"][1] == [0] * 10  # every gradient applied inside backward, the new ones too
+    assert runs["single"][1][5] < runs["single"][1][6]  # unfused: more gradients from step 6 on
+    start = worker.tiny_bert()  # the same seed: the embeddings it starts from
+    start.configure_model()
+    word = "bert.embeddings.word_embeddings.weight"
+    assert not torch.equal(runs["fused-single"][0][word], start.model.state_dict()[word])  # they trained
+
+
 # -- FSDP, 2 processes -----------------------------------------------------------------------
 
 
@@ -227,6 +318,11 @@ class ManualOptimization(SequenceClassifier):
         self.automatic_optimization = False
 
 
+class ClipsGradients(SequenceClassifier):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
 class TwoOptimizers(SequenceClassifier):
     def configure_optimizers(self):
         head = list(self.model.classifier.parameters())
@@ -246,6 +342,14 @@ ERRORS = {
     "manual": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=ManualOptimization), {}, fused.MANUAL),
     "two-optimizers": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=TwoOptimizers), {}, fused.SEVERAL),
     "fsdp-accumulation": (FusedFSDPStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
+    # Raises trainer.accumulate_grad_batches at the start of epoch 1, long after the check of the setting.
+    "accumulation-schedule": (
+        FusedSingleDeviceStrategy,
+        worker.tiny_bert,
+        {"callbacks": [GradientAccumulationScheduler({1: 2})]},
+        fused.ACCUMULATION_SCHEDULE,
+    ),
+    "clipping-hook": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=ClipsGradients), {}, fused.CLIPPING_HOOK),
 }
 
 
@@ -260,6 +364,24 @@ def test_what_fusion_cannot_do_fails_before_training(case, tmp_path):
     assert trainer.global_step == 0
     if case != "two-optimizers":  # the optimizers exist only once the model does
         assert module.model is None  # refused before the model was even built
+
+
+@pytest.mark.parametrize("strategy", [FusedSingleDeviceStrategy, FusedFSDPStrategy, FusedFabricStrategy])
+def test_a_bucket_setting_is_checked_when_the_strategy_is_built(strategy):
+    assert strategy(bucket="16 MiB").bucket == "16 MiB" and strategy().bucket == "layer"
+    for bad in ("16", "16 MB", "0 MiB", "layers", 16):
+        with pytest.raises(UserError) as error:
+            strategy(bucket=bad)
+        assert str(error.value) == f"bucket must be layer, param or a size such as '25 MiB', got {bad!r}"
+
+
+def test_cli_prints_a_bad_bucket_as_one_line(fast_args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(RECIPES / "fused.yaml"), "--trainer.strategy.init_args.bucket=big", *fast_args])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: bucket must be layer, param or a size such as '25 MiB', got 'big'"
+    )
 
 
 def test_cli_prints_the_refusal_as_one_line_and_writes_nothing(tmp_path, capsys):

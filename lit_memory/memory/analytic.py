@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lit_memory.fused import group_parameters
 from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
 from lit_memory.model import SequenceClassifier, transformer_layers
@@ -266,11 +267,12 @@ def _inference(x: Shape, weights: int) -> int:
 
 
 def optimizer_bytes(
-    optimizer: torch.optim.Optimizer, device: str, per_parameter: bool = False
+    optimizer: torch.optim.Optimizer, device: str, stepped: Optional[list[list[torch.Tensor]]] = None
 ) -> tuple[int, int, list[str]]:
     """(steady-state optimizer state, extra bytes the step allocates, notes) from the optimizer's class,
-    its parameter groups and the parameter shapes. ``per_parameter``: stepped one parameter at a
-    time (the fused step), so a foreach step's temporaries cover one parameter, not a group."""
+    its parameter groups and the parameter shapes. ``stepped``: the parameters one step updates, as
+    the lists a foreach call covers at once (a fused step's bucket, split by group); by default all
+    of them, by group."""
     cls = type(optimizer)
     module, name = cls.__module__, cls.__name__
     notes: list[str] = []
@@ -278,7 +280,8 @@ def optimizer_bytes(
     params = [p for g in groups for p in g]
     if not params:
         return 0, 0, notes
-    largest = max(_nbytes(p) for p in params)
+    stepped = stepped or groups
+    largest = max(_nbytes(p) for g in stepped for p in g)
     if module.startswith("bitsandbytes"):
         return _bitsandbytes_bytes(optimizer, groups), 0, notes
     if name == "Adafactor":
@@ -291,13 +294,12 @@ def optimizer_bytes(
                 state += 4 * values + 4  # fp32 statistics (+ the RMS scalar)
         # update = grad**2 + eps, its factored approximation and -update: two fp32 copies of the largest
         # parameter at a time, two more when the parameter and gradient are cast up from 16 bits.
-        largest_numel = max(p.numel() for p in params)
-        low = any(p.dtype != torch.float32 for p in params)
+        largest_numel = max(p.numel() for g in stepped for p in g)
+        low = any(p.dtype != torch.float32 for g in stepped for p in g)
         return state, 4 * largest_numel * (2 + 2 * low), notes
     foreach = foreach_default(optimizer, device)
-    group_bytes = max(sum(_nbytes(p) for p in g) for g in groups)
-    # foreach ops allocate one tensor per parameter of a group at once
-    unit = group_bytes if foreach and not per_parameter else largest
+    # foreach ops allocate one tensor per parameter of a group (of a bucket, fused) at once
+    unit = max(sum(_nbytes(p) for p in g) for g in stepped) if foreach else largest
     defaults = optimizer.defaults
     if name == "SGD":
         momentum = defaults.get("momentum", 0) != 0
@@ -412,6 +414,16 @@ class Sharding:
         )
 
 
+def _buckets(
+    module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: str
+) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
+    """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`), each
+    with its parameters split by group, as its optimizer steps them (one foreach call per group)."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+    buckets = group_parameters([p for p in module.parameters() if id(p) in group_of], module, bucket)
+    return [(b, [[p for p in b if group_of[id(p)] == g] for g in sorted({group_of[id(p)] for p in b})]) for b in buckets]
+
+
 def _meta_build(setup: Setup) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
     # The optimizer factory is part of the key (hashed by identity) and so kept alive with its build.
     key = (setup.module_class, json.dumps(setup.model, sort_keys=True, default=str), setup.optimizer, setup.precision)
@@ -454,13 +466,24 @@ def analytic(setup: Setup) -> Prediction:
     footprint = Footprint()
     accumulating = setup.accumulate_grad_batches > 1
     if setup.fused:
-        # Each gradient is applied by its own optimizer step and freed as soon as it is accumulated:
-        # early in backward the activations dominate, at its end the largest parameter is stepped.
+        # Each bucket's gradients are applied by one optimizer step and freed as soon as the last of
+        # them is accumulated: early in backward the activations dominate, later the bucket whose
+        # gradients and step temporaries are largest is stepped. Under FSDP a bucket's gradients exist
+        # unsharded until reduced, then as the rank's shard.
         footprint.add("forward", phase(activations=act.forward + act.transient))
-        step_one = optimizer_bytes(optimizer, setup.device, per_parameter=True)[1]
         early = phase(activations=act.backward, other=batch + act.backward_temp)
-        # Under FSDP a bucket's gradients exist unsharded until reduced, then as the rank's shard.
-        late = phase(gradients=largest_grad, optimizer=state + step_one, unsharded=largest_grad if sharding else 0)
+        late = max(
+            (
+                phase(
+                    gradients=(size := sum(_nbytes(p) for p in bucket)),
+                    optimizer=state + optimizer_bytes(optimizer, setup.device, by_group)[1],
+                    unsharded=size if sharding else 0,
+                )
+                for bucket, by_group in _buckets(module, optimizer, setup.bucket)
+            ),
+            key=_total,
+            default=phase(),
+        )
         footprint.add("backward", max(early, late, key=_total))
         footprint.add("step", phase())  # Lightning's step after backward finds every gradient gone
     else:

@@ -43,6 +43,7 @@ class Setup:
     batch_size: int = 32
     max_length: int = 128
     fused: bool = False
+    bucket: str = "layer"  # the fused strategy's bucket setting (lit_memory.fused.parse_bucket)
     device: str = "cuda"  # the device type the analytic prediction is for
     module_class: type = SequenceClassifier
     sharded: bool = False  # FSDP: parameters, gradients and optimizer state split over the ranks
@@ -60,6 +61,7 @@ class Setup:
             batch_size=data.hparams.batch_size,
             max_length=data.hparams.max_length,
             fused=is_fused(trainer.strategy),
+            bucket=getattr(trainer.strategy, "bucket", "layer"),
             device=trainer.strategy.root_device.type,
             module_class=type(module),
             sharded=is_sharded(trainer.strategy),
@@ -101,7 +103,7 @@ class Setup:
         if hp.get("freeze") is not None:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
-            parts.append("fused backward+step")
+            parts.append(f"fused backward+step ({self.bucket} buckets)")
         if self.sharded:
             parts.append(f"sharded over {self.world_size} ranks")
         return ", ".join(parts)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from lit_memory.activations import OffloadActivations
-from lit_memory.fused import FusedStep
+from lit_memory.fused import OptimizerInBackward
 from lit_memory.memory.analytic import foreach_default
 from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
 from lit_memory.memory.tracker import Tracker
@@ -70,7 +70,7 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
             optimizer.zero_grad()  # a step leaves no gradient behind (see above)
 
     if setup.fused:
-        FusedStep(optimizer)  # hooks on the (throwaway, fake) model's parameters
+        OptimizerInBackward(optimizer, module, setup.bucket)  # hooks on the (throwaway, fake) model's parameters
         return _Stepping(optimizers=[optimizer], warm=warm, after_backward=lambda: None)
     return _Stepping(optimizers=[optimizer], warm=warm, after_backward=optimizer.step)
 

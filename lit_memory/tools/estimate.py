@@ -42,6 +42,7 @@ def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
         batch_size=run.datamodule.hparams.batch_size,
         max_length=run.datamodule.hparams.max_length,
         fused=is_fused(trainer.strategy),
+        bucket=getattr(getattr(trainer.strategy, "init_args", None), "bucket", None) or "layer",
         device=device,
         sharded=sharded,
         world_size=ranks(trainer.devices) * trainer.num_nodes if sharded else 1,

@@ -83,6 +83,12 @@ CASES = {
     "AdamW8bit": {"optimizer": partial(bnb.optim.AdamW8bit, lr=1e-4)},
     "freeze 4 layers": {"model": {"freeze": 4}},
     "freeze body + checkpointing": {"model": {"freeze": "body", "gradient_checkpointing": True}},
+    "fused, layer buckets": {"fused": True},
+    "fused, 4 MiB buckets, SGD momentum": {
+        "fused": True,
+        "bucket": "4 MiB",
+        "optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01),
+    },
 }
 
 
@@ -198,6 +204,27 @@ def test_4gb_settings_fit_in_4_gib_and_the_fused_step_frees_the_gradients():
     all_8bit = analytic(bert_large(fused=True, **{**settings, "model": {"gradient_checkpointing": True,
                                                                          "embedding_optimizer_state": "8bit"}}))
     assert all_8bit.footprint.categories["optimizer"] / all_8bit.parameters == pytest.approx(2.0, rel=0.02)
+
+
+@pytest.mark.parametrize("bucket", ["layer", "512 MiB"])
+def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportions(bucket):
+    """At batch 1 x 8 a bucket's step, not the activations, is the fused backward's peak: the gradients
+    alive there are a bucket's. ``layer``: the largest bucket is the word embeddings' (119 MiB; a layer
+    is 12.6 M parameters, 48 MiB); ``512 MiB``: ten layers' gradients at once."""
+    from lit_memory.fused import group_parameters
+
+    setup = bert_large(fused=True, bucket=bucket, batch_size=1, max_length=8, device="cpu")
+    predicted, simulated = analytic(setup), simulate(setup)
+    model = build(setup, torch.device("meta"))[0].model
+    buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), model, bucket)]
+    alive = simulated.footprint.phases["backward"]["gradients"]
+    if bucket == "layer":
+        assert 4 * sum(p.numel() for p in model.bert.encoder.layer[0].parameters()) == pytest.approx(48.05 * 2**20, rel=1e-3)
+        assert alive == max(buckets) == 4 * 30522 * 1024
+    else:
+        assert 400 * 2**20 < alive <= max(buckets) <= 512 * 2**20
+    assert predicted.footprint.phases["backward"]["gradients"] == max(buckets)
+    assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.02)
 
 
 def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
