@@ -9,8 +9,12 @@ Trainer, from YAML::
 Fabric: ``Fabric(strategy=FusedFabricStrategy())``, then ``fabric.backward(loss)`` steps the
 parameters as it goes (see ``examples/fabric_fused.py``).
 
-Every fused strategy has ``fused_step = True`` and a ``bucket`` setting (`lit_memory.fused.parse_bucket`:
-``layer``, ``param`` or ``"N MiB"``): other code detects fusion with ``getattr(trainer.strategy, "fused_step", False)``.
+The Trainer strategies take ``fused`` (step inside backward or not) and ``bucket`` (`lit_memory.fused.parse_bucket`:
+``layer``, ``param`` or ``"N MiB"``) under the same names, so a config that switches the strategy keeps the
+recipe's choice: jsonargparse carries over the init args the new class also takes. ``configs/fsdp.yaml``
+names `FSDP2Strategy` alone: layered after ``recipes/fused.yaml`` (`FusedSingleDeviceStrategy`, fused by
+default) it shards fused; after ``recipes/baseline.yaml`` (Lightning's default strategy) it shards unfused.
+Other code detects fusion with ``getattr(trainer.strategy, "fused_step", False)``.
 """
 
 from __future__ import annotations
@@ -60,28 +64,30 @@ class _AcceleratorDevice:
 
 
 class _FusedTrainerStep:
-    """For a Trainer strategy: refuse what fusion cannot honour, then fuse the one optimizer."""
+    """For a Trainer strategy, when ``fused``: refuse what fusion cannot honour, then fuse the one optimizer."""
 
     fused_step = True
     bucket = DEFAULT_BUCKET
     _fused: Optional[OptimizerInBackward] = None
 
-    def _set_bucket(self, bucket: str) -> None:
+    def _set_fusion(self, fused: bool, bucket: str) -> None:
         parse_bucket(bucket)  # a bad setting is one line when the strategy is built
-        self.bucket = bucket
+        self.fused_step, self.bucket = fused, bucket
 
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
-        if model.trainer.state.fn == TrainerFn.FITTING:  # before data, run folder or model exist
+        if self.fused_step and model.trainer.state.fn == TrainerFn.FITTING:  # before data, run folder or model exist
             _check_trainer(model.trainer, model, self.precision_plugin)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         try:
             super().setup_optimizers(trainer)
         except RuntimeError as err:  # Lightning refuses several optimizers first, pointing at manual optimization
-            if "multiple optimizers" not in str(err):
+            if "multiple optimizers" not in str(err) or not self.fused_step:
                 raise
             raise UserError(fused.SEVERAL) from None
+        if not self.fused_step:
+            return
         _check_trainer(trainer, self.lightning_module, self.precision_plugin)  # callbacks the module added since
         self._unfuse()
         self._fused = OptimizerInBackward(self.optimizers[0], self.lightning_module, self.bucket)
@@ -120,6 +126,7 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
     """One device (CPU or GPU), with the fused backward + optimizer step.
 
     Args:
+        fused: step inside backward (``false``: Lightning's single-device strategy, for comparisons).
         bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer),
             ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
         device: defaults to the device the Trainer selects from ``accelerator`` and ``devices``.
@@ -127,13 +134,14 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
 
     def __init__(
         self,
+        fused: bool = True,
         bucket: str = DEFAULT_BUCKET,
         device: Optional[_DEVICE] = None,
         accelerator: Optional[Accelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        self._set_bucket(bucket)
+        self._set_fusion(fused, bucket)
         super().__init__(device or "cpu", accelerator, checkpoint_io, precision_plugin)
         self._device_given = device is not None
 
@@ -154,24 +162,38 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
             optimizer.load_state_dict(state)
 
 
-class FSDP2Strategy(ModelParallelStrategy):
-    """Fully sharded data parallel (FSDP2) over every device of every node, sharding for the user.
+class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2) over every device of every node, sharding for the user,
+    with the fused backward + optimizer step on each rank's parameter shards when ``fused``.
 
     Lightning's `ModelParallelStrategy` leaves sharding to ``configure_model``; this one applies
     ``fully_shard`` to each transformer layer of every Hugging Face model in the LightningModule,
     then to the model, so each layer's parameters are gathered only while it computes.
 
+    With a bitsandbytes optimizer the fused step updates each rank's local shard (bitsandbytes knows
+    nothing of DTensor); that 8-bit state cannot be gathered or resharded, so it is left out of
+    checkpoints (`SHARD_STATE`) rather than saved in a form that would resume wrongly.
+
     Args:
+        fused: step inside backward. Layered after a recipe, ``configs/fsdp.yaml`` keeps the recipe's
+            choice (the module docstring says how).
+        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer, as
+            sharded), ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
         save_distributed_checkpoint: each rank writes its shard (a checkpoint folder); ``false``
             gathers a single file on rank 0.
     """
 
+    fused_step = False
+
     def __init__(
         self,
+        fused: bool = False,
+        bucket: str = DEFAULT_BUCKET,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        self._set_fusion(fused, bucket)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -189,6 +211,19 @@ class FSDP2Strategy(ModelParallelStrategy):
         for model in _hugging_face_models(self.lightning_module):
             shard(model, mesh)
         super().setup(trainer)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._fused is not None and self._fused.steps_shards:
+            return {}
+        return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self._fused is not None:
+            if self._fused.steps_shards:
+                raise UserError(SHARD_STATE)
+            # Lightning loads into existing optimizer state (torch would create it with all gradients at once).
+            self._fused.initialize_state()
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 
 def shard(model: nn.Module, mesh: Any) -> None:
@@ -221,42 +256,13 @@ SHARD_STATE = (
 )
 
 
-class FusedFSDPStrategy(_FusedTrainerStep, FSDP2Strategy):
-    """FSDP2 with the fused backward + optimizer step on each rank's parameter shards.
+class FusedFSDPStrategy(FSDP2Strategy):
+    """`FSDP2Strategy` fused by default: what ``configs/fsdp.yaml`` named before it kept the recipe's choice."""
 
-    With a bitsandbytes optimizer the fused step updates each rank's local shard (bitsandbytes knows
-    nothing of DTensor); that 8-bit state cannot be gathered or resharded, so it is left out of
-    checkpoints (`SHARD_STATE`) rather than saved in a form that would resume wrongly.
+    fused_step = True
 
-    Args:
-        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer, as
-            sharded), ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
-        save_distributed_checkpoint: each rank writes its shard (a checkpoint folder); ``false``
-            gathers a single file on rank 0.
-    """
-
-    def __init__(
-        self,
-        bucket: str = DEFAULT_BUCKET,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-    ) -> None:
-        self._set_bucket(bucket)
-        super().__init__(save_distributed_checkpoint, process_group_backend, timeout)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._fused is not None and self._fused.steps_shards:
-            return {}
-        return super().optimizer_state(optimizer)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if self._fused is not None:
-            if self._fused.steps_shards:
-                raise UserError(SHARD_STATE)
-            # Lightning loads into existing optimizer state (torch would create it with all gradients at once).
-            self._fused.initialize_state()
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def __init__(self, fused: bool = True, **kwargs: Any) -> None:
+        super().__init__(fused=fused, **kwargs)
 
 
 FABRIC_CLIPPING = (

@@ -35,6 +35,7 @@ from lit_memory.monitor import MemoryMonitor
 from lit_memory.model import SequenceClassifier
 from lit_memory.strategies import (
     FABRIC_CLIPPING,
+    FSDP2Strategy,
     SHARD_STATE,
     FusedFabricStrategy,
     FusedFSDPStrategy,
@@ -246,11 +247,12 @@ def test_fsdp_fused_matches_unfused(tmp_path):
     assert_same(exported.state_dict(), load(fusion))
 
 
-def test_fsdp_config_selects_the_fused_fsdp_strategy():
-    configs = ["--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "fsdp.yaml")]
+@pytest.mark.parametrize("recipe, fused", [("baseline", False), ("fused", True), ("4gb", True)])
+def test_fsdp_config_shards_and_keeps_the_recipes_choice_of_fused_step(recipe, fused):
+    configs = ["--config", str(RECIPES / f"{recipe}.yaml"), "--config", str(CONFIGS / "fsdp.yaml")]
     devices = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.num_nodes=3"]
     cli = LitMemoryCLI(args=[*configs, *devices], run=False)
-    assert isinstance(cli.trainer.strategy, FusedFSDPStrategy) and cli.trainer.strategy.fused_step
+    assert isinstance(cli.trainer.strategy, FSDP2Strategy) and cli.trainer.strategy.fused_step is fused
     assert cli.trainer.world_size == 6
 
 
