@@ -24,13 +24,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lit_memory import recipes, resume, trust
+from lit_memory import lowbit, recipes, resume, trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
-from lit_memory.precision import cpu_fallback
+from lit_memory.precision import cpu_fallback, runs_on_cpu
 
 RECIPE_FLAG = "--recipe"
 HELP = (
@@ -119,11 +119,13 @@ class _DropTips(logging.Filter):
 
 # Known noise, matched by message so every other warning stays visible: Lightning's notice that
 # tensorboardX is optional (the CSV logger it picks instead is what we want), its use of a pytree API
-# torch deprecated, and the model summary's note that it sizes bf16 weights as fp32.
+# torch deprecated, the model summary's note that it sizes bf16 weights as fp32, and torch's note, at
+# the first compile of torchao's step, that its state tensors cannot key the AOT autograd cache.
 NOISE = (
     r"Starting from v1\.9\.0, `tensorboardX` has been removed",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Precision .* is not supported by the model summary",
+    r"OptimState\w+ does not implement _stable_hash_for_caching",  # torchao's state: compiles, is not cached
 )
 
 
@@ -253,6 +255,8 @@ class LitMemoryCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         settings = self.settings
         self._check_values(settings)  # again: a resumed checkpoint's hyper-parameters are merged in by now
+        # As configured, before the CPU fallback below may change the precision.
+        lowbit.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
         # The fused strategies refuse a bad bucket when built, but jsonargparse would wrap that line into

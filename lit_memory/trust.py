@@ -38,6 +38,7 @@ ALLOWLIST = (
     "transformers.optimization",
     "transformers.Adafactor",
     "bitsandbytes.optim",
+    "torchao.optim",
     "lightning",
     "lit_memory",
     "peft",

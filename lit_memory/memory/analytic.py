@@ -284,6 +284,14 @@ def optimizer_bytes(
     largest = max(_nbytes(p) for g in stepped for p in g)
     if module.startswith("bitsandbytes"):
         return _bitsandbytes_bytes(optimizer, groups), 0, notes
+    if module.startswith("torchao.optim"):
+        state, temps = _torchao_bytes(optimizer, groups, stepped, device)
+        if device == "cuda" and temps:
+            notes.append(
+                f"{name}: its compiled step's buffers are inductor's CPU kernels' ({temps / 2**20:.0f} MiB for the "
+                "largest parameter); CUDA kernels may hold less (to be measured on a GPU)"
+            )
+        return state, temps, notes
     if name == "Adafactor":
         state = 0
         for group, g in zip(optimizer.param_groups, groups, strict=True):
@@ -355,6 +363,56 @@ def _bitsandbytes_bytes(optimizer, groups) -> int:
             else:
                 total += states * (p.numel() + 4 * math.ceil(p.numel() / 256))
     return total
+
+
+# torchao: the state its `_AdamBase._new_buffer` creates, the buffers its compiled update kernel allocates.
+TORCHAO_MIN_QUANTIZED = 4096  # smaller tensors keep plain state, as bitsandbytes' min_8bit_size
+TORCHAO_QMAP_VALUES = {"8bit": 256, "4bit": 16, "Fp8": 0}  # a fp32 lookup table per quantised state tensor
+TORCHAO_CODE_BYTES = {"8bit": 1.0, "4bit": 0.5, "Fp8": 1.0}  # per value
+
+
+def torchao_state_kind(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """``8bit``, ``4bit`` or ``Fp8`` (the suffix of torchao's class names and of its state subclasses,
+    ``OptimState8bit`` ...), or None for its plain-state AdamW (``_AdamW``)."""
+    name = type(optimizer).__name__
+    return next((kind for kind in TORCHAO_CODE_BYTES if name.endswith(kind)), None)
+
+
+def torchao_quantized(kind: Optional[str], numel: int, block: float) -> bool:
+    return kind is not None and numel >= TORCHAO_MIN_QUANTIZED and numel % block == 0
+
+
+def torchao_kernel_bytes(kind: Optional[str], numel: int, block: float) -> int:
+    """Buffers torchao's compiled update kernel holds for one parameter with ``kind`` state, as inductor's
+    CPU code allocates them (torch 2.13, read with ``TORCH_LOGS=output_code``): 8-bit keeps each moment in
+    fp32 between the block scales' reduction and the quantisation (4 B per value each), 4-bit also unpacks
+    its codes (1 B) and keeps int64 indices (8 B), FP8 recomputes and keeps only the new scales; plain state
+    is updated in place. CUDA's Triton kernels may fuse more: an upper bound there, to be measured on a GPU."""
+    if not torchao_quantized(kind, numel, block):
+        return 0
+    scales = 4 * math.ceil(numel / block)
+    per_moment = {"8bit": 4 * numel, "4bit": (1 + 4 + 8) * numel, "Fp8": 0}[kind] + scales
+    return 2 * per_moment
+
+
+def _torchao_bytes(optimizer, groups, stepped, device: str) -> tuple[int, int]:
+    """torchao's state (`lit_memory.lowbit`): per parameter two moments (three with amsgrad), quantised
+    (codes, a fp32 scale per block, a fp32 lookup table) where `torchao_quantized`, else in the
+    parameter's dtype; a fp32 step counter, on the CPU (off the device on CUDA). Its step updates one
+    parameter at a time: the largest parameter's `torchao_kernel_bytes`."""
+    kind, block = torchao_state_kind(optimizer), optimizer.block_size
+    state = 0
+    for group, params in zip(optimizer.param_groups, groups, strict=True):
+        moments = 3 if group.get("amsgrad") else 2
+        for p in params:
+            n = p.numel()
+            if torchao_quantized(kind, n, block):
+                state += moments * (math.ceil(TORCHAO_CODE_BYTES[kind] * n) + 4 * n // block + 4 * TORCHAO_QMAP_VALUES[kind])
+            else:
+                state += moments * _nbytes(p)
+            state += 4 if device == "cpu" else 0
+    temps = max(torchao_kernel_bytes(kind, p.numel(), block) for g in stepped for p in g)
+    return state, temps
 
 
 def _total(categories: dict[str, int]) -> int:

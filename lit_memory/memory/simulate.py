@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from unittest import mock
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +20,8 @@ import torch
 
 from lit_memory.activations import OffloadActivations
 from lit_memory.fused import OptimizerInBackward
-from lit_memory.memory.analytic import foreach_default
+from lit_memory.lowbit import is_torchao
+from lit_memory.memory.analytic import foreach_default, torchao_kernel_bytes
 from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
@@ -75,6 +77,37 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
     return _Stepping(optimizers=[optimizer], warm=warm, after_backward=optimizer.step)
 
 
+TORCHAO_NOTE = (
+    "torchao's update kernel is compiled, and compiled code cannot run on fake tensors: the simulation creates "
+    "its state with torchao's own code and allocates the kernel's buffers as inductor's CPU code does "
+    "(lit_memory.memory.analytic.torchao_kernel_bytes) instead of running it"
+)
+
+
+@contextlib.contextmanager
+def _torchao_kernel_as_buffers(optimizer: torch.optim.Optimizer):
+    """Step torchao's optimizer on fake tensors: its Python code as it is (state creation, the step
+    counter), its compiled per-parameter kernel (`torchao.optim.adam.single_param_adam`, private) replaced
+    by the buffers that kernel allocates, run eagerly. Enter before the fake mode: torchao builds its
+    quantisation maps from Python lists (cached), which fake tensors cannot give."""
+    if not is_torchao(optimizer):
+        yield
+        return
+    from torchao.optim import adam, subclass_4bit, subclass_8bit
+
+    for maps in (subclass_8bit, subclass_4bit):
+        maps.get_qmap_signed(), maps.get_qmap_unsigned()
+
+    def buffers(p, grad, step, exp_avg, *rest) -> None:
+        kind = type(exp_avg).__name__.removeprefix("OptimState")
+        block = getattr(exp_avg, "block_size", float("inf"))
+        held = torch.empty(torchao_kernel_bytes(kind, exp_avg.numel(), block), dtype=torch.uint8)
+        del held
+
+    with mock.patch.object(adam, "single_param_adam", buffers), torch.compiler.set_stance("force_eager"):
+        yield
+
+
 def simulate(setup: Setup) -> Prediction:
     """One training step of the configured module on fake tensors, tracked per phase on ``cpu``."""
     from lightning.pytorch.plugins.precision import MixedPrecision
@@ -88,7 +121,7 @@ def simulate(setup: Setup) -> Prediction:
         # The step runs on the CPU here, standing in for the GPU: offload to the meta device instead
         # of host memory, so the offloaded tensors leave the tracked device as they would leave the GPU.
         module.activation_offload = OffloadActivations(host="meta")
-    with fake, warnings.catch_warnings():
+    with _torchao_kernel_as_buffers(optimizer), fake, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
         _use_device_defaults(optimizer, setup.device)
         stepping = _stepping(module, optimizer, setup)
@@ -100,7 +133,7 @@ def simulate(setup: Setup) -> Prediction:
         def forward_context() -> contextlib.AbstractContextManager:
             return plugin.forward_context() if plugin else contextlib.nullcontext()
 
-        tracker = Tracker("cpu")
+        tracker = Tracker("cpu", compiled_steps=False)  # torchao's steps run eagerly here
         tracker.track_external(module, *stepping.optimizers, batch)
         with tracker:
             tracker.enter_phase("forward")
@@ -128,6 +161,7 @@ def simulate(setup: Setup) -> Prediction:
         parameters=sum(p.numel() for p in module.model.parameters()),
         trainable=sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         seconds=time.perf_counter() - start,
+        notes=[TORCHAO_NOTE] if is_torchao(optimizer) else [],
     )
 
 

@@ -20,7 +20,8 @@ from typing import Any, Optional, Union
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from lit_memory.memory.footprint import CATEGORIES, Footprint, format_bytes
 
@@ -56,12 +57,20 @@ class Tracker(MemTracker):
     where it is. Everything else (dispatch, storage accounting, module tracking) is torch's.
     """
 
-    def __init__(self, device: Union[str, torch.device] = "cpu", budget: Optional[int] = None) -> None:
+    def __init__(
+        self, device: Union[str, torch.device] = "cpu", budget: Optional[int] = None, compiled_steps: bool = True
+    ) -> None:
         super().__init__()
         self.device = torch.device(device)
         self.budget = budget
         self.footprint = Footprint()
         self.phase: Optional[str] = None
+        # Optimizers whose step runs torch.compile'd kernels (torchao's): dynamo refuses to run compiled
+        # code under a Python dispatch mode, so their update runs with this tracker paused. Their kernels'
+        # buffers are allocated outside the dispatcher and are not tracked tensors in any case; the state
+        # they create is labelled after the step. ``False``: step them tracked (an eager stand-in does).
+        self.compiled_steps = compiled_steps
+        self._paused = False
 
     def _track_module_params_and_buffers(
         self, module: torch.nn.Module, install_grad_hooks: bool = True
@@ -98,7 +107,44 @@ class Tracker(MemTracker):
                             if isinstance(value, torch.Tensor):
                                 self._update_and_maybe_create_winfos(value, _MemRefType.OPT)
 
-        self._optimizer_hook_handles = (register_optimizer_step_post_hook(label_state),)
+        def before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            if not (self.compiled_steps and compiles_its_step(optimizer)):
+                return None
+            # Lightning hands the step a closure that runs training_step and backward: track those, pause after.
+            # ``args`` are the step's own: the optimizer first.
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if closure is None:
+                self._pause()
+                return None
+
+            def then_pause() -> Any:
+                try:
+                    return closure()
+                finally:
+                    self._pause()
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": then_pause}
+            return (args[0], then_pause, *args[2:]), kwargs
+
+        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._resume()
+            label_state(optimizer, args, kwargs)
+
+        self._optimizer_hook_handles = (
+            register_optimizer_step_pre_hook(before_step),
+            register_optimizer_step_post_hook(after_step),
+        )
+
+    def _pause(self) -> None:
+        if not self._paused and _get_current_dispatch_mode() is self:
+            _pop_mode()
+            self._paused = True
+
+    def _resume(self) -> None:
+        if self._paused:
+            _push_mode(self)
+            self._paused = False
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Only the global peak is used here. MemTracker also updates a peak per module, walking every
@@ -147,6 +193,7 @@ class Tracker(MemTracker):
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
+        self._resume()  # a step that raised leaves the tracker paused: MemTracker pops its mode on exit
         if self._depth == 1:
             self._close_phase()
         super().__exit__(*args)
@@ -163,6 +210,11 @@ class Tracker(MemTracker):
                     self.categories(),
                 )
         return out
+
+
+def compiles_its_step(optimizer: torch.optim.Optimizer) -> bool:
+    """torchao's optimizers compile their per-parameter update (``torch.compile(..., fullgraph=True)``)."""
+    return type(optimizer).__module__.startswith("torchao.optim")
 
 
 def batch_tensors(data: Any) -> list[torch.Tensor]:

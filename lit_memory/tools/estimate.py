@@ -86,6 +86,7 @@ def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction])
     notes = list(analytic_.notes)
     if simulated is not None:
         notes.append(f"simulated on CPU with fake tensors (nothing allocated) in {simulated.seconds:.1f} s")
+        notes += simulated.notes
         if setup.device == "cuda":
             notes.append(CUDA_NOTES)
     return {

@@ -1,0 +1,58 @@
+"""torchao's low-bit optimizers and bf16 stochastic rounding: what lit_memory checks around them.
+
+`torchao.optim` keeps Adam's two moments quantised block by block: ``AdamW8bit`` (1 byte per value and a
+fp32 scale per 256), ``AdamW4bit`` (half a byte and a scale per 128), ``AdamWFp8`` (an FP8 value and a
+scale per 256); tensors under 4096 values, or not a whole number of blocks, keep plain state in the
+parameter's dtype. With ``bf16_stochastic_round=True`` the update is computed in fp32 and rounded to
+the bf16 weight stochastically, so a ``bf16-true`` run (2 B weights, no fp32 master copy) keeps, on
+average, updates smaller than half a bf16 unit in the last place, which rounding to nearest loses.
+
+Its state is DTensor-aware: under FSDP2 it steps the sharded parameters and its state is saved and
+resharded like torch's own (unlike bitsandbytes', `lit_memory.strategies.SHARD_STATE`). Each step
+runs one ``torch.compile``'d kernel per parameter, compiled once per parameter shape and setting.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from lit_memory.errors import UserError
+
+PACKAGE = "torchao.optim"
+# torchao's FP8 state needs FP8 casts in the GPU's kernels: compute capability 8.9 (Ada, Hopper) or newer.
+FP8_CAPABILITY = (8, 9)
+
+
+def is_torchao(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torchao's Adam variants (loaded if it is one)."""
+    module = sys.modules.get("torchao.optim.adam")
+    return module is not None and isinstance(optimizer, module._AdamBase)
+
+
+def check_settings(optimizer: Any, precision: Any, on_gpu: bool) -> None:
+    """One `UserError` line for a torchao optimizer setting that cannot do what it says, before anything
+    is built. ``optimizer``: the parsed ``model.optimizer`` (a class path and its init args)."""
+    class_path = str(_get(optimizer, "class_path") or "")
+    init_args = _get(optimizer, "init_args") or {}
+    if _get(init_args, "bf16_stochastic_round") and str(precision) != "bf16-true":
+        raise UserError(
+            f"model.optimizer.init_args.bf16_stochastic_round rounds bf16 weights, and trainer.precision {precision} "
+            "trains no bf16 weights (torchao ignores it there): set trainer.precision bf16-true, or drop "
+            "bf16_stochastic_round"
+        )
+    name = class_path.rsplit(".", 1)[-1]
+    if class_path.startswith(PACKAGE) and name.endswith("Fp8") and on_gpu and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < FP8_CAPABILITY:
+            raise UserError(
+                f"{class_path} keeps FP8 state, which needs a GPU with compute capability "
+                f"{'.'.join(map(str, FP8_CAPABILITY))} or newer; this one has {'.'.join(map(str, capability))}: "
+                f"use {PACKAGE}.AdamW8bit instead"
+            )
+
+
+def _get(node: Any, key: str) -> Any:
+    return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
