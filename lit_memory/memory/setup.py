@@ -83,17 +83,33 @@ class Setup:
         return bool(self.model.get("offload_activations")) and self.device == "cuda"
 
     @property
+    def optimizer_class(self) -> Any:
+        """The optimizer's class (the factories are partials of it), or the factory itself."""
+        return next((a for a in getattr(self.optimizer, "args", ()) if isinstance(a, type)), None) or self.optimizer
+
+    @property
     def optimizer_name(self) -> str:
-        func = getattr(self.optimizer, "args", ())
-        cls = next((a for a in func if isinstance(a, type)), None) or self.optimizer
-        return getattr(cls, "__name__", str(cls))
+        return getattr(self.optimizer_class, "__name__", str(self.optimizer_class))
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether the optimizer rounds bf16 weights stochastically (torchao's ``bf16_stochastic_round``)."""
+        # The CLI's factories, and tests' functools.partial, are partials holding the init args.
+        return bool(getattr(self.optimizer, "keywords", {}).get("bf16_stochastic_round"))
+
+    @property
+    def loses_small_updates(self) -> bool:
+        """16-bit weights without fp32 master copies, updated by rounding to nearest: every update below half
+        a unit in their last place is lost. Stochastic rounding keeps them on average."""
+        weights = PRECISIONS[self.precision][0]
+        return weights.itemsize == 2 and not (weights == torch.bfloat16 and self.stochastic_rounding)
 
     def describe(self) -> str:
         hp = self.model
         parts = [
             f"batch {self.batch_size} x {self.max_length} tokens",
             self.precision,
-            self.optimizer_name,
+            self.optimizer_name + (" with stochastic rounding" if self.stochastic_rounding else ""),
             f"accumulate {self.accumulate_grad_batches}",
         ]
         if self.checkpointing:

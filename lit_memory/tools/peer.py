@@ -4,7 +4,9 @@ A recipe's resolved config is mapped onto the `TrainingArguments` the reference 
 accumulation, gradient checkpointing, ``optim``, learning rate, weight decay, bf16); freezing and
 LoRA are applied to the model by our `SequenceClassifier.configure_model`, the data comes from our
 `TextClassificationData` (same split, tokenisation and fixed-length collator). Everything else is
-the Trainer's default, as people run it (it clips gradients to norm 1.0; ours do not clip). Settings
+the Trainer's default, as people run it (it clips gradients to norm 1.0; ours do not clip). ``bf16-true``
+is the model cast to bf16 (the Trainer trains the dtype it is given); torchao's 8-bit and 4-bit AdamW are
+its ``adamw_torch_8bit``/``adamw_torch_4bit`` (``bf16_stochastic_round`` through ``optim_args``). Settings
 the Trainer has no switch for (the fused backward + step, sharded strategies, other optimizers)
 raise `NoTrainerEquivalent`.
 
@@ -38,8 +40,15 @@ OPTIM = {
     "transformers.Adafactor": "adafactor",
     "transformers.optimization.Adafactor": "adafactor",
     "bitsandbytes.optim.AdamW8bit": "adamw_bnb_8bit",
+    "torchao.optim.AdamW8bit": "adamw_torch_8bit",
+    "torchao.optim.AdamW4bit": "adamw_torch_4bit",
 }
-PRECISION = {"32-true": {}, "bf16-mixed": {"bf16": True}, "16-mixed": {"fp16": True}}
+# The block size the Trainer gives torchao's optimizers: its `optim_args` would pass another as a string,
+# which torchao cannot use, so only this one has an equivalent.
+TRAINER_TORCHAO_BLOCK = 256
+# Precision -> TrainingArguments. bf16-true has no argument: the Trainer trains a model in the dtype it
+# is given, so `run` casts the model to bf16 (no autocast, no fp32 master copy), as Lightning's bf16-true does.
+PRECISION = {"32-true": {}, "bf16-mixed": {"bf16": True}, "16-mixed": {"fp16": True}, "bf16-true": {}}
 
 
 class NoTrainerEquivalent(Exception):
@@ -61,6 +70,14 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
     if optimizer.class_path not in OPTIM:
         raise NoTrainerEquivalent(f"no Trainer equivalent (optimizer {optimizer.class_path})")
     init = optimizer.init_args
+    optim_args = {}
+    if optimizer.class_path.startswith("torchao."):
+        if init.block_size != TRAINER_TORCHAO_BLOCK:
+            raise NoTrainerEquivalent(
+                f"no Trainer equivalent ({optimizer.class_path} with block_size {init.block_size}: the Trainer's "
+                f"{OPTIM[optimizer.class_path]} uses {TRAINER_TORCHAO_BLOCK})"
+            )
+        optim_args["optim_args"] = f"bf16_stochastic_round={init.bf16_stochastic_round}"
     checkpointing = checkpoint_policy(config.model.gradient_checkpointing)
     if checkpointing == "selective":
         raise NoTrainerEquivalent("no Trainer equivalent (selective checkpointing)")
@@ -75,6 +92,7 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         "gradient_accumulation_steps": config.trainer.accumulate_grad_batches,
         "gradient_checkpointing": checkpointing is not None,
         "optim": OPTIM[optimizer.class_path],
+        **optim_args,
         "learning_rate": init.lr,
         "weight_decay": init.weight_decay,
         "lr_scheduler_type": config.model.lr_scheduler_type,
@@ -152,6 +170,8 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
     # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
     module.hparams.gradient_checkpointing = False
     module.configure_model()
+    if normalize_precision(cli.settings.trainer.precision) == "bf16-true":
+        module.model.to(torch.bfloat16)
     data.prepare_data()
     loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
     args = TrainingArguments(

@@ -8,13 +8,15 @@ written as a recipe, with its predicted breakdown in the header.
 
 "Fastest" follows a stated rule; the first difference decides:
 
-1. quality: every parameter trains and every token is kept (freezing and truncation cost accuracy);
+1. quality: every parameter trains, every token is kept and every update reaches the weights (freezing,
+   LoRA's frozen body, truncation and 16-bit weights rounded to nearest, which drops updates below half a
+   unit in their last place, cost accuracy);
 2. no gradient accumulation;
 3. the least recompute: no gradient checkpointing, then selective (recomputes only cheap ops), then
    full (re-runs every layer's forward in backward); with equal recompute, no activation offloading
    (it copies each layer's input to host memory and back);
 4. the larger micro-batch;
-5. on CUDA 16-bit mixed precision before fp32 (tensor cores), on CPU fp32 first;
+5. on CUDA 16-bit compute (bf16 autocast or bf16 weights: tensor cores) before fp32, on CPU fp32 first;
 6. the optimizer that keeps more state (closest to AdamW's updates);
 7. Lightning's own optimizer step before the fused step (one optimizer step per parameter).
 
@@ -38,6 +40,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
+from lit_memory.lowbit import check_settings
 from lit_memory.memory.analytic import analytic
 from lit_memory.memory.footprint import CATEGORIES, format_bytes, parse_bytes
 from lit_memory.memory.report import breakdown
@@ -49,9 +52,9 @@ from lit_memory.tools.estimate import setup_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 RULE = (
-    "quality (no freezing, no truncation) > no accumulation > no checkpointing > selective > full checkpointing > "
-    "no offloading > larger micro-batch > "
-    "16-bit mixed precision on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
+    "quality (no freezing, no LoRA, no truncation, no 16-bit weights rounded to nearest) > no accumulation > "
+    "no checkpointing > selective > full checkpointing > no offloading > larger micro-batch > "
+    "16-bit compute on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
 )
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
 MEASURED = 3  # candidates timed with --measure
@@ -140,19 +143,27 @@ def apply(base: Setup, values: dict[str, Any]) -> Setup:
             changes["optimizer"] = optimizer_factory(value)
         elif section == "model":
             model[name] = value
-    return replace(base, model=model, **changes)
+    setup = replace(base, model=model, **changes)
+    if model.get("embedding_optimizer_state") != "stable_embedding" and not _bitsandbytes(setup):
+        # Only bitsandbytes' optimizers read it (stable_embedding swaps a module for any): the same setup.
+        setup = replace(setup, model={k: v for k, v in model.items() if k != "embedding_optimizer_state"})
+    return setup
+
+
+def _bitsandbytes(setup: Setup) -> bool:
+    return getattr(setup.optimizer_class, "__module__", "").startswith("bitsandbytes")
 
 
 def rank(setup: Setup, prediction: Prediction, longest: int) -> tuple:
     """Sort key of the module docstring's rule: smaller is faster."""
-    autocast = PRECISIONS[setup.precision][2]
-    sixteen_bit = PRECISIONS[setup.precision][1].itemsize == 2
-    precision = (
-        (0 if autocast else 1 if sixteen_bit else 2) if setup.device == "cuda" else (0 if not sixteen_bit else 1)
-    )
+    sixteen_bit = PRECISIONS[setup.precision][1].itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
+    precision = (0 if sixteen_bit else 1) if setup.device == "cuda" else (0 if not sixteen_bit else 1)
     steady_state = prediction.footprint.phases["forward"]["optimizer"]
     return (
-        setup.model.get("freeze") is not None or setup.max_length < longest,
+        setup.model.get("freeze") is not None
+        or setup.model.get("lora") is not None
+        or setup.max_length < longest
+        or setup.loses_small_updates,
         setup.accumulate_grad_batches > 1,
         (None, "selective", "full").index(setup.checkpointing),
         bool(setup.model.get("offload_activations")),
@@ -206,7 +217,7 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
         options[key] = list(seen.values())
     order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
     effective = base.batch_size * base.accumulate_grad_batches
-    out = []
+    kept: dict[tuple, Candidate] = {}
     for combination in itertools.product(*options.values()):
         chosen = {b.key: b for b in combination if b is not None}
         for micro, accumulate in _micro_batches(effective):
@@ -215,12 +226,25 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
             setup = apply(base, {k: b.plain for k, b in blocks.items()})
             if setup.fused and setup.accumulate_grad_batches > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
+            identity = (json.dumps(setup.model, sort_keys=True, default=str), id(setup.optimizer), setup.precision,
+                        setup.batch_size, setup.accumulate_grad_batches, setup.max_length, setup.fused)
+            if identity in kept:
+                # Settings that differ only where this setup ignores them: write those closest to a shipped recipe.
+                if _distance(blocks, recipes) < _distance(kept[identity].blocks, recipes):
+                    kept[identity].blocks = blocks
+                continue
             try:
+                # settings fit refuses together (stochastic rounding without bf16 weights)
+                check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
                 prediction = analytic(setup)
             except UserError:
-                continue  # settings the module refuses together (offloading without checkpointing)
-            out.append(Candidate(blocks, setup, prediction))
-    return out
+                continue  # settings refused together (also offloading without checkpointing, by the module)
+            kept[identity] = Candidate(blocks, setup, prediction)
+    return list(kept.values())
+
+
+def _distance(blocks: dict[str, Block], recipes: list[Recipe]) -> int:
+    return len(_parent(blocks, recipes)[1])
 
 
 def lightest_fitting_recipe(

@@ -82,6 +82,53 @@ def test_only_the_stepped_optimizers_state_is_labelled_after_a_step():
     assert sum(kind.value == "Optstate" for kind in labelled) == 4
 
 
+def compiled_step(tracker: Tracker, closure: bool) -> None:
+    """One torchao AdamW8bit step on a (64, 64) matrix and its bias (shapes tests/test_lowbit.py compiles
+    too), tracked by ``tracker``: with Lightning's closure (forward and backward inside the step) or, as a
+    fused bucket is stepped, without one."""
+    from torchao.optim import AdamW8bit
+
+    model = nn.Linear(64, 64)
+    optimizer = AdamW8bit([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}], lr=1e-3)
+    x = torch.randn(8, 64)
+    tracker.track_external(model, optimizer, x)
+
+    def forward_backward():
+        tracker.enter_phase("forward")
+        loss = model(x).square().mean()
+        tracker.enter_phase("backward")
+        loss.backward()
+        tracker.enter_phase("step")
+        return loss
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as tests/test_lowbit.py: its compiled kernels are reused, not compiled anew
+    try:
+        with tracker:
+            if closure:
+                optimizer.step(forward_backward)
+            else:
+                forward_backward()
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("closure", [True, False], ids=["lightning-closure", "fused-bucket-call"])
+def test_a_compiled_optimizer_step_runs_under_the_tracker_and_its_state_is_counted(closure):
+    """torchao compiles its update with ``fullgraph=True``, which dynamo refuses under a dispatch mode
+    ("torch.compile with fullgraph=True found no compiled frames", and afterwards in the whole process: not
+    tried here): the tracker steps out for the update, after the closure's forward and backward, which
+    it tracks, and labels the state the update made."""
+    tracker = Tracker()
+    compiled_step(tracker, closure)
+    step = tracker.footprint.phases["step"]
+    assert step["gradients"] == (64 * 64 + 64) * 4  # made by the closure's backward, tracked
+    # 8-bit moments of the matrix (codes, a fp32 scale per 256, a 256-entry fp32 map each), fp32 ones of the
+    # bias, two step counters
+    assert step["optimizer"] == 2 * (64 * 64 + 4 * 16 + 4 * 256) + 2 * 64 * 4 + 2 * 4
+
+
 def test_process_peak_grows_with_a_large_allocation():
     process = ProcessPeak()
     block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched

@@ -1,0 +1,192 @@
+"""torchao's low-bit optimizers (`lit_memory.lowbit`): the fused step, checkpoints, the analytic model's
+bytes, stochastic rounding, and the settings refused.
+
+torchao compiles its per-parameter update once per signature (shape, state kind, weight decay, dtype):
+about 11 s for the first on this 2-core CPU, 3 s for each next. The toy BERT here is 64 wide everywhere
+(hidden, FFN, vocabulary, positions), so its parameters have four signatures ((64, 64) quantised;
+(64,), (2, 64) and (2,) plain), compiled once per test process and shared by these tests (and by
+tests/memory/test_tracker.py); inductor's on-disk cache keeps them for the next process.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import yaml
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8, _AdamW
+from transformers import get_scheduler
+
+from conftest import RECIPES
+from lit_memory import lowbit
+from lit_memory.__main__ import main
+from lit_memory.errors import UserError
+from lit_memory.fused import OptimizerInBackward
+from lit_memory.memory.analytic import optimizer_bytes
+from lit_memory.model import SequenceClassifier, weight_decay_groups
+from lit_memory.tools.plan import optimizer_factory
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Fewer threads than the two shared cores keep these small models (and compiled kernels) fast."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TOY = {
+    "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 64,
+    "vocab_size": 64, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+}
+
+
+def toy_bert(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    module = SequenceClassifier("bundled:bert-large", pretrained=False, config_overrides=TOY)
+    module.configure_model()
+    return module.model.to(dtype)
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (4, 16), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 1, 0])}
+
+
+def train(model, optimizer, fused: bool, steps: int, start: int = 0, bucket: str = "layer", schedule=None):
+    fusion = OptimizerInBackward(optimizer, model, bucket) if fused else None
+    for i in range(start, start + steps):
+        model(**batch(i)).loss.backward()
+        optimizer.step()  # fused: finds no gradient left
+        optimizer.zero_grad()
+        if schedule is not None:
+            schedule.step()
+    if fusion is not None:
+        fusion.remove()
+
+
+def schedule(optimizer):  # moves the learning rate every step: the buckets' copies must follow it
+    return get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=8)
+
+
+@pytest.mark.parametrize("bucket", ["layer", "param"])
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=["8bit", "4bit"])
+def test_fused_buckets_step_exactly_as_the_unfused_optimizer(cls, bucket):
+    """Bitwise: torchao updates one parameter at a time with the same compiled kernel and quantises each
+    parameter's moments in blocks of its own values; nothing depends on which other parameters share the
+    call, or on the order they are stepped in (without stochastic rounding, which draws a seed per
+    parameter in update order: backward's order when fused, the groups' order unfused)."""
+    runs = []
+    for fused in (False, True):
+        model = toy_bert()
+        optimizer = cls(weight_decay_groups(model), lr=1e-3, weight_decay=0.01)
+        train(model, optimizer, fused, steps=4, bucket=bucket, schedule=schedule(optimizer))
+        runs.append((model, optimizer))
+    (plain, plain_opt), (fused, fused_opt) = runs
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert torch.equal(p, q), name
+    kinds = {type(v).__name__ for state in fused_opt.state.values() for v in state.values()}
+    assert kinds == {"Tensor", f"OptimState{cls.__name__[-4:]}"}  # quantised moments, plain ones under 4096 values
+    assert_same_state(fused_opt.state_dict(), plain_opt.state_dict())  # the original's state, in its own format
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys()
+    for index, state in a["state"].items():
+        for key, value in state.items():
+            other = b["state"][index][key]
+            assert type(value) is type(other), (index, key)
+            parts = value.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(value) else [None]
+            for part in parts:  # a quantised moment: its codes, block scales and lookup table
+                assert torch.equal(*(getattr(t, part) if part else t for t in (value, other))), (index, key, part)
+
+
+def test_state_resumes_exactly_from_a_weights_only_checkpoint():
+    """The fused optimizer's state_dict holds torchao's state subclasses; torch.load with weights_only=True
+    (how lit_memory loads every checkpoint) reads them, and training goes on as if never stopped."""
+    uninterrupted = toy_bert()
+    optimizer = AdamW8bit(weight_decay_groups(uninterrupted), lr=1e-3)
+    train(uninterrupted, optimizer, fused=True, steps=6)
+
+    first = toy_bert()
+    first_opt = AdamW8bit(weight_decay_groups(first), lr=1e-3)
+    train(first, first_opt, fused=True, steps=3)
+    saved = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    second = toy_bert()
+    second.load_state_dict(checkpoint["model"])
+    second_opt = AdamW8bit(weight_decay_groups(second), lr=1e-3)
+    second_opt.load_state_dict(checkpoint["optimizer"])
+    train(second, second_opt, fused=True, steps=3, start=3)
+    for (name, p), q in zip(uninterrupted.named_parameters(), second.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    "cls, dtype",
+    [(AdamW8bit, torch.float32), (AdamW4bit, torch.float32), (AdamWFp8, torch.float32), (_AdamW, torch.bfloat16)],
+    ids=["8bit", "4bit", "fp8", "plain-bf16"],
+)
+def test_the_analytic_model_counts_the_state_torchao_creates(cls, dtype):
+    """Every byte of torchao's real state (codes, block scales, lookup tables, plain moments in the weights'
+    dtype, step counters) against `optimizer_bytes`. One eager step: the state is what matters here."""
+    model = toy_bert(dtype)
+    optimizer = cls(weight_decay_groups(model), lr=1e-3)
+    model(**batch(0)).loss.backward()
+    with torch.compiler.set_stance("force_eager"):
+        optimizer.step()
+    storages = {s for state in optimizer.state.values() for v in state.values() for s in get_untyped_storages(v)}
+    assert optimizer_bytes(optimizer, "cpu")[0] == sum(s.nbytes() for s in storages)
+
+
+def test_stochastic_rounding_keeps_the_small_updates_rounding_to_nearest_loses():
+    """The 2gb recipe's optimizer on bf16 weights at 1.0, a constant gradient and lr 1e-4: Adam moves each
+    weight by lr per step, far below half a bf16 unit in the last place (2^-9 just under 1.0). Rounded to
+    nearest, 40 steps leave every weight at 1.0; rounded stochastically, they move 40 x 1e-4 on average
+    (4096 weights: the mean's spread is about 4 % of that)."""
+    spec = yaml.safe_load((RECIPES / "2gb.yaml").read_text())["model"]["optimizer"]
+    assert spec["init_args"]["bf16_stochastic_round"] is True
+    moved = {}
+    for rounding in (True, False):
+        spec = {**spec, "init_args": {**spec["init_args"], "lr": 1e-4, "weight_decay": 0.0, "bf16_stochastic_round": rounding}}
+        weights = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        optimizer = optimizer_factory(spec)([weights])
+        torch.manual_seed(0)
+        for _ in range(40):
+            weights.grad = torch.full_like(weights, 0.5)
+            optimizer.step()
+        moved[rounding] = 1.0 - weights.float().mean().item()
+    assert moved[False] == 0.0
+    assert moved[True] == pytest.approx(40 * 1e-4, rel=0.15)
+
+
+# -- settings refused, one line each, before anything is written ---------------------------------------
+
+
+def test_stochastic_rounding_without_bf16_weights_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--recipe", "2gb", "--trainer.precision=bf16-mixed", f"--trainer.default_root_dir={tmp_path / 'runs'}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: model.optimizer.init_args.bf16_stochastic_round rounds bf16 weights, and trainer.precision bf16-mixed "
+        "trains no bf16 weights (torchao ignores it there): set trainer.precision bf16-true, or drop bf16_stochastic_round"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fp8_state_on_a_gpu_without_fp8_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    fp8 = {"class_path": "torchao.optim.AdamWFp8", "init_args": {}}
+    with pytest.raises(UserError, match=r"^torchao.optim.AdamWFp8 keeps FP8 state, which needs a GPU with compute "
+                                        r"capability 8.9 or newer; this one has 8.0: use torchao.optim.AdamW8bit instead$"):
+        lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
+    lowbit.check_settings(fp8, "bf16-mixed", on_gpu=False)  # the CPU casts to FP8 itself
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
