@@ -62,15 +62,35 @@ class BenchRun:
 
 
 def ordered(names: str) -> list[str]:
-    """``all`` or ``a,b``: shipped recipes, the reference post's tiers first in its order, then ours."""
+    """``all`` or ``a,b``: shipped recipes, the reference post's tiers first in its order, then ours; then
+    recipe files given by a path (``dir/mine.yaml``: a variant to compare in the same run), as given."""
     order = [n for n in REFERENCE_TIERS if n in recipes.names()]
     order += [n for n in recipes.tier_order() if n not in order]
     if names.strip() == "all":
         return order
-    wanted = {recipes.recipe_path(n.strip()).stem for n in names.split(",") if n.strip()}  # UserError if unknown
-    if not wanted:
+    entries = [n.strip() for n in names.split(",") if n.strip()]
+    files = [n for n in entries if _is_file_entry(n)]
+    for path in files:
+        if not Path(path).is_file():
+            raise UserError(f"recipe file not found: {path}")
+    wanted = {recipes.recipe_path(n).stem for n in entries if n not in files}  # UserError if unknown
+    if not entries:
         raise UserError("--recipes is empty: give `all` or recipe names separated by commas")
-    return [n for n in order if n in wanted]
+    chosen = [n for n in order if n in wanted] + files
+    stems = [Path(n).stem for n in chosen]  # a row and a run folder each
+    clashes = sorted({n for n in stems if stems.count(n) > 1})
+    if clashes:
+        raise UserError(f"two recipes named {clashes[0]} in --recipes: their rows and run folders would collide")
+    return chosen
+
+
+def _is_file_entry(entry: str) -> bool:
+    return "/" in entry or os.sep in entry
+
+
+def recipe_file(entry: str) -> Path:
+    """The YAML file of a `ordered` entry: a shipped recipe's, or the file it names."""
+    return Path(entry) if _is_file_entry(entry) else recipes.recipe_path(entry)
 
 
 def bench_overrides(run_dir: Path, warmup: int, steps: int, validate_after: Optional[int]) -> list[str]:
@@ -118,9 +138,10 @@ def prepare(
 ) -> list[BenchRun]:
     """Resolve every recipe with the user's arguments before anything runs: bad input fails here."""
     runs = []
-    for name in names:
+    for entry in names:
+        name = Path(entry).stem
         # Fixed-length batches, as the reference post had them: every step the same work, the predicted worst case.
-        base = ["--config", str(recipes.recipe_path(name)), *user_args, "--data.padding=max_length"]
+        base = ["--config", str(recipe_file(entry)), *user_args, "--data.padding=max_length"]
         run_dir = (out / "runs" / name).resolve()
         resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None))
         validate_after = (warmup + steps) * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
@@ -428,7 +449,10 @@ def main(argv: list[str]) -> None:
         "--config FILE (model/data configs), dotted overrides such as --trainer.accelerator=cuda.",
     )
     parser.add_argument(
-        "--recipes", default="all", help="`all` (the reference post's tiers in its order, then ours) or a,b,c"
+        "--recipes",
+        default="all",
+        help="`all` (the reference post's tiers in its order, then ours) or a,b,c: shipped recipe names, or paths "
+        "to recipe files (dir/mine.yaml) to compare in the same run",
     )
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per recipe (default 5)")
     parser.add_argument(

@@ -13,6 +13,7 @@ from conftest import RECIPES
 
 from lit_memory import recipes
 from lit_memory.__main__ import main
+from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.monitor import StepTimer
@@ -135,7 +136,8 @@ def test_a_failing_recipe_is_a_row_with_its_error_not_a_crash(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--recipes", "baseline,nope"], "error: unknown recipe 'nope'; choose one of: 4gb,"),
+        (["--recipes", "baseline,nope"], "error: unknown recipe 'nope'; choose one of: 2gb, 4gb,"),
+        (["--recipes", "baseline,gone/mine.yaml"], "error: recipe file not found: gone/mine.yaml"),
         (["--peer", "deepspeed"], "error: unknown peer 'deepspeed'; choose one of: hf-trainer"),
         (["--steps", "0"], "error: --steps must be at least 1, got 0"),
         (["--warmup", "1"], "error: --warmup must be at least 2"),
@@ -174,3 +176,15 @@ def test_all_runs_the_reference_tiers_in_their_order_then_ours():
     assert order[:6] == list(bench.REFERENCE_TIERS)
     assert sorted(order) == recipes.names()
     assert bench.ordered("4gb,baseline, freeze.yaml") == ["baseline", "freeze", "4gb"]
+
+
+def test_recipe_files_join_the_shipped_recipes_under_their_own_names(tmp_path):
+    variant = tmp_path / "4gb-variant.yaml"
+    variant.write_text((RECIPES / "4gb.yaml").read_text())
+    assert bench.ordered(f"{variant},4gb") == ["4gb", str(variant)]
+    runs = bench.prepare([str(variant)], [], tmp_path / "out", 2, 1, False, None)
+    assert runs[0].recipe == "4gb-variant" and runs[0].fit_args[:2] == ["--config", str(variant)]
+    clash = tmp_path / "4gb.yaml"
+    clash.write_text(variant.read_text())
+    with pytest.raises(UserError, match="two recipes named 4gb in --recipes"):
+        bench.ordered(f"4gb,{clash}")

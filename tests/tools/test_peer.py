@@ -33,7 +33,28 @@ def test_bf16_maps_to_bf16_unless_the_cli_falls_back_to_fp32():
     assert arguments("bf16", "--cpu_bf16_fallback=false", "--trainer.accelerator=cpu")["bf16"] is True
 
 
-@pytest.mark.parametrize("recipe", ["fused", "4gb"])
+def test_torchao_8bit_and_bf16_weights_map_onto_the_trainers_torchao_optim_and_a_bf16_model():
+    torchao = ["--model.optimizer.class_path=torchao.optim.AdamW8bit", "--cpu_bf16_fallback=false"]
+    eight = arguments("8bit", *torchao)
+    assert eight["optim"] == "adamw_torch_8bit" and eight["optim_args"] == "bf16_stochastic_round=False"
+    # bf16-true: no autocast flag (the peer casts the model, as Lightning does); stochastic rounding passed on
+    rounded = arguments("8bit", *torchao, "--trainer.precision=bf16-true", "--model.optimizer.init_args.bf16_stochastic_round=true")
+    assert rounded["optim_args"] == "bf16_stochastic_round=True" and "bf16" not in rounded and "fp16" not in rounded
+
+
+@pytest.mark.parametrize(
+    "optimizer, reason",
+    [
+        ("torchao.optim.AdamW4bit", "AdamW4bit with block_size 128: the Trainer's adamw_torch_4bit uses 256"),
+        ("torchao.optim.AdamWFp8", "optimizer torchao.optim.AdamWFp8"),
+    ],
+)
+def test_torchao_settings_the_trainer_cannot_express_have_no_equivalent(optimizer, reason):
+    with pytest.raises(NoTrainerEquivalent, match=f"^no Trainer equivalent \\(.*{reason}\\)$"):
+        arguments("8bit", f"--model.optimizer.class_path={optimizer}")
+
+
+@pytest.mark.parametrize("recipe", ["fused", "4gb", "2gb"])
 def test_the_fused_step_has_no_trainer_equivalent(recipe):
     with pytest.raises(NoTrainerEquivalent, match="fused backward"):
         arguments(recipe)
