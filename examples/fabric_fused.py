@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
 from lit_memory.model import load_config, weight_decay_groups
-from lit_memory.strategies import FusedFabricStrategy
+from lit_memory import FusedFabricStrategy
 
 TINY_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 

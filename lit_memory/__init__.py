@@ -9,13 +9,15 @@ __version__ = "0.1.0"
 # package is missing; lit_memory never uses 4-bit matmuls, so that line is only noise.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-# `lit_memory.<name>` for YAML class paths, imported on first use: `import lit_memory.errors`
+# `lit_memory.<name>` for YAML class paths (and `from lit_memory import <name>`), imported on first use: `import lit_memory.errors`
 # must not pull in Lightning and transformers.
 _EXPORTS = {
     "FusedSingleDeviceStrategy": "lit_memory.strategies",
     "FusedFSDPStrategy": "lit_memory.strategies",
     "FSDP2Strategy": "lit_memory.strategies",
-    "FusedFabricStrategy": "lit_memory.strategies",
+    "FusedFabricStrategy": "lit_memory.fabric",
+    "FusedFabricFSDPStrategy": "lit_memory.fabric",
+    "fsdp_overlap_step_with_backward": "lit_memory.fabric",
 }
 __all__ = list(_EXPORTS)
 

@@ -33,14 +33,8 @@ from lit_memory.errors import UserError
 from lit_memory.memory.tracker import Tracker
 from lit_memory.monitor import MemoryMonitor
 from lit_memory.model import SequenceClassifier
-from lit_memory.strategies import (
-    FABRIC_CLIPPING,
-    FSDP2Strategy,
-    SHARD_STATE,
-    FusedFabricStrategy,
-    FusedFSDPStrategy,
-    FusedSingleDeviceStrategy,
-)
+from lit_memory.fabric import FABRIC_CLIPPING, FusedFabricStrategy
+from lit_memory.strategies import FSDP2Strategy, SHARD_STATE, FusedFSDPStrategy, FusedSingleDeviceStrategy
 
 CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
 
@@ -334,7 +328,6 @@ class TwoOptimizers(SequenceClassifier):
 
 ERRORS = {
     "accumulation": (FusedSingleDeviceStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
-    "clipping": (FusedSingleDeviceStrategy, worker.tiny_bert, {"gradient_clip_val": 1.0}, fused.CLIPPING),
     "fp16-scaler": (
         FusedSingleDeviceStrategy,
         worker.tiny_bert,
