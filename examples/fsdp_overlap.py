@@ -62,7 +62,9 @@ def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
 
 def train(devices: int = 1, accelerator: str = "cpu", steps: int = 6, fused: bool = True, out: Optional[Path] = None):
     """Train; returns (the full weights, gradients held after each backward). ``out``: rank 0 saves both there."""
-    strategy = ModelParallelStrategy(parallelize, data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
+    strategy = "auto"
+    if devices > 1:  # FSDP2 over all processes: one data-parallel dimension
+        strategy = ModelParallelStrategy(parallelize, data_parallel_size=devices, tensor_parallel_size=1)
     fabric = L.Fabric(accelerator=accelerator, devices=devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(42)

@@ -44,7 +44,9 @@ UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
     "add it to one, or set its requires_grad to False"
 )
-SHARED = "fsdp_overlap_step_with_backward: parameter {name} is in two of the optimizers; give each parameter to exactly one"
+SHARED = (
+    "fsdp_overlap_step_with_backward: parameter {name} is in two of the optimizers; give each parameter to exactly one"
+)
 FSDP1_FLAT = (
     "fsdp_overlap_step_with_backward under FSDPStrategy (FSDP1) needs FSDPStrategy(use_orig_params=True), "
     "Lightning's default: with flat parameters FSDP1 hands the gradients to the optimizers only after backward"
@@ -117,7 +119,9 @@ def fsdp_overlap_step_with_backward(
 class _Route:
     """The buckets of one `fsdp_overlap_step_with_backward` block and the way their gradients arrive."""
 
-    def __init__(self, optimizers: Union[Optimizer, Iterable[Optimizer]], fabric_module: nn.Module, clipping: Optional[Clipping]) -> None:
+    def __init__(
+        self, optimizers: Union[Optimizer, Iterable[Optimizer]], fabric_module: nn.Module, clipping: Optional[Clipping]
+    ) -> None:
         from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 
         wrapped = isinstance(fabric_module, _FabricModule)

@@ -250,7 +250,7 @@ class BucketHooks:
         self._flushing = -1  # the backward (autograd graph task) whose end steps them
         self._meter: Optional[_NormMeter] = None  # while a backward only measures the norm
         self._coefficient: Optional[torch.Tensor] = None  # clipping by norm: this backward's factor
-        self._handles = [param.register_post_accumulate_grad_hook(self.arrived) for bucket in buckets for param in bucket.params]
+        self._handles = [p.register_post_accumulate_grad_hook(self.arrived) for b in buckets for p in b.params]
 
     def arrived(self, param: torch.Tensor) -> None:
         """``param``'s gradient for this backward is complete."""

@@ -68,6 +68,7 @@ class _FusedTrainerStep:
 
     fused_step = True
     bucket = DEFAULT_BUCKET
+    total_norm: Optional[torch.Tensor] = None  # the last backward's gradient norm before clipping (by norm)
     _fused: Optional[OptimizerInBackward] = None
 
     def _set_fusion(self, fused: bool, bucket: str) -> None:
@@ -91,6 +92,9 @@ class _FusedTrainerStep:
         _check_trainer(trainer, self.lightning_module, self.precision_plugin)  # callbacks the module added since
         self._unfuse()
         self._fused = OptimizerInBackward(self.optimizers[0], self.lightning_module, self.bucket, _clipping(trainer))
+        # Lightning clips after backward too (Precision._after_closure), when the gradients are clipped, applied
+        # and gone: nothing to do, and torch's clip_grad_value_ fails on no gradients. Skipped until `_unfuse`.
+        self.precision_plugin._clip_gradients = _clipped_in_backward
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._fused is None:
@@ -101,7 +105,8 @@ class _FusedTrainerStep:
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         module = self.lightning_module
-        self._fused.backward(lambda **kw: self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kw), **kwargs)
+        run = self.precision_plugin.backward
+        self.total_norm = self._fused.backward(lambda **kw: run(closure_loss, module, optimizer, *args, **kw), **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -114,6 +119,11 @@ class _FusedTrainerStep:
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
+            vars(self.precision_plugin).pop("_clip_gradients", None)
+
+
+def _clipped_in_backward(*args: Any, **kwargs: Any) -> None:
+    """The precision plugin's clipping after backward, for a fused strategy: done inside backward."""
 
 
 def _clipping(trainer: Trainer) -> Optional[Clipping]:
