@@ -89,6 +89,8 @@ CASES = {
         "bucket": "4 MiB",
         "optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01),
     },
+    "fused, clipping by norm": {"fused": True, "clip_norm": True},
+    "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
 }
 
 
@@ -103,6 +105,21 @@ def test_analytic_agrees_with_the_simulation(case):
     for prediction in (predicted, simulated):
         assert sum(prediction.footprint.categories.values()) == prediction.footprint.peak
     assert predicted.inference == pytest.approx(simulated.inference, rel=0.10)
+
+
+def test_clipping_by_norm_measures_without_holding_a_set_of_gradients():
+    """Clipping by norm under the fused step: the measuring backward keeps every activation for the fused
+    one and frees each gradient as soon as its norm is taken, so the step's peak grows by at most the
+    largest gradient (MiniLM's word embeddings), and never holds all gradients as the unfused step does."""
+    settings = {"batch_size": 2, "max_length": 16, "fused": True}
+    fused, clipped = simulate(minilm(**settings)), simulate(minilm(**settings, clip_norm=True))
+    unfused = simulate(minilm(**{**settings, "fused": False}))
+    largest = 4 * 30522 * 384
+    assert 0 < clipped.footprint.peak - fused.footprint.peak <= 1.05 * largest
+    assert max(phase["gradients"] for phase in clipped.footprint.phases.values()) <= largest
+    assert unfused.footprint.categories["gradients"] > 1.9 * largest  # all of them: 90.9 MB
+    predicted = analytic(minilm(**settings, clip_norm=True))
+    assert predicted.footprint.peak == pytest.approx(clipped.footprint.peak, rel=0.05)
 
 
 # Selective checkpointing and offloading where activations are the peak: the fused step (no full set
