@@ -225,6 +225,15 @@ class _NormMeter:
         return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), p)
 
 
+def _allow_a_second_backward() -> None:
+    """Clipping by norm runs two backwards over one forward. A torch.compile'd backward by default donates
+    its saved tensors' memory to its outputs and then refuses a second backward; layers compiled from here
+    on keep them, by torch's own switch (process-wide; a little more memory in compiled backwards)."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+
 class BucketHooks:
     """Step each bucket from its parameters' ``register_post_accumulate_grad_hook`` when backward has
     accumulated the last of their gradients; `remove` restores normal stepping.
@@ -243,6 +252,8 @@ class BucketHooks:
     def __init__(self, buckets: list[Bucket], clipping: Optional[Clipping] = None) -> None:
         self.buckets = buckets
         self.clipping = clipping
+        if clipping is not None and clipping.by_norm:
+            _allow_a_second_backward()
         self.groups: dict[int, Any] = {}  # id(parameter) -> the group its plain-tensor gradient is sharded over
         self.after_step: list[Callable[[Bucket], None]] = []
         self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
