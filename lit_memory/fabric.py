@@ -56,6 +56,11 @@ FSDP1_NORM = (
     "does not support (it removes its gradient hooks after the first): clip by value (clip_val), or use FSDP2 "
     "(ModelParallelStrategy, or lit_memory.FusedFabricFSDPStrategy)"
 )
+STALE_OPTIMIZER = (
+    "FusedFabricFSDPStrategy shards the model's parameters when it sets the model up, so this optimizer holds "
+    "parameters the model no longer has: set the model up first (fabric.setup_module), then create the optimizer "
+    "over its parameters and set that up (fabric.setup_optimizers)"
+)
 SHARD_STATE = (
     "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
     "checkpoints cannot hold it: save and load the model without its optimizer"
@@ -135,16 +140,15 @@ class _Route:
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
         optimizers = [o.optimizer if isinstance(o, _FabricOptimizer) else o for o in optimizers]
         names = {id(p): _name(name) for name, p in self.module.named_parameters()}
-        self.owner: dict[int, Optimizer] = {}
-        owner = self.owner
+        self.owned: set[int] = set()  # ids of the optimizers' parameters
         buckets = []
         for optimizer in optimizers:
             params = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    if id(p) in owner:
+                    if id(p) in self.owned:
                         raise UserError(SHARED.format(name=names.get(id(p), tuple(p.shape))))
-                    owner[id(p)] = optimizer
+                    self.owned.add(id(p))
                     # FSDP1 gives no gradient to a parameter without elements in this rank's shard
                     if p.requires_grad and not (fsdp1 is not None and fsdp1.elsewhere(p)):
                         params.append(p)
@@ -169,7 +173,7 @@ class _Route:
 
         fsdp2 = not after_backward and any(isinstance(m, FSDPModule) for m in self.module.modules())
         for name, p in self.module.named_parameters():
-            if p.requires_grad and id(p) not in self.owner and not (fsdp2 and not isinstance(p, DTensor)):
+            if p.requires_grad and id(p) not in self.owned and not (fsdp2 and not isinstance(p, DTensor)):
                 raise UserError(UNOWNED.format(name=_name(name)))
 
     def _measure_in(self, strategy: Any) -> None:
@@ -401,6 +405,12 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        held = {id(p) for p in self._module.parameters()} if self._module is not None else set()
+        if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
+            raise UserError(STALE_OPTIMIZER)  # made before sharding (fabric.setup(model, optimizer)): it would train nothing
+        return super().setup_optimizer(optimizer)
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         self._check_state(state)

@@ -128,7 +128,7 @@ def _clipped_in_backward(*args: Any, **kwargs: Any) -> None:
 
 def _clipping(trainer: Trainer) -> Optional[Clipping]:
     """``trainer.gradient_clip_val`` and ``gradient_clip_algorithm`` (norm by default), as Lightning clips."""
-    if not trainer.gradient_clip_val:
+    if not trainer.gradient_clip_val or trainer.gradient_clip_val <= 0:  # as Lightning: no clipping
         return None
     if (trainer.gradient_clip_algorithm or "norm") == "value":
         return Clipping(value=trainer.gradient_clip_val)

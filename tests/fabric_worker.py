@@ -138,6 +138,17 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0) -> dict:
     return {**vars(record), "weights": weights, "resumed_at": start, "torch_created_state": created}
 
 
+def stale_optimizer() -> str:
+    """An optimizer made before the model was sharded, set up with it: FusedFabricFSDPStrategy's refusal."""
+    fabric = launched(FusedFabricFSDPStrategy())
+    model = tiny_bert()
+    try:
+        fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    except UserError as err:
+        return str(err)
+    return "not refused"
+
+
 # -- FSDP1 -----------------------------------------------------------------------------------------
 
 
@@ -210,6 +221,7 @@ def main() -> None:
         results[f"fsdp2-{clip}"] = fsdp2(False, clip, out)
         results[f"fsdp2-{clip}-fused"] = fsdp2(True, clip, out)
     results["fsdp2-norm-fused-resumed"] = fsdp2(True, "norm", out, resume_at=3)
+    results["stale optimizer"] = stale_optimizer()
     plain, fused = fsdp1(False), fsdp1(True)
     shards = [n for n in plain["shards"] if plain["shards"][n].numel()]  # a rank may hold nothing of some
     # Both ranks' shards: the largest difference and whether any weight moved, over the ranks.

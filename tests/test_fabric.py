@@ -19,7 +19,7 @@ from torch import nn
 from conftest import REPO, StepLog, assert_same
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
-from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, SHARED, UNOWNED
+from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, SHARED, STALE_OPTIMIZER, UNOWNED
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -217,6 +217,10 @@ def test_fused_fabric_fsdp_strategy_matches_unfused_fsdp2(two_processes, clip):
         torch.testing.assert_close(fusion["norms"], plain["norms"], rtol=1e-5, atol=0)
     else:
         assert min(plain["largest"]) > 0.01
+
+
+def test_fused_fabric_fsdp_strategy_refuses_an_optimizer_made_before_sharding(two_processes):
+    assert two_processes["stale optimizer"] == STALE_OPTIMIZER  # fabric.setup(model, optimizer): it would train nothing
 
 
 def test_fused_fabric_fsdp_strategy_resumes_from_fabrics_checkpoint(two_processes):

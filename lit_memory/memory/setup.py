@@ -44,7 +44,7 @@ class Setup:
     max_length: int = 128
     fused: bool = False
     bucket: str = "layer"  # the fused strategy's bucket setting (lit_memory.fused.parse_bucket)
-    clip_norm: bool = False  # fused, clipping by norm: a backward that only measures it comes first
+    clip_norm: bool = False  # gradients clipped by norm; fused, a backward that only measures it comes first
     device: str = "cuda"  # the device type the analytic prediction is for
     module_class: type = SequenceClassifier
     sharded: bool = False  # FSDP: parameters, gradients and optimizer state split over the ranks
@@ -63,8 +63,7 @@ class Setup:
             max_length=data.hparams.max_length,
             fused=is_fused(trainer.strategy),
             bucket=getattr(trainer.strategy, "bucket", "layer"),
-            clip_norm=is_fused(trainer.strategy)
-            and clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            clip_norm=clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
             device=trainer.strategy.root_device.type,
             module_class=type(module),
             sharded=is_sharded(trainer.strategy),
@@ -107,7 +106,7 @@ class Setup:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
             parts.append(f"fused backward+step ({self.bucket} buckets)")
-        if self.clip_norm:
+        if self.clip_norm and self.fused:
             parts.append("clipping by norm (a measuring backward first)")
         if self.sharded:
             parts.append(f"sharded over {self.world_size} ranks")
