@@ -284,6 +284,18 @@ def test_estimate_json_without_simulation_has_null_simulated_entries(capsys):
     assert data["setup"]["accumulate_grad_batches"] == 32 and data["setup"]["batch_size"] == 1
 
 
+def test_estimate_reads_clipping_by_norm_from_the_trainer_settings(capsys):
+    """fused.yaml with trainer.gradient_clip_val (norm by default): the measuring backward is predicted, its
+    largest gradient (the word embeddings') at the peak; by value, nothing changes."""
+    peaks = {}
+    for clip in ([], ["--trainer.gradient_clip_val=1.0"], ["--trainer.gradient_clip_val=1.0", "--trainer.gradient_clip_algorithm=value"]):
+        main(["estimate", "--json", "--no-simulate", "--config", str(RECIPES / "fused.yaml"), *clip])
+        peaks[len(clip)] = json.loads(capsys.readouterr().out)["predicted"]["analytic"]
+    assert peaks[1]["categories"]["gradients"] == 4 * 30522 * 384  # MiniLM's word embeddings
+    assert peaks[1]["peak_bytes"] == peaks[0]["peak_bytes"] + 4 * 30522 * 384
+    assert peaks[2] == peaks[0]
+
+
 def test_unmodelled_precision_is_one_error_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["estimate", "--no-simulate", "--trainer.precision=transformer-engine"])
