@@ -5,9 +5,12 @@ import logging
 
 __version__ = "0.1.0"
 
-# bitsandbytes warns on import, on CPUs with AVX512-BF16, that an optional 4-bit matmul kernel
-# package is missing; lit_memory never uses 4-bit matmuls, so that line is only noise.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# Import-time notices of libraries transformers imports when they are installed, about parts
+# lit_memory never uses: bitsandbytes' optional 4-bit matmul kernels (on CPUs with AVX512-BF16),
+# torchao's CUDA-only kernel libraries on a CPU build, and torchao's Enum registrations that torch's
+# pytree now calls deprecated. Errors from those loggers still show.
+for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 # `lit_memory.<name>` for YAML class paths (and `from lit_memory import <name>`), imported on first use: `import lit_memory.errors`
 # must not pull in Lightning and transformers.

@@ -29,7 +29,7 @@ from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
-from lit_memory.model import SequenceClassifier
+from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.precision import cpu_fallback
 
 RECIPE_FLAG = "--recipe"
@@ -39,8 +39,6 @@ HELP = (
     f"run code (trust_remote_code, weights_only false, remote or pickled checkpoints), are refused; "
     f"{trust.TRUST_FLAG} lifts that, only for recipes from sources you trust."
 )
-# The seed's hyper-parameters (lr 2e-5, weight decay 0.01) as the optimizer default.
-DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-5, "weight_decay": 0.01}}
 # Settings that decide what a checkpoint's state means: resuming with other values is refused.
 # Strategy is not among them (fused and unfused state have one format); how long to train is not either.
 RESUME_KEYS = (

@@ -101,8 +101,9 @@ class TextClassificationData(L.LightningDataModule):
             if num_labels not in BUNDLED_LABELS:
                 raise UserError(f"the bundled tweets have 2 or 3 classes, not num_labels={num_labels}")
             label_names = BUNDLED_LABELS[num_labels]
-        # Every argument, as given, in `hparams` (and in checkpoints); the defaults that depend on the source resolved.
-        self.save_hyperparameters()
+        # Every argument in `hparams` (and in checkpoints), the defaults that depend on the source resolved.
+        # Not logged: the module logs its own, and the tokenizer it names is linked here, resolved.
+        self.save_hyperparameters(logger=False)
         self.hparams.update(
             text_column=text_column or (BUNDLED_COLUMNS[0] if is_bundled else "review"),
             label_column=label_column or (BUNDLED_COLUMNS[1] if is_bundled else "label"),

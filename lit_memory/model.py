@@ -39,6 +39,15 @@ Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 Checkpointing = Union[bool, Literal["full", "selective"]]
 
 
+# The reference post's optimizer (lr 2e-5, weight decay 0.01): the module's default, and the CLI's.
+DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-5, "weight_decay": 0.01}}
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """`DEFAULT_OPTIMIZER` as a callable, for a module built in Python."""
+    return torch.optim.AdamW(params, **DEFAULT_OPTIMIZER["init_args"])
+
+
 class SequenceClassifier(L.LightningModule):
     """Fine-tune (or train from scratch) a Hugging Face sequence classifier.
 
@@ -58,8 +67,9 @@ class SequenceClassifier(L.LightningModule):
             ``gradient_checkpointing``; a no-op on CPU.
         freeze: ``body`` (the whole encoder, as the seed did), ``embeddings``, or an int N for the
             embeddings plus the first N layers. The classifier head always trains.
-        optimizer: any optimizer class path with its init args (AdamW by default; bitsandbytes'
-            8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
+        optimizer: any optimizer class path with its init args (the reference post's AdamW, lr 2e-5 and
+            weight decay 0.01, by default: `DEFAULT_OPTIMIZER`, in Python and on the command line alike;
+            bitsandbytes' 8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
             weights are put in a group without weight decay.
         embedding_optimizer_state: how a bitsandbytes 8-bit optimizer treats the embedding
             matrices: ``32bit`` keeps them on 32-bit state (bitsandbytes' per-parameter override),
@@ -90,7 +100,7 @@ class SequenceClassifier(L.LightningModule):
         gradient_checkpointing: Checkpointing = False,
         offload_activations: bool = False,
         freeze: Freeze = None,
-        optimizer: OptimizerCallable = torch.optim.AdamW,
+        optimizer: OptimizerCallable = default_optimizer,
         embedding_optimizer_state: EmbeddingState = "32bit",
         lora: Optional[LoRA] = None,
         lr_scheduler_type: str = "constant",

@@ -153,3 +153,39 @@ def test_4gb_is_a_third_of_baseline_and_each_switch_shrinks_its_category(tmp_pat
             # attention dropout) computes in fp32, so only the linear layers' saved values halve.
             assert categories[category] < 0.9 * baseline[category], (name, category)
         assert categories["weights"] >= baseline["weights"], name  # nothing shrinks the fp32 master weights
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, tmp_path):
+    """A CUDA device the monitor reads from: 16 GiB, an allocator whose peak readings we set."""
+    calls = SimpleNamespace(fractions=[], allocated=0, reserved=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.9)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.fractions.append(f))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: calls.reserved)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("a user's peak readings were reset"))
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), log_dir=str(tmp_path), default_root_dir=str(tmp_path)
+    )
+    return calls, trainer
+
+
+def test_a_cuda_budget_caps_the_run_and_is_undone_when_it_ends(fake_cuda):
+    calls, trainer = fake_cuda
+    monitor = MemoryMonitor(budget="4GiB")
+    monitor.setup(trainer, None, "fit")
+    assert calls.fractions == [0.25]
+    monitor.teardown(trainer, None, "fit")
+    assert calls.fractions == [0.25, 0.9]  # the process's own cap again: `plan --measure` runs several fits
+
+
+def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
+    calls, trainer = fake_cuda
+    monitor = MemoryMonitor(track_steps=0)
+    monitor.cuda = {"max_allocated_bytes": 0, "max_reserved_bytes": 0, "peak_phase": None}
+    for phase, allocated in (("forward", 3), ("backward", 7), ("step", 7), ("forward", 5)):
+        monitor._enter_phase(trainer, phase)
+        calls.allocated, calls.reserved = allocated, allocated + 1
+    monitor._read_cuda(trainer)
+    assert monitor.cuda == {"max_allocated_bytes": 7, "max_reserved_bytes": 8, "peak_phase": "backward"}

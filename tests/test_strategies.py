@@ -27,6 +27,7 @@ from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
 from lit_memory.fabric import FusedFabricStrategy
+from lit_memory.memory import records
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 from lit_memory.monitor import MemoryMonitor
@@ -247,6 +248,7 @@ def test_4gb_recipe_trains_on_fsdp_with_two_processes(tmp_path):
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_epochs=6", "--trainer.overfit_batches=1",
         "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--model.optimizer.init_args.lr=1e-4",
         "--data.limit_train_samples=64", "--data.limit_eval_samples=16", f"--trainer.default_root_dir={tmp_path}",
+        "--data.padding=max_length",  # every batch the shape the per-rank memory prediction assumes
     ]
     def fit(*more: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -259,6 +261,13 @@ def test_4gb_recipe_trains_on_fsdp_with_two_processes(tmp_path):
     run = tmp_path / "lightning_logs" / "version_0"
     losses = [float(row["train_loss"]) for row in csv.DictReader(open(run / "metrics.csv")) if row.get("train_loss")]
     assert len(losses) == 6 and losses[-1] < losses[0]  # the one batch is being learned
+    # Memory per rank: each rank measured its own tensors; the analytic model predicted one rank's share.
+    memory = records.read_memory(run)
+    predicted = memory["predicted"]["analytic"]["peak_bytes"]
+    assert memory["world_size"] == 2 and [r["rank"] for r in memory["ranks"]] == [0, 1]
+    for rank in memory["ranks"]:
+        assert rank["tracked"]["peak_bytes"] == pytest.approx(predicted, rel=0.10), rank["rank"]
+        assert rank["process"]["max_rss_bytes"] > rank["tracked"]["peak_bytes"]
     tuned = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")  # gathered from both ranks
     pretrained = SequenceClassifier()
     pretrained.configure_model()

@@ -301,3 +301,17 @@ def test_unmodelled_precision_is_one_error_line(capsys):
         main(["estimate", "--no-simulate", "--trainer.precision=transformer-engine"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().startswith("error: precision 'transformer-engine' is not modelled")
+
+
+def test_under_fsdp_each_of_8_ranks_is_predicted_at_most_0_6_of_one_device(capsys):
+    def peak(*more: str) -> int:
+        args = ["--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "bert-large.yaml"), *more]
+        main(["estimate", "--json", "--no-simulate", *args])
+        return json.loads(capsys.readouterr().out)["predicted"]["analytic"]
+
+    one = peak()
+    sharded = peak("--config", str(CONFIGS / "fsdp.yaml"), "--trainer.devices=8")
+    assert sharded["peak_bytes"] <= 0.6 * one["peak_bytes"]
+    # weights and optimizer state are 1/8 each (plus the gathered units); activations are each rank's own
+    assert sharded["categories"]["optimizer"] == pytest.approx(one["categories"]["optimizer"] / 8, rel=0.01)
+    assert sharded["categories"]["activations"] == one["categories"]["activations"]
