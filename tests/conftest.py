@@ -17,6 +17,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style
+    variables in the launching process and never removes them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 
