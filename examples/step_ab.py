@@ -16,6 +16,9 @@ load hits all of them alike; the median step per variant is printed, and the fir
     python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
         --batch 8 --length 16 --steps 20 --bf16 --adamw8bit \\
         --variants '[{"gradient_checkpointing": true}, {"gradient_checkpointing": true, "compile": true}, {}]'
+    # clipping by norm (a measuring backward before the fused one): "gradient_clip_val" is the step's, not the model's
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+        --batch 8 --length 16 --steps 40 --variants '[{}, {"gradient_clip_val": 1.0}]'
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from functools import partial
 
 import torch
 
-from lit_memory.fused import OptimizerInBackward
+from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.model import SequenceClassifier
 
 
-def build(variant: dict, args: argparse.Namespace) -> SequenceClassifier:
+def build(variant: dict, args: argparse.Namespace) -> tuple[SequenceClassifier, OptimizerInBackward]:
     torch.manual_seed(0)
+    variant = dict(variant)
+    clip = variant.pop("gradient_clip_val", None)  # clipping by norm, as trainer.gradient_clip_val
     module = SequenceClassifier(
         model_name_or_path="bundled:bert-large", pretrained=False, config_overrides=args.config_overrides, **variant
     )
@@ -43,13 +48,16 @@ def build(variant: dict, args: argparse.Namespace) -> SequenceClassifier:
 
         module.optimizer_factory = partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01)
     module.configure_model()
-    OptimizerInBackward(module.build_optimizer(), module.model)  # the fused step (layer buckets), as fused.yaml and 4gb.yaml train
-    return module
+    # the fused step (layer buckets), as fused.yaml and 4gb.yaml train
+    fused = OptimizerInBackward(module.build_optimizer(), module.model, clipping=Clipping(max_norm=clip) if clip else None)
+    return module, fused
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", type=json.loads, required=True, help="JSON list of SequenceClassifier kwargs")
+    parser.add_argument(
+        "--variants", type=json.loads, required=True, help="JSON list of SequenceClassifier kwargs (and gradient_clip_val)"
+    )
     parser.add_argument("--config_overrides", type=json.loads, default={})
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
@@ -68,11 +76,12 @@ def main() -> None:
     autocast = partial(torch.autocast, "cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext
     modules = [build(v, args) for v in args.variants]
 
-    def step(module: SequenceClassifier) -> float:
+    def step(variant: tuple[SequenceClassifier, OptimizerInBackward]) -> float:
+        module, fused = variant
         start = time.perf_counter()
         with autocast():
             loss = module.model(**batch).loss
-        loss.backward()
+        fused.backward(loss.backward)
         return time.perf_counter() - start
 
     first = [step(m) for m in modules]

@@ -5,34 +5,22 @@ import logging
 
 __version__ = "0.1.0"
 
-# bitsandbytes warns on import, on CPUs with AVX512-BF16, that an optional 4-bit matmul kernel
-# package is missing; lit_memory never uses 4-bit matmuls, so that line is only noise.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# Import-time notices of libraries transformers imports when they are installed, about parts
+# lit_memory never uses: bitsandbytes' optional 4-bit matmul kernels (on CPUs with AVX512-BF16),
+# torchao's CUDA-only kernel libraries on a CPU build, and torchao's Enum registrations that torch's
+# pytree now calls deprecated. Errors from those loggers still show.
+for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
-
-class _DropImportNoise(logging.Filter):
-    """torchao, which transformers imports whenever it is installed, logs on import that its CUDA kernel
-    libraries do not load on this build, and makes torch log that it registers enums torch now handles:
-    lines about kernels lit_memory never calls. Only records matching these messages are dropped."""
-
-    def __init__(self, *fragments: str) -> None:
-        super().__init__()
-        self.fragments = fragments
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(fragment in str(record.msg) for fragment in self.fragments)
-
-
-logging.getLogger("torchao").addFilter(_DropImportNoise("Failed to load"))
-logging.getLogger("torch.utils._pytree").addFilter(_DropImportNoise("is an Enum subclass and is now natively supported"))
-
-# `lit_memory.<name>` for YAML class paths, imported on first use: `import lit_memory.errors`
+# `lit_memory.<name>` for YAML class paths (and `from lit_memory import <name>`), imported on first use: `import lit_memory.errors`
 # must not pull in Lightning and transformers.
 _EXPORTS = {
     "FusedSingleDeviceStrategy": "lit_memory.strategies",
     "FusedFSDPStrategy": "lit_memory.strategies",
     "FSDP2Strategy": "lit_memory.strategies",
-    "FusedFabricStrategy": "lit_memory.strategies",
+    "FusedFabricStrategy": "lit_memory.fabric",
+    "FusedFabricFSDPStrategy": "lit_memory.fabric",
+    "fsdp_overlap_step_with_backward": "lit_memory.fabric",
 }
 __all__ = list(_EXPORTS)
 

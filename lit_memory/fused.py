@@ -32,9 +32,11 @@ Two layers:
     bucket is stepped) and then finds no gradient left. A gradient that did not come through
     backward (set by hand, or by torch's checkpoint utilities) is still applied there, by the original.
 
-The one thing fusion cannot do is look at gradients after backward: no accumulation over
-micro-batches, no gradient clipping, no skipped steps (fp16 gradient scaling). The strategies
-in `lit_memory.strategies` refuse those settings with these messages before training starts.
+Gradient clipping (`Clipping`) happens inside backward, with the results of clipping after it: by value
+as each bucket steps; by global norm with a first backward that only measures the norm
+(`BucketHooks.backward`). What fusion cannot do is look at gradients after backward: no accumulation
+over micro-batches, no skipped steps (fp16 gradient scaling), no user code that clips or inspects
+gradients after backward. The strategies refuse those settings with these messages before training starts.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -64,14 +65,15 @@ ACCUMULATION_SCHEDULE = (
     "the fused step updates the parameters in every backward, so it cannot accumulate gradients: remove the "
     "GradientAccumulationScheduler callback (or keep its factors at 1), or remove the fused strategy"
 )
-CLIPPING = (
-    "the fused step applies each gradient as soon as backward produces it, so no gradient is left to clip after "
-    "backward: remove trainer.gradient_clip_val (a warmup, model.warmup_ratio, also tames early updates) "
-    "or remove the fused strategy"
-)
 CLIPPING_HOOK = (
     "the fused step applies each gradient as soon as backward produces it, so the module's "
-    "configure_gradient_clipping finds no gradient to clip: remove that override, or remove the fused strategy"
+    "configure_gradient_clipping finds no gradient to clip: remove that override (trainer.gradient_clip_val "
+    "and gradient_clip_algorithm clip inside the fused step), or remove the fused strategy"
+)
+UNMEASURED = (
+    "clipping by norm under the fused step needs the global norm before the first bucket steps, which only "
+    "a backward that measures it first can give: call backward through the fused strategy or fabric.backward(loss), "
+    "not loss.backward()"
 )
 SCALER = (
     "the fused step cannot skip a step after an fp16 gradient overflow, which 16-mixed's gradient scaler needs: "
@@ -121,8 +123,11 @@ class Bucket:
     def __post_init__(self) -> None:
         self._shard_state = _ShardState(dict(zip(self.shards, self.params))) if self.shards else None
 
-    def step(self) -> None:
-        """Apply the gradients the bucket's parameters hold, then free them."""
+    def step(self, clip: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
+        """Apply the gradients the bucket's parameters hold, then free them. ``clip`` changes the
+        gradients in place first (each a local tensor: a shard's under FSDP)."""
+        if clip is not None:
+            clip([_local(p.grad) for p in self.params if p.grad is not None])
         if self.source is not None:
             self._sync()
         if self.shards:
@@ -148,6 +153,87 @@ class Bucket:
             group.update((k, v) for k, v in groups[index].items() if k != "params")
 
 
+@dataclass(frozen=True)
+class Clipping:
+    """Gradient clipping inside the fused step, with the results of clipping after an unfused backward.
+
+    ``max_norm``: every gradient is multiplied by ``max_norm / (total_norm + 1e-6)`` where that is below
+    1, ``total_norm`` being the ``norm_type``-norm of all the gradients together (of every rank), as
+    `torch.nn.utils.clip_grad_norm_` does. The fused step applies the first bucket before the last
+    gradient exists, so `BucketHooks.backward` first runs a backward that only measures the norm
+    (LOMO's method): one more backward per step, and no gradient memory, since each gradient is freed
+    as soon as its norm is taken.
+    ``value``: each gradient is clamped to ``[-value, value]`` before its bucket's step, as
+    `torch.nn.utils.clip_grad_value_` does: no extra pass.
+    """
+
+    max_norm: Optional[float] = None
+    norm_type: float = 2.0
+    value: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and self.value is not None:
+            raise UserError("clip gradients either by norm (max_norm) or by value (clip_val), not both")
+        for name, setting in (("max_norm", self.max_norm), ("clip_val", self.value), ("norm_type", self.norm_type)):
+            if setting is not None and not float(setting) > 0:
+                raise UserError(f"{name} must be positive, got {setting!r}")
+
+    @property
+    def by_norm(self) -> bool:
+        return self.max_norm is not None
+
+    def coefficient(self, total_norm: torch.Tensor) -> torch.Tensor:
+        """The factor for every gradient, as `torch.nn.utils.clip_grads_with_norm_` computes it."""
+        return torch.clamp(self.max_norm / (total_norm + 1e-6), max=1.0)
+
+
+class _NormMeter:
+    """The ``norm_type``-norm of gradients seen one at a time: the norm of their norms, as
+    `torch.nn.utils.get_total_norm` takes it, where a sharded gradient's part is reduced over the
+    ranks it is sharded over (a DTensor's shard dimensions, or FSDP1's group) as DTensor reduces a
+    partial norm."""
+
+    def __init__(self, norm_type: float) -> None:
+        self.norm_type = float(norm_type)
+        self.norms: dict[tuple, list[torch.Tensor]] = {}  # process groups the gradients are sharded over -> norms
+
+    def add(self, grad: torch.Tensor, group: Any = None) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            groups = tuple(mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard())
+        else:
+            groups = () if group is None else (group,)
+        self.norms.setdefault(groups, []).append(torch.linalg.vector_norm(_local(grad), self.norm_type))
+
+    def total(self) -> torch.Tensor:
+        import torch.distributed as dist
+
+        p = self.norm_type
+        parts = []
+        for groups, norms in self.norms.items():
+            part = torch.linalg.vector_norm(torch.stack(norms), p)
+            if groups:
+                part = part if p == float("inf") else part**p
+                for group in groups:
+                    dist.all_reduce(part, dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM, group=group)
+                part = part if p == float("inf") else part ** (1.0 / p)
+            parts.append(part)
+        if not parts:
+            return torch.tensor(0.0)
+        return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), p)
+
+
+def _allow_a_second_backward() -> None:
+    """Clipping by norm runs two backwards over one forward. A torch.compile'd backward by default donates
+    its saved tensors' memory to its outputs and then refuses a second backward; layers compiled from here
+    on keep them, by torch's own switch (process-wide; a little more memory in compiled backwards)."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+
 class BucketHooks:
     """Step each bucket from its parameters' ``register_post_accumulate_grad_hook`` when backward has
     accumulated the last of their gradients; `remove` restores normal stepping.
@@ -156,38 +242,86 @@ class BucketHooks:
     every backward, buckets still waiting are stepped with the gradients they have, as an unfused step
     would skip the parameters without one, so no gradient is held past its backward. The end of
     backward is an autograd engine callback, as torch's FSDP queues its own.
+
+    ``clipping`` clips every bucket's gradients before its step; by norm, backward must run through
+    `backward`. Where gradients arrive by another route than the hooks (FSDP1 hands them over after
+    reducing a flat parameter), that route calls `arrived`, names the process group in ``groups`` and
+    tidies up in ``after_step``.
     """
 
-    def __init__(self, buckets: list[Bucket]) -> None:
+    def __init__(self, buckets: list[Bucket], clipping: Optional[Clipping] = None) -> None:
         self.buckets = buckets
+        self.clipping = clipping
+        if clipping is not None and clipping.by_norm:
+            _allow_a_second_backward()
+        self.groups: dict[int, Any] = {}  # id(parameter) -> the group its plain-tensor gradient is sharded over
+        self.after_step: list[Callable[[Bucket], None]] = []
+        self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
         self._waiting: dict[Bucket, None] = {}  # buckets with some of their gradients (an ordered set)
         self._flushing = -1  # the backward (autograd graph task) whose end steps them
-        self._handles = [
-            param.register_post_accumulate_grad_hook(partial(self._arrived, bucket))
-            for bucket in buckets
-            for param in bucket.params
-        ]
+        self._meter: Optional[_NormMeter] = None  # while a backward only measures the norm
+        self._coefficient: Optional[torch.Tensor] = None  # clipping by norm: this backward's factor
+        self._handles = [p.register_post_accumulate_grad_hook(self.arrived) for b in buckets for p in b.params]
 
-    def _arrived(self, bucket: Bucket, param: torch.Tensor) -> None:
+    def arrived(self, param: torch.Tensor) -> None:
+        """``param``'s gradient for this backward is complete."""
+        if self._meter is not None:  # a backward that only measures: take the norm, free the gradient
+            self._meter.add(param.grad, self.groups.get(id(param)))
+            param.grad = None
+            return
+        if self.clipping is not None and self.clipping.by_norm and self._coefficient is None:
+            raise UserError(UNMEASURED)
         backward = torch._C._current_graph_task_id()  # by id, not a flag: a failed backward runs no callback
         if backward != self._flushing:
             self._flushing = backward
             # Runs after every callback queued before it: FSDP2's (queued when backward starts), which
             # delivers the root module's gradients, comes first.
             Variable._execution_engine.queue_callback(self._flush)
+        bucket = self._bucket_of[id(param)]
         bucket.arrived += 1
         if bucket.arrived < len(bucket.params):
             self._waiting[bucket] = None
             return
         self._waiting.pop(bucket, None)
+        self._step(bucket)
+
+    def backward(self, run: Callable[..., Any], **kwargs: Any) -> Optional[torch.Tensor]:
+        """``run(**kwargs)``: a backward, during which the buckets step. Clipping by norm, a first
+        ``run(retain_graph=True)`` only measures the total norm, which is returned."""
+        if self.clipping is None or not self.clipping.by_norm:
+            run(**kwargs)
+            return None
+        self._meter = _NormMeter(self.clipping.norm_type)
+        try:
+            run(**{**kwargs, "retain_graph": True})
+            total = self._meter.total()
+        finally:
+            self._meter = None
+        self._coefficient = self.clipping.coefficient(total)
+        try:
+            run(**kwargs)
+        finally:
+            self._coefficient = None  # every backward measures its own
+        return total
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        if self._coefficient is not None:
+            for grad in grads:
+                grad.mul_(self._coefficient.to(grad.device))
+        elif self.clipping is not None and self.clipping.value is not None:
+            for grad in grads:
+                grad.clamp_(-self.clipping.value, self.clipping.value)
+
+    def _step(self, bucket: Bucket) -> None:
         bucket.arrived = 0
-        bucket.step()
+        bucket.step(self._clip if self.clipping is not None else None)
+        for callback in self.after_step:
+            callback(bucket)
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, {}
         for bucket in waiting:
-            bucket.arrived = 0
-            bucket.step()
+            self._step(bucket)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -201,18 +335,25 @@ class OptimizerInBackward:
     ``optimizer`` stays the one that Lightning, LR schedulers and checkpoints use; its buckets step
     copies of it (`copy_bucket`). ``module`` (the model, or the LightningModule holding it) is where
     ``layer`` buckets find the transformer layers; parameters it does not hold are one bucket each.
+    ``clipping``: see `Clipping`; by norm, run backward through `backward`.
     """
 
-    def __init__(self, optimizer: Optimizer, module: Optional[nn.Module] = None, bucket: str = DEFAULT_BUCKET) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        module: Optional[nn.Module] = None,
+        bucket: str = DEFAULT_BUCKET,
+        clipping: Optional[Clipping] = None,
+    ) -> None:
         parse_bucket(bucket)
-        self.optimizer, self.module, self.bucket = optimizer, module, bucket
+        self.optimizer, self.module, self.bucket, self.clipping = optimizer, module, bucket, clipping
         self._fuse()
 
     def _fuse(self) -> None:
         self._trainable = self._signature()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
         groups = group_parameters(params, self.module, self.bucket)
-        self.hooks = BucketHooks([copy_bucket(self.optimizer, group) for group in groups])
+        self.hooks = BucketHooks([copy_bucket(self.optimizer, group) for group in groups], self.clipping)
 
     def _signature(self) -> tuple:
         return tuple((id(p), p.requires_grad) for group in self.optimizer.param_groups for p in group["params"])
@@ -225,6 +366,10 @@ class OptimizerInBackward:
         if self._signature() != self._trainable:
             self.hooks.remove()
             self._fuse()
+
+    def backward(self, run: Callable[..., Any], **kwargs: Any) -> Optional[torch.Tensor]:
+        """Run backward (``run(**kwargs)``) as the clipping needs (`BucketHooks.backward`)."""
+        return self.hooks.backward(run, **kwargs)
 
     @property
     def steps_shards(self) -> bool:
@@ -364,6 +509,13 @@ def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
         source_groups=list(members),
         shards=[stepped[id(p)] for p in ordered] if has_shards else None,
     )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (sharing its storage), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _local_shard(optimizer: Optimizer, param: torch.Tensor) -> Optional[torch.Tensor]:

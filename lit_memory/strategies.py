@@ -1,13 +1,12 @@
-"""Lightning strategies: the fused backward + optimizer step (`lit_memory.fused`) and FSDP2 sharding.
+"""Trainer strategies: the fused backward + optimizer step (`lit_memory.fused`) and FSDP2 sharding.
 
-Trainer, from YAML::
+From YAML::
 
     trainer:
       strategy:
         class_path: lit_memory.FusedSingleDeviceStrategy   # or lit_memory.FusedFSDPStrategy
 
-Fabric: ``Fabric(strategy=FusedFabricStrategy())``, then ``fabric.backward(loss)`` steps the
-parameters as it goes (see ``examples/fabric_fused.py``).
+Fabric's fused strategies are in `lit_memory.fabric`.
 
 The Trainer strategies take ``fused`` (step inside backward or not) and ``bucket`` (`lit_memory.fused.parse_bucket`:
 ``layer``, ``param`` or ``"N MiB"``) under the same names, so a config that switches the strategy keeps the
@@ -15,6 +14,10 @@ recipe's choice: jsonargparse carries over the init args the new class also take
 names `FSDP2Strategy` alone: layered after ``recipes/fused.yaml`` (`FusedSingleDeviceStrategy`, fused by
 default) it shards fused; after ``recipes/baseline.yaml`` (Lightning's default strategy) it shards unfused.
 Other code detects fusion with ``getattr(trainer.strategy, "fused_step", False)``.
+
+Fused, ``trainer.gradient_clip_val`` clips inside backward (`lit_memory.fused.Clipping`) with the results of
+Lightning's clipping after an unfused backward: by value at no cost, by norm (the default algorithm) at the
+cost of one more backward per step, which only measures the norm.
 """
 
 from __future__ import annotations
@@ -23,11 +26,8 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from lit_memory import fused
 from lit_memory.errors import UserError
-from lit_memory.fused import DEFAULT_BUCKET, OptimizerInBackward, parse_bucket
+from lit_memory.fused import DEFAULT_BUCKET, Clipping, OptimizerInBackward, parse_bucket
 from lit_memory.model import transformer_layers
 
 
@@ -68,6 +68,7 @@ class _FusedTrainerStep:
 
     fused_step = True
     bucket = DEFAULT_BUCKET
+    total_norm: Optional[torch.Tensor] = None  # the last backward's gradient norm before clipping (by norm)
     _fused: Optional[OptimizerInBackward] = None
 
     def _set_fusion(self, fused: bool, bucket: str) -> None:
@@ -90,12 +91,25 @@ class _FusedTrainerStep:
             return
         _check_trainer(trainer, self.lightning_module, self.precision_plugin)  # callbacks the module added since
         self._unfuse()
-        self._fused = OptimizerInBackward(self.optimizers[0], self.lightning_module, self.bucket)
+        self._fused = OptimizerInBackward(self.optimizers[0], self.lightning_module, self.bucket, _clipping(trainer))
+        # Lightning clips after backward too (Precision._after_closure), when the gradients are clipped, applied
+        # and gone: nothing to do, and torch's clip_grad_value_ fails on no gradients. Skipped until `_unfuse`.
+        self.precision_plugin._clip_gradients = _clipped_in_backward
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._fused is not None:
-            self._fused.refresh()  # parameters unfrozen or added since (BaseFinetuning) get their hooks
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._fused is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._fused.refresh()  # parameters unfrozen or added since (BaseFinetuning) get their hooks
+        # Lightning's Strategy.backward, with the fused backward run as the clipping needs (by norm: a first
+        # backward that measures it) inside the on_before_backward/on_after_backward hooks, which run once.
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        module = self.lightning_module
+        run = self.precision_plugin.backward
+        self.total_norm = self._fused.backward(lambda **kw: run(closure_loss, module, optimizer, *args, **kw), **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def teardown(self) -> None:
         self._unfuse()  # a later fit (or a plain backward) must not step through stale hooks
@@ -105,6 +119,20 @@ class _FusedTrainerStep:
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
+            vars(self.precision_plugin).pop("_clip_gradients", None)
+
+
+def _clipped_in_backward(*args: Any, **kwargs: Any) -> None:
+    """The precision plugin's clipping after backward, for a fused strategy: done inside backward."""
+
+
+def _clipping(trainer: Trainer) -> Optional[Clipping]:
+    """``trainer.gradient_clip_val`` and ``gradient_clip_algorithm`` (norm by default), as Lightning clips."""
+    if not trainer.gradient_clip_val or trainer.gradient_clip_val <= 0:  # as Lightning: no clipping
+        return None
+    if (trainer.gradient_clip_algorithm or "norm") == "value":
+        return Clipping(value=trainer.gradient_clip_val)
+    return Clipping(max_norm=trainer.gradient_clip_val)  # Lightning's clip_grad_by_norm: the 2-norm
 
 
 def _check_trainer(trainer: Trainer, model: LightningModule, precision_plugin: Any) -> None:
@@ -114,8 +142,6 @@ def _check_trainer(trainer: Trainer, model: LightningModule, precision_plugin: A
         raise UserError(fused.ACCUMULATION)
     if any(isinstance(c, GradientAccumulationScheduler) and c.going_to_accumulate_grad_batches() for c in trainer.callbacks):
         raise UserError(fused.ACCUMULATION_SCHEDULE)
-    if trainer.gradient_clip_val:
-        raise UserError(fused.CLIPPING)
     if type(model).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
         raise UserError(fused.CLIPPING_HOOK)
     if getattr(precision_plugin, "scaler", None) is not None:
@@ -208,7 +234,7 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
 
     def setup(self, trainer: Trainer) -> None:
         mesh = self.device_mesh["data_parallel"]
-        for model in _hugging_face_models(self.lightning_module):
+        for model in hugging_face_models(self.lightning_module, type(self).__name__):
             shard(model, mesh)
         super().setup(trainer)
 
@@ -237,15 +263,19 @@ def shard(model: nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def _hugging_face_models(module: LightningModule) -> list[nn.Module]:
+def hugging_face_models(module: nn.Module, strategy: str) -> list[nn.Module]:
+    """The outermost Hugging Face models in ``module`` (itself, or ones it holds), which ``strategy`` shards."""
     from transformers import PreTrainedModel
 
     # A peft model wraps the Hugging Face one (its adapters live inside the layers sharded with them).
-    models = [getattr(m, "get_base_model", lambda: m)() for m in module.children()]
-    models = [m for m in models if isinstance(m, PreTrainedModel)]
+    models: list[nn.Module] = []
+    inside: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel) and id(sub) not in inside:
+            models.append(sub)
+            inside.update(id(m) for m in sub.modules())
     if not models:
-        name = type(module).__name__
-        raise UserError(f"FSDP2Strategy shards the Hugging Face models a LightningModule holds; {name} holds none")
+        raise UserError(f"{strategy} shards the Hugging Face models a module holds; {type(module).__name__} holds none")
     return models
 
 
@@ -263,73 +293,3 @@ class FusedFSDPStrategy(FSDP2Strategy):
 
     def __init__(self, fused: bool = True, **kwargs: Any) -> None:
         super().__init__(fused=fused, **kwargs)
-
-
-FABRIC_CLIPPING = (
-    "fabric.clip_gradients runs after backward, when the fused step has already applied and freed every "
-    "gradient: remove the call, or remove the fused strategy"
-)
-
-
-class FusedFabricStrategy(_AcceleratorDevice, FabricSingleDeviceStrategy):
-    """Fabric on one device with the fused step: ``fabric.backward(loss)`` updates the parameters.
-
-    ``optimizer.step()`` after it is harmless (it finds no gradient left), so existing loops keep
-    working; ``zero_grad`` is unnecessary. Gradient accumulation with ``fabric.no_backward_sync``
-    cannot work: every backward steps.
-
-    ``layer`` buckets find the transformer layers in the module set up before the optimizer
-    (``fabric.setup(model, optimizer)`` does that); without one, each parameter is its own bucket.
-
-    Args:
-        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer),
-            ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
-        device: defaults to the device Fabric selects from ``accelerator`` and ``devices``.
-    """
-
-    fused_step = True
-
-    def __init__(
-        self,
-        bucket: str = DEFAULT_BUCKET,
-        device: Optional[_DEVICE] = None,
-        accelerator: Optional[FabricAccelerator] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision: Optional[FabricPrecision] = None,
-    ) -> None:
-        parse_bucket(bucket)
-        super().__init__(device or "cpu", accelerator, checkpoint_io, precision)
-        self.bucket = bucket
-        self._device_given = device is not None
-        self._module: Optional[nn.Module] = None
-        self._fused: Optional[OptimizerInBackward] = None
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        self._module = module = super().setup_module(module)
-        return module
-
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._fused is not None:
-            raise UserError(fused.SEVERAL)
-        if getattr(self.precision, "scaler", None) is not None:
-            raise UserError(fused.SCALER)
-        self._fused = OptimizerInBackward(optimizer, self._module, self.bucket)
-        return optimizer
-
-    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        if self._fused is not None:
-            self._fused.refresh()  # parameters unfrozen or added since get their hooks
-        super().backward(tensor, module, *args, **kwargs)
-
-    def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise UserError(FABRIC_CLIPPING)
-
-    def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
-        raise UserError(FABRIC_CLIPPING)
-
-    def teardown(self) -> None:
-        if self._fused is not None:
-            self._fused.remove()
-            self._fused = None
-        self._module = None
-        super().teardown()

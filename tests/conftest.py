@@ -5,15 +5,28 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style
+    variables in the launching process and never removes them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 
@@ -60,3 +73,36 @@ FAST = [
 @pytest.fixture
 def fast_args(tmp_path):
     return FAST + [f"--trainer.default_root_dir={tmp_path}"]
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+class StepLog:
+    """The lr and weight decay of every step applied to each parameter, by parameter identity.
+
+    A global optimizer hook sees every step: the original optimizer's (a no-op when fused: its
+    gradients are gone) and each per-parameter optimizer's inside backward.
+    """
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[tuple[float, float]]] = defaultdict(list)
+
+    def __enter__(self) -> "StepLog":
+        self.handle = register_optimizer_step_post_hook(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _record(self, optimizer, args, kwargs) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:  # this step applied to it
+                    self.steps[id(param)].append((group["lr"], group["weight_decay"]))
+
+    def by_name(self, module: torch.nn.Module) -> dict[str, list[tuple[float, float]]]:
+        return {name: self.steps[id(param)] for name, param in module.named_parameters()}

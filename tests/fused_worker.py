@@ -3,13 +3,13 @@
 Run in the test process (one device) or as a script (new processes: resuming, and FSDP, whose
 launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest):
 
-    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT]
+    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5]
 
 The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
 (step 6, ...) with every rank's random-number state (`lit_memory.resume.ExactResume`), so a
 resumed run sees exactly the batches and dropout masks the uninterrupted run saw. At the end the
 model is exported as the CLI does it (``OUT/hf_model``, gathered from the shards under FSDP) and
-rank 0 writes the final full parameters to ``OUT/params.pt``.
+rank 0 writes the final full parameters to ``OUT/params.pt`` and each step's gradient norm to ``OUT/norms.pt``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,28 @@ def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
 
 
+class GradientNorms(Callback):
+    """Per step, before Lightning's optimizer step: the global gradient norm and the largest gradient value
+    (unfused: of the gradients about to be clipped; fused, by norm: what the measuring backward found),
+    and how many gradients are held (fused: none). Under FSDP every rank takes part; rank 0 keeps them."""
+
+    def __init__(self) -> None:
+        self.norms, self.largest, self.held = [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.held.append(len(grads))
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            self.norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+            largest = torch.stack([g.abs().max() for g in grads]).max()
+            self.largest.append((largest.full_tensor() if isinstance(largest, DTensor) else largest).item())
+        elif getattr(trainer.strategy, "total_norm", None) is not None:
+            self.norms.append(trainer.strategy.total_norm.item())
+
+
 def train(
     out: Path,
     strategy: str = "fused-single",
@@ -70,18 +92,24 @@ def train(
     resume: Optional[str] = None,
     model: Optional[SequenceClassifier] = None,
     callbacks: Optional[list[Callback]] = None,
+    clip: Optional[str] = None,
 ) -> SequenceClassifier:
+    """``clip``: ``norm:0.5`` or ``value:0.01``, the trainer's gradient_clip_algorithm and gradient_clip_val."""
     L.seed_everything(42)
     model = model or tiny_bert()
     # Its own generator: a DataLoader otherwise draws from the global random state every epoch, which
     # a resumed run (restoring that state after the checkpoint's step) would not repeat.
     samples, generator = batches(BATCH * BATCHES_PER_EPOCH * devices), torch.Generator().manual_seed(0)
     data = DataLoader(samples, batch_size=BATCH, shuffle=False, generator=generator)
+    algorithm, value = clip.split(":") if clip else (None, None)
+    norms = GradientNorms()
     trainer = L.Trainer(
         strategy=STRATEGIES[strategy](),
         accelerator="cpu",
         devices=devices,
         max_steps=steps,
+        gradient_clip_algorithm=algorithm,
+        gradient_clip_val=None if value is None else float(value),
         limit_val_batches=0,
         logger=False,
         enable_progress_bar=False,
@@ -90,6 +118,7 @@ def train(
         callbacks=[
             ModelCheckpoint(out / "checkpoints", save_top_k=-1, every_n_train_steps=BATCHES_PER_EPOCH),
             ExactResume(),
+            norms,
             *(callbacks or []),
         ],
     )
@@ -98,6 +127,7 @@ def train(
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(params, out / "params.pt")
+        torch.save({"norms": norms.norms, "largest": norms.largest, "held": norms.held}, out / "norms.pt")
     return model
 
 
@@ -107,9 +137,10 @@ def main() -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="fused-single")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--resume")
+    parser.add_argument("--clip", help="norm:MAX_NORM or value:CLIP_VALUE")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    train(args.out, args.strategy, args.devices, resume=args.resume)
+    train(args.out, args.strategy, args.devices, resume=args.resume, clip=args.clip)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from lit_memory.model import SequenceClassifier, transformer_layers
 # Dropout stays on (BERT's 0.1): recomputed dropout must draw the masks the forward pass drew.
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 aten = torch.ops.aten
-pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\(\)`")
+pytestmark = pytest.mark.filterwarnings(r"ignore:You are trying to `self.log\(\)`")
 
 
 def tiny(**kwargs) -> SequenceClassifier:

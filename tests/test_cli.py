@@ -25,7 +25,7 @@ def test_recipe_parses_and_trains_two_steps(recipe, fast_args):
     assert (RECIPES / f"{recipe}.yaml").exists()
     saved = yaml.safe_load(open(f"{run_dir}/config.yaml"))
     assert saved["trainer"]["max_steps"] == 2  # the resolved config is kept with the run
-    assert cli.model.model.config.num_labels == cli.datamodule.num_labels == 2  # linked, not repeated
+    assert cli.model.model.config.num_labels == cli.datamodule.hparams.num_labels == 2  # linked, not repeated
     assert "num_labels" not in saved["data"]
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
 from fused_worker import batches, tiny_bert
-from lit_memory.fused import OptimizerInBackward, group_parameters
-from lit_memory.model import SequenceClassifier, weight_decay_groups
+from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
+from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, weight_decay_groups
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -285,3 +287,87 @@ def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(t
         assert bucketed_extra <= 2 * layer  # one layer's gradients, and its step's temporaries
     finally:
         dist.destroy_process_group()
+
+
+# -- clipping inside backward ----------------------------------------------------------------------
+
+
+def clipped(net, clipping: Clipping, fused: bool, bucket: str = "layer", steps: int = 5) -> list[float]:
+    """AdamW steps on batches of 4 with dropout, clipped: fused inside backward, else by torch.nn.utils after
+    it. Returns per step the norm (by norm: fused, what the measuring backward found) or, unfused by value,
+    the largest gradient value."""
+    optimizer = torch.optim.AdamW(weight_decay_groups(net), lr=1e-3, weight_decay=0.01)
+    fusion = OptimizerInBackward(optimizer, net, bucket, clipping) if fused else None
+    torch.manual_seed(1)  # dropout masks
+    seen = []
+    samples = batches(4 * steps)
+    for i in range(steps):
+        batch = {k: torch.stack([s[k] for s in samples[4 * i : 4 * i + 4]]) for k in samples[0]}
+        loss = net(**batch).loss
+        if fused:
+            norm = fusion.backward(loss.backward)
+            assert all(p.grad is None for p in net.parameters())
+        elif clipping.by_norm:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), clipping.max_norm, clipping.norm_type)
+        else:
+            loss.backward()
+            norm = torch.stack([p.grad.abs().max() for p in net.parameters() if p.grad is not None]).max()
+            torch.nn.utils.clip_grad_value_(net.parameters(), clipping.value)
+        seen.append(None if norm is None else norm.item())
+        if not fused:
+            optimizer.step()
+            optimizer.zero_grad()
+    if fusion:
+        fusion.remove()
+    return seen
+
+
+CLIPPINGS = {"norm": Clipping(max_norm=0.3), "value": Clipping(value=0.01)}
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+@pytest.mark.parametrize("name", CLIPPINGS)
+def test_clipping_inside_backward_matches_torch_after_it(name, bucket):
+    """By norm: a measuring backward first (each gradient freed once its norm is taken), then the fused one
+    scaled by torch's coefficient; by value: each bucket clamps before its step. Clipping is active."""
+    clipping = CLIPPINGS[name]
+    plain, fusion = model(), model()
+    plain_seen = clipped(plain, clipping, fused=False)
+    fused_seen = clipped(fusion, clipping, fused=True, bucket=bucket)
+    assert_same_parameters(plain, fusion, atol=1e-6)
+    limit = clipping.max_norm if clipping.by_norm else clipping.value
+    assert min(plain_seen) > limit  # clipped at every step
+    if clipping.by_norm:
+        torch.testing.assert_close(fused_seen, plain_seen, rtol=1e-5, atol=0)
+
+
+def test_clipping_by_the_infinity_norm_with_recomputed_activations():
+    """Non-reentrant checkpointing recomputes each layer in both backwards (the same dropout masks)."""
+    clipping = Clipping(max_norm=0.01, norm_type=float("inf"))
+    nets = []
+    for fused in (False, True):
+        net = model()
+        enable_gradient_checkpointing(net)
+        nets.append((net, clipped(net, clipping, fused=fused)))
+    (plain, plain_norms), (fusion, fused_norms) = nets
+    assert_same_parameters(plain, fusion, atol=1e-6)
+    assert min(plain_norms) > 0.01 and fused_norms == pytest.approx(plain_norms, rel=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile (inductor) on CPU needs a C++ compiler")
+def test_clipping_by_norm_with_compiled_layers(monkeypatch):
+    """Compiled backwards donate their saved tensors unless told not to: the fused step's hooks tell torch
+    before the layers compile, so the second backward over a compiled forward works."""
+    import torch._functorch.config
+
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)  # torch's default, restored after
+    nets = []
+    for fused in (False, True):
+        net = model(dropout=0.0)  # compiled dropout draws other masks than eager
+        for layer in net.bert.encoder.layer:
+            layer.compile()
+        nets.append((net, clipped(net, Clipping(max_norm=0.3), fused=fused, steps=3)))
+    (plain, plain_norms), (fusion, fused_norms) = nets
+    assert_same_parameters(plain, fusion, atol=1e-5)
+    assert fused_norms == pytest.approx(plain_norms, rel=1e-5)

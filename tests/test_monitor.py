@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from torch import nn
 
 from conftest import FAST, RECIPES
 from lit_memory.__main__ import main

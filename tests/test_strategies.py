@@ -1,4 +1,4 @@
-"""The fused strategies in Trainer (one device, FSDP over 2 CPU processes) and Fabric.
+"""The fused Trainer strategies: one device, and FSDP over 2 CPU processes (Fabric's: tests/test_fabric.py).
 
 Multi-process and resumed runs go through ``tests/fused_worker.py`` in a subprocess: Lightning's
 launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest.
@@ -7,41 +7,31 @@ launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler
 from lightning.pytorch.plugins import MixedPrecision
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
 import fused_worker as worker
-from conftest import CONFIGS, RECIPES, REPO
+from conftest import CONFIGS, RECIPES, REPO, StepLog, assert_same
 from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
+from lit_memory.fabric import FusedFabricStrategy
 from lit_memory.memory import records
 from lit_memory.memory.tracker import Tracker
-from lit_memory.monitor import MemoryMonitor
 from lit_memory.model import SequenceClassifier
-from lit_memory.strategies import (
-    FABRIC_CLIPPING,
-    FSDP2Strategy,
-    SHARD_STATE,
-    FusedFabricStrategy,
-    FusedFSDPStrategy,
-    FusedSingleDeviceStrategy,
-)
+from lit_memory.monitor import MemoryMonitor
+from lit_memory.strategies import SHARD_STATE, FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
 
 CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
 
@@ -54,41 +44,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-class StepLog:
-    """The lr and weight decay of every step applied to each parameter, by parameter identity.
-
-    A global optimizer hook sees every step: the original optimizer's (a no-op when fused: its
-    gradients are gone) and each per-parameter optimizer's inside backward.
-    """
-
-    def __init__(self) -> None:
-        self.steps: dict[int, list[tuple[float, float]]] = defaultdict(list)
-
-    def __enter__(self) -> "StepLog":
-        self.handle = register_optimizer_step_post_hook(self._record)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-
-    def _record(self, optimizer, args, kwargs) -> None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:  # this step applied to it
-                    self.steps[id(param)].append((group["lr"], group["weight_decay"]))
-
-    def by_name(self, module: torch.nn.Module) -> dict[str, list[tuple[float, float]]]:
-        return {name: self.steps[id(param)] for name, param in module.named_parameters()}
-
-
 def load(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path / "params.pt")
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
 
 
 def run_worker(out: Path, *args: str) -> None:
@@ -235,15 +192,42 @@ def test_parameters_unfrozen_during_training_are_fused_and_match_unfused(tmp_pat
     assert not torch.equal(runs["fused-single"][0][word], start.model.state_dict()[word])  # they trained
 
 
+@pytest.mark.parametrize("clip", ["norm:0.3", "value:0.01"])
+def test_fused_clipping_matches_unfused_clipping(clip, tmp_path):
+    """trainer.gradient_clip_val, fused: by norm, a first backward measures the global norm, the fused one
+    scales by torch's coefficient; by value, each bucket clamps before its step. Both equal Lightning's
+    clipping after an unfused backward, where it is active at every step."""
+    seen = {}
+    for strategy in ("single", "fused-single"):
+        seen[strategy] = worker.GradientNorms()
+        worker.train(tmp_path / strategy, strategy, steps=6, callbacks=[seen[strategy]], clip=clip)
+    assert_same(load(tmp_path / "single"), load(tmp_path / "fused-single"), atol=1e-5)
+    algorithm, value = clip.split(":")
+    plain, fusion = seen["single"], seen["fused-single"]
+    assert fusion.held == [0] * 6 and min(plain.held) > 0
+    if algorithm == "norm":
+        assert min(plain.norms) > float(value)  # every step clipped
+        torch.testing.assert_close(fusion.norms, plain.norms, rtol=1e-5, atol=0)
+    else:
+        assert min(plain.largest) > float(value)
+
+
 # -- FSDP, 2 processes -----------------------------------------------------------------------
 
 
-def test_fsdp_fused_matches_unfused(tmp_path):
+def test_fsdp_fused_matches_unfused_with_clipping_by_norm(tmp_path):
+    """FSDP2 over 2 processes, trainer.gradient_clip_val by norm: fused, the measuring backward's norm is
+    all-reduced over the ranks; unfused, Lightning clips the sharded gradients after backward."""
     # Resuming FSDP runs (killed mid-epoch, from the sharded checkpoint): tests/test_resume.py.
     plain, fusion = tmp_path / "plain", tmp_path / "fused"
-    run_worker(plain, "--strategy", "fsdp", "--devices", "2")
-    run_worker(fusion, "--strategy", "fused-fsdp", "--devices", "2")
-    assert_same(load(plain), load(fusion))
+    run_worker(plain, "--strategy", "fsdp", "--devices", "2", "--clip", "norm:0.25")
+    run_worker(fusion, "--strategy", "fused-fsdp", "--devices", "2", "--clip", "norm:0.25")
+    assert_same(load(plain), load(fusion), atol=1e-5)
+    norms = torch.load(plain / "norms.pt")
+    assert len(norms["norms"]) == 10 and min(norms["norms"]) > 0.25  # every step clipped
+    fused_norms = torch.load(fusion / "norms.pt")
+    assert fused_norms["held"] == [0] * 10
+    torch.testing.assert_close(fused_norms["norms"], norms["norms"], rtol=1e-5, atol=0)
     exported = AutoModelForSequenceClassification.from_pretrained(fusion / "hf_model")  # gathered from the shards
     assert_same(exported.state_dict(), load(fusion))
 
@@ -343,7 +327,6 @@ class TwoOptimizers(SequenceClassifier):
 
 ERRORS = {
     "accumulation": (FusedSingleDeviceStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
-    "clipping": (FusedSingleDeviceStrategy, worker.tiny_bert, {"gradient_clip_val": 1.0}, fused.CLIPPING),
     "fp16-scaler": (
         FusedSingleDeviceStrategy,
         worker.tiny_bert,
@@ -403,46 +386,3 @@ def test_cli_prints_the_refusal_as_one_line_and_writes_nothing(tmp_path, capsys)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {fused.ACCUMULATION}"]
     assert not root.exists()
-
-
-# -- Fabric ----------------------------------------------------------------------------------
-
-
-def test_fabric_example_matches_unfused_with_lr_schedule():
-    spec = importlib.util.spec_from_file_location("fabric_fused", REPO / "examples" / "fabric_fused.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    models, steps = {}, {}
-    for fusion in (False, True):
-        with StepLog() as log:
-            models[fusion] = example.train(fused=fusion, steps=10).module  # unwrapped from Fabric's
-        steps[fusion] = log.by_name(models[fusion])
-    assert_same(dict(models[False].named_parameters()), dict(models[True].named_parameters()))
-    assert steps[True] == steps[False]
-    assert len({lr for lr, _ in steps[True]["classifier.weight"]}) > 5  # the schedule moved the lr
-    assert all(p.grad is None for p in models[True].parameters())
-
-
-FABRIC_ERRORS = {
-    "two-optimizers": (
-        {},
-        lambda fabric, net, opt: fabric.setup(net, opt, torch.optim.SGD(net.parameters())),
-        fused.SEVERAL,
-    ),
-    "fp16-scaler": (
-        {"plugins": [FabricMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
-        lambda fabric, net, opt: fabric.setup(net, opt),
-        fused.SCALER,
-    ),
-    "clipping": ({}, lambda fabric, net, opt: fabric.clip_gradients(*fabric.setup(net, opt), 1.0), FABRIC_CLIPPING),
-}
-
-
-@pytest.mark.parametrize("case", FABRIC_ERRORS)
-def test_fabric_refuses_what_fusion_cannot_do(case):
-    settings, action, message = FABRIC_ERRORS[case]
-    fabric = L.Fabric(accelerator="cpu", strategy=FusedFabricStrategy(), **settings)
-    net = torch.nn.Linear(2, 2)
-    with pytest.raises(UserError) as error:
-        action(fabric, net, torch.optim.SGD(net.parameters(), lr=0.1))
-    assert str(error.value) == message

@@ -275,7 +275,7 @@ def test_a_relative_checkpoint_path_is_read_from_the_working_folder_as_lightning
     code, _, err = run_main(["fit", "--config", str(recipe), f"--trainer.default_root_dir={c.runs}"], capsys)
     assert code == 2
     assert err.strip().splitlines() == [
-        f"error: cannot load checkpoint sent.ckpt with weights_only=True: "
+        "error: cannot load checkpoint sent.ckpt with weights_only=True: "
         + err.strip().split("weights_only=True: ", 1)[1]
     ]
     assert not c.marker.exists() and not c.runs.exists()

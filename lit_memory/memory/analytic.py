@@ -542,7 +542,19 @@ def analytic(setup: Setup) -> Prediction:
             key=_total,
             default=phase(),
         )
-        footprint.add("backward", max(early, late, key=_total))
+        measuring = phase()
+        if setup.clip_norm:
+            # Clipping by norm: a first backward only measures the norm and keeps the graph for the fused one,
+            # so every saved activation stays to its end, where the largest gradient (the word embeddings') comes;
+            # each gradient lives only until its norm is taken (under FSDP, a unit's unsharded ones until reduced).
+            # Inside the layers it is as the fused backward: `early`.
+            measuring = phase(
+                gradients=largest_grad,
+                activations=act.forward,
+                other=batch + act.backward_temp,
+                unsharded=sharding.reducing if sharding else 0,
+            )
+        footprint.add("backward", max(early, late, measuring, key=_total))
         footprint.add("step", phase())  # Lightning's step after backward finds every gradient gone
     else:
         # SequenceClassifier.optimizer_step frees the gradients after the step; mid-window micro-batches

@@ -44,6 +44,7 @@ class Setup:
     max_length: int = 128
     fused: bool = False
     bucket: str = "layer"  # the fused strategy's bucket setting (lit_memory.fused.parse_bucket)
+    clip_norm: bool = False  # gradients clipped by norm; fused, a backward that only measures it comes first
     device: str = "cuda"  # the device type the analytic prediction is for
     module_class: type = SequenceClassifier
     sharded: bool = False  # FSDP: parameters, gradients and optimizer state split over the ranks
@@ -62,6 +63,7 @@ class Setup:
             max_length=data.hparams.max_length,
             fused=is_fused(trainer.strategy),
             bucket=getattr(trainer.strategy, "bucket", "layer"),
+            clip_norm=clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
             device=trainer.strategy.root_device.type,
             module_class=type(module),
             sharded=is_sharded(trainer.strategy),
@@ -120,6 +122,8 @@ class Setup:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
             parts.append(f"fused backward+step ({self.bucket} buckets)")
+        if self.clip_norm and self.fused:
+            parts.append("clipping by norm (a measuring backward first)")
         if self.sharded:
             parts.append(f"sharded over {self.world_size} ranks")
         return ", ".join(parts)
@@ -174,6 +178,11 @@ def is_fused(strategy: Any) -> bool:
     if init_args and init_args.get("fused") is not None:  # the strategies that take it as an argument
         return bool(init_args.get("fused"))
     return bool(getattr(strategy_class(strategy), "fused_step", False))
+
+
+def clips_by_norm(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> bool:
+    """Whether the trainer's settings clip gradients by norm (Lightning's default algorithm)."""
+    return bool(gradient_clip_val) and str(gradient_clip_algorithm or "norm").lower() == "norm"
 
 
 def is_sharded(strategy: Any) -> bool:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from lit_memory.activations import OffloadActivations
-from lit_memory.fused import OptimizerInBackward
+from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.lowbit import is_torchao
 from lit_memory.memory.analytic import foreach_default, torchao_kernel_bytes
 from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
@@ -54,13 +54,14 @@ class _Stepping:
 
     optimizers: list  # whose state exists before the tracked step (tracked from its start)
     warm: Callable[[], None]  # one step on zero gradients, leaving behind what a previous step leaves
-    after_backward: Callable[[], None]  # what runs after loss.backward()
+    backward: Callable[[torch.Tensor], None]  # backward from the loss
+    after_backward: Callable[[], None]  # what runs after backward
 
 
 def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup) -> _Stepping:
     """Lightning's step: ``optimizer.step()`` after backward, then `SequenceClassifier.optimizer_step`
     frees the gradients. With the fused step the strategy's own core steps and frees each gradient
-    inside backward instead.
+    inside backward instead (clipping by norm: after a backward that only measures the norm).
     """
     trainable = [p for p in module.model.parameters() if p.requires_grad]
 
@@ -72,9 +73,10 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
             optimizer.zero_grad()  # a step leaves no gradient behind (see above)
 
     if setup.fused:
-        OptimizerInBackward(optimizer, module, setup.bucket)  # hooks on the (throwaway, fake) model's parameters
-        return _Stepping(optimizers=[optimizer], warm=warm, after_backward=lambda: None)
-    return _Stepping(optimizers=[optimizer], warm=warm, after_backward=optimizer.step)
+        # hooks on the (throwaway, fake) model's parameters; any max_norm: only the extra backward matters here
+        fused = OptimizerInBackward(optimizer, module, setup.bucket, Clipping(max_norm=1.0) if setup.clip_norm else None)
+        return _Stepping([optimizer], warm, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
+    return _Stepping([optimizer], warm, lambda loss: loss.backward(), after_backward=optimizer.step)
 
 
 TORCHAO_NOTE = (
@@ -140,7 +142,7 @@ def simulate(setup: Setup) -> Prediction:
             with forward_context():
                 loss = module.training_step(batch, 0)
             tracker.enter_phase("backward")
-            loss.backward()
+            stepping.backward(loss)
             tracker.enter_phase("step")
             stepping.after_backward()
         del loss

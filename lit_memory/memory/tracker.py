@@ -11,7 +11,6 @@ runtime, libraries, allocator caches) is `ProcessPeak`'s.
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 import warnings
@@ -256,9 +255,11 @@ def live_breakdown(module: torch.nn.Module, optimizers: list, allocated: int) ->
 class ProcessPeak:
     """The process's resident memory: its size when started and its peak since (max RSS).
 
-    The kernel keeps the peak (``getrusage``'s ``ru_maxrss``) for the process's whole life and it
-    cannot be reset, so the growth over a run is the peak minus the size at its start: what this
-    run added on top of the interpreter, libraries and anything allocated before it.
+    The kernel keeps the peak for the process's whole life and it cannot be reset, so the growth over
+    a run is the peak minus the size at its start: what this run added on top of the interpreter,
+    libraries and anything allocated before it. On Linux the peak is ``VmHWM`` (of this address space,
+    so it starts afresh at exec); ``getrusage``'s ``ru_maxrss`` would carry over the peak of the process
+    that forked this one (a 16 GB test runner made a tiny run "grow" 16 GB).
     """
 
     def __init__(self) -> None:
@@ -266,9 +267,7 @@ class ProcessPeak:
 
     @property
     def peak(self) -> int:
-        # ru_maxrss is in KiB on Linux, in bytes on macOS.
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return maxrss if sys.platform == "darwin" else maxrss * 1024
+        return _status_bytes("VmHWM") or _maxrss()
 
     @property
     def growth(self) -> int:
@@ -278,11 +277,24 @@ class ProcessPeak:
         return {"rss_at_start_bytes": self.start, "max_rss_bytes": self.peak, "growth_bytes": self.growth}
 
 
+def _status_bytes(field: str) -> Optional[int]:
+    """A ``/proc/self/status`` size (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _maxrss() -> int:
+    # ru_maxrss is in KiB on Linux, in bytes on macOS.
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
 def current_rss() -> int:
     """Resident set size now (Linux: /proc; elsewhere the peak so far, the best portable bound)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return maxrss if sys.platform == "darwin" else maxrss * 1024
+    return _status_bytes("VmRSS") or _maxrss()

@@ -15,7 +15,16 @@ from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.memory.analytic import analytic, file_gib
 from lit_memory.memory.footprint import Footprint, format_bytes
 from lit_memory.memory.report import table
-from lit_memory.memory.setup import DEVICES, Prediction, Setup, init_args, is_fused, is_sharded, normalize_precision
+from lit_memory.memory.setup import (
+    DEVICES,
+    Prediction,
+    Setup,
+    clips_by_norm,
+    init_args,
+    is_fused,
+    is_sharded,
+    normalize_precision,
+)
 from lit_memory.memory.simulate import simulate
 from lit_memory.model import SequenceClassifier
 
@@ -43,6 +52,7 @@ def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
         max_length=run.datamodule.hparams.max_length,
         fused=is_fused(trainer.strategy),
         bucket=getattr(getattr(trainer.strategy, "init_args", None), "bucket", None) or "layer",
+        clip_norm=clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
         device=device,
         sharded=sharded,
         world_size=ranks(trainer.devices) * trainer.num_nodes if sharded else 1,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -133,4 +136,14 @@ def test_process_peak_grows_with_a_large_allocation():
     process = ProcessPeak()
     block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
     assert process.growth >= 48 * 2**20 and process.peak >= process.start
+    del block
+
+
+def test_process_peak_starts_afresh_in_a_process_started_by_a_large_one():
+    """A run started by a large process (a test runner, a notebook) measures its own peak, not the
+    parent's: getrusage's max RSS carries over fork and exec."""
+    block = torch.ones(512 * 2**20, dtype=torch.uint8)  # 512 MiB, touched, in this (the parent) process
+    code = "from lit_memory.memory.tracker import ProcessPeak; p = ProcessPeak(); print(p.peak, p.growth)"
+    peak, growth = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert peak < 512 * 2**20 and growth < 128 * 2**20
     del block

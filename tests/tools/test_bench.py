@@ -56,7 +56,12 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
 def run(shipped, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out"
     args = ["--recipes", "fused,baseline", "--steps", "2", "--warmup", "2", "--eval", "--peer", "hf-trainer"]
-    main(["bench", *args, "--update-readme", "--out", str(out), *TINY])
+    with pytest.MonkeyPatch.context() as patch:
+        # What Lightning's launcher leaves in the process that launched ranks: each run must still be one process
+        # (transformers.Trainer would otherwise wrap the peer's model in DDP, a copy of the gradients more).
+        for name, value in {"LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():
+            patch.setenv(name, value)
+        main(["bench", *args, "--update-readme", "--out", str(out), *TINY])
     with open(out / "bench.csv", newline="") as f:
         rows = {row["recipe"]: row for row in csv.DictReader(f)}
     return out, rows

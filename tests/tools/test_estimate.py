@@ -100,6 +100,8 @@ CASES = {
         "model": {"gradient_checkpointing": True},
         "optimizer": partial(torchao.optim.AdamW8bit, lr=1e-4, bf16_stochastic_round=True),
     },
+    "fused, clipping by norm": {"fused": True, "clip_norm": True},
+    "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
 }
 
 
@@ -114,6 +116,21 @@ def test_analytic_agrees_with_the_simulation(case):
     for prediction in (predicted, simulated):
         assert sum(prediction.footprint.categories.values()) == prediction.footprint.peak
     assert predicted.inference == pytest.approx(simulated.inference, rel=0.10)
+
+
+def test_clipping_by_norm_measures_without_holding_a_set_of_gradients():
+    """Clipping by norm under the fused step: the measuring backward keeps every activation for the fused
+    one and frees each gradient as soon as its norm is taken, so the step's peak grows by at most the
+    largest gradient (MiniLM's word embeddings), and never holds all gradients as the unfused step does."""
+    settings = {"batch_size": 2, "max_length": 16, "fused": True}
+    fused, clipped = simulate(minilm(**settings)), simulate(minilm(**settings, clip_norm=True))
+    unfused = simulate(minilm(**{**settings, "fused": False}))
+    largest = 4 * 30522 * 384
+    assert 0 < clipped.footprint.peak - fused.footprint.peak <= 1.05 * largest
+    assert max(phase["gradients"] for phase in clipped.footprint.phases.values()) <= largest
+    assert unfused.footprint.categories["gradients"] > 1.9 * largest  # all of them: 90.9 MB
+    predicted = analytic(minilm(**settings, clip_norm=True))
+    assert predicted.footprint.peak == pytest.approx(clipped.footprint.peak, rel=0.05)
 
 
 # Selective checkpointing and offloading where activations are the peak: the fused step (no full set
@@ -294,6 +311,18 @@ def test_estimate_json_without_simulation_has_null_simulated_entries(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["predicted"]["simulated"] is None and data["inference_bytes"]["simulated"] is None
     assert data["setup"]["accumulate_grad_batches"] == 32 and data["setup"]["batch_size"] == 1
+
+
+def test_estimate_reads_clipping_by_norm_from_the_trainer_settings(capsys):
+    """fused.yaml with trainer.gradient_clip_val (norm by default): the measuring backward is predicted, its
+    largest gradient (the word embeddings') at the peak; by value, nothing changes."""
+    peaks = {}
+    for clip in ([], ["--trainer.gradient_clip_val=1.0"], ["--trainer.gradient_clip_val=1.0", "--trainer.gradient_clip_algorithm=value"]):
+        main(["estimate", "--json", "--no-simulate", "--config", str(RECIPES / "fused.yaml"), *clip])
+        peaks[len(clip)] = json.loads(capsys.readouterr().out)["predicted"]["analytic"]
+    assert peaks[1]["categories"]["gradients"] == 4 * 30522 * 384  # MiniLM's word embeddings
+    assert peaks[1]["peak_bytes"] == peaks[0]["peak_bytes"] + 4 * 30522 * 384
+    assert peaks[2] == peaks[0]
 
 
 def test_unmodelled_precision_is_one_error_line(capsys):
