@@ -3,7 +3,7 @@
 Run in the test process (one device) or as a script (new processes: resuming, and FSDP, whose
 launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest):
 
-    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5]
+    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5] [--optimizer torchao-8bit]
 
 The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
 (step 6, ...) with every rank's random-number state (`lit_memory.resume.ExactResume`), so a
@@ -40,6 +40,15 @@ STRATEGIES = {
     "fused-fsdp": FusedFSDPStrategy,
 }
 BATCH, BATCHES_PER_EPOCH, LENGTH = 4, 6, 16
+
+
+def torchao_8bit(params) -> torch.optim.Optimizer:
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+
+
+OPTIMIZERS = {"adamw": None, "torchao-8bit": torchao_8bit}  # --optimizer: None is tiny_bert's AdamW
 
 
 def tiny_bert(optimizer=None, dropout: float = 0.1, schedule: str = "linear", cls=SequenceClassifier):
@@ -138,9 +147,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--resume")
     parser.add_argument("--clip", help="norm:MAX_NORM or value:CLIP_VALUE")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    train(args.out, args.strategy, args.devices, resume=args.resume, clip=args.clip)
+    model = tiny_bert(OPTIMIZERS[args.optimizer])
+    train(args.out, args.strategy, args.devices, resume=args.resume, model=model, clip=args.clip)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import io
 import pytest
 import torch
 import yaml
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8, _AdamW
@@ -190,3 +191,21 @@ def test_fp8_state_on_a_gpu_without_fp8_is_refused(monkeypatch):
     lowbit.check_settings(fp8, "bf16-mixed", on_gpu=False)  # the CPU casts to FP8 itself
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
+
+
+def test_fsdp2_fused_torchao_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
+    """torchao's 8-bit state is DTensor-aware: under FSDP2 with the fused step it is saved in the sharded
+    checkpoint and restored, so 6 steps + resume to 10 equal 10 steps (bitsandbytes' refuses: SHARD_STATE)."""
+    from test_strategies import CHECKPOINT, load, run_worker
+
+    args = ["--strategy", "fused-fsdp", "--devices", "2", "--optimizer", "torchao-8bit"]
+    run_worker(tmp_path / "full", *args)
+    checkpoint = tmp_path / "full" / CHECKPOINT
+    assert (checkpoint / "meta.pt").is_file()  # sharded (torch.distributed.checkpoint), with the 8-bit moments
+    saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    assert any("exp_avg" in key and "optimizer" in key for key in saved), sorted(saved)[:20]
+    run_worker(tmp_path / "resumed", *args, "--resume", str(checkpoint))
+    full, resumed = load(tmp_path / "full"), load(tmp_path / "resumed")
+    assert full.keys() == resumed.keys()
+    for name in full:
+        torch.testing.assert_close(resumed[name], full[name], rtol=0, atol=1e-6, msg=name)
