@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import ctypes
+import gc
 import json
 import os
 from collections import defaultdict
@@ -19,14 +21,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+try:  # glibc: hand freed heap memory back to the system
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):
+    _malloc_trim = None
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style
-    variables in the launching process and never removes them."""
+    variables in the launching process and never removes them. And from a trimmed heap: dozens of
+    in-process fits otherwise leave glibc's arenas holding about 1 GB each (measured: 6 GB after 4)."""
     saved = dict(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    gc.collect()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 

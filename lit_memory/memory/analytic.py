@@ -11,12 +11,13 @@ setup: `lit_memory.tools.plan` predicts hundreds.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -483,15 +484,29 @@ def _buckets(
 
 
 def _meta_build(setup: Setup) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
-    # The optimizer factory is part of the key (hashed by identity) and so kept alive with its build.
-    key = (setup.module_class, json.dumps(setup.model, sort_keys=True, default=str), setup.optimizer, setup.precision)
+    key = (setup.module_class, json.dumps(setup.model, sort_keys=True, default=str), _factory_key(setup.optimizer), setup.precision)
     if key in _META_BUILDS:
         _META_BUILDS.move_to_end(key)
     else:
-        _META_BUILDS[key] = build(setup, torch.device("meta"))
+        module, optimizer = build(setup, torch.device("meta"))
+        # The factory is not needed once the optimizer exists; kept, it would keep what it references alive
+        # with the build (a CLI's factory: the CLI, its trainer and its trained model).
+        module.optimizer_factory = None
+        _META_BUILDS[key] = module, optimizer
         if len(_META_BUILDS) > META_BUILDS_KEPT:
             _META_BUILDS.popitem(last=False)
     return _META_BUILDS[key]
+
+
+def _factory_key(factory: Any) -> Any:
+    """What an optimizer factory builds, as a cache key that holds no reference to it: a partial (a
+    parsed config's factory is jsonargparse's, whose arguments reference its parser and CLI) by its
+    function, class arguments and keywords; anything else (a class, a function) by identity."""
+    if isinstance(factory, functools.partial):
+        classes = tuple(f"{a.__module__}.{a.__qualname__}" for a in factory.args if isinstance(a, type))
+        function = f"{getattr(factory.func, '__module__', '')}.{getattr(factory.func, '__qualname__', factory.func)}"
+        return function, classes, json.dumps(factory.keywords, sort_keys=True, default=str)
+    return factory
 
 
 def analytic(setup: Setup) -> Prediction:

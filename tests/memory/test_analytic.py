@@ -3,6 +3,8 @@ model against the simulation on fake tensors, setting by setting."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from functools import partial
 
 import bitsandbytes as bnb
@@ -250,3 +252,23 @@ def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportio
         assert 400 * 2**20 < alive <= max(buckets) <= 512 * 2**20
     assert predicted.footprint.phases["backward"]["gradients"] == max(buckets)
     assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.02)
+
+
+def test_the_cache_of_meta_builds_keeps_nothing_the_optimizer_factory_references():
+    """A parsed config's optimizer factory references its parser and CLI, and through them the trainer and
+    the trained model: the memory model's cache of meta builds must not keep it (it kept 16 fits alive)."""
+
+    class Owner:  # stands for the CLI
+        pass
+
+    def adamw(owner: Owner, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=2e-5)
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    setup = minilm(optimizer=partial(adamw, owner))
+    first = analytic(setup).footprint.peak
+    assert analytic(minilm(optimizer=partial(adamw, Owner()))).footprint.peak == first  # the same build, reused
+    del owner, setup
+    gc.collect()
+    assert alive() is None
