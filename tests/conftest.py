@@ -118,3 +118,13 @@ class StepLog:
 
     def by_name(self, module: torch.nn.Module) -> dict[str, list[tuple[float, float]]]:
         return {name: self.steps[id(param)] for name, param in module.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of small models: faster than two on the two shared cores (and the
+    cores are left to the worker processes some of these tests start)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,12 +22,7 @@ from lit_memory.errors import UserError
 from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, SHARED, STALE_OPTIMIZER, UNOWNED
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the two cores are shared with the worker processes
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
 
 def example(name: str):

@@ -14,13 +14,7 @@ from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
 from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, weight_decay_groups
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Fewer threads than the two shared cores keep these small models fast and timings steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
 
 def model(dropout: float = 0.1) -> torch.nn.Module:

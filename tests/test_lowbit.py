@@ -30,13 +30,7 @@ from lit_memory.memory.analytic import optimizer_bytes
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 from lit_memory.tools.plan import optimizer_factory
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Fewer threads than the two shared cores keep these small models (and compiled kernels) fast."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
 
 TOY = {

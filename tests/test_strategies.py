@@ -36,12 +36,7 @@ from lit_memory.strategies import SHARD_STATE, FSDP2Strategy, FusedFSDPStrategy,
 CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the two cores are shared with the worker processes
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
