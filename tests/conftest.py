@@ -19,7 +19,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-
+RECIPES = REPO / "recipes"
+CONFIGS = REPO / "configs"
 
 try:  # glibc: hand freed heap memory back to the system
     _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
@@ -28,7 +29,7 @@ except (OSError, AttributeError):
 
 
 @pytest.fixture(autouse=True)
-def _environment_restored():
+def _each_test_starts_clean():
     """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style
     variables in the launching process and never removes them. And from a trimmed heap: dozens of
     in-process fits otherwise leave glibc's arenas holding about 1 GB each (measured: 6 GB after 4)."""
@@ -39,8 +40,7 @@ def _environment_restored():
     gc.collect()
     if _malloc_trim is not None:
         _malloc_trim(0)
-RECIPES = REPO / "recipes"
-CONFIGS = REPO / "configs"
+
 
 POSITIVE = ["great hotel, friendly staff", "lovely clean room", "excellent breakfast", "would stay again", "superb view"]
 NEGATIVE = ["dirty room and rude staff", "terrible noise all night", "awful breakfast", "never again", "broken shower"]
