@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import resource
 import sys
-import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
@@ -52,8 +53,10 @@ class Tracker(MemTracker):
     Only tensors on ``device`` count (on CUDA, torch keeps e.g. Adam's step counters on the CPU).
     Tensors created before the tracker is entered must be registered with ``track_external``.
 
-    MemTracker is private torch API; four of its hooks are replaced here, each for a reason given
-    where it is. Everything else (dispatch, storage accounting, module tracking) is torch's.
+    MemTracker is private torch API; some of its hooks are replaced here, each for a reason given
+    where it is. Everything else (dispatch, storage accounting) is torch's. Its module tracking is
+    replaced by `_ForwardCalls`: torch's registers autograd hooks that keep every tracked step's
+    autograd graph alive, and that graph holds the model (see `_ForwardCalls`).
     """
 
     def __init__(
@@ -70,6 +73,31 @@ class Tracker(MemTracker):
         # they create is labelled after the step. ``False``: step them tracked (an eager stand-in does).
         self.compiled_steps = compiled_steps
         self._paused = False
+        self._mod_tracker = _ForwardCalls()
+        self._seen_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+    # -- module hooks: only what the categories need ---------------------------------------------
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # MemTracker's keeps per-module snapshots (unused here: one deep copy per module call) and
+        # labels a module's parameters at its first call; only the labelling is kept, and the
+        # checkpointed region: a forward that runs inside backward recomputes activations.
+        if module not in self._seen_modules:
+            self._seen_modules.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        if self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: Optional[torch.nn.Module], args: Any) -> None:
+        pass  # never called: `_ForwardCalls` installs no backward hooks
+
+    _post_bw_hook = _pre_bw_hook
 
     def _track_module_params_and_buffers(
         self, module: torch.nn.Module, install_grad_hooks: bool = True
@@ -183,21 +211,11 @@ class Tracker(MemTracker):
             self.footprint.add(self.phase, self.categories("peak"))
         self.phase = None
 
-    def __enter__(self) -> "Tracker":
-        # MemTracker warns for each module whose backward hook finds it freed (nothing to track
-        # then); those warnings are noise in a training log, and only those are silenced.
-        self._quiet = warnings.catch_warnings()
-        self._quiet.__enter__()
-        warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
-        return super().__enter__()
-
     def __exit__(self, *args: Any) -> None:
         self._resume()  # a step that raised leaves the tracker paused: MemTracker pops its mode on exit
         if self._depth == 1:
             self._close_phase()
         super().__exit__(*args)
-        if self._depth == 0:
-            self._quiet.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -209,6 +227,27 @@ class Tracker(MemTracker):
                     self.categories(),
                 )
         return out
+
+
+class _ForwardCalls(ModTracker):
+    """torch's ModTracker reduced to its global module forward hooks, for `Tracker`.
+
+    torch's own also registers `torch.autograd.graph.register_multi_grad_hook` on every module's inputs
+    and outputs; each of those hooks keeps, in its closure, the grad_fn nodes it is registered on: a
+    reference cycle through C++ (node -> hook dict -> closure -> node) that Python's garbage collector
+    cannot see, so the step's whole autograd graph stays alive after backward, and with it every
+    parameter its AccumulateGrad nodes point at (torch 2.13: each tracked fit kept its model alive,
+    about a model's size per fit; `tests/memory/test_tracker.py`). Backward is told apart by
+    autograd's graph task (``is_bw``), which needs no hook.
+    """
+
+    def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+
+    def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+        if self._user_post_fw_hook is not None:
+            self._user_post_fw_hook(mod, input, output)
 
 
 def compiles_its_step(optimizer: torch.optim.Optimizer) -> bool:

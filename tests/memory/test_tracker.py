@@ -41,6 +41,21 @@ def test_tracker_attributes_each_phase():
     assert tracker.footprint.peak == sum(tracker.footprint.categories.values())
 
 
+def test_a_tracked_step_keeps_nothing_alive_after_it():
+    """torch's MemTracker (its ModTracker's multi-grad hooks) kept each tracked step's autograd graph alive in
+    a reference cycle through C++, and the graph its model's parameters: a model's size per fit."""
+    import gc
+    import weakref
+
+    refs = []
+    for _ in range(3):
+        model = tiny_step(Tracker())
+        refs.append(weakref.ref(model[0].weight))
+        del model
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
 def test_tracker_budget_raises_cudas_out_of_memory_error_with_the_breakdown():
     tracker = Tracker(budget=40_000)
     with pytest.raises(torch.OutOfMemoryError) as err:
