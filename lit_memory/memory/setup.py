@@ -201,16 +201,61 @@ def build(setup: Setup, context: contextlib.AbstractContextManager) -> tuple[Seq
     """The configured module and its optimizer, exactly as ``fit`` builds them, with tensors created
     under ``context`` (the ``meta`` device for the analytic model, fake tensors for the simulation)."""
     module = setup.module()
-    # peft cannot create LoRA adapters under FakeTensorMode (its .to() goes through torch's tensor
-    # swap, which fake tensors refuse): add them afterwards, as the few small real tensors they are.
     lora, module.lora = module.lora, None
-    with context, _tensor_init_context(setup.precision):
-        module.configure_model()
-    if lora is not None:
+    if lora is None:
+        with context, _tensor_init_context(setup.precision):
+            module.configure_model()
+    else:
+        # peft must not meet fake tensors: it cannot create adapters under FakeTensorMode (its .to() goes
+        # through torch's tensor swap, which fake tensors refuse), and applied to a model of fake tensors
+        # outside the mode it corrupted the C heap (see `adopt`). So the model and its adapters are made on
+        # the meta device, and then made again in ``context``.
+        with torch.device("meta"), _tensor_init_context(setup.precision):
+            module.configure_model()
         module.lora, module.model = lora, apply_lora(module.model, lora)
+        adopt(module.model, context)
     # Outside the context: optimizers may build small lookup tensors from data (bitsandbytes' quantile maps).
     optimizer = module.build_optimizer()
     return module, optimizer
+
+
+def adopt(model: torch.nn.Module, context: Any) -> int:
+    """Give every parameter and buffer of ``model`` that is not already one of ``context``'s tensors (a
+    ``FakeTensorMode``, or the ``meta`` device) an empty one made in it, same shape, strides and dtype
+    (values never matter there); returns how many were replaced. Tied tensors stay tied.
+
+    Why LoRA models are built on ``meta`` and adopted, rather than built under FakeTensorMode and given
+    real adapters afterwards (as until 2026-11): peft applied to a model of fake tensors, outside their
+    mode, with real adapters stepped inside it, corrupted the C heap (torch 2.13, peft 0.21, transformers
+    5.23): valgrind found ``StorageWeakRef.__del__`` releasing weak references to storages already freed
+    (invalid read in ``THPStorage_freeWeakRef``), and the process crashed later, anywhere (``malloc_trim``,
+    ``open()``), in every process that simulated two LoRA steps. See docs/memory.md, "A crash in the
+    simulation".
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    fake = isinstance(context, FakeTensorMode)
+
+    def owned(tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, FakeTensor) and tensor.fake_mode is context if fake else tensor.is_meta
+
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        with (context if fake else contextlib.nullcontext()):
+            # the default device, as for the tensors the model made under ``context`` itself
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                       device=None if fake else "meta")
+
+    made: dict[int, torch.Tensor] = {}  # by identity: tied tensors stay tied
+    for sub in model.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for name, tensor in list(slots.items()):
+                if tensor is None or owned(tensor):
+                    continue
+                if id(tensor) not in made:
+                    new = empty(tensor)
+                    made[id(tensor)] = torch.nn.Parameter(new, tensor.requires_grad) if slots is sub._parameters else new
+                slots[name] = made[id(tensor)]
+    return len(made)
 
 
 def _tensor_init_context(precision: str) -> contextlib.AbstractContextManager:
