@@ -23,7 +23,9 @@ import torch
 import yaml
 
 from conftest import REPO
-from lit_memory import trust
+from jsonargparse import Namespace
+
+from lit_memory import guard, trust
 from lit_memory.__main__ import main
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
@@ -241,8 +243,9 @@ def test_weights_only_false_in_a_recipe_is_refused(pickled_checkpoint, capsys):
 def test_weights_only_false_typed_on_the_command_line_is_the_users_choice(capsys):
     config = yaml.safe_load(run_main(["fit", "--weights_only=false", "--print_config"], capsys)[1])
     assert config["weights_only"] is False
-    assert trust.refused_values(config, frozenset({"weights_only"})) == []
-    assert [r.key for r in trust.refused_values(config)] == ["weights_only"]
+    settings = Namespace(weights_only=False)
+    assert trust.Decision(trusted=False, typed=Namespace(weights_only=False)).refusals(settings) == []
+    assert [r.key for r in trust.Decision(trusted=False).refusals(settings)] == ["weights_only"]
 
 
 @pytest.mark.parametrize("url", ["file://{path}", "https://example.com/x.ckpt", "s3://bucket/x.ckpt", "registry:x"])
@@ -306,7 +309,7 @@ def test_a_distributed_checkpoint_whose_metadata_runs_code_is_refused(tmp_path, 
 
 
 def test_a_distributed_checkpoint_of_plain_metadata_is_accepted(tmp_path):
-    assert trust.check_checkpoint(distributed_checkpoint(tmp_path / "ours")) is None
+    assert guard.checkpoint_problem(distributed_checkpoint(tmp_path / "ours")) is None
 
 
 def test_weights_pickled_in_a_model_folder_are_refused_by_weights_only(tmp_path, capsys):
