@@ -105,9 +105,17 @@ def _file_problem(path: Path, data: Optional[bytes] = None) -> Optional[str]:
                     raise
                 torch.load(path, map_location="cpu", weights_only=True)  # torch's legacy format
     except Exception as err:  # every way it fails means: not loadable under the rules
-        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
-        return f"it cannot be loaded with weights_only=True (tensors and plain data only): {reason}"
+        return f"it cannot be loaded with weights_only=True (tensors and plain data only): {load_error(err)}"
     return None
+
+
+def load_error(err: Exception) -> str:
+    """The line of a failed weights-only load that says what was refused (torch puts it after its advice)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return next((line for line in lines if line), type(err).__name__)
 
 
 def _folder_problem(path: Path) -> Optional[str]:
@@ -278,35 +286,57 @@ def _inside(path: Any, folder: Path) -> bool:
 
 
 def install(trainer: Any) -> None:
-    """Put the trainer's strategy's checkpoint IO under the guard (whichever strategy a recipe named)."""
+    """Put a trainer under the guard: its strategy's checkpoint IO (whichever strategy a recipe named),
+    and the one place Lightning decides which checkpoint a run loads (``_select_ckpt_path``, private: the
+    check must see exactly the path Lightning picks, including the ones it picks by itself)."""
     strategy = trainer.strategy
     if not isinstance(strategy.checkpoint_io, GuardedCheckpointIO):
         strategy.checkpoint_io = GuardedCheckpointIO(strategy.checkpoint_io)
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_lit_memory_guarded", False):
+        return
+    select = connector._select_ckpt_path
+
+    def guarded_select(state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        found = select(state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
+        if restricted():
+            check_selected(connector, ckpt_path, found)
+        return found
+
+    connector._select_ckpt_path = guarded_select
+    connector._lit_memory_guarded = True
 
 
 # -- before a run starts ---------------------------------------------------------------------
 
 
 def preflight(trainer: Any, subcommand: str, ckpt_path: Optional[str]) -> None:
-    """Untrusted: refuse, before anything is written, what the run would load or write unsafely."""
+    """Untrusted: refuse, before anything is written, what the run would load or write unsafely: the
+    checkpoint Lightning will pick (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s
+    check), and links planted in the folders it writes into."""
     if not restricted():
         return
-    check_selected_checkpoint(trainer, subcommand, ckpt_path)
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    state = trainer.state
+    fn, state.fn = state.fn, TrainerFn(subcommand)  # Lightning resumes by itself only while fitting
+    try:
+        trainer._checkpoint_connector._select_ckpt_path(state.fn, ckpt_path, model_provided=True, model_connected=False)
+    except UserError:
+        raise
+    except ValueError:
+        pass  # e.g. "best" without a checkpoint callback: Lightning says so when it runs
+    finally:
+        state.fn = fn
     check_write_folders(trainer)
 
 
-def check_selected_checkpoint(trainer: Any, subcommand: str, ckpt_path: Optional[str]) -> None:
-    """The checkpoint Lightning will load: found by its own rules (a private call, on purpose: the check
-    must see exactly the path Lightning loads), refused if Lightning picked it by itself, and read with
-    the restricted readers."""
+def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
+    """Refuse a checkpoint Lightning picked by itself (``ckpt_path`` unset: SLURM's ``hpc_ckpt_N.ckpt`` in
+    the run's root folder, an ``OnExceptionCheckpoint``'s file), a remote one, or one the restricted
+    readers cannot read."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
-    from lightning.pytorch.trainer.states import TrainerFn
 
-    connector = trainer._checkpoint_connector
-    try:
-        found = connector._select_ckpt_path(TrainerFn(subcommand), ckpt_path, model_provided=True, model_connected=False)
-    except ValueError:
-        return  # e.g. "best" without a checkpoint callback: Lightning says so when it runs
     if found is None:
         return
     if ckpt_path is None:
@@ -381,6 +411,37 @@ def hugging_face_error(err: Exception) -> Optional[str]:
     if "trust_remote_code" in text or "custom code" in text:
         return f"it needs the Python code shipped with it (transformers' trust_remote_code): {text.strip().splitlines()[0]}"
     return None
+
+
+WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def model_folder_problems(folder: Path) -> list[str]:
+    """What loading a local Hugging Face model folder would refuse untrusted, found without loading it:
+    Python code it names (``auto_map``) for a model type transformers does not know (so it cannot load
+    without running that code), and pickled weights that name anything weights-only loading refuses
+    (torch's static scan of the pickle, `torch.serialization.get_unsafe_globals_in_checkpoint`)."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    problems = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+            problems.append(f"{folder / name} names Python code to load it with (auto_map) for a model type "
+                            f"transformers does not know ({config.get('model_type')!r})")
+    for file in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+        except Exception as err:  # noqa: BLE001  not a torch zip file: weights-only loading reads no more of it
+            unsafe = [f"unreadable as a torch file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
+        if unsafe:
+            problems.append(f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it")
+    return problems
 
 
 def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:

@@ -271,8 +271,7 @@ def saved_settings(path: Path) -> Optional[dict[str, Any]]:
     try:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=not path.is_dir())
     except Exception as err:
-        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
-        raise UserError(f"cannot load checkpoint {path} with weights_only=True: {reason}") from None
+        raise UserError(f"cannot load checkpoint {path} with weights_only=True: {guard.load_error(err)}") from None
     return checkpoint.get(RESUME_STATE) if isinstance(checkpoint, dict) else None
 
 

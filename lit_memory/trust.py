@@ -320,6 +320,8 @@ def typed_values(argv: list[str], parse: Callable[[list[str]], Namespace], subco
 
 
 def _is_file(value: str) -> bool:
+    """Whether jsonargparse would read ``value`` as a file: a path, or a ``file://`` URL it strips itself."""
+    value = re.sub(r"^file:///?", "/", value)
     try:
         return bool(value) and Path(value).expanduser().is_file()
     except (OSError, ValueError):  # too long or too odd to be a path

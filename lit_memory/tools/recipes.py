@@ -91,7 +91,8 @@ WRITE_FOLDER_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root
 def later_refusals(settings: Namespace) -> list[str]:
     """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`),
     found from the settings alone: a checkpoint Lightning would resume from by itself (an
-    OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's root folder), and links planted
+    OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model
+    folder that cannot load without running its code or unpickling more than weights, and links planted
     in an existing folder the settings name for writing."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
@@ -104,6 +105,10 @@ def later_refusals(settings: Namespace) -> list[str]:
     root = Path(str(settings.get("trainer.default_root_dir") or "."))
     for file in sorted(root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []:
         found.append(f"trainer.default_root_dir: {file} exists: under SLURM, fit would resume from it by itself")
+    for key in ("model.model_name_or_path", "model.tokenizer_name_or_path"):
+        value = settings.get(key)
+        if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
+            found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
     for key, value in leaves(settings):
         if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and not guard.is_remote(value):
             planted = [p for p in files.planted_links(value, depth=2) if not guard.own_checkpoint_link(p)]
