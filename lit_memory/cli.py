@@ -19,6 +19,7 @@ import sys
 from typing import Any, Optional, Union
 
 from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -250,7 +251,10 @@ class LitMemoryCLI(LightningCLI):
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             trainer = self._get(self.config_init, "trainer", default={})
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as err:  # Lightning's word for settings it cannot run with: one line
+            raise UserError(" ".join(str(err).split())) from None
         guard.install(trainer)
         return trainer
 

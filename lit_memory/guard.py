@@ -82,14 +82,17 @@ def is_remote(value: str) -> bool:
 # -- checkpoints, read without running anything ----------------------------------------------
 
 
-def checkpoint_problem(path: Any) -> Optional[str]:
+def checkpoint_problem(path: Any, files_too: bool = True) -> Optional[str]:
     """Why loading a local checkpoint under the untrusted rules fails, or None. It is read only
-    through the restricted readers the sinks use: nothing in it is imported or run."""
+    through the restricted readers the sinks use: nothing in it is imported or run. ``files_too=False``
+    leaves a single file to the caller's own weights-only read."""
     path = Path(path)
     if path.is_file():
-        return _file_problem(path)
+        return _file_problem(path) if files_too else None
     if path.is_dir():
         return _folder_problem(path)
+    if path.exists():  # a device, a pipe: reading it may never end
+        return "it is neither a regular file nor a folder"
     return None  # not there: the loader reports it
 
 
@@ -281,8 +284,10 @@ class GuardedCheckpointIO(CheckpointIO):
 
 
 def _inside(path: Any, folder: Path) -> bool:
-    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
-    return folder in path.parents
+    """Whether ``path`` lies in ``folder``, its own last component not followed (it may be a link)."""
+    parent = Path(os.path.realpath(os.path.dirname(os.path.abspath(path))))
+    folder = Path(os.path.realpath(folder))
+    return parent == folder or folder in parent.parents
 
 
 def install(trainer: Any) -> None:
@@ -448,7 +453,9 @@ def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
     """``load(*args, **kwargs)`` with a refusal to run shipped code as one line."""
     try:
         return load(*args, **pretrained_kwargs(**kwargs))
-    except ValueError as err:
+    except UserError:
+        raise
+    except ValueError as err:  # transformers' word for a folder it cannot load as asked
         if (reason := hugging_face_error(err)) is None:
-            raise
+            raise UserError(f"cannot load {what}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
         raise UserError(f"refusing to load {what}: {reason}; pass {TRUST_FLAG} only if you trust its source") from None

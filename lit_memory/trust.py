@@ -190,8 +190,6 @@ def _device_count(devices: Any) -> Optional[int]:
 BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
     ("num_workers", lambda v: isinstance(v, int) and v > _cpus(),
      lambda v: f"more DataLoader worker processes than this machine's {_cpus()} CPU cores"),
-    ("devices", lambda v: (_device_count(v) or 0) > _cpus(),
-     lambda v: f"a process per device, more than this machine's {_cpus()} CPU cores"),
     ("every_n_train_steps", lambda v: isinstance(v, int) and 0 < v < MIN_CHECKPOINT_STEPS,
      lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_STEPS} optimizer steps"),
     ("save_top_k", lambda v: isinstance(v, int) and (v < 0 or v > MAX_KEPT_CHECKPOINTS),
@@ -217,7 +215,21 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
         for bound, refused, reason in BOUNDS:
             if name == bound and refused(value):
                 refusals.append(Refusal(key, value, reason(value)))
+    devices = settings.get("trainer.devices")
+    if (_device_count(devices) or 0) > _cpus() and _on_cpu(settings.get("trainer.accelerator")):
+        refusals.append(Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} cores"))
     return refusals
+
+
+def _on_cpu(accelerator: Any) -> bool:
+    """Whether Lightning would run on CPU processes (on GPUs it refuses more devices than exist)."""
+    if isinstance(accelerator, str) and accelerator not in ("auto", "cpu"):
+        return False
+    if accelerator == "cpu":
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
@@ -240,7 +252,7 @@ def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint not found: {ckpt_path} (a relative path is read from {Path.cwd()})")
-    if path.is_dir() and (problem := guard.checkpoint_problem(path)):
+    if problem := guard.checkpoint_problem(path, files_too=False):
         return [Refusal("ckpt_path", ckpt_path, problem)]
     return []
 
@@ -270,8 +282,7 @@ class Decision:
         if self.trusted:
             return []
         typed = dict(leaves(self.typed))
-        mine = [r for r in value_refusals(settings) if r.key in typed and _same(typed[r.key], r.value)]
-        refusals = [r for r in value_refusals(settings) if r not in mine]
+        refusals = [r for r in value_refusals(settings) if not (r.key in typed and _same(typed[r.key], r.value))]
         ckpt_path = settings.get("ckpt_path")
         return refusals + checkpoint_refusals(ckpt_path, typed=_same(typed.get("ckpt_path"), ckpt_path))
 

@@ -149,8 +149,10 @@ def _unknown_keys(tree: Any, schema: Namespace) -> list[str]:
         known = next((n for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in schema), 0)
         if known == len(parts):
             continue
-        node = schema.get(".".join(parts[:known])) if known else schema
-        if isinstance(node, Namespace) and "class_path" not in node:
+        nodes = [schema.get(".".join(parts[:n])) for n in range(1, known + 1)]
+        inside_a_class_spec = any(isinstance(n, Namespace) and "class_path" in n for n in nodes)
+        node = nodes[-1] if nodes else schema
+        if isinstance(node, Namespace) and not inside_a_class_spec:
             name = ".".join(parts[: known + 1])
             if name not in unknown:
                 unknown.append(name)
