@@ -253,7 +253,9 @@ class LitMemoryCLI(LightningCLI):
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
         try:
             trainer = super().instantiate_trainer(**kwargs)
-        except MisconfigurationException as err:  # Lightning's word for settings it cannot run with: one line
+        except UserError:
+            raise
+        except (MisconfigurationException, ValueError) as err:  # Lightning's words for settings it cannot run with
             raise UserError(" ".join(str(err).split())) from None
         guard.install(trainer)
         return trainer

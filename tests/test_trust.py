@@ -50,8 +50,15 @@ def run_main(argv, capsys):
     return code, out, err
 
 
+def clean_environment(**more: str) -> dict[str, str]:
+    """This process's environment for a command of its own: without torch's weights-only switch, which an
+    untrusted run in this process (a module fixture's, say) sets process-wide and children inherit."""
+    env = {k: v for k, v in os.environ.items() if k != guard.FORCE_WEIGHTS_ONLY}
+    return {**env, **more}
+
+
 def run_trusted(argv, cwd: Path, pythonpath: Path = REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pythonpath), str(REPO)])}
+    env = clean_environment(PYTHONPATH=os.pathsep.join([str(pythonpath), str(REPO)]))
     return subprocess.run(
         [sys.executable, "-m", "lit_memory", *argv, trust.TRUST_FLAG], cwd=cwd, env=env, capture_output=True, text=True
     )
@@ -372,7 +379,7 @@ def run_batch(cases: dict, folder: Path, trusted: bool) -> dict:
         cases = {name: {**case, "argv": [*case["argv"], trust.TRUST_FLAG]} for name, case in cases.items()}
     spec, results = folder / f"cases-{trusted}.json", folder / f"results-{trusted}.json"
     spec.write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
+    env = clean_environment(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(BATCH), str(spec), str(results)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
