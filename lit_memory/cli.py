@@ -261,7 +261,8 @@ class LitMemoryCLI(LightningCLI):
         return trainer
 
     def _preflight(self) -> None:
-        guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"))
+        typed = [v for k, v in trust.leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
+        guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed))
 
     def before_fit(self) -> None:
         self._preflight()

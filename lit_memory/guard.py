@@ -51,6 +51,7 @@ SPECIAL_CKPT = ("last", "best", "hpc")
 
 _trusted: Optional[bool] = None  # None: no decision made in this process (library use)
 _checked_folders: list[Path] = []  # the folders `preflight` found free of planted links
+_own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
 
 
 def enforce(trusted: bool) -> None:
@@ -315,12 +316,15 @@ def install(trainer: Any) -> None:
 # -- before a run starts ---------------------------------------------------------------------
 
 
-def preflight(trainer: Any, subcommand: str, ckpt_path: Optional[str]) -> None:
+def preflight(trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folders: tuple[Any, ...] = ()) -> None:
     """Untrusted: refuse, before anything is written, what the run would load or write unsafely: the
     checkpoint Lightning will pick (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s
-    check), and links planted in the folders it writes into."""
+    check), and links planted in the folders it writes into. ``own_folders``: folders the user typed
+    (``--trainer.default_root_dir``, a callback's ``dirpath``): a checkpoint Lightning picks by itself
+    there (SLURM's requeued job resuming) is theirs, and still read with the restricted readers."""
     if not restricted():
         return
+    _own_folders[:] = [Path(os.path.realpath(f)) for f in own_folders if f and not is_remote(str(f))]
     from lightning.pytorch.trainer.states import TrainerFn
 
     state = trainer.state
@@ -344,7 +348,7 @@ def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
 
     if found is None:
         return
-    if ckpt_path is None:
+    if ckpt_path is None and Path(os.path.realpath(os.path.dirname(os.path.abspath(found)))) not in _own_folders:
         why = (
             "SLURM's hpc checkpoint in trainer.default_root_dir"
             if SLURMEnvironment.detect() and str(found) == str(connector._hpc_resume_path)

@@ -165,6 +165,24 @@ def test_removing_checkpoints_never_reaches_outside_the_folders_checked_before_t
     assert not (run / "old.ckpt").exists()
 
 
+def test_a_checkpoint_lightning_picks_by_itself_is_the_users_only_in_a_folder_they_typed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(guard, "_trusted", False)
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(1)}}, hpc)
+    connector = SimpleNamespace(_hpc_resume_path=str(hpc))
+    monkeypatch.setattr(guard, "_own_folders", [])
+    with pytest.raises(UserError, match=f"Lightning picked it by itself .*--ckpt_path {hpc}, or pass --trust-recipe"):
+        guard.check_selected(connector, None, str(hpc))
+    monkeypatch.setattr(guard, "_own_folders", [Path(os.path.realpath(tmp_path))])
+    guard.check_selected(connector, None, str(hpc))  # a requeued SLURM job resuming in the user's own folder
+    torch.save({"payload": Payload(tmp_path / "RAN")}, hpc)
+    with pytest.raises(UserError, match="weights_only=True"):  # and still read with the restricted readers
+        guard.check_selected(connector, None, str(hpc))
+    assert not (tmp_path / "RAN").exists()
+
+
 def test_hugging_face_loaders_never_ask_to_run_shipped_code_untrusted(monkeypatch):
     monkeypatch.setattr(guard, "_trusted", False)
     assert guard.pretrained_kwargs(num_labels=2) == {"num_labels": 2, "trust_remote_code": False}
@@ -205,16 +223,18 @@ def fit(root: Path, *more: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["single_file", "fsdp2_sharded"])
-def test_resuming_ones_own_run_needs_no_trust(sharded, tmp_path):
-    """A single file, and FSDP2's sharded folder (2 CPU processes; RNG and sampler state in meta.pt):
-    every item loads with the restricted readers, so `--ckpt_path last` resumes untrusted."""
-    more = ["--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=2"] if sharded else []
+def test_resuming_ones_own_sharded_run_needs_no_trust(tmp_path):
+    """FSDP2's sharded folder (2 CPU processes; every rank's RNG state and the data position in meta.pt):
+    every item loads with the restricted readers, so `--ckpt_path last` resumes untrusted. (A single-file
+    checkpoint resumes untrusted in tests/test_cli.py's resume test, in-process.)"""
+    more = ["--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=2"]
     first = fit(tmp_path, *more)
     assert first.returncode == 0, first.stderr[-3000:]
     [last] = tmp_path.glob("lightning_logs/version_0/checkpoints/last.ckpt")
-    assert last.resolve().is_dir() == sharded
+    assert (last.resolve() / "meta.pt").is_file()
     assert guard.checkpoint_problem(last.resolve()) is None
+    meta = torch.load(last.resolve() / "meta.pt", weights_only=True)
+    assert len(meta["callbacks"]["ExactResume"]["rng"]) == 2  # each rank's random state
     resumed = fit(tmp_path, *more, "--ckpt_path=last", "--trainer.max_steps=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {last}" in resumed.stdout + resumed.stderr
