@@ -50,7 +50,7 @@ FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization read
 SPECIAL_CKPT = ("last", "best", "hpc")
 
 _trusted: Optional[bool] = None  # None: no decision made in this process (library use)
-_checked_folders: list[Path] = []  # the folders `preflight` found free of planted links
+_written: set[str] = set()  # checkpoints this process saved: the only ones it removes while `restricted`
 _own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
 
 
@@ -247,7 +247,8 @@ class GuardedCheckpointIO(CheckpointIO):
     """Any strategy's checkpoint IO under the guard. Always: a save never writes through a link
     (`lit_memory.files`). While `restricted`: loads of local paths only, weights-only; removals (of the
     checkpoints a `ModelCheckpoint` keeps no longer, whose paths a resumed checkpoint's callback state
-    can name) only inside the folders `preflight` checked, and never through a link."""
+    can name, or an `OnExceptionCheckpoint`'s file, which it removes at every teardown) only of what this
+    process saved, and never through a link."""
 
     def __init__(self, inner: CheckpointIO) -> None:
         self.inner = inner
@@ -275,20 +276,19 @@ class GuardedCheckpointIO(CheckpointIO):
             if os.path.islink(path):
                 os.unlink(path)  # the link, not what it points at
                 return
-            if not any(_inside(path, folder) for folder in _checked_folders):
-                warnings.warn(f"left {path} in place: it is outside the folders this run checked before writing")
+            if _key(path) not in _written:
+                warnings.warn(f"left {path} in place: this run did not write it")
                 return
         self.inner.remove_checkpoint(path)
+        _written.discard(_key(path))
 
     def teardown(self) -> None:
         self.inner.teardown()
 
 
-def _inside(path: Any, folder: Path) -> bool:
-    """Whether ``path`` lies in ``folder``, its own last component not followed (it may be a link)."""
-    parent = Path(os.path.realpath(os.path.dirname(os.path.abspath(path))))
-    folder = Path(os.path.realpath(folder))
-    return parent == folder or folder in parent.parents
+def _key(path: Any) -> str:
+    """A path as this process names it, its own last component not followed (it may be a link)."""
+    return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
 
 
 def install(trainer: Any) -> None:
@@ -298,6 +298,13 @@ def install(trainer: Any) -> None:
     strategy = trainer.strategy
     if not isinstance(strategy.checkpoint_io, GuardedCheckpointIO):
         strategy.checkpoint_io = GuardedCheckpointIO(strategy.checkpoint_io)
+        save = strategy.save_checkpoint  # some strategies save without their checkpoint IO (sharded folders)
+
+        def recorded_save(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> None:
+            save(checkpoint, filepath, *args, **kwargs)
+            _written.add(_key(filepath))
+
+        strategy.save_checkpoint = recorded_save
     connector = trainer._checkpoint_connector
     if getattr(connector, "_lit_memory_guarded", False):
         return
@@ -381,8 +388,7 @@ def check_write_folders(trainer: Any) -> None:
     """Refuse symbolic links and hard-linked files planted in the folders a run writes into: Lightning's
     writers (config, hyper-parameters, metrics, checkpoints) open files by name and would write through
     them. Lightning's own ``last.ckpt`` link to a checkpoint beside it is not planted."""
-    folders = write_folders(trainer)
-    for folder in folders:
+    for folder in write_folders(trainer):
         planted = [p for p in files.planted_links(folder) if not own_checkpoint_link(p)]
         if planted:
             raise UserError(
@@ -390,7 +396,6 @@ def check_write_folders(trainer: Any) -> None:
                 f"run writes, pointing at a file of yours); use a new run folder, or pass {TRUST_FLAG} only if you "
                 "trust its source"
             )
-    _checked_folders[:] = folders
 
 
 def own_checkpoint_link(path: Path) -> bool:

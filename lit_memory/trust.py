@@ -207,6 +207,8 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
             refusals.append(Refusal(key, value, "it runs Python files shipped with the model or tokenizer", safe=False))
         elif key == "weights_only" and value is not True:
             refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
+        elif parent == "config_overrides" and name == "auto_map":
+            refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
         elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
             refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
         elif isinstance(value, str) and guard.is_remote(value) and key != "ckpt_path":
