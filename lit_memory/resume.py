@@ -17,6 +17,10 @@ loops' progress (global step, epoch, batch index). What they lack, and this modu
 
 Exactness holds while nothing between the checkpoint and the next training step draws from the
 global random generators: the data module's loaders draw from generators of their own.
+
+Everything saved is tensors and plain data, so a run resumes from its own checkpoints under the
+untrusted rules (`lit_memory.guard`). `check_resume` refuses, with one line, resuming with settings
+other than the ones a checkpoint was made with (`RESUME_KEYS`, stored in it by the recipe callback).
 """
 
 from __future__ import annotations
