@@ -14,7 +14,8 @@ hold where the loading happens:
   reads ``.metadata`` and rank-local ``__N.metadata`` with plain `pickle.load`, and Lightning's FSDP
   strategy reads single-file checkpoints with an unpickler of its own (`harden`);
 - every strategy's checkpoint IO (Lightning's built-in ones a recipe may name included) goes through
-  `GuardedCheckpointIO`: local paths only, weights-only loads, saves that never follow a link;
+  `GuardedCheckpointIO`: local paths only, weights-only loads, saves that never follow a link, and
+  removals only of checkpoints the run saved itself;
 - before a run starts, `preflight` refuses a checkpoint Lightning would pick by itself (SLURM's
   ``hpc_ckpt_N.ckpt``, an ``OnExceptionCheckpoint``'s file), checks the one it will load with the
   restricted readers, and refuses links planted in the folders the run writes into, so a refusal
