@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-from lit_memory import bundled
+from lit_memory import bundled, guard
 from lit_memory.errors import UserError
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
@@ -299,6 +299,6 @@ def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_
 def load_tokenizer(name_or_path: str):
     path = bundled.resolve_model(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return guard.call(AutoTokenizer.from_pretrained, f"tokenizer {name_or_path!r}", path)
     except OSError as err:
         raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(err).splitlines()[0]}") from err

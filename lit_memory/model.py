@@ -23,7 +23,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled
+from lit_memory import bundled, files, guard
 from lit_memory.activations import OffloadActivations, checkpoint_kwargs
 from lit_memory.data import load_tokenizer
 from lit_memory.eightbit import EmbeddingState, is_bitsandbytes, keep_embeddings_32bit, swap_stable_embedding
@@ -159,8 +159,9 @@ class SequenceClassifier(L.LightningModule):
             path = bundled.resolve_model(self.hparams.model_name_or_path)
             try:
                 with quiet_transformers():  # its loading report: said below in our own words
-                    model, loading = AutoModelForSequenceClassification.from_pretrained(
-                        path, config=self.hf_config, output_loading_info=True
+                    model, loading = guard.call(
+                        AutoModelForSequenceClassification.from_pretrained, repr(self.hparams.model_name_or_path),
+                        path, config=self.hf_config, output_loading_info=True,
                     )
             except pickle.UnpicklingError as err:  # transformers loads pickled weights with weights_only=True
                 raise UserError(
@@ -273,9 +274,9 @@ class SequenceClassifier(L.LightningModule):
         if names:
             model.config.id2label = dict(enumerate(names))
             model.config.label2id = {n: i for i, n in enumerate(names)}
-        with quiet_transformers():
-            model.save_pretrained(path, state_dict=state)
-            load_tokenizer(self.tokenizer_name_or_path).save_pretrained(path)
+        with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
+            model.save_pretrained(folder, state_dict=state)
+            load_tokenizer(self.tokenizer_name_or_path).save_pretrained(folder)
         rank_zero_info(f"saved the fine-tuned model to {path} (loads with AutoModelForSequenceClassification.from_pretrained)")
 
 
@@ -285,7 +286,7 @@ class SequenceClassifier(L.LightningModule):
 def load_config(name_or_path: str, num_labels: int, overrides: Optional[dict[str, Any]] = None):
     path = bundled.resolve_model(name_or_path)
     try:
-        return AutoConfig.from_pretrained(path, num_labels=num_labels, **(overrides or {}))
+        return guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
 

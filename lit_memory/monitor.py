@@ -24,6 +24,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_memory import files
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes, parse_bytes
@@ -353,7 +354,7 @@ class StepTimer(L.Callback):
             "step_times_s": self.timed_times,
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
         }
-        (self.run_dir / self.FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        files.write_text(self.run_dir / self.FILE, json.dumps(record, indent=2) + "\n")
 
 
 def batch_shape(trainer: L.Trainer) -> Optional[list[int]]:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_memory import files
 from lit_memory.memory.footprint import Footprint, format_bytes
 
 MEMORY_JSON = "memory.json"
@@ -57,7 +58,7 @@ def memory_record(
 
 
 def write_memory(run_dir: Path, record: dict[str, Any]) -> None:
-    (run_dir / MEMORY_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    files.write_text(run_dir / MEMORY_JSON, json.dumps(record, indent=2) + "\n")
 
 
 def read_memory(run_dir: Path) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def peak_summary(run_dir: Path) -> Optional[str]:
 
 
 def write_bench(out: Path, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    (out / BENCH_JSON).write_text(json.dumps({**info, "rows": rows}, indent=2) + "\n", encoding="utf-8")
+    files.write_text(out / BENCH_JSON, json.dumps({**info, "rows": rows}, indent=2) + "\n")
 
 
 def read_bench(path: Path) -> dict[str, dict[str, Any]]:

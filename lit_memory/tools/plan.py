@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
+from lit_memory import files
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.lowbit import check_settings
@@ -273,7 +274,7 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
     """Seconds per optimizer step of a recipe (median after a warm-up step), from a short real run here."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "candidate.yaml"
-        path.write_text(text)
+        files.write_text(path, text)
         overrides = [
             f"--trainer.max_steps={steps + 1}",
             "--trainer.limit_val_batches=0",
@@ -422,7 +423,7 @@ def main(argv: list[str]) -> None:
         base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
-    Path(ours.output).write_text(recipe_text(chosen, simulated, recipes, budget, command))
+    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command))
     fits = sum(c.prediction.footprint.peak <= budget for c in everything)
     print(f"{fits} of {len(everything)} setups are predicted to fit {format_bytes(budget)}; the fastest by the rule:")
     print(f"  {chosen.setup.describe()}")

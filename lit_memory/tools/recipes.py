@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import Namespace
 
+from lit_memory import files, guard
 from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
-from lit_memory.trust import TRUST_FLAG
+from lit_memory.trust import HINT, TRUST_FLAG, leaves, locate
 
 
 def list_recipes() -> None:
@@ -36,7 +38,10 @@ def list_recipes() -> None:
 
 def check(path: Path, trusted: bool) -> None:
     """Resolve a recipe exactly as ``fit --config FILE`` would (`lit_memory.cli.resolve`), build and
-    run nothing, and report every refused import and value with its key, and every problem."""
+    run nothing, and report every refused import and value with its key, what a run would refuse later
+    (a checkpoint Lightning would resume from by itself, links planted in folders the recipe names),
+    and every problem. Nothing is imported outside the allowlist, fetched or unpickled: checkpoints are
+    read only through the guard's restricted readers."""
     if not _is_file(path):
         raise UserError(f"recipe not found: {path}")
     tree = _load_yaml(path)
@@ -53,14 +58,19 @@ def check(path: Path, trusted: bool) -> None:
                 if not all(_drop(tree, outer) for _, _, outer in err.denied):
                     break
                 source = Path(scratch) / path.name
-                source.write_text(yaml.safe_dump(tree), encoding="utf-8")
+                files.write_text(source, yaml.safe_dump(tree))
             except (ArgumentError, UserError) as err:
-                problems.append(" ".join(str(err).split()))
+                line = " ".join(str(err).split())
+                if line.startswith("refusing "):
+                    refused.append(line.removesuffix("; " + HINT))
+                else:
+                    problems.append(line)
                 break
     if run is not None:
         refused += [f"{r.key}={r.value!r}  ({r.reason})" for r in run.refusals]
+        refused += [] if trusted else later_refusals(run.settings)
         problems += run.problems
-        imports = [f"{k}: {v}" for k, v in _class_paths(run.settings.as_dict())]
+        imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in leaves(run.settings) if k.endswith("class_path")]
         print(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
     for line in refused:
         print(f"  REFUSED  {line}")
@@ -74,46 +84,89 @@ def check(path: Path, trusted: bool) -> None:
     print(f"ok: {path} parses against the `fit` schema" + ("" if refused else " and needs no " + TRUST_FLAG))
 
 
-def _fit_schema() -> dict:
+# Keys whose value is a folder a run writes into (the run folder, loggers', checkpoints', a profiler's).
+WRITE_FOLDER_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir")
+
+
+def later_refusals(settings: Namespace) -> list[str]:
+    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`),
+    found from the settings alone: a checkpoint Lightning would resume from by itself (an
+    OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model
+    folder that cannot load without running its code or unpickling more than weights, and links planted
+    in an existing folder the settings name for writing."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    found = []
+    for key, callback in leaves_of_class(settings, OnExceptionCheckpoint):
+        init = callback.get("init_args") or Namespace()
+        file = Path(str(init.get("dirpath") or ".")) / f"{init.get('filename') or 'on_exception'}.ckpt"
+        if file.exists():
+            found.append(f"{key}: {file} exists: fit would resume from it by itself (pass --ckpt_path to choose a checkpoint)")
+    root = Path(str(settings.get("trainer.default_root_dir") or "."))
+    for file in sorted(root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []:
+        found.append(f"trainer.default_root_dir: {file} exists: under SLURM, fit would resume from it by itself")
+    for key in ("model.model_name_or_path", "model.tokenizer_name_or_path"):
+        value = settings.get(key)
+        if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
+            found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
+    for key, value in leaves(settings):
+        if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and not guard.is_remote(value):
+            planted = [p for p in files.planted_links(value, depth=2) if not guard.own_checkpoint_link(p)]
+            if planted:
+                found.append(f"{key}: {planted[0]} is a link in a folder a run writes into (it would write through it)")
+    return found
+
+
+def leaves_of_class(settings: Namespace, base: type) -> list[tuple[str, Namespace]]:
+    """(key, class spec) of every class spec in the settings naming a subclass of ``base`` (already
+    imported by the parse that produced them)."""
+    import importlib
+
+    found = []
+    for key, value in leaves(settings):
+        if not key.endswith("class_path") or not isinstance(value, str) or "." not in value:
+            continue
+        module, _, name = value.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+        if isinstance(cls, type) and issubclass(cls, base):
+            spec_key = key.removesuffix(".class_path")
+            container, last = locate(settings, spec_key)
+            found.append((spec_key, container[last]))
+    return found
+
+
+def _fit_schema() -> Namespace:
     """Every key `fit` accepts, with its default."""
-    cli = resolve(["fit"])
-    return yaml.safe_load(cli.parser.dump(cli.config, skip_none=False))["fit"]
+    return resolve(["fit"]).settings
 
 
-def _unknown_keys(tree: Any, schema: Any, key: str = "") -> list[str]:
-    """Keys of `tree` that have no place in `schema` (the defaults). What sits inside a class
-    spec (``class_path`` + ``init_args``), a dict or a list is left to the parser's type check."""
-    if not isinstance(tree, dict) or not isinstance(schema, dict) or "class_path" in schema:
-        return []
-    unknown = []
-    for k, value in tree.items():
-        unknown += [_join(key, k)] if k not in schema else _unknown_keys(value, schema[k], _join(key, k))
+def _unknown_keys(tree: Any, schema: Namespace) -> list[str]:
+    """Keys of `tree` (a recipe's YAML) that have no place in `schema` (the parsed defaults). What sits
+    inside a class spec (``class_path`` + ``init_args``), a dict or a list is left to the parser's type check."""
+    unknown: list[str] = []
+    for key, _ in leaves(tree):
+        parts = key.split(".")
+        known = next((n for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in schema), 0)
+        if known == len(parts):
+            continue
+        nodes = [schema.get(".".join(parts[:n])) for n in range(1, known + 1)]
+        inside_a_class_spec = any(isinstance(n, Namespace) and "class_path" in n for n in nodes)
+        node = nodes[-1] if nodes else schema
+        if isinstance(node, Namespace) and not inside_a_class_spec:
+            name = ".".join(parts[: known + 1])
+            if name not in unknown:
+                unknown.append(name)
     return unknown
-
-
-def _class_paths(tree: Any, key: str = "") -> list[tuple[str, str]]:
-    """(key, class path) of every class spec in a parsed config: what parsing imported."""
-    if isinstance(tree, dict):
-        found = [(key, tree["class_path"])] if isinstance(tree.get("class_path"), str) else []
-        return found + [kv for k, v in tree.items() for kv in _class_paths(v, _join(key, k))]
-    if isinstance(tree, list):
-        return [kv for i, v in enumerate(tree) for kv in _class_paths(v, _join(key, i))]
-    return []
 
 
 def _drop(tree: dict, key: str) -> bool:
     """Remove a dotted key from a YAML tree; whether it was there."""
-    *parents, last = key.split(".")
-    for part in parents:
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    if isinstance(tree, dict) and last in tree:
-        del tree[last]
-        return True
-    return False
-
-
-def _join(key: str, part: Any) -> str:
-    return f"{key}.{part}" if key else str(part)
+    try:
+        container, last = locate(tree, key)
+    except KeyError:
+        return False
+    del container[last]
+    return True
 
 
 def _is_file(path: Path) -> bool:
