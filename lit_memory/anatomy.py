@@ -146,7 +146,7 @@ class Anatomy:
             attention=kind,
             pooling="last" if kind == "causal" else "first",
             shapes=tuple(_layer_shape(layer, i, config, kind) for i, layer in enumerate(layers)),
-            dropout=_dropout(config),
+            dropout=_dropout(config, head_dropout=kind != "causal"),  # a decoder's score reads the last state as it is
             vocab_size=int(config.vocab_size),
             pad_token_id=getattr(config, "pad_token_id", None),
         )
@@ -242,11 +242,19 @@ def _unique_embeddings(model: nn.Module) -> tuple[nn.Embedding, ...]:
     return tuple(found)
 
 
+_PEFT_INNER = ("base_layer", "original_module")  # where peft's wrappers keep the module they wrap
+
+
 def _linear_names(model: nn.Module) -> tuple[str, ...]:
-    kinds = linear_types()
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and isinstance(m, kinds)}
-    # peft's wrappers hold the original as base_layer and their adapters as lora_A/lora_B.default
-    return tuple(sorted(n for n in names if n not in ("base_layer", "default", "original_module") and not n.startswith("lora_")))
+    names = set()
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, linear_types()):
+            continue
+        path = [part for part in name.split(".") if part not in _PEFT_INNER]
+        if any(part.startswith("lora_") or part == "modules_to_save" for part in path):
+            continue  # peft's adapters and its trained copies of modules_to_save
+        names.add(path[-1])
+    return tuple(sorted(names))
 
 
 def _first(config, names: tuple[str, ...], default=None):
@@ -296,13 +304,13 @@ def _mlp_kind(layer: nn.Module, hidden: int, ffn: int) -> MlpKind:
     return "gated" if up >= 2 or fused else "dense"
 
 
-def _dropout(config) -> Dropout:
+def _dropout(config, head_dropout: bool) -> Dropout:
     hidden = float(_first(config, _HIDDEN_DROPOUT, 0.0))
     return Dropout(
         hidden=hidden,
         attention=float(_first(config, _ATTENTION_DROPOUT, 0.0)),
         embedding=float(_first(config, _EMBEDDING_DROPOUT, hidden)),
-        classifier=float(_first(config, _CLASSIFIER_DROPOUT, hidden)),
+        classifier=float(_first(config, _CLASSIFIER_DROPOUT, hidden)) if head_dropout else 0.0,
     )
 
 

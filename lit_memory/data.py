@@ -298,8 +298,8 @@ def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer, padding with its EOS token where it has no pad token (GPT-2's, Llama's): the one
-    place that decides what batches are padded with (the model's config follows it: `pad_token_id`)."""
+    """The tokenizer, padding on the right with its EOS token where it has no pad token (GPT-2's, Llama's):
+    the one place that decides what batches are padded with (the model's config follows it: `pad_token_id`)."""
     path = bundled.resolve_model(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -312,6 +312,9 @@ def load_tokenizer(name_or_path: str):
                 "give it one (its tokenizer_config.json: pad_token) or use model.tokenizer_name_or_path"
             )
         tokenizer.pad_token = tokenizer.eos_token
+    # Right: every family's classifier reads the right token either way (a decoder's, the last that is not
+    # padding), but left padding would shift absolute position embeddings (GPT-2's) without position ids.
+    tokenizer.padding_side = "right"
     return tokenizer
 
 

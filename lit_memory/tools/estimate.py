@@ -72,6 +72,21 @@ def ranks(devices: Any) -> int:
         return 1
 
 
+def simulate_or_decline(setup: Setup) -> tuple[Optional[Prediction], Optional[str]]:
+    """The simulated step, or None and one line saying why it cannot run: a forward that computes a shape
+    or a Python number from the data (DeBERTa's relative positions call nonzero, ModernBERT reads a scalar
+    back), which fake tensors cannot give. Everything else the simulation meets is raised as it is."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return simulate(setup), None
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        return None, (
+            f"not simulated: the model's forward computes from the data what fake tensors cannot give ({err}); "
+            "the analytic prediction stands alone"
+        )
+
+
 def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) -> dict[str, Footprint]:
     """The monitor's ``predict`` hook: this run's predicted footprints, by method (``memory.json``)."""
     try:
@@ -83,7 +98,14 @@ def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) 
     predictions = {}
     for name, predict in methods.items():
         try:
-            predictions[name] = predict(setup).footprint
+            if predict is simulate:
+                prediction, declined = simulate_or_decline(setup)
+                if declined:
+                    print(f"note: {declined}")
+                    continue
+                predictions[name] = prediction.footprint
+            else:
+                predictions[name] = predict(setup).footprint
         except Exception as err:  # a model the predictions do not cover must still train (and be measured)
             print(f"warning: no {name} memory prediction: {type(err).__name__}: {err}")
     return predictions
@@ -164,7 +186,11 @@ def main(argv: list[str]) -> None:
     ours, rest = parser.parse_known_args(argv)
     setup = setup_of(resolve(["fit", *rest]), ours.device)
     predicted = analytic(setup)
-    simulated = None if ours.no_simulate or setup.sharded else simulate(setup)
+    simulated = None
+    if not (ours.no_simulate or setup.sharded):
+        simulated, declined = simulate_or_decline(setup)
+        if declined:
+            predicted.notes.append(declined)
     if setup.sharded and not ours.no_simulate:
         predicted.notes.append("not simulated: the simulation runs one device, so per-rank numbers are analytic")
     data = report(setup, predicted, simulated)
