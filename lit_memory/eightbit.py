@@ -70,3 +70,10 @@ def swap_stable_embedding(model: nn.Module) -> None:
     new = StableEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx, _weight=old.weight.detach().clone())
     new.weight.requires_grad_(old.weight.requires_grad)
     model.set_input_embeddings(new)
+
+
+def quantised_embeddings(embeddings: Sequence[nn.Embedding]) -> list[tuple[nn.Embedding, int]]:
+    """The matrices ``auto`` leaves on 8-bit state, each with the bytes 32-bit state would add (6 per value:
+    two fp32 moments instead of two 8-bit codes)."""
+    return [(e, 6 * e.weight.numel()) for e in embeddings if e.weight.numel() > AUTO_32BIT_VALUES]
+

@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 import lightning as L
 
+from lit_memory.anatomy import skeleton
 from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.eightbit import quantised_embeddings
 from lit_memory.memory.analytic import analytic, file_gib
 from lit_memory.memory.footprint import Footprint, format_bytes
 from lit_memory.memory.report import table
@@ -85,6 +87,20 @@ def simulate_or_decline(setup: Setup) -> tuple[Optional[Prediction], Optional[st
             f"not simulated: the model's forward computes from the data what fake tensors cannot give ({err}); "
             "the analytic prediction stands alone"
         )
+
+
+def embedding_state_notes(module: SequenceClassifier, setup: Setup) -> list[str]:
+    """What ``embedding_optimizer_state: auto`` did with a bitsandbytes optimizer: which embedding matrices it
+    quantised, and what 32-bit state would have added (already in the numbers; said so they can be traded)."""
+    bitsandbytes = getattr(setup.optimizer_class, "__module__", "").startswith("bitsandbytes")
+    if module.hparams.embedding_optimizer_state != "auto" or not bitsandbytes:
+        return []
+    return [
+        f"optimizer state: embedding_optimizer_state auto keeps 8-bit state for {e.num_embeddings} x {e.embedding_dim} "
+        f"{type(e).__name__} ({e.weight.numel() / 1e6:.1f} M values; 32-bit would add {format_bytes(extra)}: "
+        "--model.embedding_optimizer_state 32bit)"
+        for e, extra in quantised_embeddings(skeleton(module.hf_config).embeddings)
+    ]
 
 
 def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) -> dict[str, Footprint]:
@@ -184,8 +200,10 @@ def main(argv: list[str]) -> None:
         "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
     )
     ours, rest = parser.parse_known_args(argv)
-    setup = setup_of(resolve(["fit", *rest]), ours.device)
+    run = resolve(["fit", *rest])
+    setup = setup_of(run, ours.device)
     predicted = analytic(setup)
+    predicted.notes += embedding_state_notes(run.model, setup)
     simulated = None
     if not (ours.no_simulate or setup.sharded):
         simulated, declined = simulate_or_decline(setup)
