@@ -132,7 +132,8 @@ class Anatomy:
             if child is not base and any(True for _ in child.parameters())
         )
         in_head = {id(m) for _, child in head for m in child.modules()}
-        loose = tuple(e for e in embeddings if id(e) not in in_block and id(e) not in in_layers and id(e) not in in_head)
+        elsewhere = in_block | in_layers | in_head
+        loose = tuple(e for e in embeddings if id(e) not in elsewhere)
         kind = _attention_kind(layers[0], config)
         return cls(
             model=model,

@@ -65,7 +65,7 @@ def tweets_csv() -> Path:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte (what tokenizers' ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -111,7 +111,9 @@ def write_byte_tokenizer(
         tokenizer.post_processor = processors.TemplateProcessing(
             single=single, pair=pair, special_tokens=[(t, specials[t]) for t in used]
         )
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side=padding_side, model_max_length=8192, **roles)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, padding_side=padding_side, model_max_length=8192, **roles
+    )
     wrapped.save_pretrained(folder)
     # transformers' loader may rebuild a tokenizer from its class name: name the generic one.
     config = Path(folder) / "tokenizer_config.json"

@@ -373,7 +373,9 @@ def report_loading(model: PreTrainedModel, loading: dict[str, Any]) -> None:
             rank_zero_warn(f"{len(keys)} weight(s) {what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full", layers: Optional[nn.ModuleList] = None) -> None:
+def enable_gradient_checkpointing(
+    model: PreTrainedModel, policy: str = "full", layers: Optional[nn.ModuleList] = None
+) -> None:
     """Recompute each of ``layers`` (default: the model's, `lit_memory.anatomy.find_layers`) in backward."""
     # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
     # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).

@@ -78,7 +78,9 @@ class FusedStep:
     def _set_fusion(self, fused_step: bool, bucket: Any) -> None:
         self.fused_step, self.bucket = fused_step, parse_bucket(bucket)  # a bad setting is one line when built
 
-    def _fuse(self, optimizer: Optimizer, module: Optional[nn.Module], clipping: Optional[Clipping], precision: Any) -> None:
+    def _fuse(
+        self, optimizer: Optimizer, module: Optional[nn.Module], clipping: Optional[Clipping], precision: Any
+    ) -> None:
         if getattr(precision, "scaler", None) is not None:
             raise UserError(fused.SCALER)
         units = parameter_units(module) if module is not None else None
