@@ -11,6 +11,7 @@ from transformers import Adafactor, get_scheduler
 
 from fused_worker import batches, tiny_bert
 from lit_memory.anatomy import parameter_units
+from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
 from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, weight_decay_groups
 
@@ -366,3 +367,22 @@ def test_clipping_by_norm_with_compiled_layers(monkeypatch):
     (plain, plain_norms), (fusion, fused_norms) = nets
     assert_same_parameters(plain, fusion, atol=1e-5)
     assert fused_norms == pytest.approx(plain_norms, rel=1e-5)
+
+
+def test_the_bucket_setting_is_parsed_once_into_a_value_that_prints_as_written():
+    from lit_memory.fused import Bucketing, parse_bucket
+
+    size = parse_bucket(" 16 MiB ")
+    assert size == Bucketing("size", 16 * 2**20) and str(size) == "16 MiB"
+    assert parse_bucket(size) is size  # a parsed value passes through every layer below unchanged
+    assert [str(parse_bucket(s)) for s in ("layer", "param", "0.5 MiB")] == ["layer", "param", "0.5 MiB"]
+    with pytest.raises(UserError, match="bucket must be layer, param or a size"):
+        parse_bucket("0 MiB")
+
+
+def test_units_decide_layer_buckets_and_parameters_in_no_unit_step_alone():
+    """The core is given the units (it knows no model): a `layer` bucket per unit, in backward order."""
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
+    assert group_parameters([a, b, c, d], [[a, b], [c]], "layer") == [[c], [b, a], [d]]
+    assert group_parameters([a, b, c], [[a, b], [c]], "param") == [[c], [b], [a]]
+    assert group_parameters([a, b, c], [[a, b], [c]], "16 MiB") == [[c, b, a]]
