@@ -93,7 +93,8 @@ def embedding_state_notes(module: SequenceClassifier, setup: Setup) -> list[str]
     """What ``embedding_optimizer_state: auto`` did with a bitsandbytes optimizer: which embedding matrices it
     quantised, and what 32-bit state would have added (already in the numbers; said so they can be traded)."""
     bitsandbytes = getattr(setup.optimizer_class, "__module__", "").startswith("bitsandbytes")
-    if module.hparams.embedding_optimizer_state != "auto" or not bitsandbytes:
+    trained = module.hparams.freeze is None and module.lora is None  # every freeze setting and LoRA freeze them
+    if module.hparams.embedding_optimizer_state != "auto" or not bitsandbytes or not trained:
         return []
     return [
         f"optimizer state: embedding_optimizer_state auto keeps 8-bit state for {e.num_embeddings} x {e.embedding_dim} "
