@@ -25,6 +25,7 @@ from conftest import RECIPES
 from lit_memory import lowbit
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
+from lit_memory.anatomy import parameter_units
 from lit_memory.fused import OptimizerInBackward
 from lit_memory.memory.analytic import optimizer_bytes
 from lit_memory.model import SequenceClassifier, weight_decay_groups
@@ -53,7 +54,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def train(model, optimizer, fused: bool, steps: int, start: int = 0, bucket: str = "layer", schedule=None):
-    fusion = OptimizerInBackward(optimizer, model, bucket) if fused else None
+    fusion = OptimizerInBackward(optimizer, parameter_units(model), bucket) if fused else None
     for i in range(start, start + steps):
         model(**batch(i)).loss.backward()
         optimizer.step()  # fused: finds no gradient left

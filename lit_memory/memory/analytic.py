@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lit_memory.anatomy import parameter_units
 from lit_memory.fused import group_parameters
 from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
@@ -479,7 +480,7 @@ def _buckets(
     """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`), each
     with its parameters split by group, as its optimizer steps them (one foreach call per group)."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
-    buckets = group_parameters([p for p in module.parameters() if id(p) in group_of], module, bucket)
+    buckets = group_parameters([p for p in module.parameters() if id(p) in group_of], parameter_units(module), bucket)
     return [(b, [[p for p in b if group_of[id(p)] == g] for g in sorted({group_of[id(p)] for p in b})]) for b in buckets]
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from lit_memory.activations import OffloadActivations
+from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.lowbit import is_torchao
 from lit_memory.memory.analytic import foreach_default, torchao_kernel_bytes
@@ -74,7 +75,7 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setu
 
     if setup.fused:
         # hooks on the (throwaway, fake) model's parameters; any max_norm: only the extra backward matters here
-        fused = OptimizerInBackward(optimizer, module, setup.bucket, Clipping(max_norm=1.0) if setup.clip_norm else None)
+        fused = OptimizerInBackward(optimizer, parameter_units(module), setup.bucket, Clipping(max_norm=1.0) if setup.clip_norm else None)
         return _Stepping([optimizer], warm, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
     return _Stepping([optimizer], warm, lambda loss: loss.backward(), after_backward=optimizer.step)
 

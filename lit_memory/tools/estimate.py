@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 import lightning as L
 
+from lit_memory.anatomy import skeleton
 from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.eightbit import quantised_embeddings
 from lit_memory.memory.analytic import analytic, file_gib
 from lit_memory.memory.footprint import Footprint, format_bytes
 from lit_memory.memory.report import table
@@ -72,6 +74,36 @@ def ranks(devices: Any) -> int:
         return 1
 
 
+def simulate_or_decline(setup: Setup) -> tuple[Optional[Prediction], Optional[str]]:
+    """The simulated step, or None and one line saying why it cannot run: a forward that computes a shape
+    or a Python number from the data (DeBERTa's relative positions call nonzero, ModernBERT reads a scalar
+    back), which fake tensors cannot give. Everything else the simulation meets is raised as it is."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return simulate(setup), None
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        return None, (
+            f"not simulated: the model's forward computes from the data what fake tensors cannot give ({err}); "
+            "the analytic prediction stands alone"
+        )
+
+
+def embedding_state_notes(module: SequenceClassifier, setup: Setup) -> list[str]:
+    """What ``embedding_optimizer_state: auto`` did with a bitsandbytes optimizer: which embedding matrices it
+    quantised, and what 32-bit state would have added (already in the numbers; said so they can be traded)."""
+    bitsandbytes = getattr(setup.optimizer_class, "__module__", "").startswith("bitsandbytes")
+    trained = module.hparams.freeze is None and module.lora is None  # every freeze setting and LoRA freeze them
+    if module.hparams.embedding_optimizer_state != "auto" or not bitsandbytes or not trained:
+        return []
+    return [
+        f"optimizer state: embedding_optimizer_state auto keeps 8-bit state for {e.num_embeddings} x {e.embedding_dim} "
+        f"{type(e).__name__} ({e.weight.numel() / 1e6:.1f} M values; 32-bit would add {format_bytes(extra)}: "
+        "--model.embedding_optimizer_state 32bit)"
+        for e, extra in quantised_embeddings(skeleton(module.hf_config).embeddings)
+    ]
+
+
 def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) -> dict[str, Footprint]:
     """The monitor's ``predict`` hook: this run's predicted footprints, by method (``memory.json``)."""
     try:
@@ -83,7 +115,14 @@ def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) 
     predictions = {}
     for name, predict in methods.items():
         try:
-            predictions[name] = predict(setup).footprint
+            if predict is simulate:
+                prediction, declined = simulate_or_decline(setup)
+                if declined:
+                    print(f"note: {declined}")
+                    continue
+                predictions[name] = prediction.footprint
+            else:
+                predictions[name] = predict(setup).footprint
         except Exception as err:  # a model the predictions do not cover must still train (and be measured)
             print(f"warning: no {name} memory prediction: {type(err).__name__}: {err}")
     return predictions
@@ -162,9 +201,15 @@ def main(argv: list[str]) -> None:
         "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
     )
     ours, rest = parser.parse_known_args(argv)
-    setup = setup_of(resolve(["fit", *rest]), ours.device)
+    run = resolve(["fit", *rest])
+    setup = setup_of(run, ours.device)
     predicted = analytic(setup)
-    simulated = None if ours.no_simulate or setup.sharded else simulate(setup)
+    predicted.notes += embedding_state_notes(run.model, setup)
+    simulated = None
+    if not (ours.no_simulate or setup.sharded):
+        simulated, declined = simulate_or_decline(setup)
+        if declined:
+            predicted.notes.append(declined)
     if setup.sharded and not ours.no_simulate:
         predicted.notes.append("not simulated: the simulation runs one device, so per-rank numbers are analytic")
     data = report(setup, predicted, simulated)

@@ -239,11 +239,12 @@ def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportio
     alive there are a bucket's. ``layer``: the largest bucket is the word embeddings' (119 MiB; a layer
     is 12.6 M parameters, 48 MiB); ``512 MiB``: ten layers' gradients at once."""
     from lit_memory.fused import group_parameters
+    from lit_memory.anatomy import parameter_units
 
     setup = bert_large(fused=True, bucket=bucket, batch_size=1, max_length=8, device="cpu")
     predicted, simulated = analytic(setup), simulate(setup)
     model = build(setup, torch.device("meta"))[0].model
-    buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), model, bucket)]
+    buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), parameter_units(model), bucket)]
     alive = simulated.footprint.phases["backward"]["gradients"]
     if bucket == "layer":
         assert 4 * sum(p.numel() for p in model.bert.encoder.layer[0].parameters()) == pytest.approx(48.05 * 2**20, rel=1e-3)
