@@ -33,7 +33,12 @@ def _bert_large() -> Path:
     return ASSETS / "bert-large-uncased"
 
 
-MODELS = {"minilm": _minilm, "bert-large": _bert_large}
+def _distilbert() -> Path:
+    # DistilBERT-base architecture (6 x 768, 67 M params), config only: memory predictions without weights.
+    return ASSETS / "distilbert-base-uncased"
+
+
+MODELS = {"minilm": _minilm, "bert-large": _bert_large, "distilbert": _distilbert}
 
 
 def resolve_model(name_or_path: str) -> str:

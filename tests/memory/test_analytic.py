@@ -3,35 +3,44 @@ model against the simulation on fake tensors, setting by setting."""
 
 from __future__ import annotations
 
-import gc
-import weakref
-from functools import partial
+import pickle
 
-import bitsandbytes as bnb
 import pytest
 import torch
-import torchao.optim
-from transformers import Adafactor
 
-from lit_memory.memory.analytic import analytic, file_gib, reference_bytes
-from lit_memory.memory.setup import Setup, build, is_fused
+from lit_memory.cli import resolve
+from lit_memory.memory.analytic import _META_BUILDS, analytic, file_gib, reference_bytes
+from lit_memory.memory.device import Target
 from lit_memory.memory.simulate import simulate
+from lit_memory.memory.step import OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
-ADAMW = partial(torch.optim.AdamW, lr=2e-5, weight_decay=0.01)
+
+
+def spec(class_path: str, **init_args) -> dict:
+    return {"class_path": class_path, "init_args": init_args}
+
+
+ADAMW = spec("torch.optim.AdamW", lr=2e-5, weight_decay=0.01)
+ADAFACTOR = spec("transformers.Adafactor", lr=1e-4, relative_step=False, scale_parameter=False)
+SGD = spec("torch.optim.SGD", lr=1e-3, momentum=0.9, weight_decay=0.01)
 BERT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
 MT5_PARAMETERS = 582_000_000  # the seed's rounding of mT5's 582,401,280
 LORA_K, LORA_N = 582_401_280, 884_736  # mT5 frozen, LoRA's trainable parameters (the seed's run)
 
 
-def minilm(**kwargs) -> Setup:
-    model = {"model_name_or_path": "bundled:minilm", **kwargs.pop("model", {})}
-    return Setup(model=model, optimizer=kwargs.pop("optimizer", ADAMW), **{"device": "cpu", **kwargs})
+def step(name: str, default_device: str, **kwargs) -> Step:
+    model = {"model_name_or_path": name, **kwargs.pop("model", {})}
+    optimizer = OptimizerSpec.of(kwargs.pop("optimizer", ADAMW))
+    return Step(model=model, optimizer=optimizer, target=Target(type=kwargs.pop("device", default_device)), **kwargs)
 
 
-def bert_large(**kwargs) -> Setup:
-    model = {"model_name_or_path": "bundled:bert-large", **kwargs.pop("model", {})}
-    return Setup(model=model, optimizer=kwargs.pop("optimizer", ADAMW), **kwargs)
+def minilm(**kwargs) -> Step:
+    return step("bundled:minilm", "cpu", **kwargs)
+
+
+def bert_large(**kwargs) -> Step:
+    return step("bundled:bert-large", "cuda", **kwargs)
 
 
 # -- the seed's worked examples ------------------------------------------------------------------
@@ -78,26 +87,22 @@ CASES = {
     "accumulate": {"batch_size": 1, "accumulate_grad_batches": 4},
     "bf16-mixed + checkpointing": {"precision": "bf16-mixed", "model": {"gradient_checkpointing": True}},
     "bf16-true": {"precision": "bf16-true"},
-    "Adafactor": {"optimizer": partial(Adafactor, lr=1e-4, relative_step=False, scale_parameter=False)},
-    "SGD momentum": {"optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01)},
-    "AdamW8bit": {"optimizer": partial(bnb.optim.AdamW8bit, lr=1e-4)},
+    "Adafactor": {"optimizer": ADAFACTOR},
+    "SGD momentum": {"optimizer": SGD},
+    "AdamW8bit": {"optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4)},
     "freeze 4 layers": {"model": {"freeze": 4}},
     "freeze body + checkpointing": {"model": {"freeze": "body", "gradient_checkpointing": True}},
     "fused, layer buckets": {"fused": True},
-    "fused, 4 MiB buckets, SGD momentum": {
-        "fused": True,
-        "bucket": "4 MiB",
-        "optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01),
-    },
+    "fused, 4 MiB buckets, SGD momentum": {"fused": True, "bucket": "4 MiB", "optimizer": SGD},
     # torchao: its state made by its own code on fake tensors; its compiled kernel's buffers (the step's
     # peak here, for the word embeddings) allocated as inductor's CPU code does.
-    "torchao AdamW8bit": {"optimizer": partial(torchao.optim.AdamW8bit, lr=1e-4)},
-    "torchao AdamW4bit, fused": {"optimizer": partial(torchao.optim.AdamW4bit, lr=1e-4), "fused": True},
+    "torchao AdamW8bit": {"optimizer": spec("torchao.optim.AdamW8bit", lr=1e-4)},
+    "torchao AdamW4bit, fused": {"optimizer": spec("torchao.optim.AdamW4bit", lr=1e-4), "fused": True},
     "bf16-true + torchao 8-bit, stochastic rounding, fused (2gb)": {
         "precision": "bf16-true",
         "fused": True,
         "model": {"gradient_checkpointing": True},
-        "optimizer": partial(torchao.optim.AdamW8bit, lr=1e-4, bf16_stochastic_round=True),
+        "optimizer": spec("torchao.optim.AdamW8bit", lr=1e-4, bf16_stochastic_round=True),
     },
     "fused, clipping by norm": {"fused": True, "clip_norm": True},
     "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
@@ -212,7 +217,7 @@ def test_4gb_settings_fit_in_4_gib_and_the_fused_step_frees_the_gradients():
     settings = {
         "precision": "bf16-mixed",
         "model": {"gradient_checkpointing": True},
-        "optimizer": partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01),
+        "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=2e-5, weight_decay=0.01),
     }
     unfused = analytic(bert_large(**settings))
     fused = analytic(bert_large(fused=is_fused(StubFusedStrategy()), **settings))
@@ -254,21 +259,16 @@ def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportio
     assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.02)
 
 
-def test_the_cache_of_meta_builds_keeps_nothing_the_optimizer_factory_references():
-    """A parsed config's optimizer factory references its parser and CLI, and through them the trainer and
-    the trained model: the memory model's cache of meta builds must not keep it (it kept 16 fits alive)."""
-
-    class Owner:  # stands for the CLI
-        pass
-
-    def adamw(owner: Owner, params) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=2e-5)
-
-    owner = Owner()
-    alive = weakref.ref(owner)
-    setup = minilm(optimizer=partial(adamw, owner))
-    first = analytic(setup).footprint.peak
-    assert analytic(minilm(optimizer=partial(adamw, Owner()))).footprint.peak == first  # the same build, reused
-    del owner, setup
-    gc.collect()
-    assert alive() is None
+def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_factory():
+    """A step is plain data (the optimizer as its class path and arguments, not a factory holding the parser):
+    it round-trips through pickle, its cache key is strings, and the memory model's cache of meta builds
+    keeps no optimizer factory (a kept factory once kept 16 fits' CLIs, trainers and models alive)."""
+    run = resolve(["fit", "--data.batch_size=2", "--data.max_length=16"])
+    found = Step.from_settings(run.settings.as_dict(), Target(type="cpu"))
+    assert pickle.loads(pickle.dumps(found)) == found
+    assert all(isinstance(part, str) for part in found.cache_key)
+    assert found.optimizer.class_path == "torch.optim.AdamW" and found.optimizer.init_args["lr"] == 2e-5
+    first = analytic(found).footprint.peak
+    assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
+    module, _ = _META_BUILDS[found.cache_key]
+    assert module.optimizer_factory is None
