@@ -29,6 +29,7 @@ from lit_memory.data import load_tokenizer
 from lit_memory.eightbit import EmbeddingState, is_bitsandbytes, keep_embeddings_32bit, swap_stable_embedding
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora
+from lit_memory.lowbit import is_torchao, keep_plain_state
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,12 @@ class SequenceClassifier(L.LightningModule):
             weight decay 0.01, by default: `DEFAULT_OPTIMIZER`, in Python and on the command line alike;
             bitsandbytes' 8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
             weights are put in a group without weight decay.
-        embedding_optimizer_state: how a bitsandbytes 8-bit optimizer treats the embedding
-            matrices: ``32bit`` keeps them on 32-bit state (bitsandbytes' per-parameter override),
-            ``stable_embedding`` swaps the input embeddings for ``bitsandbytes.nn.StableEmbedding``
-            (pretrained vectors kept, a LayerNorm added, 32-bit state), ``8bit`` quantises them
-            like the rest. Other optimizers ignore it (``stable_embedding`` still swaps).
+        embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) treats the
+            embedding matrices: ``32bit`` keeps their state unquantised in fp32 (bitsandbytes' per-parameter
+            override; `lit_memory.lowbit.keep_plain_state` for torchao), ``stable_embedding`` swaps the input
+            embeddings for ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm added,
+            32-bit state), ``8bit`` quantises them like the rest (torchao: at its own bits). Other
+            optimizers ignore it (``stable_embedding`` still swaps).
         lora: LoRA adapters (peft) on the given linear layers; the rest of the encoder is frozen,
             the classifier head trains in full, and the adapters are merged before export.
         lr_scheduler_type: a transformers schedule name (``linear`` is the HF Trainer's default),
@@ -219,8 +221,12 @@ class SequenceClassifier(L.LightningModule):
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
-        if is_bitsandbytes(optimizer) and self.hparams.embedding_optimizer_state == "32bit":
-            keep_embeddings_32bit(self.model, optimizer)
+        if self.hparams.embedding_optimizer_state == "32bit":
+            if is_bitsandbytes(optimizer):
+                keep_embeddings_32bit(self.model, optimizer)
+            elif is_torchao(optimizer):
+                embeddings = [m.weight for m in self.model.modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
+                keep_plain_state(optimizer, embeddings)
         return optimizer
 
     def configure_optimizers(self):

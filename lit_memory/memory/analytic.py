@@ -177,9 +177,11 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
         else:
             kept, back = saved + len(active) * (layer_input + cached), 0
         one_layer_copies = _linear_bytes(active[:1], x.compute_b) if x.autocast else 0
+        # without autocast the recomputed layer's set holds its input, which `kept` (or `back`) counts already
+        own_input = layer_input if not x.autocast and lora is None else 0
         return _Activations(
             forward=kept + cache,
-            backward=kept + back + per_layer - cached + one_layer_copies,
+            backward=kept + back + per_layer - own_input - cached + one_layer_copies,
             transient=working_set_per_token(spec, x, k) * x.tokens,
             backward_temp=backward_temp,
         )
@@ -238,17 +240,20 @@ def optimizer_tensors(
         return OptimizerTensors(_bitsandbytes_state(optimizer, groups), [], notes)
     if module.startswith("torchao.optim"):
         kind, block = torchao_state_kind(optimizer), optimizer.block_size
+        plain = getattr(optimizer, "plain_state", set())  # lit_memory.lowbit.keep_plain_state: fp32, unquantised
         for group, ps in zip(optimizer.param_groups, groups, strict=True):
             moments = 3 if group.get("amsgrad") else 2
             for p in ps:
                 n = p.numel()
-                if torchao_quantized(kind, n, block):
+                if id(p) in plain:
+                    one = [4 * n]
+                elif torchao_quantized(kind, n, block):
                     one = [math.ceil(TORCHAO_CODE_BYTES[kind] * n), 4 * math.ceil(n / block)]
                     one += [4 * TORCHAO_QMAP_VALUES[kind]] if TORCHAO_QMAP_VALUES[kind] else []
                 else:
                     one = [_nbytes(p)]
                 state[id(p)] = one * moments + ([4] if device == "cpu" else [])
-        temps = [[b] for g in stepped for p in g if (b := torchao_kernel_bytes(kind, p.numel(), block))]
+        temps = [[b] for g in stepped for p in g if id(p) not in plain and (b := torchao_kernel_bytes(kind, p.numel(), block))]
         if device == "cuda" and temps:
             largest = max(sum(t) for t in temps)
             notes.append(

@@ -199,10 +199,14 @@ def working_set_per_token(spec: LayerSpec, x: Shape, k: Kernel, training: bool =
 
 
 def backward_temp_per_token(spec: LayerSpec, x: Shape, k: Kernel) -> int:
-    """Gradients w.r.t. activations in flight early in backward, while the layer's saved tensors are not
-    yet released: the FFN intermediate's and two hidden-size ones, or the attention kernel's backward."""
+    """Gradients w.r.t. activations in flight in a layer's backward, beyond its saved tensors: at its start
+    the FFN intermediate's and two hidden-size ones; at its attention, the kernel's backward, by when the
+    FFN's saved tensors (made after the first LayerNorm) are released. The larger of the two."""
+    tensors = layer_tensors(spec, x, k)
+    after = next(i for i, t in enumerate(tensors) if t.name == "norm_1_stats") + 1
+    ffn_saved = sum(t.bytes for t in tensors[after:] if t.kept)
     att = attention(spec, x, k)
-    return max((spec.ffn + 2 * spec.hidden) * x.compute_b, att.backward + spec.hidden * x.compute_b)
+    return max((spec.ffn + 2 * spec.hidden) * x.compute_b, att.backward + spec.hidden * x.compute_b - ffn_saved)
 
 
 def with_implementation(spec: LayerSpec, implementation: str) -> LayerSpec:

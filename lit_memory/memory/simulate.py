@@ -129,7 +129,8 @@ def _torchao_kernel_as_buffers(optimizer: torch.optim.Optimizer):
         maps.get_qmap_signed(), maps.get_qmap_unsigned()
 
     def buffers(p, grad, step, exp_avg, *rest) -> None:
-        kind = type(exp_avg).__name__.removeprefix("OptimState")
+        name = type(exp_avg).__name__
+        kind = name.removeprefix("OptimState") if name.startswith("OptimState") else None  # plain state: in place
         block = getattr(exp_avg, "block_size", float("inf"))
         held = torch.empty(torchao_kernel_bytes(kind, exp_avg.numel(), block), dtype=torch.uint8)
         del held

@@ -100,10 +100,10 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 
 
 def _identity(step: Step) -> tuple:
-    """What makes two candidates the same setup (settings a setup ignores dropped: only bitsandbytes'
-    optimizers read ``embedding_optimizer_state``, unless it swaps in StableEmbedding)."""
+    """What makes two candidates the same setup (settings a setup ignores dropped: only low-bit optimizers
+    read ``embedding_optimizer_state``, unless it swaps in StableEmbedding)."""
     model = dict(step.model)
-    if model.get("embedding_optimizer_state") != "stable_embedding" and step.optimizer.library != "bitsandbytes":
+    if model.get("embedding_optimizer_state") != "stable_embedding" and step.optimizer.library not in ("bitsandbytes", "torchao"):
         model.pop("embedding_optimizer_state", None)
     return (
         json.dumps(model, sort_keys=True, default=str), step.optimizer.key, step.precision, step.batch_size,
