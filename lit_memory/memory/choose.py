@@ -3,9 +3,10 @@ run that ran out of memory prints (the lightest shipped recipe predicted to fit)
 
 "Fastest" follows a stated rule; the first difference decides:
 
-1. quality: every parameter trains, every token is kept and every update reaches the weights (freezing,
-   LoRA's frozen body, truncation and 16-bit weights rounded to nearest, which drops updates below half a
-   unit in their last place, cost accuracy);
+1. quality: every update reaches the weights (16-bit weights rounded to nearest drop every update below
+   half a unit in their last place), then the fewest parameters frozen (freezing, LoRA's frozen body; by
+   their share of the model: the embeddings alone cost less than the body), then every token kept (no
+   truncation);
 2. no gradient accumulation;
 3. the least recompute: no gradient checkpointing, then selective (recomputes only cheap ops), then
    full (re-runs every layer's forward in backward); with equal recompute, no activation offloading
@@ -28,7 +29,8 @@ from lit_memory.memory.analytic import device_total
 from lit_memory.memory.step import PRECISIONS, Prediction, Step
 
 RULE = (
-    "quality (no freezing, no LoRA, no truncation, no 16-bit weights rounded to nearest) > no accumulation > "
+    "quality (no 16-bit weights rounded to nearest > the fewest parameters frozen (freezing, LoRA) > no truncation) "
+    "> no accumulation > "
     "no checkpointing > selective > full checkpointing > no offloading > larger micro-batch > "
     "16-bit compute on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
 )
@@ -39,11 +41,9 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     sixteen_bit = PRECISIONS[step.precision][1].itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
     precision = (0 if sixteen_bit else 1) if step.device == "cuda" else (0 if not sixteen_bit else 1)
     steady_state = prediction.footprint.phases["forward"]["optimizer"]
+    frozen = 1 - prediction.trainable / prediction.parameters if prediction.parameters else 0.0
     return (
-        step.model.get("freeze") is not None
-        or step.model.get("lora") is not None
-        or step.max_length < longest
-        or step.loses_small_updates,
+        (step.loses_small_updates, round(frozen, 2), step.max_length < longest),
         step.accumulate_grad_batches > 1,
         (None, "selective", "full").index(step.checkpointing),
         bool(step.model.get("offload_activations")),

@@ -53,7 +53,9 @@ def predicted_line(path: Path) -> str:
     step = Step.from_settings(run.settings.as_dict(), Target())
     footprint = analytic(step).footprint
     return (
-        f"{PREDICTED}BERT-large {step.batch_size} x {step.max_length} ({HEADER_MODEL}) on {step.target.gpu.name}: "
+        f"{PREDICTED}BERT-large {step.batch_size} x {step.max_length}"
+        + (f" x {step.accumulate_grad_batches} accumulated" if step.accumulate_grad_batches > 1 else "")
+        + f" ({HEADER_MODEL}) on {step.target.gpu.name}: "
         f"tensors {format_bytes(footprint.peak)}, reserved {format_bytes(footprint.reserved)}, device "
         f"{format_bytes(footprint.device)} (python -m lit_memory recipes headers)"
     )
