@@ -16,7 +16,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 # How an 8-bit optimizer treats the embedding matrices (the model's `embedding_optimizer_state`).
-EmbeddingState = Literal["32bit", "8bit", "stable_embedding"]
+# ``unquantized``: in the parameters' own dtype (torchao's; bitsandbytes keeps unquantised state in fp32: as ``32bit``)
+EmbeddingState = Literal["32bit", "unquantized", "8bit", "stable_embedding"]
 
 
 def is_bitsandbytes(optimizer: Optimizer) -> bool:

@@ -74,10 +74,12 @@ class SequenceClassifier(L.LightningModule):
             weights are put in a group without weight decay.
         embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) treats the
             embedding matrices: ``32bit`` keeps their state unquantised in fp32 (bitsandbytes' per-parameter
-            override; `lit_memory.lowbit.keep_plain_state` for torchao), ``stable_embedding`` swaps the input
-            embeddings for ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm added,
-            32-bit state), ``8bit`` quantises them like the rest (torchao: at its own bits). Other
-            optimizers ignore it (``stable_embedding`` still swaps).
+            override; `lit_memory.lowbit.keep_plain_state` for torchao), ``unquantized`` in the parameters'
+            own dtype (torchao: bf16 state for bf16 weights, as its own pure-bf16 training has it;
+            bitsandbytes: as ``32bit``), ``stable_embedding`` swaps the input embeddings for
+            ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm added, 32-bit state),
+            ``8bit`` quantises them like the rest (torchao: at its own bits). Other optimizers ignore it
+            (``stable_embedding`` still swaps).
         lora: LoRA adapters (peft) on the given linear layers; the rest of the encoder is frozen,
             the classifier head trains in full, and the adapters are merged before export.
         lr_scheduler_type: a transformers schedule name (``linear`` is the HF Trainer's default),
@@ -221,12 +223,13 @@ class SequenceClassifier(L.LightningModule):
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
-        if self.hparams.embedding_optimizer_state == "32bit":
+        state = self.hparams.embedding_optimizer_state
+        if state in ("32bit", "unquantized"):
             if is_bitsandbytes(optimizer):
                 keep_embeddings_32bit(self.model, optimizer)
             elif is_torchao(optimizer):
                 embeddings = [m.weight for m in self.model.modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
-                keep_plain_state(optimizer, embeddings)
+                keep_plain_state(optimizer, embeddings, torch.float32 if state == "32bit" else None)
         return optimizer
 
     def configure_optimizers(self):

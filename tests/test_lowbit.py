@@ -141,19 +141,22 @@ def test_the_analytic_model_counts_the_state_torchao_creates(cls, dtype):
     assert optimizer_bytes(optimizer, "cpu")[0] == sum(s.nbytes() for s in storages)
 
 
-def test_embeddings_keep_unquantised_fp32_state_and_the_fused_buckets_keep_it_too():
-    """``embedding_optimizer_state: 32bit`` for torchao (`keep_plain_state`, over torchao's private
-    ``_new_buffer``): the embedding matrices' moments are plain fp32 tensors, everything else as torchao makes it;
-    the fused step's bucket copies create state the same way; the memory model counts every byte."""
-    model = toy_bert()
+@pytest.mark.parametrize("dtype", [torch.float32, None], ids=["32bit", "unquantized"])
+def test_embeddings_keep_unquantised_state_and_the_fused_buckets_keep_it_too(dtype):
+    """``embedding_optimizer_state: 32bit`` / ``unquantized`` for torchao (`keep_plain_state`, over torchao's
+    private ``_new_buffer``): the embedding matrices' moments are plain tensors (fp32, or the weights' bf16),
+    everything else as torchao makes it; the fused step's bucket copies create state the same way; the
+    memory model counts every byte."""
+    model = toy_bert(torch.bfloat16)
     optimizer = AdamW8bit(weight_decay_groups(model), lr=1e-3)
     embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    keep_plain_state(optimizer, embeddings)
+    assert max(e.numel() for e in embeddings) >= 4096  # torchao would quantise the largest
+    keep_plain_state(optimizer, embeddings, dtype)
     train(model, optimizer, fused=True, steps=1)
     for p, state in optimizer.state.items():
         kinds = {type(state[k]).__name__ for k in ("exp_avg", "exp_avg_sq")}
         if any(p is e for e in embeddings):
-            assert kinds == {"Tensor"} and state["exp_avg"].dtype == torch.float32
+            assert kinds == {"Tensor"} and state["exp_avg"].dtype == (dtype or torch.bfloat16)
         elif p.numel() >= 4096:
             assert kinds == {"OptimState8bit"}
     storages = {s for state in optimizer.state.values() for v in state.values() for s in get_untyped_storages(v)}

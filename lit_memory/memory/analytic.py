@@ -240,13 +240,13 @@ def optimizer_tensors(
         return OptimizerTensors(_bitsandbytes_state(optimizer, groups), [], notes)
     if module.startswith("torchao.optim"):
         kind, block = torchao_state_kind(optimizer), optimizer.block_size
-        plain = getattr(optimizer, "plain_state", set())  # lit_memory.lowbit.keep_plain_state: fp32, unquantised
+        plain = getattr(optimizer, "plain_state", {})  # lit_memory.lowbit.keep_plain_state: id -> bytes per value
         for group, ps in zip(optimizer.param_groups, groups, strict=True):
             moments = 3 if group.get("amsgrad") else 2
             for p in ps:
                 n = p.numel()
                 if id(p) in plain:
-                    one = [4 * n]
+                    one = [plain[id(p)] * n]
                 elif torchao_quantized(kind, n, block):
                     one = [math.ceil(TORCHAO_CODE_BYTES[kind] * n), 4 * math.ceil(n / block)]
                     one += [4 * TORCHAO_QMAP_VALUES[kind]] if TORCHAO_QMAP_VALUES[kind] else []

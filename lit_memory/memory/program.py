@@ -93,7 +93,8 @@ def events(m: StepModel) -> list[Event]:
     t = _Trace()
     t.phase("setup")
     n = m.shards
-    weights = [t.alloc(-(-p.bytes // n)) for p in m.params]
+    for p in m.params:  # the model moved to the device, parameter by parameter (never freed)
+        t.alloc(-(-p.bytes // n))
     t.alloc(m.buffers)
     grads: dict[int, Optional[int]] = {}
     states: dict[int, list[Optional[int]]] = {}
@@ -122,7 +123,7 @@ def events(m: StepModel) -> list[Event]:
         for group in temps:
             t.free(*[t.alloc(-(-s // n)) for s in group])
 
-    def micro_batch(accumulating: bool, measuring: bool = False) -> None:
+    def micro_batch(accumulating: bool) -> None:
         t.phase("forward")
         if not workspaces:
             workspaces.append(t.alloc(m.workspace))
@@ -157,7 +158,6 @@ def events(m: StepModel) -> list[Event]:
             step_optimizer([i for i, p in enumerate(m.params) if p.trainable], m.step_temps)
             if m.gradients == "after_step":
                 free_grads(list(grads))
-    del weights
     return t.events
 
 

@@ -12,7 +12,7 @@ from lit_memory.cli import resolve
 from lit_memory.memory.analytic import _META_BUILDS, analytic, file_gib, reference_bytes
 from lit_memory.memory.device import Target
 from lit_memory.memory.simulate import simulate
-from lit_memory.memory.step import OptimizerSpec, Step, build, is_fused
+from lit_memory.memory.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
 
@@ -135,6 +135,64 @@ def test_clipping_by_norm_measures_without_holding_a_set_of_gradients():
     assert unfused.footprint.categories["gradients"] > 1.9 * largest  # all of them: 90.9 MB
     predicted = analytic(minilm(**settings, clip_norm=True))
     assert predicted.footprint.peak == pytest.approx(clipped.footprint.peak, rel=0.05)
+
+
+# For a CUDA target the simulation stands CUDA's attention kernel, dropout masks and autocast policy in
+# for the CPU's (lit_memory.memory.simulate.cuda_stand_ins), and both methods replay the caching allocator:
+# they must agree on the tensors, every phase, and the reserved level.
+CUDA_CASES = {
+    "fp32, memory-efficient attention": {},
+    "bf16-mixed, fused SDPA": {"precision": "bf16-mixed"},
+    "eager attention, fp32": {"model": {"config_overrides": {"attn_implementation": "eager"}}},
+    "eager attention, bf16-mixed, autocast's cache kept (Fabric's loop)": {
+        "precision": "bf16-mixed",
+        "model": {"config_overrides": {"attn_implementation": "eager"}, "gradient_checkpointing": True},
+        "loop": LOOPS["fabric"],
+    },
+    "gradients zeroed in place (torch 1.x's zero_grad)": {"loop": LOOPS["hf-trainer-torch1"]},
+    "gradients freed only before backward": {"loop": Loop("after forward", gradients="before_backward")},
+    "fused step, checkpointing, bf16-mixed, 8-bit": {
+        "fused": True,
+        "precision": "bf16-mixed",
+        "model": {"gradient_checkpointing": True},
+        "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4),
+    },
+}
+
+
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(case):
+    setup = minilm(**{"batch_size": 8, "max_length": 64, "device": "cuda", **CUDA_CASES[case]})
+    predicted, simulated = analytic(setup), simulate(setup)
+    assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.05)
+    for phase in simulated.footprint.phases:
+        want = sum(simulated.footprint.phases[phase].values())
+        assert sum(predicted.footprint.phases[phase].values()) == pytest.approx(want, rel=0.10), phase
+    assert predicted.footprint.reserved == pytest.approx(simulated.footprint.reserved, rel=0.05)
+    for prediction in (predicted, simulated):
+        assert prediction.footprint.peak <= prediction.footprint.reserved < prediction.footprint.device
+        assert prediction.footprint.device == prediction.footprint.reserved + setup.target.context_bytes
+
+
+def test_the_allocator_replay_holds_the_tensors_the_analytic_model_predicts():
+    """The analytic model's event program (lit_memory.memory.program) allocates what its phases hold: the
+    replay's peak of allocated bytes is the analytic peak, within the rounding and the workspaces."""
+    from lit_memory.memory import analytic as model, program
+    from lit_memory.memory.allocator import replay
+
+    for settings in ({}, {"precision": "bf16-mixed", "fused": True, "model": {"gradient_checkpointing": True}}):
+        setup = bert_large(batch_size=8, max_length=128, **settings)
+        module, optimizer = model._meta_build(setup)
+        spec, shape = model.spec_of(module.model), model.shape_of(module.model.config, setup)
+        kernel = model.kernel(spec, shape, setup.target.gpu.capability)
+        activations = model._activations(module.model, spec, shape, kernel, setup)
+        tensors = model.optimizer_tensors(optimizer, "cuda")
+        buckets = model._buckets(module, optimizer, setup.bucket) if setup.fused else []
+        events = program.events(model._step_model(module, optimizer, tensors, buckets, spec, shape, kernel, setup, activations))
+        found = replay(events)
+        peak = analytic(setup).footprint.peak
+        assert found.peak_allocated - 2 * setup.target.cublas_workspace == pytest.approx(peak, rel=0.05), settings
+        assert found.peak_reserved >= found.peak_allocated
 
 
 # Selective checkpointing and offloading where activations are the peak: the fused step (no full set
