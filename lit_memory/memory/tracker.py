@@ -68,7 +68,7 @@ class Tracker(MemTracker):
         # ``record``: every allocation and free on the device, in order (``("+", key, bytes)``, ``("-", key)``,
         # ``("phase", name)``), for the caching allocator's replay (`lit_memory.memory.allocator.replay`).
         self.events: Optional[list[tuple]] = [] if record else None
-        self._recorded: set[int] = set()
+        self._recorded: dict[int, int] = {}  # id of a live storage's info -> its key in `events` (ids are reused)
         self.budget = budget
         self.footprint = Footprint()
         self.phase: Optional[str] = None
@@ -157,13 +157,11 @@ class Tracker(MemTracker):
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
         if self.events is None or not self._counts(winfo.device):
             return
-        key = id(winfo)
         name = getattr(u_type, "name", str(u_type))
-        if name in ("DEL", "SIZE") and key in self._recorded:
-            self._recorded.discard(key)
-            self.events.append(("-", key))
+        if name in ("DEL", "SIZE") and id(winfo) in self._recorded:
+            self.events.append(("-", self._recorded.pop(id(winfo))))
         if name in ("ADD", "SIZE") and winfo.mem_consumed > 0:
-            self._recorded.add(key)
+            key = self._recorded[id(winfo)] = len(self.events)
             self.events.append(("+", key, winfo.mem_consumed))
 
     def _update_peak_stats(self, peak_state: Any) -> None:
