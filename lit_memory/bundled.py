@@ -35,6 +35,11 @@ def _bert_large() -> Path:
     return ASSETS / "bert-large-uncased"
 
 
+def _distilbert() -> Path:
+    # DistilBERT-base architecture (6 x 768, 67 M params), config only: memory predictions without weights.
+    return ASSETS / "distilbert-base-uncased"
+
+
 # Architectures of other families (config.json from the hub's published config, no weights) with a
 # byte-level tokenizer of ~10 KB (`write_byte_tokenizer`) in place of their 128k-250k-token vocabularies:
 # the model keeps its real vocabulary size (its embedding memory), the tokenizer uses 256 + a few ids of it.
@@ -45,7 +50,10 @@ def _asset(name: str):
     return lambda: ASSETS / name
 
 
-MODELS = {"minilm": _minilm, "bert-large": _bert_large, **{name: _asset(name) for name in FAMILY_ASSETS}}
+MODELS = {
+    "minilm": _minilm, "bert-large": _bert_large, "distilbert": _distilbert,
+    **{name: _asset(name) for name in FAMILY_ASSETS},
+}
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -79,8 +79,9 @@ class LitMemoryCLI(LightningCLI):
     """LightningCLI for the project's module and data, with ``--recipe NAME``, the trust decision and
     the memory monitor. ``defer=True`` stops after parsing and checking (see `resolve`);
     ``collect=True`` keeps refused values in ``refusals`` and other problems in ``problems``
-    (``recipes check``). ``predict`` and ``advise`` are the memory monitor's hooks
-    (`lit_memory.monitor`): the tools that predict memory and advise on running out."""
+    (``recipes check``). ``predict`` and ``advise`` are the memory monitor's hooks (`lit_memory.monitor`);
+    by default the run's own `step` predicts (`lit_memory.memory.predict.run_hooks`), and advises from the
+    shipped recipes."""
 
     def __init__(
         self,
@@ -185,6 +186,13 @@ class LitMemoryCLI(LightningCLI):
         subcommand = config.get("subcommand")
         return config[subcommand] if subcommand else config
 
+    def step(self, target: Any = None) -> Any:
+        """This run's training step as the memory model describes it (`lit_memory.memory.step.Step`), built
+        from the resolved settings; ``target``: the device to predict for (default: the documented CUDA GPU)."""
+        from lit_memory.memory.step import Step
+
+        return Step.from_settings(self.settings.as_dict(), target)
+
     @property
     def settings(self) -> Namespace:
         """This run's resolved settings (the subcommand's part of the config)."""
@@ -224,7 +232,17 @@ class LitMemoryCLI(LightningCLI):
         if self._deferred:
             return
         monitor = self.config_init[self.subcommand]["memory"] if self.subcommand else self.config_init["memory"]
-        for name, hook in self._memory_hooks.items():
+        hooks = dict(self._memory_hooks)
+        if None in hooks.values():
+            from lit_memory.memory.predict import run_hooks
+
+            try:
+                defaults = dict(zip(("predict", "advise"), run_hooks(self.step(), recipes.shipped_settings)))
+            except UserError as err:  # settings the memory model does not cover: measure only
+                print(f"warning: no memory predictions for this run: {err}", file=sys.stderr)
+                defaults = {}
+            hooks = {name: hook if hook is not None else defaults.get(name) for name, hook in hooks.items()}
+        for name, hook in hooks.items():
             if hook is not None:
                 setattr(monitor, name, hook)
 

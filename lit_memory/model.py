@@ -33,9 +33,12 @@ from lit_memory.eightbit import (
     is_bitsandbytes,
     keep_embeddings_32bit,
     swap_stable_embedding,
+    unquantised,
+    unquantised_dtype,
 )
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
+from lit_memory.lowbit import is_torchao, keep_plain_state
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +81,17 @@ class SequenceClassifier(L.LightningModule):
             weight decay 0.01, by default: `DEFAULT_OPTIMIZER`, in Python and on the command line alike;
             bitsandbytes' 8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
             weights are put in a group without weight decay.
-        embedding_optimizer_state: how a bitsandbytes 8-bit optimizer treats the embedding
-            matrices: ``32bit`` keeps them on 32-bit state (bitsandbytes' per-parameter override),
-            ``auto`` (the default) does so for matrices up to `lit_memory.eightbit.AUTO_32BIT_VALUES`
-            values (BERT's, ModernBERT's word embeddings) and quantises larger ones (128k-250k-token
-            vocabularies, where 32-bit state would cost 0.7-1.4 GiB more), ``stable_embedding`` swaps the
-            input embeddings for ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm
-            added, 32-bit state; refused for a family's own embedding class, e.g. Gemma3's scaled one),
-            ``8bit`` quantises them like the rest. Other optimizers ignore it (``stable_embedding`` still swaps).
+        embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) treats the
+            embedding matrices (`lit_memory.eightbit.unquantised`): ``32bit`` keeps their state unquantised
+            in fp32 (bitsandbytes' per-parameter override; `lit_memory.lowbit.keep_plain_state` for torchao),
+            ``unquantized`` in the parameters' own dtype (torchao: bf16 state for bf16 weights, as its own
+            pure-bf16 training has it; bitsandbytes: as ``32bit``), ``auto`` (the default) as ``32bit`` for
+            matrices up to `lit_memory.eightbit.AUTO_32BIT_VALUES` values (BERT's, ModernBERT's word
+            embeddings) and quantises larger ones (128k-250k-token vocabularies, where 32-bit state would
+            cost 0.7-1.4 GiB more), ``stable_embedding`` swaps the input embeddings for
+            ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm added, 32-bit state;
+            refused for a family's own embedding class, e.g. Gemma3's scaled one), ``8bit`` quantises them
+            like the rest (torchao: at its own bits). Other optimizers ignore it (``stable_embedding`` still swaps).
         lora: LoRA adapters (peft); the rest of the model is frozen, the head parts a fine-tune
             initialises (classifier, pooler, score: `lit_memory.anatomy.Anatomy.head`) train in full,
             and the adapters are merged before export. Its ``target_modules`` default to the family's
@@ -244,8 +250,11 @@ class SequenceClassifier(L.LightningModule):
         """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
         state = self.hparams.embedding_optimizer_state
-        if is_bitsandbytes(optimizer) and state in ("32bit", "auto"):
-            keep_embeddings_32bit(Anatomy.of(self.model).embeddings, optimizer, every=state == "32bit")
+        kept = [e for e in unquantised(state, Anatomy.of(self.model).embeddings) if e.weight.requires_grad]
+        if kept and is_bitsandbytes(optimizer):
+            keep_embeddings_32bit(kept, optimizer)
+        elif kept and is_torchao(optimizer):
+            keep_plain_state(optimizer, [e.weight for e in kept], unquantised_dtype(state))
         return optimizer
 
     def configure_optimizers(self):

@@ -69,6 +69,19 @@ def expand_recipes(argv: list[str]) -> list[str]:
     return out
 
 
+def shipped_settings() -> list[tuple[str, dict[str, Any]]]:
+    """Every shipped recipe as (``recipes/<file>``, its settings as dotted ``section.key`` values): what the
+    out-of-memory advice lays over a run's own settings. Read as plain YAML (safe_load: data only)."""
+    import yaml
+
+    found = []
+    for name in names():
+        tree = yaml.safe_load(recipe_path(name).read_text(encoding="utf-8")) or {}
+        values = {f"{section}.{key}": value for section, block in tree.items() for key, value in (block or {}).items()}
+        found.append((f"recipes/{name}.yaml", values))
+    return found
+
+
 def header(path: Path) -> dict[str, str]:
     """The ``# key: value`` lines at the top of a recipe (the first one is ``# <name>: description``)."""
     fields = {}

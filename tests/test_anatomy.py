@@ -27,9 +27,10 @@ from lit_memory.data import load_tokenizer
 from lit_memory.errors import UserError
 from lit_memory.fused import OptimizerInBackward, group_parameters
 from lit_memory.lora import LoRA, family_targets
-from lit_memory.memory.setup import Setup
+from lit_memory.memory.device import Target
+from lit_memory.memory.predict import simulate_or_decline
+from lit_memory.memory.step import OptimizerSpec, Step
 from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, freeze_modules, weight_decay_groups
-from lit_memory.tools.estimate import simulate_or_decline
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on two shared cores
 FAMILIES = list(fam.FAMILIES)
@@ -319,11 +320,11 @@ def test_auto_keeps_small_embeddings_on_32bit_state_and_quantises_large_ones(fol
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_simulation_runs_or_declines_in_one_line(folders, family):
-    setup = Setup(
-        model={"model_name_or_path": str(folders[family]), "num_labels": 2}, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-        batch_size=2, max_length=8, device="cpu",
+    described = Step(
+        model={"model_name_or_path": str(folders[family]), "num_labels": 2}, optimizer=OptimizerSpec("torch.optim.AdamW", {"lr": 1e-3}),
+        batch_size=2, max_length=8, target=Target(type="cpu"),
     )
-    prediction, declined = simulate_or_decline(setup)
+    prediction, declined = simulate_or_decline(described)
     if family in SIMULATION_DECLINES:
         assert prediction is None and "\n" not in declined and declined.startswith("not simulated:")
     else:

@@ -19,7 +19,13 @@ LAYERS = {
     "tools": 5,  # estimate, plan, bench, peer, recipe commands, out-of-memory advice
     "entry": 6,  # python -m lit_memory
 }
-PREDICT = {"lit_memory.memory.setup", "lit_memory.memory.analytic", "lit_memory.memory.simulate"}
+PREDICT = {
+    "lit_memory.memory.step",
+    "lit_memory.memory.analytic",
+    "lit_memory.memory.simulate",
+    "lit_memory.memory.predict",
+    "lit_memory.memory.choose",
+}
 CONFIG = {"lit_memory.trust", "lit_memory.recipes", "lit_memory.cli"}
 
 

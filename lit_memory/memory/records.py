@@ -16,7 +16,7 @@ from lit_memory import files
 from lit_memory.memory.footprint import Footprint, format_bytes
 
 MEMORY_JSON = "memory.json"
-MEMORY_SCHEMA = 2
+MEMORY_SCHEMA = 3  # 3: predictions at three levels (reserved_bytes, device_bytes), measured CUDA device peak
 BENCH_JSON = "bench.json"
 METHODS = ("analytic", "simulated")
 
@@ -98,9 +98,10 @@ def peak_summary(run_dir: Path) -> Optional[str]:
         return None
     cuda, tracked, process = measured.get("cuda"), measured.get("tracked"), measured.get("process")
     if cuda:
+        device = f", {format_bytes(cuda['max_device_bytes'])} device" if cuda.get("max_device_bytes") else ""
         return (
             f"{format_bytes(cuda['max_allocated_bytes'])} allocated, "
-            f"{format_bytes(cuda['max_reserved_bytes'])} reserved (CUDA)"
+            f"{format_bytes(cuda['max_reserved_bytes'])} reserved{device} (CUDA)"
         )
     parts = []
     if tracked:

@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 from lit_memory import files
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.setup import is_fused, normalize_precision
+from lit_memory.memory.step import is_fused, normalize_precision
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import checkpoint_policy
 from lit_memory.monitor import clock

@@ -36,6 +36,63 @@ def list_recipes() -> None:
     print("\nrun one: python -m lit_memory fit --recipe NAME    read one: python -m lit_memory recipes show NAME")
 
 
+# -- the predicted line of every shipped recipe's header ------------------------------------------------
+
+PREDICTED = "# predicted: "
+HEADER_MODEL = "configs/bert-large.yaml"
+
+
+def predicted_line(path: Path) -> str:
+    """The header line a shipped recipe states its predicted memory in: BERT-large (``configs/bert-large.yaml``)
+    with the recipe's own batch and length, analytic, at three levels, for the documented default GPU."""
+    from lit_memory.memory.analytic import analytic
+    from lit_memory.memory.device import Target
+    from lit_memory.memory.step import Step
+
+    # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
+    model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
+    run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"])
+    step = Step.from_settings(run.settings.as_dict(), Target())
+    footprint = analytic(step).footprint
+    return (
+        f"{PREDICTED}BERT-large {step.batch_size} x {step.max_length}"
+        + (f" x {step.accumulate_grad_batches} accumulated" if step.accumulate_grad_batches > 1 else "")
+        + f" ({HEADER_MODEL}) on {step.target.gpu.name}: "
+        f"tensors {format_bytes(footprint.peak)}, reserved {format_bytes(footprint.reserved)}, device "
+        f"{format_bytes(footprint.device)} (python -m lit_memory recipes headers)"
+    )
+
+
+def with_predicted_line(text: str, line: str) -> str:
+    """``text`` with its header's predicted line replaced by ``line`` (added after ``# shrinks:`` if missing)."""
+    lines = text.splitlines()
+    header_end = next((i for i, l in enumerate(lines) if not l.startswith("#")), len(lines))
+    found = [i for i in range(header_end) if lines[i].startswith(PREDICTED)]
+    if found:
+        lines[found[0]] = line
+    else:
+        after = next((i for i in range(header_end) if lines[i].startswith("# shrinks:")), header_end - 1)
+        lines.insert(after + 1, line)
+    return "\n".join(lines) + "\n"
+
+
+def headers(check: bool) -> None:
+    """Write (or with ``check``, compare) each shipped recipe's predicted line."""
+    folder = recipes_dir()
+    stale = []
+    for name in names():
+        path = folder / f"{name}.yaml"
+        text = path.read_text(encoding="utf-8")
+        updated = with_predicted_line(text, predicted_line(path))
+        print(f"{name}: {updated.splitlines()[[l.startswith(PREDICTED) for l in updated.splitlines()].index(True)][len(PREDICTED):]}")
+        if updated != text:
+            stale.append(name)
+            if not check:
+                files.write_text(path, updated)
+    if check and stale:
+        raise UserError(f"recipe headers out of date: {', '.join(stale)} (run: python -m lit_memory recipes headers)")
+
+
 def check(path: Path, trusted: bool) -> None:
     """Resolve a recipe exactly as ``fit --config FILE`` would (`lit_memory.cli.resolve`), build and
     run nothing, and report every refused import and value with its key, what a run would refuse later
@@ -191,10 +248,14 @@ def main(argv: list[str]) -> None:
     check_ = commands.add_parser("check", help="validate a recipe file without running it")
     check_.add_argument("file", type=Path)
     check_.add_argument(TRUST_FLAG, dest="trusted", action="store_true", help="parse it even if it names other code")
+    headers_ = commands.add_parser("headers", help="write each shipped recipe's predicted memory into its header")
+    headers_.add_argument("--check", action="store_true", help="only compare, and fail on a stale header")
     args = parser.parse_args(argv)
     if args.command == "show":
         print(recipe_path(args.name).read_text(encoding="utf-8"), end="")
     elif args.command == "check":
         check(args.file, args.trusted)
+    elif args.command == "headers":
+        headers(args.check)
     else:
         list_recipes()
