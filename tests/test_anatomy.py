@@ -318,6 +318,38 @@ def test_auto_keeps_small_embeddings_on_32bit_state_and_quantises_large_ones(fol
     assert optimizer.state[embeddings.position_embeddings.weight]["state1"].dtype == torch.float32
 
 
+@pytest.mark.parametrize(
+    "state, kept",
+    [("auto", {"position", "token_type"}), ("32bit", {"word", "position", "token_type"}),
+     ("unquantized", {"word", "position", "token_type"}), ("8bit", set())],
+)
+def test_one_embedding_state_setting_picks_the_same_matrices_under_both_low_bit_libraries(folders, monkeypatch, state, kept):
+    """``embedding_optimizer_state`` (`lit_memory.eightbit.unquantised`): the matrices that keep unquantised
+    state are the same for bitsandbytes (its per-parameter 32-bit override) and torchao (plain state tensors,
+    `lit_memory.lowbit.keep_plain_state`: fp32 here, the weights' dtype). Scaled down as above: the word
+    embedding (9600 values) is above a 9000-value bound, the position (8192) and token type (64) ones below."""
+    import bitsandbytes as bnb
+    from torchao.optim import AdamW8bit
+
+    monkeypatch.setattr(eightbit, "AUTO_32BIT_VALUES", 9000)
+    for factory in (bnb.optim.AdamW8bit, AdamW8bit):
+        built = SequenceClassifier(
+            model_name_or_path=str(folders["bert"]), pretrained=False, config_overrides={"max_position_embeddings": 256},
+            embedding_optimizer_state=state, optimizer=functools.partial(factory, lr=1e-3),
+        )
+        built.configure_model()
+        optimizer = built.build_optimizer()
+        embeddings = built.model.bert.embeddings
+        named = {n: getattr(embeddings, f"{n}_embeddings").weight for n in ("word", "position", "token_type")}
+        if factory is AdamW8bit:
+            plain = getattr(optimizer, "plain_state", {})
+            assert {n for n, p in named.items() if id(p) in plain} == kept, factory
+            assert all(plain[id(named[n])] == 4 for n in kept)  # fp32 weights: fp32 state either way
+        else:
+            override = {n for n, p in named.items() if optimizer.mng.pid2config.get(id(p), {}).get("optim_bits") == 32}
+            assert override == kept, factory
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_simulation_runs_or_declines_in_one_line(folders, family):
     described = Step(
