@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lit_memory import files
 from lit_memory.errors import UserError
 
 PREFIX = "bundled:"
@@ -127,4 +128,4 @@ def write_byte_tokenizer(
     config = Path(folder) / "tokenizer_config.json"
     settings = json.loads(config.read_text(encoding="utf-8"))
     settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    files.write_text(config, json.dumps(settings, indent=2, sort_keys=True) + "\n")
