@@ -32,6 +32,7 @@ from functools import partial
 
 import torch
 
+from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.model import SequenceClassifier
 
@@ -49,7 +50,7 @@ def build(variant: dict, args: argparse.Namespace) -> tuple[SequenceClassifier, 
         module.optimizer_factory = partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01)
     module.configure_model()
     # the fused step (layer buckets), as fused.yaml and 4gb.yaml train
-    fused = OptimizerInBackward(module.build_optimizer(), module.model, clipping=Clipping(max_norm=clip) if clip else None)
+    fused = OptimizerInBackward(module.build_optimizer(), parameter_units(module.model), clipping=Clipping(max_norm=clip) if clip else None)
     return module, fused
 
 

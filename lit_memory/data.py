@@ -8,6 +8,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Literal, Optional
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-from lit_memory import bundled
+from lit_memory import bundled, guard
 from lit_memory.errors import UserError
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
@@ -297,8 +298,27 @@ def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_
 
 
 def load_tokenizer(name_or_path: str):
+    """The tokenizer, padding on the right with its EOS token where it has no pad token (GPT-2's, Llama's):
+    the one place that decides what batches are padded with (the model's config follows it: `pad_token_id`)."""
     path = bundled.resolve_model(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = guard.call(AutoTokenizer.from_pretrained, f"tokenizer {name_or_path!r}", path)
     except OSError as err:
         raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(
+                f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token to pad batches with: "
+                "give it one (its tokenizer_config.json: pad_token) or use model.tokenizer_name_or_path"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    # Right: every family's classifier reads the right token either way (a decoder's, the last that is not
+    # padding), but left padding would shift absolute position embeddings (GPT-2's) without position ids.
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=32)
+def pad_token_id(name_or_path: str) -> int:
+    """The id `load_tokenizer` pads with (cached: every module built for the same tokenizer asks)."""
+    return load_tokenizer(name_or_path).pad_token_id

@@ -32,14 +32,8 @@ from torch.optim import Optimizer
 
 from lit_memory import fused
 from lit_memory.errors import UserError
-from lit_memory.fused import DEFAULT_BUCKET, Bucket, BucketHooks, Clipping, OptimizerInBackward, parse_bucket
-from lit_memory.strategies import _AcceleratorDevice, hugging_face_models, shard
-
-FABRIC_CLIPPING = (
-    "fabric.clip_gradients runs after backward, when the fused step has already applied and freed every "
-    "gradient: give the fused strategy (or fsdp_overlap_step_with_backward) max_norm or clip_val instead, "
-    "which clip inside backward with the same results"
-)
+from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, SHARD_STATE, Bucket, BucketHooks, Clipping
+from lit_memory.strategies import FusedStep, _AcceleratorDevice, hugging_face_models, shard
 UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
     "add it to one, or set its requires_grad to False"
@@ -60,10 +54,6 @@ STALE_OPTIMIZER = (
     "FusedFabricFSDPStrategy shards the model's parameters when it sets the model up, so this optimizer holds "
     "parameters the model no longer has: set the model up first (fabric.setup_module), then create the optimizer "
     "over its parameters and set that up (fabric.setup_optimizers)"
-)
-SHARD_STATE = (
-    "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
-    "checkpoints cannot hold it: save and load the model without its optimizer"
 )
 
 
@@ -277,20 +267,16 @@ class _Arrival:
 # -- strategies ------------------------------------------------------------------------------------
 
 
-class _FusedFabricStep:
+class _FusedFabricStep(FusedStep):
     """For a Fabric strategy: the one optimizer set up with the module is stepped inside backward, and
     clipped there."""
 
-    fused_step = True
-    bucket = DEFAULT_BUCKET
     clipping: Optional[Clipping] = None
-    total_norm: Optional[torch.Tensor] = None  # the last backward's gradient norm before clipping (by norm)
     _module: Optional[nn.Module] = None
-    _fused: Optional[OptimizerInBackward] = None
 
-    def _set_fusion(self, bucket: str, max_norm: Optional[float], norm_type: float, clip_val: Optional[float]) -> None:
-        parse_bucket(bucket)  # a bad setting is one line when the strategy is built
-        self.bucket, self.clipping = bucket, _clipping(max_norm, norm_type, clip_val)
+    def _set_clipped_fusion(self, bucket: str, max_norm: Optional[float], norm_type: float, clip_val: Optional[float]) -> None:
+        self._set_fusion(True, bucket)
+        self.clipping = _clipping(max_norm, norm_type, clip_val)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._module = module = super().setup_module(module)
@@ -299,18 +285,17 @@ class _FusedFabricStep:
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._fused is not None:
             raise UserError(fused.SEVERAL)
-        if getattr(self.precision, "scaler", None) is not None:
+        if getattr(self.precision, "scaler", None) is not None:  # before Fabric wraps the optimizer
             raise UserError(fused.SCALER)
         optimizer = super().setup_optimizer(optimizer)
-        self._fused = OptimizerInBackward(optimizer, self._module, self.bucket, self.clipping)
+        self._fuse(optimizer, self._module, self.clipping, self.precision)
         return optimizer
 
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         if self._fused is None:
             return super().backward(tensor, module, *args, **kwargs)
-        self._fused.refresh()  # parameters unfrozen or added since get their hooks
         run = super().backward
-        self.total_norm = self._fused.backward(lambda **kw: run(tensor, module, *args, **kw), **kwargs)
+        self._fused_backward(lambda **kw: run(tensor, module, *args, **kw), **kwargs)
 
     def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise UserError(FABRIC_CLIPPING)
@@ -319,9 +304,7 @@ class _FusedFabricStep:
         raise UserError(FABRIC_CLIPPING)
 
     def teardown(self) -> None:
-        if self._fused is not None:
-            self._fused.remove()
-            self._fused = None
+        self._unfuse()
         self._module = None
         super().teardown()
 
@@ -356,7 +339,7 @@ class FusedFabricStrategy(_FusedFabricStep, _AcceleratorDevice, SingleDeviceStra
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
     ) -> None:
-        self._set_fusion(bucket, max_norm, norm_type, clip_val)
+        self._set_clipped_fusion(bucket, max_norm, norm_type, clip_val)
         super().__init__(device or "cpu", accelerator, checkpoint_io, precision)
         self._device_given = device is not None
 
@@ -392,7 +375,7 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
-        self._set_fusion(bucket, max_norm, norm_type, clip_val)
+        self._set_clipped_fusion(bucket, max_norm, norm_type, clip_val)
         super().__init__(
             parallelize_fn=_shard_hugging_face,
             save_distributed_checkpoint=save_distributed_checkpoint,

@@ -7,9 +7,9 @@ asks for them), when backward has accumulated the last of their gradients; then 
 freed. So at most about one bucket's gradients are alive, and the host makes one optimizer call per
 bucket instead of one per parameter. The ``bucket`` setting (`parse_bucket`):
 
-- ``layer`` (the default): each transformer layer of a Hugging Face model is a bucket; every other
-  parameter is bucketed with the module that holds it (the word embeddings, the position embeddings,
-  the embeddings' LayerNorm, the pooler, the classifier: each its own bucket);
+- ``layer`` (the default): each unit the caller gives is a bucket; the strategies give each
+  transformer layer as a unit, and every other module's own parameters as one (the word embeddings,
+  the position embeddings, the embeddings' LayerNorm, the pooler, the classifier: each its own bucket);
 - ``"N MiB"``: consecutive parameters, in the order backward produces their gradients (the model's
   parameter order reversed), up to N MiB of gradients per bucket;
 - ``param``: one bucket per parameter.
@@ -19,8 +19,10 @@ Two layers:
 - `BucketHooks(buckets)`: the hooks. Each `Bucket` is an optimizer and the parameters it waits for;
   a bucket is stepped when its last gradient arrives, and at the end of every backward any bucket
   still waiting (a parameter that got no gradient this time) is stepped with the gradients it has.
-- `OptimizerInBackward(optimizer, module, bucket)`: the optimizer the user configured, stepped
-  inside backward through buckets whose optimizers are copies of it. Everyone else (Lightning,
+- `OptimizerInBackward(optimizer, units, bucket)`: the optimizer the user configured, stepped
+  inside backward through buckets whose optimizers are copies of it. ``units`` are the parameters
+  that form one ``layer`` bucket each, in the model's order: the caller knows the model and gives
+  them (`lit_memory.anatomy.parameter_units`); this module knows nothing of Hugging Face. Everyone else (Lightning,
   Fabric, LR schedulers, checkpoints) keeps talking to the original:
 
   - hyper-parameters: before each step a bucket's optimizer takes its groups' current values from
@@ -44,7 +46,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -88,18 +90,44 @@ SEVERAL = (
     "(parameter groups for different settings) or remove the fused strategy"
 )
 
-DEFAULT_BUCKET = "layer"
+FABRIC_CLIPPING = (
+    "fabric.clip_gradients runs after backward, when the fused step has already applied and freed every "
+    "gradient: give the fused strategy (or fsdp_overlap_step_with_backward) max_norm or clip_val instead, "
+    "which clip inside backward with the same results"
+)
+SHARD_STATE = (
+    "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
+    "checkpoints cannot hold it: this checkpoint has the model and the trainer's state but no optimizer state, "
+    "and cannot resume training (load its weights with ckpt_path in validate/test, or export hf_model)"
+)
+
+DEFAULT_BUCKET = "layer"  # the setting as written (strategies' signatures and YAML show it as text)
 _MIB = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*MiB\s*")
 
 
-def parse_bucket(setting: Any) -> Union[str, int]:
-    """``layer`` or ``param`` as given, or ``"N MiB"`` as bytes; anything else is one `UserError` line."""
-    if setting in ("layer", "param"):
+@dataclass(frozen=True)
+class Bucketing:
+    """The ``bucket`` setting, parsed (`parse_bucket`): ``layer``, ``param``, or ``size`` (``size_bytes``
+    of gradients at most per bucket). ``str()`` gives the setting back as written."""
+
+    kind: Literal["layer", "param", "size"]
+    size_bytes: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.size_bytes / 2**20:g} MiB" if self.kind == "size" else self.kind
+
+
+def parse_bucket(setting: Any) -> Bucketing:
+    """``layer``, ``param`` or ``"N MiB"`` as a `Bucketing` (one given is returned as it is); anything
+    else is one `UserError` line. Strategies parse their setting once and pass the value down."""
+    if isinstance(setting, Bucketing):
         return setting
+    if setting in ("layer", "param"):
+        return Bucketing(setting)
     match = _MIB.fullmatch(setting) if isinstance(setting, str) else None
     if match is None or float(match.group(1)) <= 0:
         raise UserError(f"bucket must be layer, param or a size such as '25 MiB', got {setting!r}")
-    return int(float(match.group(1)) * 2**20)
+    return Bucketing("size", int(float(match.group(1)) * 2**20))
 
 
 @dataclass(eq=False)
@@ -333,26 +361,28 @@ class OptimizerInBackward:
     """Step ``optimizer`` bucket by bucket inside backward; `remove` restores normal stepping.
 
     ``optimizer`` stays the one that Lightning, LR schedulers and checkpoints use; its buckets step
-    copies of it (`copy_bucket`). ``module`` (the model, or the LightningModule holding it) is where
-    ``layer`` buckets find the transformer layers; parameters it does not hold are one bucket each.
+    copies of it (`copy_bucket`). ``units``: the model's parameters in the units a ``layer`` bucket
+    steps together, in the model's parameter order (`lit_memory.anatomy.parameter_units`: each
+    transformer layer, each other module's own parameters); parameters in no unit are one bucket each.
+    ``bucket``: a `Bucketing` or the setting as written (`parse_bucket`).
     ``clipping``: see `Clipping`; by norm, run backward through `backward`.
     """
 
     def __init__(
         self,
         optimizer: Optimizer,
-        module: Optional[nn.Module] = None,
-        bucket: str = DEFAULT_BUCKET,
+        units: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+        bucket: Any = DEFAULT_BUCKET,
         clipping: Optional[Clipping] = None,
     ) -> None:
-        parse_bucket(bucket)
-        self.optimizer, self.module, self.bucket, self.clipping = optimizer, module, bucket, clipping
+        self.optimizer, self.units, self.clipping = optimizer, list(units or ()), clipping
+        self.bucket = parse_bucket(bucket)
         self._fuse()
 
     def _fuse(self) -> None:
         self._trainable = self._signature()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        groups = group_parameters(params, self.module, self.bucket)
+        groups = group_parameters(params, self.units, self.bucket)
         self.hooks = BucketHooks([copy_bucket(self.optimizer, group) for group in groups], self.clipping)
 
     def _signature(self) -> tuple:
@@ -407,24 +437,28 @@ class OptimizerInBackward:
 # -- which parameters share a bucket ---------------------------------------------------------------
 
 
-def group_parameters(params: list[torch.Tensor], module: Optional[nn.Module], setting: str) -> list[list[torch.Tensor]]:
+def group_parameters(
+    params: list[torch.Tensor], units: Sequence[Sequence[torch.Tensor]], setting: Any
+) -> list[list[torch.Tensor]]:
     """``params`` split into buckets by ``setting`` (see the module docstring), in the order backward
-    produces their gradients: the module's parameter order reversed (parameters it does not hold last)."""
-    kind = parse_bucket(setting)
-    order = _gradient_order(params, module)
-    if kind == "param":
+    produces their gradients: the units' parameter order reversed (parameters in no unit last).
+    ``layer``: a bucket per unit; ``param``: per parameter; a size: consecutive parameters up to it."""
+    bucketing = parse_bucket(setting)
+    wanted = {id(p) for p in params}
+    ordered = [[p for p in reversed(unit) if id(p) in wanted] for unit in reversed(units)]
+    ordered = [unit for unit in ordered if unit]
+    seen = {id(p) for unit in ordered for p in unit}
+    ordered += [[p] for p in params if id(p) not in seen]
+    if bucketing.kind == "layer":
+        return ordered
+    order = [p for unit in ordered for p in unit]
+    if bucketing.kind == "param":
         return [[p] for p in order]
-    if kind == "layer":
-        keys = _layer_keys(module) if module is not None else {}
-        buckets: dict[int, list[torch.Tensor]] = {}
-        for p in order:
-            buckets.setdefault(keys.get(id(p), id(p)), []).append(p)
-        return list(buckets.values())
     sized: list[list[torch.Tensor]] = []
     size = 0
     for p in order:
         nbytes = gradient_bytes(p)
-        if sized and size + nbytes <= kind:
+        if sized and size + nbytes <= bucketing.size_bytes:
             sized[-1].append(p)
             size += nbytes
         else:
@@ -439,34 +473,6 @@ def gradient_bytes(param: torch.Tensor) -> int:
 
     local = param.to_local() if isinstance(param, DTensor) else param
     return local.numel() * local.element_size()
-
-
-def _gradient_order(params: list[torch.Tensor], module: Optional[nn.Module]) -> list[torch.Tensor]:
-    wanted = {id(p): p for p in params}
-    order = [p for p in reversed(list(module.parameters())) if id(p) in wanted] if module is not None else []
-    seen = {id(p) for p in order}
-    return order + [p for p in params if id(p) not in seen]
-
-
-def _layer_keys(module: nn.Module) -> dict[int, int]:
-    """id(parameter) -> its bucket: the transformer layer holding it, else the module holding it directly."""
-    from transformers import PreTrainedModel
-
-    from lit_memory.model import transformer_layers
-
-    keys: dict[int, int] = {}
-    for sub in module.modules():
-        if isinstance(sub, PreTrainedModel):
-            try:
-                layers = transformer_layers(sub)
-            except UserError:  # no stack of layers found: its modules are the buckets
-                continue
-            for layer in layers:
-                keys.update((id(p), id(layer)) for p in layer.parameters())
-    for sub in module.modules():
-        for p in sub.parameters(recurse=False):
-            keys.setdefault(id(p), id(sub))
-    return keys
 
 
 # -- a bucket of the configured optimizer ----------------------------------------------------------

@@ -15,7 +15,7 @@ runs one ``torch.compile``'d kernel per parameter, compiled once per parameter s
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -30,6 +30,35 @@ def is_torchao(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is one of torchao's Adam variants (loaded if it is one)."""
     module = sys.modules.get("torchao.optim.adam")
     return module is not None and isinstance(optimizer, module._AdamBase)
+
+
+def keep_plain_state(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], dtype: Optional[torch.dtype] = torch.float32
+) -> None:
+    """Keep these parameters' state unquantised, in ``dtype`` (None: the parameter's): torchao quantises every state tensor of
+    4096 values or more, with no per-parameter override of its own. This is bitsandbytes' advice for NLP
+    models (32-bit state for the embedding matrices: rare tokens get rare, small updates) made for torchao,
+    and it keeps the compiled step's buffers off the largest tensor (`lit_memory.memory.analytic.torchao_kernel_bytes`).
+
+    It replaces the instance's ``_new_buffer`` (private torchao API: checked by tests/test_lowbit.py), where
+    torchao creates each state tensor; fused-step bucket copies share the instance's attributes, so theirs too.
+    The ids and the bytes per value are kept on the optimizer (``plain_state``) for the memory model."""
+    from torch.distributed.tensor import DTensor
+
+    plain = {id(p): (dtype or p.dtype).itemsize for p in params}
+    quantised = optimizer._new_buffer
+
+    def _new_buffer(p: torch.Tensor, signed: bool) -> torch.Tensor:
+        if id(p) not in plain:
+            return quantised(p, signed)
+        if isinstance(p, DTensor):
+            local = torch.zeros_like(p.to_local(), dtype=dtype or p.dtype)
+            out = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            return out.cpu() if p.device.type == "cpu" else out
+        return torch.zeros_like(p, dtype=dtype or p.dtype)
+
+    optimizer._new_buffer = _new_buffer
+    optimizer.plain_state = {**getattr(optimizer, "plain_state", {}), **plain}
 
 
 def check_settings(optimizer: Any, precision: Any, on_gpu: bool) -> None:

@@ -23,12 +23,22 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled
+from lit_memory import bundled, files, guard
 from lit_memory.activations import OffloadActivations, checkpoint_kwargs
-from lit_memory.data import load_tokenizer
-from lit_memory.eightbit import EmbeddingState, is_bitsandbytes, keep_embeddings_32bit, swap_stable_embedding
+from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
+from lit_memory.data import load_tokenizer, pad_token_id
+from lit_memory.eightbit import (
+    EmbeddingState,
+    check_stable_embedding,
+    is_bitsandbytes,
+    keep_embeddings_32bit,
+    swap_stable_embedding,
+    unquantised,
+    unquantised_dtype,
+)
 from lit_memory.errors import UserError
-from lit_memory.lora import LoRA, apply_lora, is_lora
+from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
+from lit_memory.lowbit import is_torchao, keep_plain_state
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +81,21 @@ class SequenceClassifier(L.LightningModule):
             weight decay 0.01, by default: `DEFAULT_OPTIMIZER`, in Python and on the command line alike;
             bitsandbytes' 8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
             weights are put in a group without weight decay.
-        embedding_optimizer_state: how a bitsandbytes 8-bit optimizer treats the embedding
-            matrices: ``32bit`` keeps them on 32-bit state (bitsandbytes' per-parameter override),
-            ``stable_embedding`` swaps the input embeddings for ``bitsandbytes.nn.StableEmbedding``
-            (pretrained vectors kept, a LayerNorm added, 32-bit state), ``8bit`` quantises them
-            like the rest. Other optimizers ignore it (``stable_embedding`` still swaps).
-        lora: LoRA adapters (peft) on the given linear layers; the rest of the encoder is frozen,
-            the classifier head trains in full, and the adapters are merged before export.
+        embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) treats the
+            embedding matrices (`lit_memory.eightbit.unquantised`): ``32bit`` keeps their state unquantised
+            in fp32 (bitsandbytes' per-parameter override; `lit_memory.lowbit.keep_plain_state` for torchao),
+            ``unquantized`` in the parameters' own dtype (torchao: bf16 state for bf16 weights, as its own
+            pure-bf16 training has it; bitsandbytes: as ``32bit``), ``auto`` (the default) as ``32bit`` for
+            matrices up to `lit_memory.eightbit.AUTO_32BIT_VALUES` values (BERT's, ModernBERT's word
+            embeddings) and quantises larger ones (128k-250k-token vocabularies, where 32-bit state would
+            cost 0.7-1.4 GiB more), ``stable_embedding`` swaps the input embeddings for
+            ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm added, 32-bit state;
+            refused for a family's own embedding class, e.g. Gemma3's scaled one), ``8bit`` quantises them
+            like the rest (torchao: at its own bits). Other optimizers ignore it (``stable_embedding`` still swaps).
+        lora: LoRA adapters (peft); the rest of the model is frozen, the head parts a fine-tune
+            initialises (classifier, pooler, score: `lit_memory.anatomy.Anatomy.head`) train in full,
+            and the adapters are merged before export. Its ``target_modules`` default to the family's
+            (`lit_memory.lora.lora_targets`).
         lr_scheduler_type: a transformers schedule name (``linear`` is the HF Trainer's default),
             stepped every optimizer step. ``constant`` by default, as in Lightning when no scheduler
             is configured: one short epoch learns more with a flat rate (on the bundled subset,
@@ -101,7 +119,7 @@ class SequenceClassifier(L.LightningModule):
         offload_activations: bool = False,
         freeze: Freeze = None,
         optimizer: OptimizerCallable = default_optimizer,
-        embedding_optimizer_state: EmbeddingState = "32bit",
+        embedding_optimizer_state: EmbeddingState = "auto",
         lora: Optional[LoRA] = None,
         lr_scheduler_type: str = "constant",
         warmup_ratio: float = 0.0,
@@ -132,6 +150,14 @@ class SequenceClassifier(L.LightningModule):
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
         self.hf_config = load_config(model_name_or_path, num_labels, config_overrides)
         _check_freeze(freeze, self.hf_config.num_hidden_layers)
+        set_pad_token(self.hf_config, tokenizer_name_or_path or model_name_or_path)
+        if self.lora is not None or embedding_optimizer_state == "stable_embedding":
+            # Settings that name the model's parts, checked on a meta-device copy before anything is written.
+            parts = skeleton(self.hf_config)
+            if self.lora is not None:
+                lora_targets(parts, self.lora)
+            if embedding_optimizer_state == "stable_embedding":
+                check_stable_embedding(parts.word_embeddings)
         self.model: Optional[PreTrainedModel] = None
         metrics = {
             "acc": MulticlassAccuracy(num_labels, average="micro"),
@@ -159,8 +185,9 @@ class SequenceClassifier(L.LightningModule):
             path = bundled.resolve_model(self.hparams.model_name_or_path)
             try:
                 with quiet_transformers():  # its loading report: said below in our own words
-                    model, loading = AutoModelForSequenceClassification.from_pretrained(
-                        path, config=self.hf_config, output_loading_info=True
+                    model, loading = guard.call(
+                        AutoModelForSequenceClassification.from_pretrained, repr(self.hparams.model_name_or_path),
+                        path, config=self.hf_config, output_loading_info=True,
                     )
             except pickle.UnpicklingError as err:  # transformers loads pickled weights with weights_only=True
                 raise UserError(
@@ -171,18 +198,21 @@ class SequenceClassifier(L.LightningModule):
         else:
             model = AutoModelForSequenceClassification.from_config(self.hf_config)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes
-        freeze_modules(model, self.hparams.freeze)
+        if hasattr(model.config, "use_cache"):
+            model.config.use_cache = False  # a classifier's training step has no use for a decoder's key/value cache
+        anatomy = Anatomy.of(model)
+        freeze_modules(model, self.hparams.freeze, anatomy)
         if self.hparams.embedding_optimizer_state == "stable_embedding":
             swap_stable_embedding(model)
         policy = checkpoint_policy(self.hparams.gradient_checkpointing)
         if policy is not None:
-            enable_gradient_checkpointing(model, policy)
+            enable_gradient_checkpointing(model, policy, anatomy.layers)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         if self.hparams.compile:
             # Regional: one graph per transformer layer, compiled once and reused by all of them. Each
             # layer's backward still hands its gradients over as it ends, so the fused step's bound holds.
-            for layer in transformer_layers(model):
+            for layer in anatomy.layers:
                 layer.compile()
         return model
 
@@ -219,8 +249,12 @@ class SequenceClassifier(L.LightningModule):
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
-        if is_bitsandbytes(optimizer) and self.hparams.embedding_optimizer_state == "32bit":
-            keep_embeddings_32bit(self.model, optimizer)
+        state = self.hparams.embedding_optimizer_state
+        kept = [e for e in unquantised(state, Anatomy.of(self.model).embeddings) if e.weight.requires_grad]
+        if kept and is_bitsandbytes(optimizer):
+            keep_embeddings_32bit(kept, optimizer)
+        elif kept and is_torchao(optimizer):
+            keep_plain_state(optimizer, [e.weight for e in kept], unquantised_dtype(state))
         return optimizer
 
     def configure_optimizers(self):
@@ -273,9 +307,9 @@ class SequenceClassifier(L.LightningModule):
         if names:
             model.config.id2label = dict(enumerate(names))
             model.config.label2id = {n: i for i, n in enumerate(names)}
-        with quiet_transformers():
-            model.save_pretrained(path, state_dict=state)
-            load_tokenizer(self.tokenizer_name_or_path).save_pretrained(path)
+        with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
+            model.save_pretrained(folder, state_dict=state)
+            load_tokenizer(self.tokenizer_name_or_path).save_pretrained(folder)
         rank_zero_info(f"saved the fine-tuned model to {path} (loads with AutoModelForSequenceClassification.from_pretrained)")
 
 
@@ -285,9 +319,24 @@ class SequenceClassifier(L.LightningModule):
 def load_config(name_or_path: str, num_labels: int, overrides: Optional[dict[str, Any]] = None):
     path = bundled.resolve_model(name_or_path)
     try:
-        return AutoConfig.from_pretrained(path, num_labels=num_labels, **(overrides or {}))
+        return guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
+
+
+def set_pad_token(config, tokenizer_name_or_path: str) -> None:
+    """A model without a pad token (most decoders: GPT-2, Llama, Qwen3) gets the tokenizer's, which is
+    its EOS where it has none either (`lit_memory.data.load_tokenizer`): the data is padded with it,
+    and a decoder's classifier finds each sequence's last token as the last one that is not it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "pad_token_id", None) is not None:
+        return
+    try:
+        pad = pad_token_id(tokenizer_name_or_path)
+    except UserError:  # no tokenizer (a config-only folder): the data module says so when it needs one
+        return
+    for part in {id(config): config, id(text): text}.values():
+        part.pad_token_id = pad
 
 
 def checkpoint_policy(value: Any) -> Optional[str]:
@@ -334,7 +383,10 @@ def report_loading(model: PreTrainedModel, loading: dict[str, Any]) -> None:
             rank_zero_warn(f"{len(keys)} weight(s) {what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") -> None:
+def enable_gradient_checkpointing(
+    model: PreTrainedModel, policy: str = "full", layers: Optional[nn.ModuleList] = None
+) -> None:
+    """Recompute each of ``layers`` (default: the model's, `lit_memory.anatomy.find_layers`) in backward."""
     # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
     # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).
     kwargs = checkpoint_kwargs(policy)
@@ -342,23 +394,20 @@ def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers switches every layer; the layers are ours to choose from (a per-layer plan sets this flag
+    # per layer: transformers' GradientCheckpointingLayer reads it at every call).
+    for layer in find_layers(model) if layers is None else layers:
+        if hasattr(layer, "gradient_checkpointing"):
+            layer.gradient_checkpointing = True
     # transformers also makes the embeddings' output require grad, which only reentrant checkpointing
     # needs; with it a frozen encoder would still run (and keep memory for) a backward of its own.
     model.disable_input_require_grads()
     model.config.use_cache = False  # nothing to cache in training; transformers warns at every forward otherwise
 
 
-def transformer_layers(model: PreTrainedModel) -> nn.ModuleList:
-    """The stack of transformer blocks: the ModuleList as long as ``num_hidden_layers``."""
-    n = model.config.num_hidden_layers
-    for module in model.base_model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n:
-            return module
-    raise UserError(f"cannot find the {n} transformer layers of {type(model).__name__}")
-
-
-def _embeddings(model: PreTrainedModel) -> nn.Module:
-    return getattr(model.base_model, "embeddings", None) or model.get_input_embeddings()
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks of a Hugging Face model (or the one a peft model wraps)."""
+    return find_layers(unwrap(model))
 
 
 def _check_freeze(freeze: Freeze, num_layers: int) -> None:
@@ -366,16 +415,17 @@ def _check_freeze(freeze: Freeze, num_layers: int) -> None:
         raise UserError(f"freeze={freeze} is outside 0..{num_layers} (the model's layers)")
 
 
-def freeze_modules(model: PreTrainedModel, freeze: Freeze) -> None:
-    """Set ``requires_grad=False`` on the chosen part of the encoder; the head keeps training."""
+def freeze_modules(model: PreTrainedModel, freeze: Freeze, anatomy: Optional[Anatomy] = None) -> None:
+    """Set ``requires_grad=False`` on the chosen part of the body; the head keeps training."""
     if freeze is None:
         return
+    anatomy = anatomy or Anatomy.of(model)
     if freeze == "body":
-        parts = [model.base_model]
+        parts = [anatomy.model.base_model]
     elif freeze == "embeddings":
-        parts = [_embeddings(model)]
+        parts = list(anatomy.embedding_modules)
     else:  # everything below layer N: frozen layers then need no backward at all
-        parts = [_embeddings(model), *transformer_layers(model)[:freeze]]
+        parts = [*anatomy.embedding_modules, *anatomy.layers[:freeze]]
     for part in parts:
         part.requires_grad_(False)
 

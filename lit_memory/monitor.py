@@ -1,11 +1,12 @@
 """Measure every run: memory (the `memory:` block of every fit) and step times.
 
 `MemoryMonitor` measures and records, nothing else: the first optimizer steps tensor by tensor
-(`lit_memory.memory.tracker.Tracker`, per category and phase), the CUDA allocator's peaks, the
-process's peak, on every rank; it writes ``memory.json`` and prints measured (and, if given,
-predicted) per category at the end. Predictions and out-of-memory advice are the tools' work: they
-reach a run through the monitor's ``predict`` and ``advise`` hooks (`lit_memory.cli.resolve` is
-given them by ``python -m lit_memory``), so the runtime never imports the tools.
+(`lit_memory.memory.tracker.Tracker`, per category and phase), on CUDA the three levels (the allocator's
+allocated and reserved peaks, and the device total ``nvidia-smi`` shows for the process), the process's
+peak, on every rank; it writes ``memory.json`` and prints measured (and, if given, predicted) per category
+and level at the end. Predictions and out-of-memory advice reach a run through the monitor's ``predict``
+and ``advise`` hooks (`lit_memory.cli` hands it those of `lit_memory.memory.predict`), so the runtime
+never imports the memory model.
 
 `StepTimer` is the one step timer: wall time of each optimizer step (bench, plan ``--measure``).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -24,10 +26,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_memory import files
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes, parse_bytes
-from lit_memory.memory.report import table
+from lit_memory.memory.report import Levels, table
 from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
 
 log = logging.getLogger(__name__)
@@ -115,7 +118,10 @@ class MemoryMonitor(L.Callback):
         if self._on_cuda(trainer):
             # The allocator's peaks are never reset here (a user's own readings stay theirs): the
             # run's peak is the highest reading, and its phase the one in which it last rose.
-            self.cuda = {"max_allocated_bytes": 0, "max_reserved_bytes": 0, "peak_phase": None}
+            self.cuda = {
+                "max_allocated_bytes": 0, "max_reserved_bytes": 0, "max_device_bytes": 0, "device_source": None,
+                "peak_phase": None,
+            }
         if self.predict is not None:
             self.predictions = self.predict(trainer, pl_module, self.simulate)
 
@@ -143,6 +149,11 @@ class MemoryMonitor(L.Callback):
         if allocated > self.cuda["max_allocated_bytes"]:
             self.cuda.update(max_allocated_bytes=allocated, peak_phase=self._phase)
         self.cuda["max_reserved_bytes"] = max(self.cuda["max_reserved_bytes"], torch.cuda.max_memory_reserved(device))
+        # The device level has no peak counter: read at every phase boundary. The allocator keeps what it
+        # reserved, so the process's footprint only grows, and the readings catch its peak.
+        used, source = device_memory_used(device)
+        if used is not None and used > self.cuda["max_device_bytes"]:
+            self.cuda.update(max_device_bytes=used, device_source=source)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx
@@ -271,9 +282,14 @@ class MemoryMonitor(L.Callback):
 
     @rank_zero_only
     def _print_table(self, trainer: L.Trainer, ranks: Optional[list]) -> None:
-        columns = dict(self.predictions)
+        columns: dict[str, Any] = dict(self.predictions)
         if self.measured.phases:
             columns["tracked tensors"] = self.measured
+        if self.cuda:
+            columns["cuda (measured)"] = Levels(
+                self.cuda["max_allocated_bytes"], self.cuda["max_reserved_bytes"], self.cuda["max_device_bytes"] or None,
+                self.cuda["peak_phase"],
+            )
         if not columns:
             return
         shape = f", batch {' x '.join(map(str, batch_shape(trainer)))} tokens" if batch_shape(trainer) else ""
@@ -287,8 +303,9 @@ class MemoryMonitor(L.Callback):
             )
         if self.cuda:
             lines.append(
-                f"  cuda allocator: max allocated {format_bytes(self.cuda['max_allocated_bytes'])} "
-                f"(in {self.cuda['peak_phase']}), max reserved {format_bytes(self.cuda['max_reserved_bytes'])}"
+                f"  cuda: max allocated {format_bytes(self.cuda['max_allocated_bytes'])} "
+                f"(in {self.cuda['peak_phase']}), max reserved {format_bytes(self.cuda['max_reserved_bytes'])}, "
+                f"device {format_bytes(self.cuda['max_device_bytes'] or None)} ({self.cuda['device_source']})"
             )
         for rank in ranks or []:
             tracked = rank["tracked"]["peak_bytes"] if rank["tracked"] else None
@@ -353,7 +370,28 @@ class StepTimer(L.Callback):
             "step_times_s": self.timed_times,
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
         }
-        (self.run_dir / self.FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        files.write_text(self.run_dir / self.FILE, json.dumps(record, indent=2) + "\n")
+
+
+def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:
+    """This process's memory on ``device`` as ``nvidia-smi`` shows it: NVML's per-process figure where
+    ``pynvml`` (nvidia-ml-py) is installed, else cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``:
+    the whole device's, other processes included). (None, None) when neither answers."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid() and process.usedGpuMemory:
+                return int(process.usedGpuMemory), "nvml (this process)"
+    except Exception:  # no pynvml, no NVML driver library, no permission: the device-wide reading below
+        pass
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except Exception:
+        return None, None
+    return int(total - free), "cudaMemGetInfo (whole device)"
 
 
 def batch_shape(trainer: L.Trainer) -> Optional[list[int]]:

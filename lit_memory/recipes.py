@@ -2,9 +2,9 @@
 
 A recipe is one YAML file for `LightningCLI`. The shipped ones live in the repo's `recipes/`
 and are installed with the package (``lit_memory/assets/recipes`` in the wheel), so
-``--recipe NAME`` works from anywhere. Every fit writes its fully resolved settings back out as
-``recipe.yaml`` in its run folder (`shared_recipe`): that file is what people share, and
-``python -m lit_memory recipes check FILE`` (`lit_memory.tools.recipes`) is how a receiver
+``--recipe NAME`` works from anywhere (`expand_recipes`). Every fit writes its fully resolved settings
+back out as ``recipe.yaml`` in its run folder (`SaveRecipe`, `shared_recipe`): that file is what people
+share, and ``python -m lit_memory recipes check FILE`` (`lit_memory.tools.recipes`) is how a receiver
 inspects one (`lit_memory.trust` says what is refused).
 """
 
@@ -14,6 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.cli import SaveConfigCallback
+
+from lit_memory import files, resume, trust
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 
@@ -24,6 +27,7 @@ SHARED_RECIPE = "recipe.yaml"  # written into every fit's run folder
 
 # Settings that belong to one run on one machine: blanked in the shared recipe.
 RUN_SPECIFIC = ("trainer.default_root_dir", "ckpt_path")
+RECIPE_FLAG = "--recipe"
 
 # -- the shipped recipes -----------------------------------------------------------------------
 
@@ -45,6 +49,37 @@ def recipe_path(name: str) -> Path:
     if not path.is_file():
         raise UserError(f"unknown recipe {name!r}; choose one of: {', '.join(names())} (or --config FILE)")
     return path
+
+
+def expand_recipes(argv: list[str]) -> list[str]:
+    """``--recipe NAME`` becomes ``--config <its file>`` where it stands, so it layers with the other
+    ``--config`` files and overrides in order (later sources win)."""
+    out: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == RECIPE_FLAG:
+            name = next(tokens, None)
+            if name is None:
+                raise UserError(f"{RECIPE_FLAG} needs a recipe name; choose one of: {', '.join(names())}")
+            out += ["--config", str(recipe_path(name))]
+        elif token.startswith(RECIPE_FLAG + "="):
+            out += ["--config", str(recipe_path(token.split("=", 1)[1]))]
+        else:
+            out.append(token)
+    return out
+
+
+def shipped_settings() -> list[tuple[str, dict[str, Any]]]:
+    """Every shipped recipe as (``recipes/<file>``, its settings as dotted ``section.key`` values): what the
+    out-of-memory advice lays over a run's own settings. Read as plain YAML (safe_load: data only)."""
+    import yaml
+
+    found = []
+    for name in names():
+        tree = yaml.safe_load(recipe_path(name).read_text(encoding="utf-8")) or {}
+        values = {f"{section}.{key}": value for section, block in tree.items() for key, value in (block or {}).items()}
+        found.append((f"recipes/{name}.yaml", values))
+    return found
 
 
 def header(path: Path) -> dict[str, str]:
@@ -79,6 +114,57 @@ def _tier_order(headers: dict[str, dict[str, str]]) -> list[str]:
 
 
 # -- the shared recipe written into every fit's run folder ------------------------------------
+
+
+class SaveRecipe(SaveConfigCallback):
+    """Lightning's ``config.yaml``, plus ``recipe.yaml`` after a fit: the same settings with a
+    header (command, machine, versions, measured peak), the run's own paths blanked and any value
+    that would need ``--trust-recipe`` made safe. Both are written whole and never through a link
+    (`lit_memory.files`). Checkpoints carry the settings a resume must match (`lit_memory.resume`)."""
+
+    def __init__(self, *args: Any, command: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.command = command
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # SaveConfigCallback.setup, writing config.yaml through lit_memory.files instead of jsonargparse's open().
+        self.run_dir = Path(trainer.log_dir)  # a collective: every rank asks, rank 0 writes
+        if self.already_saved:
+            return
+        path = self.run_dir / self.config_filename
+        if self.save_to_log_dir:
+            exists = trainer.strategy.broadcast(path.is_file() if trainer.is_global_zero else False)
+            if exists and not self.overwrite:
+                raise UserError(f"{path} exists: this run would overwrite another run's settings; use a new run folder")
+            if trainer.is_global_zero:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                files.write_text(path, self.parser.dump(self.config, skip_none=False))
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            self._write(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero:
+            self._write(trainer)  # again, now that the run has measured its memory
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        checkpoint[resume.RESUME_STATE] = resume.resume_settings(self.config)
+
+    def _write(self, trainer) -> None:
+        settings = trust.sanitize(self.config)
+        for key in RUN_SPECIFIC:
+            if key in settings:
+                settings[key] = None
+        text = shared_recipe(
+            self.parser.dump(settings, skip_none=False), self.command, describe_machine(trainer), self.run_dir
+        )
+        files.write_text(self.run_dir / SHARED_RECIPE, text)
+
 
 
 def shared_recipe(config_yaml: str, command: str, machine: str, run_dir: Path) -> str:

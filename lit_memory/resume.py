@@ -17,6 +17,10 @@ loops' progress (global step, epoch, batch index). What they lack, and this modu
 
 Exactness holds while nothing between the checkpoint and the next training step draws from the
 global random generators: the data module's loaders draw from generators of their own.
+
+Everything saved is tensors and plain data, so a run resumes from its own checkpoints under the
+untrusted rules (`lit_memory.guard`). `check_resume` refuses, with one line, resuming with settings
+other than the ones a checkpoint was made with (`RESUME_KEYS`, stored in it by the recipe callback).
 """
 
 from __future__ import annotations
@@ -28,11 +32,16 @@ from typing import Any, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
+import yaml
+from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lit_memory import guard
+from lit_memory.errors import UserError
 
 # The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32, so
 # long runs are saved several times an epoch and short ones (the bundled 4,000 samples) at their end.
@@ -209,3 +218,66 @@ def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Opt
     if enable_checkpointing is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(ResumeCheckpoint())
     return callbacks
+
+
+# -- resuming with the settings the checkpoint was made with ----------------------------------
+
+# Settings that decide what a checkpoint's state means: resuming with other values is refused.
+# Strategy is not among them (fused and unfused state have one format); how long to train is not either.
+RESUME_KEYS = (
+    "model.model_name_or_path", "model.num_labels", "model.pretrained", "model.config_overrides",
+    "model.freeze", "model.lora", "model.embedding_optimizer_state", "model.optimizer.class_path",
+    "trainer.precision", "trainer.accumulate_grad_batches",
+    "data.source", "data.text_column", "data.label_column", "data.label_names", "data.max_length",
+    "data.batch_size", "data.limit_train_samples", "data.seed",
+)
+RESUME_STATE = "lit_memory_settings"  # the checkpoint key holding them
+
+
+def resume_settings(settings: Namespace) -> dict[str, Any]:
+    """The `RESUME_KEYS` of one subcommand's settings, as plain data (checkpoints load weights-only)."""
+    out = {}
+    for key in RESUME_KEYS:
+        value = settings.get(key)
+        out[key] = value.as_dict() if isinstance(value, Namespace) else value
+    return out
+
+
+def check_resume(settings: Namespace, compare: bool = True) -> None:
+    """Refuse a checkpoint that cannot be read with ``weights_only=True`` and, when ``compare``, one made
+    with other settings, with one line naming the differences. Paths the trust checks refuse (remote,
+    Lightning's special names) are theirs to report."""
+    ckpt_path = settings.get("ckpt_path")
+    if ckpt_path is None or ckpt_path in guard.SPECIAL_CKPT or guard.is_remote(str(ckpt_path)):
+        return
+    path = Path(ckpt_path).expanduser()
+    if not path.exists():
+        return
+    saved = saved_settings(path)
+    if saved is None or not compare:
+        return  # a checkpoint from elsewhere, without our record: Lightning checks what it can
+    mine = resume_settings(settings)
+    differ = [k for k in RESUME_KEYS if k in saved and _canonical(saved[k]) != _canonical(mine[k])]
+    if differ:
+        details = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {mine[k]!r} here" for k in differ)
+        raise UserError(
+            f"checkpoint {ckpt_path} was made with other settings ({details}): resume with the settings it was "
+            "made with (its run folder's recipe.yaml) or start a new run without ckpt_path"
+        )
+
+
+def saved_settings(path: Path) -> Optional[dict[str, Any]]:
+    """The settings a checkpoint was made with, read with ``weights_only=True`` (a distributed
+    checkpoint folder keeps them in Lightning's ``meta.pt``)."""
+    file = path / "meta.pt" if path.is_dir() else path
+    if not file.is_file():
+        return None
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=not path.is_dir())
+    except Exception as err:
+        raise UserError(f"cannot load checkpoint {path} with weights_only=True: {guard.load_error(err)}") from None
+    return checkpoint.get(RESUME_STATE) if isinstance(checkpoint, dict) else None
+
+
+def _canonical(value: Any) -> Any:
+    return yaml.safe_dump(value, sort_keys=True)

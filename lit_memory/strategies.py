@@ -40,9 +40,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_memory import fused
+from lit_memory.anatomy import find_layers, parameter_units
+from lit_memory.anatomy import hugging_face_models as _hugging_face_models
 from lit_memory.errors import UserError
-from lit_memory.fused import DEFAULT_BUCKET, Clipping, OptimizerInBackward, parse_bucket
-from lit_memory.model import transformer_layers
+from lit_memory.fused import DEFAULT_BUCKET, SHARD_STATE, Bucketing, Clipping, OptimizerInBackward, parse_bucket
 
 
 class _AcceleratorDevice:
@@ -63,17 +64,41 @@ class _AcceleratorDevice:
         return torch.device(self.parallel_devices[0])
 
 
-class _FusedTrainerStep:
-    """For a Trainer strategy, when ``fused``: refuse what fusion cannot honour, then fuse the one optimizer."""
+class FusedStep:
+    """What every fused strategy does, Trainer's and Fabric's alike: the ``bucket`` setting parsed once,
+    the one optimizer fused over the module's parameter units (`lit_memory.anatomy.parameter_units`:
+    its transformer layers, found from the model), backward run as clipping needs, the refusals of
+    `lit_memory.fused`, and unfusing at teardown. Subclasses connect it to their framework's hooks."""
 
     fused_step = True
-    bucket = DEFAULT_BUCKET
+    bucket: Bucketing = parse_bucket(DEFAULT_BUCKET)
     total_norm: Optional[torch.Tensor] = None  # the last backward's gradient norm before clipping (by norm)
     _fused: Optional[OptimizerInBackward] = None
 
-    def _set_fusion(self, fused: bool, bucket: str) -> None:
-        parse_bucket(bucket)  # a bad setting is one line when the strategy is built
-        self.fused_step, self.bucket = fused, bucket
+    def _set_fusion(self, fused_step: bool, bucket: Any) -> None:
+        self.fused_step, self.bucket = fused_step, parse_bucket(bucket)  # a bad setting is one line when built
+
+    def _fuse(
+        self, optimizer: Optimizer, module: Optional[nn.Module], clipping: Optional[Clipping], precision: Any
+    ) -> None:
+        if getattr(precision, "scaler", None) is not None:
+            raise UserError(fused.SCALER)
+        units = parameter_units(module) if module is not None else None
+        self._fused = OptimizerInBackward(optimizer, units, self.bucket, clipping)
+
+    def _fused_backward(self, run: Any, **kwargs: Any) -> None:
+        """``run(**kwargs)`` is the framework's backward; the fused optimizer steps inside it."""
+        self._fused.refresh()  # parameters unfrozen or added since (BaseFinetuning) get their hooks
+        self.total_norm = self._fused.backward(run, **kwargs)
+
+    def _unfuse(self) -> None:
+        if self._fused is not None:
+            self._fused.remove()
+            self._fused = None
+
+
+class _FusedTrainerStep(FusedStep):
+    """For a Trainer strategy, when ``fused``: refuse what fusion cannot honour, then fuse the one optimizer."""
 
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
@@ -91,7 +116,7 @@ class _FusedTrainerStep:
             return
         _check_trainer(trainer, self.lightning_module, self.precision_plugin)  # callbacks the module added since
         self._unfuse()
-        self._fused = OptimizerInBackward(self.optimizers[0], self.lightning_module, self.bucket, _clipping(trainer))
+        self._fuse(self.optimizers[0], self.lightning_module, _clipping(trainer), self.precision_plugin)
         # Lightning clips after backward too (Precision._after_closure), when the gradients are clipped, applied
         # and gone: nothing to do, and torch's clip_grad_value_ fails on no gradients. Skipped until `_unfuse`.
         self.precision_plugin._clip_gradients = _clipped_in_backward
@@ -99,14 +124,13 @@ class _FusedTrainerStep:
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._fused is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._fused.refresh()  # parameters unfrozen or added since (BaseFinetuning) get their hooks
         # Lightning's Strategy.backward, with the fused backward run as the clipping needs (by norm: a first
         # backward that measures it) inside the on_before_backward/on_after_backward hooks, which run once.
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         module = self.lightning_module
         run = self.precision_plugin.backward
-        self.total_norm = self._fused.backward(lambda **kw: run(closure_loss, module, optimizer, *args, **kw), **kwargs)
+        self._fused_backward(lambda **kw: run(closure_loss, module, optimizer, *args, **kw), **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -116,10 +140,8 @@ class _FusedTrainerStep:
         super().teardown()
 
     def _unfuse(self) -> None:
-        if self._fused is not None:
-            self._fused.remove()
-            self._fused = None
-            vars(self.precision_plugin).pop("_clip_gradients", None)
+        super()._unfuse()
+        vars(self.precision_plugin).pop("_clip_gradients", None)
 
 
 def _clipped_in_backward(*args: Any, **kwargs: Any) -> None:
@@ -253,37 +275,24 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
 
 
 def shard(model: nn.Module, mesh: Any) -> None:
-    """FSDP2: each transformer layer, then the root (once; a second fit finds it sharded)."""
+    """FSDP2: each transformer layer (`lit_memory.anatomy.find_layers`), then the root (once; a second
+    fit finds it sharded)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(model, FSDPModule):
         return
-    for layer in transformer_layers(model):
+    for layer in find_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
 def hugging_face_models(module: nn.Module, strategy: str) -> list[nn.Module]:
-    """The outermost Hugging Face models in ``module`` (itself, or ones it holds), which ``strategy`` shards."""
-    from transformers import PreTrainedModel
-
-    # A peft model wraps the Hugging Face one (its adapters live inside the layers sharded with them).
-    models: list[nn.Module] = []
-    inside: set[int] = set()
-    for sub in module.modules():
-        if isinstance(sub, PreTrainedModel) and id(sub) not in inside:
-            models.append(sub)
-            inside.update(id(m) for m in sub.modules())
+    """The outermost Hugging Face models in ``module`` (itself, or ones it holds), which ``strategy`` shards.
+    A peft model wraps the Hugging Face one (its adapters live inside the layers sharded with them)."""
+    models = _hugging_face_models(module)
     if not models:
         raise UserError(f"{strategy} shards the Hugging Face models a module holds; {type(module).__name__} holds none")
     return models
-
-
-SHARD_STATE = (
-    "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
-    "checkpoints cannot hold it: this checkpoint has the model and the trainer's state but no optimizer state, "
-    "and cannot resume training (load its weights with ckpt_path in validate/test, or export hf_model)"
-)
 
 
 class FusedFSDPStrategy(FSDP2Strategy):

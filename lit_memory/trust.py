@@ -1,36 +1,44 @@
-"""What a recipe may make us run: imports by jsonargparse's allowlist, values by the checks below.
+"""The trust decision: what a run given files by someone else may make this process do.
 
-A recipe is a file someone sent. Parsing it may import the classes it names and building the run
-may load what its values point at, so two things are checked, once, on the one parsed config
-(`lit_memory.cli.resolve`), before any model, data or checkpoint is touched:
+A recipe, a config, a checkpoint or a run folder someone sent is not trusted; the command line the user
+types is. One `Decision` per run says which of the two the run's settings came from and whether the
+user passed ``--trust-recipe``; it is applied where things happen, in three places:
 
-- **imports**: jsonargparse's own import-path policy (`enforce_import_policy`) refuses, while it
-  parses, any class or callable outside `ALLOWLIST` (and where the object is really defined: a
-  re-export such as ``lightning.pytorch.cli.os.system`` is ``os.system``). Values typed ``Any``
-  stay plain data: jsonargparse does not instantiate class specs found there.
-- **values** (`refused_values`): settings that would run code from elsewhere: any
-  ``trust_remote_code`` (transformers imports Python files shipped with the model), ``weights_only``
-  other than true (unpickling runs code), a ``ckpt_path`` that is not a local file or folder (a URL
-  or another filesystem is fetched; a model registry downloads), and checkpoint folders whose
-  pickled metadata names anything but torch's checkpoint metadata types (`check_checkpoint`).
+- **imports**, while jsonargparse parses: its import-path policy (`enforce_import_policy`) refuses any
+  class or callable outside `ALLOWLIST` (and where the object is really defined: a re-export such as
+  ``lightning.pytorch.cli.os.system`` is ``os.system``); values typed ``Any`` stay plain data. Reading
+  configs from URLs or fsspec chains is off in every run (`remote_configs_off`): a nested config is a
+  local file or nothing.
+- **values**, on the parsed settings (`Decision.refusals`), after parsing and again after LightningCLI
+  merges a checkpoint's hyper-parameters: anything that would run code from elsewhere
+  (``trust_remote_code``, ``weights_only`` other than true, Hugging Face loading options), name a
+  remote location (a URL or fsspec chain anywhere), leave the choice of checkpoint to Lightning
+  (``ckpt_path: last/hpc/best`` from a file), or take the machine down (`BOUNDS`: worker and device
+  processes, checkpoint cadence and count). A value a parse of the command line alone produces is the
+  user's own and exempt (`typed_values`), not whole subtrees merged under a key they typed.
+- **sinks**, for everything loaded or written later by paths no parsed value shows: `lit_memory.guard`
+  (torch.load, torch's distributed-checkpoint reader, Lightning's checkpoint IO and the checkpoint it
+  picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.enforce`.
 
-The command line the user types is theirs: a value set there by a dotted override is trusted. Files
-(recipes, configs, a checkpoint's hyper-parameters) are not. ``--trust-recipe`` lifts both checks.
+``--trust-recipe`` lifts all of it. jsonargparse's settings and torch's switch are process-wide, so the
+decision is one per process: an untrusted process cannot later run a trusted command.
 """
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
+from jsonargparse import Namespace
+
+from lit_memory import guard
 from lit_memory.errors import UserError
 
-TRUST_FLAG = "--trust-recipe"
+TRUST_FLAG = guard.TRUST_FLAG
+HINT = guard.HINT
 # Import paths a recipe may name: optimizers, Lightning's own callbacks/loggers/strategies/plugins,
 # this package and peft. An entry allows itself and everything under it.
 ALLOWLIST = (
@@ -43,17 +51,20 @@ ALLOWLIST = (
     "lit_memory",
     "peft",
 )
-# Entry points inside allowed packages: a class spec naming one could start a nested run that
-# parses arguments of its own (including the trust flag). The most specific entry decides.
+# Inside allowed packages: entry points that would parse a command line of their own (including the
+# trust flag), and the guard's own machinery. The most specific entry decides.
 DENYLIST = (
     "lightning.pytorch.cli",
     "lightning.fabric.cli",
     "lit_memory.cli",
     "lit_memory.__main__",
     "lit_memory.trust",
+    "lit_memory.recipes.SaveRecipe",
+    "lit_memory.guard",
+    "lit_memory.files",
     "lit_memory.tools",
 )
-HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
+SPECIAL_CKPT = guard.SPECIAL_CKPT
 
 _enforced = False
 
@@ -80,8 +91,19 @@ def import_policy_enforced() -> bool:
     return _enforced
 
 
+def remote_configs_off() -> None:
+    """jsonargparse reads a config given by URL or fsspec chain (LightningCLI turns fsspec on when
+    imported): off, so ``check``, ``fit``, ``estimate`` and ``plan`` never fetch a nested config."""
+    import jsonargparse
+
+    jsonargparse.set_parsing_settings(config_read_mode_urls_enabled=False, config_read_mode_fsspec_enabled=False)
+
+
+# -- imports refused while parsing -------------------------------------------------------------
+
 _DENIED = re.compile(r"Importing '([\w.]+)' is not allowed")
 _KEY = re.compile(r'^(\s*)(?:- )?Parser key "([^"]+)"')
+_REMOTE_CONFIG = re.compile(r"Unable to load config ['\"]([^'\"]+)['\"]")
 
 
 def denied_imports(message: str) -> list[tuple[str, str, str]]:
@@ -107,136 +129,273 @@ def import_refusal(path: str, key: str) -> str:
     return f"refusing to import {path}{where}: outside the recipe allowlist ({', '.join(ALLOWLIST)}); {HINT}"
 
 
+def remote_config(message: str) -> Optional[str]:
+    """The URL or fsspec chain a parse error says could not be read as a config, if that is the error."""
+    for url in _REMOTE_CONFIG.findall(message):
+        if guard.is_remote(url):
+            return url
+    return None
+
+
+def remote_config_refusal(url: str) -> str:
+    return f"refusing to read the config {url}: configs are read from local files only (nothing is fetched); {HINT}"
+
+
 # -- values ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """A value that would make us run or unpickle code from elsewhere."""
+    """A value that would make us run or unpickle code from elsewhere, reach elsewhere, or overload the machine."""
 
     key: str
     value: Any
     reason: str
-    safe: Any = None  # what a shared recipe.yaml writes instead
+    safe: Any = None  # what a shared recipe.yaml writes instead (None: left as it is)
 
     def __str__(self) -> str:
         return f"refusing {self.key}={self.value!r}: {self.reason}; {HINT}"
 
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# Lightning's own names for checkpoints it finds itself; resolved with the Trainer (`check_resolved_checkpoint`).
-SPECIAL_CKPT = ("last", "best", "hpc")
+# Hugging Face loading options that `model.config_overrides` would hand to `from_pretrained` along with
+# the config's attributes: where to download from and to, what code to run.
+HF_LOADING_OPTIONS = frozenset({
+    "trust_remote_code", "cache_dir", "proxies", "token", "use_auth_token", "revision", "code_revision",
+    "subfolder", "force_download", "local_files_only", "gguf_file", "user_agent",
+})
+MIN_CHECKPOINT_STEPS = 50  # a checkpoint every step of a large model fills a disk and starves training
+MAX_KEPT_CHECKPOINTS = 10
 
 
-def refused_values(config: dict, typed: frozenset[str] = frozenset()) -> list[Refusal]:
-    """Every value of a parsed config (as a plain dict) that needs ``--trust-recipe``.
-
-    ``typed``: dotted keys the user set on the command line; a value under one of them is theirs.
-    A ``ckpt_path`` is checked wherever it comes from: what it points at is not the user's.
-    """
-    refusals = [r for r in value_refusals(config) if not any(r.key == t or r.key.startswith(t + ".") for t in typed)]
-    if config.get("ckpt_path") is not None:
-        refusals += checkpoint_refusals(str(config["ckpt_path"]))
-    return refusals
+def _cpus() -> int:
+    return os.cpu_count() or 1
 
 
-def value_refusals(config: dict) -> list[Refusal]:
-    """Settings that run or unpickle code whatever they point at."""
+def _device_count(devices: Any) -> Optional[int]:
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        return int(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    return None  # "auto", -1: Lightning picks what the machine has
+
+
+# (key's last part, refused when, reason): settings that can take the machine down however little
+# the run trains. Checked wherever the key appears (a ModelCheckpoint's, a subclass's).
+BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
+    ("num_workers", lambda v: isinstance(v, int) and v > _cpus(),
+     lambda v: f"more DataLoader worker processes than this machine's {_cpus()} CPU cores"),
+    ("every_n_train_steps", lambda v: isinstance(v, int) and 0 < v < MIN_CHECKPOINT_STEPS,
+     lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_STEPS} optimizer steps"),
+    ("save_top_k", lambda v: isinstance(v, int) and (v < 0 or v > MAX_KEPT_CHECKPOINTS),
+     lambda v: f"keeps {'every' if v < 0 else v} checkpoint{'s' if v != 1 else ''}, more than {MAX_KEPT_CHECKPOINTS}"),
+)
+
+
+def value_refusals(settings: Namespace) -> list[Refusal]:
+    """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
     refusals = []
-    for key, value in _leaves(config):
-        if key.rsplit(".", 1)[-1] == "trust_remote_code" and value:
+    for key, value in leaves(settings):
+        name = key.rsplit(".", 1)[-1]
+        parent = key.rsplit(".", 2)[-2] if key.count(".") else ""
+        if name == "trust_remote_code" and value:
             refusals.append(Refusal(key, value, "it runs Python files shipped with the model or tokenizer", safe=False))
         elif key == "weights_only" and value is not True:
             refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
+        elif parent == "config_overrides" and name == "auto_map":
+            refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
+        elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
+            refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
+        elif isinstance(value, str) and guard.is_remote(value) and key != "ckpt_path":
+            refusals.append(Refusal(key, value, "it names a remote location: a recipe may name local files only "
+                                                "(nothing is fetched from or sent to where it says)"))
+        for bound, refused, reason in BOUNDS:
+            if name == bound and refused(value):
+                refusals.append(Refusal(key, value, reason(value)))
+    devices = settings.get("trainer.devices")
+    if (_device_count(devices) or 0) > _cpus() and _on_cpu(settings.get("trainer.accelerator")):
+        refusals.append(Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} cores"))
     return refusals
 
 
-def checkpoint_refusals(ckpt_path: str) -> list[Refusal]:
+def _on_cpu(accelerator: Any) -> bool:
+    """Whether Lightning would run on CPU processes (on GPUs it refuses more devices than exist)."""
+    if isinstance(accelerator, str) and accelerator not in ("auto", "cpu"):
+        return False
+    if accelerator == "cpu":
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
     """Refusals for a ``ckpt_path`` as Lightning resolves it: a path relative to the working folder,
-    a URL or fsspec protocol, a model registry name, or one of Lightning's special names."""
+    a URL or fsspec chain, a model registry name, or one of Lightning's special names. What a path
+    points at is never the user's: checked wherever it was set. A single file is read by the resume
+    check (`lit_memory.resume.check_resume`), weights-only."""
+    if ckpt_path is None:
+        return []
+    ckpt_path = str(ckpt_path)
     if ckpt_path in SPECIAL_CKPT:
-        return []  # resolved later, by Lightning's own rules, and checked then
+        if typed:
+            return []  # the user's own choice: what Lightning finds is checked then (`guard.preflight`)
+        return [Refusal("ckpt_path", ckpt_path, "Lightning would pick the checkpoint itself, in folders the recipe "
+                        f"chose: name one with --ckpt_path PATH (or type --ckpt_path {ckpt_path} yourself)")]
     if ckpt_path.startswith("registry:"):
         return [Refusal("ckpt_path", ckpt_path, "it downloads a model from Lightning's model registry")]
-    if _SCHEME.match(ckpt_path):
+    if guard.is_remote(ckpt_path):
         return [Refusal("ckpt_path", ckpt_path, "it is not a local file or folder: download it and pass the local path")]
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint not found: {ckpt_path} (a relative path is read from {Path.cwd()})")
-    reason = check_checkpoint(path)
-    return [Refusal("ckpt_path", ckpt_path, reason)] if reason else []
+    if problem := guard.checkpoint_problem(path, files_too=False):
+        return [Refusal("ckpt_path", ckpt_path, problem)]
+    return []
 
 
-def check_checkpoint(path: Path) -> Optional[str]:
-    """Why loading a local checkpoint could run code, or None.
+@dataclass(frozen=True)
+class Decision:
+    """One run's trust decision: ``trusted`` (``--trust-recipe`` given) and ``typed``, the values a parse
+    of the command line alone produces (one subcommand's settings)."""
 
-    A file is loaded with ``weights_only=True`` (enforced above): tensors and plain data only. A
-    folder is a distributed checkpoint, whose ``.metadata`` torch reads with plain `pickle.load`:
-    it is safe only if it names nothing but the checkpoint metadata types, which is checked by
-    unpickling it with those alone allowed (Python's documented way to restrict unpickling; torch's
-    own weights-only unpickler does not read the protocol torch writes this file with).
-    """
-    if path.is_file():
-        return None
-    metadata = path / ".metadata"
-    if not metadata.is_file():
-        return None  # not a distributed checkpoint: Lightning reports what it cannot load
-    try:
-        _MetadataUnpickler(io.BytesIO(metadata.read_bytes())).load()
-    except Exception as err:  # any failure to read it safely means: do not let pickle read it
-        return f"its {metadata.name} names code to run when unpickled ({err})"
-    return None
+    trusted: bool
+    typed: Namespace = field(default_factory=Namespace)
 
+    def enforce(self) -> None:
+        """Apply the decision to this process: before parsing (imports), and to every sink."""
+        if not self.trusted:
+            enforce_import_policy()
+        elif import_policy_enforced():
+            raise UserError(
+                f"{TRUST_FLAG} cannot lift the import allowlist in a process that has already enforced it: "
+                "run the trusted command in a process of its own"
+            )
+        remote_configs_off()
+        guard.enforce(self.trusted)
 
-def _metadata_globals() -> set[tuple[str, str]]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    allowed = {
-        (metadata.__name__, name)
-        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-    }
-    allowed |= {(filesystem.__name__, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
-    allowed |= {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
-    allowed |= {("collections", "OrderedDict")}
-    return allowed
+    def refusals(self, settings: Namespace) -> list[Refusal]:
+        """Everything in ``settings`` that needs ``--trust-recipe`` and was not typed by the user."""
+        if self.trusted:
+            return []
+        typed = dict(leaves(self.typed))
+        refusals = [r for r in value_refusals(settings) if not (r.key in typed and _same(typed[r.key], r.value))]
+        ckpt_path = settings.get("ckpt_path")
+        return refusals + checkpoint_refusals(ckpt_path, typed=_same(typed.get("ckpt_path"), ckpt_path))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or (module, name) in _metadata_globals():
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
 
 
-def check_resolved_checkpoint(path: Optional[str]) -> None:
-    """Refuse a checkpoint Lightning found itself (``last``, ``hpc``) if loading it could run code."""
-    if path is None:
-        return
-    refusals = checkpoint_refusals(str(path))
-    if refusals:
-        raise UserError(str(refusals[0]))
-
-
-def sanitize(config: dict) -> dict:
-    """A copy of a parsed config (plain dict) with every refused value replaced by its safe one:
-    what a run writes into the recipe.yaml it shares. ``ckpt_path`` is the run's own: blank it."""
-    out = copy.deepcopy(config)
-    for refusal in value_refusals(out):
-        *parents, last = refusal.key.split(".")
-        node = out
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        node[int(last) if isinstance(node, list) else last] = refusal.safe
+def command_line_only(argv: list[str]) -> list[str]:
+    """``argv`` without what reads files: ``--config FILE`` and any ``--key VALUE`` whose value is an
+    existing file (jsonargparse loads it as that key's config). URLs stay: with remote reading off
+    they are strings, or an error."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in ("--config", "-c"):
+            i += 2
+            continue
+        if token.startswith(("--config=", "-c=", "--print_config")) or token in ("-h", "--help", TRUST_FLAG):
+            i += 1
+            continue
+        if token.startswith("--"):
+            _, eq, value = token.partition("=")
+            width = 1
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, width = argv[i + 1], 2
+            if not _is_file(value):
+                out += argv[i : i + width]
+            i += width
+            continue
+        out.append(token)  # the subcommand
+        i += 1
     return out
 
 
-def _leaves(tree: Any, key: str = "") -> list[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{key}.{k}" if key else str(k))]
-    if isinstance(tree, list):
-        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{key}.{i}")]
-    return [(key, tree)]
+def typed_values(argv: list[str], parse: Callable[[list[str]], Namespace], subcommand: Optional[str]) -> Namespace:
+    """What a parse of the command line alone produces (`command_line_only`), for one subcommand: the
+    user's own values. Empty when it does not parse alone (an override of a callback only a file
+    names, for instance): then nothing is exempt."""
+    try:
+        parsed = parse(command_line_only(argv))
+    except Exception:  # noqa: BLE001  any failure: nothing typed is trusted
+        return Namespace()
+    return parsed.get(subcommand, Namespace()) if subcommand else parsed
+
+
+def _is_file(value: str) -> bool:
+    """Whether jsonargparse would read ``value`` as a file: a path, or a ``file://`` URL it strips itself."""
+    value = re.sub(r"^file:///?", "/", value)
+    try:
+        return bool(value) and Path(value).expanduser().is_file()
+    except (OSError, ValueError):  # too long or too odd to be a path
+        return False
+
+
+def sanitize(settings: Namespace) -> Namespace:
+    """A copy of one subcommand's settings with every refused value that has a safe one replaced by it:
+    what a run writes into the recipe.yaml it shares."""
+    out = settings.clone()
+    for refusal in value_refusals(out):
+        if refusal.safe is not None:
+            assign(out, refusal.key, refusal.safe)
+    return out
+
+
+# -- dotted keys over jsonargparse's Namespace -------------------------------------------------
+
+
+def leaves(tree: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf: a Namespace flattened by jsonargparse (``items(branches=False)``),
+    then the dicts and lists it keeps as values (``model.config_overrides.x``, ``trainer.callbacks.0.init_args.y``)."""
+    if isinstance(tree, Namespace):
+        for k, v in tree.items(branches=False):
+            yield from leaves(v, f"{key}.{k}" if key else k)
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from leaves(v, f"{key}.{i}" if key else str(i))
+    else:
+        yield key, tree
+
+
+def locate(tree: Any, key: str) -> tuple[Any, Any]:
+    """(container, key or index in it) of a dotted key named by `leaves`: through Namespaces by
+    jsonargparse's own dotted access, then into dicts and lists. KeyError if it is not there."""
+    parts = key.split(".")
+    node = tree
+    while True:
+        if isinstance(node, Namespace):
+            head = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in node), None)
+            if head is None:
+                raise KeyError(key)
+            rest = parts[head.count(".") + 1 :]
+            if not rest:
+                return node, head
+            node, parts = node[head], rest
+        else:
+            step: Any = int(parts[0]) if isinstance(node, list) and parts[0].isdigit() else parts[0]
+            present = (isinstance(node, dict) and step in node) or (
+                isinstance(node, list) and isinstance(step, int) and step < len(node)
+            )
+            if not present:
+                raise KeyError(key)
+            if len(parts) == 1:
+                return node, step
+            node, parts = node[step], parts[1:]
+
+
+def assign(tree: Any, key: str, value: Any) -> None:
+    container, last = locate(tree, key)
+    container[last] = value

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lit_memory.anatomy import parameter_units
 from lit_memory.activations import OffloadActivations, selective_policy
 from lit_memory.errors import UserError
 from lit_memory.memory.tracker import Tracker
@@ -157,7 +158,7 @@ def test_compiled_layers_keep_the_fused_step_and_its_gradients():
         )
         module.configure_model()
         optimizer = torch.optim.AdamW(module.model.parameters(), lr=1e-3)
-        OptimizerInBackward(optimizer, module.model)
+        OptimizerInBackward(optimizer, parameter_units(module.model))
         for _ in range(2):
             module.training_step(batch(), 0).backward()
         assert all(p.grad is None for p in module.model.parameters())  # every parameter stepped and freed

@@ -10,6 +10,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
 from fused_worker import batches, tiny_bert
+from lit_memory.anatomy import parameter_units
+from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
 from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, weight_decay_groups
 
@@ -30,7 +32,7 @@ BUCKETS = ("layer", "0.1 MiB", "param")
 
 def train(net, optimizer, fused: bool, steps: int = 10, start: int = 0, schedule=None, bucket: str = "layer"):
     """``steps`` closure-style steps on fixed batches; with ``fused``, stepped inside backward."""
-    fusion = OptimizerInBackward(optimizer, net, bucket) if fused else None
+    fusion = OptimizerInBackward(optimizer, parameter_units(net), bucket) if fused else None
     torch.manual_seed(1 + start)  # dropout masks
     for batch in batches(steps, seed=start):
         batch = {k: v[None] for k, v in batch.items()}
@@ -161,14 +163,14 @@ def test_memory_gradients_alive_are_at_most_the_largest_bucket_on_minilm(bucket)
                 peaks[fused] = max(peaks[fused], live)
 
             handles = [p.register_post_accumulate_grad_hook(sample) for p in net.parameters()]
-            fusion = OptimizerInBackward(optimizer, net, bucket) if fused else None  # ...then the fused step's
+            fusion = OptimizerInBackward(optimizer, parameter_units(net), bucket) if fused else None  # ...then the fused step's
             loss.backward()
         for handle in handles:
             handle.remove()
         if fusion:
             fusion.remove()
         sizes = [p.numel() * p.element_size() for p in net.parameters()]
-        buckets = [sum(p.numel() * p.element_size() for p in b) for b in group_parameters(list(net.parameters()), net, bucket)]
+        buckets = [sum(p.numel() * p.element_size() for p in b) for b in group_parameters(list(net.parameters()), parameter_units(net), bucket)]
     assert peaks[False] == sum(sizes)  # unfused: every gradient alive at the end of backward
     assert peaks[True] == max(buckets)  # fused: the bucket being applied, at most; all of it at its step
     if bucket == "100 MiB":
@@ -180,7 +182,7 @@ def test_memory_gradients_alive_are_at_most_the_largest_bucket_on_minilm(bucket)
 
 def test_remove_restores_ordinary_backward():
     net = model()
-    fusion = OptimizerInBackward(torch.optim.SGD(net.parameters(), lr=0.1), net)
+    fusion = OptimizerInBackward(torch.optim.SGD(net.parameters(), lr=0.1), parameter_units(net))
     fusion.remove()
     net(**{k: v[None] for k, v in batches(1)[0].items()}).loss.backward()
     assert all(p.grad is not None for p in net.parameters())
@@ -220,7 +222,7 @@ def test_a_bucket_whose_parameter_gets_no_gradient_is_stepped_at_the_end_of_back
     unfused step skips parameters without one), and no gradient is held past its backward."""
     plain, fused = model(dropout=0.0), model(dropout=0.0)
     plain_opt, fused_opt = (OPTIMIZERS["AdamW"](weight_decay_groups(net)) for net in (plain, fused))
-    fusion = OptimizerInBackward(fused_opt, fused, "100 MiB")
+    fusion = OptimizerInBackward(fused_opt, parameter_units(fused), "100 MiB")
     assert len(fusion.hooks.buckets) == 1
     for batch in batches(3):
         for net in (plain, fused):
@@ -260,7 +262,7 @@ def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(t
             fully_shard(net)
             before = {n: p.detach().full_tensor().clone() for n, p in net.named_parameters()}
             optimizer = OPTIMIZERS["AdamW"](weight_decay_groups(net))
-            fusion = OptimizerInBackward(optimizer, net)
+            fusion = OptimizerInBackward(optimizer, parameter_units(net))
             tracker = Tracker("cpu")
             tracker.track_external(net, optimizer)
             with tracker:
@@ -291,7 +293,7 @@ def clipped(net, clipping: Clipping, fused: bool, bucket: str = "layer", steps: 
     it. Returns per step the norm (by norm: fused, what the measuring backward found) or, unfused by value,
     the largest gradient value."""
     optimizer = torch.optim.AdamW(weight_decay_groups(net), lr=1e-3, weight_decay=0.01)
-    fusion = OptimizerInBackward(optimizer, net, bucket, clipping) if fused else None
+    fusion = OptimizerInBackward(optimizer, parameter_units(net), bucket, clipping) if fused else None
     torch.manual_seed(1)  # dropout masks
     seen = []
     samples = batches(4 * steps)
@@ -365,3 +367,22 @@ def test_clipping_by_norm_with_compiled_layers(monkeypatch):
     (plain, plain_norms), (fusion, fused_norms) = nets
     assert_same_parameters(plain, fusion, atol=1e-5)
     assert fused_norms == pytest.approx(plain_norms, rel=1e-5)
+
+
+def test_the_bucket_setting_is_parsed_once_into_a_value_that_prints_as_written():
+    from lit_memory.fused import Bucketing, parse_bucket
+
+    size = parse_bucket(" 16 MiB ")
+    assert size == Bucketing("size", 16 * 2**20) and str(size) == "16 MiB"
+    assert parse_bucket(size) is size  # a parsed value passes through every layer below unchanged
+    assert [str(parse_bucket(s)) for s in ("layer", "param", "0.5 MiB")] == ["layer", "param", "0.5 MiB"]
+    with pytest.raises(UserError, match="bucket must be layer, param or a size"):
+        parse_bucket("0 MiB")
+
+
+def test_units_decide_layer_buckets_and_parameters_in_no_unit_step_alone():
+    """The core is given the units (it knows no model): a `layer` bucket per unit, in backward order."""
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
+    assert group_parameters([a, b, c, d], [[a, b], [c]], "layer") == [[c], [b, a], [d]]
+    assert group_parameters([a, b, c], [[a, b], [c]], "param") == [[c], [b], [a]]
+    assert group_parameters([a, b, c], [[a, b], [c]], "16 MiB") == [[c, b, a]]

@@ -11,7 +11,7 @@ from conftest import REPO
 PACKAGE = REPO / "lit_memory"
 # Bottom to top. A module may import its own layer and the layers below.
 LAYERS = {
-    "errors": 0,
+    "errors": 0,  # and the one writer every file goes through (files)
     "measure": 1,  # memory accounting over plain torch objects: categories, tracker, records, report
     "runtime": 2,  # what trains: model, data, fused step, strategies, the monitor that measures
     "predict": 3,  # memory accounting that builds the configured model: setup, analytic model, simulation
@@ -19,12 +19,18 @@ LAYERS = {
     "tools": 5,  # estimate, plan, bench, peer, recipe commands, out-of-memory advice
     "entry": 6,  # python -m lit_memory
 }
-PREDICT = {"lit_memory.memory.setup", "lit_memory.memory.analytic", "lit_memory.memory.simulate"}
+PREDICT = {
+    "lit_memory.memory.step",
+    "lit_memory.memory.analytic",
+    "lit_memory.memory.simulate",
+    "lit_memory.memory.predict",
+    "lit_memory.memory.choose",
+}
 CONFIG = {"lit_memory.trust", "lit_memory.recipes", "lit_memory.cli"}
 
 
 def layer(module: str) -> int:
-    if module == "lit_memory.errors":
+    if module in ("lit_memory.errors", "lit_memory.files"):
         return LAYERS["errors"]
     if module in PREDICT:
         return LAYERS["predict"]

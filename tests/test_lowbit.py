@@ -25,10 +25,12 @@ from conftest import RECIPES
 from lit_memory import lowbit
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
+from lit_memory.anatomy import parameter_units
 from lit_memory.fused import OptimizerInBackward
 from lit_memory.memory.analytic import optimizer_bytes
 from lit_memory.model import SequenceClassifier, weight_decay_groups
-from lit_memory.tools.plan import optimizer_factory
+from lit_memory.lowbit import keep_plain_state
+from lit_memory.memory.step import OptimizerSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
@@ -53,7 +55,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def train(model, optimizer, fused: bool, steps: int, start: int = 0, bucket: str = "layer", schedule=None):
-    fusion = OptimizerInBackward(optimizer, model, bucket) if fused else None
+    fusion = OptimizerInBackward(optimizer, parameter_units(model), bucket) if fused else None
     for i in range(start, start + steps):
         model(**batch(i)).loss.backward()
         optimizer.step()  # fused: finds no gradient left
@@ -140,6 +142,28 @@ def test_the_analytic_model_counts_the_state_torchao_creates(cls, dtype):
     assert optimizer_bytes(optimizer, "cpu")[0] == sum(s.nbytes() for s in storages)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, None], ids=["32bit", "unquantized"])
+def test_embeddings_keep_unquantised_state_and_the_fused_buckets_keep_it_too(dtype):
+    """``embedding_optimizer_state: 32bit`` / ``unquantized`` for torchao (`keep_plain_state`, over torchao's
+    private ``_new_buffer``): the embedding matrices' moments are plain tensors (fp32, or the weights' bf16),
+    everything else as torchao makes it; the fused step's bucket copies create state the same way; the
+    memory model counts every byte."""
+    model = toy_bert(torch.bfloat16)
+    optimizer = AdamW8bit(weight_decay_groups(model), lr=1e-3)
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    assert max(e.numel() for e in embeddings) >= 4096  # torchao would quantise the largest
+    keep_plain_state(optimizer, embeddings, dtype)
+    train(model, optimizer, fused=True, steps=1)
+    for p, state in optimizer.state.items():
+        kinds = {type(state[k]).__name__ for k in ("exp_avg", "exp_avg_sq")}
+        if any(p is e for e in embeddings):
+            assert kinds == {"Tensor"} and state["exp_avg"].dtype == (dtype or torch.bfloat16)
+        elif p.numel() >= 4096:
+            assert kinds == {"OptimState8bit"}
+    storages = {s for state in optimizer.state.values() for v in state.values() for s in get_untyped_storages(v)}
+    assert optimizer_bytes(optimizer, "cpu")[0] == sum(s.nbytes() for s in storages)
+
+
 def test_stochastic_rounding_keeps_the_small_updates_rounding_to_nearest_loses():
     """The 2gb recipe's optimizer on bf16 weights at 1.0, a constant gradient and lr 1e-4: Adam moves each
     weight by lr per step, far below half a bf16 unit in the last place (2^-9 just under 1.0). Rounded to
@@ -151,7 +175,7 @@ def test_stochastic_rounding_keeps_the_small_updates_rounding_to_nearest_loses()
     for rounding in (True, False):
         spec = {**spec, "init_args": {**spec["init_args"], "lr": 1e-4, "weight_decay": 0.0, "bf16_stochastic_round": rounding}}
         weights = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
-        optimizer = optimizer_factory(spec)([weights])
+        optimizer = OptimizerSpec.of(spec).factory()([weights])
         torch.manual_seed(0)
         for _ in range(40):
             weights.grad = torch.full_like(weights, 0.5)

@@ -14,9 +14,7 @@ from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.memory import records
 from lit_memory.memory.footprint import CATEGORIES, PHASES, format_bytes
-from lit_memory.monitor import MemoryMonitor
-from lit_memory.tools.advice import advise
-from lit_memory.tools.estimate import predict_run
+from lit_memory.monitor import MemoryMonitor, device_memory_used
 
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 # Every batch padded to max_length, so the measured batch has the predicted (worst-case) shape.
@@ -36,8 +34,8 @@ def test_accumulation_windows_track_only_the_micro_batches_that_differ():
 
 
 def fit(args: list[str]) -> LitMemoryCLI:
-    """A fit as `python -m lit_memory fit` runs it: with the tools' predictions and advice as the monitor's hooks."""
-    run = resolve(["fit", *args], predict=predict_run, advise=advise)
+    """A fit as `python -m lit_memory fit` runs it: the CLI hands the monitor its step's predictions and advice."""
+    run = resolve(["fit", *args])
     run.launch()
     return run
 
@@ -76,8 +74,10 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     table = out[out.index("memory on cpu") :].splitlines()
     assert table[0].split()[-4:] == ["analytic", "simulated", "tracked", "tensors"]
     rows = {line[:28].strip(): line[28:].split() for line in table[1:8]}
-    assert list(rows) == ["weights", "gradients", "optimizer state", "activations", "other/temporary", "peak", "(phase)"]
-    assert rows["peak"][-2:] == format_bytes(measured).split()
+    assert list(rows) == [
+        "weights", "gradients", "optimizer state", "activations", "other/temporary", "peak (tensors)", "(phase)"
+    ]
+    assert rows["peak (tensors)"][-2:] == format_bytes(measured).split()
     assert table[8].startswith("  process: max RSS ")
 
 
@@ -157,12 +157,13 @@ def test_4gb_is_a_third_of_baseline_and_each_switch_shrinks_its_category(tmp_pat
 @pytest.fixture
 def fake_cuda(monkeypatch, tmp_path):
     """A CUDA device the monitor reads from: 16 GiB, an allocator whose peak readings we set."""
-    calls = SimpleNamespace(fractions=[], allocated=0, reserved=0)
+    calls = SimpleNamespace(fractions=[], allocated=0, reserved=0, free=16 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=16 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.9)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.fractions.append(f))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: calls.reserved)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (calls.free, 16 * 2**30))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("a user's peak readings were reset"))
     trainer = SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), log_dir=str(tmp_path), default_root_dir=str(tmp_path)
@@ -180,11 +181,69 @@ def test_a_cuda_budget_caps_the_run_and_is_undone_when_it_ends(fake_cuda):
 
 
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
+    """Allocated and reserved from the allocator's peak counters, the device level from cudaMemGetInfo (no
+    NVML here) at every phase boundary: the highest readings, the phase in which allocated last rose."""
     calls, trainer = fake_cuda
     monitor = MemoryMonitor(track_steps=0)
-    monitor.cuda = {"max_allocated_bytes": 0, "max_reserved_bytes": 0, "peak_phase": None}
+    monitor.cuda = {
+        "max_allocated_bytes": 0, "max_reserved_bytes": 0, "max_device_bytes": 0, "device_source": None,
+        "peak_phase": None,
+    }
     for phase, allocated in (("forward", 3), ("backward", 7), ("step", 7), ("forward", 5)):
         monitor._enter_phase(trainer, phase)
         calls.allocated, calls.reserved = allocated, allocated + 1
+        calls.free = 16 * 2**30 - (allocated + 100)  # context 99 B + reserved: what the device would show
     monitor._read_cuda(trainer)
-    assert monitor.cuda == {"max_allocated_bytes": 7, "max_reserved_bytes": 8, "peak_phase": "backward"}
+    assert monitor.cuda == {
+        "max_allocated_bytes": 7, "max_reserved_bytes": 8, "max_device_bytes": 107,
+        "device_source": "cudaMemGetInfo (whole device)", "peak_phase": "backward",
+    }
+
+
+def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predicted_levels(fake_cuda, capsys):
+    from lit_memory.memory.footprint import Footprint
+
+    calls, trainer = fake_cuda
+    trainer.world_size, trainer.datamodule = 1, SimpleNamespace(hparams={"batch_size": 4, "max_length": 8})
+    monitor = MemoryMonitor(track_steps=0)
+    categories = {"weights": 2 * 2**30, "gradients": 0, "optimizer": 2**30, "activations": 2**29, "other": 0}
+    monitor.predictions = {"analytic": Footprint({"backward": categories}, reserved=int(3.6 * 2**30), context=600 * 2**20)}
+    monitor.cuda = {
+        "max_allocated_bytes": int(3.5 * 2**30), "max_reserved_bytes": int(3.75 * 2**30),
+        "max_device_bytes": int(4.4 * 2**30), "device_source": "nvml (this process)", "peak_phase": "backward",
+    }
+    monitor.process = None
+    monitor._print_table(trainer, None)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[-3:] == ["analytic", "cuda", "(measured)"]
+    rows = {line[:28].strip(): line[28:].split() for line in out[1:]}
+    assert rows["peak (tensors)"] == ["3.50", "GiB", "3.50", "GiB"]
+    assert rows["reserved (allocator)"] == ["3.60", "GiB", "3.75", "GiB"]
+    assert rows["device (nvidia-smi)"] == ["4.19", "GiB", "4.40", "GiB"]
+    assert rows["weights"] == ["2.00", "GiB", "-"]
+
+
+def test_the_device_level_reads_nvml_for_this_process_when_it_can(monkeypatch):
+    """nvidia-ml-py is optional: with it, this process's own usage; without (or without a driver), the whole
+    device's used memory from cudaMemGetInfo; neither: nothing."""
+    import sys
+    from types import ModuleType
+
+    fake = ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByIndex = lambda index: "handle"
+    fake.nvmlDeviceGetComputeRunningProcesses = lambda handle: [
+        SimpleNamespace(pid=1, usedGpuMemory=5), SimpleNamespace(pid=__import__("os").getpid(), usedGpuMemory=1234)
+    ]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda device: 0)
+    assert device_memory_used(torch.device("cuda", 0)) == (1234, "nvml (this process)")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6, 10))
+    assert device_memory_used(torch.device("cuda", 0)) == (4, "cudaMemGetInfo (whole device)")
+
+    def no_driver(device):
+        raise RuntimeError("no CUDA driver")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_driver)
+    assert device_memory_used(torch.device("cuda", 0)) == (None, None)

@@ -27,6 +27,7 @@ from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
 from lit_memory.fabric import FusedFabricStrategy
+from lit_memory.fused import Bucketing
 from lit_memory.memory import records
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
@@ -357,7 +358,7 @@ def test_what_fusion_cannot_do_fails_before_training(case, tmp_path):
 
 @pytest.mark.parametrize("strategy", [FusedSingleDeviceStrategy, FusedFSDPStrategy, FusedFabricStrategy])
 def test_a_bucket_setting_is_checked_when_the_strategy_is_built(strategy):
-    assert strategy(bucket="16 MiB").bucket == "16 MiB" and strategy().bucket == "layer"
+    assert str(strategy(bucket="16 MiB").bucket) == "16 MiB" and strategy().bucket == Bucketing("layer")
     for bad in ("16", "16 MB", "0 MiB", "layers", 16):
         with pytest.raises(UserError) as error:
             strategy(bucket=bad)

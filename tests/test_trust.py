@@ -8,12 +8,15 @@ without lit_memory's checks, which proves the refusals stopped real code.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +26,9 @@ import torch
 import yaml
 
 from conftest import REPO
-from lit_memory import trust
+from jsonargparse import Namespace
+
+from lit_memory import guard, trust
 from lit_memory.__main__ import main
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
@@ -45,8 +50,15 @@ def run_main(argv, capsys):
     return code, out, err
 
 
+def clean_environment(**more: str) -> dict[str, str]:
+    """This process's environment for a command of its own: without torch's weights-only switch, which an
+    untrusted run in this process (a module fixture's, say) sets process-wide and children inherit."""
+    env = {k: v for k, v in os.environ.items() if k != guard.FORCE_WEIGHTS_ONLY}
+    return {**env, **more}
+
+
 def run_trusted(argv, cwd: Path, pythonpath: Path = REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pythonpath), str(REPO)])}
+    env = clean_environment(PYTHONPATH=os.pathsep.join([str(pythonpath), str(REPO)]))
     return subprocess.run(
         [sys.executable, "-m", "lit_memory", *argv, trust.TRUST_FLAG], cwd=cwd, env=env, capture_output=True, text=True
     )
@@ -241,8 +253,9 @@ def test_weights_only_false_in_a_recipe_is_refused(pickled_checkpoint, capsys):
 def test_weights_only_false_typed_on_the_command_line_is_the_users_choice(capsys):
     config = yaml.safe_load(run_main(["fit", "--weights_only=false", "--print_config"], capsys)[1])
     assert config["weights_only"] is False
-    assert trust.refused_values(config, frozenset({"weights_only"})) == []
-    assert [r.key for r in trust.refused_values(config)] == ["weights_only"]
+    settings = Namespace(weights_only=False)
+    assert trust.Decision(trusted=False, typed=Namespace(weights_only=False)).refusals(settings) == []
+    assert [r.key for r in trust.Decision(trusted=False).refusals(settings)] == ["weights_only"]
 
 
 @pytest.mark.parametrize("url", ["file://{path}", "https://example.com/x.ckpt", "s3://bucket/x.ckpt", "registry:x"])
@@ -306,7 +319,7 @@ def test_a_distributed_checkpoint_whose_metadata_runs_code_is_refused(tmp_path, 
 
 
 def test_a_distributed_checkpoint_of_plain_metadata_is_accepted(tmp_path):
-    assert trust.check_checkpoint(distributed_checkpoint(tmp_path / "ours")) is None
+    assert guard.checkpoint_problem(distributed_checkpoint(tmp_path / "ours")) is None
 
 
 def test_weights_pickled_in_a_model_folder_are_refused_by_weights_only(tmp_path, capsys):
@@ -347,3 +360,318 @@ def test_denied_imports_are_read_with_their_keys_from_a_nested_parse_error():
                     - Type typing.Callable expects a function: Importing 'os.system' is not allowed, denied by ...
         """)
     assert trust.denied_imports(message) == [("os.system", "trainer.callbacks.on_fit_start", "trainer.callbacks")]
+
+
+# -- every attack class, end to end: hostile files as someone would send them -----------------------
+#
+# Two subprocesses run every case (`cli_batch.py`: each case is one `python -m lit_memory ARGV`), one
+# untrusted, one with --trust-recipe: the trust decision is one per process. Untrusted, each case must
+# end with exactly one `error:` line, its payload's marker must not appear, and nothing may be written
+# anywhere under the hostile folder; trusted, the payloads run (where running them is legitimate),
+# which proves the refusals stopped real code.
+
+BATCH = REPO / "tests" / "cli_batch.py"
+ORIGINAL = "the victim's own content\n"
+
+
+def run_batch(cases: dict, folder: Path, trusted: bool) -> dict:
+    if trusted:
+        cases = {name: {**case, "argv": [*case["argv"], trust.TRUST_FLAG]} for name, case in cases.items()}
+    spec, results = folder / f"cases-{trusted}.json", folder / f"results-{trusted}.json"
+    spec.write_text(json.dumps(cases))
+    env = clean_environment(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(BATCH), str(spec), str(results)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """A server a recipe names: every request it gets is recorded (the marker of a fetch)."""
+
+    requests: list[str] = []
+
+    def do_GET(self):  # noqa: N802
+        Recorder.requests.append(self.path)
+        body = b"trainer:\n  max_steps: 1\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_PUT = do_POST = do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    return {str(p.relative_to(folder)): (p.is_symlink(), p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+def evil_model(folder: Path, marker: Path, model_type: str) -> Path:
+    """A model folder whose config.json names Python shipped beside it (auto_map) that drops a marker."""
+    shutil.copytree(REPO / "lit_memory" / "assets" / "bert-large-uncased", folder)
+    config = {**json.loads((folder / "config.json").read_text()), **TINY, "model_type": model_type}
+    config["auto_map"] = {"AutoConfig": "remote.RemoteConfig"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "remote.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import BertConfig\nclass RemoteConfig(BertConfig):\n    model_type = 'bert'\n"
+    )
+    return folder
+
+
+def planted(folder: Path, victim: Path, names: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(victim)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    side = tmp_path_factory.mktemp("outside")  # what the batches themselves write: specs, results, legitimate runs
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    markers: dict[str, Path] = {}
+
+    def marker(name: str) -> str:
+        markers[name] = root / f"RAN-{name}"
+        return str(markers[name])
+
+    def recipe(name: str, text: str) -> str:
+        (root / f"{name}.yaml").write_text(textwrap.dedent(text))
+        return str(root / f"{name}.yaml")
+
+    victim = root / "victim.txt"
+    victim.write_text(ORIGINAL)
+    fast = [*FAST, "--trainer.enable_checkpointing=false", "--model.save_pretrained=false"]
+    # Auto-resume: an OnExceptionCheckpoint's file and SLURM's hpc checkpoint, both pickles that run code.
+    torch.save({"state_dict": {}, "payload": Payload(marker("onexc"))}, (root / "shipped").mkdir() or root / "shipped" / "on_exception.ckpt")
+    torch.save({"state_dict": {}, "payload": Payload(marker("hpc"))}, (root / "hpc_root").mkdir() or root / "hpc_root" / "hpc_ckpt_1.ckpt")
+    torch.save({"state_dict": {}, "payload": Payload(marker("last"))}, (root / "lasts").mkdir() or root / "lasts" / "last.ckpt")
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODEID": "0", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_JOB_ID": "1"}
+    onexc = recipe("onexc", f"""\
+        trainer:
+          default_root_dir: {root / 'runs-onexc'}
+          callbacks:
+            - class_path: lightning.pytorch.callbacks.OnExceptionCheckpoint
+              init_args: {{dirpath: {root / 'shipped'}}}
+        """)
+    hpc = recipe("hpc", f"trainer:\n  default_root_dir: {root / 'hpc_root'}\n")
+    last = recipe("last", f"""\
+        ckpt_path: last
+        trainer:
+          default_root_dir: {root / 'runs-last'}
+          callbacks:
+            - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+              init_args: {{dirpath: {root / 'lasts'}, save_last: true}}
+        """)
+    hpc_name = recipe("hpc_name", f"ckpt_path: hpc\ntrainer:\n  default_root_dir: {root / 'hpc_root'}\n")
+    # Distributed checkpoints: a non-tensor item that unpickles code; a rank-local metadata file that does.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.ones(2)}, "extra": Payload(marker("dcp_item"))}, checkpoint_id=str(root / "dcp_item"), no_dist=True)
+    dcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id=str(root / "dcp_rank"), no_dist=True)
+    (root / "dcp_rank" / ".metadata").unlink()
+    (root / "dcp_rank" / "__0.metadata").write_bytes(pickle.dumps(Payload(marker("dcp_rank"))))
+    dcp_item = recipe("dcp_item", f"ckpt_path: {root / 'dcp_item'}\n")
+    dcp_rank = recipe("dcp_rank", f"ckpt_path: {root / 'dcp_rank'}\n")
+    # "Typed by the user": values merged in under a key the user typed are not.
+    bert = evil_model(root / "bert_code", Path(marker("typed")), "bert")  # runs its code only when trusted
+    typed = recipe("typed", f"""\
+        model:
+          model_name_or_path: {bert}
+          pretrained: false
+          config_overrides: {{trust_remote_code: true}}
+        """)
+    model_file = recipe("model_part", f"model_name_or_path: {bert}\npretrained: false\nconfig_overrides: {{trust_remote_code: true}}\n")
+    torch.save({"state_dict": {}, "hyper_parameters": {"model_name_or_path": str(bert), "pretrained": False,
+                                                       "config_overrides": {"trust_remote_code": True}}}, root / "hparams.ckpt")
+    overrides = "--model.config_overrides={num_hidden_layers: 1}"
+    # Writes through links planted in a run folder a recipe names, and a hard link.
+    planted(root / "run_links", victim, ["recipe.yaml", "hparams.yaml", "metrics.csv", "config.yaml"])
+    planted(root / "run_root", victim, ["memory.json", "checkpoints/last-v1.ckpt"])
+    (root / "run_hard").mkdir()
+    os.link(victim, root / "run_hard" / "hparams.yaml")
+    csv_logger = "{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {}, name: '', version: ''}}}}"
+    links = recipe("links", f"trainer:\n  logger: {csv_logger.format(root / 'run_links')}\n")
+    links_root = recipe("links_root", f"trainer:\n  logger: false\n  default_root_dir: {root / 'run_root'}\n")
+    hard = recipe("hard", f"trainer:\n  logger: {csv_logger.format(root / 'run_hard')}\n")
+    # The network: nested configs named by URL or fsspec chain, and remote values.
+    net = recipe("net", f"model: {url}/model.yaml\n")
+    chain = recipe("chain", f"trainer: simplecache::{url}/trainer.yaml\n")
+    source = recipe("source", f"data:\n  source: {url}/reviews.csv\n")
+    logger = recipe("net_logger", f"trainer:\n  logger: {csv_logger.format(url + '/logs')}\n")
+    # Values that take the machine down.
+    cpus = os.cpu_count() or 1
+    workers = recipe("workers", "data:\n  num_workers: 100000\n")
+    workers_mild = recipe("workers_mild", f"data:\n  num_workers: {cpus + 1}\n")
+    devices = recipe("devices", "trainer:\n  accelerator: cpu\n  devices: 4096\n  strategy: ddp\n")
+    checkpoint = "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {{{}}}\n"
+    cadence = recipe("cadence", checkpoint.format("every_n_train_steps: 1"))
+    keep = recipe("keep", checkpoint.format("save_top_k: -1, every_n_train_steps: 100"))
+    # transformers: code shipped with a model of a type it does not know (it cannot load without running
+    # it), a Hugging Face loading option among config overrides.
+    unknown = evil_model(root / "unknown_code", Path(marker("unknown")), "evil-bert")
+    remote_model = recipe("remote_model", f"model:\n  model_name_or_path: {unknown}\n  pretrained: false\n")
+    hf_option = recipe("hf_option", f"model:\n  config_overrides: {{cache_dir: {root / 'cache'}}}\n")
+
+    def fit(config: str, *more: str, runs: str = "runs") -> list[str]:
+        return ["fit", "--config", config, *fast, *more, f"--trainer.default_root_dir={root / runs}"]
+
+    def fit_keeping_root(config: str, *more: str) -> list[str]:  # the recipe chooses the run folder
+        return ["fit", "--config", config, *FAST, "--model.save_pretrained=false", *more]
+
+    untrusted = {
+        "auto_resume/on_exception": {"argv": fit_keeping_root(onexc)},
+        "auto_resume/slurm": {"argv": fit_keeping_root(hpc), "env": slurm},
+        "auto_resume/ckpt_path_last": {"argv": fit_keeping_root(last)},
+        "auto_resume/ckpt_path_hpc": {"argv": fit_keeping_root(hpc_name), "env": slurm},
+        "dcp/byte_item": {"argv": fit(dcp_item)},
+        "dcp/byte_item_typed": {"argv": ["fit", *fast, f"--ckpt_path={root / 'dcp_item'}", f"--trainer.default_root_dir={root / 'runs'}"]},
+        "dcp/rank_local_metadata": {"argv": fit(dcp_rank)},
+        "typed/recipe_merged_under_a_typed_key": {"argv": ["fit", overrides, *fit(typed)[1:]]},
+        "typed/file_given_to_a_typed_key": {"argv": ["fit", f"--model={model_file}", *fit(typed)[3:]]},
+        "typed/file_url_given_to_a_typed_key": {"argv": ["fit", f"--model=file://{model_file}", *fit(typed)[3:]]},
+        "typed/checkpoint_hyper_parameters": {"argv": ["fit", overrides, f"--ckpt_path={root / 'hparams.ckpt'}", *fit(typed)[3:]]},
+        "links/logger_folder": {"argv": fit_keeping_root(links)},
+        "links/run_folder": {"argv": fit_keeping_root(links_root)},
+        "links/hard_link": {"argv": fit_keeping_root(hard)},
+        "network/nested_config_fit": {"argv": fit(net)},
+        "network/nested_config_estimate": {"argv": ["estimate", "--config", net]},
+        "network/nested_config_plan": {"argv": ["plan", "--budget", "4GiB", "--config", net]},
+        "network/fsspec_chain": {"argv": fit(chain)},
+        "network/data_source": {"argv": fit(source)},
+        "network/logger": {"argv": fit(logger)},
+        "bounds/num_workers": {"argv": fit(workers)},
+        "bounds/num_workers_mild": {"argv": fit(workers_mild)},
+        "bounds/devices": {"argv": fit(devices)},
+        "bounds/checkpoint_cadence": {"argv": fit(cadence)},
+        "bounds/checkpoints_kept": {"argv": fit(keep)},
+        "transformers/unknown_model_code": {"argv": fit(remote_model)},
+        "transformers/loading_option": {"argv": fit(hf_option)},
+    }
+    checked = {"auto_resume": [onexc, hpc, last, hpc_name], "dcp": [dcp_item, dcp_rank], "typed": [typed],
+               "links": [links, links_root, hard], "network": [net, chain, source, logger],
+               "bounds": [workers, devices, cadence, keep], "transformers": [remote_model, hf_option]}
+    for group, files_ in checked.items():
+        for i, file in enumerate(files_):
+            untrusted[f"{group}/check/{i}"] = {"argv": ["recipes", "check", file]}
+    trusted = {  # legitimate when the source is trusted: each payload runs, or a value is honoured
+        "auto_resume/on_exception": {"argv": fit_keeping_root(onexc, "--weights_only=false")},
+        "auto_resume/slurm": {"argv": fit_keeping_root(hpc, "--weights_only=false"), "env": slurm},
+        "typed/recipe_merged_under_a_typed_key": {"argv": ["fit", overrides, *fit(typed, runs=str(side / "typed"))[1:]]},
+        "transformers/unknown_model_code": {"argv": fit(remote_model, "--model.config_overrides={trust_remote_code: true}", runs=str(side / "unknown"))},
+        "links/run_folder": {"argv": fit_keeping_root(links_root)},
+        "network/nested_config_fit": {"argv": fit(net, runs=str(side / "net"))},
+        "bounds/num_workers_mild": {"argv": fit(workers_mild, runs=str(side / "workers"))},
+    }
+    before = snapshot(root)
+    results = run_batch(untrusted, side, trusted=False)
+    after = snapshot(root)
+    requests_untrusted = list(Recorder.requests)
+    trusted_results = run_batch(trusted, side, trusted=True)
+    server.shutdown()
+    yield SimpleNamespace(root=root, side=side, untrusted=results, trusted=trusted_results, markers=markers,
+                          written=sorted(set(after.items()) ^ set(before.items())), requests=requests_untrusted,
+                          victim=victim, url=url, cpus=cpus)
+
+
+def refused_once(result: dict, *fragments: str) -> str:
+    """Exactly one `error:` line, a refusal, naming each fragment."""
+    lines = [line for line in result["err"].splitlines() if line.startswith("error:")]
+    assert result["code"] == 2 and len(lines) == 1, result["err"][-3000:]
+    assert lines[0].startswith("error: refusing "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def flagged_by_check(hostile, group: str) -> None:
+    for name, result in hostile.untrusted.items():
+        if name.startswith(f"{group}/check/"):
+            assert result["code"] == 2 and "  REFUSED  " in result["out"], (name, result["out"], result["err"][-2000:])
+            assert result["err"].strip().endswith(f"pass {trust.TRUST_FLAG} only if you trust its source"), result["err"]
+
+
+def test_nothing_untrusted_wrote_or_fetched_anything(hostile):
+    assert hostile.written == []
+    assert hostile.requests == []
+    assert hostile.victim.read_text() == ORIGINAL
+
+
+def test_a_checkpoint_lightning_would_pick_by_itself_is_refused(hostile):
+    for case in ("on_exception", "slurm"):
+        line = refused_once(hostile.untrusted[f"auto_resume/{case}"], "Lightning picked it by itself", "--ckpt_path",
+                            trust.TRUST_FLAG)
+        assert ("SLURM" in line) == (case == "slurm")
+    for case in ("ckpt_path_last", "ckpt_path_hpc"):
+        refused_once(hostile.untrusted[f"auto_resume/{case}"], "Lightning would pick the checkpoint itself", "--ckpt_path")
+    flagged_by_check(hostile, "auto_resume")
+    assert not any(hostile.markers[m].exists() for m in ("last",))
+    for case in ("on_exception", "slurm"):  # trusted, Lightning resumes from it, and its pickle runs
+        assert hostile.markers["onexc" if case == "on_exception" else "hpc"].exists(), hostile.trusted[f"auto_resume/{case}"]["err"][-2000:]
+
+
+def test_a_distributed_checkpoint_is_read_only_through_the_restricted_readers(hostile):
+    refused_once(hostile.untrusted["dcp/byte_item"], "its item 'extra'", "weights_only=True")
+    refused_once(hostile.untrusted["dcp/byte_item_typed"], "its item 'extra'")  # what a path points at is never typed
+    refused_once(hostile.untrusted["dcp/rank_local_metadata"], "its __0.metadata names code to run when unpickled")
+    flagged_by_check(hostile, "dcp")
+    assert not hostile.markers["dcp_item"].exists() and not hostile.markers["dcp_rank"].exists()
+
+
+def test_only_values_the_command_line_itself_sets_are_the_users(hostile):
+    for case in ("recipe_merged_under_a_typed_key", "file_given_to_a_typed_key", "file_url_given_to_a_typed_key",
+                 "checkpoint_hyper_parameters"):
+        refused_once(hostile.untrusted[f"typed/{case}"], "model.config_overrides.trust_remote_code=True")
+    flagged_by_check(hostile, "typed")
+    result = hostile.trusted["typed/recipe_merged_under_a_typed_key"]
+    assert hostile.markers["typed"].read_text() == "ran", result["err"][-2000:]  # trusted, transformers ran it
+
+
+def test_no_run_writes_through_a_link_planted_in_its_folders(hostile):
+    for case in ("logger_folder", "run_folder", "hard_link"):
+        refused_once(hostile.untrusted[f"links/{case}"], "refusing to write into", "is a link")
+    flagged_by_check(hostile, "links")
+    # trusted, Lightning's writers are the user's choice, but lit_memory's own files still never follow a link
+    result = hostile.trusted["links/run_folder"]
+    lines = [line for line in result["err"].splitlines() if line.startswith("error:")]
+    assert result["code"] == 2 and len(lines) == 1 and "memory.json: it is a symbolic link" in lines[0], result["err"][-2000:]
+    assert hostile.victim.read_text() == ORIGINAL
+
+
+def test_nothing_is_fetched_for_a_config_or_sent_where_a_recipe_says(hostile):
+    for case in ("nested_config_fit", "nested_config_estimate", "nested_config_plan", "fsspec_chain"):
+        refused_once(hostile.untrusted[f"network/{case}"], "refusing to read the config", "nothing is fetched")
+    refused_once(hostile.untrusted["network/data_source"], "data.source", "remote location")
+    refused_once(hostile.untrusted["network/logger"], "trainer.logger.init_args.save_dir", "remote location")
+    flagged_by_check(hostile, "network")
+    refused_once(hostile.trusted["network/nested_config_fit"], "refusing to read the config")  # trusted: off too
+    assert hostile.requests == []
+
+
+def test_values_that_take_the_machine_down_are_refused(hostile):
+    refused_once(hostile.untrusted["bounds/num_workers"], "data.num_workers=100000", f"{hostile.cpus} CPU cores")
+    refused_once(hostile.untrusted["bounds/devices"], "trainer.devices=4096")
+    refused_once(hostile.untrusted["bounds/checkpoint_cadence"], "every_n_train_steps=1", "every 50 optimizer steps")
+    refused_once(hostile.untrusted["bounds/checkpoints_kept"], "save_top_k=-1")
+    flagged_by_check(hostile, "bounds")
+    refused_once(hostile.untrusted["bounds/num_workers_mild"], f"data.num_workers={hostile.cpus + 1}")
+    result = hostile.trusted["bounds/num_workers_mild"]  # trusted: honoured
+    assert result["code"] == 0, result["err"][-2000:]
+
+
+def test_model_code_runs_only_when_trusted(hostile):
+    refused_once(hostile.untrusted["transformers/unknown_model_code"], "trust_remote_code")
+    refused_once(hostile.untrusted["transformers/loading_option"], "config_overrides.cache_dir", "loading option")
+    flagged_by_check(hostile, "transformers")
+    result = hostile.trusted["transformers/unknown_model_code"]
+    assert hostile.markers["unknown"].read_text() == "ran", result["err"][-2000:]

@@ -1,4 +1,10 @@
-"""What memory is counted in: five categories, three phases of a training step, bytes."""
+"""What memory is counted in: five categories, three phases of a training step, three levels, bytes.
+
+The levels: **tensors** (the categories summed: ``max_memory_allocated``, or MemTracker's tracked tensors),
+**reserved** (the CUDA caching allocator's segments: ``max_memory_reserved``) and **device** (reserved plus the
+CUDA context and loaded kernels: what ``nvidia-smi`` shows for the process). A footprint always has the
+first; predictions for CUDA have all three.
+"""
 
 from __future__ import annotations
 
@@ -50,9 +56,18 @@ def breakdown_line(categories: dict[str, int]) -> str:
 
 @dataclass
 class Footprint:
-    """Bytes per category at the peak of each training phase; the peak is the largest of them."""
+    """Bytes per category at the peak of each training phase; the peak is the largest of them. Optionally
+    the allocator's reserved bytes at the peak (the phase in which they last grew) and the CUDA context:
+    the caching allocator keeps what it reserved, so in a steady-state step every phase holds the peak."""
 
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    reserved: Optional[int] = None
+    reserved_phase: Optional[str] = None
+    context: Optional[int] = None  # CUDA context and loaded kernels (device = reserved + context)
+
+    @property
+    def device(self) -> Optional[int]:
+        return self.reserved + self.context if self.reserved is not None and self.context is not None else None
 
     def add(self, phase: str, categories: dict[str, int]) -> None:
         """Keep, per phase, the composition with the largest total (the peak over steps)."""
@@ -76,13 +91,22 @@ class Footprint:
         return sum(self.categories.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "peak_bytes": self.peak,
-            "peak_phase": self.peak_phase,
-            "categories": self.categories,
-            "phases": {p: {"peak_bytes": sum(c.values()), "categories": c} for p, c in self.phases.items()},
+        levels = {"reserved_bytes": self.reserved, "device_bytes": self.device}
+        out: dict[str, Any] = {"peak_bytes": self.peak}
+        if self.reserved is not None:
+            out.update(levels, reserved_phase=self.reserved_phase, context_bytes=self.context)
+        out.update(peak_phase=self.peak_phase, categories=self.categories)
+        out["phases"] = {
+            p: {"peak_bytes": sum(c.values()), **(levels if self.reserved is not None else {}), "categories": c}
+            for p, c in self.phases.items()
         }
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Footprint":
-        return cls({phase: dict(entry["categories"]) for phase, entry in data["phases"].items()})
+        return cls(
+            {phase: dict(entry["categories"]) for phase, entry in data["phases"].items()},
+            reserved=data.get("reserved_bytes"),
+            reserved_phase=data.get("reserved_phase"),
+            context=data.get("context_bytes"),
+        )

@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_memory import files
 from lit_memory.memory.footprint import Footprint, format_bytes
 
 MEMORY_JSON = "memory.json"
-MEMORY_SCHEMA = 2
+MEMORY_SCHEMA = 3  # 3: predictions at three levels (reserved_bytes, device_bytes), measured CUDA device peak
 BENCH_JSON = "bench.json"
 METHODS = ("analytic", "simulated")
 
@@ -57,7 +58,7 @@ def memory_record(
 
 
 def write_memory(run_dir: Path, record: dict[str, Any]) -> None:
-    (run_dir / MEMORY_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    files.write_text(run_dir / MEMORY_JSON, json.dumps(record, indent=2) + "\n")
 
 
 def read_memory(run_dir: Path) -> dict[str, Any]:
@@ -97,9 +98,10 @@ def peak_summary(run_dir: Path) -> Optional[str]:
         return None
     cuda, tracked, process = measured.get("cuda"), measured.get("tracked"), measured.get("process")
     if cuda:
+        device = f", {format_bytes(cuda['max_device_bytes'])} device" if cuda.get("max_device_bytes") else ""
         return (
             f"{format_bytes(cuda['max_allocated_bytes'])} allocated, "
-            f"{format_bytes(cuda['max_reserved_bytes'])} reserved (CUDA)"
+            f"{format_bytes(cuda['max_reserved_bytes'])} reserved{device} (CUDA)"
         )
     parts = []
     if tracked:
@@ -110,7 +112,7 @@ def peak_summary(run_dir: Path) -> Optional[str]:
 
 
 def write_bench(out: Path, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    (out / BENCH_JSON).write_text(json.dumps({**info, "rows": rows}, indent=2) + "\n", encoding="utf-8")
+    files.write_text(out / BENCH_JSON, json.dumps({**info, "rows": rows}, indent=2) + "\n")
 
 
 def read_bench(path: Path) -> dict[str, dict[str, Any]]:

@@ -1,38 +1,54 @@
 """One training step of the configured module on fake tensors, attributed by the tracker.
 
-The module's own `configure_model` (checkpointing, freezing), optimizer (`build_optimizer`), Lightning's
-autocast context for mixed precision and the "-true" precisions' init context, Lightning's order of
-zero_grad/backward/step (or the fused step's hooks), all under ``FakeTensorMode``: nothing is
-allocated, and the same `Tracker` that measures real runs attributes every tensor. CUDA cannot be
-faked on the CPU build of torch, so the step runs CPU kernels. Seconds for BERT-large.
+The module's own `configure_model` (checkpointing, freezing), optimizer (`build_optimizer`), the loop's
+autocast (Lightning's, without its weight cache, or with it where `Loop.autocast_cache` says so) and the
+"-true" precisions' init context, Lightning's order of zero_grad/backward/step (or the fused step's hooks),
+all under ``FakeTensorMode``: nothing is allocated, and the same `Tracker` that measures real runs
+attributes every tensor. Its allocations and frees, in order, are replayed through the caching-allocator
+model (`lit_memory.memory.allocator`) for the reserved level. Seconds for BERT-large.
+
+CUDA cannot be faked on the CPU build of torch, so the step runs CPU kernels. For a CUDA target, the
+kernels whose memory differs stand in for CUDA's (`cuda_stand_ins`): attention runs a stand-in for the
+kernel torch would pick on the target GPU (`lit_memory.memory.kernels`), which allocates and keeps what
+that kernel does (q, k, v, the output laid out as the kernel lays it out, the log-sum-exp, the mask bias;
+dq, dk, dv and the kernel's workspace in backward); dropout keeps a 1-byte mask (``native_dropout``, CUDA's
+kernel) instead of the CPU's full-width noise; under autocast, softmax and LayerNorm run in fp32 as CUDA's
+autocast policy has them (the CPU's runs them in bf16). What is left differs in small ways: CPU
+kernels' own temporaries, bitsandbytes' CPU code, torchao's compiled kernel (see `TORCHAO_NOTE`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
-from unittest import mock
 from dataclasses import dataclass
 from typing import Callable
+from unittest import mock
 
 import torch
 
 from lit_memory.activations import OffloadActivations
+from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.lowbit import is_torchao
+from lit_memory.memory.allocator import replay
 from lit_memory.memory.analytic import foreach_default, torchao_kernel_bytes
-from lit_memory.memory.setup import PRECISIONS, Prediction, Setup, build
+from lit_memory.memory.device import CUBLAS_THREADS
+from lit_memory.memory.kernels import Kernel
+from lit_memory.memory.step import PRECISIONS, Prediction, Step, build
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 
-def _fake_batch(setup: Setup, config) -> dict[str, torch.Tensor]:
+
+def _fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
     # The worst case a run can see: every micro-batch full and padded to max_length.
-    shape = (setup.batch_size, setup.max_length)
+    shape = (step.batch_size, step.max_length)
     batch = {
         "input_ids": torch.randint(0, config.vocab_size, shape),
         "attention_mask": torch.ones(shape, dtype=torch.long),
-        "labels": torch.zeros(setup.batch_size, dtype=torch.long),
+        "labels": torch.zeros(step.batch_size, dtype=torch.long),
     }
     if getattr(config, "type_vocab_size", 0):
         batch["token_type_ids"] = torch.zeros(shape, dtype=torch.long)
@@ -58,31 +74,44 @@ class _Stepping:
     after_backward: Callable[[], None]  # what runs after backward
 
 
-def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, setup: Setup) -> _Stepping:
+def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, step: Step) -> _Stepping:
     """Lightning's step: ``optimizer.step()`` after backward, then `SequenceClassifier.optimizer_step`
-    frees the gradients. With the fused step the strategy's own core steps and frees each gradient
-    inside backward instead (clipping by norm: after a backward that only measures the norm).
-    """
+    frees the gradients (other loops: `Loop.gradients`). With the fused step the strategy's own core steps
+    and frees each gradient inside backward instead (clipping by norm: after a backward that only measures
+    the norm)."""
     trainable = [p for p in module.model.parameters() if p.requires_grad]
+    release = step.loop.gradients
 
     def warm() -> None:
         for p in trainable:
             p.grad = torch.zeros_like(p)
         optimizer.step()  # creates the state; fused copies share the original optimizer's state
-        if setup.accumulate_grad_batches == 1:  # else: a mid-window micro-batch keeps the window's gradients
+        if step.accumulate_grad_batches == 1 and release == "after_step":
             optimizer.zero_grad()  # a step leaves no gradient behind (see above)
+        elif step.accumulate_grad_batches == 1 and release == "zeroed":
+            optimizer.zero_grad(set_to_none=False)  # torch 1.x: zeroed in place, still allocated
+        # else: a mid-window micro-batch keeps the window's gradients, as does a loop freeing them before backward
 
-    if setup.fused:
+    def backward(loss: torch.Tensor) -> None:
+        if release == "before_backward" and step.accumulate_grad_batches == 1:
+            optimizer.zero_grad()
+        loss.backward()
+
+    if step.fused:
         # hooks on the (throwaway, fake) model's parameters; any max_norm: only the extra backward matters here
-        fused = OptimizerInBackward(optimizer, module, setup.bucket, Clipping(max_norm=1.0) if setup.clip_norm else None)
+        fused = OptimizerInBackward(optimizer, parameter_units(module), step.bucket, Clipping(max_norm=1.0) if step.clip_norm else None)
         return _Stepping([optimizer], warm, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
-    return _Stepping([optimizer], warm, lambda loss: loss.backward(), after_backward=optimizer.step)
+    return _Stepping([optimizer], warm, backward, after_backward=optimizer.step)
 
 
 TORCHAO_NOTE = (
     "torchao's update kernel is compiled, and compiled code cannot run on fake tensors: the simulation creates "
     "its state with torchao's own code and allocates the kernel's buffers as inductor's CPU code does "
     "(lit_memory.memory.analytic.torchao_kernel_bytes) instead of running it"
+)
+STAND_IN_NOTE = (
+    "simulated on CPU kernels, with CUDA's stood in where their memory differs: the attention kernel torch "
+    "picks on the target GPU ({kernel}), 1-byte dropout masks, autocast's fp32 softmax and LayerNorm"
 )
 
 
@@ -101,7 +130,8 @@ def _torchao_kernel_as_buffers(optimizer: torch.optim.Optimizer):
         maps.get_qmap_signed(), maps.get_qmap_unsigned()
 
     def buffers(p, grad, step, exp_avg, *rest) -> None:
-        kind = type(exp_avg).__name__.removeprefix("OptimState")
+        name = type(exp_avg).__name__
+        kind = name.removeprefix("OptimState") if name.startswith("OptimState") else None  # plain state: in place
         block = getattr(exp_avg, "block_size", float("inf"))
         held = torch.empty(torchao_kernel_bytes(kind, exp_avg.numel(), block), dtype=torch.uint8)
         del held
@@ -110,32 +140,123 @@ def _torchao_kernel_as_buffers(optimizer: torch.optim.Optimizer):
         yield
 
 
-def simulate(setup: Setup) -> Prediction:
-    """One training step of the configured module on fake tensors, tracked per phase on ``cpu``."""
+# -- CUDA's kernels, stood in for ----------------------------------------------------------------------
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused CUDA attention kernel (flash, memory-efficient, cuDNN) allocates and keeps: its output
+    laid out (batch, length, heads, dim) as its inputs are, a fp32 log-sum-exp per row (padded to 32 rows by
+    the memory-efficient kernel), the padding mask as a bias of the inputs' dtype; in backward dq, dk, dv
+    and the kernel's fp32 workspaces. No values are computed: the tensors are fake."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, name: str, masked: bool):  # type: ignore[override]
+        batch, heads, length, dim = q.shape
+        out = torch.empty((batch, length, heads, v.shape[-1]), dtype=q.dtype).transpose(1, 2)
+        rows = math.ceil(length / 32) * 32 if name == "efficient" else length
+        lse = torch.empty((batch, heads, rows), dtype=torch.float32)
+        kept = [q, k, v, out, lse]
+        if name == "efficient" and masked:
+            kept.append(torch.empty((batch, 1, length, math.ceil(k.shape[-2] / 16) * 16), dtype=q.dtype))
+        ctx.save_for_backward(*kept)
+        ctx.name = name
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, lse, *bias = ctx.saved_tensors
+        workspace = [torch.empty(lse.shape, dtype=torch.float32)]  # the rows' dot(dO, O)
+        if ctx.name == "flash":
+            workspace.append(torch.empty(q.shape, dtype=torch.float32))  # dq accumulator
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del workspace
+        return dq, dk, dv, None, None
+
+
+def _upcast(fn: Callable) -> Callable:
+    """An op on CUDA autocast's fp32 list (softmax, LayerNorm): inputs cast to fp32, run in fp32."""
+
+    def on_autocast_fp32(*args, **kwargs):
+        if not torch.is_autocast_enabled("cpu"):
+            return fn(*args, **kwargs)
+        up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        with torch.autocast("cpu", enabled=False):
+            return fn(*map(up, args), **{name: up(value) for name, value in kwargs.items() if name != "dtype"})
+
+    return on_autocast_fp32
+
+
+@contextlib.contextmanager
+def cuda_stand_ins(step: Step):
+    """CUDA's kernels where their memory differs from the CPU's (see the module docstring)."""
+    functional = torch.nn.functional
+    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+    capability = step.target.gpu.capability
+    chosen: list[str] = []
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        kernel = Kernel.of(
+            "sdpa", True, capability, query.element_size(), query.shape[-1], dropout_p > 0, torch.is_grad_enabled(),
+            attn_mask is not None,
+        )
+        chosen.append(kernel.name)
+        if not kernel.fused:  # math: torch's own decomposition (16-bit inputs in fp32, as on CUDA)
+            return sdpa(query.float(), key.float(), value.float(), attn_mask, dropout_p, is_causal, scale).to(query.dtype)
+        if not torch.is_grad_enabled():
+            return torch.empty_like(query)
+        return _FusedAttention.apply(query, key, value, kernel.name, attn_mask is not None)
+
+    def cuda_dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        return torch.native_dropout(input, p, True)[0]  # CUDA's kernel: the output and a bool mask
+
+    patches = [
+        mock.patch.object(functional, "scaled_dot_product_attention", attention),
+        mock.patch.object(functional, "dropout", cuda_dropout),
+        mock.patch.object(functional, "softmax", _upcast(functional.softmax)),
+        mock.patch.object(functional, "layer_norm", _upcast(functional.layer_norm)),
+    ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield chosen
+
+
+def simulate(step: Step) -> Prediction:
+    """One training step of the configured module on fake tensors, tracked per phase on the CPU (with
+    CUDA's kernels stood in for a CUDA target)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    autocast = PRECISIONS[setup.precision][2]
+    _, compute, autocast = PRECISIONS[step.precision]
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the optimizer's own small real tensors
-    module, optimizer = build(setup, fake)
-    if setup.offloading:
+    module, optimizer = build(step, fake)
+    if step.offloading:
         # The step runs on the CPU here, standing in for the GPU: offload to the meta device instead
         # of host memory, so the offloaded tensors leave the tracked device as they would leave the GPU.
         module.activation_offload = OffloadActivations(host="meta")
-    with _torchao_kernel_as_buffers(optimizer), fake, warnings.catch_warnings():
+    cuda = step.device == "cuda"
+    stand_ins = cuda_stand_ins(step) if cuda else contextlib.nullcontext([])
+    with _torchao_kernel_as_buffers(optimizer), fake, warnings.catch_warnings(), stand_ins as kernels:
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
-        _use_device_defaults(optimizer, setup.device)
-        stepping = _stepping(module, optimizer, setup)
+        _use_device_defaults(optimizer, step.device)
+        stepping = _stepping(module, optimizer, step)
         stepping.warm()  # the steady state: the optimizer state exists
-        batch = _fake_batch(setup, module.model.config)
-        # Lightning's own autocast context (it disables autocast's weight cache); one per use.
-        plugin = MixedPrecision(setup.precision, "cpu") if autocast else None
+        batch = _fake_batch(step, module.model.config)
+        # Lightning's own autocast context (it disables autocast's weight cache; `Loop.autocast_cache`
+        # keeps it, as Fabric and accelerate do); one per use.
+        plugin = MixedPrecision(step.precision, "cpu") if autocast else None
 
         def forward_context() -> contextlib.AbstractContextManager:
-            return plugin.forward_context() if plugin else contextlib.nullcontext()
+            if plugin is None:
+                return contextlib.nullcontext()
+            if step.loop.autocast_cache:
+                return torch.autocast("cpu", dtype=compute, cache_enabled=True)
+            return plugin.forward_context()
 
-        tracker = Tracker("cpu", compiled_steps=False)  # torchao's steps run eagerly here
+        tracker = Tracker("cpu", compiled_steps=False, record=cuda)  # torchao's steps run eagerly here
         tracker.track_external(module, *stepping.optimizers, batch)
         with tracker:
             tracker.enter_phase("forward")
@@ -155,15 +276,42 @@ def simulate(setup: Setup) -> Prediction:
         with inference, torch.no_grad(), forward_context():
             inference.enter_phase("forward")
             module.model(**inputs)
+    footprint = tracker.footprint
+    notes = [TORCHAO_NOTE] if is_torchao(optimizer) else []
+    if cuda:
+        kernel = kernels[0] if kernels else "eager attention"
+        notes.append(STAND_IN_NOTE.format(kernel=kernel))
+        _add_levels(footprint, tracker.events, step)
     return Prediction(
         method="simulated",
-        device="cpu",
-        footprint=tracker.footprint,
+        device=step.device,
+        footprint=footprint,
         inference=inference.footprint.peak,
         parameters=sum(p.numel() for p in module.model.parameters()),
         trainable=sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         seconds=time.perf_counter() - start,
-        notes=[TORCHAO_NOTE] if is_torchao(optimizer) else [],
+        notes=notes,
+        attention=f"{kernels[0] if kernels else 'eager'} (simulated)",
     )
 
 
+def _add_levels(footprint, events: list, step: Step) -> None:
+    """The tracked step's allocations replayed twice after what existed before it (the second pass: the
+    steady state, allocating into what the first left cached), plus the cuBLAS workspaces; the device adds
+    the CUDA context."""
+    first = next((i for i, e in enumerate(events) if e[0] == "phase"), len(events))
+    setup, body = events[:first], events[first:]
+    made = {e[1] for e in body if e[0] == "+"}
+    freed = {e[1] for e in body if e[0] == "-"}
+    transient = made & freed  # made and released within the step: what the second pass repeats
+    again = [
+        (e[0], ("again", e[1]), *e[2:]) if e[0] != "phase" else e
+        for e in body
+        if e[0] == "phase" or e[1] in transient
+    ]
+    found = replay([("phase", "setup"), *setup, *body, *again], step.target.allocator)
+    workspaces = CUBLAS_THREADS * step.target.cublas_workspace
+    reserved = max(found.peak_reserved, footprint.peak) + workspaces
+    footprint.reserved = -(-reserved // 2**20) * 2**20
+    footprint.reserved_phase = found.peak_phase if found.peak_phase in footprint.phases else footprint.peak_phase
+    footprint.context = step.target.context_bytes

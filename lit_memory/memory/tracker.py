@@ -60,10 +60,18 @@ class Tracker(MemTracker):
     """
 
     def __init__(
-        self, device: Union[str, torch.device] = "cpu", budget: Optional[int] = None, compiled_steps: bool = True
+        self,
+        device: Union[str, torch.device] = "cpu",
+        budget: Optional[int] = None,
+        compiled_steps: bool = True,
+        record: bool = False,
     ) -> None:
         super().__init__()
         self.device = torch.device(device)
+        # ``record``: every allocation and free on the device, in order (``("+", key, bytes)``, ``("-", key)``,
+        # ``("phase", name)``), for the caching allocator's replay (`lit_memory.memory.allocator.replay`).
+        self.events: Optional[list[tuple]] = [] if record else None
+        self._recorded: dict[int, int] = {}  # id of a live storage's info -> its key in `events` (ids are reused)
         self.budget = budget
         self.footprint = Footprint()
         self.phase: Optional[str] = None
@@ -173,6 +181,17 @@ class Tracker(MemTracker):
             _push_mode(self)
             self._paused = False
 
+    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Any = None, old_reftype: Any = None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if self.events is None or not self._counts(winfo.device):
+            return
+        name = getattr(u_type, "name", str(u_type))
+        if name in ("DEL", "SIZE") and id(winfo) in self._recorded:
+            self.events.append(("-", self._recorded.pop(id(winfo))))
+        if name in ("ADD", "SIZE") and winfo.mem_consumed > 0:
+            key = self._recorded[id(winfo)] = len(self.events)
+            self.events.append(("+", key, winfo.mem_consumed))
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Only the global peak is used here. MemTracker also updates a peak per module, walking every
         # tracked module after every op: most of its cost on a 24-layer model.
@@ -204,6 +223,8 @@ class Tracker(MemTracker):
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
         self.phase = phase
+        if self.events is not None:
+            self.events.append(("phase", phase))
         self._in_opt = phase == "step"  # tensors created while stepping are the optimizer's
 
     def _close_phase(self) -> None:

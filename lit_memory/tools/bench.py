@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_memory import recipes
+from lit_memory import files, recipes
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory import records
@@ -173,7 +173,7 @@ def fresh_environment() -> dict[str, str]:
 
 def _run(command: list[str], log: Path) -> Optional[str]:
     """Run a command with its output in `log`; the error (its ``error:`` line, else its last line) or None."""
-    with open(log, "w", encoding="utf-8") as f:
+    with files.open_log(log) as f:
         code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=fresh_environment()).returncode
     if code == 0:
         return None
@@ -435,7 +435,8 @@ def plot(rows: list[dict], info: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("peak memory (GiB), " + ("allocated" if info["machine"]["kind"] == "gpu" else "tracked tensors"))
     ax.set_title(f"lit_memory recipes on {info['machine']['device']} ({info['machine']['cpu']})", fontsize=9)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
+    with files.replacing(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
 
 
 def write_outputs(rows: list[dict], info: dict[str, Any], out: Path) -> None:
@@ -444,12 +445,12 @@ def write_outputs(rows: list[dict], info: dict[str, Any], out: Path) -> None:
     keys = [c.key for c in cols] + ["predicted_by", "error"]
     if info["settings"]["peer"]:
         keys += ["peer_step_time_s", "peer_note"]
-    with open(out / "bench.csv", "w", newline="", encoding="utf-8") as f:
+    with files.replacing(out / "bench.csv") as f:
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     records.write_bench(out, info, rows)
-    (out / "bench.md").write_text(markdown(rows, info, "lit_memory bench"), encoding="utf-8")
+    files.write_text(out / "bench.md", markdown(rows, info, "lit_memory bench"))
     plot(rows, info, out / "bench.png")
 
 
@@ -518,12 +519,12 @@ def main(argv: list[str]) -> None:
     if args.update_readme:  # only a finished run
         folder = recipes.CHECKOUT
         table = markdown(rows, info(rows), "Recipes, measured")
-        (folder / "README.md").write_text(table, encoding="utf-8")
+        files.write_text(folder / "README.md", table)
         records.write_bench(folder, info(rows), rows)
         project = folder.parent / "README.md"  # a checkout's README shows the same table between markers
         embedded = embed(project.read_text(encoding="utf-8"), table.split("\n", 2)[2]) if project.is_file() else None
         if embedded is not None:
-            project.write_text(embedded, encoding="utf-8")
+            files.write_text(project, embedded)
     print(f"wrote {', '.join(str(args.out / f) for f in ('bench.md', 'bench.csv', 'bench.json', 'bench.png'))}")
     failed = [r["recipe"] for r in rows if r.get("error")]
     if failed:

@@ -1,6 +1,10 @@
-"""``python -m lit_memory estimate``: a training step's memory per category, predicted two ways
-before any run: the analytic model (`lit_memory.memory.analytic`) and the simulated step
-(`lit_memory.memory.simulate`), for the run ``fit`` would train with the same arguments.
+"""``python -m lit_memory estimate``: a training step's memory before any run, at three levels (tensors,
+the CUDA caching allocator's reserve, the device as ``nvidia-smi`` shows it), predicted two ways: the
+analytic model and the simulated step (`lit_memory.memory.predict`), for the run ``fit`` would train with
+the same arguments, on the GPU the options describe (this machine's when it has one).
+
+``--published`` prints the table of published GPU measurements against these predictions
+(`lit_memory.memory.published`); ``--published --update-docs`` writes it into docs/memory.md.
 """
 
 from __future__ import annotations
@@ -9,126 +13,136 @@ import argparse
 import json
 from typing import Any, Optional
 
-import lightning as L
-
-from lit_memory.cli import LitMemoryCLI, resolve
-from lit_memory.memory.analytic import analytic, file_gib
-from lit_memory.memory.footprint import Footprint, format_bytes
+from lit_memory.anatomy import skeleton
+from lit_memory.cli import resolve
+from lit_memory.eightbit import quantised_embeddings
+from lit_memory.errors import UserError
+from lit_memory.memory.allocator import AllocatorConfig
+from lit_memory.memory.analytic import file_gib
+from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target, target
+from lit_memory.memory.footprint import Footprint, format_bytes, parse_bytes
+from lit_memory.memory.predict import predict
 from lit_memory.memory.report import table
-from lit_memory.memory.setup import (
-    DEVICES,
-    Prediction,
-    Setup,
-    clips_by_norm,
-    init_args,
-    is_fused,
-    is_sharded,
-    normalize_precision,
-)
-from lit_memory.memory.simulate import simulate
-from lit_memory.model import SequenceClassifier
+from lit_memory.memory.step import DEVICES, LOOPS, Prediction, Step, loop
 
 CUDA_NOTES = (
-    "CUDA differs from the CPU simulation in: attention kernels (CUDA's memory-efficient/flash SDPA keeps "
-    "no heads x length x length probabilities; CPU falls back to the math kernel when attention dropout is on), "
-    "dropout masks (1 byte per value on CUDA, a full-width noise tensor on CPU), the caching allocator "
-    "(rounds blocks to 512 B and reserves more than it allocates) and cuBLAS workspaces (a few MiB)."
+    "the CPU simulation runs CPU kernels; CUDA's stand in where their memory differs (attention kernel, dropout "
+    "masks, autocast's fp32 ops); the analytic model predicts CUDA's directly"
 )
 
 
-
-def setup_of(run: LitMemoryCLI, device: str = "cuda") -> Setup:
-    """The setup a resolved run (`lit_memory.cli.resolve`) would train; its model is not built."""
-    if not hasattr(run, "model"):
-        run.build(trainer=False)
-    trainer = run.settings.trainer
-    sharded = is_sharded(trainer.strategy)
-    return Setup(
-        model=init_args(SequenceClassifier, run.model.hparams),
-        optimizer=run.model.optimizer_factory,
-        precision=normalize_precision(trainer.precision),
-        accumulate_grad_batches=trainer.accumulate_grad_batches,
-        batch_size=run.datamodule.hparams.batch_size,
-        max_length=run.datamodule.hparams.max_length,
-        fused=is_fused(trainer.strategy),
-        bucket=getattr(getattr(trainer.strategy, "init_args", None), "bucket", None) or "layer",
-        clip_norm=clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
-        device=device,
-        sharded=sharded,
-        world_size=ranks(trainer.devices) * trainer.num_nodes if sharded else 1,
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which device a prediction is for (estimate and plan)."""
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cuda", help="device the prediction is for (default: cuda)"
+    )
+    parser.add_argument(
+        "--gpu", choices=sorted(GPUS), default=None,
+        help=f"the GPU (default: this machine's, else {DEFAULT_GPU}): its architecture picks the attention kernel "
+        "and the cuBLAS workspace, its generation the CUDA context",
+    )
+    parser.add_argument("--cuda", default=None, help="CUDA version PyTorch is built with (default: this machine's, else 12.4)")
+    parser.add_argument(
+        "--cuda-context", default=None,
+        help="CUDA context and loaded kernels of your setup (e.g. 1343MiB: nvidia-smi after the first CUDA "
+        "op and a matmul); default: the documented table (docs/memory.md)",
+    )
+    parser.add_argument(
+        "--allocator-conf", default=None,
+        help="PYTORCH_CUDA_ALLOC_CONF to predict for (default: this environment's), e.g. expandable_segments:True",
+    )
+    parser.add_argument(
+        "--loop", choices=sorted(LOOPS), default="lightning",
+        help="the training loop whose memory behaviour to predict (default: lightning, lit_memory's fit)",
     )
 
 
-def ranks(devices: Any) -> int:
-    """Devices per node as configured: a count, a list of indices, or "auto"/-1 (every device this machine
-    has, which is not the machine a prediction is for: then 1; pass --trainer.devices N)."""
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    try:
-        return max(int(devices), 1)
-    except (TypeError, ValueError):
-        return 1
+def target_of(args: argparse.Namespace) -> Target:
+    context = parse_bytes(args.cuda_context) if args.cuda_context is not None else None
+    allocator = AllocatorConfig.parse(args.allocator_conf) if args.allocator_conf is not None else None
+    return target(args.device, args.gpu, args.cuda, context, allocator)
 
 
-def predict_run(trainer: L.Trainer, module: L.LightningModule, simulated: bool) -> dict[str, Footprint]:
-    """The monitor's ``predict`` hook: this run's predicted footprints, by method (``memory.json``)."""
-    try:
-        setup = Setup.from_run(trainer, module)
-    except AttributeError:  # not a SequenceClassifier with our data module: measure only
-        return {}
-    # The simulation runs one device: a sharded run's per-rank numbers are the analytic model's.
-    methods = {"analytic": analytic, **({"simulated": simulate} if simulated and not setup.sharded else {})}
-    predictions = {}
-    for name, predict in methods.items():
-        try:
-            predictions[name] = predict(setup).footprint
-        except Exception as err:  # a model the predictions do not cover must still train (and be measured)
-            print(f"warning: no {name} memory prediction: {type(err).__name__}: {err}")
-    return predictions
+def step_of(rest: list[str], args: argparse.Namespace) -> Step:
+    """The step ``fit`` would train with these arguments, for the options' device and loop: resolved by the
+    same parser (`lit_memory.cli.resolve`), built once (`Step.from_settings`). The CPU's bf16 fallback is
+    this machine's business, not the predicted device's: it stays off."""
+    fallback = ["--cpu_bf16_fallback=false"] if args.device == "cuda" else []
+    run = resolve(["fit", *rest, *fallback])
+    return Step.from_settings(run.settings.as_dict(), target_of(args), loop(args.loop))
 
 
-def report(setup: Setup, analytic_: Prediction, simulated: Optional[Prediction]) -> dict:
+def embedding_state_notes(step: Step) -> list[str]:
+    """What ``embedding_optimizer_state: auto`` did with a low-bit optimizer: which embedding matrices it left
+    on quantised state (`lit_memory.eightbit.unquantised`), and for bitsandbytes' what 32-bit state would have
+    added (already in the numbers; said so they can be traded)."""
+    model = step.model
+    trained = model.get("freeze") is None and model.get("lora") is None  # every freeze setting and LoRA freeze them
+    library = step.optimizer.library
+    if model.get("embedding_optimizer_state", "auto") != "auto" or library not in ("bitsandbytes", "torchao") or not trained:
+        return []
+    notes = []
+    for e, extra in quantised_embeddings(skeleton(step.module().hf_config).embeddings):
+        what = f"{e.num_embeddings} x {e.embedding_dim} {type(e).__name__} ({e.weight.numel() / 1e6:.1f} M values"
+        if library == "bitsandbytes":
+            notes.append(
+                f"optimizer state: embedding_optimizer_state auto keeps 8-bit state for {what}; 32-bit would add "
+                f"{format_bytes(extra)}: --model.embedding_optimizer_state 32bit)"
+            )
+        else:  # torchao: its quantised state also changes its step's buffers; estimate the alternative itself
+            notes.append(
+                f"optimizer state: embedding_optimizer_state auto keeps {step.optimizer.name}'s quantised state for {what}; "
+                "estimate --model.embedding_optimizer_state 32bit or unquantized for plain state)"
+            )
+    return notes
+
+
+def report(step: Step, predictions: dict[str, Prediction]) -> dict[str, Any]:
     """The --json object; ``predicted`` has the footprints as ``memory.json`` keeps them."""
-    both = {"analytic": analytic_, "simulated": simulated}
+    analytic_ = predictions["analytic"]
+    simulated = predictions.get("simulated")
     params = analytic_.parameters
     notes = list(analytic_.notes)
     if simulated is not None:
         notes.append(f"simulated on CPU with fake tensors (nothing allocated) in {simulated.seconds:.1f} s")
         notes += simulated.notes
-        if setup.device == "cuda":
+        if step.device == "cuda":
             notes.append(CUDA_NOTES)
+    if step.sharded:
+        notes.append("not simulated: the simulation runs one device, so per-rank numbers are analytic")
     return {
         "model": {
-            "name": setup.model.get("model_name_or_path"),
+            "name": step.model.get("model_name_or_path"),
             "parameters": params,
             "trainable": analytic_.trainable,
             "file_bytes": {"fp32": 4 * params, "fp16": 2 * params, "int8": params},
         },
         "setup": {
-            "batch_size": setup.batch_size,
-            "max_length": setup.max_length,
-            "precision": setup.precision,
-            "optimizer": setup.optimizer_name,
-            "accumulate_grad_batches": setup.accumulate_grad_batches,
-            "gradient_checkpointing": setup.checkpointing or False,
-            "offload_activations": bool(setup.model.get("offload_activations")),
-            "freeze": setup.model.get("freeze"),
-            "fused": setup.fused,
-            "sharded": setup.sharded,
-            "world_size": setup.world_size,
+            "batch_size": step.batch_size,
+            "max_length": step.max_length,
+            "precision": step.precision,
+            "optimizer": step.optimizer_name,
+            "accumulate_grad_batches": step.accumulate_grad_batches,
+            "gradient_checkpointing": step.checkpointing or False,
+            "offload_activations": bool(step.model.get("offload_activations")),
+            "freeze": step.model.get("freeze"),
+            "fused": step.fused,
+            "sharded": step.sharded,
+            "world_size": step.world_size,
+            "loop": step.loop.name,
+            "attention": analytic_.attention,
         },
-        "device": {"analytic": setup.device, "simulated": "cpu"},
-        "predicted": {k: (p.footprint.to_dict() if p else None) for k, p in both.items()},
-        "inference_bytes": {k: (p.inference if p else None) for k, p in both.items()},
+        "device": {"analytic": step.device, "simulated": step.device, "target": step.target.describe()},
+        "predicted": {k: (p.footprint.to_dict() if p else None) for k, p in {"analytic": analytic_, "simulated": simulated}.items()},
+        "inference_bytes": {"analytic": analytic_.inference, "simulated": simulated.inference if simulated else None},
         "notes": notes,
     }
 
 
 def format_report(data: dict) -> str:
     model, setup = data["model"], data["setup"]
-    heads = {"analytic": f"analytic ({data['device']['analytic']})", "simulated": "simulated (cpu)"}
+    device = data["device"]["analytic"]
+    heads = {"analytic": f"analytic ({device})", "simulated": f"simulated ({device})"}
     columns = {heads[k]: Footprint.from_dict(f) for k, f in data["predicted"].items() if f is not None}
     inference = [format_bytes(data["inference_bytes"][k]) for k, f in data["predicted"].items() if f is not None]
     sizes = ", ".join(
@@ -141,7 +155,9 @@ def format_report(data: dict) -> str:
         f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
         f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
         f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}"
-        + (f", per rank of {setup['world_size']} (FSDP)" if setup.get("sharded") else ""),
+        + (f", per rank of {setup['world_size']} (FSDP)" if setup.get("sharded") else "")
+        + (f", {setup['loop']} loop" if setup.get("loop", "lightning") != "lightning" else ""),
+        f"on {data['device']['target']}; {setup['attention']}",
         "",
         table("training step, at the peak", columns, {"inference (no autograd)": inference}),
         f"model file (parameters x bytes / 1024^3): {sizes}",
@@ -153,19 +169,39 @@ def format_report(data: dict) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lit_memory estimate",
-        description="Predict a training step's memory per category (analytic and simulated). "
+        description="Predict a training step's memory per category and at three levels (tensors, reserved, device). "
         "Every other argument is a fit argument: --config FILE (repeatable), dotted overrides.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-simulate", action="store_true", help="analytic only (milliseconds instead of seconds)")
+    add_target_arguments(parser)
     parser.add_argument(
-        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
+        "--published", action="store_true",
+        help="print published GPU measurements beside lit_memory's predictions (docs/memory.md's table)",
     )
+    parser.add_argument("--update-docs", action="store_true", help="with --published: write the table into docs/memory.md")
     ours, rest = parser.parse_known_args(argv)
-    setup = setup_of(resolve(["fit", *rest]), ours.device)
-    predicted = analytic(setup)
-    simulated = None if ours.no_simulate or setup.sharded else simulate(setup)
-    if setup.sharded and not ours.no_simulate:
-        predicted.notes.append("not simulated: the simulation runs one device, so per-rank numbers are analytic")
-    data = report(setup, predicted, simulated)
+    if ours.published:
+        from lit_memory.tools.published import main as published
+
+        published(ours.update_docs)
+        return
+    if ours.update_docs:
+        raise UserError("--update-docs goes with --published")
+    step = step_of(rest, ours)
+    predictions = predict(step, simulated=not ours.no_simulate)
+    predictions["analytic"].notes += embedding_state_notes(step)
+    data = report(step, predictions)
     print(json.dumps(data, indent=2) if ours.json else format_report(data))
+
+
+def device_line(footprint: Optional[Footprint]) -> str:
+    """tensors / reserved / device in words (recipe headers, plan)."""
+    if footprint is None:
+        return "-"
+    if footprint.device is None:
+        return f"tensors {format_bytes(footprint.peak)}"
+    return (
+        f"tensors {format_bytes(footprint.peak)}, reserved {format_bytes(footprint.reserved)}, "
+        f"device {format_bytes(footprint.device)}"
+    )

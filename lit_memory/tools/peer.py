@@ -26,9 +26,10 @@ from typing import Any, Optional
 import torch
 from transformers import TrainerCallback
 
+from lit_memory import files
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.setup import is_fused, normalize_precision
+from lit_memory.memory.step import is_fused, normalize_precision
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import checkpoint_policy
 from lit_memory.monitor import clock
@@ -209,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (UserError, NoTrainerEquivalent) as err:
         raise SystemExit(f"error: {err}") from err
     ours.out.mkdir(parents=True, exist_ok=True)
-    (ours.out / PEER_JSON).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    files.write_text(ours.out / PEER_JSON, json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,19 +6,10 @@ with the configured effective batch split into micro-batches of every power of t
 predicted analytically (milliseconds); the fastest that fits is confirmed by the simulation and
 written as a recipe, with its predicted breakdown in the header.
 
-"Fastest" follows a stated rule; the first difference decides:
-
-1. quality: every parameter trains, every token is kept and every update reaches the weights (freezing,
-   LoRA's frozen body, truncation and 16-bit weights rounded to nearest, which drops updates below half a
-   unit in their last place, cost accuracy);
-2. no gradient accumulation;
-3. the least recompute: no gradient checkpointing, then selective (recomputes only cheap ops), then
-   full (re-runs every layer's forward in backward); with equal recompute, no activation offloading
-   (it copies each layer's input to host memory and back);
-4. the larger micro-batch;
-5. on CUDA 16-bit compute (bf16 autocast or bf16 weights: tensor cores) before fp32, on CPU fp32 first;
-6. the optimizer that keeps more state (closest to AdamW's updates);
-7. Lightning's own optimizer step before the fused step (one optimizer step per parameter).
+"Fastest" follows the rule stated in `lit_memory.memory.choose` (quality, no accumulation, the least
+recompute, the larger micro-batch, 16-bit compute on CUDA, more optimizer state, Lightning's step before
+the fused step). The budget is a device budget: what ``nvidia-smi`` would show for the process, the
+predicted tensors plus the caching allocator's reserve plus the CUDA context (`lit_memory.memory.predict`).
 
 With ``--measure`` the measured time per optimizer step decides among the first candidates that fit.
 """
@@ -38,24 +29,22 @@ from typing import Any, Callable, Optional
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
+from lit_memory import files
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.lowbit import check_settings
 from lit_memory.memory.analytic import analytic
+from lit_memory.memory.choose import RULE, rank
 from lit_memory.memory.footprint import CATEGORIES, format_bytes, parse_bytes
+from lit_memory.memory.predict import device_total, level
 from lit_memory.memory.report import breakdown
-from lit_memory.memory.setup import DEVICES, PRECISIONS, Prediction, Setup, is_fused, normalize_precision
 from lit_memory.memory.simulate import simulate
+from lit_memory.memory.step import Prediction, Step
 from lit_memory.monitor import StepTimer
 from lit_memory.recipes import recipes_dir
-from lit_memory.tools.estimate import setup_of
+from lit_memory.tools.estimate import add_target_arguments, step_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
-RULE = (
-    "quality (no freezing, no LoRA, no truncation, no 16-bit weights rounded to nearest) > no accumulation > "
-    "no checkpointing > selective > full checkpointing > no offloading > larger micro-batch > "
-    "16-bit compute on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
-)
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
 MEASURED = 3  # candidates timed with --measure
 COMMENT_COLUMN = 34
@@ -110,75 +99,28 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 
 # -- turning settings into setups ---------------------------------------------------------------
 
-_FACTORIES: dict[str, Callable] = {}
 
-
-def optimizer_factory(spec: dict) -> Callable:
-    """An optimizer config (class_path + init_args) as the callable the CLI would give the module."""
-    key = json.dumps(spec, sort_keys=True)
-    if key not in _FACTORIES:
-        from jsonargparse import ArgumentParser
-        from lightning.pytorch.cli import OptimizerCallable
-
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_argument("--optimizer", type=OptimizerCallable)
-        _FACTORIES[key] = parser.instantiate(parser.parse_object({"optimizer": spec})).optimizer
-    return _FACTORIES[key]
-
-
-def apply(base: Setup, values: dict[str, Any]) -> Setup:
-    """``base`` with recipe settings applied (settings that do not change a step's memory are ignored)."""
-    model, changes = dict(base.model), {}
-    for key, value in values.items():
-        section, name = key.split(".", 1)
-        if key == "trainer.precision":
-            changes["precision"] = normalize_precision(value)
-        elif key == "trainer.accumulate_grad_batches":
-            changes["accumulate_grad_batches"] = value
-        elif key == "trainer.strategy":
-            changes["fused"] = is_fused(value)
-        elif key in ("data.batch_size", "data.max_length"):
-            changes[name] = value
-        elif key == "model.optimizer":
-            changes["optimizer"] = optimizer_factory(value)
-        elif section == "model":
-            model[name] = value
-    setup = replace(base, model=model, **changes)
-    if model.get("embedding_optimizer_state") != "stable_embedding" and not _bitsandbytes(setup):
-        # Only bitsandbytes' optimizers read it (stable_embedding swaps a module for any): the same setup.
-        setup = replace(setup, model={k: v for k, v in model.items() if k != "embedding_optimizer_state"})
-    return setup
-
-
-def _bitsandbytes(setup: Setup) -> bool:
-    return getattr(setup.optimizer_class, "__module__", "").startswith("bitsandbytes")
-
-
-def rank(setup: Setup, prediction: Prediction, longest: int) -> tuple:
-    """Sort key of the module docstring's rule: smaller is faster."""
-    sixteen_bit = PRECISIONS[setup.precision][1].itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
-    precision = (0 if sixteen_bit else 1) if setup.device == "cuda" else (0 if not sixteen_bit else 1)
-    steady_state = prediction.footprint.phases["forward"]["optimizer"]
+def _identity(step: Step) -> tuple:
+    """What makes two candidates the same setup (settings a setup ignores dropped: only low-bit optimizers
+    read ``embedding_optimizer_state``, unless it swaps in StableEmbedding)."""
+    model = dict(step.model)
+    if model.get("embedding_optimizer_state") != "stable_embedding" and step.optimizer.library not in ("bitsandbytes", "torchao"):
+        model.pop("embedding_optimizer_state", None)
     return (
-        setup.model.get("freeze") is not None
-        or setup.model.get("lora") is not None
-        or setup.max_length < longest
-        or setup.loses_small_updates,
-        setup.accumulate_grad_batches > 1,
-        (None, "selective", "full").index(setup.checkpointing),
-        bool(setup.model.get("offload_activations")),
-        -setup.batch_size,
-        precision,
-        -steady_state,
-        setup.fused,
+        json.dumps(model, sort_keys=True, default=str), step.optimizer.key, step.precision, step.batch_size,
+        step.accumulate_grad_batches, step.max_length, step.fused,
     )
 
 
 @dataclass
 class Candidate:
     blocks: dict[str, Block]  # every setting the planned recipe will state
-    setup: Setup
-    prediction: Prediction
+    setup: Step
+    prediction: Prediction  # analytic: tensors; the device total is computed when the rule gets to it
+
+    @property
+    def total(self) -> int:
+        return device_total(self.setup)
 
 
 def _micro_batches(effective: int) -> list[tuple[int, int]]:
@@ -205,7 +147,7 @@ def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
     }
 
 
-def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
+def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
     """Every combination of the recipes' differing settings, each micro-batch split, predicted."""
     keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS))
     options: dict[str, list[Optional[Block]]] = {}
@@ -223,11 +165,13 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
         for micro, accumulate in _micro_batches(effective):
             blocks = {**chosen, **_batch_blocks(micro, accumulate)}
             blocks = dict(sorted(blocks.items(), key=lambda kv: order.index(kv[0])))
-            setup = apply(base, {k: b.plain for k, b in blocks.items()})
+            try:
+                setup = base.with_settings({k: b.plain for k, b in blocks.items()})
+            except UserError:
+                continue  # settings refused together
             if setup.fused and setup.accumulate_grad_batches > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
-            identity = (json.dumps(setup.model, sort_keys=True, default=str), id(setup.optimizer), setup.precision,
-                        setup.batch_size, setup.accumulate_grad_batches, setup.max_length, setup.fused)
+            identity = _identity(setup)
             if identity in kept:
                 # Settings that differ only where this setup ignores them: write those closest to a shipped recipe.
                 if _distance(blocks, recipes) < _distance(kept[identity].blocks, recipes):
@@ -236,7 +180,7 @@ def candidates(base: Setup, recipes: list[Recipe]) -> list[Candidate]:
             try:
                 # settings fit refuses together (stochastic rounding without bf16 weights)
                 check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
-                prediction = analytic(setup)
+                prediction = analytic(setup, levels=False)
             except UserError:
                 continue  # settings refused together (also offloading without checkpointing, by the module)
             kept[identity] = Candidate(blocks, setup, prediction)
@@ -247,25 +191,6 @@ def _distance(blocks: dict[str, Block], recipes: list[Recipe]) -> int:
     return len(_parent(blocks, recipes)[1])
 
 
-def lightest_fitting_recipe(
-    base: Setup, limit: int, recipes: Optional[list[Recipe]] = None
-) -> Optional[tuple[str, int]]:
-    """The shipped recipe, applied to ``base``'s model and data, that the rule prefers among those
-    predicted (analytically) to fit ``limit``: (its path, its predicted peak)."""
-    recipes = shipped_recipes() if recipes is None else recipes
-    fitting = []
-    for recipe in recipes:
-        setup = apply(base, {k: b.plain for k, b in recipe.blocks.items()})
-        prediction = analytic(setup)
-        if prediction.footprint.peak <= limit:
-            fitting.append((recipe, setup, prediction))
-    if not fitting:
-        return None
-    longest = max(s.max_length for _, s, _ in fitting)
-    recipe, _, prediction = min(fitting, key=lambda f: rank(f[1], f[2], longest))
-    return f"recipes/{recipe.path.name}", prediction.footprint.peak
-
-
 # -- measuring ----------------------------------------------------------------------------------
 
 
@@ -273,7 +198,7 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
     """Seconds per optimizer step of a recipe (median after a warm-up step), from a short real run here."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "candidate.yaml"
-        path.write_text(text)
+        files.write_text(path, text)
         overrides = [
             f"--trainer.max_steps={steps + 1}",
             "--trainer.limit_val_batches=0",
@@ -318,11 +243,11 @@ def recipe_text(
     chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
 ) -> str:
     parent, changes = _parent(chosen.blocks, recipes)
-    parent_prediction = analytic(apply(chosen.setup, {k: b.plain for k, b in parent.blocks.items()}))
+    parent_prediction = analytic(chosen.setup.with_settings({k: b.plain for k, b in parent.blocks.items()}), levels=False)
     shrinks = [
         c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]
     ]
-    where = f"{chosen.setup.model.get('model_name_or_path')}, {chosen.setup.device}"
+    where = f"{chosen.setup.model.get('model_name_or_path')}, {chosen.setup.target.describe()}"
     header = [
         f"# planned: the fastest setup predicted to fit {format_bytes(budget)} ({where})",
         f"# parent: {parent.name}",
@@ -349,36 +274,39 @@ def recipe_text(
 
 
 def choose(
-    base: Setup,
+    base: Step,
     budget: int,
     args: list[str],
     recipes: Optional[list[Recipe]] = None,
     confirm: bool = True,
     measured: bool = False,
 ) -> tuple[Candidate, Optional[Prediction], list[Candidate]]:
-    """Pick the candidate to write: (chosen, its simulation, all candidates)."""
+    """Pick the candidate to write: (chosen, its simulation, all candidates). Candidates are taken in the
+    rule's order; each one's device total (tensors, the allocator's reserve, the CUDA context) is predicted
+    when the rule reaches it, and the first that fits the budget wins (confirmed by the simulation)."""
     recipes = shipped_recipes() if recipes is None else recipes
     everything = candidates(base, recipes)
     longest = max(c.setup.max_length for c in everything)
-    fitting = sorted(
-        (c for c in everything if c.prediction.footprint.peak <= budget),
-        key=lambda c: rank(c.setup, c.prediction, longest),
-    )
-    if not fitting:
-        smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
-        raise UserError(
-            f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)}; the smallest "
-            f"needs {format_bytes(smallest.prediction.footprint.peak)} ({smallest.setup.describe()})"
-        )
+    ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
+    overhead = base.target.context_bytes
+    fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= budget and c.total <= budget)
     wanted = MEASURED if measured else 1
     confirmed: list[tuple[Candidate, Optional[Prediction]]] = []
-    for candidate in fitting[:CONFIRMATIONS] if confirm else fitting[:wanted]:
+    for tried, candidate in enumerate(fitting):
+        if tried >= (CONFIRMATIONS if confirm else wanted):
+            break
         simulated = simulate(candidate.setup) if confirm else None
-        if simulated is None or simulated.footprint.peak <= budget:
+        if simulated is None or level(simulated.footprint) <= budget:
             confirmed.append((candidate, simulated))
         if len(confirmed) == wanted:
             break
     if not confirmed:
+        smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
+        if smallest.prediction.footprint.peak + overhead > budget or smallest.total > budget:
+            raise UserError(
+                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)}; the "
+                f"smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
+            )
         raise UserError(
             f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} do not fit in simulation"
         )
@@ -390,8 +318,10 @@ def choose(
             print(f"measured {seconds:.3f} s per optimizer step: {candidate.setup.describe()}")
             timed.append((seconds, candidate, simulated))
         _, chosen, simulated = min(timed, key=lambda t: t[0])
+        chosen.prediction = analytic(chosen.setup)
         return chosen, simulated, everything
     chosen, simulated = confirmed[0]
+    chosen.prediction = analytic(chosen.setup)  # with the allocator's and the device's levels
     return chosen, simulated, everything
 
 
@@ -401,10 +331,11 @@ def main(argv: list[str]) -> None:
         description="Write the fastest recipe predicted to fit a memory budget. Every other argument is a fit "
         "argument (--config FILE for the model/data, dotted overrides).",
     )
-    parser.add_argument("--budget", required=True, help="memory to fit, e.g. 4GiB, 8GB, 6000MiB")
     parser.add_argument(
-        "--device", choices=DEVICES, default="cuda", help="device the analytic model predicts for (default: cuda)"
+        "--budget", required=True,
+        help="device memory to fit (what nvidia-smi would show for the process), e.g. 4GiB, 8GB, 6000MiB",
     )
+    add_target_arguments(parser)
     parser.add_argument("--output", default="planned.yaml", help="where to write the recipe (default: planned.yaml)")
     parser.add_argument(
         "--measure",
@@ -416,15 +347,14 @@ def main(argv: list[str]) -> None:
     )
     ours, rest = parser.parse_known_args(argv)
     budget = parse_bytes(ours.budget)
-    base = setup_of(resolve(["fit", *rest]), ours.device)
+    base = step_of(rest, ours)
     recipes = shipped_recipes()
     chosen, simulated, everything = choose(
         base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
-    Path(ours.output).write_text(recipe_text(chosen, simulated, recipes, budget, command))
-    fits = sum(c.prediction.footprint.peak <= budget for c in everything)
-    print(f"{fits} of {len(everything)} setups are predicted to fit {format_bytes(budget)}; the fastest by the rule:")
+    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command))
+    print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(budget)}:")
     print(f"  {chosen.setup.describe()}")
     print(f"  analytic:  {_breakdown(chosen.prediction)}")
     if simulated is not None:

@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import Namespace
 
+from lit_memory import files, guard
 from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
-from lit_memory.trust import TRUST_FLAG
+from lit_memory.trust import HINT, TRUST_FLAG, leaves, locate
 
 
 def list_recipes() -> None:
@@ -34,9 +36,69 @@ def list_recipes() -> None:
     print("\nrun one: python -m lit_memory fit --recipe NAME    read one: python -m lit_memory recipes show NAME")
 
 
+# -- the predicted line of every shipped recipe's header ------------------------------------------------
+
+PREDICTED = "# predicted: "
+HEADER_MODEL = "configs/bert-large.yaml"
+
+
+def predicted_line(path: Path) -> str:
+    """The header line a shipped recipe states its predicted memory in: BERT-large (``configs/bert-large.yaml``)
+    with the recipe's own batch and length, analytic, at three levels, for the documented default GPU."""
+    from lit_memory.memory.analytic import analytic
+    from lit_memory.memory.device import Target
+    from lit_memory.memory.step import Step
+
+    # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
+    model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
+    run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"])
+    step = Step.from_settings(run.settings.as_dict(), Target())
+    footprint = analytic(step).footprint
+    return (
+        f"{PREDICTED}BERT-large {step.batch_size} x {step.max_length}"
+        + (f" x {step.accumulate_grad_batches} accumulated" if step.accumulate_grad_batches > 1 else "")
+        + f" ({HEADER_MODEL}) on {step.target.gpu.name}: "
+        f"tensors {format_bytes(footprint.peak)}, reserved {format_bytes(footprint.reserved)}, device "
+        f"{format_bytes(footprint.device)} (python -m lit_memory recipes headers)"
+    )
+
+
+def with_predicted_line(text: str, line: str) -> str:
+    """``text`` with its header's predicted line replaced by ``line`` (added after ``# shrinks:`` if missing)."""
+    lines = text.splitlines()
+    header_end = next((i for i, l in enumerate(lines) if not l.startswith("#")), len(lines))
+    found = [i for i in range(header_end) if lines[i].startswith(PREDICTED)]
+    if found:
+        lines[found[0]] = line
+    else:
+        after = next((i for i in range(header_end) if lines[i].startswith("# shrinks:")), header_end - 1)
+        lines.insert(after + 1, line)
+    return "\n".join(lines) + "\n"
+
+
+def headers(check: bool) -> None:
+    """Write (or with ``check``, compare) each shipped recipe's predicted line."""
+    folder = recipes_dir()
+    stale = []
+    for name in names():
+        path = folder / f"{name}.yaml"
+        text = path.read_text(encoding="utf-8")
+        updated = with_predicted_line(text, predicted_line(path))
+        print(f"{name}: {updated.splitlines()[[l.startswith(PREDICTED) for l in updated.splitlines()].index(True)][len(PREDICTED):]}")
+        if updated != text:
+            stale.append(name)
+            if not check:
+                files.write_text(path, updated)
+    if check and stale:
+        raise UserError(f"recipe headers out of date: {', '.join(stale)} (run: python -m lit_memory recipes headers)")
+
+
 def check(path: Path, trusted: bool) -> None:
     """Resolve a recipe exactly as ``fit --config FILE`` would (`lit_memory.cli.resolve`), build and
-    run nothing, and report every refused import and value with its key, and every problem."""
+    run nothing, and report every refused import and value with its key, what a run would refuse later
+    (a checkpoint Lightning would resume from by itself, links planted in folders the recipe names),
+    and every problem. Nothing is imported outside the allowlist, fetched or unpickled: checkpoints are
+    read only through the guard's restricted readers."""
     if not _is_file(path):
         raise UserError(f"recipe not found: {path}")
     tree = _load_yaml(path)
@@ -53,14 +115,19 @@ def check(path: Path, trusted: bool) -> None:
                 if not all(_drop(tree, outer) for _, _, outer in err.denied):
                     break
                 source = Path(scratch) / path.name
-                source.write_text(yaml.safe_dump(tree), encoding="utf-8")
+                files.write_text(source, yaml.safe_dump(tree))
             except (ArgumentError, UserError) as err:
-                problems.append(" ".join(str(err).split()))
+                line = " ".join(str(err).split())
+                if line.startswith("refusing "):
+                    refused.append(line.removesuffix("; " + HINT))
+                else:
+                    problems.append(line)
                 break
     if run is not None:
         refused += [f"{r.key}={r.value!r}  ({r.reason})" for r in run.refusals]
+        refused += [] if trusted else later_refusals(run.settings)
         problems += run.problems
-        imports = [f"{k}: {v}" for k, v in _class_paths(run.settings.as_dict())]
+        imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in leaves(run.settings) if k.endswith("class_path")]
         print(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
     for line in refused:
         print(f"  REFUSED  {line}")
@@ -74,46 +141,89 @@ def check(path: Path, trusted: bool) -> None:
     print(f"ok: {path} parses against the `fit` schema" + ("" if refused else " and needs no " + TRUST_FLAG))
 
 
-def _fit_schema() -> dict:
+# Keys whose value is a folder a run writes into (the run folder, loggers', checkpoints', a profiler's).
+WRITE_FOLDER_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir")
+
+
+def later_refusals(settings: Namespace) -> list[str]:
+    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`),
+    found from the settings alone: a checkpoint Lightning would resume from by itself (an
+    OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model
+    folder that cannot load without running its code or unpickling more than weights, and links planted
+    in an existing folder the settings name for writing."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    found = []
+    for key, callback in leaves_of_class(settings, OnExceptionCheckpoint):
+        init = callback.get("init_args") or Namespace()
+        file = Path(str(init.get("dirpath") or ".")) / f"{init.get('filename') or 'on_exception'}.ckpt"
+        if file.exists():
+            found.append(f"{key}: {file} exists: fit would resume from it by itself (pass --ckpt_path to choose a checkpoint)")
+    root = Path(str(settings.get("trainer.default_root_dir") or "."))
+    for file in sorted(root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []:
+        found.append(f"trainer.default_root_dir: {file} exists: under SLURM, fit would resume from it by itself")
+    for key in ("model.model_name_or_path", "model.tokenizer_name_or_path"):
+        value = settings.get(key)
+        if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
+            found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
+    for key, value in leaves(settings):
+        if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and not guard.is_remote(value):
+            planted = [p for p in files.planted_links(value, depth=2) if not guard.own_checkpoint_link(p)]
+            if planted:
+                found.append(f"{key}: {planted[0]} is a link in a folder a run writes into (it would write through it)")
+    return found
+
+
+def leaves_of_class(settings: Namespace, base: type) -> list[tuple[str, Namespace]]:
+    """(key, class spec) of every class spec in the settings naming a subclass of ``base`` (already
+    imported by the parse that produced them)."""
+    import importlib
+
+    found = []
+    for key, value in leaves(settings):
+        if not key.endswith("class_path") or not isinstance(value, str) or "." not in value:
+            continue
+        module, _, name = value.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+        if isinstance(cls, type) and issubclass(cls, base):
+            spec_key = key.removesuffix(".class_path")
+            container, last = locate(settings, spec_key)
+            found.append((spec_key, container[last]))
+    return found
+
+
+def _fit_schema() -> Namespace:
     """Every key `fit` accepts, with its default."""
-    cli = resolve(["fit"])
-    return yaml.safe_load(cli.parser.dump(cli.config, skip_none=False))["fit"]
+    return resolve(["fit"]).settings
 
 
-def _unknown_keys(tree: Any, schema: Any, key: str = "") -> list[str]:
-    """Keys of `tree` that have no place in `schema` (the defaults). What sits inside a class
-    spec (``class_path`` + ``init_args``), a dict or a list is left to the parser's type check."""
-    if not isinstance(tree, dict) or not isinstance(schema, dict) or "class_path" in schema:
-        return []
-    unknown = []
-    for k, value in tree.items():
-        unknown += [_join(key, k)] if k not in schema else _unknown_keys(value, schema[k], _join(key, k))
+def _unknown_keys(tree: Any, schema: Namespace) -> list[str]:
+    """Keys of `tree` (a recipe's YAML) that have no place in `schema` (the parsed defaults). What sits
+    inside a class spec (``class_path`` + ``init_args``), a dict or a list is left to the parser's type check."""
+    unknown: list[str] = []
+    for key, _ in leaves(tree):
+        parts = key.split(".")
+        known = next((n for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in schema), 0)
+        if known == len(parts):
+            continue
+        nodes = [schema.get(".".join(parts[:n])) for n in range(1, known + 1)]
+        inside_a_class_spec = any(isinstance(n, Namespace) and "class_path" in n for n in nodes)
+        node = nodes[-1] if nodes else schema
+        if isinstance(node, Namespace) and not inside_a_class_spec:
+            name = ".".join(parts[: known + 1])
+            if name not in unknown:
+                unknown.append(name)
     return unknown
-
-
-def _class_paths(tree: Any, key: str = "") -> list[tuple[str, str]]:
-    """(key, class path) of every class spec in a parsed config: what parsing imported."""
-    if isinstance(tree, dict):
-        found = [(key, tree["class_path"])] if isinstance(tree.get("class_path"), str) else []
-        return found + [kv for k, v in tree.items() for kv in _class_paths(v, _join(key, k))]
-    if isinstance(tree, list):
-        return [kv for i, v in enumerate(tree) for kv in _class_paths(v, _join(key, i))]
-    return []
 
 
 def _drop(tree: dict, key: str) -> bool:
     """Remove a dotted key from a YAML tree; whether it was there."""
-    *parents, last = key.split(".")
-    for part in parents:
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    if isinstance(tree, dict) and last in tree:
-        del tree[last]
-        return True
-    return False
-
-
-def _join(key: str, part: Any) -> str:
-    return f"{key}.{part}" if key else str(part)
+    try:
+        container, last = locate(tree, key)
+    except KeyError:
+        return False
+    del container[last]
+    return True
 
 
 def _is_file(path: Path) -> bool:
@@ -138,10 +248,14 @@ def main(argv: list[str]) -> None:
     check_ = commands.add_parser("check", help="validate a recipe file without running it")
     check_.add_argument("file", type=Path)
     check_.add_argument(TRUST_FLAG, dest="trusted", action="store_true", help="parse it even if it names other code")
+    headers_ = commands.add_parser("headers", help="write each shipped recipe's predicted memory into its header")
+    headers_.add_argument("--check", action="store_true", help="only compare, and fail on a stale header")
     args = parser.parse_args(argv)
     if args.command == "show":
         print(recipe_path(args.name).read_text(encoding="utf-8"), end="")
     elif args.command == "check":
         check(args.file, args.trusted)
+    elif args.command == "headers":
+        headers(args.check)
     else:
         list_recipes()

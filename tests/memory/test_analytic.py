@@ -3,35 +3,44 @@ model against the simulation on fake tensors, setting by setting."""
 
 from __future__ import annotations
 
-import gc
-import weakref
-from functools import partial
+import pickle
 
-import bitsandbytes as bnb
 import pytest
 import torch
-import torchao.optim
-from transformers import Adafactor
 
-from lit_memory.memory.analytic import analytic, file_gib, reference_bytes
-from lit_memory.memory.setup import Setup, build, is_fused
+from lit_memory.cli import resolve
+from lit_memory.memory.analytic import _META_BUILDS, analytic, file_gib, reference_bytes
+from lit_memory.memory.device import Target
 from lit_memory.memory.simulate import simulate
+from lit_memory.memory.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
-ADAMW = partial(torch.optim.AdamW, lr=2e-5, weight_decay=0.01)
+
+
+def spec(class_path: str, **init_args) -> dict:
+    return {"class_path": class_path, "init_args": init_args}
+
+
+ADAMW = spec("torch.optim.AdamW", lr=2e-5, weight_decay=0.01)
+ADAFACTOR = spec("transformers.Adafactor", lr=1e-4, relative_step=False, scale_parameter=False)
+SGD = spec("torch.optim.SGD", lr=1e-3, momentum=0.9, weight_decay=0.01)
 BERT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
 MT5_PARAMETERS = 582_000_000  # the seed's rounding of mT5's 582,401,280
 LORA_K, LORA_N = 582_401_280, 884_736  # mT5 frozen, LoRA's trainable parameters (the seed's run)
 
 
-def minilm(**kwargs) -> Setup:
-    model = {"model_name_or_path": "bundled:minilm", **kwargs.pop("model", {})}
-    return Setup(model=model, optimizer=kwargs.pop("optimizer", ADAMW), **{"device": "cpu", **kwargs})
+def step(name: str, default_device: str, **kwargs) -> Step:
+    model = {"model_name_or_path": name, **kwargs.pop("model", {})}
+    optimizer = OptimizerSpec.of(kwargs.pop("optimizer", ADAMW))
+    return Step(model=model, optimizer=optimizer, target=Target(type=kwargs.pop("device", default_device)), **kwargs)
 
 
-def bert_large(**kwargs) -> Setup:
-    model = {"model_name_or_path": "bundled:bert-large", **kwargs.pop("model", {})}
-    return Setup(model=model, optimizer=kwargs.pop("optimizer", ADAMW), **kwargs)
+def minilm(**kwargs) -> Step:
+    return step("bundled:minilm", "cpu", **kwargs)
+
+
+def bert_large(**kwargs) -> Step:
+    return step("bundled:bert-large", "cuda", **kwargs)
 
 
 # -- the seed's worked examples ------------------------------------------------------------------
@@ -78,26 +87,22 @@ CASES = {
     "accumulate": {"batch_size": 1, "accumulate_grad_batches": 4},
     "bf16-mixed + checkpointing": {"precision": "bf16-mixed", "model": {"gradient_checkpointing": True}},
     "bf16-true": {"precision": "bf16-true"},
-    "Adafactor": {"optimizer": partial(Adafactor, lr=1e-4, relative_step=False, scale_parameter=False)},
-    "SGD momentum": {"optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01)},
-    "AdamW8bit": {"optimizer": partial(bnb.optim.AdamW8bit, lr=1e-4)},
+    "Adafactor": {"optimizer": ADAFACTOR},
+    "SGD momentum": {"optimizer": SGD},
+    "AdamW8bit": {"optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4)},
     "freeze 4 layers": {"model": {"freeze": 4}},
     "freeze body + checkpointing": {"model": {"freeze": "body", "gradient_checkpointing": True}},
     "fused, layer buckets": {"fused": True},
-    "fused, 4 MiB buckets, SGD momentum": {
-        "fused": True,
-        "bucket": "4 MiB",
-        "optimizer": partial(torch.optim.SGD, lr=1e-3, momentum=0.9, weight_decay=0.01),
-    },
+    "fused, 4 MiB buckets, SGD momentum": {"fused": True, "bucket": "4 MiB", "optimizer": SGD},
     # torchao: its state made by its own code on fake tensors; its compiled kernel's buffers (the step's
     # peak here, for the word embeddings) allocated as inductor's CPU code does.
-    "torchao AdamW8bit": {"optimizer": partial(torchao.optim.AdamW8bit, lr=1e-4)},
-    "torchao AdamW4bit, fused": {"optimizer": partial(torchao.optim.AdamW4bit, lr=1e-4), "fused": True},
+    "torchao AdamW8bit": {"optimizer": spec("torchao.optim.AdamW8bit", lr=1e-4)},
+    "torchao AdamW4bit, fused": {"optimizer": spec("torchao.optim.AdamW4bit", lr=1e-4), "fused": True},
     "bf16-true + torchao 8-bit, stochastic rounding, fused (2gb)": {
         "precision": "bf16-true",
         "fused": True,
         "model": {"gradient_checkpointing": True},
-        "optimizer": partial(torchao.optim.AdamW8bit, lr=1e-4, bf16_stochastic_round=True),
+        "optimizer": spec("torchao.optim.AdamW8bit", lr=1e-4, bf16_stochastic_round=True),
     },
     "fused, clipping by norm": {"fused": True, "clip_norm": True},
     "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
@@ -130,6 +135,64 @@ def test_clipping_by_norm_measures_without_holding_a_set_of_gradients():
     assert unfused.footprint.categories["gradients"] > 1.9 * largest  # all of them: 90.9 MB
     predicted = analytic(minilm(**settings, clip_norm=True))
     assert predicted.footprint.peak == pytest.approx(clipped.footprint.peak, rel=0.05)
+
+
+# For a CUDA target the simulation stands CUDA's attention kernel, dropout masks and autocast policy in
+# for the CPU's (lit_memory.memory.simulate.cuda_stand_ins), and both methods replay the caching allocator:
+# they must agree on the tensors, every phase, and the reserved level.
+CUDA_CASES = {
+    "fp32, memory-efficient attention": {},
+    "bf16-mixed, fused SDPA": {"precision": "bf16-mixed"},
+    "eager attention, fp32": {"model": {"config_overrides": {"attn_implementation": "eager"}}},
+    "eager attention, bf16-mixed, autocast's cache kept (Fabric's loop)": {
+        "precision": "bf16-mixed",
+        "model": {"config_overrides": {"attn_implementation": "eager"}, "gradient_checkpointing": True},
+        "loop": LOOPS["fabric"],
+    },
+    "gradients zeroed in place (torch 1.x's zero_grad)": {"loop": LOOPS["hf-trainer-torch1"]},
+    "gradients freed only before backward": {"loop": Loop("after forward", gradients="before_backward")},
+    "fused step, checkpointing, bf16-mixed, 8-bit": {
+        "fused": True,
+        "precision": "bf16-mixed",
+        "model": {"gradient_checkpointing": True},
+        "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4),
+    },
+}
+
+
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(case):
+    setup = minilm(**{"batch_size": 8, "max_length": 64, "device": "cuda", **CUDA_CASES[case]})
+    predicted, simulated = analytic(setup), simulate(setup)
+    assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.05)
+    for phase in simulated.footprint.phases:
+        want = sum(simulated.footprint.phases[phase].values())
+        assert sum(predicted.footprint.phases[phase].values()) == pytest.approx(want, rel=0.10), phase
+    assert predicted.footprint.reserved == pytest.approx(simulated.footprint.reserved, rel=0.05)
+    for prediction in (predicted, simulated):
+        assert prediction.footprint.peak <= prediction.footprint.reserved < prediction.footprint.device
+        assert prediction.footprint.device == prediction.footprint.reserved + setup.target.context_bytes
+
+
+def test_the_allocator_replay_holds_the_tensors_the_analytic_model_predicts():
+    """The analytic model's event program (lit_memory.memory.program) allocates what its phases hold: the
+    replay's peak of allocated bytes is the analytic peak, within the rounding and the workspaces."""
+    from lit_memory.memory import analytic as model, program
+    from lit_memory.memory.allocator import replay
+
+    for settings in ({}, {"precision": "bf16-mixed", "fused": True, "model": {"gradient_checkpointing": True}}):
+        setup = bert_large(batch_size=8, max_length=128, **settings)
+        module, optimizer = model._meta_build(setup)
+        spec, shape = model.spec_of(module.model), model.shape_of(module.model.config, setup)
+        kernel = model.kernel(spec, shape, setup.target.gpu.capability)
+        activations = model._activations(module.model, spec, shape, kernel, setup)
+        tensors = model.optimizer_tensors(optimizer, "cuda")
+        buckets = model._buckets(module, optimizer, setup.bucket) if setup.fused else []
+        events = program.events(model._step_model(module, optimizer, tensors, buckets, spec, shape, kernel, setup, activations))
+        found = replay(events)
+        peak = analytic(setup).footprint.peak
+        assert found.peak_allocated - 2 * setup.target.cublas_workspace == pytest.approx(peak, rel=0.05), settings
+        assert found.peak_reserved >= found.peak_allocated
 
 
 # Selective checkpointing and offloading where activations are the peak: the fused step (no full set
@@ -212,7 +275,7 @@ def test_4gb_settings_fit_in_4_gib_and_the_fused_step_frees_the_gradients():
     settings = {
         "precision": "bf16-mixed",
         "model": {"gradient_checkpointing": True},
-        "optimizer": partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01),
+        "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=2e-5, weight_decay=0.01),
     }
     unfused = analytic(bert_large(**settings))
     fused = analytic(bert_large(fused=is_fused(StubFusedStrategy()), **settings))
@@ -239,11 +302,12 @@ def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportio
     alive there are a bucket's. ``layer``: the largest bucket is the word embeddings' (119 MiB; a layer
     is 12.6 M parameters, 48 MiB); ``512 MiB``: ten layers' gradients at once."""
     from lit_memory.fused import group_parameters
+    from lit_memory.anatomy import parameter_units
 
     setup = bert_large(fused=True, bucket=bucket, batch_size=1, max_length=8, device="cpu")
     predicted, simulated = analytic(setup), simulate(setup)
     model = build(setup, torch.device("meta"))[0].model
-    buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), model, bucket)]
+    buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), parameter_units(model), bucket)]
     alive = simulated.footprint.phases["backward"]["gradients"]
     if bucket == "layer":
         assert 4 * sum(p.numel() for p in model.bert.encoder.layer[0].parameters()) == pytest.approx(48.05 * 2**20, rel=1e-3)
@@ -254,21 +318,16 @@ def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportio
     assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.02)
 
 
-def test_the_cache_of_meta_builds_keeps_nothing_the_optimizer_factory_references():
-    """A parsed config's optimizer factory references its parser and CLI, and through them the trainer and
-    the trained model: the memory model's cache of meta builds must not keep it (it kept 16 fits alive)."""
-
-    class Owner:  # stands for the CLI
-        pass
-
-    def adamw(owner: Owner, params) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=2e-5)
-
-    owner = Owner()
-    alive = weakref.ref(owner)
-    setup = minilm(optimizer=partial(adamw, owner))
-    first = analytic(setup).footprint.peak
-    assert analytic(minilm(optimizer=partial(adamw, Owner()))).footprint.peak == first  # the same build, reused
-    del owner, setup
-    gc.collect()
-    assert alive() is None
+def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_factory():
+    """A step is plain data (the optimizer as its class path and arguments, not a factory holding the parser):
+    it round-trips through pickle, its cache key is strings, and the memory model's cache of meta builds
+    keeps no optimizer factory (a kept factory once kept 16 fits' CLIs, trainers and models alive)."""
+    run = resolve(["fit", "--data.batch_size=2", "--data.max_length=16"])
+    found = Step.from_settings(run.settings.as_dict(), Target(type="cpu"))
+    assert pickle.loads(pickle.dumps(found)) == found
+    assert all(isinstance(part, str) for part in found.cache_key)
+    assert found.optimizer.class_path == "torch.optim.AdamW" and found.optimizer.init_args["lr"] == 2e-5
+    first = analytic(found).footprint.peak
+    assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
+    module, _ = _META_BUILDS[found.cache_key]
+    assert module.optimizer_factory is None

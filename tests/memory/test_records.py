@@ -23,13 +23,29 @@ def record(**measured):
 def test_memory_json_round_trips_and_other_schemas_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no memory.json"):
         records.read_memory(tmp_path)
-    (tmp_path / records.MEMORY_JSON).write_text(json.dumps({"schema": 1, "peak_bytes": 3}))
-    with pytest.raises(ValueError, match="not a schema-2 memory record"):
+    (tmp_path / records.MEMORY_JSON).write_text(json.dumps({"schema": 2, "peak_bytes": 3}))
+    with pytest.raises(ValueError, match="not a schema-3 memory record"):
         records.read_memory(tmp_path)
     records.write_memory(tmp_path, record())
     data = records.read_memory(tmp_path)
     assert records.measured_peak(data) == 2**30
     assert records.predicted_peak(data) == (2**30, "analytic")
+
+
+def test_predictions_keep_their_three_levels_per_phase_and_read_back():
+    """A CUDA prediction's footprint carries the allocator's reserve and the context: the device level is their
+    sum, at the peak and in every phase, and the dict read back is the same footprint."""
+    footprint = Footprint(
+        {"forward": {"weights": 2**30, "activations": 2**29}, "step": {"weights": 2**30, "optimizer": 2**30}},
+        reserved=2**31 + 2**20, reserved_phase="forward", context=600 * 2**20,
+    )
+    data = footprint.to_dict()
+    assert data["peak_bytes"] == 2**31 and data["peak_phase"] == "step"
+    assert data["device_bytes"] == data["reserved_bytes"] + data["context_bytes"] == 2**31 + 601 * 2**20
+    assert {p: e["device_bytes"] for p, e in data["phases"].items()} == {"forward": data["device_bytes"], "step": data["device_bytes"]}
+    back = Footprint.from_dict(json.loads(json.dumps(data)))
+    assert back.to_dict() == data
+    assert "reserved_bytes" not in Footprint({"forward": {"weights": 1}}).to_dict()  # tensors only (CPU, tracked)
 
 
 def test_the_peak_in_words_names_what_was_measured(tmp_path):
@@ -42,6 +58,8 @@ def test_the_peak_in_words_names_what_was_measured(tmp_path):
     cuda = {"max_allocated_bytes": 2**31, "max_reserved_bytes": 5 * 2**29, "peak_phase": "backward"}
     records.write_memory(tmp_path, record(cuda=cuda))
     assert records.peak_summary(tmp_path) == "2.00 GiB allocated, 2.50 GiB reserved (CUDA)"
+    records.write_memory(tmp_path, record(cuda={**cuda, "max_device_bytes": 3 * 2**30}))
+    assert records.peak_summary(tmp_path) == "2.00 GiB allocated, 2.50 GiB reserved, 3.00 GiB device (CUDA)"
 
 
 def test_bench_json_rows_are_read_back_by_recipe(tmp_path):

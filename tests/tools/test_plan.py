@@ -15,16 +15,21 @@ from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.analytic import analytic
-from lit_memory.tools.estimate import setup_of
-from lit_memory.tools.plan import _parent, apply, candidates, choose, load_recipe, rank, shipped_recipes
+from lit_memory.memory.choose import rank
+from lit_memory.memory.device import Target
+from lit_memory.memory.predict import device_total
+from lit_memory.memory.step import Step
+from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes
 from test_recipes import flatten
 
 MiB = 2**20
 
 
-def base_setup(device: str):
-    """What `fit` with no arguments trains (the bundled MiniLM, the default settings), for ``device``."""
-    return setup_of(resolve(["fit"]), device)
+def base_setup(device: str, *args: str) -> Step:
+    """What `fit` with these arguments trains (by default the bundled MiniLM), for ``device`` (CUDA: the
+    documented default GPU)."""
+    settings = resolve(["fit", *args, "--cpu_bf16_fallback=false"]).settings.as_dict()
+    return Step.from_settings(settings, Target(type=device))
 # A 2-layer, 64-wide BERT: plans and short runs in seconds.
 TINY_LAYERS = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 TINY = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(TINY_LAYERS)}"]
@@ -127,37 +132,45 @@ def test_measure_times_the_best_candidates(tmp_path, capsys):
     assert recipe["trainer"]["accumulate_grad_batches"] == 1 and recipe["data"]["batch_size"] == 32
 
 
-def test_plan_finds_2gb_for_bert_large_in_2_gib():
+def test_plan_finds_2gb_for_bert_large_in_2_gib_of_device_memory():
     """The issue's bar, the way a user asks for it: ``plan --budget 2GiB --config configs/bert-large.yaml``
-    writes the 2gb recipe's settings (its parent, no changes), confirmed by the simulation."""
-    base = setup_of(resolve(["fit", "--config", str(CONFIGS / "bert-large.yaml")]), "cuda")
+    (a device budget: tensors, the allocator's reserve and the CUDA context) writes the 2gb recipe's
+    settings (its parent, no changes), confirmed by the simulation at the device level."""
+    base = base_setup("cuda", "--config", str(CONFIGS / "bert-large.yaml"))
     recipes = shipped_recipes()
     chosen, simulated, _ = choose(base, 2 * 2**30, [], recipes)
-    assert simulated.footprint.peak <= 2 * 2**30 and chosen.prediction.footprint.peak <= 2 * 2**30
+    assert simulated.footprint.device <= 2 * 2**30 and chosen.prediction.footprint.device <= 2 * 2**30
+    assert chosen.prediction.footprint.device == device_total(chosen.setup)
+    assert chosen.prediction.footprint.device > chosen.prediction.footprint.peak + base.target.context_bytes
     parent, changes = _parent(chosen.blocks, recipes)
     assert (parent.name, changes) == ("2gb", [])
 
 
-def test_quality_ranks_bf16_weights_rounded_to_nearest_and_lora_behind_full_fine_tuning():
+def test_quality_ranks_rounding_to_nearest_then_frozen_share_then_truncation():
     base = base_setup("cuda")
 
-    def key(**values) -> tuple:
-        setup = apply(base, values)
-        return rank(setup, analytic(setup), base.max_length)
+    def quality(**values) -> tuple:
+        setup = base.with_settings(values)
+        return rank(setup, analytic(setup, levels=False), base.max_length)[0]
 
     sr = {"class_path": "torchao.optim.AdamW8bit", "init_args": {"lr": 2e-5, "bf16_stochastic_round": True}}
     nearest = {"class_path": "torchao.optim.AdamW8bit", "init_args": {"lr": 2e-5}}
-    assert key(**{"trainer.precision": "bf16-true", "model.optimizer": sr})[0] is False
-    assert key(**{"trainer.precision": "bf16-true", "model.optimizer": nearest})[0] is True
-    assert key(**{"model.lora": {"rank": 8}})[0] is True
+    full = quality()
+    assert full == (False, 0.0, False)
+    assert quality(**{"trainer.precision": "bf16-true", "model.optimizer": sr}) == full
+    embeddings, body = quality(**{"model.freeze": "embeddings"}), quality(**{"model.freeze": "body"})
+    lora = quality(**{"model.lora": {"rank": 8}})
+    truncated = quality(**{"data.max_length": 64})
+    nearest_ = quality(**{"trainer.precision": "bf16-true", "model.optimizer": nearest})
+    assert full < truncated < embeddings < body <= lora < nearest_
 
 
 def test_rule_prefers_less_recompute_then_no_offloading():
     base = base_setup("cuda")
 
     def key(**model) -> tuple:
-        setup = apply(base, {f"model.{name}": value for name, value in model.items()})
-        return rank(setup, analytic(setup), base.max_length)
+        setup = base.with_settings({f"model.{name}": value for name, value in model.items()})
+        return rank(setup, analytic(setup, levels=False), base.max_length)
 
     order = [
         key(gradient_checkpointing=False),

@@ -1,8 +1,7 @@
-"""Building the configured module for the memory models: every tensor made in the model's context."""
+"""`lit_memory.memory.step.build`: the configured module for the memory models: every tensor made in the model's context."""
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -12,16 +11,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from lit_memory.lora import LoRA
-from lit_memory.memory.setup import Setup, adopt, build
+from lit_memory.memory.step import Step, adopt, build
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def lora_setup(batch_size: int = 4) -> Setup:
-    return Setup(model={"model_name_or_path": "bundled:minilm", "num_labels": 2, "lora": LoRA()},
-                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), batch_size=batch_size, max_length=32,
-                 device="cpu")
+def lora_step(batch_size: int = 4) -> Step:
+    return Step.from_settings({"model": {"model_name_or_path": "bundled:minilm", "num_labels": 2, "lora": {}},
+                               "data": {"batch_size": batch_size, "max_length": 32}})
 
 
 def tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -53,7 +50,7 @@ def test_adopt_to_meta():
 @pytest.mark.parametrize("context", ["fake", "meta"])
 def test_a_lora_model_is_built_entirely_in_the_context(context):
     mode = FakeTensorMode(allow_non_fake_inputs=True) if context == "fake" else torch.device("meta")
-    module, optimizer = build(lora_setup(), mode)
+    module, optimizer = build(lora_step(), mode)
     owned = [(n, t) for n, t in tensors(module.model)
              if (isinstance(t, FakeTensor) and t.fake_mode is mode if context == "fake" else t.is_meta)]
     assert len(owned) == len(tensors(module.model))
@@ -64,15 +61,14 @@ def test_a_lora_model_is_built_entirely_in_the_context(context):
 
 
 SIMULATIONS = """
-import ctypes, functools, gc, torch
-from lit_memory.lora import LoRA
-from lit_memory.memory.setup import Setup
+import ctypes, gc
+from lit_memory.memory.step import Step
 from lit_memory.memory.simulate import simulate
-setup = Setup(model={"model_name_or_path": "bundled:minilm", "num_labels": 2, "lora": LoRA()},
-              optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), batch_size=4, max_length=128, device="cpu")
+step = Step.from_settings({"model": {"model_name_or_path": "bundled:minilm", "num_labels": 2, "lora": {}},
+                           "data": {"batch_size": 4, "max_length": 128}})
 trim = ctypes.CDLL("libc.so.6").malloc_trim
 for _ in range(5):
-    simulate(setup)
+    simulate(step)
     gc.collect()
     trim(0)  # walks glibc's free lists: a corrupted heap aborts here
 print("ok")

@@ -1,0 +1,471 @@
+"""The trust guard at the sinks: where a run unpickles, imports model code, picks a checkpoint or writes.
+
+`lit_memory.trust` decides, once per process, whether the files a run was given (recipes, configs,
+checkpoints, model folders, run folders) are trusted (``--trust-recipe``) and calls `enforce`. Checks on
+parsed values cannot see what is loaded later by paths they never saw (a checkpoint Lightning finds by
+itself, a rank-local metadata file, a pickled item inside a checkpoint folder), so untrusted, the rules
+hold where the loading happens:
+
+- **every** ``torch.load`` in the process is weights-only (tensors and plain data): torch's own
+  process-wide switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which overrides ``weights_only=False`` at
+  every call site (Lightning's ``meta.pt``, the non-tensor items torch's distributed-checkpoint
+  planner loads, transformers' ``.bin`` weights);
+- the two unpicklers that bypass ``torch.load`` are restricted: torch's distributed-checkpoint reader
+  reads ``.metadata`` and rank-local ``__N.metadata`` with plain `pickle.load`, and Lightning's FSDP
+  strategy reads single-file checkpoints with an unpickler of its own (`harden`);
+- every strategy's checkpoint IO (Lightning's built-in ones a recipe may name included) goes through
+  `GuardedCheckpointIO`: local paths only, weights-only loads, saves that never follow a link, and
+  removals only of checkpoints the run saved itself;
+- before a run starts, `preflight` refuses a checkpoint Lightning would pick by itself (SLURM's
+  ``hpc_ckpt_N.ckpt``, an ``OnExceptionCheckpoint``'s file), checks the one it will load with the
+  restricted readers, and refuses links planted in the folders the run writes into, so a refusal
+  leaves nothing written;
+- Hugging Face loaders get ``trust_remote_code=False`` unless the user typed otherwise
+  (`pretrained_kwargs`).
+
+lit_memory's own checkpoints (a single file; FSDP2 folders with RNG and sampler state) are tensors and
+plain data, so resuming one's own run never needs ``--trust-recipe``. Without a decision (lit_memory
+used as a library, by the caller's own code) nothing here restricts anything.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+from lit_memory import files
+from lit_memory.errors import UserError
+
+TRUST_FLAG = "--trust-recipe"
+HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization reads it at every torch.load
+# Lightning's own names for checkpoints it finds itself.
+SPECIAL_CKPT = ("last", "best", "hpc")
+
+_trusted: Optional[bool] = None  # None: no decision made in this process (library use)
+_written: set[str] = set()  # checkpoints this process saved: the only ones it removes while `restricted`
+_own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
+
+
+def enforce(trusted: bool) -> None:
+    """Apply a run's trust decision to every sink in this process (idempotent; `lit_memory.trust` makes
+    sure an untrusted process is never made trusted later)."""
+    global _trusted
+    _trusted = trusted
+    harden()
+    if not trusted:
+        os.environ[FORCE_WEIGHTS_ONLY] = "1"
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # torch refuses both set
+
+
+def restricted() -> bool:
+    """Whether the untrusted rules hold in this process."""
+    return _trusted is False
+
+
+# -- paths -------------------------------------------------------------------------------------
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(value: str) -> bool:
+    """A URL, an fsspec chain (``simplecache::s3://...``) or Lightning's model registry: not a local path."""
+    return bool(_SCHEME.match(value)) or "::" in value or value.startswith("registry:")
+
+
+# -- checkpoints, read without running anything ----------------------------------------------
+
+
+def checkpoint_problem(path: Any, files_too: bool = True) -> Optional[str]:
+    """Why loading a local checkpoint under the untrusted rules fails, or None. It is read only
+    through the restricted readers the sinks use: nothing in it is imported or run. ``files_too=False``
+    leaves a single file to the caller's own weights-only read."""
+    path = Path(path)
+    if path.is_file():
+        return _file_problem(path) if files_too else None
+    if path.is_dir():
+        return _folder_problem(path)
+    if path.exists():  # a device, a pipe: reading it may never end
+        return "it is neither a regular file nor a folder"
+    return None  # not there: the loader reports it
+
+
+def _file_problem(path: Path, data: Optional[bytes] = None) -> Optional[str]:
+    try:
+        if data is not None:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        else:
+            try:  # memory-mapped: the tensors' bytes are not read, only the pickle
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap" not in str(err):
+                    raise
+                torch.load(path, map_location="cpu", weights_only=True)  # torch's legacy format
+    except Exception as err:  # every way it fails means: not loadable under the rules
+        return f"it cannot be loaded with weights_only=True (tensors and plain data only): {load_error(err)}"
+    return None
+
+
+def load_error(err: Exception) -> str:
+    """The line of a failed weights-only load that says what was refused (torch puts it after its advice)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return next((line for line in lines if line), type(err).__name__)
+
+
+def _folder_problem(path: Path) -> Optional[str]:
+    """A distributed checkpoint: every metadata file (global and rank-local), every non-tensor item
+    they point at, and Lightning's ``meta.pt``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata_files = sorted(p for p in path.iterdir() if p.name == ".metadata" or re.fullmatch(r"__\d+\.metadata", p.name))
+    for file in metadata_files:
+        try:
+            metadata = load_metadata(io.BytesIO(file.read_bytes()))
+        except Exception as err:
+            return f"its {file.name} names code to run when unpickled ({err})"
+        for index, info in (metadata.storage_data or {}).items():
+            if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                continue  # tensors: torch's reader loads them weights-only itself
+            if getattr(info, "transform_descriptors", None):
+                continue  # compressed: the forced weights-only load covers it when it is read
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                problem = _file_problem(path, f.read(info.length))
+            if problem:
+                return f"its item {index.fqn!r} ({info.relative_path}): {problem}"
+    meta = path / "meta.pt"
+    if meta.is_file() and (problem := _file_problem(meta)):
+        return f"its {meta.name}: {problem}"
+    return None
+
+
+def _metadata_globals() -> set[tuple[str, str]]:
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed = {
+        (metadata.__name__, name)
+        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    allowed |= {(filesystem.__name__, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+    allowed |= {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}  # checkpoint_id
+    allowed |= {("collections", "OrderedDict")}
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict unpickling (`find_class`): torch's weights-only unpickler
+    cannot read the pickle protocol torch writes distributed-checkpoint metadata with (4: FRAME)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in _metadata_globals():
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def load_metadata(file: io.BufferedIOBase) -> Any:
+    """A distributed checkpoint's metadata, unpickled with its own types alone allowed, whose items
+    name files inside the checkpoint folder only."""
+    metadata = _MetadataUnpickler(file).load()
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = str(getattr(info, "relative_path", ""))
+        if not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise pickle.UnpicklingError(f"an item is stored outside the checkpoint folder ({relative!r})")
+    return metadata
+
+
+# -- the unpicklers that bypass torch.load ---------------------------------------------------
+
+_hardened = False
+
+
+def harden() -> None:
+    """Route the two unpicklers that bypass ``torch.load`` through the restricted ones while `restricted`.
+
+    Both are replaced on their classes, once per process, because Lightning builds them inside its
+    strategies where no argument reaches them; each replacement behaves as the original when trusted.
+    tests/test_guard.py checks that both targets still exist in the installed versions.
+    """
+    global _hardened
+    if _hardened:
+        return
+    from lightning.fabric.utilities import load as lightning_load
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    read_metadata = filesystem.FileSystemReader.read_metadata
+
+    def guarded_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not restricted():
+            return read_metadata(self, *args, **kwargs)
+        # torch's own method, with the restricted unpickler in place of pickle.load
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = load_metadata(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    filesystem.FileSystemReader.read_metadata = guarded_read_metadata
+
+    find_class = lightning_load._LazyLoadingUnpickler.find_class
+
+    def guarded_find_class(self: Any, module: str, name: str) -> Any:
+        if restricted() and f"{module}.{name}" not in _weights_only_globals():
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not allowed by weights_only=True loading; {TRUST_FLAG} lifts this"
+            )
+        return find_class(self, module, name)
+
+    lightning_load._LazyLoadingUnpickler.find_class = guarded_find_class
+    _hardened = True
+
+
+def _weights_only_globals() -> set[str]:
+    """What torch's weights-only unpickler allows: its defaults plus `torch.serialization.add_safe_globals`."""
+    from torch import _weights_only_unpickler as unpickler
+
+    return set(unpickler._get_allowed_globals()) | set(unpickler._get_user_allowed_globals())
+
+
+# -- Lightning's checkpoint IO ---------------------------------------------------------------
+
+
+class GuardedCheckpointIO(CheckpointIO):
+    """Any strategy's checkpoint IO under the guard. Always: a save never writes through a link
+    (`lit_memory.files`). While `restricted`: loads of local paths only, weights-only; removals (of the
+    checkpoints a `ModelCheckpoint` keeps no longer, whose paths a resumed checkpoint's callback state
+    can name, or an `OnExceptionCheckpoint`'s file, which it removes at every teardown) only of what this
+    process saved, and never through a link."""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        if type(self.inner) is not TorchCheckpointIO or is_remote(str(path)) or storage_options is not None:
+            files.refuse_link(path)
+            return self.inner.save_checkpoint(checkpoint, path, storage_options)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()  # as TorchCheckpointIO: serialise first, then write the file at once
+        torch.save(checkpoint, buffer)
+        files.write_bytes(path, buffer.getvalue())
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if restricted():
+            if is_remote(str(path)):
+                raise UserError(f"refusing to load checkpoint {path}: it is not a local file; {HINT}")
+            weights_only = True
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if restricted():
+            if os.path.islink(path):
+                os.unlink(path)  # the link, not what it points at
+                return
+            if _key(path) not in _written:
+                warnings.warn(f"left {path} in place: this run did not write it")
+                return
+        self.inner.remove_checkpoint(path)
+        _written.discard(_key(path))
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def _key(path: Any) -> str:
+    """A path as this process names it, its own last component not followed (it may be a link)."""
+    return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+
+
+def install(trainer: Any) -> None:
+    """Put a trainer under the guard: its strategy's checkpoint IO (whichever strategy a recipe named),
+    and the one place Lightning decides which checkpoint a run loads (``_select_ckpt_path``, private: the
+    check must see exactly the path Lightning picks, including the ones it picks by itself)."""
+    strategy = trainer.strategy
+    if not isinstance(strategy.checkpoint_io, GuardedCheckpointIO):
+        strategy.checkpoint_io = GuardedCheckpointIO(strategy.checkpoint_io)
+        save = strategy.save_checkpoint  # some strategies save without their checkpoint IO (sharded folders)
+
+        def recorded_save(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> None:
+            save(checkpoint, filepath, *args, **kwargs)
+            _written.add(_key(filepath))
+
+        strategy.save_checkpoint = recorded_save
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_lit_memory_guarded", False):
+        return
+    select = connector._select_ckpt_path
+
+    def guarded_select(state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        found = select(state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
+        if restricted():
+            check_selected(connector, ckpt_path, found)
+        return found
+
+    connector._select_ckpt_path = guarded_select
+    connector._lit_memory_guarded = True
+
+
+# -- before a run starts ---------------------------------------------------------------------
+
+
+def preflight(trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folders: tuple[Any, ...] = ()) -> None:
+    """Untrusted: refuse, before anything is written, what the run would load or write unsafely: the
+    checkpoint Lightning will pick (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s
+    check), and links planted in the folders it writes into. ``own_folders``: folders the user typed
+    (``--trainer.default_root_dir``, a callback's ``dirpath``): a checkpoint Lightning picks by itself
+    there (SLURM's requeued job resuming) is theirs, and still read with the restricted readers."""
+    if not restricted():
+        return
+    _own_folders[:] = [Path(os.path.realpath(f)) for f in own_folders if f and not is_remote(str(f))]
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    state = trainer.state
+    fn, state.fn = state.fn, TrainerFn(subcommand)  # Lightning resumes by itself only while fitting
+    try:
+        trainer._checkpoint_connector._select_ckpt_path(state.fn, ckpt_path, model_provided=True, model_connected=False)
+    except UserError:
+        raise
+    except ValueError:
+        pass  # e.g. "best" without a checkpoint callback: Lightning says so when it runs
+    finally:
+        state.fn = fn
+    check_write_folders(trainer)
+
+
+def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
+    """Refuse a checkpoint Lightning picked by itself (``ckpt_path`` unset: SLURM's ``hpc_ckpt_N.ckpt`` in
+    the run's root folder, an ``OnExceptionCheckpoint``'s file), a remote one, or one the restricted
+    readers cannot read."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    if found is None:
+        return
+    if ckpt_path is None and Path(os.path.realpath(os.path.dirname(os.path.abspath(found)))) not in _own_folders:
+        why = (
+            "SLURM's hpc checkpoint in trainer.default_root_dir"
+            if SLURMEnvironment.detect() and str(found) == str(connector._hpc_resume_path)
+            else "an OnExceptionCheckpoint's file, resumed automatically"
+        )
+        raise UserError(
+            f"refusing to resume from {found}: Lightning picked it by itself ({why}) in a folder the recipe chose; "
+            f"resume from it with --ckpt_path {found}, or pass {TRUST_FLAG} only if you trust its source"
+        )
+    if is_remote(str(found)):
+        raise UserError(f"refusing ckpt_path={str(found)!r} (found for {ckpt_path!r}): it is not a local file or folder; {HINT}")
+    if problem := checkpoint_problem(found):
+        raise UserError(f"refusing ckpt_path={str(found)!r}: {problem}; {HINT}")
+
+
+def write_folders(trainer: Any) -> list[Path]:
+    """The local folders a run writes into: its run folder, its loggers', checkpoint and profiler folders."""
+    folders = [trainer.log_dir or trainer.default_root_dir]
+    folders += [logger.log_dir for logger in trainer.loggers if getattr(logger, "log_dir", None)]
+    folders += [getattr(c, "dirpath", None) for c in trainer.callbacks]
+    folders.append(getattr(trainer.profiler, "dirpath", None))
+    out: list[Path] = []
+    for folder in folders:
+        if folder and not is_remote(str(folder)) and Path(folder) not in out:
+            out.append(Path(folder))
+    return out
+
+
+def check_write_folders(trainer: Any) -> None:
+    """Refuse symbolic links and hard-linked files planted in the folders a run writes into: Lightning's
+    writers (config, hyper-parameters, metrics, checkpoints) open files by name and would write through
+    them. Lightning's own ``last.ckpt`` link to a checkpoint beside it is not planted."""
+    for folder in write_folders(trainer):
+        planted = [p for p in files.planted_links(folder) if not own_checkpoint_link(p)]
+        if planted:
+            raise UserError(
+                f"refusing to write into {folder}: {planted[0]} is a link (a shared folder can plant one where a "
+                f"run writes, pointing at a file of yours); use a new run folder, or pass {TRUST_FLAG} only if you "
+                "trust its source"
+            )
+
+
+def own_checkpoint_link(path: Path) -> bool:
+    """ModelCheckpoint's ``save_last="link"``: a ``.ckpt`` symlink to a name in its own folder (Lightning
+    removes it before linking anew, and never writes through it)."""
+    if not (path.is_symlink() and path.suffix == ".ckpt"):
+        return False
+    target = Path(os.readlink(path))
+    return len(target.parts) == 1 and target.suffix == ".ckpt"
+
+
+# -- Hugging Face -----------------------------------------------------------------------------
+
+
+def pretrained_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments for a Hugging Face ``from_pretrained``: untrusted, ``trust_remote_code=False``
+    unless given (only a value the user typed gets here: `lit_memory.trust` refuses it from files), so
+    transformers neither imports a model folder's ``auto_map`` code nor asks at the terminal."""
+    if restricted():
+        kwargs.setdefault("trust_remote_code", False)
+    return kwargs
+
+
+def hugging_face_error(err: Exception) -> Optional[str]:
+    """The first line of transformers' refusal to run custom code, or None for other errors."""
+    text = str(err)
+    if "trust_remote_code" in text or "custom code" in text:
+        return f"it needs the Python code shipped with it (transformers' trust_remote_code): {text.strip().splitlines()[0]}"
+    return None
+
+
+WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def model_folder_problems(folder: Path) -> list[str]:
+    """What loading a local Hugging Face model folder would refuse untrusted, found without loading it:
+    Python code it names (``auto_map``) for a model type transformers does not know (so it cannot load
+    without running that code), and pickled weights that name anything weights-only loading refuses
+    (torch's static scan of the pickle, `torch.serialization.get_unsafe_globals_in_checkpoint`)."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    problems = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+            problems.append(f"{folder / name} names Python code to load it with (auto_map) for a model type "
+                            f"transformers does not know ({config.get('model_type')!r})")
+    for file in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+        except Exception as err:  # noqa: BLE001  not a torch zip file: weights-only loading reads no more of it
+            unsafe = [f"unreadable as a torch file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
+        if unsafe:
+            problems.append(f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it")
+    return problems
+
+
+def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+    """``load(*args, **kwargs)`` with a refusal to run shipped code as one line."""
+    try:
+        return load(*args, **pretrained_kwargs(**kwargs))
+    except UserError:
+        raise
+    except ValueError as err:  # transformers' word for a folder it cannot load as asked
+        if (reason := hugging_face_error(err)) is None:
+            raise UserError(f"cannot load {what}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+        raise UserError(f"refusing to load {what}: {reason}; pass {TRUST_FLAG} only if you trust its source") from None

@@ -1,0 +1,86 @@
+"""Choosing among setups: the rule that says which of two setups that fit is faster, and the advice a
+run that ran out of memory prints (the lightest shipped recipe predicted to fit).
+
+"Fastest" follows a stated rule; the first difference decides:
+
+1. quality: every update reaches the weights (16-bit weights rounded to nearest drop every update below
+   half a unit in their last place), then the fewest parameters frozen (freezing, LoRA's frozen body; by
+   their share of the model: the embeddings alone cost less than the body), then every token kept (no
+   truncation);
+2. no gradient accumulation;
+3. the least recompute: no gradient checkpointing, then selective (recomputes only cheap ops), then
+   full (re-runs every layer's forward in backward); with equal recompute, no activation offloading
+   (it copies each layer's input to host memory and back);
+4. the larger micro-batch;
+5. on CUDA 16-bit compute (bf16 autocast or bf16 weights: tensor cores) before fp32, on CPU fp32 first;
+6. the optimizer that keeps more state (closest to AdamW's updates);
+7. Lightning's optimizer step before the fused step (one optimizer step per parameter).
+
+Whether a setup fits is decided on its device total (`lit_memory.memory.predict.device_total`: tensors,
+the allocator's reserve and the CUDA context), the number ``nvidia-smi`` shows and a budget means.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lit_memory.memory.footprint import format_bytes
+from lit_memory.memory.analytic import device_total
+from lit_memory.memory.step import PRECISIONS, Prediction, Step
+
+RULE = (
+    "quality (no 16-bit weights rounded to nearest > the fewest parameters frozen (freezing, LoRA) > no truncation) "
+    "> no accumulation > "
+    "no checkpointing > selective > full checkpointing > no offloading > larger micro-batch > "
+    "16-bit compute on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
+)
+
+
+def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
+    """Sort key of the module docstring's rule: smaller is faster."""
+    sixteen_bit = PRECISIONS[step.precision][1].itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
+    precision = (0 if sixteen_bit else 1) if step.device == "cuda" else (0 if not sixteen_bit else 1)
+    steady_state = prediction.footprint.phases["forward"]["optimizer"]
+    frozen = 1 - prediction.trainable / prediction.parameters if prediction.parameters else 0.0
+    return (
+        (step.loses_small_updates, round(frozen, 2), step.max_length < longest),
+        step.accumulate_grad_batches > 1,
+        (None, "selective", "full").index(step.checkpointing),
+        bool(step.model.get("offload_activations")),
+        -step.batch_size,
+        precision,
+        -steady_state,
+        step.fused,
+    )
+
+
+def lightest_fitting(
+    base: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]]
+) -> Optional[tuple[str, int]]:
+    """Of ``recipes`` ((name, dotted settings) pairs) laid over ``base``'s settings, the one the rule prefers
+    among those predicted to fit ``limit`` (device total): (its name, its predicted device total)."""
+    from lit_memory.memory.analytic import analytic
+
+    fitting = []
+    for name, values in recipes:
+        step = base.with_settings(values)
+        total = device_total(step)
+        if total <= limit:
+            fitting.append((name, step, analytic(step), total))
+    if not fitting:
+        return None
+    longest = max(step.max_length for _, step, _, _ in fitting)
+    name, _, _, total = min(fitting, key=lambda f: rank(f[1], f[2], longest))
+    return name, total
+
+
+def advise(step: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]]) -> str:
+    """One line for a run that ran out of ``limit`` bytes: the lightest recipe predicted to fit, or plan."""
+    size = format_bytes(limit)
+    found = lightest_fitting(step, limit, recipes)
+    if found is None:
+        budget = size.replace(" ", "")
+        return f"no shipped recipe is predicted to fit {size}: try `python -m lit_memory plan --budget {budget}`"
+    name, total = found
+    where = "device total" if step.device == "cuda" else "peak"
+    return f"lightest shipped recipe predicted to fit {size}: --config {name} (predicted {where} {format_bytes(total)})"

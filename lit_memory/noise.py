@@ -1,0 +1,31 @@
+"""Known noise from the libraries a run uses, filtered by message so every other warning stays visible."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Lightning's notice that tensorboardX is optional (the CSV logger it picks instead is what we want), its
+# use of a pytree API torch deprecated, the model summary's note that it sizes bf16 weights as fp32, and
+# torch's note, at the first compile of torchao's step, that its state tensors cannot key the AOT autograd cache.
+NOISE = (
+    r"Starting from v1\.9\.0, `tensorboardX` has been removed",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Precision .* is not supported by the model summary",
+    r"OptimState\w+ does not implement _stable_hash_for_caching",  # torchao's state: compiles, is not cached
+)
+
+
+class _DropTips(logging.Filter):
+    """Lightning's advertisements for its cloud products, among its info lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_known_noise() -> None:
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropTips) for f in lightning_info.filters):
+        lightning_info.addFilter(_DropTips())
+    for message in NOISE:
+        warnings.filterwarnings("ignore", message=message)

@@ -1,0 +1,122 @@
+"""The caching-allocator model (lit_memory.memory.allocator): the rules of c10/cuda/CUDACachingAllocator.cpp,
+one by one, on request sequences whose reserved bytes can be worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_memory.memory.allocator import (
+    AllocatorConfig,
+    CachingAllocator,
+    replay,
+    round_size,
+    segment_size,
+)
+
+KiB, MiB = 2**10, 2**20
+
+
+def test_sizes_round_up_to_512_bytes_and_segments_follow_the_request_size():
+    assert [round_size(n) for n in (1, 512, 513, 1000)] == [512, 512, 1024, 1024]
+    assert round_size(1200 * KiB, divisions=4) == 1280 * KiB  # the next of 4 divisions between 1 and 2 MiB
+    assert segment_size(1 * MiB) == 2 * MiB  # small pool
+    assert segment_size(1 * MiB + 512) == segment_size(9 * MiB) == 20 * MiB  # carved from 20 MiB
+    assert segment_size(10 * MiB) == 10 * MiB and segment_size(11 * MiB) == 12 * MiB  # own segment, 2 MiB multiple
+
+
+def test_small_requests_pack_into_2_mib_segments():
+    allocator = CachingAllocator()
+    for i in range(2048):  # 2048 x 1 KiB = 2 MiB: one segment
+        allocator.malloc(i, 1000)
+    assert allocator.reserved == 2 * MiB and allocator.allocated == 2 * MiB
+    allocator.malloc("one more", 1000)
+    assert allocator.reserved == 4 * MiB
+
+
+def test_mid_sized_requests_share_20_mib_segments_and_large_ones_get_their_own():
+    allocator = CachingAllocator()
+    for i in range(5):
+        allocator.malloc(i, 4 * MiB)
+    assert allocator.reserved == 20 * MiB  # five 4 MiB blocks split out of one 20 MiB segment
+    allocator.malloc(5, 4 * MiB)
+    assert allocator.reserved == 40 * MiB
+    allocator.malloc("large", 11 * MiB)
+    assert allocator.reserved == 40 * MiB  # best fit: the 16 MiB left of the second segment
+    fresh = CachingAllocator()
+    fresh.malloc("large", 11 * MiB)
+    assert fresh.reserved == 12 * MiB  # a segment of its own, rounded to 2 MiB
+    assert fresh.allocated == 12 * MiB  # the 1 MiB left is not split off (only more than 1 MiB is)
+
+
+def test_freed_blocks_stay_cached_and_best_fit_splits_them():
+    allocator = CachingAllocator()
+    allocator.malloc("a", 64 * MiB)
+    allocator.free("a")
+    assert allocator.reserved == 64 * MiB and allocator.allocated == 0  # nothing returned to the driver
+    allocator.malloc("b", 16 * MiB)
+    allocator.malloc("c", 40 * MiB)  # the rest of the split 64 MiB block
+    assert allocator.reserved == 64 * MiB
+    allocator.malloc("d", 16 * MiB)  # 8 MiB left in the cache: a new segment
+    assert allocator.reserved == 80 * MiB
+    allocator.free("b")
+    allocator.free("c")  # merges with its free neighbour: one 56 MiB block again
+    allocator.malloc("e", 56 * MiB)
+    assert allocator.reserved == 80 * MiB
+
+
+def test_fragmentation_makes_reserved_exceed_the_peak_of_allocated():
+    # The classic pattern: a long-lived tensor lands in a freed large block, and the large request that
+    # comes back no longer fits anywhere.
+    allocator = CachingAllocator()
+    allocator.malloc("activation", 64 * MiB)
+    allocator.free("activation")
+    allocator.malloc("state", 16 * MiB)  # optimizer state, kept: it takes a piece of the 64 MiB block
+    allocator.malloc("activation", 64 * MiB)
+    assert allocator.peak_allocated == 80 * MiB
+    assert allocator.reserved == 128 * MiB  # the 48 MiB left of the first segment is of no use to it
+
+
+def test_expandable_segments_grow_by_pages_and_reuse_adjacent_freed_space():
+    fixed, expandable = CachingAllocator(), CachingAllocator(AllocatorConfig(expandable_segments=True))
+    for allocator in (fixed, expandable):
+        allocator.malloc("a", 30 * MiB)
+        allocator.malloc("b", 30 * MiB)
+        allocator.free("a")
+        allocator.free("b")
+        allocator.malloc("c", 50 * MiB)
+    assert fixed.reserved == 30 * MiB + 30 * MiB + 50 * MiB  # two separate segments cannot merge
+    assert expandable.reserved == 60 * MiB  # 20 MiB pages; the two freed blocks are one range
+
+
+def test_max_split_size_keeps_large_blocks_whole():
+    config = AllocatorConfig.parse("max_split_size_mb:128,expandable_segments:False,garbage_collection_threshold:0.6")
+    assert config == AllocatorConfig(expandable_segments=False, max_split_size=128 * MiB)
+    allocator = CachingAllocator(config)
+    allocator.malloc("big", 200 * MiB)
+    allocator.free("big")
+    allocator.malloc("small", 20 * MiB)  # not handed an oversize block
+    assert allocator.reserved == 220 * MiB
+    unlimited = CachingAllocator()
+    unlimited.malloc("big", 200 * MiB)
+    unlimited.free("big")
+    unlimited.malloc("small", 20 * MiB)
+    assert unlimited.reserved == 200 * MiB
+
+
+def test_replay_reports_each_phase_and_where_reserved_last_grew():
+    events = [
+        ("phase", "setup"), ("+", "w", 8 * MiB),
+        ("phase", "forward"), ("+", "act", 64 * MiB),
+        ("phase", "backward"), ("-", "act"), ("+", "grad", 8 * MiB),
+        ("phase", "step"), ("+", "state", 16 * MiB), ("-", "grad"),
+        ("phase", "forward"), ("+", "act2", 64 * MiB), ("-", "act2"),
+    ]
+    found = replay(events)
+    assert found.allocated == {"setup": 8 * MiB, "forward": 88 * MiB, "backward": 72 * MiB, "step": 32 * MiB}
+    assert found.peak_allocated == 88 * MiB
+    # w: a 20 MiB segment (12 MiB left); act: 64; grad: in the 12 MiB left; state: splits the freed 64 MiB block;
+    # the second forward's 64 MiB needs a new segment: the state displaced it.
+    assert found.peak_reserved == 20 * MiB + 64 * MiB + 64 * MiB
+    assert found.peak_phase == "forward"
+    with pytest.raises(KeyError):
+        CachingAllocator().free("never allocated")

@@ -1,0 +1,94 @@
+"""Which attention kernel torch runs (lit_memory.memory.kernels) and what each keeps, and what one layer keeps
+(lit_memory.memory.layers) as a function of its description."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_memory.memory.kernels import Kernel, attention_bytes, attention_tensors
+from lit_memory.memory.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
+from lit_memory.model import load_config
+
+A100, V100, L4 = (8, 0), (7, 0), (8, 9)
+
+
+@pytest.mark.parametrize(
+    "implementation, capability, bytes_, head_dim, masked, expected",
+    [
+        ("sdpa", A100, 2, 64, False, "flash"),  # 16-bit, sm80, no padding mask
+        ("sdpa", A100, 2, 64, True, "efficient"),  # flash takes no mask
+        ("sdpa", A100, 4, 64, False, "efficient"),  # flash needs 16-bit inputs
+        ("sdpa", V100, 2, 64, False, "efficient"),  # flash needs sm80
+        ("sdpa", A100, 2, 36, True, "math"),  # 16-bit inputs need a head dim divisible by 8
+        ("sdpa", L4, 2, 200, False, "efficient"),  # flash cannot train head dims in (192, 224] on sm89
+        ("sdpa", A100, 8, 64, False, "math"),  # fp64
+        ("eager", A100, 2, 64, True, "eager"),
+        ("flash_attention_2", A100, 2, 64, True, "eager"),  # not modelled: predicted as eager
+    ],
+)
+def test_the_kernel_is_the_one_torch_dispatches_to(implementation, capability, bytes_, head_dim, masked, expected):
+    kernel = Kernel.of(implementation, True, capability, bytes_, head_dim, dropout=True, masked=masked)
+    assert kernel.name == expected, kernel.reason
+
+
+def test_the_cpu_runs_its_math_kernel_for_attention_dropout_only():
+    assert Kernel.of("sdpa", False, (0, 0), 4, 64, dropout=True).name == "cpu-math"
+    assert Kernel.of("sdpa", False, (0, 0), 4, 64, dropout=True, training=False).name == "cpu-fused"
+
+
+def test_fused_kernels_keep_no_attention_matrix_and_eager_keeps_it_at_autocast_widths():
+    h, heads, s = 1024, 16, 512
+    efficient = Kernel("efficient", "")
+    fused = attention_bytes(efficient, h, heads, s, 2, dropout=True, autocast=True)
+    assert fused.saved == 4 * h * 2 + 4 * heads + s * 2  # q, k, v, output; log-sum-exp; the mask's bias
+    assert not fused.output_copied
+    eager = Kernel("eager", "")
+    probs = heads * s
+    under_autocast = attention_bytes(eager, h, heads, s, 2, dropout=True, autocast=True)
+    assert under_autocast.saved == 3 * h * 2 + probs * (4 + 1 + 2) + h * 2  # fp32 softmax, mask, 16-bit copy; output copy
+    fp32 = attention_bytes(eager, h, heads, s, 4, dropout=True, autocast=False)
+    assert fp32.saved == 3 * h * 4 + probs * (4 + 1 + 4) + h * 4
+    before_1_11 = attention_bytes(eager, h, heads, s, 4, dropout=True, autocast=False, softmax_keeps_input=True)
+    assert before_1_11.saved - fp32.saved == probs * 4  # softmax kept its (masked) input too
+    math = attention_bytes(Kernel("math", ""), h, heads, s, 2, dropout=True, autocast=True)
+    assert math.saved > under_autocast.saved  # 16-bit inputs computed in fp32: everything at 4 bytes
+    names = [name for name, _, _ in attention_tensors(efficient, h, heads, s, 2, True, True, masked=False)]
+    assert names == ["q", "k", "v", "output", "logsumexp"]
+
+
+def test_a_bert_layer_keeps_what_its_description_says():
+    config = load_config("bundled:bert-large", 2)
+    from transformers import AutoModelForSequenceClassification
+    import torch
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    spec = LayerSpec.of(model.bert.encoder.layer[0], model.config)
+    assert spec == LayerSpec(1024, 4096, 16, hidden_dropouts=2, attention_dropout=True, implementation="sdpa")
+    x = Shape(batch=32, length=128, param_b=4, compute_b=2, autocast=True, cuda=True)
+    kernel = Kernel.of("sdpa", True, A100, 2, spec.head_dim, True)
+    h, f = 1024, 4096
+    # three cast inputs, q/k/v/output, lse and bias, two masks, two LayerNorm inputs + stats, FFN in/hidden/act
+    expected = 3 * h * 2 + 4 * h * 2 + 4 * 16 * 128 // 128 + 128 * 2 + 2 * h + 2 * h * 4 + 16 + h * 2 + 2 * f * 2
+    assert layer_bytes_per_token(spec, x, kernel) == expected
+    # one dropout fewer on the residual branches (DistilBERT's layout), one FFN matrix more (gated)
+    assert layer_bytes_per_token(LayerSpec(1024, 4096, 16, hidden_dropouts=1), x, kernel) == expected - h
+    assert layer_bytes_per_token(LayerSpec(1024, 4096, 16, ffn_kind="gated"), x, kernel) == expected + 2 * f * 2
+    # LoRA on two projections: the frozen projections keep no inputs, the adapters keep theirs
+    lora = layer_bytes_per_token(spec, x, kernel, lora=(2, 8))
+    assert lora == expected - 3 * h * 2 - h * 2 - f * 2 + 2 * (h * (2 + 1) + 8 * 2)
+    # in backward the attention's gradients come after the FFN's saved tensors are released
+    eager = Kernel("eager", "")
+    assert backward_temp_per_token(spec, x, eager) < attention_bytes(eager, h, 16, 128, 2, True, True).backward
+
+
+def test_distilbert_reads_as_one_residual_dropout_per_layer():
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(load_config("bundled:distilbert", 2))
+    spec = LayerSpec.of(model.distilbert.transformer.layer[0], model.config)
+    assert (spec.hidden, spec.ffn, spec.heads, spec.hidden_dropouts, spec.norms) == (768, 3072, 12, 1, 2)
+    names = [t.name for t in layer_tensors(spec, Shape(1, 8, 4, 4, False, True), Kernel("efficient", ""))]
+    assert "dropout_1" not in names and "dropout_2" in names
