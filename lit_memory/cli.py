@@ -23,7 +23,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import guard, lowbit, recipes, resume, trust
+from lit_memory import checks, guard, lowbit, recipes, resume, trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
@@ -209,6 +209,7 @@ class LitMemoryCLI(LightningCLI):
         settings = self.settings
         self._check_values()  # again: a resumed checkpoint's hyper-parameters are merged in by now
         # As configured, before the CPU fallback below may change the precision.
+        checks.check_trainer(settings.trainer)
         lowbit.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
@@ -273,7 +274,7 @@ class LitMemoryCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except UserError:
             raise
-        except (MisconfigurationException, ValueError) as err:  # Lightning's words for settings it cannot run with
+        except (MisconfigurationException, ValueError, TypeError) as err:  # Lightning's words for settings it cannot run with
             raise UserError(" ".join(str(err).split())) from None
         guard.install(trainer)
         return trainer

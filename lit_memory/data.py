@@ -94,6 +94,10 @@ class TextClassificationData(L.LightningDataModule):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
         if max_length < 2 or batch_size < 1:
             raise UserError(f"max_length ({max_length}) must be >= 2 and batch_size ({batch_size}) >= 1")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise UserError(f"eval_batch_size must be >= 1 (or null: batch_size), got {eval_batch_size}")
+        if num_workers < 0:
+            raise UserError(f"num_workers must be >= 0 (0: load in the training process), got {num_workers}")
         for name, limit in (("train", limit_train_samples), ("validation/test", limit_eval_samples)):
             if limit is not None and limit < 1:
                 raise UserError(f"the {name} split would be empty: its sample limit is {limit} (use null for all)")

@@ -13,6 +13,7 @@ projections otherwise (DistilBERT's ``q_lin``..., ModernBERT's ``Wqkv``/``Wo``).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -41,6 +42,17 @@ class LoRA:
     alpha: int = 16
     dropout: float = 0.1
     target_modules: Optional[list[str]] = None
+
+    def check(self) -> "LoRA":
+        """One line for a value peft would refuse mid-build or take silently (the module calls it: raised
+        while jsonargparse parses, it would become that parser's union message)."""
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise UserError(f"model.lora.rank must be a whole number >= 1, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
+            raise UserError(f"model.lora.alpha must be a number > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise UserError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        return self
 
 
 def family_targets(anatomy: Anatomy) -> Union[list[str], str]:

@@ -39,6 +39,7 @@ from lit_memory.eightbit import (
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
 from lit_memory.lowbit import is_torchao, keep_plain_state
+from lit_memory.checks import check_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +146,12 @@ class SequenceClassifier(L.LightningModule):
             )
         # Entered around each training forward pass (saved-tensor hooks), reused across steps.
         self.activation_offload = OffloadActivations() if offload_activations else None
+        check_optimizer(optimizer)  # its own checks and shared ranges, before anything trains
         self.optimizer_factory = optimizer
         # hparams hold plain data (LightningCLI's config, a checkpoint's dict): keep the dataclass here.
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
+        if self.lora is not None:
+            self.lora.check()
         self.hf_config = load_config(model_name_or_path, num_labels, config_overrides)
         _check_freeze(freeze, self.hf_config.num_hidden_layers)
         set_pad_token(self.hf_config, tokenizer_name_or_path or model_name_or_path)

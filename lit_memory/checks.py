@@ -1,0 +1,94 @@
+"""Settings Lightning and the optimizers accept and then fail on mid-run, checked before anything
+trains: one `UserError` line each.
+
+The optimizer (`check_optimizer`, called by the module at construction):
+
+Optimizers check some of their arguments themselves (torch: a negative learning rate), others only at
+their first step, deep in a kernel (torchao's ``block_size``, HF Adafactor's ``eps`` pair), and some
+never (a string where a flag belongs is truthy). So the module builds the configured optimizer once on
+a dummy parameter, which runs the class's own checks, then checks what it kept (``defaults``) against
+the types of the class's own defaults and the ranges every optimizer shares.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+
+from lit_memory.errors import UserError
+
+NON_NEGATIVE = ("lr", "weight_decay", "momentum", "dampening")
+POSITIVE = ("eps", "block_size", "min_8bit_size", "percentile_clipping")
+IN_UNIT = ("betas", "beta1", "beta2")  # coefficients of running averages (not Adafactor's decay_rate: an exponent)
+
+
+def check_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> None:
+    """Build ``factory`` (params -> optimizer) on one dummy parameter and check its settings."""
+    dummy = torch.nn.Parameter(torch.zeros(64))
+    try:
+        optimizer = factory([dummy])
+    except (ValueError, TypeError, RuntimeError, AssertionError) as err:
+        raise UserError(f"model.optimizer: {' '.join(str(err).split()) or type(err).__name__}") from None
+    problems = [p for key, value in _settings(optimizer).items() for p in _problems(key, value, _default(optimizer, key))]
+    if problems:
+        raise UserError(f"model.optimizer: {type(optimizer).__name__}: {'; '.join(problems)}")
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the optimizer kept of its arguments: ``defaults``, and attributes for those kept outside it
+    (torchao keeps ``block_size`` on the instance)."""
+    kept = dict(optimizer.defaults)
+    for key in inspect.signature(type(optimizer).__init__).parameters:
+        if key not in kept and key not in ("self", "params") and hasattr(optimizer, key):
+            kept[key] = getattr(optimizer, key)
+    return kept
+
+
+def _default(optimizer: torch.optim.Optimizer, key: str) -> Any:
+    parameter = inspect.signature(type(optimizer).__init__).parameters.get(key)
+    return inspect.Parameter.empty if parameter is None else parameter.default
+
+
+def _problems(key: str, value: Any, default: Any) -> list[str]:
+    if isinstance(default, bool) and not isinstance(value, bool):
+        return [f"{key} must be true or false, got {value!r}"]
+    if isinstance(default, numbers.Real) and not isinstance(default, bool):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            if not isinstance(value, torch.Tensor):
+                return [f"{key} must be a number, got {value!r}"]
+    if isinstance(default, Sequence) and not isinstance(default, str):
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(default):
+            return [f"{key} must be a list of {len(default)} numbers like {list(default)}, got {value!r}"]
+    numbers_in = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    out = []
+    for number in numbers_in:
+        if isinstance(number, bool) or not isinstance(number, numbers.Real):
+            if isinstance(value, Sequence) and not isinstance(value, str) and number is not None:
+                out.append(f"{key} must hold numbers, got {value!r}")
+            continue
+        if not math.isfinite(number):
+            out.append(f"{key} must be finite, got {value!r}")
+        elif key in NON_NEGATIVE and number < 0:
+            out.append(f"{key} must be >= 0, got {value!r}")
+        elif key in POSITIVE and number <= 0:
+            out.append(f"{key} must be > 0, got {value!r}")
+        elif key in IN_UNIT and not 0 <= number < 1:
+            out.append(f"{key} must be in [0, 1), got {value!r}")
+    return out[:1]
+
+
+def check_trainer(trainer: Any) -> None:
+    """Trainer settings Lightning takes as given and fails on later (``accumulate_grad_batches: 0`` divides
+    by zero in the loop, ``-1`` silently never steps; a NaN clip value clips everything to NaN)."""
+    get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
+    accumulate = get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(f"trainer.accumulate_grad_batches must be a whole number >= 1, got {accumulate!r}")
+    clip = get("gradient_clip_val", None)
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not 0 <= clip < math.inf):
+        raise UserError(f"trainer.gradient_clip_val must be a finite number >= 0 (or null), got {clip!r}")
