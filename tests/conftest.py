@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import ctypes
-import gc
 import json
 import os
 from collections import defaultdict
@@ -22,24 +20,16 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 
-try:  # glibc: hand freed heap memory back to the system
-    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-except (OSError, AttributeError):
-    _malloc_trim = None
-
-
 @pytest.fixture(autouse=True)
 def _each_test_starts_clean():
     """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style
-    variables in the launching process and never removes them. And from a trimmed heap: dozens of
-    in-process fits otherwise leave glibc's arenas holding about 1 GB each (measured: 6 GB after 4)."""
+    variables in the launching process and never removes them. (The heap is no longer trimmed by hand
+    here: the ~1 GB a fit used to leave behind was its model, kept alive by torch's ModTracker, fixed in
+    `lit_memory.memory.tracker`; see examples/soak.py.)"""
     saved = dict(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)
-    gc.collect()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 POSITIVE = ["great hotel, friendly staff", "lovely clean room", "excellent breakfast", "would stay again", "superb view"]

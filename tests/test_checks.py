@@ -96,6 +96,7 @@ FUZZ_FAST = ["--trainer.max_steps=1", "--trainer.limit_val_batches=1", "--traine
              "--model.save_pretrained=false", "--memory.simulate=false"]
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize("recipe, key, value", _fuzz_cases())
 def test_fuzzed_setting_is_one_error_line_or_a_clean_run(recipe, key, value, tmp_path):
     root = tmp_path / "run"

@@ -40,6 +40,8 @@ from lit_memory.resume import (
 EVERY, KILL_AFTER, EPOCHS, STEPS_PER_EPOCH = 5, 11, 2, 8
 TINY = '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
 
+pytestmark = pytest.mark.fit  # end-to-end fits, most in a fresh process (a real restart)
+
 
 @pytest.fixture(scope="module")
 def reviews(tmp_path_factory) -> Path:

@@ -75,6 +75,7 @@ print("ok")
 """
 
 
+@pytest.mark.fit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_repeated_lora_simulations_leave_the_heap_intact():
     """The regression test for the crash of issue 20: five LoRA simulations in one process, the heap
