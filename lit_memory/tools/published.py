@@ -76,7 +76,8 @@ HF = Source(
 HF_ARGS = (*BERT_LARGE, *_eager(), "--data.max_length=512", "--model.embedding_optimizer_state=8bit")
 ADAMW_HF = _optimizer("torch.optim.AdamW", lr=5e-5, weight_decay=0.0, foreach=False)  # a per-parameter loop, as transformers' AdamW
 ADAFACTOR_HF = _optimizer(
-    "transformers.Adafactor", lr=5e-5, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=0.0
+    "transformers.Adafactor", lr=5e-5, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=0.0,
+    eps=[1e-30, 1e-3],  # its default, stated: jsonargparse would carry AdamW's scalar eps over, which Adafactor cannot step with
 )
 ADAM8BIT_HF = _optimizer("bitsandbytes.optim.Adam8bit", lr=5e-5)
 
@@ -129,7 +130,8 @@ SEED = Source(
 SEED_ARGS = (*BERT_LARGE, *_eager(vocab_size=21128), "--data.max_length=128")
 ADAMW_SEED = _optimizer("torch.optim.AdamW", lr=2e-5, weight_decay=0.01)
 ADAFACTOR_SEED = _optimizer(
-    "transformers.Adafactor", lr=2e-5, weight_decay=0.01, scale_parameter=False, relative_step=False, warmup_init=False
+    "transformers.Adafactor", lr=2e-5, weight_decay=0.01, scale_parameter=False, relative_step=False, warmup_init=False,
+    eps=[1e-30, 1e-3],  # as above
 )
 LEFTOVER = (
     "this row and the two after it read 1.0-1.6 G more than one run of their settings holds, about one more copy "
