@@ -211,9 +211,9 @@ def test_fp8_state_on_a_gpu_without_fp8_is_refused(monkeypatch):
     lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
 
 
-@pytest.mark.xfail(strict=True, reason="open regression from merging issues 19 and 21 (2026-11-23): torchao's 4-bit "
-                   "state comes back from the sharded checkpoint as plain tensors ('Tensor' has no attribute 'codes'); "
-                   "see issue 19's closing note")
+@pytest.mark.xfail(strict=True, reason="open since issue 21 (fails the same on its branch alone, 2026-11-23): the first "
+                   "FSDP2 fused torchao run fails in torchao's compiled step ('Tensor' object has no attribute 'codes'), "
+                   "likely plain embedding state (keep_plain_state) meeting quantised DTensor state; see issue 21's note")
 def test_fsdp2_fused_torchao_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
     """torchao's 8-bit state is DTensor-aware: under FSDP2 with the fused step it is saved in the sharded
     checkpoint and restored, so 6 steps + resume to 10 equal 10 steps (bitsandbytes' refuses: SHARD_STATE)."""

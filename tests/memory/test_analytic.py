@@ -162,8 +162,8 @@ CUDA_CASES = {
 
 OPEN_AFTER_MERGE = pytest.mark.xfail(
     strict=True,
-    reason="open regression from merging issues 21 and 22 (2026-11-23): the simulation's backward peak is "
-    "22 % above the analytic model's in this case; see issue 21's closing note",
+    reason="open since issue 21 (fails the same on its branch alone, 2026-11-23): the simulation's backward peak "
+    "is 22 % above the analytic model's in this case; see issue 21's closing note",
 )
 
 

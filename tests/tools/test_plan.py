@@ -132,7 +132,7 @@ def test_measure_times_the_best_candidates(tmp_path, capsys):
     assert recipe["trainer"]["accumulate_grad_batches"] == 1 and recipe["data"]["batch_size"] == 32
 
 
-@pytest.mark.xfail(strict=True, reason="open regression from merging issues 21 and 22 (2026-11-23): the simulation "
+@pytest.mark.xfail(strict=True, reason="open since issue 21 (fails the same on its branch alone, 2026-11-23): the simulation "
                    "puts 2gb over 2 GiB of device memory, so plan shortens max_length; see issue 21's closing note")
 def test_plan_finds_2gb_for_bert_large_in_2_gib_of_device_memory():
     """The issue's bar, the way a user asks for it: ``plan --budget 2GiB --config configs/bert-large.yaml``
