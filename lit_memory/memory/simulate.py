@@ -70,6 +70,7 @@ class _Stepping:
 
     optimizers: list  # whose state exists before the tracked step (tracked from its start)
     warm: Callable[[], None]  # one step on zero gradients, leaving behind what a previous step leaves
+    before_backward: Callable[[], None]  # what the loop runs between the forward pass and backward
     backward: Callable[[torch.Tensor], None]  # backward from the loss
     after_backward: Callable[[], None]  # what runs after backward
 
@@ -92,16 +93,17 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, step
             optimizer.zero_grad(set_to_none=False)  # torch 1.x: zeroed in place, still allocated
         # else: a mid-window micro-batch keeps the window's gradients, as does a loop freeing them before backward
 
-    def backward(loss: torch.Tensor) -> None:
+    def before_backward() -> None:
+        # Before the backward phase begins, as the monitor's phases see it: Lightning's closure runs its
+        # zero_grad between training_step and `on_before_backward`, a plain loop between forward and backward.
         if release == "before_backward" and step.accumulate_grad_batches == 1:
             optimizer.zero_grad()
-        loss.backward()
 
     if step.fused:
         # hooks on the (throwaway, fake) model's parameters; any max_norm: only the extra backward matters here
         fused = OptimizerInBackward(optimizer, parameter_units(module), step.bucket, Clipping(max_norm=1.0) if step.clip_norm else None)
-        return _Stepping([optimizer], warm, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
-    return _Stepping([optimizer], warm, backward, after_backward=optimizer.step)
+        return _Stepping([optimizer], warm, lambda: None, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
+    return _Stepping([optimizer], warm, before_backward, lambda loss: loss.backward(), after_backward=optimizer.step)
 
 
 TORCHAO_NOTE = (
@@ -262,6 +264,7 @@ def simulate(step: Step) -> Prediction:
             tracker.enter_phase("forward")
             with forward_context():
                 loss = module.training_step(batch, 0)
+            stepping.before_backward()
             tracker.enter_phase("backward")
             stepping.backward(loss)
             tracker.enter_phase("step")

@@ -160,16 +160,7 @@ CUDA_CASES = {
 }
 
 
-OPEN_AFTER_MERGE = pytest.mark.xfail(
-    strict=True,
-    reason="open since issue 21 (fails the same on its branch alone, 2026-11-23): the simulation's backward peak "
-    "is 22 % above the analytic model's in this case; see issue 21's closing note",
-)
-
-
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=OPEN_AFTER_MERGE) if c == "gradients freed only before backward" else c for c in CUDA_CASES]
-)
+@pytest.mark.parametrize("case", CUDA_CASES)
 def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(case):
     setup = minilm(**{"batch_size": 8, "max_length": 64, "device": "cuda", **CUDA_CASES[case]})
     predicted, simulated = analytic(setup), simulate(setup)
