@@ -77,10 +77,12 @@ def open_log(path: PathLike) -> IO:
 @contextlib.contextmanager
 def replacing_folder(path: PathLike) -> Iterator[Path]:
     """A temporary folder beside ``path`` for a writer that fills a whole folder (``save_pretrained``);
-    on success it takes ``path``'s place, an older folder there is removed."""
+    on success it takes ``path``'s place, an older folder there is removed. Missing parent folders are
+    made, as ``save_pretrained`` makes them (a run that saved nothing else has no run folder yet)."""
     path = Path(path)
     refuse_link(path)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
     temporary.mkdir()
     try:
         yield temporary

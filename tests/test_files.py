@@ -80,6 +80,15 @@ def test_a_folder_written_by_another_writer_replaces_the_old_one_whole(tmp_path)
     assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hf_model", "link"]
 
 
+def test_a_folder_is_written_where_no_folder_exists_yet(tmp_path):
+    # A resumed run that saves no checkpoint and logs nothing has no run folder when it exports its model.
+    path = tmp_path / "run" / "hf_model"
+    with files.replacing_folder(path) as folder:
+        (folder / "config.json").write_text("1")
+    assert [p.name for p in path.iterdir()] == ["config.json"]
+    assert [p.name for p in path.parent.iterdir()] == ["hf_model"]
+
+
 def test_planted_links_are_found_without_following_them(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").symlink_to(tmp_path)
