@@ -61,6 +61,25 @@ def keep_plain_state(
     optimizer.plain_state = {**getattr(optimizer, "plain_state", {}), **plain}
 
 
+def compile_steps_without_the_dtensor_cache_collision(optimizer: torch.optim.Optimizer) -> None:
+    """torchao's compiled step over FSDP2's sharded (DTensor) parameters: AOTAutograd's on-disk cache off.
+
+    torch 2.13 keys a DTensor input of that cache by its spec alone (``DTensor._stable_hash_for_caching``:
+    mesh, placements, shape, stride, dtype), not by the type of its local tensor. torchao's step over a
+    parameter whose state is quantised (a DTensor of ``OptimState8bit``) and over one of the same shape whose
+    state is plain (a DTensor of a Tensor: `keep_plain_state`'s embeddings, torchao's own small shards) or of
+    another subclass (``OptimState4bit``) is one dynamo graph, so a later process finds the other's compiled
+    code in the cache (``$TMPDIR/torchinductor_$USER``, shared by every run of the user) and fails inside it:
+    "'Tensor' object has no attribute 'codes'". Turned off by torch's own switch (process-wide; inductor's
+    graph cache, keyed by the flattened tensors, still serves); unsharded state hashes its inner tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if is_torchao(optimizer) and any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+        import torch._functorch.config
+
+        torch._functorch.config.enable_autograd_cache = False
+
+
 def check_settings(optimizer: Any, precision: Any, on_gpu: bool) -> None:
     """One `UserError` line for a torchao optimizer setting that cannot do what it says, before anything
     is built. ``optimizer``: the parsed ``model.optimizer`` (a class path and its init args)."""

@@ -38,7 +38,7 @@ from lit_memory.eightbit import (
 )
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
-from lit_memory.lowbit import is_torchao, keep_plain_state
+from lit_memory.lowbit import compile_steps_without_the_dtensor_cache_collision, is_torchao, keep_plain_state
 from lit_memory.checks import check_optimizer
 
 log = logging.getLogger(__name__)
@@ -259,6 +259,7 @@ class SequenceClassifier(L.LightningModule):
             keep_embeddings_32bit(kept, optimizer)
         elif kept and is_torchao(optimizer):
             keep_plain_state(optimizer, [e.weight for e in kept], unquantised_dtype(state))
+        compile_steps_without_the_dtensor_cache_collision(optimizer)
         return optimizer
 
     def configure_optimizers(self):

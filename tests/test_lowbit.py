@@ -211,9 +211,33 @@ def test_fp8_state_on_a_gpu_without_fp8_is_refused(monkeypatch):
     lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
 
 
-@pytest.mark.xfail(strict=True, reason="open since issue 21 (fails the same on its branch alone, 2026-11-23): the first "
-                   "FSDP2 fused torchao run fails in torchao's compiled step ('Tensor' object has no attribute 'codes'), "
-                   "likely plain embedding state (keep_plain_state) meeting quantised DTensor state; see issue 21's note")
+def test_torchao_over_sharded_parameters_compiles_without_the_autograd_cache(tmp_path, monkeypatch):
+    """torch's AOTAutograd cache keys a DTensor by its spec alone: a DTensor of torchao's quantised state and one
+    of plain state of the same shape hash alike, so a later run found the other's compiled step on disk ("'Tensor'
+    object has no attribute 'codes'"). A torchao optimizer over sharded parameters turns that cache off; over
+    plain tensors it stays on. (When torch hashes the local tensor's type, the first assertion fails: the
+    switch can go.)"""
+    import torch._functorch.config as functorch_config
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    lowbit.compile_steps_without_the_dtensor_cache_collision(AdamW8bit([torch.nn.Parameter(torch.zeros(64, 64))]))
+    assert functorch_config.enable_autograd_cache
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        quantised = DTensor.from_local(OptimState8bit.zeros((64, 64), True, 256), mesh, [Shard(0)], run_check=False)
+        plain = DTensor.from_local(torch.zeros(64, 64), mesh, [Shard(0)], run_check=False)
+        assert quantised._stable_hash_for_caching() == plain._stable_hash_for_caching()
+        sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 64), mesh, [Shard(0)]))
+        lowbit.compile_steps_without_the_dtensor_cache_collision(AdamW8bit([sharded]))
+        assert not functorch_config.enable_autograd_cache
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp2_fused_torchao_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
     """torchao's 8-bit state is DTensor-aware: under FSDP2 with the fused step it is saved in the sharded
     checkpoint and restored, so 6 steps + resume to 10 equal 10 steps (bitsandbytes' refuses: SHARD_STATE)."""
