@@ -27,7 +27,8 @@ from lit_memory.errors import UserError
 from lit_memory.lora import apply_lora
 from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
-from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier, checkpoint_policy
+from lit_memory.activations import CheckpointPlan, is_auto
+from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 
 # precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
 PRECISIONS = {
@@ -148,6 +149,7 @@ class Step:
     target: Target = field(default_factory=Target)
     loop: Loop = field(default_factory=Loop)
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # what it was built from
+    planned: Optional[str] = field(default=None, compare=False)  # what `gradient_checkpointing: auto` chose, in words
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], target: Optional[Target] = None, loop: Optional[Loop] = None) -> "Step":
@@ -175,8 +177,20 @@ class Step:
             loop=loop if loop is not None else Loop(),
             settings=settings,
         )
-        checkpoint_policy(model.get("gradient_checkpointing"))  # one error line for a bad value
+        if is_auto(model.get("gradient_checkpointing")):
+            return step.plan_checkpointing(budget_of(settings))
+        CheckpointPlan.parse(model.get("gradient_checkpointing"))  # one error line for a bad value
         return step
+
+    def plan_checkpointing(self, budget: Optional[int]) -> "Step":
+        """This step with ``gradient_checkpointing: auto`` resolved for ``budget`` (`lit_memory.memory.recompute`):
+        the plan with the fewest FLOPs predicted to fit, written into its settings as a run's config holds it."""
+        from lit_memory.memory.recompute import resolved_setting
+
+        value, found = resolved_setting(self, budget)
+        model = {**self.model, "gradient_checkpointing": value}
+        settings = {**self.settings, "model": {**(self.settings.get("model") or {}), "gradient_checkpointing": value}}
+        return replace(self, model=model, settings=settings, planned=found.line())
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
         """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``)."""
@@ -192,9 +206,9 @@ class Step:
         return self.target.type
 
     @property
-    def checkpointing(self) -> Optional[str]:
-        """``None``, ``"full"`` or ``"selective"``."""
-        return checkpoint_policy(self.model.get("gradient_checkpointing"))
+    def checkpointing(self) -> Optional[CheckpointPlan]:
+        """What each layer recomputes (None: nothing)."""
+        return CheckpointPlan.parse(self.model.get("gradient_checkpointing"))
 
     @property
     def offloading(self) -> bool:
@@ -234,7 +248,7 @@ class Step:
             f"accumulate {self.accumulate_grad_batches}",
         ]
         if self.checkpointing:
-            parts.append(f"{self.checkpointing} gradient checkpointing")
+            parts.append(f"{self.checkpointing.describe()}".replace("checkpointing", "gradient checkpointing"))
         if hp.get("offload_activations"):
             parts.append("activations offloaded")
         if hp.get("freeze") is not None:
@@ -253,6 +267,21 @@ class Step:
     def cache_key(self) -> tuple:
         """What a meta build depends on (model, optimizer, precision): no reference to anything live."""
         return (json.dumps(dict(self.model), sort_keys=True, default=str), self.optimizer.key, self.precision)
+
+    @property
+    def build_key(self) -> tuple:
+        """`cache_key` without the checkpointing plan: what the module's parameters and optimizer depend on."""
+        model = {k: v for k, v in self.model.items() if k != "gradient_checkpointing"}
+        return (json.dumps(model, sort_keys=True, default=str), self.optimizer.key, self.precision)
+
+
+def budget_of(settings: Mapping[str, Any]) -> Optional[int]:
+    """The device budget a run plans for: ``memory.budget`` (enforced), else the recipe's ``memory.tier``."""
+    from lit_memory.memory.footprint import parse_bytes
+
+    memory = settings.get("memory") or {}
+    value = memory.get("budget") or memory.get("tier")
+    return parse_bytes(value) if value else None
 
 
 _MODEL_ARGS = {
