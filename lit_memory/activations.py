@@ -155,6 +155,8 @@ class CheckpointPlan:
     def describe(self, layers: Optional[int] = None) -> str:
         if self.uniform:
             return f"{self.uniform} checkpointing"
+        if layers is not None and len(set(self.modes(layers))) == 1:
+            return f"{self.modes(layers)[0]} checkpointing"
         none = f", {layers - self.full - self.selective} none" if layers is not None else ""
         return f"checkpointing {self.full} full, {self.selective} selective{none}"
 

@@ -239,6 +239,7 @@ class LitMemoryCLI(LightningCLI):
         device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"
         step = self.step(target(device))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
+        settings.model.offload_activations = step.model["offload_activations"]
         print(step.planned, file=sys.stderr)
 
     def _run_subcommand(self, subcommand: str) -> None:

@@ -80,7 +80,8 @@ class SequenceClassifier(L.LightningModule):
             dropout, LayerNorm, adds); ``false`` keeps everything.
         offload_activations: move the tensors autograd saves in the forward pass (with
             checkpointing: each layer's input) to pinned host memory, and back for backward. Needs
-            ``gradient_checkpointing``; a no-op on CPU.
+            every layer checkpointed; a no-op on CPU. ``auto`` (with ``gradient_checkpointing: auto``): where
+            its copies are modelled to cost less time than the recompute the room buys (CUDA only).
         freeze: ``body`` (the whole encoder, as the seed did), ``embeddings``, or an int N for the
             embeddings plus the first N layers. The classifier head always trains.
         optimizer: any optimizer class path with its init args (the reference post's AdamW, lr 2e-5 and
@@ -122,7 +123,7 @@ class SequenceClassifier(L.LightningModule):
         config_overrides: Optional[dict[str, Any]] = None,
         tokenizer_name_or_path: Optional[str] = None,
         gradient_checkpointing: Checkpointing = False,
-        offload_activations: bool = False,
+        offload_activations: Union[bool, Literal["auto"]] = False,
         freeze: Freeze = None,
         optimizer: OptimizerCallable = default_optimizer,
         embedding_optimizer_state: EmbeddingState = "auto",
@@ -138,6 +139,11 @@ class SequenceClassifier(L.LightningModule):
             raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        if offload_activations == "auto":
+            raise UserError(
+                "model.offload_activations: auto is decided with gradient_checkpointing auto, before the model is "
+                "built (`python -m lit_memory fit/estimate` do it)"
+            )
         plan = CheckpointPlan.parse(gradient_checkpointing)
         if offload_activations and plan is None:
             raise UserError(

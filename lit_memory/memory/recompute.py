@@ -21,6 +21,7 @@ memory model (`lit_memory.memory.analytic.device_total`), the number a budget me
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -56,6 +57,7 @@ class Flops:
 
 
 _COUNTS: dict[tuple, tuple[int, int]] = {}
+_NOT_COUNTED = {"embedding_optimizer_state", "offload_activations", "save_pretrained", "lr_scheduler_type", "warmup_ratio"}
 
 
 def _count(step: Step) -> tuple[int, int]:
@@ -66,7 +68,9 @@ def _count(step: Step) -> tuple[int, int]:
     from lit_memory.memory.simulate import _fake_batch
 
     step = _with_plan(step, step.checkpointing, offload=False)  # where kept tensors wait changes no count
-    key = (step.cache_key, step.batch_size, step.max_length)
+    # what the count depends on: the model and its plan, the batch shape (not the optimizer or the precision)
+    model = {k: v for k, v in step.model.items() if k not in _NOT_COUNTED}
+    key = (json.dumps(model, sort_keys=True, default=str), step.batch_size, step.max_length)
     if key in _COUNTS:
         return _COUNTS[key]
     _, compute, autocast = PRECISIONS[step.precision]
@@ -113,6 +117,19 @@ def flops(step: Step) -> Flops:
     return Flops(forward=forward, backward=backward, recompute=max(backward - plain, 0), samples=step.batch_size)
 
 
+def recompute_ratio(step: Step) -> float:
+    """FLOPs ``step``'s checkpointing adds, as a share of the same step without it (0: none): what ``plan``
+    ranks setups by. Counted at batch 1 (FLOPs per sample do not depend on the batch), so setups that differ
+    only in batch, optimizer or precision share one count."""
+    if step.checkpointing is None:
+        return 0.0
+    counted, _ = count_or_decline(replace(step, batch_size=1))
+    if counted is None:  # not countable: full layers cost a forward each (see UNCOUNTED)
+        modes = [m for m in step.checkpointing.modes(layer_costs(step).layers)]
+        return sum(UNCOUNTED[0] if m == "full" else UNCOUNTED[1] for m in modes if m) / (3 * len(modes))
+    return counted.recompute / (counted.total - counted.recompute)
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """Per transformer layer: FLOPs recomputed by each mode (counted), and the step's FLOPs with none."""
@@ -121,6 +138,7 @@ class LayerCosts:
     base: int
     full: float
     selective: float
+    forward: int = 0  # of `base`: the forward pass
 
     def of(self, plan: Optional[CheckpointPlan]) -> float:
         if plan is None:
@@ -143,12 +161,36 @@ def layer_costs(step: Step) -> LayerCosts:
     with torch.device("meta"):
         layers = len(find_layers(module.build_model(pretrained=False)))
     try:
-        base = sum(_count(_with_plan(step, None)))
+        forward, backward = _count(_with_plan(step, None))
     except (DataDependentOutputException, DynamicOutputShapeException):
         return LayerCosts(layers=layers, base=0, full=UNCOUNTED[0], selective=UNCOUNTED[1])
+    base = forward + backward
     full = sum(_count(_with_plan(step, CheckpointPlan(rest="full")))) - base
     selective = sum(_count(_with_plan(step, CheckpointPlan(rest="selective")))) - base
-    return LayerCosts(layers=layers, base=base, full=max(full, 0) / layers, selective=max(selective, 0) / layers)
+    return LayerCosts(
+        layers=layers, base=base, full=max(full, 0) / layers, selective=max(selective, 0) / layers, forward=forward
+    )
+
+
+# -- offloading against recompute: a stated device model (no GPU measured it here) ---------------------------
+# A training step sustains this share of the GPU's dense 16-bit tensor-core peak (`lit_memory.memory.device.Gpu`):
+# matmul-bound BERT-large steps run at 40-60 % of it (MLPerf BERT on A100: about half).
+UTILISATION = 0.5
+
+
+def seconds(step: Step, costs: LayerCosts, plan: Optional[CheckpointPlan], offloaded: int) -> float:
+    """Modelled seconds of one micro-batch: its counted FLOPs at `UTILISATION` of the GPU's peak, plus what the
+    host copies of an offloaded step do not hide. The copies run on a side stream (`OffloadActivations`): out
+    during the forward pass, back during backward; each direction costs ``offloaded`` bytes at the host link's
+    bandwidth, and only the part longer than the compute beside it shows."""
+    gpu = step.target.gpu
+    rate = gpu.tflops * 1e12 * UTILISATION
+    total = costs.of(plan)
+    compute = total / rate
+    if not offloaded:
+        return compute
+    copy = offloaded / (gpu.host_gbps * 1e9)
+    return compute + max(0.0, copy - costs.forward / rate) + max(0.0, copy - (total - costs.forward) / rate)
 
 
 @dataclass(frozen=True)
@@ -161,9 +203,17 @@ class Resolved:
     flops: float  # per micro-batch
     flops_none: float  # the same step without checkpointing
     layers: int
+    offload: bool = False
+    offloaded: int = 0  # bytes per direction per micro-batch
+    exposed: float = 0.0  # modelled seconds the copies add
 
     def line(self) -> str:
         chosen = self.plan.describe(self.layers) if self.plan else "no checkpointing"
+        if self.offload:
+            chosen += (
+                f", checkpoints offloaded ({format_bytes(self.offloaded)} each way per micro-batch; "
+                f"modelled to add {1e3 * self.exposed:.1f} ms, less than the recompute it saves)"
+            )
         cost = (
             f"FLOPs per step {self.flops / self.flops_none:.3f}x no checkpointing" if self.flops_none
             else "FLOPs not countable for this model: the fewest layers recomputed"
@@ -172,34 +222,53 @@ class Resolved:
 
 
 def resolve(step: Step, budget: int) -> Resolved:
-    """The plan with the fewest counted FLOPs whose predicted device total fits ``budget`` (bytes).
+    """The plan with the least modelled time whose predicted device total fits ``budget`` (bytes): the fewest
+    counted FLOPs, unless ``offload_activations: auto`` lets offloading the checkpointed layers' inputs buy
+    room for less recompute where its copies cost less time than that recompute (`seconds`; CUDA only).
 
-    Every plan (full and selective counts) in order of FLOPs, the first that fits wins. The allocator's
-    rounding makes the device total move a little against the layer counts (a plan with one more selective
-    layer can reserve a few MiB more), so no plan is skipped by assuming it does not; a plan whose tensors
-    alone (milliseconds each) leave no room for the CUDA context is skipped before its replay. No plan fits:
-    one error line with the total of every layer recomputed."""
+    Every plan (full and selective counts, with and without offloading) is taken in order of modelled time, and
+    the first that fits wins. The allocator's rounding makes the device total move a little against the layer
+    counts (a plan with one more selective layer can reserve a few MiB more), so no plan is skipped by assuming
+    it does not; a plan whose tensors alone leave no room for the CUDA context is skipped before its replay
+    (milliseconds each). No plan fits: one error line with the total of every layer recomputed."""
     from lit_memory.memory.analytic import analytic, device_total
 
     costs = layer_costs(step)
     n = costs.layers
-    # offloading needs every layer checkpointed (`SequenceClassifier`): then only full vs selective is chosen
-    whole_allowed = not step.model.get("offload_activations")
-    context = step.target.context_bytes if step.device == "cuda" else 0
+    setting = step.model.get("offload_activations")
+    cuda = step.device == "cuda"
+    offloads = [True] if setting is True else ([False, True] if setting == "auto" and cuda and costs.base else [False])
+    context = step.target.context_bytes if cuda else 0
     plans: list[Optional[CheckpointPlan]] = [
         (CheckpointPlan(full=full, selective=selective) if full + selective else None)
         for full in range(n + 1)
         for selective in range(n + 1 - full)
-        if whole_allowed or full + selective == n
     ]
-    for plan in sorted(plans, key=costs.of):
-        candidate = _with_plan(step, plan)
+
+    def activations(plan: Optional[CheckpointPlan], offload: bool) -> int:
+        found = analytic(_with_plan(step, plan, offload=offload and cuda), levels=False)
+        return found.footprint.phases["forward"]["activations"]
+
+    candidates = []
+    for offload in offloads:
+        for plan in plans:
+            # offloading needs every layer checkpointed (`SequenceClassifier`)
+            if offload and (plan is None or None in plan.modes(n)):
+                continue
+            offloaded = activations(plan, False) - activations(plan, True) if offload and cuda else 0
+            candidates.append((seconds(step, costs, plan, offloaded) if costs.base else costs.of(plan), plan, offload, offloaded))
+    for _, plan, offload, offloaded in sorted(candidates, key=lambda c: (c[0], c[2])):
+        candidate = _with_plan(step, plan, offload=offload)
         if analytic(candidate, levels=False).footprint.peak + context > budget:
             continue
         total = device_total(candidate)
         if total <= budget:
-            return Resolved(plan=plan, budget=budget, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n)
-    smallest = device_total(_with_plan(step, CheckpointPlan(rest="full")))
+            exposed = seconds(step, costs, plan, offloaded) - seconds(step, costs, plan, 0) if offloaded else 0.0
+            return Resolved(
+                plan=plan, budget=budget, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n,
+                offload=offload, offloaded=offloaded, exposed=exposed,
+            )
+    smallest = device_total(_with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1]))
     raise UserError(
         f"gradient_checkpointing auto: no plan fits {format_bytes(budget)}; every layer recomputed is predicted "
         f"at {format_bytes(smallest)} (python -m lit_memory plan --budget ... finds other settings)"

@@ -179,6 +179,8 @@ class Step:
         )
         if is_auto(model.get("gradient_checkpointing")):
             return step.plan_checkpointing(budget_of(settings))
+        if is_auto(model.get("offload_activations")):
+            raise UserError("model.offload_activations auto is decided with model.gradient_checkpointing auto")
         CheckpointPlan.parse(model.get("gradient_checkpointing"))  # one error line for a bad value
         return step
 
@@ -188,8 +190,9 @@ class Step:
         from lit_memory.memory.recompute import resolved_setting
 
         value, found = resolved_setting(self, budget)
-        model = {**self.model, "gradient_checkpointing": value}
-        settings = {**self.settings, "model": {**(self.settings.get("model") or {}), "gradient_checkpointing": value}}
+        chosen = {"gradient_checkpointing": value, "offload_activations": found.offload}
+        model = {**self.model, **chosen}
+        settings = {**self.settings, "model": {**(self.settings.get("model") or {}), **chosen}}
         return replace(self, model=model, settings=settings, planned=found.line())
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
@@ -213,7 +216,7 @@ class Step:
     @property
     def offloading(self) -> bool:
         """Whether saved activations leave the device (offloading is a no-op on a CPU run)."""
-        return bool(self.model.get("offload_activations")) and self.device == "cuda"
+        return self.model.get("offload_activations") is True and self.device == "cuda"
 
     @property
     def optimizer_name(self) -> str:

@@ -73,7 +73,9 @@ def test_the_context_and_the_gpu_come_from_the_options(capsys):
 
 def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
     data = estimate(capsys, "--config", str(RECIPES / "baseline.yaml"), *BERT_LARGE)
-    assert set(data["predicted"]) == {"analytic", "simulated"}
+    assert set(data["predicted"]) == {"analytic", "simulated", "flops_per_step", "flops"}
+    assert data["predicted"]["flops_per_step"] == data["predicted"]["flops"]["forward"] + data["predicted"]["flops"]["backward"]
+    assert data["predicted"]["flops"]["recompute"] == 0  # the baseline recomputes nothing
     for method in ("analytic", "simulated"):
         footprint = data["predicted"][method]
         assert isinstance(footprint["peak_bytes"], int) and footprint["peak_bytes"] > 10 * GiB
