@@ -64,6 +64,7 @@ def flops_line(path: Path) -> str:
     step = header_step(path)
     counted, reference = flops(step), flops(header_step(path.with_name(f"{FLOPS_REFERENCE}.yaml")))
     plan = step.checkpointing.describe(len_layers(step)) if step.checkpointing else "no checkpointing"
+    plan += ", checkpoints offloaded" if step.offloading else ""
     return (
         f"{FLOPS}BERT-large {step.batch_size} x {step.max_length}, {plan}: {counted.total / 1e12:.2f} TFLOP per "
         f"micro-batch, {counted.total / reference.total:.3f}x {FLOPS_REFERENCE}.yaml's per micro-batch "
