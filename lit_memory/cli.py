@@ -234,8 +234,10 @@ class LitMemoryCLI(LightningCLI):
         settings = self.settings
         if not is_auto(settings.model.gradient_checkpointing):
             return
+        from lit_memory.data import check_shape
         from lit_memory.memory.device import target
 
+        check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
         device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"
         step = self.step(target(device))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
