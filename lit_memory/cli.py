@@ -233,13 +233,16 @@ class LitMemoryCLI(LightningCLI):
         built; the config (and the recipe the run saves) then holds that plan. One line says what was chosen."""
         settings = self.settings
         if not is_auto(settings.model.gradient_checkpointing):
+            if is_auto(settings.model.offload_activations):  # weighed only against a plan being chosen
+                settings.model.offload_activations = False
             return
         from lit_memory.data import check_shape
         from lit_memory.memory.device import target
+        from lit_memory.memory.recompute import planned
 
         check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
         device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"
-        step = self.step(target(device))
+        step = planned(self.step(target(device)))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
         settings.model.offload_activations = step.model["offload_activations"]
         print(step.planned, file=sys.stderr)

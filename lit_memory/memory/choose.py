@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.memory.analytic import device_total
-from lit_memory.memory.recompute import recompute_ratio
+from lit_memory.memory.recompute import planned, recompute_ratio
 from lit_memory.memory.step import PRECISIONS, Prediction, Step
 
 RULE = (
@@ -65,7 +65,7 @@ def lightest_fitting(
 
     fitting = []
     for name, values in recipes:
-        step = base.with_settings(values)
+        step = planned(base.with_settings(values))
         total = device_total(step)
         if total <= limit:
             fitting.append((name, step, analytic(step), total))

@@ -284,3 +284,19 @@ def resolved_setting(step: Step, budget: Optional[int]) -> tuple[Any, Resolved]:
         )
     found = resolve(step, budget)
     return (found.plan.value() if found.plan else False), found
+
+
+def planned(step: Step, budget: Optional[int] = None) -> Step:
+    """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
+    (default: the run's, `lit_memory.memory.step.budget_of`): the plan with the fewest FLOPs predicted to fit,
+    written into its settings as a run's config holds it. Other steps come back as they are."""
+    from lit_memory.activations import is_auto
+    from lit_memory.memory.step import budget_of
+
+    if not is_auto(step.model.get("gradient_checkpointing")):
+        return step
+    value, found = resolved_setting(step, budget if budget is not None else budget_of(step.settings))
+    chosen = {"gradient_checkpointing": value, "offload_activations": found.offload}
+    model = {**step.model, **chosen}
+    settings = {**step.settings, "model": {**(step.settings.get("model") or {}), **chosen}}
+    return replace(step, model=model, settings=settings, planned=found.line())

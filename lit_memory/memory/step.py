@@ -178,22 +178,12 @@ class Step:
             settings=settings,
         )
         if is_auto(model.get("gradient_checkpointing")):
-            return step.plan_checkpointing(budget_of(settings))
-        if is_auto(model.get("offload_activations")):
-            raise UserError("model.offload_activations auto is decided with model.gradient_checkpointing auto")
+            return step  # resolved for a budget by `lit_memory.memory.recompute.planned`
+        if is_auto(model.get("offload_activations")):  # weighed only against a plan being chosen (`planned`)
+            model["offload_activations"] = False
+            step = replace(step, model=model)
         CheckpointPlan.parse(model.get("gradient_checkpointing"))  # one error line for a bad value
         return step
-
-    def plan_checkpointing(self, budget: Optional[int]) -> "Step":
-        """This step with ``gradient_checkpointing: auto`` resolved for ``budget`` (`lit_memory.memory.recompute`):
-        the plan with the fewest FLOPs predicted to fit, written into its settings as a run's config holds it."""
-        from lit_memory.memory.recompute import resolved_setting
-
-        value, found = resolved_setting(self, budget)
-        chosen = {"gradient_checkpointing": value, "offload_activations": found.offload}
-        model = {**self.model, **chosen}
-        settings = {**self.settings, "model": {**(self.settings.get("model") or {}), **chosen}}
-        return replace(self, model=model, settings=settings, planned=found.line())
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
         """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``)."""

@@ -165,11 +165,11 @@ def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
     its micro-batches) and per sample. Device-independent: what a GPU computes, not how long it takes.
     Empty where the model's forward cannot run on fake tensors."""
     from lit_memory.memory.device import target
-    from lit_memory.memory.recompute import count_or_decline
+    from lit_memory.memory.recompute import count_or_decline, planned
     from lit_memory.precision import runs_on_cpu
 
     settings = resolved.settings
-    step = resolved.step(target("cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"))
+    step = planned(resolved.step(target("cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda")))
     counted, _ = count_or_decline(step)
     if counted is None:
         return {}

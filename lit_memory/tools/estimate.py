@@ -22,7 +22,7 @@ from lit_memory.memory.analytic import file_gib
 from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target, target
 from lit_memory.memory.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.predict import predict
-from lit_memory.memory.recompute import Flops, count_or_decline
+from lit_memory.memory.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.report import table
 from lit_memory.memory.step import DEVICES, LOOPS, Prediction, Step, loop
 
@@ -70,7 +70,7 @@ def step_of(rest: list[str], args: argparse.Namespace) -> Step:
     this machine's business, not the predicted device's: it stays off."""
     fallback = ["--cpu_bf16_fallback=false"] if args.device == "cuda" else []
     run = resolve(["fit", *rest, *fallback])
-    return Step.from_settings(run.settings.as_dict(), target_of(args), loop(args.loop))
+    return planned(Step.from_settings(run.settings.as_dict(), target_of(args), loop(args.loop)))
 
 
 def embedding_state_notes(step: Step) -> list[str]:

@@ -49,12 +49,13 @@ FLOPS_REFERENCE = "bf16"  # the recipe every other's FLOPs are stated against: n
 def header_step(path: Path) -> "Step":
     """A shipped recipe's step on BERT-large (``configs/bert-large.yaml``) for the documented default GPU."""
     from lit_memory.memory.device import Target
+    from lit_memory.memory.recompute import planned
     from lit_memory.memory.step import Step
 
     # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
     model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
     run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"])
-    return Step.from_settings(run.settings.as_dict(), Target())
+    return planned(Step.from_settings(run.settings.as_dict(), Target()))
 
 
 def flops_line(path: Path) -> str:
