@@ -19,12 +19,15 @@ checkpointing and activation offloading to host memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lit_memory.errors import UserError
 
 aten = torch.ops.aten
 
@@ -69,6 +72,102 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     if op in SAVED_OPS and not draws_random_numbers(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+MODES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What each transformer layer recomputes in backward: ``model.gradient_checkpointing`` parsed once.
+
+    Counted from the input side: the first ``full`` layers keep only their input and re-run their whole
+    forward, the next ``selective`` layers also keep their matmul and fused-attention outputs (recomputing
+    only cheap ops), and the layers after them keep everything (nothing recomputed). ``rest`` names the mode
+    of every layer the counts leave over (``None``: no recompute), so ``true`` is ``rest="full"``. The
+    layers nearest the output are the ones left whole: backward reaches them first and frees what they keep
+    before any checkpointed layer recomputes, so their activations never meet a recomputed layer's.
+    """
+
+    full: int = 0
+    selective: int = 0
+    rest: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("full", "selective"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UserError(f"model.gradient_checkpointing.{name} must be a layer count >= 0, got {value!r}")
+        if self.rest not in (None, *MODES):
+            raise UserError(f"gradient checkpointing mode {self.rest!r} is not one of: full, selective")
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["CheckpointPlan"]:
+        """``false``/``null`` (None: off), ``true``/``full``, ``selective``, or counts ``{full: F, selective: S}``
+        (the remaining layers keep everything). ``auto`` is resolved before a plan is built (`is_auto`)."""
+        if isinstance(value, CheckpointPlan):
+            return value if value.recomputes else None
+        if value is False or value is None:
+            return None
+        if value is True or value == "full":
+            return cls(rest="full")
+        if value == "selective":
+            return cls(rest="selective")
+        if isinstance(value, Mapping) and set(value) <= {"full", "selective"}:
+            plan = cls(full=value.get("full", 0), selective=value.get("selective", 0))
+            return plan if plan.recomputes else None
+        if value == "auto":
+            raise UserError(
+                "model.gradient_checkpointing: auto is chosen for a device budget before the model is built "
+                "(`python -m lit_memory fit/estimate` do it; in Python: lit_memory.memory.recompute.resolve)"
+            )
+        raise UserError(
+            f"gradient_checkpointing={value!r} is not one of: false, true (= full), full, selective, auto, "
+            "or layer counts such as {full: 12, selective: 6} (the remaining layers recompute nothing)"
+        )
+
+    @property
+    def recomputes(self) -> bool:
+        return bool(self.full or self.selective or self.rest)
+
+    @property
+    def uniform(self) -> Optional[str]:
+        """The one mode of every layer, when the plan has one (``full``/``selective``; ``None`` for a mix)."""
+        if self.rest and not self.full and not self.selective:
+            return self.rest
+        return None
+
+    def modes(self, layers: int) -> list[Optional[str]]:
+        """The mode of each of ``layers`` layers, input side first."""
+        if self.full + self.selective > layers:
+            raise UserError(
+                f"model.gradient_checkpointing counts {self.full} full + {self.selective} selective layers, but "
+                f"the model has {layers} transformer layers"
+            )
+        return ["full"] * self.full + ["selective"] * self.selective + [self.rest] * (layers - self.full - self.selective)
+
+    def value(self) -> Any:
+        """The setting that parses back to this plan (what a resolved ``auto`` writes into the config)."""
+        if self.uniform:
+            return self.uniform
+        return {"full": self.full, "selective": self.selective}
+
+    def describe(self, layers: Optional[int] = None) -> str:
+        if self.uniform:
+            return f"{self.uniform} checkpointing"
+        if layers is not None and len(set(self.modes(layers))) == 1:
+            return f"{self.modes(layers)[0]} checkpointing"
+        none = f", {layers - self.full - self.selective} none" if layers is not None else ""
+        return f"checkpointing {self.full} full, {self.selective} selective{none}"
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def checkpoint_function(mode: str):
+    """The function transformers' checkpointed layers call (``layer._gradient_checkpointing_func``)."""
+    return partial(checkpoint, **checkpoint_kwargs(mode))
 
 
 def checkpoint_kwargs(policy: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import checks, guard, lowbit, recipes, resume, trust
+from lit_memory.activations import is_auto
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
@@ -223,7 +224,28 @@ class LitMemoryCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         if not self._deferred:
+            self._plan_checkpointing()
             super().instantiate_classes()
+
+    def _plan_checkpointing(self) -> None:
+        """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
+        run's device budget (`lit_memory.memory.recompute`), for the device it runs on, before the module is
+        built; the config (and the recipe the run saves) then holds that plan. One line says what was chosen."""
+        settings = self.settings
+        if not is_auto(settings.model.gradient_checkpointing):
+            if is_auto(settings.model.offload_activations):  # weighed only against a plan being chosen
+                settings.model.offload_activations = False
+            return
+        from lit_memory.data import check_shape
+        from lit_memory.memory.device import target
+        from lit_memory.memory.recompute import planned
+
+        check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
+        device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"
+        step = planned(self.step(target(device)))
+        settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
+        settings.model.offload_activations = step.model["offload_activations"]
+        print(step.planned, file=sys.stderr)
 
     def _run_subcommand(self, subcommand: str) -> None:
         if not self._deferred:
@@ -249,6 +271,7 @@ class LitMemoryCLI(LightningCLI):
 
     def build(self, trainer: bool = True) -> "LitMemoryCLI":
         """Instantiate the module and data module (and the Trainer): ``self.model``, ``self.datamodule``."""
+        self._plan_checkpointing()
         if trainer:
             LightningCLI.instantiate_classes(self)
             self.after_instantiate_classes()

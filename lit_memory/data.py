@@ -39,6 +39,12 @@ FILE_FORMATS = {
 SPLITS = ("train", "validation", "test")
 
 
+def check_shape(batch_size: int, max_length: int) -> None:
+    """The batch shape every step has: checked by the data module, and before a plan is sized for it."""
+    if max_length < 2 or batch_size < 1:
+        raise UserError(f"max_length ({max_length}) must be >= 2 and batch_size ({batch_size}) >= 1")
+
+
 class TextClassificationData(L.LightningDataModule):
     """Tokenised train/validation/test splits for sequence classification.
 
@@ -92,8 +98,7 @@ class TextClassificationData(L.LightningDataModule):
             raise UserError(f"num_labels must be at least 2, got {num_labels}")
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
-        if max_length < 2 or batch_size < 1:
-            raise UserError(f"max_length ({max_length}) must be >= 2 and batch_size ({batch_size}) >= 1")
+        check_shape(batch_size, max_length)
         if eval_batch_size is not None and eval_batch_size < 1:
             raise UserError(f"eval_batch_size must be >= 1 (or null: batch_size), got {eval_batch_size}")
         if num_workers < 0:

@@ -24,7 +24,7 @@ from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, Multi
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from lit_memory import bundled, files, guard
-from lit_memory.activations import OffloadActivations, checkpoint_kwargs
+from lit_memory.activations import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.data import load_tokenizer, pad_token_id
 from lit_memory.eightbit import (
@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 # transformers schedules that need nothing beyond warmup and total steps.
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 Freeze = Optional[Union[Literal["body", "embeddings"], int]]
-# true is "full" (every layer's forward recomputed in backward), as it always was.
-Checkpointing = Union[bool, Literal["full", "selective"]]
+# true is "full" (every layer's forward recomputed in backward), as it always was; counts are a per-layer plan
+# (`lit_memory.activations.CheckpointPlan`); auto is resolved for a device budget before the module is built.
+Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
 
 
 # The reference post's optimizer (lr 2e-5, weight decay 0.01): the module's default, and the CLI's.
@@ -69,13 +70,18 @@ class SequenceClassifier(L.LightningModule):
             config with random weights (memory and speed work without downloading weights).
         config_overrides: keyword overrides for the Hugging Face config (e.g. ``num_hidden_layers``).
         tokenizer_name_or_path: defaults to ``model_name_or_path``.
-        gradient_checkpointing: recompute activations in backward (non-reentrant): ``true``/``full``
+        gradient_checkpointing: recompute activations in backward (non-reentrant), per layer: layer counts
+            ``{full: F, selective: S}`` (from the input side; the layers after them recompute nothing), or one
+            mode for every layer; ``auto`` (resolved by ``fit``/``estimate`` before the model is built): the plan
+            with the fewest FLOPs predicted to fit the run's device budget (``memory.budget``, else the
+            recipe's ``memory.tier``). ``true``/``full``
             keeps each transformer layer's input and re-runs its whole forward; ``selective`` also
             keeps its matmul and fused-attention outputs and recomputes only the cheap ops (GELU,
             dropout, LayerNorm, adds); ``false`` keeps everything.
         offload_activations: move the tensors autograd saves in the forward pass (with
             checkpointing: each layer's input) to pinned host memory, and back for backward. Needs
-            ``gradient_checkpointing``; a no-op on CPU.
+            every layer checkpointed; a no-op on CPU. ``auto`` (with ``gradient_checkpointing: auto``): where
+            its copies are modelled to cost less time than the recompute the room buys (CUDA only).
         freeze: ``body`` (the whole encoder, as the seed did), ``embeddings``, or an int N for the
             embeddings plus the first N layers. The classifier head always trains.
         optimizer: any optimizer class path with its init args (the reference post's AdamW, lr 2e-5 and
@@ -117,7 +123,7 @@ class SequenceClassifier(L.LightningModule):
         config_overrides: Optional[dict[str, Any]] = None,
         tokenizer_name_or_path: Optional[str] = None,
         gradient_checkpointing: Checkpointing = False,
-        offload_activations: bool = False,
+        offload_activations: Union[bool, Literal["auto"]] = False,
         freeze: Freeze = None,
         optimizer: OptimizerCallable = default_optimizer,
         embedding_optimizer_state: EmbeddingState = "auto",
@@ -133,8 +139,13 @@ class SequenceClassifier(L.LightningModule):
             raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
-        policy = checkpoint_policy(gradient_checkpointing)
-        if offload_activations and policy is None:
+        if offload_activations == "auto":
+            raise UserError(
+                "model.offload_activations: auto is decided with gradient_checkpointing auto, before the model is "
+                "built (`python -m lit_memory fit/estimate` do it)"
+            )
+        plan = CheckpointPlan.parse(gradient_checkpointing)
+        if offload_activations and plan is None:
             raise UserError(
                 "model.offload_activations needs model.gradient_checkpointing (full or selective): without it every "
                 "activation of every layer would cross to host memory and back each step"
@@ -154,6 +165,14 @@ class SequenceClassifier(L.LightningModule):
             self.lora.check()
         self.hf_config = load_config(model_name_or_path, num_labels, config_overrides)
         _check_freeze(freeze, self.hf_config.num_hidden_layers)
+        if plan is not None:
+            modes = plan.modes(self.hf_config.num_hidden_layers)  # counts beyond the model's layers: one error line
+            if offload_activations and None in modes:
+                raise UserError(
+                    f"model.offload_activations needs every layer checkpointed, and "
+                    f"{plan.describe(self.hf_config.num_hidden_layers)} leaves some whole: all their activations "
+                    "would cross to host memory and back each step"
+                )
         set_pad_token(self.hf_config, tokenizer_name_or_path or model_name_or_path)
         if self.lora is not None or embedding_optimizer_state == "stable_embedding":
             # Settings that name the model's parts, checked on a meta-device copy before anything is written.
@@ -208,9 +227,9 @@ class SequenceClassifier(L.LightningModule):
         freeze_modules(model, self.hparams.freeze, anatomy)
         if self.hparams.embedding_optimizer_state == "stable_embedding":
             swap_stable_embedding(model)
-        policy = checkpoint_policy(self.hparams.gradient_checkpointing)
-        if policy is not None:
-            enable_gradient_checkpointing(model, policy, anatomy.layers)
+        plan = CheckpointPlan.parse(self.hparams.gradient_checkpointing)
+        if plan is not None:
+            enable_gradient_checkpointing(model, plan, anatomy.layers)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         if self.hparams.compile:
@@ -344,17 +363,6 @@ def set_pad_token(config, tokenizer_name_or_path: str) -> None:
         part.pad_token_id = pad
 
 
-def checkpoint_policy(value: Any) -> Optional[str]:
-    """``model.gradient_checkpointing`` as ``None`` (off), ``"full"`` or ``"selective"``."""
-    if value is False or value is None:
-        return None
-    if value is True or value == "full":
-        return "full"
-    if value == "selective":
-        return "selective"
-    raise UserError(f"gradient_checkpointing={value!r} is not one of: false, true (= full), full, selective")
-
-
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' loading/saving reports and progress bars off, for calls whose outcome we report ourselves."""
@@ -389,21 +397,27 @@ def report_loading(model: PreTrainedModel, loading: dict[str, Any]) -> None:
 
 
 def enable_gradient_checkpointing(
-    model: PreTrainedModel, policy: str = "full", layers: Optional[nn.ModuleList] = None
+    model: PreTrainedModel, plan: Union[CheckpointPlan, str] = "full", layers: Optional[nn.ModuleList] = None
 ) -> None:
-    """Recompute each of ``layers`` (default: the model's, `lit_memory.anatomy.find_layers`) in backward."""
+    """Recompute ``layers`` (default: the model's, `lit_memory.anatomy.find_layers`) in backward as ``plan``
+    says, layer by layer."""
+    plan = CheckpointPlan.parse(plan)
+    layers = find_layers(model) if layers is None else layers
+    modes = plan.modes(len(layers))
     # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
     # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).
-    kwargs = checkpoint_kwargs(policy)
+    kwargs = checkpoint_kwargs(next(mode for mode in modes if mode))
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    # transformers switches every layer; the layers are ours to choose from (a per-layer plan sets this flag
-    # per layer: transformers' GradientCheckpointingLayer reads it at every call).
-    for layer in find_layers(model) if layers is None else layers:
+    # transformers switches every layer the same way; the plan is per layer. Its GradientCheckpointingLayer
+    # reads both attributes at every call, so each layer gets its own flag and checkpoint function.
+    for layer, mode in zip(layers, modes):
         if hasattr(layer, "gradient_checkpointing"):
-            layer.gradient_checkpointing = True
+            layer.gradient_checkpointing = mode is not None
+            if mode is not None:
+                layer._gradient_checkpointing_func = checkpoint_function(mode)
     # transformers also makes the embeddings' output require grad, which only reentrant checkpointing
     # needs; with it a frozen encoder would still run (and keep memory for) a backward of its own.
     model.disable_input_require_grads()

@@ -54,15 +54,20 @@ class MemoryMonitor(L.Callback):
         budget: a memory limit such as ``4GiB``. On CUDA it caps this process with
             ``torch.cuda.set_per_process_memory_fraction`` for the run; on CPU the tracker raises
             CUDA's out-of-memory error when the tracked tensors exceed it (every step is then tracked).
+        tier: the device memory the run's recipe is made for (``4GiB`` for recipes/4gb.yaml): what
+            ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given. Nothing is enforced.
         simulate: also predict by simulation at the start of fit (one training step on fake tensors:
             seconds on the bundled model, about half a minute on BERT-large), when predictions are given.
     """
 
-    def __init__(self, track_steps: int = 2, budget: Optional[str] = None, simulate: bool = False) -> None:
+    def __init__(
+        self, track_steps: int = 2, budget: Optional[str] = None, simulate: bool = False, tier: Optional[str] = None
+    ) -> None:
         if track_steps < 0:
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
         self.budget = parse_bytes(budget) if budget is not None else None
+        self.tier = parse_bytes(tier) if tier is not None else None
         self.simulate = simulate
         self.predict: Optional[Predict] = None
         self.advise: Optional[Advise] = None

@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lit_memory.anatomy import parameter_units
-from lit_memory.activations import OffloadActivations, selective_policy
+from lit_memory.activations import CheckpointPlan, OffloadActivations, selective_policy
 from lit_memory.errors import UserError
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:You are trying to `self.log\(\)
 
 def tiny(**kwargs) -> SequenceClassifier:
     torch.manual_seed(0)  # the same initial weights for every setting
-    module = SequenceClassifier(model_name_or_path="bundled:bert-large", pretrained=False, config_overrides=TINY, **kwargs)
+    kwargs.setdefault("config_overrides", TINY)
+    module = SequenceClassifier(model_name_or_path="bundled:bert-large", pretrained=False, **kwargs)
     module.configure_model()
     return module
 
@@ -62,6 +63,50 @@ def test_checkpointing_gives_the_gradients_of_no_checkpointing(reference, checkp
     module = tiny(gradient_checkpointing=checkpointing)
     assert all(layer.gradient_checkpointing for layer in transformer_layers(module.model))
     assert_same(gradients(module), reference)
+
+
+PLANS = [{"full": 1}, {"selective": 2}, {"full": 1, "selective": 1}, {"full": 2, "selective": 1}]
+
+
+def test_a_per_layer_plan_switches_each_layer_input_side_first():
+    module = tiny(gradient_checkpointing={"full": 1, "selective": 1}, config_overrides={**TINY, "num_hidden_layers": 3})
+    layers = transformer_layers(module.model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, True, False]
+    contexts = [layer._gradient_checkpointing_func.keywords.get("context_fn") for layer in layers[:2]]
+    assert contexts[0] is None and contexts[1] is not None  # full, then selective (torch's SAC contexts)
+    assert CheckpointPlan.parse({"full": 1, "selective": 1}).modes(3) == ["full", "selective", None]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_every_per_layer_plan_trains_exactly_as_no_checkpointing_for_ten_steps(plan):
+    """fp32, dropout on: ten AdamW steps, each with its own masks, give the weights of the unchecked model."""
+    overrides = {**TINY, "num_hidden_layers": 3}
+
+    def trained(**kwargs) -> dict[str, torch.Tensor]:
+        module = tiny(config_overrides=overrides, **kwargs)
+        optimizer = torch.optim.AdamW(module.model.parameters(), lr=1e-3)
+        for step in range(10):
+            torch.manual_seed(100 + step)  # the same dropout masks for both models, new ones every step
+            module.training_step(batch(), step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {name: p.detach().clone() for name, p in module.model.named_parameters()}
+
+    want, got = trained(), trained(gradient_checkpointing=plan)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.equal(want[name], tiny(config_overrides=overrides).model.state_dict()[name]) for name in want)
+
+
+def test_bad_plans_are_one_line():
+    with pytest.raises(UserError, match=r"^model.gradient_checkpointing counts 2 full \+ 1 selective layers, but the model has 2"):
+        tiny(gradient_checkpointing={"full": 2, "selective": 1})
+    with pytest.raises(UserError, match=r"^model.gradient_checkpointing.full must be a layer count >= 0, got -1"):
+        tiny(gradient_checkpointing={"full": -1})
+    with pytest.raises(UserError, match=r"^model.offload_activations needs every layer checkpointed"):
+        tiny(gradient_checkpointing={"full": 1}, offload_activations=True)
+    with pytest.raises(UserError, match=r"^model.gradient_checkpointing: auto is chosen for a device budget"):
+        tiny(gradient_checkpointing="auto")
 
 
 def kept_after_forward(**kwargs) -> int:
@@ -135,7 +180,7 @@ def test_offloading_moves_saved_tensors_off_the_device_and_brings_them_back():
 
 
 def test_bad_settings_are_one_line():
-    with pytest.raises(UserError, match=r"^gradient_checkpointing='partial' is not one of: false, true"):
+    with pytest.raises(UserError, match=r"^gradient_checkpointing='partial' is not one of: false, true \(= full\), full, selective, auto"):
         SequenceClassifier(gradient_checkpointing="partial")
     with pytest.raises(UserError, match=r"^model.offload_activations needs model.gradient_checkpointing"):
         SequenceClassifier(offload_activations=True)

@@ -373,6 +373,12 @@ def recipe_settings(name: str) -> tuple[dict, dict]:
     model["optimizer"] = functools.partial(pkgutil.resolve_name(spec["class_path"]), **spec.get("init_args", {}))
     if model.get("lora") is not None:
         model["lora"] = LoRA(**model["lora"])
+    # `auto` is resolved by the command line for a budget (tests/memory/test_recompute.py); here a per-layer
+    # plan stands in: the first layer fully checkpointed, the others whole (every layer, where offloading needs it)
+    if model.get("offload_activations") == "auto":
+        model["offload_activations"] = False
+    if model.get("gradient_checkpointing") == "auto":
+        model["gradient_checkpointing"] = "full" if model.get("offload_activations") else {"full": 1}
     strategy = (trainer.get("strategy") or {}).get("init_args", {})
     return model, {"precision": trainer.get("precision", "32-true"), "fused": bool(strategy.get("fused")), "bucket": strategy.get("bucket", "layer")}
 

@@ -25,6 +25,7 @@ PREDICT = {
     "lit_memory.memory.simulate",
     "lit_memory.memory.predict",
     "lit_memory.memory.choose",
+    "lit_memory.memory.recompute",
 }
 CONFIG = {"lit_memory.trust", "lit_memory.recipes", "lit_memory.cli"}
 

@@ -151,8 +151,9 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     checkpointing, each layer's input and the tensors outside the layers) in host memory, and brings one
     layer's input back at a time in backward. Autocast's weight cache (`Loop.autocast_cache`) keeps every
     16-bit weight copy of the trained linear layers to the end of the forward pass."""
-    checkpointing, offload = step.checkpointing, step.offloading
+    offload = step.offloading
     layers, embeddings, pooler, head, first = _parts(model)
+    modes = _modes(step, len(layers))
     active = layers[first:]
     layer_input = x.tokens * spec.hidden * x.param_b
     saved = 0
@@ -169,28 +170,53 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     per_layer = layer_bytes_per_token(spec, x, k, lora) * x.tokens
     backward_temp = backward_temp_per_token(spec, x, k) * x.tokens
     cache = _linear_bytes(active + head, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
-    if checkpointing:
-        # Each layer keeps its input (selective: also its matmul outputs); backward recomputes one layer
-        # at a time (with its 16-bit weights), whose full set of saved tensors then exists.
-        cached = selective_bytes_per_token(spec, x, k, lora) * x.tokens if checkpointing == "selective" else 0
-        if offload:  # the layer inputs and the tensors outside the layers wait in host memory
-            kept, back = len(active) * cached, layer_input
-        else:
-            kept, back = saved + len(active) * (layer_input + cached), 0
-        one_layer_copies = _linear_bytes(active[:1], x.compute_b) if x.autocast else 0
-        # without autocast the recomputed layer's set holds its input, which `kept` (or `back`) counts already
-        own_input = layer_input if not x.autocast and lora is None else 0
+    checkpointed = [layer for layer, mode in zip(layers[first:], modes[first:]) if mode]
+    whole = [layer for layer, mode in zip(layers[first:], modes[first:]) if not mode]
+    selective = sum(1 for mode in modes[first:] if mode == "selective")
+    cached = selective_bytes_per_token(spec, x, k, lora) * x.tokens if selective else 0
+    if not checkpointed:
+        copies = _linear_bytes(active + head, x.compute_b) if x.autocast else 0
+        forward = saved + len(active) * per_layer + copies
+        return _Activations(
+            forward=forward, backward=forward, transient=2 * spec.hidden * x.compute_b * x.tokens, backward_temp=backward_temp
+        )
+    # Each checkpointed layer keeps its input (selective: also its matmul outputs); backward recomputes one
+    # layer at a time (with its 16-bit weights), whose full set of saved tensors then exists. Layers left whole
+    # (a per-layer plan's, nearest the output) keep everything, and their backward comes first.
+    if offload:  # the layer inputs and the tensors outside the layers wait in host memory
+        kept, back = selective * cached, layer_input
+    else:
+        kept, back = saved + len(checkpointed) * layer_input + selective * cached, 0
+    one_layer_copies = _linear_bytes(checkpointed[:1], x.compute_b) if x.autocast else 0
+    # without autocast the recomputed layer's set holds its input, which `kept` (or `back`) counts already
+    own_input = layer_input if not x.autocast and lora is None else 0
+    # the first layer to recompute is the checkpointed one nearest the output (selective, if any is)
+    top = "selective" if selective else "full"
+    recomputing = kept + back + per_layer - own_input - (cached if top == "selective" else 0) + one_layer_copies
+    if not whole:
         return _Activations(
             forward=kept + cache,
-            backward=kept + back + per_layer - own_input - cached + one_layer_copies,
+            backward=recomputing,
             transient=working_set_per_token(spec, x, k) * x.tokens,
             backward_temp=backward_temp,
         )
-    copies = _linear_bytes(active + head, x.compute_b) if x.autocast else 0
-    forward = saved + len(active) * per_layer + copies
+    # the whole layers' tensors (their 16-bit weight copies among them) are alive at the end of forward and
+    # at the start of backward; they are gone before the first checkpointed layer recomputes
+    # (offloading needs every layer checkpointed: `SequenceClassifier` refuses it with layers left whole)
+    whole_bytes = len(whole) * per_layer + (_linear_bytes(whole + head, x.compute_b) if x.autocast else 0)
+    checkpointed_cache = _linear_bytes(checkpointed, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
     return _Activations(
-        forward=forward, backward=forward, transient=2 * spec.hidden * x.compute_b * x.tokens, backward_temp=backward_temp
+        forward=kept + whole_bytes + checkpointed_cache,
+        backward=max(kept + whole_bytes, recomputing),
+        transient=2 * spec.hidden * x.compute_b * x.tokens,
+        backward_temp=backward_temp,
     )
+
+
+def _modes(step: Step, layers: int) -> list[Optional[str]]:
+    """Each layer's checkpointing mode (input side first), from the step's plan."""
+    plan = step.checkpointing
+    return plan.modes(layers) if plan is not None else [None] * layers
 
 
 def _inference(spec: LayerSpec, x: Shape, k: Kernel, weights: int) -> int:
@@ -443,7 +469,8 @@ def _buckets(
 
 
 def _meta_build(step: Step) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
-    key = step.cache_key
+    # One build serves every checkpointing plan: the model reads the plan from the step, not from the module.
+    key = step.build_key
     if key in _META_BUILDS:
         _META_BUILDS.move_to_end(key)
     else:
@@ -583,7 +610,11 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
     ]
     lora = _lora_adapters(layers[first]) if first < len(layers) else None
     tensors = layer_tensors(spec, shape, k, lora)
-    runs = [program.LayerRun(tensors, trains=i >= first, input_kept=not shape.autocast and lora is None) for i in range(len(layers))]
+    modes = _modes(step, len(layers))
+    runs = [
+        program.LayerRun(tensors, trains=i >= first, input_kept=not shape.autocast and lora is None, checkpoint=modes[i])
+        for i in range(len(layers))
+    ]
     emb_trains = _trains(embeddings)
     emb = [Tensor("norm_in", spec.hidden * shape.param_b, emb_trains), Tensor("stats", 8, emb_trains)]
     if spec.hidden_dropouts:
@@ -591,7 +622,7 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
     head_kept = []
     if first < len(layers) or (pooler is not None and _trains(pooler)):
         head_kept = [shape.batch * spec.hidden * shape.compute_b] * 3
-    selective = selective_bytes_per_token(spec, shape, k, lora) if step.checkpointing == "selective" else 0
+    selective = selective_bytes_per_token(spec, shape, k, lora) if "selective" in modes else 0
     return program.StepModel(
         params=entries,
         buffers=sum(_nbytes(b) for b in model.buffers()),
@@ -605,7 +636,6 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
         bucket_temps=[optimizer_tensors(optimizer, step.device, by_group).temps for _, by_group in buckets],
         embeddings=emb,
         head=head_kept,
-        checkpointing=step.checkpointing,
         selective=selective,
         offload=step.offloading,
         fused=step.fused,

@@ -8,9 +8,10 @@ run that ran out of memory prints (the lightest shipped recipe predicted to fit)
    their share of the model: the embeddings alone cost less than the body), then every token kept (no
    truncation);
 2. no gradient accumulation;
-3. the least recompute: no gradient checkpointing, then selective (recomputes only cheap ops), then
-   full (re-runs every layer's forward in backward); with equal recompute, no activation offloading
-   (it copies each layer's input to host memory and back);
+3. the least recompute, by counted FLOPs (`lit_memory.memory.recompute.recompute_ratio`: no checkpointing,
+   then per-layer plans and selective, which recompute only cheap ops and attention, then full, which re-runs
+   every layer's forward in backward); with equal recompute, no activation offloading (it copies each layer's
+   input to host memory and back);
 4. the larger micro-batch;
 5. on CUDA 16-bit compute (bf16 autocast or bf16 weights: tensor cores) before fp32, on CPU fp32 first;
 6. the optimizer that keeps more state (closest to AdamW's updates);
@@ -26,12 +27,13 @@ from typing import Any, Optional
 
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.memory.analytic import device_total
+from lit_memory.memory.recompute import planned, recompute_ratio
 from lit_memory.memory.step import PRECISIONS, Prediction, Step
 
 RULE = (
     "quality (no 16-bit weights rounded to nearest > the fewest parameters frozen (freezing, LoRA) > no truncation) "
     "> no accumulation > "
-    "no checkpointing > selective > full checkpointing > no offloading > larger micro-batch > "
+    "the least recompute (counted FLOPs) > no offloading > larger micro-batch > "
     "16-bit compute on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
 )
 
@@ -45,7 +47,7 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     return (
         (step.loses_small_updates, round(frozen, 2), step.max_length < longest),
         step.accumulate_grad_batches > 1,
-        (None, "selective", "full").index(step.checkpointing),
+        round(recompute_ratio(step), 4),
         bool(step.model.get("offload_activations")),
         -step.batch_size,
         precision,
@@ -63,7 +65,7 @@ def lightest_fitting(
 
     fitting = []
     for name, values in recipes:
-        step = base.with_settings(values)
+        step = planned(base.with_settings(values))
         total = device_total(step)
         if total <= limit:
             fitting.append((name, step, analytic(step), total))

@@ -26,6 +26,11 @@ class Gpu:
     name: str
     capability: tuple[int, int]  # compute capability (major, minor)
     memory: int  # bytes the driver reports as total
+    # For choosing between recompute and offloading only (`lit_memory.memory.recompute`): the datasheet's dense
+    # 16-bit tensor-core peak, and the host link's bandwidth one way (PCIe 3/4/5 x16 with pinned memory, as
+    # measured by bandwidthTest-style copies: about 12, 25, 50 GB/s).
+    tflops: float = 100.0
+    host_gbps: float = 25.0
 
     @property
     def bf16(self) -> bool:
@@ -34,16 +39,16 @@ class Gpu:
 
 # Nominal sizes: what the cards are sold as (the driver reports a little less; nvidia-smi's V100 16GB: 16160 MiB).
 GPUS = {
-    "v100-16gb": Gpu("Tesla V100 16GB", (7, 0), 16160 * MiB),
-    "v100-32gb": Gpu("Tesla V100 32GB", (7, 0), 32510 * MiB),
-    "t4": Gpu("Tesla T4", (7, 5), 15360 * MiB),
-    "rtx3090": Gpu("GeForce RTX 3090", (8, 6), 24576 * MiB),
-    "a10": Gpu("A10 / A10G", (8, 6), 23028 * MiB),
-    "a100-40gb": Gpu("A100 40GB", (8, 0), 40960 * MiB),
-    "a100-80gb": Gpu("A100 80GB", (8, 0), 81920 * MiB),
-    "l4": Gpu("L4", (8, 9), 23034 * MiB),
-    "rtx4090": Gpu("GeForce RTX 4090", (8, 9), 24564 * MiB),
-    "h100": Gpu("H100 80GB", (9, 0), 81559 * MiB),
+    "v100-16gb": Gpu("Tesla V100 16GB", (7, 0), 16160 * MiB, tflops=125, host_gbps=12),
+    "v100-32gb": Gpu("Tesla V100 32GB", (7, 0), 32510 * MiB, tflops=125, host_gbps=12),
+    "t4": Gpu("Tesla T4", (7, 5), 15360 * MiB, tflops=65, host_gbps=12),
+    "rtx3090": Gpu("GeForce RTX 3090", (8, 6), 24576 * MiB, tflops=71, host_gbps=25),
+    "a10": Gpu("A10 / A10G", (8, 6), 23028 * MiB, tflops=125, host_gbps=25),
+    "a100-40gb": Gpu("A100 40GB", (8, 0), 40960 * MiB, tflops=312, host_gbps=25),
+    "a100-80gb": Gpu("A100 80GB", (8, 0), 81920 * MiB, tflops=312, host_gbps=25),
+    "l4": Gpu("L4", (8, 9), 23034 * MiB, tflops=121, host_gbps=25),
+    "rtx4090": Gpu("GeForce RTX 4090", (8, 9), 24564 * MiB, tflops=165, host_gbps=25),
+    "h100": Gpu("H100 80GB", (9, 0), 81559 * MiB, tflops=989, host_gbps=50),
 }
 DEFAULT_GPU = "a100-80gb"
 DEFAULT_CUDA = "12.4"

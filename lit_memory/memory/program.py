@@ -37,6 +37,7 @@ class LayerRun:
     tensors: list[Tensor]  # per token, in forward order
     trains: bool  # has a backward (at or above the first trainable layer)
     input_kept: bool  # the layer's input is among what it keeps (no autocast)
+    checkpoint: Optional[str] = None  # "full", "selective" (`lit_memory.activations.CheckpointPlan`) or None
 
 
 @dataclass
@@ -55,8 +56,7 @@ class StepModel:
     bucket_temps: list[list[int]] = field(default_factory=list)  # fused: temporaries of each bucket's step
     embeddings: list[Tensor] = field(default_factory=list)  # per token, kept when the embeddings train
     head: list[int] = field(default_factory=list)  # bytes kept by the pooler/classifier (whole tensors)
-    checkpointing: Optional[str] = None
-    selective: int = 0  # per token per layer, selective checkpointing's kept matmul outputs
+    selective: int = 0  # per token per selective layer, selective checkpointing's kept matmul outputs
     offload: bool = False
     fused: bool = False
     clip_norm: bool = False
@@ -216,11 +216,12 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
             kept.insert(0, ("input", previous))
         else:
             t.free(previous)  # consumed by the layer's residual add
-        if m.checkpointing and layer.trains:
+        if layer.checkpoint and layer.trains:
             # only the layer's input (and selective's matmul outputs) stays; backward recomputes the rest
             t.free(*[key for _, key in kept], *layer_copies)
             kept = [("checkpoint_input", None if m.offload else t.alloc(m.hidden_bytes * tokens))]
-            kept.append(("selective", t.alloc(m.selective * tokens)))
+            if layer.checkpoint == "selective":
+                kept.append(("selective", t.alloc(m.selective * tokens)))
             layer_copies = []
         keys["layers"][index] = kept
         keys["copies"][index] = layer_copies
@@ -254,14 +255,14 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
         saved = list(keys["layers"].get(index, []))
         recomputed: list[tuple[str, Optional[int]]] = []
         copies: list[Optional[int]] = []
-        if m.checkpointing:
+        if layer.checkpoint:
             if m.offload:
                 recomputed.append(("input", t.alloc(m.hidden_bytes * tokens)))  # back from the host
             copies = [t.alloc(m.params[i].copy) for i in layer_params.get(index, []) if m.params[i].copy]
             recomputed += _run_layer(t, layer, tokens)
         unsharded = [t.alloc(m.params[i].bytes) for i in layer_params.get(index, []) if m.params[i].trainable] if gather else []
         # what this layer's backward releases: the recomputed tensors, or (unless the graph is kept) the saved ones
-        live = dict(recomputed) if m.checkpointing else ({} if keep else dict(saved))
+        live = dict(recomputed) if layer.checkpoint else ({} if keep else dict(saved))
         gradient = None
         for tensor in reversed(layer.tensors):
             if not any(word in tensor.name for word in NO_GRADIENT):
@@ -277,7 +278,7 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
         t.free(*unsharded)
         t.free(*[key for _, key in live.items()], *copies)
         if not keep:
-            t.free(*[key for name, key in saved if m.checkpointing], *keys["copies"].get(index, []))
+            t.free(*[key for name, key in saved if layer.checkpoint], *keys["copies"].get(index, []))
         outgoing = t.alloc(m.hidden_bytes * tokens)
         t.free(incoming)
         incoming = outgoing

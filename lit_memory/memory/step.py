@@ -27,7 +27,8 @@ from lit_memory.errors import UserError
 from lit_memory.lora import apply_lora
 from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
-from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier, checkpoint_policy
+from lit_memory.activations import CheckpointPlan, is_auto
+from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 
 # precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
 PRECISIONS = {
@@ -148,6 +149,7 @@ class Step:
     target: Target = field(default_factory=Target)
     loop: Loop = field(default_factory=Loop)
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # what it was built from
+    planned: Optional[str] = field(default=None, compare=False)  # what `gradient_checkpointing: auto` chose, in words
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], target: Optional[Target] = None, loop: Optional[Loop] = None) -> "Step":
@@ -175,7 +177,12 @@ class Step:
             loop=loop if loop is not None else Loop(),
             settings=settings,
         )
-        checkpoint_policy(model.get("gradient_checkpointing"))  # one error line for a bad value
+        if is_auto(model.get("gradient_checkpointing")):
+            return step  # resolved for a budget by `lit_memory.memory.recompute.planned`
+        if is_auto(model.get("offload_activations")):  # weighed only against a plan being chosen (`planned`)
+            model["offload_activations"] = False
+            step = replace(step, model=model)
+        CheckpointPlan.parse(model.get("gradient_checkpointing"))  # one error line for a bad value
         return step
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
@@ -192,14 +199,14 @@ class Step:
         return self.target.type
 
     @property
-    def checkpointing(self) -> Optional[str]:
-        """``None``, ``"full"`` or ``"selective"``."""
-        return checkpoint_policy(self.model.get("gradient_checkpointing"))
+    def checkpointing(self) -> Optional[CheckpointPlan]:
+        """What each layer recomputes (None: nothing)."""
+        return CheckpointPlan.parse(self.model.get("gradient_checkpointing"))
 
     @property
     def offloading(self) -> bool:
         """Whether saved activations leave the device (offloading is a no-op on a CPU run)."""
-        return bool(self.model.get("offload_activations")) and self.device == "cuda"
+        return self.model.get("offload_activations") is True and self.device == "cuda"
 
     @property
     def optimizer_name(self) -> str:
@@ -234,7 +241,7 @@ class Step:
             f"accumulate {self.accumulate_grad_batches}",
         ]
         if self.checkpointing:
-            parts.append(f"{self.checkpointing} gradient checkpointing")
+            parts.append(f"{self.checkpointing.describe()}".replace("checkpointing", "gradient checkpointing"))
         if hp.get("offload_activations"):
             parts.append("activations offloaded")
         if hp.get("freeze") is not None:
@@ -253,6 +260,21 @@ class Step:
     def cache_key(self) -> tuple:
         """What a meta build depends on (model, optimizer, precision): no reference to anything live."""
         return (json.dumps(dict(self.model), sort_keys=True, default=str), self.optimizer.key, self.precision)
+
+    @property
+    def build_key(self) -> tuple:
+        """`cache_key` without the checkpointing plan: what the module's parameters and optimizer depend on."""
+        model = {k: v for k, v in self.model.items() if k != "gradient_checkpointing"}
+        return (json.dumps(model, sort_keys=True, default=str), self.optimizer.key, self.precision)
+
+
+def budget_of(settings: Mapping[str, Any]) -> Optional[int]:
+    """The device budget a run plans for: ``memory.budget`` (enforced), else the recipe's ``memory.tier``."""
+    from lit_memory.memory.footprint import parse_bytes
+
+    memory = settings.get("memory") or {}
+    value = memory.get("budget") or memory.get("tier")
+    return parse_bytes(value) if value else None
 
 
 _MODEL_ARGS = {

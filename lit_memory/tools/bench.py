@@ -24,7 +24,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -59,6 +59,7 @@ class BenchRun:
     peer_args: list[str]  # the same settings for lit_memory.peer
     peer_note: Optional[str]  # why the peer cannot run this recipe (None: it can)
     run_dir: Path
+    flops: dict[str, Any] = field(default_factory=dict)  # counted FLOPs of its step (`counted_flops`)
 
 
 def ordered(names: str) -> list[str]:
@@ -151,8 +152,32 @@ def prepare(
                 trainer_arguments(resolved)
             except NoTrainerEquivalent as err:
                 note = str(err)
-        runs.append(BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after), base, note, run_dir))
+        runs.append(
+            BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after), base, note, run_dir,
+                     counted_flops(resolved))
+        )
     return runs
+
+
+def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
+    """FLOPs of the step this run trains (its checkpointing plan as the run resolves it, on its device),
+    counted by torch's FLOP counter on fake tensors (`lit_memory.memory.recompute`): per optimizer step (all
+    its micro-batches) and per sample. Device-independent: what a GPU computes, not how long it takes.
+    Empty where the model's forward cannot run on fake tensors."""
+    from lit_memory.memory.device import target
+    from lit_memory.memory.recompute import count_or_decline, planned
+    from lit_memory.precision import runs_on_cpu
+
+    settings = resolved.settings
+    step = planned(resolved.step(target("cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda")))
+    counted, _ = count_or_decline(step)
+    if counted is None:
+        return {}
+    return {
+        "flops_per_step": counted.total * step.accumulate_grad_batches,
+        "flops_per_sample": counted.per_sample,
+        "recompute_share": counted.recompute_share,
+    }
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -262,7 +287,7 @@ def bench(
         for p in runs:
             bar.set_postfix_str(p.recipe)
             shutil.rmtree(p.run_dir, ignore_errors=True)
-            row: dict[str, Any] = {"recipe": p.recipe}
+            row: dict[str, Any] = {"recipe": p.recipe, **p.flops}
             error = _run([sys.executable, "-m", "lit_memory", "fit", *p.fit_args], logs / f"{p.recipe}.log")
             try:
                 row.update(read_run(p.run_dir, evaluate) if error is None else {"error": error})
@@ -335,6 +360,13 @@ def columns(rows: list[dict], evaluate: bool, peer: Optional[str]) -> list[Colum
     else:
         cols.append(Column("process_growth_bytes", "process RSS growth", _gib))
     cols += [Column("step_time_s", "step time (s)", _num(".3f")), Column("samples_per_s", "samples/s", _num(".1f"))]
+    if any(r.get("flops_per_step") for r in rows):  # counted, device-independent (see `counted_flops`)
+        giga = lambda v: "-" if v is None else f"{v / 1e9:.3g}"  # noqa: E731
+        cols += [
+            Column("flops_per_step", "GFLOP/step (counted)", giga),
+            Column("flops_per_sample", "GFLOP/sample", giga),
+            Column("recompute_share", "recompute", lambda v: "-" if v is None else f"{100 * v:.0f} %"),
+        ]
     if evaluate:
         cols.append(Column("val_f1", "val f1", _num(".3f")))
     if peer:

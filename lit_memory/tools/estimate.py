@@ -22,6 +22,7 @@ from lit_memory.memory.analytic import file_gib
 from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target, target
 from lit_memory.memory.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.predict import predict
+from lit_memory.memory.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.report import table
 from lit_memory.memory.step import DEVICES, LOOPS, Prediction, Step, loop
 
@@ -69,7 +70,7 @@ def step_of(rest: list[str], args: argparse.Namespace) -> Step:
     this machine's business, not the predicted device's: it stays off."""
     fallback = ["--cpu_bf16_fallback=false"] if args.device == "cuda" else []
     run = resolve(["fit", *rest, *fallback])
-    return Step.from_settings(run.settings.as_dict(), target_of(args), loop(args.loop))
+    return planned(Step.from_settings(run.settings.as_dict(), target_of(args), loop(args.loop)))
 
 
 def embedding_state_notes(step: Step) -> list[str]:
@@ -97,12 +98,13 @@ def embedding_state_notes(step: Step) -> list[str]:
     return notes
 
 
-def report(step: Step, predictions: dict[str, Prediction]) -> dict[str, Any]:
-    """The --json object; ``predicted`` has the footprints as ``memory.json`` keeps them."""
+def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flops] = None) -> dict[str, Any]:
+    """The --json object; ``predicted`` has the footprints as ``memory.json`` keeps them, and the step's counted
+    FLOPs (`lit_memory.memory.recompute`)."""
     analytic_ = predictions["analytic"]
     simulated = predictions.get("simulated")
     params = analytic_.parameters
-    notes = list(analytic_.notes)
+    notes = ([step.planned] if step.planned else []) + list(analytic_.notes)
     if simulated is not None:
         notes.append(f"simulated on CPU with fake tensors (nothing allocated) in {simulated.seconds:.1f} s")
         notes += simulated.notes
@@ -123,7 +125,7 @@ def report(step: Step, predictions: dict[str, Prediction]) -> dict[str, Any]:
             "precision": step.precision,
             "optimizer": step.optimizer_name,
             "accumulate_grad_batches": step.accumulate_grad_batches,
-            "gradient_checkpointing": step.checkpointing or False,
+            "gradient_checkpointing": step.checkpointing.value() if step.checkpointing else False,
             "offload_activations": bool(step.model.get("offload_activations")),
             "freeze": step.model.get("freeze"),
             "fused": step.fused,
@@ -133,18 +135,42 @@ def report(step: Step, predictions: dict[str, Prediction]) -> dict[str, Any]:
             "attention": analytic_.attention,
         },
         "device": {"analytic": step.device, "simulated": step.device, "target": step.target.describe()},
-        "predicted": {k: (p.footprint.to_dict() if p else None) for k, p in {"analytic": analytic_, "simulated": simulated}.items()},
+        "predicted": {
+            **{k: (p.footprint.to_dict() if p else None) for k, p in {"analytic": analytic_, "simulated": simulated}.items()},
+            **(flops_fields(counted) if counted else {}),
+        },
         "inference_bytes": {"analytic": analytic_.inference, "simulated": simulated.inference if simulated else None},
         "notes": notes,
     }
+
+
+def flops_fields(counted: Flops) -> dict[str, Any]:
+    return {
+        "flops_per_step": counted.total,
+        "flops": {
+            "forward": counted.forward,
+            "backward": counted.backward,
+            "recompute": counted.recompute,
+            "recompute_share": round(counted.recompute_share, 4),
+            "per_sample": counted.per_sample,
+            "counted": FLOPS_NOTE,
+        },
+    }
+
+
+FLOPS_NOTE = (
+    "one micro-batch's forward and backward (recompute included), counted by torch's FlopCounterMode on fake "
+    "tensors: matmuls and attention only; device-independent (what a GPU computes, not how long it takes)"
+)
 
 
 def format_report(data: dict) -> str:
     model, setup = data["model"], data["setup"]
     device = data["device"]["analytic"]
     heads = {"analytic": f"analytic ({device})", "simulated": f"simulated ({device})"}
-    columns = {heads[k]: Footprint.from_dict(f) for k, f in data["predicted"].items() if f is not None}
-    inference = [format_bytes(data["inference_bytes"][k]) for k, f in data["predicted"].items() if f is not None]
+    footprints = {k: f for k, f in data["predicted"].items() if k in heads and f is not None}
+    columns = {heads[k]: Footprint.from_dict(f) for k, f in footprints.items()}
+    inference = [format_bytes(data["inference_bytes"][k]) for k in footprints]
     sizes = ", ".join(
         f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1))
     )
@@ -162,6 +188,12 @@ def format_report(data: dict) -> str:
         table("training step, at the peak", columns, {"inference (no autograd)": inference}),
         f"model file (parameters x bytes / 1024^3): {sizes}",
     ]
+    if "flops" in data["predicted"]:
+        found = data["predicted"]["flops"]
+        lines.append(
+            f"FLOPs per step (counted, device-independent): {data['predicted']['flops_per_step'] / 1e12:.2f} TFLOP "
+            f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} %"
+        )
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
 
@@ -191,7 +223,10 @@ def main(argv: list[str]) -> None:
     step = step_of(rest, ours)
     predictions = predict(step, simulated=not ours.no_simulate)
     predictions["analytic"].notes += embedding_state_notes(step)
-    data = report(step, predictions)
+    counted, declined = count_or_decline(step)
+    if declined:
+        predictions["analytic"].notes.append(declined)
+    data = report(step, predictions, counted)
     print(json.dumps(data, indent=2) if ours.json else format_report(data))
 
 

@@ -31,7 +31,7 @@ from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.step import is_fused, normalize_precision
 from lit_memory.memory.tracker import Tracker
-from lit_memory.model import checkpoint_policy
+from lit_memory.activations import CheckpointPlan
 from lit_memory.monitor import clock
 
 PEER_JSON = "peer.json"
@@ -79,9 +79,11 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
                 f"{OPTIM[optimizer.class_path]} uses {TRAINER_TORCHAO_BLOCK})"
             )
         optim_args["optim_args"] = f"bf16_stochastic_round={init.bf16_stochastic_round}"
-    checkpointing = checkpoint_policy(config.model.gradient_checkpointing)
-    if checkpointing == "selective":
-        raise NoTrainerEquivalent("no Trainer equivalent (selective checkpointing)")
+    if config.model.gradient_checkpointing == "auto":
+        raise NoTrainerEquivalent("no Trainer equivalent (checkpointing planned per layer for a budget)")
+    checkpointing = CheckpointPlan.parse(config.model.gradient_checkpointing)
+    if checkpointing is not None and checkpointing.uniform != "full":
+        raise NoTrainerEquivalent(f"no Trainer equivalent ({checkpointing.describe()}: the Trainer recomputes every layer)")
     if getattr(config.model, "offload_activations", False):
         raise NoTrainerEquivalent("no Trainer equivalent (activation offloading)")
     if getattr(config.model, "compile", False):

@@ -149,12 +149,18 @@ def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
 
 def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
     """Every combination of the recipes' differing settings, each micro-batch split, predicted."""
-    keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS))
+    # A recipe's tier is not a setting to combine (the plan's budget is the tier); ``auto`` checkpointing is
+    # ranked as every layer full and refined per layer for the budget once chosen (`refine`).
+    keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS and not k.startswith("memory.")))
     options: dict[str, list[Optional[Block]]] = {}
     for key in keys:
         seen: dict[str, Optional[Block]] = {}
         for recipe in recipes:
             block = recipe.blocks.get(key)
+            if block is not None and key == CHECKPOINTING and block.plain == "auto":
+                block = Block(key, True, "activations: keep layer inputs only, recompute the rest (non-reentrant)")
+            if block is not None and key == OFFLOADING and block.plain == "auto":
+                block = None  # weighed against recompute once a setup is chosen (`refine`)
             seen.setdefault(json.dumps(block.plain if block else "<absent>", sort_keys=True), block)
         options[key] = list(seen.values())
     order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
@@ -185,6 +191,40 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
                 continue  # settings refused together (also offloading without checkpointing, by the module)
             kept[identity] = Candidate(blocks, setup, prediction)
     return list(kept.values())
+
+
+CHECKPOINTING = "model.gradient_checkpointing"
+OFFLOADING = "model.offload_activations"
+
+
+def refine(chosen: Candidate, budget: int) -> Candidate:
+    """A chosen setup that recomputes, with the per-layer checkpointing plan of fewest counted FLOPs predicted
+    to fit ``budget`` (`lit_memory.memory.recompute.resolve`): as many layers left whole or selective as fit."""
+    from lit_memory.memory.recompute import resolve as plan_layers
+
+    if chosen.setup.checkpointing is None:
+        return chosen
+    # offloading is weighed against recompute as `offload_activations: auto` does (CUDA only)
+    probe = replace(chosen.setup, model={**chosen.setup.model, "offload_activations": "auto"})
+    found = plan_layers(probe, budget)
+    value = found.plan.value() if found.plan else False
+    if isinstance(value, dict):  # one line, so the planned recipe keeps one comment per setting
+        value = CommentedMap(value)
+        value.fa.set_flow_style()
+    if found.plan == chosen.setup.checkpointing and found.offload == chosen.setup.offloading:
+        return chosen
+    words = f"predicted to fit {format_bytes(budget)}"
+    blocks = {
+        **chosen.blocks,
+        CHECKPOINTING: Block(CHECKPOINTING, value, f"activations: per layer, the least recompute (fewest FLOPs) {words}"),
+        OFFLOADING: Block(
+            OFFLOADING, found.offload,
+            "activations: checkpoints in host memory (copies modelled cheaper than the recompute they save)"
+            if found.offload else "activations: stay on the device",
+        ),
+    }
+    setup = chosen.setup.with_settings({CHECKPOINTING: blocks[CHECKPOINTING].plain, OFFLOADING: found.offload})
+    return Candidate(blocks, setup, analytic(setup))
 
 
 def _distance(blocks: dict[str, Block], recipes: list[Recipe]) -> int:
@@ -319,10 +359,21 @@ def choose(
             timed.append((seconds, candidate, simulated))
         _, chosen, simulated = min(timed, key=lambda t: t[0])
         chosen.prediction = analytic(chosen.setup)
-        return chosen, simulated, everything
+        return (*_refined(chosen, simulated, budget, confirm), everything)
     chosen, simulated = confirmed[0]
     chosen.prediction = analytic(chosen.setup)  # with the allocator's and the device's levels
-    return chosen, simulated, everything
+    return (*_refined(chosen, simulated, budget, confirm), everything)
+
+
+def _refined(chosen: Candidate, simulated: Optional[Prediction], budget: int, confirm: bool) -> tuple[Candidate, Optional[Prediction]]:
+    """The chosen setup with its per-layer plan (`refine`), kept only if the simulation agrees it fits."""
+    better = refine(chosen, budget)
+    if better is chosen:
+        return chosen, simulated
+    again = simulate(better.setup) if confirm else None
+    if again is None or level(again.footprint) <= budget:
+        return better, again
+    return chosen, simulated
 
 
 def main(argv: list[str]) -> None:

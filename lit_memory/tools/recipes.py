@@ -42,17 +42,48 @@ PREDICTED = "# predicted: "
 HEADER_MODEL = "configs/bert-large.yaml"
 
 
-def predicted_line(path: Path) -> str:
-    """The header line a shipped recipe states its predicted memory in: BERT-large (``configs/bert-large.yaml``)
-    with the recipe's own batch and length, analytic, at three levels, for the documented default GPU."""
-    from lit_memory.memory.analytic import analytic
+FLOPS = "# flops: "
+FLOPS_REFERENCE = "bf16"  # the recipe every other's FLOPs are stated against: no recompute
+
+
+def header_step(path: Path) -> "Step":
+    """A shipped recipe's step on BERT-large (``configs/bert-large.yaml``) for the documented default GPU."""
     from lit_memory.memory.device import Target
+    from lit_memory.memory.recompute import planned
     from lit_memory.memory.step import Step
 
     # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
     model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
     run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"])
-    step = Step.from_settings(run.settings.as_dict(), Target())
+    return planned(Step.from_settings(run.settings.as_dict(), Target()))
+
+
+def flops_line(path: Path) -> str:
+    """The header line a shipped recipe states its counted FLOPs per step in, against the bf16 recipe's."""
+    from lit_memory.memory.recompute import flops
+
+    step = header_step(path)
+    counted, reference = flops(step), flops(header_step(path.with_name(f"{FLOPS_REFERENCE}.yaml")))
+    plan = step.checkpointing.describe(len_layers(step)) if step.checkpointing else "no checkpointing"
+    plan += ", checkpoints offloaded" if step.offloading else ""
+    return (
+        f"{FLOPS}BERT-large {step.batch_size} x {step.max_length}, {plan}: {counted.total / 1e12:.2f} TFLOP per "
+        f"micro-batch, {counted.total / reference.total:.3f}x {FLOPS_REFERENCE}.yaml's per micro-batch "
+        f"({counted.per_sample / reference.per_sample:.3f}x per sample), recompute {100 * counted.recompute_share:.1f} % "
+        "(counted by torch's FlopCounterMode: matmuls and attention; python -m lit_memory recipes headers)"
+    )
+
+
+def len_layers(step: "Step") -> int:
+    return step.module().hf_config.num_hidden_layers
+
+
+def predicted_line(path: Path) -> str:
+    """The header line a shipped recipe states its predicted memory in: BERT-large (``configs/bert-large.yaml``)
+    with the recipe's own batch and length, analytic, at three levels, for the documented default GPU."""
+    from lit_memory.memory.analytic import analytic
+
+    step = header_step(path)
     footprint = analytic(step).footprint
     return (
         f"{PREDICTED}BERT-large {step.batch_size} x {step.max_length}"
@@ -63,16 +94,16 @@ def predicted_line(path: Path) -> str:
     )
 
 
-def with_predicted_line(text: str, line: str) -> str:
-    """``text`` with its header's predicted line replaced by ``line`` (added after ``# shrinks:`` if missing)."""
+def with_predicted_line(text: str, line: str, prefix: str = PREDICTED, after: str = "# shrinks:") -> str:
+    """``text`` with its header's ``prefix`` line replaced by ``line`` (added after the ``after`` line if missing)."""
     lines = text.splitlines()
     header_end = next((i for i, l in enumerate(lines) if not l.startswith("#")), len(lines))
-    found = [i for i in range(header_end) if lines[i].startswith(PREDICTED)]
+    found = [i for i in range(header_end) if lines[i].startswith(prefix)]
     if found:
         lines[found[0]] = line
     else:
-        after = next((i for i in range(header_end) if lines[i].startswith("# shrinks:")), header_end - 1)
-        lines.insert(after + 1, line)
+        where = next((i for i in range(header_end) if lines[i].startswith(after)), header_end - 1)
+        lines.insert(where + 1, line)
     return "\n".join(lines) + "\n"
 
 
@@ -84,7 +115,9 @@ def headers(check: bool) -> None:
         path = folder / f"{name}.yaml"
         text = path.read_text(encoding="utf-8")
         updated = with_predicted_line(text, predicted_line(path))
-        print(f"{name}: {updated.splitlines()[[l.startswith(PREDICTED) for l in updated.splitlines()].index(True)][len(PREDICTED):]}")
+        updated = with_predicted_line(updated, flops_line(path), FLOPS, PREDICTED)
+        for prefix in (PREDICTED, FLOPS):
+            print(f"{name}: {next(l for l in updated.splitlines() if l.startswith(prefix))[len(prefix):]}")
         if updated != text:
             stale.append(name)
             if not check:

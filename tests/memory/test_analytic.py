@@ -329,5 +329,5 @@ def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_f
     assert found.optimizer.class_path == "torch.optim.AdamW" and found.optimizer.init_args["lr"] == 2e-5
     first = analytic(found).footprint.peak
     assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
-    module, _ = _META_BUILDS[found.cache_key]
+    module, _ = _META_BUILDS[found.build_key]
     assert module.optimizer_factory is None

@@ -73,7 +73,9 @@ def test_the_context_and_the_gpu_come_from_the_options(capsys):
 
 def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
     data = estimate(capsys, "--config", str(RECIPES / "baseline.yaml"), *BERT_LARGE)
-    assert set(data["predicted"]) == {"analytic", "simulated"}
+    assert set(data["predicted"]) == {"analytic", "simulated", "flops_per_step", "flops"}
+    assert data["predicted"]["flops_per_step"] == data["predicted"]["flops"]["forward"] + data["predicted"]["flops"]["backward"]
+    assert data["predicted"]["flops"]["recompute"] == 0  # the baseline recomputes nothing
     for method in ("analytic", "simulated"):
         footprint = data["predicted"][method]
         assert isinstance(footprint["peak_bytes"], int) and footprint["peak_bytes"] > 10 * GiB
@@ -137,7 +139,9 @@ def test_unmodelled_precision_is_one_error_line(capsys):
 
 def test_under_fsdp_each_of_8_ranks_is_predicted_at_most_0_6_of_one_device(capsys):
     def peak(*more: str) -> int:
-        args = ["--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "bert-large.yaml"), *more]
+        # one checkpointing plan for both (`auto` would leave more layers whole on the ranks' smaller totals)
+        plan = ["--model.gradient_checkpointing=true", "--model.offload_activations=false"]
+        args = ["--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "bert-large.yaml"), *plan, *more]
         main(["estimate", "--json", "--no-simulate", *args])
         return json.loads(capsys.readouterr().out)["predicted"]["analytic"]
 

@@ -188,10 +188,12 @@ def test_rule_prefers_less_recompute_then_no_offloading():
 
 def test_a_recipe_with_offloading_adds_candidates_but_never_offloading_without_checkpointing(tmp_path):
     text = (RECIPES / "4gb.yaml").read_text()
-    assert "  gradient_checkpointing: true" in text
+    assert "  gradient_checkpointing: auto" in text and "  offload_activations: auto" in text
     offloading = tmp_path / "offload.yaml"
-    offloading.write_text(text.replace("  gradient_checkpointing: true", "  offload_activations: true\n  gradient_checkpointing: selective"))
+    text = re.sub(r"\n  (gradient_checkpointing|offload_activations): auto[^\n]*", "", text)
+    offloading.write_text(text.replace("model:\n", "model:\n  offload_activations: true\n  gradient_checkpointing: selective\n"))
     setups = [c.setup for c in candidates(base_setup("cuda"), [*shipped_recipes(), load_recipe(offloading)])]
-    assert {s.checkpointing for s in setups} == {None, "full", "selective"}
+    # the shipped tiers' `auto` is ranked as every layer full, and refined per layer once chosen
+    assert {s.checkpointing.uniform if s.checkpointing else None for s in setups} == {None, "full", "selective"}
     assert any(s.model.get("offload_activations") for s in setups)
     assert not any(s.model.get("offload_activations") and s.checkpointing is None for s in setups)

@@ -3,6 +3,8 @@ command generates it (numbers in headers are generated, not typed); the memory t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import RECIPES
@@ -21,12 +23,25 @@ def predicted(text: str) -> dict[str, int]:
 def test_every_header_states_the_prediction_the_command_makes(capsys):
     commands.headers(check=True)  # raises if any header differs from what the command writes now
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(list(RECIPES.glob("*.yaml")))
+    assert len(lines) == 2 * len(list(RECIPES.glob("*.yaml")))  # memory and FLOPs
     for path in RECIPES.glob("*.yaml"):
         line = header(path)["predicted"]
         assert line.startswith("BERT-large ") and "on A100 80GB" in line
         levels = predicted(line)
         assert levels["tensors"] <= levels["reserved"] < levels["device"]
+        assert re.search(r"TFLOP per micro-batch, [0-9.]+x bf16.yaml's", header(path)["flops"]), path.name
+
+
+def flops_ratio(name: str) -> float:
+    return float(re.search(r"([0-9.]+)x bf16.yaml's per micro-batch", header(RECIPES / f"{name}.yaml")["flops"]).group(1))
+
+
+def test_the_tiers_recompute_less_than_every_layer_full():
+    """`auto` keeps some layers whole or selective: fewer FLOPs than full checkpointing at the same batch."""
+    every_layer_full = 4 / 3  # one more forward (a third of forward + backward) per step
+    assert 1.0 < flops_ratio("4gb") < every_layer_full - 0.1
+    assert flops_ratio("2gb") <= every_layer_full + 0.001
+    assert flops_ratio("baseline") == 1.0
 
 
 def test_the_memory_tiers_fit_their_names_in_device_memory():
