@@ -283,7 +283,10 @@ def recipe_text(
     chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
 ) -> str:
     parent, changes = _parent(chosen.blocks, recipes)
-    parent_prediction = analytic(chosen.setup.with_settings({k: b.plain for k, b in parent.blocks.items()}), levels=False)
+    from lit_memory.memory.recompute import planned
+
+    parent_step = planned(chosen.setup.with_settings({k: b.plain for k, b in parent.blocks.items()}))
+    parent_prediction = analytic(parent_step, levels=False)
     shrinks = [
         c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]
     ]
