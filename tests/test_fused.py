@@ -352,12 +352,18 @@ def test_clipping_by_the_infinity_norm_with_recomputed_activations():
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile (inductor) on CPU needs a C++ compiler")
-def test_clipping_by_norm_with_compiled_layers(monkeypatch):
+def test_clipping_by_norm_with_compiled_layers():
     """Compiled backwards donate their saved tensors unless told not to: the fused step's hooks tell torch
     before the layers compile, so the second backward over a compiled forward works."""
     import torch._functorch.config
 
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)  # torch's default, restored after
+    # torch's default, restored after by torch's own patch (pytest's monkeypatch would delete the config entry
+    # on undo: "torch._functorch.config.donated_buffer does not exist" in every later compile of the worker)
+    with torch._functorch.config.patch(donated_buffer=True):
+        _compiled_layers_clip_alike()
+
+
+def _compiled_layers_clip_alike():
     nets = []
     for fused in (False, True):
         net = model(dropout=0.0)  # compiled dropout draws other masks than eager

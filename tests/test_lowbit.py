@@ -211,18 +211,26 @@ def test_fp8_state_on_a_gpu_without_fp8_is_refused(monkeypatch):
     lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
 
 
-def test_torchao_over_sharded_parameters_compiles_without_the_autograd_cache(tmp_path, monkeypatch):
+def test_torchao_over_sharded_parameters_compiles_without_the_autograd_cache(tmp_path):
     """torch's AOTAutograd cache keys a DTensor by its spec alone: a DTensor of torchao's quantised state and one
     of plain state of the same shape hash alike, so a later run found the other's compiled step on disk ("'Tensor'
     object has no attribute 'codes'"). A torchao optimizer over sharded parameters turns that cache off; over
     plain tensors it stays on. (When torch hashes the local tensor's type, the first assertion fails: the
     switch can go.)"""
     import torch._functorch.config as functorch_config
+
+    # torch's own patch, not monkeypatch: pytest's monkeypatch reads a module's __dict__, misses the config
+    # module's entry, and on undo deletes it, which hides the switch from every later compile in the process
+    # ("torch._functorch.config.enable_autograd_cache does not exist").
+    with functorch_config.patch(enable_autograd_cache=True):
+        _cache_switch_follows_the_parameters(tmp_path, functorch_config)
+
+
+def _cache_switch_follows_the_parameters(tmp_path, functorch_config):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
     lowbit.compile_steps_without_the_dtensor_cache_collision(AdamW8bit([torch.nn.Parameter(torch.zeros(64, 64))]))
     assert functorch_config.enable_autograd_cache
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
