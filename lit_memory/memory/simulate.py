@@ -1,4 +1,5 @@
-"""One training step of the configured module on fake tensors, attributed by the tracker.
+"""One training step of the configured module on fake tensors, attributed by the tracker (`measure`: the
+same step on real tensors, for models small enough to run here).
 
 The module's own `configure_model` (checkpointing, freezing), optimizer (`build_optimizer`), the loop's
 autocast (Lightning's, without its weight cache, or with it where `Loop.autocast_cache` says so) and the
@@ -228,20 +229,40 @@ def cuda_stand_ins(step: Step):
 def simulate(step: Step) -> Prediction:
     """One training step of the configured module on fake tensors, tracked per phase on the CPU (with
     CUDA's kernels stood in for a CUDA target)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return _tracked_step(step, FakeTensorMode(allow_non_fake_inputs=True))  # the optimizer's own small real tensors
+
+
+def measure(step: Step) -> Prediction:
+    """The same step on real tensors on this CPU, tracked alike: the reference a prediction is held to where
+    the model is small enough to run (tests' tiny models of each family). Real tensors run what fake ones
+    cannot (DeBERTa's and ModernBERT's data-dependent shapes), so every family has a measured peak."""
+    if step.device != "cpu":
+        raise ValueError("measure runs the step here, on the CPU: give it a CPU target")
+    if step.offloading:
+        raise ValueError("measure keeps every tensor on this CPU: offloading has nowhere else to go")
+    prediction = _tracked_step(step, contextlib.nullcontext())
+    prediction.method = "measured"
+    prediction.attention = prediction.attention.replace("(simulated)", "(measured)")
+    return prediction
+
+
+def _tracked_step(step: Step, mode) -> Prediction:
     from lightning.pytorch.plugins.precision import MixedPrecision
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
     _, compute, autocast = PRECISIONS[step.precision]
-    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the optimizer's own small real tensors
-    module, optimizer = build(step, fake)
+    module, optimizer = build(step, mode)
     if step.offloading:
         # The step runs on the CPU here, standing in for the GPU: offload to the meta device instead
         # of host memory, so the offloaded tensors leave the tracked device as they would leave the GPU.
         module.activation_offload = OffloadActivations(host="meta")
     cuda = step.device == "cuda"
     stand_ins = cuda_stand_ins(step) if cuda else contextlib.nullcontext([])
-    with _torchao_kernel_as_buffers(optimizer), fake, warnings.catch_warnings(), stand_ins as kernels:
+    stepped_as_compiled = _torchao_kernel_as_buffers(optimizer) if isinstance(mode, FakeTensorMode) else contextlib.nullcontext()
+    with stepped_as_compiled, mode, warnings.catch_warnings(), stand_ins as kernels:
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
         _use_device_defaults(optimizer, step.device)
         stepping = _stepping(module, optimizer, step)
@@ -286,7 +307,7 @@ def simulate(step: Step) -> Prediction:
         notes.append(STAND_IN_NOTE.format(kernel=kernel))
         _add_levels(footprint, tracker.events, step)
     return Prediction(
-        method="simulated",
+        method="simulated",  # `measure` renames its own
         device=step.device,
         footprint=footprint,
         inference=inference.footprint.peak,
