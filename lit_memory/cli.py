@@ -224,8 +224,19 @@ class LitMemoryCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         if not self._deferred:
+            self._use_allocator_settings()
             self._plan_checkpointing()
             super().instantiate_classes()
+
+    def _use_allocator_settings(self) -> None:
+        """The recipe's ``memory.allocator``, for a run on CUDA, before anything allocates there (and before
+        the checkpointing plan, which predicts with them). A CPU run leaves the environment alone."""
+        from lit_memory.memory.allocator import use_recipe_conf
+
+        if not runs_on_cpu(self.settings.trainer.accelerator):
+            warning = use_recipe_conf(self.settings.memory.allocator)
+            if warning:
+                print(warning, file=sys.stderr)
 
     def _plan_checkpointing(self) -> None:
         """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
@@ -241,7 +252,7 @@ class LitMemoryCLI(LightningCLI):
         from lit_memory.memory.recompute import planned
 
         check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
-        device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"
+        device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"  # (its allocator: set just before)
         step = planned(self.step(target(device)))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
         settings.model.offload_activations = step.model["offload_activations"]
@@ -271,6 +282,7 @@ class LitMemoryCLI(LightningCLI):
 
     def build(self, trainer: bool = True) -> "LitMemoryCLI":
         """Instantiate the module and data module (and the Trainer): ``self.model``, ``self.datamodule``."""
+        self._use_allocator_settings()
         self._plan_checkpointing()
         if trainer:
             LightningCLI.instantiate_classes(self)

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
-from torch import nn
 from torch.autograd import Variable
 from torch.optim import Optimizer
 

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lit_memory import files
 from lit_memory.errors import UserError
 from lit_memory.memory import records
+from lit_memory.memory.allocator import check_recipe_conf
 from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes, parse_bytes
 from lit_memory.memory.report import Levels, table
 from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
@@ -56,18 +57,27 @@ class MemoryMonitor(L.Callback):
             CUDA's out-of-memory error when the tracked tensors exceed it (every step is then tracked).
         tier: the device memory the run's recipe is made for (``4GiB`` for recipes/4gb.yaml): what
             ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given. Nothing is enforced.
+        allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``),
+            in ``PYTORCH_CUDA_ALLOC_CONF``'s form: the command line sets them before CUDA starts unless that
+            variable is set already (it wins), and predictions use them. Recorded here, applied by the CLI.
         simulate: also predict by simulation at the start of fit (one training step on fake tensors:
             seconds on the bundled model, about half a minute on BERT-large), when predictions are given.
     """
 
     def __init__(
-        self, track_steps: int = 2, budget: Optional[str] = None, simulate: bool = False, tier: Optional[str] = None
+        self,
+        track_steps: int = 2,
+        budget: Optional[str] = None,
+        simulate: bool = False,
+        tier: Optional[str] = None,
+        allocator: Optional[str] = None,
     ) -> None:
         if track_steps < 0:
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
         self.budget = parse_bytes(budget) if budget is not None else None
         self.tier = parse_bytes(tier) if tier is not None else None
+        self.allocator = check_recipe_conf(allocator) if allocator is not None else None
         self.simulate = simulate
         self.predict: Optional[Predict] = None
         self.advise: Optional[Advise] = None

@@ -74,6 +74,51 @@ class AllocatorConfig:
         return ", ".join(parts)
 
 
+# The PYTORCH_CUDA_ALLOC_CONF keys a recipe may set (torch's CUDA semantics notes), with their values' form: a
+# recipe from someone else sets allocator knobs, nothing that loads a backend or a library.
+RECIPE_KEYS = {
+    "expandable_segments": r"(?i:true|false)",
+    "max_split_size_mb": r"\d+",
+    "roundup_power2_divisions": r"\d+",
+    "garbage_collection_threshold": r"0?\.\d+",
+}
+
+
+def check_recipe_conf(conf: str) -> str:
+    """``memory.allocator`` as a recipe writes it (``expandable_segments:True``), checked key by key: one
+    `UserError` line for anything else."""
+    from lit_memory.errors import UserError
+
+    items = [item for item in re.split(r"[,\s]+", str(conf).strip()) if item]
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in RECIPE_KEYS or not re.fullmatch(RECIPE_KEYS[key], value):
+            raise UserError(
+                f"memory.allocator: {item!r} is not an allocator setting a recipe can make; use "
+                + ", ".join(f"{k}:<{v}>" for k, v in RECIPE_KEYS.items())
+                + f" (comma-separated), or set {ENV} yourself"
+            )
+    return ",".join(items)
+
+
+def use_recipe_conf(conf: Optional[str]) -> Optional[str]:
+    """Make ``conf`` (checked) this process's CUDA allocator settings unless the environment already names its
+    own, which wins: returns a warning line then. Set before CUDA allocates (the allocator reads ``ENV`` when
+    it starts); where CUDA has started already, torch's own runtime setter applies it to the segments to come."""
+    if not conf:
+        return None
+    conf = check_recipe_conf(conf)
+    mine = os.environ.get(ENV)
+    if mine is not None:
+        return None if mine == conf else f"warning: {ENV}={mine} from the environment, not the recipe's memory.allocator {conf}"
+    os.environ[ENV] = conf
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(conf)  # private, but torch's only way once CUDA has started
+    return None
+
+
 def round_size(size: int, divisions: int = 0) -> int:
     """The allocator's ``round_size``: 512 B multiples, or the next power-of-two division."""
     if size < MIN_BLOCK:

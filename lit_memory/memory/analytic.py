@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lit_memory.anatomy import parameter_units
+from lit_memory.anatomy import in_out, linear_types, parameter_units
 from lit_memory.fused import group_parameters
 from lit_memory.memory import program
 from lit_memory.memory.allocator import replay
@@ -598,6 +598,7 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
     autocast_copy = {id(p) for p in _linear_params(layers + head)} if shape.autocast else set()
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
+    stage = _ffn_stages(layers, spec)
     entries = [
         program.Param(
             bytes=_nbytes(p),
@@ -605,6 +606,7 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
             layer=layer_of.get(id(p)),
             head=id(p) in head_ids,
             copy=p.numel() * shape.compute_b if id(p) in autocast_copy else 0,
+            made_at=stage.get(id(p)),
         )
         for p in params
     ]
@@ -647,6 +649,20 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
         workspace=step.target.cublas_workspace,
         shards=step.world_size if step.sharded else 1,
     )
+
+
+def _ffn_stages(layers, spec: LayerSpec) -> dict[int, str]:
+    """`program.Param.made_at` of each FFN weight and bias, read from the linear modules' shapes (any family):
+    "down" for a projection from the FFN's width, "up" for one into it (gate and up, or a fused gate+up)."""
+    stages = {}
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, linear_types()):
+                into, out = in_out(module)
+                stage = "down" if into == spec.ffn else "up" if into == spec.hidden and out in (spec.ffn, 2 * spec.ffn) else None
+                if stage:
+                    stages.update({id(p): stage for p in module.parameters(recurse=False)})
+    return stages
 
 
 def _add_levels(footprint: Footprint, events: list, step: Step) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lit_memory.errors import UserError
-from lit_memory.memory.allocator import AllocatorConfig
+from lit_memory.memory.allocator import ENV, AllocatorConfig
 
 MiB = 2**20
 
@@ -104,6 +104,7 @@ class Target:
     lazy_loading: Optional[bool] = None  # None: PyTorch's default for that CUDA version
     context: Optional[int] = None  # bytes; None: from `CONTEXTS`
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    allocator_given: bool = False  # by the caller or the environment: a recipe's ``memory.allocator`` does not replace it
     torch: str = field(default_factory=lambda: _installed_torch())  # the PyTorch version the run uses
 
     @property
@@ -190,7 +191,8 @@ def target(
     memory and CUDA version), else the documented default; the allocator settings of this environment."""
     if device == "cpu":
         return Target(type="cpu")
-    found = Target(allocator=allocator if allocator is not None else AllocatorConfig.from_env())
+    given = allocator is not None or ENV in os.environ
+    found = Target(allocator=allocator if allocator is not None else AllocatorConfig.from_env(), allocator_given=given)
     if gpu_name is None:
         found = _this_gpu(found)
     else:

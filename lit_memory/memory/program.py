@@ -30,6 +30,10 @@ class Param:
     layer: Optional[int]  # transformer layer index; None: embeddings (first) or head (last)
     head: bool = False  # outside the layers, after them (pooler, classifier)
     copy: int = 0  # autocast's 16-bit copy of this weight (linear weights that run under autocast)
+    # Where in its layer's backward autograd makes the gradient (AccumulateGrad runs right after the weight's
+    # matmul backward): "down", the FFN's output projection, first thing; "up", its input projection(s),
+    # once backward reaches the FFN's input; None: the attention block and norms, at the layer's end.
+    made_at: Optional[str] = None
 
 
 @dataclass
@@ -263,18 +267,24 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
         unsharded = [t.alloc(m.params[i].bytes) for i in layer_params.get(index, []) if m.params[i].trainable] if gather else []
         # what this layer's backward releases: the recomputed tensors, or (unless the graph is kept) the saved ones
         live = dict(recomputed) if layer.checkpoint else ({} if keep else dict(saved))
+        trained = [i for i in layer_params.get(index, []) if m.params[i].trainable]
+        made_at = {stage: [i for i in trained if m.params[i].made_at == stage] for stage in ("down", "up", None)}
+        for i in made_at["down"]:
+            arrived(i)
         gradient = None
         for tensor in reversed(layer.tensors):
             if not any(word in tensor.name for word in NO_GRADIENT):
                 made = t.alloc(tensor.bytes * tokens)
                 t.free(gradient)
                 gradient = made
+            if tensor.name == "ffn_in":
+                for i in made_at["up"]:
+                    arrived(i)
             if tensor.name in live:
                 t.free(live.pop(tensor.name))
         t.free(gradient)
-        for i in layer_params.get(index, []):
-            if m.params[i].trainable:
-                arrived(i)
+        for i in made_at[None] + [i for i in made_at["up"] if not any(x.name == "ffn_in" for x in layer.tensors)]:
+            arrived(i)
         t.free(*unsharded)
         t.free(*[key for _, key in live.items()], *copies)
         if not keep:

@@ -173,7 +173,7 @@ class Step:
             clip_norm=clips_by_norm(trainer.get("gradient_clip_val"), trainer.get("gradient_clip_algorithm")),
             sharded=sharded,
             world_size=ranks(trainer.get("devices", 1)) * int(trainer.get("num_nodes") or 1) if sharded else 1,
-            target=target if target is not None else Target(),
+            target=_with_recipe_allocator(target if target is not None else Target(), settings),
             loop=loop if loop is not None else Loop(),
             settings=settings,
         )
@@ -266,6 +266,17 @@ class Step:
         """`cache_key` without the checkpointing plan: what the module's parameters and optimizer depend on."""
         model = {k: v for k, v in self.model.items() if k != "gradient_checkpointing"}
         return (json.dumps(model, sort_keys=True, default=str), self.optimizer.key, self.precision)
+
+
+def _with_recipe_allocator(target: Target, settings: Mapping[str, Any]) -> Target:
+    """The recipe's ``memory.allocator`` for a CUDA target whose allocator settings nobody gave (as a run sets
+    them: `lit_memory.memory.allocator.use_recipe_conf`)."""
+    from lit_memory.memory.allocator import AllocatorConfig, check_recipe_conf
+
+    conf = (settings.get("memory") or {}).get("allocator")
+    if not conf or not target.cuda_device or target.allocator_given:
+        return target
+    return replace(target, allocator=AllocatorConfig.parse(check_recipe_conf(conf)), allocator_given=True)
 
 
 def budget_of(settings: Mapping[str, Any]) -> Optional[int]:

@@ -24,7 +24,7 @@ import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
@@ -45,6 +45,8 @@ from lit_memory.recipes import recipes_dir
 from lit_memory.tools.estimate import add_target_arguments, step_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
+# memory.* keys that describe the run (its budget, its measuring), not a setting that changes its memory
+NOT_COMBINED = ("memory.tier", "memory.budget", "memory.track_steps", "memory.simulate")
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
 MEASURED = 3  # candidates timed with --measure
 COMMENT_COLUMN = 34
@@ -108,7 +110,7 @@ def _identity(step: Step) -> tuple:
         model.pop("embedding_optimizer_state", None)
     return (
         json.dumps(model, sort_keys=True, default=str), step.optimizer.key, step.precision, step.batch_size,
-        step.accumulate_grad_batches, step.max_length, step.fused,
+        step.accumulate_grad_batches, step.max_length, step.fused, step.target.allocator,
     )
 
 
@@ -149,9 +151,9 @@ def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
 
 def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
     """Every combination of the recipes' differing settings, each micro-batch split, predicted."""
-    # A recipe's tier is not a setting to combine (the plan's budget is the tier); ``auto`` checkpointing is
-    # ranked as every layer full and refined per layer for the budget once chosen (`refine`).
-    keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS and not k.startswith("memory.")))
+    # A recipe's tier is not a setting to combine (the plan's budget is the tier), its allocator settings are;
+    # ``auto`` checkpointing is ranked as every layer full and refined per layer for the budget once chosen (`refine`).
+    keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS and k not in NOT_COMBINED))
     options: dict[str, list[Optional[Block]]] = {}
     for key in keys:
         seen: dict[str, Optional[Block]] = {}
@@ -263,13 +265,17 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
 
 
 def _parent(blocks: dict[str, Block], recipes: list[Recipe]) -> tuple[Recipe, list[str]]:
+    """The recipe the chosen settings differ least from, and the keys they differ in. A recipe's ``auto``
+    (checkpointing, offloading) is whatever plan the budget resolved it to; its tier is the plan's budget."""
+
+    def same(key: str, recipe: Recipe) -> bool:
+        mine = blocks[key].plain if key in blocks else None
+        theirs = recipe.blocks[key].plain if key in recipe.blocks else None
+        return mine == theirs or (key in (CHECKPOINTING, OFFLOADING) and theirs == "auto")
+
     def differences(recipe: Recipe) -> list[str]:
         keys = dict.fromkeys([*blocks, *recipe.blocks])
-        return [
-            k
-            for k in keys
-            if (blocks[k].plain if k in blocks else None) != (recipe.blocks[k].plain if k in recipe.blocks else None)
-        ]
+        return [k for k in keys if k not in NOT_COMBINED and not same(k, recipe)]
 
     parent = min(recipes, key=lambda r: len(differences(r)))
     return parent, differences(parent)

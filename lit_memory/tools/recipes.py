@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 from argparse import ArgumentError
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from jsonargparse import Namespace
@@ -18,6 +19,9 @@ from lit_memory.memory import records
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
 from lit_memory.trust import HINT, TRUST_FLAG, leaves, locate
+
+if TYPE_CHECKING:
+    from lit_memory.memory.step import Step
 
 
 def list_recipes() -> None:
@@ -107,14 +111,28 @@ def with_predicted_line(text: str, line: str, prefix: str = PREDICTED, after: st
     return "\n".join(lines) + "\n"
 
 
+# README's sentence quoting three recipes' predicted device totals (in a checkout: the package has no README)
+README_DEVICE = re.compile(
+    r"(predicted at )[\d.]+ GiB( for the baseline, )[\d.]+ GiB( for `4gb\.yaml`\s+and )[\d.]+ GiB( for `2gb\.yaml`)"
+)
+
+
+def readme_with_devices(text: str, devices: dict[str, str]) -> str:
+    """README's text with the baseline's, 4gb's and 2gb's predicted device totals as their headers state them."""
+    values = [devices[name].removesuffix(" GiB") for name in ("baseline", "4gb", "2gb")]
+    return README_DEVICE.sub(lambda m: f"{m[1]}{values[0]} GiB{m[2]}{values[1]} GiB{m[3]}{values[2]} GiB{m[4]}", text)
+
+
 def headers(check: bool) -> None:
-    """Write (or with ``check``, compare) each shipped recipe's predicted line."""
+    """Write (or with ``check``, compare) each shipped recipe's predicted line, and README's sentence quoting them."""
     folder = recipes_dir()
-    stale = []
+    stale, devices = [], {}
     for name in names():
         path = folder / f"{name}.yaml"
         text = path.read_text(encoding="utf-8")
-        updated = with_predicted_line(text, predicted_line(path))
+        predicted = predicted_line(path)
+        devices[name] = predicted.rsplit("device ", 1)[1].split(" (")[0]
+        updated = with_predicted_line(text, predicted)
         updated = with_predicted_line(updated, flops_line(path), FLOPS, PREDICTED)
         for prefix in (PREDICTED, FLOPS):
             print(f"{name}: {next(l for l in updated.splitlines() if l.startswith(prefix))[len(prefix):]}")
@@ -122,6 +140,14 @@ def headers(check: bool) -> None:
             stale.append(name)
             if not check:
                 files.write_text(path, updated)
+    readme = folder.parent / "README.md"
+    if readme.is_file() and {"baseline", "4gb", "2gb"} <= devices.keys():
+        text = readme.read_text(encoding="utf-8")
+        updated = readme_with_devices(text, devices)
+        if updated != text:
+            stale.append("README.md")
+            if not check:
+                files.write_text(readme, updated)
     if check and stale:
         raise UserError(f"recipe headers out of date: {', '.join(stale)} (run: python -m lit_memory recipes headers)")
 

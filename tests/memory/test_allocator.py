@@ -120,3 +120,48 @@ def test_replay_reports_each_phase_and_where_reserved_last_grew():
     assert found.peak_phase == "forward"
     with pytest.raises(KeyError):
         CachingAllocator().free("never allocated")
+
+
+# -- a recipe's allocator settings (memory.allocator) ---------------------------------------------------------
+
+
+def test_a_recipe_sets_allocator_knobs_and_nothing_else():
+    from lit_memory.errors import UserError
+    from lit_memory.memory.allocator import check_recipe_conf
+
+    assert check_recipe_conf(" expandable_segments:True, max_split_size_mb:128 ") == "expandable_segments:True,max_split_size_mb:128"
+    for bad in ("backend:cudaMallocAsync", "expandable_segments:maybe", "max_split_size_mb:-1", "expandable_segments"):
+        with pytest.raises(UserError, match=r"^memory\.allocator: .* is not an allocator setting a recipe can make") as err:
+            check_recipe_conf(bad)
+        assert "\n" not in str(err.value)
+
+
+def test_the_environment_wins_over_the_recipe_and_says_so(monkeypatch):
+    import os
+
+    from lit_memory.memory.allocator import ENV, use_recipe_conf
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert use_recipe_conf(None) is None and ENV not in os.environ
+    assert use_recipe_conf("expandable_segments:True") is None and os.environ[ENV] == "expandable_segments:True"
+    monkeypatch.setenv(ENV, "max_split_size_mb:64")
+    warning = use_recipe_conf("expandable_segments:True")
+    assert warning.startswith("warning: ") and "max_split_size_mb:64" in warning and os.environ[ENV] == "max_split_size_mb:64"
+
+
+def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
+    """A CUDA target nobody gave allocator settings takes the recipe's (as the run sets them); the environment's
+    or an explicit one stays."""
+    from lit_memory.memory.allocator import ENV
+    from lit_memory.memory.device import target
+    from lit_memory.memory.step import Step
+
+    settings = {"model": {"model_name_or_path": "bundled:minilm"}, "memory": {"allocator": "expandable_segments:True"}}
+    monkeypatch.delenv(ENV, raising=False)
+    assert Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator.expandable_segments
+    assert not Step.from_settings({**settings, "memory": {}}, target("cuda", "a100-80gb")).target.allocator.expandable_segments
+    given = target("cuda", "a100-80gb", allocator=AllocatorConfig())
+    assert not Step.from_settings(settings, given).target.allocator.expandable_segments
+    monkeypatch.setenv(ENV, "max_split_size_mb:64")
+    from_env = Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator
+    assert not from_env.expandable_segments and from_env.max_split_size == 64 * MiB
