@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -135,6 +136,10 @@ def _trains(module: nn.Module) -> bool:
 
 def _parts(model: nn.Module):
     """(layers, embeddings, pooler, head modules, index of the first layer with a backward)."""
+    return _per_build(model, ("parts",), lambda: _read_parts(model))
+
+
+def _read_parts(model: nn.Module):
     layers = list(transformer_layers(model))
     embeddings = getattr(model.base_model, "embeddings", None) or model.get_input_embeddings()
     # Backward starts at the first trained module (model.enable_gradient_checkpointing removes
@@ -468,6 +473,24 @@ def _buckets(
     return [(b, [[p for p in b if group_of[id(p)] == g] for g in sorted({group_of[id(p)] for p in b})]) for b in buckets]
 
 
+# What a meta build's model and optimizer give whatever the step's checkpointing plan: `resolve` predicts
+# hundreds of plans over one build (`_meta_build`), and reading them again was most of each prediction.
+_PER_BUILD: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _per_build(owner: Any, key: tuple, make):
+    """``make()``, once per ``owner`` (a meta build's model or optimizer) and ``key``."""
+    found = _PER_BUILD.setdefault(owner, {})
+    if key not in found:
+        found[key] = make()
+    return found[key]
+
+
+def _bucket_tensors(optimizer: torch.optim.Optimizer, device: str, by_group: list[list[torch.Tensor]]) -> "OptimizerTensors":
+    key = ("bucket", device, tuple(id(p) for group in by_group for p in group))
+    return _per_build(optimizer, key, lambda: optimizer_tensors(optimizer, device, by_group))
+
+
 def _meta_build(step: Step) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
     # One build serves every checkpointing plan: the model reads the plan from the step, not from the module.
     key = step.build_key
@@ -493,10 +516,10 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
     weights = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in model.buffers())
     grads = sum(_nbytes(p) for p in trainable)
     largest_grad = max((_nbytes(p) for p in trainable), default=0)
-    opt = optimizer_tensors(optimizer, step.device)
+    opt = _per_build(optimizer, ("state", step.device), lambda: optimizer_tensors(optimizer, step.device))
     state, step_temp, notes = opt.state_bytes, opt.temp_bytes, list(opt.notes)
     shape = shape_of(model.config, step)
-    spec = spec_of(model)
+    spec = _per_build(model, ("spec",), lambda: spec_of(model))
     capability = step.target.gpu.capability
     k = kernel(spec, shape, capability)
     act = _activations(model, spec, shape, k, step)
@@ -518,7 +541,7 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
 
     footprint = Footprint()
     accumulating = step.accumulate_grad_batches > 1
-    buckets = _buckets(module, optimizer, step.bucket) if step.fused else []
+    buckets = _per_build(optimizer, ("buckets", str(step.bucket)), lambda: _buckets(module, optimizer, step.bucket)) if step.fused else []
     if step.fused:
         # Each bucket's gradients are applied by one optimizer step and freed as soon as the last of
         # them is accumulated: early in backward the activations dominate, later the bucket whose
@@ -530,7 +553,7 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
             (
                 phase(
                     gradients=(size := sum(_nbytes(p) for p in bucket)),
-                    optimizer=state + optimizer_tensors(optimizer, step.device, by_group).temp_bytes,
+                    optimizer=state + _bucket_tensors(optimizer, step.device, by_group).temp_bytes,
                     unsharded=size if sharding else 0,
                 )
                 for bucket, by_group in buckets
@@ -635,7 +658,7 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
         states=[opt.state.get(id(p), []) for p in params],
         step_temps=opt.temps,
         buckets=[[index[id(p)] for p in bucket] for bucket, _ in buckets],
-        bucket_temps=[optimizer_tensors(optimizer, step.device, by_group).temps for _, by_group in buckets],
+        bucket_temps=[_bucket_tensors(optimizer, step.device, by_group).temps for _, by_group in buckets],
         embeddings=emb,
         head=head_kept,
         selective=selective,

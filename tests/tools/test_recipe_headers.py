@@ -67,3 +67,15 @@ def test_readme_quotes_the_tiers_device_totals_as_their_headers_state_them():
     stale = commands.readme_with_devices(readme, {**devices, "2gb": "9.99 GiB"})
     assert stale != readme and "9.99 GiB for `2gb.yaml`" in stale
     assert commands.readme_with_devices(stale, devices) == readme
+
+
+def test_a_decoder_full_fine_tune_is_predicted_within_4_gib_of_device_memory():
+    """Issue 22's bar, as configs/qwen3-0.6b.yaml states it (its estimate lines are generated, and checked above):
+    nothing frozen, no LoRA, at batch 32 x 128, on the documented default GPU."""
+    config = RECIPES.parent / "configs" / "qwen3-0.6b.yaml"
+    lines = [l[len(commands.ESTIMATE):] for l in config.read_text().splitlines() if l.startswith(commands.ESTIMATE)]
+    args, result = next(l.split(commands.ARROW) for l in lines if "--memory.tier 4GiB" in l)
+    assert "freeze" not in args and "lora" not in args and "recipes/2gb.yaml" in args
+    assert result.startswith("32 x 128 on A100 80GB")
+    device = parse_bytes(re.search(r"device ([0-9.]+ GiB)", result).group(1).replace(" ", ""))
+    assert 3 * 2**30 < device <= 4 * 2**30
