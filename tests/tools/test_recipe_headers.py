@@ -21,7 +21,9 @@ def predicted(text: str) -> dict[str, int]:
 def test_every_header_states_the_prediction_the_command_makes(capsys):
     commands.headers(check=True)  # raises if any header differs from what the command writes now
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 * len(list(RECIPES.glob("*.yaml")))  # memory and FLOPs
+    estimates = [l for c in (RECIPES.parent / "configs").glob("*.yaml") for l in c.read_text().splitlines() if l.startswith(commands.ESTIMATE)]
+    assert len(lines) == 2 * len(list(RECIPES.glob("*.yaml"))) + len(estimates)  # memory and FLOPs; the configs' lines
+    assert len(estimates) >= 8 and all(commands.ARROW in l and "x 128" in l for l in estimates)
     for path in RECIPES.glob("*.yaml"):
         line = header(path)["predicted"]
         assert line.startswith("BERT-large ") and "on A100 80GB" in line
