@@ -48,6 +48,7 @@ from lit_memory.memory.layers import (
     _norm,
     attention,
     backward_temp_per_token,
+    forward_temp_per_token,
     batch_bytes,
     kernel,
     layer_bytes_per_token,
@@ -208,7 +209,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
         copies = _linear_bytes(active + head, x.compute_b) if x.autocast else 0
         forward = saved + len(active) * per_layer + copies
         return _Activations(
-            forward=forward, backward=forward, transient=2 * spec.hidden * x.compute_b * x.tokens, backward_temp=backward_temp
+            forward=forward, backward=forward, transient=forward_temp_per_token(spec, x, k, lora) * x.tokens, backward_temp=backward_temp
         )
     # Each checkpointed layer keeps its input (selective: also its matmul outputs); backward recomputes one
     # layer at a time (with its 16-bit weights), whose full set of saved tensors then exists. Layers left whole
@@ -238,7 +239,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     return _Activations(
         forward=kept + whole_bytes + checkpointed_cache,
         backward=max(kept + whole_bytes, recomputing),
-        transient=2 * spec.hidden * x.compute_b * x.tokens,
+        transient=forward_temp_per_token(spec, x, k, lora) * x.tokens,
         backward_temp=backward_temp,
     )
 

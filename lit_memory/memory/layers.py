@@ -358,6 +358,16 @@ def working_set_per_token(spec: LayerSpec, x: Shape, k: Kernel, training: bool =
     return max(attention_block, ffn)
 
 
+def forward_temp_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> int:
+    """Temporaries of a layer's forward on top of what it keeps, per token: two of the hidden size (a branch's
+    output and its residual sum); with DeBERTa's relative attention, its content scores and a gathered
+    relative term being added into them (each ``heads x length``), where larger."""
+    if not spec.relative:
+        return 2 * spec.hidden * x.compute_b
+    sizes = {t.name: t.bytes for t in layer_tensors(spec, x, k, lora)}
+    return max(2 * spec.hidden * x.compute_b, sizes["scores"] + sizes[f"{spec.relative[0]}_gathered"])
+
+
 def backward_temp_per_token(spec: LayerSpec, x: Shape, k: Kernel) -> int:
     """Gradients w.r.t. activations in flight in a layer's backward, beyond its saved tensors: at its start
     the FFN intermediate's and two hidden-size ones; at its attention, the kernel's backward, by when the
