@@ -109,7 +109,9 @@ def _final_norm(model: nn.Module) -> Optional[nn.Module]:
     return next((m for _, m in base.named_children() if "norm" in type(m).__name__.lower()), None)
 
 
-def _outside_layers_per_token(model: nn.Module, spec: LayerSpec, x: Shape, embeddings_train: bool, layers_train: bool) -> int:
+def _outside_layers_per_token(
+    model: nn.Module, spec: LayerSpec, x: Shape, embeddings_train: bool, layers_train: bool
+) -> int:
     """Bytes per token kept outside the layers, besides the head's: the embeddings' norm (where they have
     one) and dropout, the final norm of a pre-norm model, DeBERTa-v2's convolution beside the first layer."""
     from lit_memory.anatomy import _dropout
@@ -126,7 +128,8 @@ def _outside_layers_per_token(model: nn.Module, spec: LayerSpec, x: Shape, embed
             kept += sum(t.bytes for t in _norm("final_norm", spec, x))
         if getattr(model.config, "conv_kernel_size", 0):
             # its input, dropout noise, the residual sum into its LayerNorm and that norm's statistics
-            kept += 2 * spec.hidden * x.param_b + spec.hidden * x.mask_b + spec.hidden * x.compute_b + NORM_STATS["layernorm"] + 4
+            h = spec.hidden
+            kept += 2 * h * x.param_b + h * x.mask_b + h * x.compute_b + NORM_STATS["layernorm"] + 4
     return kept
 
 
@@ -209,7 +212,10 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
         copies = _linear_bytes(active + head, x.compute_b) if x.autocast else 0
         forward = saved + len(active) * per_layer + copies
         return _Activations(
-            forward=forward, backward=forward, transient=forward_temp_per_token(spec, x, k, lora) * x.tokens, backward_temp=backward_temp
+            forward=forward,
+            backward=forward,
+            transient=forward_temp_per_token(spec, x, k, lora) * x.tokens,
+            backward_temp=backward_temp,
         )
     # Each checkpointed layer keeps its input (selective: also its matmul outputs); backward recomputes one
     # layer at a time (with its 16-bit weights), whose full set of saved tensors then exists. Layers left whole
@@ -643,7 +649,9 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
     tensors = layer_tensors(spec, shape, k, lora)
     modes = _modes(step, len(layers))
     runs = [
-        program.LayerRun(tensors, trains=i >= first, input_kept=any(t.name == "input" for t in tensors), checkpoint=modes[i])
+        program.LayerRun(
+            tensors, trains=i >= first, input_kept=any(t.name == "input" for t in tensors), checkpoint=modes[i]
+        )
         for i in range(len(layers))
     ]
     emb_trains = _trains(embeddings)

@@ -86,7 +86,9 @@ class LayerSpec:
         widths = [getattr(m, "weight", None) for m in norms]
         head_norms = [m for m, w in zip(norms, widths) if w is not None and w.shape[-1] == head_dim != h]
         hidden_norms = [m for m in norms if not any(m is n for n in head_norms)]
-        linears = [in_out(m) for name, m in layer.named_modules() if isinstance(m, linear_types()) and "lora_" not in name]
+        linears = [
+            in_out(m) for name, m in layer.named_modules() if isinstance(m, linear_types()) and "lora_" not in name
+        ]
         relative: tuple[str, ...] = ()
         span = 0
         if getattr(config, "relative_attention", False):
@@ -102,7 +104,8 @@ class LayerSpec:
             ffn=ffn,
             heads=heads,
             ffn_kind="gated" if _mlp_kind(layer, h, ffn) == "gated" else "mlp",
-            norm="rmsnorm" if hidden_norms and all("rms" in type(m).__name__.lower() for m in hidden_norms) else "layernorm",
+            norm="rmsnorm" if hidden_norms and all("rms" in type(m).__name__.lower() for m in hidden_norms)
+            else "layernorm",
             norms=len(hidden_norms) or 2,
             hidden_dropouts=max(dropouts - (1 if attention_p > 0 else 0), 0),
             attention_dropout=attention_p > 0,
@@ -239,7 +242,11 @@ def _attention_tensors(spec: LayerSpec, x: Shape, k: Kernel, trains: bool) -> li
     out: list[Tensor] = []
     if spec.head_norms:  # per-head RMSNorm of q and k: each keeps its (fp32) input, rstd and normalised values
         for n, width, heads in (("q", qw, spec.heads), ("k", kvw, spec.kv_heads)):
-            out += [Tensor(f"{n}_proj", width * max(c, 4)), Tensor(f"{n}_norm_stats", 4 * heads), Tensor(f"{n}_normed", width * c)]
+            out += [
+                Tensor(f"{n}_proj", width * max(c, 4)),
+                Tensor(f"{n}_norm_stats", 4 * heads),
+                Tensor(f"{n}_normed", width * c),
+            ]
     if spec.relative:
         return out + _relative_tensors(spec, x)
     tensors = attention_tensors(
@@ -248,7 +255,8 @@ def _attention_tensors(spec: LayerSpec, x: Shape, k: Kernel, trains: bool) -> li
     )
     for name, size, kept in tensors:
         if name == "v" and kept and k.fused and spec.qkv_fused and spec.rotary:
-            size = (qw + 2 * kvw) * c  # v, a view of the fused projection's output, keeps all of it (q, k are rotated copies)
+            # v, a view of the fused projection's output, keeps all of it (q and k are rotated copies)
+            size = (qw + 2 * kvw) * c
         out.append(Tensor(name, size, kept=kept and (trains or name != "output_copy")))
     return out
 
@@ -260,7 +268,8 @@ def _relative_tensors(spec: LayerSpec, x: Shape) -> list[Tensor]:
     int64 index (``length^2`` per layer); then softmax, dropout and the product with v as eager attention."""
     h, c, m, s, b = spec.hidden, x.compute_b, x.mask_b, x.length, x.batch
     probs = spec.heads * s
-    out = [Tensor("q", h * c), Tensor("k", h * c, kept="p2c" in spec.relative), Tensor("k_scaled", h * c), Tensor("v", h * c)]
+    out = [Tensor("q", h * c), Tensor("k", h * c, kept="p2c" in spec.relative), Tensor("k_scaled", h * c)]
+    out.append(Tensor("v", h * c))
     out.append(Tensor("scores", probs * c, kept=False))
     for term in spec.relative:
         out += [
@@ -306,7 +315,8 @@ def layer_tensors(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int
     out.append(Tensor("ffn_in", h * (c if x.autocast else p), kept=trains))
     extra = [Tensor(f"activation_{i}", f * c) for i in range(1, spec.activation_saves)]  # a composite activation's
     if spec.ffn_kind == "gated":
-        out += [Tensor("gate", f * c), *extra, Tensor("up", f * c), Tensor("act", f * c), Tensor("ffn_hidden", f * c, kept=trains)]
+        out += [Tensor("gate", f * c), *extra, Tensor("up", f * c), Tensor("act", f * c)]
+        out.append(Tensor("ffn_hidden", f * c, kept=trains))
     else:
         out += [Tensor("ffn_hidden", f * c), *extra, Tensor("act", f * c, kept=trains)]
     out.append(Tensor("ffn_out", h * c, kept=sandwich))
