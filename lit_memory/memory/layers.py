@@ -345,14 +345,15 @@ def layer_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[t
 def selective_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> int:
     """Bytes selective checkpointing keeps per layer per token besides the layer's input
     (`lit_memory.activations.selective_policy`): the outputs of the six linear layers (Q, K, V,
-    attention output, FFN in and out), ``(5h + f) * c`` (gated FFN: one more ``f*c``), and, where a fused
-    attention kernel runs without dropout, its output and log-sum-exp. An attention kernel with dropout is
-    recomputed (it draws random numbers), as is eager or math attention. With LoRA each adapter also keeps
-    its two matmul outputs, ``adapters * (r + h) * c``."""
+    attention output, FFN in and out), ``(5h + f) * c`` for BERT (q, k, v at their widths; gated FFN: one
+    more ``f*c``), and, where a fused attention kernel runs without dropout, its output and log-sum-exp. An
+    attention kernel with dropout is recomputed (it draws random numbers), as is eager or math attention.
+    With LoRA each adapter also keeps its two matmul outputs, ``adapters * (r + h) * c``."""
     h, f, c = spec.hidden, spec.ffn, x.compute_b
-    saved = (5 * h + f * (2 if spec.ffn_kind == "gated" else 1)) * c
+    # q, k and v as wide as their heads (grouped-query k/v narrower), the attention and FFN outputs
+    saved = (spec.q_wide + 2 * spec.kv_wide + 2 * h + f * (2 if spec.ffn_kind == "gated" else 1)) * c
     if k.fused and not spec.attention_dropout:
-        saved += h * c + 4 * spec.heads
+        saved += spec.q_wide * c + 4 * spec.heads
     if lora is not None:
         adapters, rank = lora
         saved += adapters * (rank + h) * c
