@@ -109,28 +109,39 @@ def _final_norm(model: nn.Module) -> Optional[nn.Module]:
     return next((m for _, m in base.named_children() if "norm" in type(m).__name__.lower()), None)
 
 
+def _embedding_tensors(model: nn.Module, spec: LayerSpec, x: Shape) -> list[Tensor]:
+    """What the embeddings keep per token when they train: their norm's input and statistics, where they have
+    a norm (BERT's family, DeBERTa, ModernBERT; not GPT-2 nor the decoders), and their dropout's mask."""
+    from lit_memory.anatomy import _dropout
+
+    kept = []
+    block = getattr(model.base_model, "embeddings", None)
+    if isinstance(block, nn.Module) and any("norm" in type(m).__name__.lower() for m in block.modules()):
+        kept += [Tensor("norm_in", spec.hidden * x.param_b), Tensor("stats", NORM_STATS["layernorm"])]
+    if _dropout(model.config, head_dropout=False).embedding > 0:
+        kept.append(Tensor("dropout", spec.hidden * x.mask_b))
+    return kept
+
+
+def _after_layers_per_token(model: nn.Module, spec: LayerSpec, x: Shape) -> int:
+    """What is kept per token outside the layers once they train, besides the head's: a pre-norm model's final
+    norm, DeBERTa-v2's convolution beside the first layer (its input, dropout noise, the residual sum into its
+    LayerNorm and that norm's statistics, the mask it multiplies by)."""
+    kept = 0
+    if _final_norm(model) is not None:
+        kept += sum(t.bytes for t in _norm("final_norm", spec, x))
+    if getattr(model.config, "conv_kernel_size", 0):
+        h = spec.hidden
+        kept += 2 * h * x.param_b + h * x.mask_b + h * x.compute_b + NORM_STATS["layernorm"] + 4
+    return kept
+
+
 def _outside_layers_per_token(
     model: nn.Module, spec: LayerSpec, x: Shape, embeddings_train: bool, layers_train: bool
 ) -> int:
-    """Bytes per token kept outside the layers, besides the head's: the embeddings' norm (where they have
-    one) and dropout, the final norm of a pre-norm model, DeBERTa-v2's convolution beside the first layer."""
-    from lit_memory.anatomy import _dropout
-
-    kept = 0
-    block = getattr(model.base_model, "embeddings", None)
-    if embeddings_train:
-        if isinstance(block, nn.Module) and any("norm" in type(m).__name__.lower() for m in block.modules()):
-            kept += spec.hidden * x.param_b + NORM_STATS["layernorm"]
-        if _dropout(model.config, head_dropout=False).embedding > 0:
-            kept += spec.hidden * x.mask_b
-    if layers_train:
-        if _final_norm(model) is not None:
-            kept += sum(t.bytes for t in _norm("final_norm", spec, x))
-        if getattr(model.config, "conv_kernel_size", 0):
-            # its input, dropout noise, the residual sum into its LayerNorm and that norm's statistics
-            h = spec.hidden
-            kept += 2 * h * x.param_b + h * x.mask_b + h * x.compute_b + NORM_STATS["layernorm"] + 4
-    return kept
+    """Bytes per token kept outside the layers, besides the head's."""
+    kept = sum(t.bytes for t in _embedding_tensors(model, spec, x)) if embeddings_train else 0
+    return kept + (_after_layers_per_token(model, spec, x) if layers_train else 0)
 
 
 def _linear_params(modules, trainable_only: bool = False) -> list[torch.Tensor]:
@@ -655,12 +666,12 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
         for i in range(len(layers))
     ]
     emb_trains = _trains(embeddings)
-    emb = [Tensor("norm_in", spec.hidden * shape.param_b, emb_trains), Tensor("stats", 8, emb_trains)]
-    if spec.hidden_dropouts:
-        emb.append(Tensor("dropout", spec.hidden * shape.mask_b, emb_trains))
+    emb = [Tensor(t.name, t.bytes, emb_trains) for t in _embedding_tensors(model, spec, shape)]
     head_kept = []
     if first < len(layers) or (pooler is not None and _trains(pooler)):
         head_kept = [shape.batch * spec.hidden * shape.compute_b] * 3
+    if first < len(layers) and (after := _after_layers_per_token(model, spec, shape)):
+        head_kept.append(after * shape.tokens)
     selective = selective_bytes_per_token(spec, shape, k, lora) if "selective" in modes else 0
     return program.StepModel(
         params=entries,
