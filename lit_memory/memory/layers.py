@@ -134,7 +134,8 @@ def _activation(layer: nn.Module, config):
 
     from lit_memory.anatomy import _ACTIVATION, _first
 
-    return ACT2FN[_first(config, _ACTIVATION, "gelu")]
+    name = _first(config, _ACTIVATION, "gelu")
+    return ACT2FN[name] if isinstance(name, str) and name in ACT2FN else ACT2FN["gelu"]
 
 
 def activation_saves(activation) -> int:
@@ -149,8 +150,11 @@ def activation_saves(activation) -> int:
             kept.add(t.untyped_storage().data_ptr())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = activation(x)  # noqa: F841 - alive while the storages are counted
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = activation(x)  # noqa: F841 - alive while the storages are counted
+    except (TypeError, RuntimeError):  # not a one-tensor elementwise function: count it as a fused kernel
+        return 1
     return max(len(kept), 1)
 
 
