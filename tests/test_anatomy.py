@@ -363,6 +363,32 @@ def test_the_simulation_runs_or_declines_in_one_line(folders, family):
         assert declined is None and prediction.footprint.peak > 0
 
 
+# (batch, length): two shapes, so the per-family terms are not fitted to one point (DeBERTa's relative terms
+# scale with the batch and with the length apart from the tokens)
+ACTIVATION_SHAPES = ((4, 32), (2, 64))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_analytic_activation_model_holds_every_family_within_15_percent(folders, family):
+    """What each family's layers keep (`lit_memory.memory.layers.LayerSpec`: GQA, q/k norms, rotary, the
+    activation's saved tensors, pre-norm and sandwich norms, DeBERTa's relative terms) against the same step
+    on real tensors, tracked (`measure`): the peak, and the activations at the forward phase's peak.
+    docs/memory.md shows the ratios (examples/family_ratios.py)."""
+    from lit_memory.memory.analytic import analytic
+    from lit_memory.memory.simulate import measure
+
+    for batch, length in ACTIVATION_SHAPES:
+        step = Step(
+            model={"model_name_or_path": str(folders[family]), "num_labels": 2},
+            optimizer=OptimizerSpec("torch.optim.AdamW", {"lr": 1e-3}),
+            batch_size=batch, max_length=length, target=Target(type="cpu"),
+        )
+        predicted, measured = analytic(step, levels=False).footprint, measure(step).footprint
+        forward = [f.phases["forward"]["activations"] for f in (predicted, measured)]
+        assert predicted.peak == pytest.approx(measured.peak, rel=0.15), (batch, length, predicted.peak / measured.peak)
+        assert forward[0] == pytest.approx(forward[1], rel=0.15), (batch, length, forward[0] / forward[1])
+
+
 # -- every shipped recipe's model settings, one step on each family ------------------------------------------
 
 

@@ -42,11 +42,14 @@ from lit_memory.memory.device import CUBLAS_THREADS
 from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.kernels import Kernel
 from lit_memory.memory.layers import (
+    NORM_STATS,
     LayerSpec,
     Shape,
     Tensor,
+    _norm,
     attention,
     backward_temp_per_token,
+    forward_temp_per_token,
     batch_bytes,
     kernel,
     layer_bytes_per_token,
@@ -96,7 +99,50 @@ def shape_of(config, step: Step, masked: bool = True) -> Shape:
 
 
 def spec_of(model: nn.Module) -> LayerSpec:
-    return LayerSpec.of(transformer_layers(model)[0], model.config)
+    """The last layer's description (ModernBERT's first layer has no norm before attention; the rest
+    do). A model with a norm after its last layer (a direct child of the base model: GPT-2's ``ln_f``,
+    Llama's ``norm``, ModernBERT's ``final_norm``) normalises before each block: pre-norm."""
+    return LayerSpec.of(transformer_layers(model)[-1], model.config, pre_norm=_final_norm(model) is not None)
+
+
+def _final_norm(model: nn.Module) -> Optional[nn.Module]:
+    base = getattr(model, "base_model", model)
+    return next((m for _, m in base.named_children() if "norm" in type(m).__name__.lower()), None)
+
+
+def _embedding_tensors(model: nn.Module, spec: LayerSpec, x: Shape) -> list[Tensor]:
+    """What the embeddings keep per token when they train: their norm's input and statistics, where they have
+    a norm (BERT's family, DeBERTa, ModernBERT; not GPT-2 nor the decoders), and their dropout's mask."""
+    from lit_memory.anatomy import _dropout
+
+    kept = []
+    block = getattr(model.base_model, "embeddings", None)
+    if isinstance(block, nn.Module) and any("norm" in type(m).__name__.lower() for m in block.modules()):
+        kept += [Tensor("norm_in", spec.hidden * x.param_b), Tensor("stats", NORM_STATS["layernorm"])]
+    if _dropout(model.config, head_dropout=False).embedding > 0:
+        kept.append(Tensor("dropout", spec.hidden * x.mask_b))
+    return kept
+
+
+def _after_layers_per_token(model: nn.Module, spec: LayerSpec, x: Shape) -> int:
+    """What is kept per token outside the layers once they train, besides the head's: a pre-norm model's final
+    norm, DeBERTa-v2's convolution beside the first layer (its input, dropout noise, the residual sum into its
+    LayerNorm and that norm's statistics, the mask it multiplies by)."""
+    kept = 0
+    if _final_norm(model) is not None:
+        kept += sum(t.bytes for t in _norm("final_norm", spec, x))
+    if getattr(model.config, "conv_kernel_size", 0):
+        h = spec.hidden
+        kept += 2 * h * x.param_b + h * x.mask_b + h * x.compute_b + NORM_STATS["layernorm"] + 4
+    return kept
+
+
+def _outside_layers_per_token(
+    model: nn.Module, spec: LayerSpec, x: Shape, embeddings_train: bool, layers_train: bool
+) -> int:
+    """Bytes per token kept outside the layers, besides the head's."""
+    kept = sum(t.bytes for t in _embedding_tensors(model, spec, x)) if embeddings_train else 0
+    return kept + (_after_layers_per_token(model, spec, x) if layers_train else 0)
 
 
 def _linear_params(modules, trainable_only: bool = False) -> list[torch.Tensor]:
@@ -162,8 +208,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     active = layers[first:]
     layer_input = x.tokens * spec.hidden * x.param_b
     saved = 0
-    if _trains(embeddings):  # LayerNorm input, its stats, dropout mask
-        saved += x.tokens * (spec.hidden * x.param_b + 8 + (spec.hidden * x.mask_b if spec.hidden_dropouts else 0))
+    saved += x.tokens * _outside_layers_per_token(model, spec, x, _trains(embeddings), bool(active))
     if active or (pooler is not None and _trains(pooler)):
         # the pooler keeps the last hidden state (without autocast its first-token view pins all of it); the loss
         # keeps its fp32 log-softmax (batch x labels, autocast's fp32 list)
@@ -183,7 +228,10 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
         copies = _linear_bytes(active + head, x.compute_b) if x.autocast else 0
         forward = saved + len(active) * per_layer + copies
         return _Activations(
-            forward=forward, backward=forward, transient=2 * spec.hidden * x.compute_b * x.tokens, backward_temp=backward_temp
+            forward=forward,
+            backward=forward,
+            transient=forward_temp_per_token(spec, x, k, lora) * x.tokens,
+            backward_temp=backward_temp,
         )
     # Each checkpointed layer keeps its input (selective: also its matmul outputs); backward recomputes one
     # layer at a time (with its 16-bit weights), whose full set of saved tensors then exists. Layers left whole
@@ -194,7 +242,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
         kept, back = saved + len(checkpointed) * layer_input + selective * cached, 0
     one_layer_copies = _linear_bytes(checkpointed[:1], x.compute_b) if x.autocast else 0
     # without autocast the recomputed layer's set holds its input, which `kept` (or `back`) counts already
-    own_input = layer_input if not x.autocast and lora is None else 0
+    own_input = layer_input if any(t.name == "input" for t in layer_tensors(spec, x, k, lora)) else 0
     # the first layer to recompute is the checkpointed one nearest the output (selective, if any is)
     top = "selective" if selective else "full"
     recomputing = kept + back + per_layer - own_input - (cached if top == "selective" else 0) + one_layer_copies
@@ -213,7 +261,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     return _Activations(
         forward=kept + whole_bytes + checkpointed_cache,
         backward=max(kept + whole_bytes, recomputing),
-        transient=2 * spec.hidden * x.compute_b * x.tokens,
+        transient=forward_temp_per_token(spec, x, k, lora) * x.tokens,
         backward_temp=backward_temp,
     )
 
@@ -637,16 +685,18 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
     tensors = layer_tensors(spec, shape, k, lora)
     modes = _modes(step, len(layers))
     runs = [
-        program.LayerRun(tensors, trains=i >= first, input_kept=not shape.autocast and lora is None, checkpoint=modes[i])
+        program.LayerRun(
+            tensors, trains=i >= first, input_kept=any(t.name == "input" for t in tensors), checkpoint=modes[i]
+        )
         for i in range(len(layers))
     ]
     emb_trains = _trains(embeddings)
-    emb = [Tensor("norm_in", spec.hidden * shape.param_b, emb_trains), Tensor("stats", 8, emb_trains)]
-    if spec.hidden_dropouts:
-        emb.append(Tensor("dropout", spec.hidden * shape.mask_b, emb_trains))
+    emb = [Tensor(t.name, t.bytes, emb_trains) for t in _embedding_tensors(model, spec, shape)]
     head_kept = []
     if first < len(layers) or (pooler is not None and _trains(pooler)):
         head_kept = [shape.batch * spec.hidden * shape.compute_b] * 3
+    if first < len(layers) and (after := _after_layers_per_token(model, spec, shape)):
+        head_kept.append(after * shape.tokens)
     selective = selective_bytes_per_token(spec, shape, k, lora) if "selective" in modes else 0
     return program.StepModel(
         params=entries,

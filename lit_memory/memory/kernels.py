@@ -125,13 +125,19 @@ def attention_tensors(
     autocast: bool,
     masked: bool = True,
     softmax_keeps_input: bool = False,
+    kv: Optional[int] = None,
+    mask_b: int = 1,
 ) -> list[tuple[str, int, bool]]:
     """The attention's tensors per token of one layer, in the order it makes them, from q, k and v (the
     projections' outputs) to the output the next projection reads: (name, bytes, kept for backward).
     See the table in the module docstring. ``c``: bytes of q/k/v. ``softmax_keeps_input``: torch before
-    1.11 kept softmax's input for backward too (pytorch#64000, fixed by pytorch#65242)."""
+    1.11 kept softmax's input for backward too (pytorch#64000, fixed by pytorch#65242). ``h`` is the
+    width of q and of the output (heads x head dim); ``kv`` that of k and v as the kernel receives them
+    (narrower with grouped-query attention, unless transformers repeats them to every head: default ``h``).
+    ``mask_b``: bytes per value of eager attention's dropout mask (1 on CUDA, the noise's ``c`` on the CPU)."""
+    kv = h if kv is None else kv
     probs = heads * s  # values of the attention matrix per token
-    qkv = [("q", h * c, True), ("k", h * c, True), ("v", h * c, True)]
+    qkv = [("q", h * c, True), ("k", kv * c, True), ("v", kv * c, True)]
     if kernel.fused:
         padded = -(-s // 32) * 32 if kernel.name == "efficient" else s  # efficient pads the log-sum-exp rows
         out = qkv[:]
@@ -140,10 +146,10 @@ def attention_tensors(
         return out + [("output", h * c, True), ("logsumexp", 4 * heads * padded // s, True)]
     if kernel.name in ("math", "cpu-math"):
         f32 = 4 if kernel.name == "math" else max(c, 4)
-        out = [("q", h * c, False), ("k", h * c, False), ("v", h * c, f32 == c)]
+        out = [("q", h * c, False), ("k", kv * c, False), ("v", kv * c, f32 == c)]
         if f32 != c:  # 16-bit inputs computed in fp32
-            out += [("q_f32", h * f32, False), ("k_f32", h * f32, False), ("v_f32", h * f32, True)]
-        out += [("q_scaled", h * f32, True), ("k_scaled", h * f32, True), ("scores", probs * f32, False)]
+            out += [("q_f32", h * f32, False), ("k_f32", kv * f32, False), ("v_f32", kv * f32, True)]
+        out += [("q_scaled", h * f32, True), ("k_scaled", kv * f32, True), ("scores", probs * f32, False)]
         out.append(("probabilities", probs * f32, True))
         if dropout:  # CPU dropout keeps a noise tensor as wide as the probabilities; CUDA a 1-byte mask
             out += [("dropout_mask", probs * (1 if kernel.name == "math" else f32), True), ("dropped", probs * f32, True)]
@@ -155,7 +161,7 @@ def attention_tensors(
         out.append(("masked", probs * softmax, softmax_keeps_input))
     out.append(("probabilities", probs * softmax, True))
     if dropout:
-        out += [("dropout_mask", probs, True), ("dropped", probs * softmax, not autocast)]
+        out += [("dropout_mask", probs * mask_b, True), ("dropped", probs * softmax, not autocast)]
     if autocast:
         out.append(("probabilities_16", probs * 2, True))
     return out + [("output", h * c, False), ("output_copy", h * c, True)]
@@ -171,9 +177,11 @@ def attention_bytes(
     autocast: bool,
     masked: bool = True,
     softmax_keeps_input: bool = False,
+    kv: Optional[int] = None,
+    mask_b: int = 1,
 ) -> AttentionBytes:
     """`attention_tensors` summed: what is kept (q, k, v included), and what backward adds."""
-    tensors = attention_tensors(kernel, h, heads, s, c, dropout, autocast, masked, softmax_keeps_input)
+    tensors = attention_tensors(kernel, h, heads, s, c, dropout, autocast, masked, softmax_keeps_input, kv, mask_b)
     saved = sum(b for _, b, kept in tensors if kept)
     probs = heads * s
     if kernel.fused:

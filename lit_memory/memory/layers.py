@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import torch
 from torch import nn
 
 from lit_memory.memory.kernels import AttentionBytes, Kernel, attention_bytes, attention_tensors
@@ -25,45 +26,136 @@ NORM_STATS = {"layernorm": 8, "rmsnorm": 4}  # fp32 mean and rstd per token, or 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One transformer layer as far as its saved tensors go (post-norm, BERT-style by default)."""
+    """One transformer layer as far as its saved tensors go (post-norm, BERT-style by default; the fields
+    after ``qkv_fused`` describe the other families and default to BERT's)."""
 
     hidden: int
     ffn: int
     heads: int
     ffn_kind: str = "mlp"
     norm: str = "layernorm"
-    norms: int = 2
+    norms: int = 2  # norms over the hidden state (Gemma3's sandwich: 4)
     hidden_dropouts: int = 2  # dropouts on the residual branches (BERT: after attention and after the FFN)
     attention_dropout: bool = True
     implementation: str = "sdpa"  # transformers' attn_implementation
     qkv_fused: bool = False  # q, k and v from one projection
+    q_width: int = 0  # heads x head dim where it is not the hidden size (Qwen3); 0: hidden
+    kv_width: int = 0  # k and v: kv heads x head dim, narrower with grouped-query attention; 0: q's width
+    activation_saves: int = 1  # tensors as wide as its input the FFN activation keeps (exact GELU, SiLU: its input)
+    pre_norm: bool = False  # a norm before attention and before the FFN, none after (GPT-2, Llama, ModernBERT)
+    head_norms: bool = False  # q and k normalised per head before attention (Qwen3, Gemma3)
+    rotary: bool = False  # q and k rotated (copies) before attention
+    relative: tuple[str, ...] = ()  # DeBERTa's disentangled score terms ("c2p", "p2c")
+    relative_span: int = 0  # the relative positions those terms cover (2 x the attention span)
+    window: bool = False  # a sliding-window layer: attention always gets a mask
+
+    @property
+    def q_wide(self) -> int:
+        return self.q_width or self.hidden
+
+    @property
+    def kv_wide(self) -> int:
+        return self.kv_width or self.q_wide
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.q_wide // self.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_wide // self.head_dim
 
     @classmethod
-    def of(cls, layer: nn.Module, config) -> "LayerSpec":
+    def of(cls, layer: nn.Module, config, pre_norm: bool = False) -> "LayerSpec":
         """Read from the Hugging Face config and the layer's modules: how many dropouts with p > 0 the
-        residual branches have, how many norms, whether the FFN is gated, whether q/k/v are one matrix."""
+        residual branches have, how many norms over the hidden state and whether q/k have their own, the FFN's
+        kind, width and activation, q/k/v widths (grouped-query attention) and whether they are one matrix,
+        rotary or DeBERTa's relative attention. ``pre_norm``: the model normalises before each block (it
+        has a final norm after the last layer: `lit_memory.memory.analytic.spec_of`)."""
+        from lit_memory.anatomy import _FFN, _dropout, _first, _mlp_kind, in_out, linear_types
+
         h = config.hidden_size
-        attention_p = float(getattr(config, "attention_probs_dropout_prob", getattr(config, "attention_dropout", 0)) or 0)
+        heads = config.num_attention_heads
+        ffn = int(_first(config, _FFN, 4 * h))
+        head_dim = int(getattr(config, "head_dim", None) or h // heads)
+        q_width = heads * head_dim
+        kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+        attention_p = _dropout(config, head_dropout=False).attention
         dropouts = sum(1 for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0 and not _in_lora(layer, m))
-        norms = [m for m in layer.modules() if "norm" in type(m).__name__.lower()]
-        linears = [m for name, m in layer.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
-        outputs = {m.out_features for m in linears}
+        norms = [m for m in layer.modules() if "norm" in type(m).__name__.lower() and not _in_lora(layer, m)]
+        widths = [getattr(m, "weight", None) for m in norms]
+        head_norms = [m for m, w in zip(norms, widths) if w is not None and w.shape[-1] == head_dim != h]
+        hidden_norms = [m for m in norms if not any(m is n for n in head_norms)]
+        linears = [
+            in_out(m) for name, m in layer.named_modules() if isinstance(m, linear_types()) and "lora_" not in name
+        ]
+        relative: tuple[str, ...] = ()
+        span = 0
+        if getattr(config, "relative_attention", False):
+            types = getattr(config, "pos_att_type", None) or ()
+            relative = tuple(t for t in (types.split("|") if isinstance(types, str) else types) if t in ("c2p", "p2c"))
+            span = getattr(config, "position_buckets", -1)
+            if span is None or span <= 0:
+                span = getattr(config, "max_relative_positions", -1)
+                if span is None or span < 1:
+                    span = config.max_position_embeddings
         return cls(
             hidden=h,
-            ffn=getattr(config, "intermediate_size", None) or 4 * h,
-            heads=config.num_attention_heads,
-            ffn_kind="gated" if len(linears) >= 7 else "mlp",
-            norm="rmsnorm" if norms and all("rms" in type(m).__name__.lower() for m in norms) else "layernorm",
-            norms=len(norms) or 2,
+            ffn=ffn,
+            heads=heads,
+            ffn_kind="gated" if _mlp_kind(layer, h, ffn) == "gated" else "mlp",
+            norm="rmsnorm" if hidden_norms and all("rms" in type(m).__name__.lower() for m in hidden_norms)
+            else "layernorm",
+            norms=len(hidden_norms) or 2,
             hidden_dropouts=max(dropouts - (1 if attention_p > 0 else 0), 0),
             attention_dropout=attention_p > 0,
             implementation=getattr(config, "_attn_implementation", None) or "sdpa",
-            qkv_fused=3 * h in outputs,
+            # one projection as wide as q, k and v together, where no two separate ones read the hidden state
+            qkv_fused=any(o == q_width + 2 * kv_width for _, o in linears)
+            and sum(1 for i, o in linears if i == h and o in (q_width, kv_width)) < 2,
+            q_width=0 if q_width == h else q_width,
+            kv_width=0 if kv_width == q_width else kv_width,
+            activation_saves=activation_saves(_activation(layer, config)),
+            pre_norm=pre_norm,
+            head_norms=bool(head_norms),
+            rotary=any("rope" in key for key in config.to_dict()),
+            relative=relative,
+            relative_span=2 * span if relative else 0,
+            window=any(getattr(m, "sliding_window", None) for m in layer.modules()),
         )
+
+
+def _activation(layer: nn.Module, config):
+    """The FFN's activation: the layer's activation module (transformers' or torch's), else the config's."""
+    for m in layer.modules():
+        if type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation"):
+            return m
+    from transformers.activations import ACT2FN
+
+    from lit_memory.anatomy import _ACTIVATION, _first
+
+    name = _first(config, _ACTIVATION, "gelu")
+    return ACT2FN[name] if isinstance(name, str) and name in ACT2FN else ACT2FN["gelu"]
+
+
+def activation_saves(activation) -> int:
+    """How many tensors as wide as its input ``activation`` keeps for backward (its input among them), read
+    from autograd's saved tensors on a small input: 1 for a fused kernel (exact GELU, SiLU, torch's tanh
+    GELU), 4 for GPT-2's tanh GELU written out in Python (its input, tanh's output, 0.5x and 1 + tanh)."""
+    x = torch.randn(2, 8, requires_grad=True)
+    kept: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == x.numel():
+            kept.add(t.untyped_storage().data_ptr())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = activation(x)  # noqa: F841 - alive while the storages are counted
+    except (TypeError, RuntimeError):  # not a one-tensor elementwise function: count it as a fused kernel
+        return 1
+    return max(len(kept), 1)
 
 
 def _in_lora(layer: nn.Module, module: nn.Module) -> bool:
@@ -109,9 +201,18 @@ def kernel(spec: LayerSpec, shape: Shape, capability: tuple[int, int], training:
 
 def attention(spec: LayerSpec, shape: Shape, k: Kernel, training: bool = True) -> AttentionBytes:
     return attention_bytes(
-        k, spec.hidden, spec.heads, shape.length, shape.compute_b, spec.attention_dropout and training,
-        shape.autocast, shape.masked, shape.softmax_keeps_input,
+        k, spec.q_wide, spec.heads, shape.length, shape.compute_b, spec.attention_dropout and training,
+        shape.autocast, shape.masked, shape.softmax_keeps_input, _kv_kept(spec, shape, k), shape.mask_b,
     )
+
+
+def _kv_kept(spec: LayerSpec, x: Shape, k: Kernel) -> int:
+    """The width of k and v as attention receives them: transformers repeats grouped-query k/v to every
+    head for eager attention, and for SDPA wherever it passes a mask (padding, a sliding window:
+    ``use_gqa_in_sdpa``)."""
+    if spec.kv_wide < spec.q_wide and (k.name == "eager" or x.masked or spec.window):
+        return spec.q_wide
+    return spec.kv_wide
 
 
 @dataclass(frozen=True)
@@ -123,39 +224,112 @@ class Tensor:
     kept: bool = True
 
 
+def _norm(name: str, spec: LayerSpec, x: Shape, first: bool = False) -> list[Tensor]:
+    """A norm over the hidden state: LayerNorm keeps its input and fp32 mean and rstd; transformers'
+    RMSNorm (written out in Python) its fp32 input, the rstd and the normalised values the weight
+    multiplies. ``first``: a pre-norm layer's first norm, whose input is the layer's input."""
+    h, p = spec.hidden, x.param_b
+    rms = spec.norm == "rmsnorm"
+    out = [Tensor("input" if first else f"{name}_in", h * p)]
+    if rms and p < 4:  # the fp32 copy it computes in
+        out.append(Tensor(f"{name}_f32", h * 4))
+    out.append(Tensor(f"{name}_stats", NORM_STATS[spec.norm]))
+    if rms:
+        out.append(Tensor(f"{name}_normed", h * p))
+    return out
+
+
+def _attention_tensors(spec: LayerSpec, x: Shape, k: Kernel, trains: bool) -> list[Tensor]:
+    """q, k, v (after any per-head norms and rotation) and what the kernel makes, to the output the next
+    projection reads."""
+    c, m, qw, kvw = x.compute_b, x.mask_b, spec.q_wide, spec.kv_wide
+    out: list[Tensor] = []
+    if spec.head_norms:  # per-head RMSNorm of q and k: each keeps its (fp32) input, rstd and normalised values
+        for n, width, heads in (("q", qw, spec.heads), ("k", kvw, spec.kv_heads)):
+            out += [
+                Tensor(f"{n}_proj", width * max(c, 4)),
+                Tensor(f"{n}_norm_stats", 4 * heads),
+                Tensor(f"{n}_normed", width * c),
+            ]
+    if spec.relative:
+        return out + _relative_tensors(spec, x)
+    tensors = attention_tensors(
+        k, qw, spec.heads, x.length, c, spec.attention_dropout, x.autocast, x.masked, x.softmax_keeps_input,
+        _kv_kept(spec, x, k), m,
+    )
+    for name, size, kept in tensors:
+        if name == "v" and kept and k.fused and spec.qkv_fused and spec.rotary:
+            # v, a view of the fused projection's output, keeps all of it (q and k are rotated copies)
+            size = (qw + 2 * kvw) * c
+        out.append(Tensor(name, size, kept=kept and (trains or name != "output_copy")))
+    return out
+
+
+def _relative_tensors(spec: LayerSpec, x: Shape) -> list[Tensor]:
+    """DeBERTa's disentangled attention (eager): q and a scaled copy of k for the content scores; per
+    relative term (c2p, p2c) the relative embeddings' projection repeated over the batch (``span x h`` per
+    sequence), its scores against q or k before the gather (``heads x span`` per token) and the gather's
+    int64 index (``length^2`` per layer); then softmax, dropout and the product with v as eager attention."""
+    h, c, m, s, b = spec.hidden, x.compute_b, x.mask_b, x.length, x.batch
+    probs = spec.heads * s
+    out = [Tensor("q", h * c), Tensor("k", h * c, kept="p2c" in spec.relative), Tensor("k_scaled", h * c)]
+    out.append(Tensor("v", h * c))
+    out.append(Tensor("scores", probs * c, kept=False))
+    for term in spec.relative:
+        out += [
+            Tensor(f"{term}_positions", -(-spec.relative_span * h * c // s)),
+            Tensor(f"{term}_scores", spec.heads * spec.relative_span * c),
+            Tensor(f"{term}_index_mask", -(-8 * s // b)),
+            Tensor(f"{term}_gathered", probs * c, kept=False),
+        ]
+    out.append(Tensor("probabilities", probs * c))
+    if spec.attention_dropout:
+        out += [Tensor("dropout_mask", probs * m), Tensor("dropped", probs * c)]
+    return out + [Tensor("output", h * c, kept=False), Tensor("output_copy", h * c)]
+
+
 def layer_tensors(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> list[Tensor]:
     """A layer's forward pass, per token, in order (see the module docstring). The layer's input is the
-    previous layer's output: listed (``input``) only where the layer keeps it (no autocast)."""
+    previous layer's output: listed (``input``) only where the layer keeps it (no autocast, or a pre-norm
+    layer's first norm). A pre-norm layer names its norm before the FFN ``norm_1`` as a post-norm layer
+    names its norm after attention: what follows it is the FFN's."""
     h, f, c, p, m = spec.hidden, spec.ffn, x.compute_b, x.param_b, x.mask_b
     trains = lora is None  # frozen projections (LoRA's base) keep no input for a weight gradient
+    sandwich = spec.pre_norm and spec.norms >= 4  # norms after attention and the FFN too (Gemma3)
     out: list[Tensor] = []
-    # q, k, v projections: under autocast each casts the layer input (one copy per projection); without, they keep it.
+    if spec.pre_norm:
+        out += _norm("norm_0", spec, x, first=True)
+    # q, k, v projections: under autocast each casts its input (one copy per projection); without, they keep it.
     if not trains:
         adapters, rank = lora
         out.append(Tensor("lora", adapters * (h * (c + m) + rank * c)))
     elif x.autocast:
         out += [Tensor(f"{n}_in", h * c) for n in (("qkv",) if spec.qkv_fused else ("q", "k", "v"))]
     else:
-        out.append(Tensor("input", h * p))
-    for name, size, kept in attention_tensors(
-        k, h, spec.heads, x.length, c, spec.attention_dropout, x.autocast, x.masked, x.softmax_keeps_input
-    ):  # q, k, v and what the kernel makes; a copy of the output feeds the output projection (eager, math)
-        out.append(Tensor(name, size, kept=kept and (trains or name != "output_copy")))
-    out.append(Tensor("attention_dense", h * c, kept=False))
+        out.append(Tensor("qkv_in" if spec.pre_norm else "input", h * p))
+    # q, k, v and what the kernel makes; a copy of the output feeds the output projection (eager, math)
+    out += _attention_tensors(spec, x, k, trains)
+    out.append(Tensor("attention_dense", h * c, kept=sandwich))
+    if sandwich:
+        out += _norm("post_attention_norm", spec, x)[1:]
     if spec.hidden_dropouts >= 2:
         out += [Tensor("dropout_1", h * m), Tensor("dropped_1", h * c, kept=False)]
-    out += [Tensor("norm_1_in", h * p), Tensor("norm_1_stats", NORM_STATS[spec.norm])]
+    out += _norm("norm_1", spec, x)
     # the FFN: its input (cast under autocast), intermediate(s), activation output (the down projection's input)
     out.append(Tensor("ffn_in", h * (c if x.autocast else p), kept=trains))
+    extra = [Tensor(f"activation_{i}", f * c) for i in range(1, spec.activation_saves)]  # a composite activation's
     if spec.ffn_kind == "gated":
-        out += [Tensor("gate", f * c), Tensor("up", f * c), Tensor("act", f * c), Tensor("ffn_hidden", f * c, kept=trains)]
+        out += [Tensor("gate", f * c), *extra, Tensor("up", f * c), Tensor("act", f * c)]
+        out.append(Tensor("ffn_hidden", f * c, kept=trains))
     else:
-        out += [Tensor("ffn_hidden", f * c), Tensor("act", f * c, kept=trains)]
-    out.append(Tensor("ffn_out", h * c, kept=False))
+        out += [Tensor("ffn_hidden", f * c), *extra, Tensor("act", f * c, kept=trains)]
+    out.append(Tensor("ffn_out", h * c, kept=sandwich))
+    if sandwich:
+        out += _norm("post_ffn_norm", spec, x)[1:]
     if spec.hidden_dropouts >= 1:
         out += [Tensor("dropout_2", h * m), Tensor("dropped_2", h * c, kept=False)]
-    if spec.norms >= 2:
-        out += [Tensor("norm_2_in", h * p), Tensor("norm_2_stats", NORM_STATS[spec.norm])]
+    if spec.norms >= 2 and not spec.pre_norm:
+        out += _norm("norm_2", spec, x)
     return out
 
 
@@ -175,14 +349,15 @@ def layer_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[t
 def selective_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> int:
     """Bytes selective checkpointing keeps per layer per token besides the layer's input
     (`lit_memory.activations.selective_policy`): the outputs of the six linear layers (Q, K, V,
-    attention output, FFN in and out), ``(5h + f) * c`` (gated FFN: one more ``f*c``), and, where a fused
-    attention kernel runs without dropout, its output and log-sum-exp. An attention kernel with dropout is
-    recomputed (it draws random numbers), as is eager or math attention. With LoRA each adapter also keeps
-    its two matmul outputs, ``adapters * (r + h) * c``."""
+    attention output, FFN in and out), ``(5h + f) * c`` for BERT (q, k, v at their widths; gated FFN: one
+    more ``f*c``), and, where a fused attention kernel runs without dropout, its output and log-sum-exp. An
+    attention kernel with dropout is recomputed (it draws random numbers), as is eager or math attention.
+    With LoRA each adapter also keeps its two matmul outputs, ``adapters * (r + h) * c``."""
     h, f, c = spec.hidden, spec.ffn, x.compute_b
-    saved = (5 * h + f * (2 if spec.ffn_kind == "gated" else 1)) * c
+    # q, k and v as wide as their heads (grouped-query k/v narrower), the attention and FFN outputs
+    saved = (spec.q_wide + 2 * spec.kv_wide + 2 * h + f * (2 if spec.ffn_kind == "gated" else 1)) * c
     if k.fused and not spec.attention_dropout:
-        saved += h * c + 4 * spec.heads
+        saved += spec.q_wide * c + 4 * spec.heads
     if lora is not None:
         adapters, rank = lora
         saved += adapters * (rank + h) * c
@@ -196,6 +371,16 @@ def working_set_per_token(spec: LayerSpec, x: Shape, k: Kernel, training: bool =
     attention_block = attention(spec, x, k, training).saved
     ffn = (2 * spec.ffn * (2 if spec.ffn_kind == "gated" else 1) + spec.hidden) * x.compute_b
     return max(attention_block, ffn)
+
+
+def forward_temp_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> int:
+    """Temporaries of a layer's forward on top of what it keeps, per token: two of the hidden size (a branch's
+    output and its residual sum); with DeBERTa's relative attention, its content scores and a gathered
+    relative term being added into them (each ``heads x length``), where larger."""
+    if not spec.relative:
+        return 2 * spec.hidden * x.compute_b
+    sizes = {t.name: t.bytes for t in layer_tensors(spec, x, k, lora)}
+    return max(2 * spec.hidden * x.compute_b, sizes["scores"] + sizes[f"{spec.relative[0]}_gathered"])
 
 
 def backward_temp_per_token(spec: LayerSpec, x: Shape, k: Kernel) -> int:

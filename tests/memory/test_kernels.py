@@ -92,3 +92,14 @@ def test_distilbert_reads_as_one_residual_dropout_per_layer():
     assert (spec.hidden, spec.ffn, spec.heads, spec.hidden_dropouts, spec.norms) == (768, 3072, 12, 1, 2)
     names = [t.name for t in layer_tensors(spec, Shape(1, 8, 4, 4, False, True), Kernel("efficient", ""))]
     assert "dropout_1" not in names and "dropout_2" in names
+
+
+def test_an_activation_keeps_what_autograd_saves_for_it():
+    from transformers.activations import ACT2FN
+
+    from lit_memory.memory.layers import activation_saves
+
+    # fused kernels keep their input; GPT-2's tanh GELU, written out, its input, tanh's output, 0.5x and 1 + tanh
+    assert {name: activation_saves(ACT2FN[name]) for name in ("gelu", "gelu_pytorch_tanh", "silu", "gelu_new")} == {
+        "gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "gelu_new": 4,
+    }
