@@ -29,9 +29,17 @@ def runs_on_cpu(accelerator: Any) -> bool:
     return "cpu" in name
 
 
+def trains_with(precision: Any, accelerator: Any, fallback: bool = True) -> Any:
+    """The precision a run configured with ``precision`` trains with: ``32-true`` for bf16 on a CPU that lacks
+    it (with ``fallback``, the CLI's ``--cpu_bf16_fallback``), else unchanged."""
+    if not fallback or str(precision) not in BF16 or not runs_on_cpu(accelerator) or native_cpu_bf16():
+        return precision
+    return "32-true"
+
+
 def cpu_fallback(precision: Any, accelerator: Any) -> Any:
-    """The precision to train with: ``32-true`` for bf16 on a CPU that lacks it, else unchanged."""
-    if str(precision) not in BF16 or not runs_on_cpu(accelerator) or native_cpu_bf16():
+    """`trains_with`, with one warning line where it changes the precision."""
+    if trains_with(precision, accelerator) == precision:
         return precision
     _warn(
         f"warning: this CPU has no native bf16 (AVX512-BF16 or AMX), where bf16 runs about 18x slower than "

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit_memory import guard
 from lit_memory.errors import UserError
+from lit_memory.precision import trains_with
 
 # The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32, so
 # long runs are saved several times an epoch and short ones (the bundled 4,000 samples) at their end.
@@ -235,11 +236,16 @@ RESUME_STATE = "lit_memory_settings"  # the checkpoint key holding them
 
 
 def resume_settings(settings: Namespace) -> dict[str, Any]:
-    """The `RESUME_KEYS` of one subcommand's settings, as plain data (checkpoints load weights-only)."""
+    """The `RESUME_KEYS` of one subcommand's settings, as plain data (checkpoints load weights-only). The
+    precision is the one the run trains with: a checkpoint holds it after the CLI's CPU bf16 fallback, and
+    resuming compares settings before that fallback runs (`lit_memory.precision.trains_with`)."""
     out = {}
     for key in RESUME_KEYS:
         value = settings.get(key)
         out[key] = value.as_dict() if isinstance(value, Namespace) else value
+    out["trainer.precision"] = trains_with(
+        out["trainer.precision"], settings.get("trainer.accelerator"), settings.get("cpu_bf16_fallback", True) is not False
+    )
     return out
 
 

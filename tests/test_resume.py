@@ -242,3 +242,29 @@ def test_a_default_fit_keeps_last_ckpt(reviews, fast_args):
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)
     # fewer steps than the interval: last.ckpt is written when the fit ends
     assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_run_trained_in_fp32_by_the_cpu_bf16_fallback_resumes_with_its_bf16_recipe(tmp_path, monkeypatch):
+    """The checkpoint holds the precision the run trained with (after the CLI's fallback); resuming compares
+    the same recipe's bf16 before the fallback has run: equal where it falls back, refused where it would not."""
+    from jsonargparse import Namespace
+
+    from lit_memory import precision
+    from lit_memory.errors import UserError
+    from lit_memory.resume import RESUME_STATE, check_resume, resume_settings
+
+    def settings(precision_: str, fallback: bool = True, ckpt=None) -> Namespace:
+        return Namespace(
+            trainer=Namespace(precision=precision_, accelerator="cpu", accumulate_grad_batches=1),
+            cpu_bf16_fallback=fallback, ckpt_path=ckpt,
+        )
+
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: False)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({RESUME_STATE: resume_settings(settings("32-true"))}, ckpt)  # what the fallen-back run saved
+    check_resume(settings("bf16-mixed", ckpt=str(ckpt)))  # the same recipe: it trains in 32-true again
+    with pytest.raises(UserError, match=r"trainer.precision: '32-true' in the checkpoint, 'bf16-mixed' here"):
+        check_resume(settings("bf16-mixed", fallback=False, ckpt=str(ckpt)))
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)  # a CPU with bf16 would train in bf16
+    with pytest.raises(UserError, match=r"'32-true' in the checkpoint, 'bf16-mixed' here"):
+        check_resume(settings("bf16-mixed", ckpt=str(ckpt)))

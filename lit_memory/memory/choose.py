@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lit_memory.errors import UserError
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.memory.analytic import device_total
 from lit_memory.memory.recompute import planned, recompute_ratio
@@ -65,7 +66,10 @@ def lightest_fitting(
 
     fitting = []
     for name, values in recipes:
-        step = planned(base.with_settings(values))
+        try:
+            step = planned(base.with_settings(values))
+        except UserError:  # its `auto` checkpointing finds no plan within the limit: it does not fit
+            continue
         total = device_total(step)
         if total <= limit:
             fitting.append((name, step, analytic(step), total))

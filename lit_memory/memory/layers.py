@@ -6,7 +6,8 @@ computed); `Shape` says how it runs (batch, length, the bytes of each precision,
 lists, per token and in the order the forward pass makes them, the tensors a layer keeps for backward and
 the temporaries it frees on the way. The analytic model sums them (`layer_bytes_per_token`); the allocator
 replay (`lit_memory.memory.program`) allocates and frees them in order. A model family adds its own
-`LayerSpec.of` reading, or a ``ffn``/``norm`` kind, here.
+``ffn``/``norm`` kind here, and its reading from the model in `lit_memory.memory.analytic.layer_spec`
+(the predict layer: it knows the families' Hugging Face names, `lit_memory.anatomy`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-from torch import nn
 
 from lit_memory.memory.kernels import AttentionBytes, Kernel, attention_bytes, attention_tensors
 
@@ -65,78 +65,6 @@ class LayerSpec:
     def kv_heads(self) -> int:
         return self.kv_wide // self.head_dim
 
-    @classmethod
-    def of(cls, layer: nn.Module, config, pre_norm: bool = False) -> "LayerSpec":
-        """Read from the Hugging Face config and the layer's modules: how many dropouts with p > 0 the
-        residual branches have, how many norms over the hidden state and whether q/k have their own, the FFN's
-        kind, width and activation, q/k/v widths (grouped-query attention) and whether they are one matrix,
-        rotary or DeBERTa's relative attention. ``pre_norm``: the model normalises before each block (it
-        has a final norm after the last layer: `lit_memory.memory.analytic.spec_of`)."""
-        from lit_memory.anatomy import _FFN, _dropout, _first, _mlp_kind, in_out, linear_types
-
-        h = config.hidden_size
-        heads = config.num_attention_heads
-        ffn = int(_first(config, _FFN, 4 * h))
-        head_dim = int(getattr(config, "head_dim", None) or h // heads)
-        q_width = heads * head_dim
-        kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
-        attention_p = _dropout(config, head_dropout=False).attention
-        dropouts = sum(1 for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0 and not _in_lora(layer, m))
-        norms = [m for m in layer.modules() if "norm" in type(m).__name__.lower() and not _in_lora(layer, m)]
-        widths = [getattr(m, "weight", None) for m in norms]
-        head_norms = [m for m, w in zip(norms, widths) if w is not None and w.shape[-1] == head_dim != h]
-        hidden_norms = [m for m in norms if not any(m is n for n in head_norms)]
-        linears = [
-            in_out(m) for name, m in layer.named_modules() if isinstance(m, linear_types()) and "lora_" not in name
-        ]
-        relative: tuple[str, ...] = ()
-        span = 0
-        if getattr(config, "relative_attention", False):
-            types = getattr(config, "pos_att_type", None) or ()
-            relative = tuple(t for t in (types.split("|") if isinstance(types, str) else types) if t in ("c2p", "p2c"))
-            span = getattr(config, "position_buckets", -1)
-            if span is None or span <= 0:
-                span = getattr(config, "max_relative_positions", -1)
-                if span is None or span < 1:
-                    span = config.max_position_embeddings
-        return cls(
-            hidden=h,
-            ffn=ffn,
-            heads=heads,
-            ffn_kind="gated" if _mlp_kind(layer, h, ffn) == "gated" else "mlp",
-            norm="rmsnorm" if hidden_norms and all("rms" in type(m).__name__.lower() for m in hidden_norms)
-            else "layernorm",
-            norms=len(hidden_norms) or 2,
-            hidden_dropouts=max(dropouts - (1 if attention_p > 0 else 0), 0),
-            attention_dropout=attention_p > 0,
-            implementation=getattr(config, "_attn_implementation", None) or "sdpa",
-            # one projection as wide as q, k and v together, where no two separate ones read the hidden state
-            qkv_fused=any(o == q_width + 2 * kv_width for _, o in linears)
-            and sum(1 for i, o in linears if i == h and o in (q_width, kv_width)) < 2,
-            q_width=0 if q_width == h else q_width,
-            kv_width=0 if kv_width == q_width else kv_width,
-            activation_saves=activation_saves(_activation(layer, config)),
-            pre_norm=pre_norm,
-            head_norms=bool(head_norms),
-            rotary=any("rope" in key for key in config.to_dict()),
-            relative=relative,
-            relative_span=2 * span if relative else 0,
-            window=any(getattr(m, "sliding_window", None) for m in layer.modules()),
-        )
-
-
-def _activation(layer: nn.Module, config):
-    """The FFN's activation: the layer's activation module (transformers' or torch's), else the config's."""
-    for m in layer.modules():
-        if type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation"):
-            return m
-    from transformers.activations import ACT2FN
-
-    from lit_memory.anatomy import _ACTIVATION, _first
-
-    name = _first(config, _ACTIVATION, "gelu")
-    return ACT2FN[name] if isinstance(name, str) and name in ACT2FN else ACT2FN["gelu"]
-
 
 def activation_saves(activation) -> int:
     """How many tensors as wide as its input ``activation`` keeps for backward (its input among them), read
@@ -156,10 +84,6 @@ def activation_saves(activation) -> int:
     except (TypeError, RuntimeError):  # not a one-tensor elementwise function: count it as a fused kernel
         return 1
     return max(len(kept), 1)
-
-
-def _in_lora(layer: nn.Module, module: nn.Module) -> bool:
-    return any(m is module for name, m in layer.named_modules() if "lora_" in name)
 
 
 @dataclass(frozen=True)

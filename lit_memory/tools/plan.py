@@ -47,6 +47,7 @@ from lit_memory.tools.estimate import add_target_arguments, step_of
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 # memory.* keys that describe the run (its budget, its measuring), not a setting that changes its memory
 NOT_COMBINED = ("memory.tier", "memory.budget", "memory.track_steps", "memory.simulate")
+TIER = "memory.tier"  # written: the budget a planned recipe is made for
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
 MEASURED = 3  # candidates timed with --measure
 COMMENT_COLUMN = 34
@@ -285,12 +286,37 @@ def _breakdown(prediction: Prediction) -> str:
     return breakdown(prediction.footprint, prediction.device)
 
 
+def _as_written(chosen: Candidate, budget: int) -> dict[str, Block]:
+    """The chosen settings as the recipe writes them, with the budget as its ``memory.tier``. A per-layer plan
+    is written as chosen (the one the simulation confirmed), not as a parent's ``auto``: ``auto`` resolves again
+    where the recipe runs, for that run's precision (a CPU's bf16 fallback: fp32) and device."""
+    tier = Block(TIER, _size(budget), "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)")
+    return {**chosen.blocks, TIER: tier}
+
+
+def _plain(block: Optional[Block]) -> Any:
+    return block.plain if block is not None else None
+
+
+def _size(n: int) -> str:
+    """``n`` bytes as memory.tier reads them, exactly: 4GiB, 60MiB, or a plain byte count."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def recipe_text(
     chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
 ) -> str:
-    parent, changes = _parent(chosen.blocks, recipes)
+    parent, _ = _parent(chosen.blocks, recipes)
     from lit_memory.memory.recompute import planned
 
+    blocks = _as_written(chosen, budget)
+    changes = [
+        k for k in dict.fromkeys([*blocks, *parent.blocks])
+        if (k == TIER or k not in NOT_COMBINED) and _plain(blocks.get(k)) != _plain(parent.blocks.get(k))
+    ]
     parent_step = planned(chosen.setup.with_settings({k: b.plain for k, b in parent.blocks.items()}))
     parent_prediction = analytic(parent_step, levels=False)
     shrinks = [
@@ -308,7 +334,7 @@ def recipe_text(
         header.append(f"# predicted-simulated: {_breakdown(simulated)}")
     header += [f"# rule: {RULE}", f"# made by: {command}"]
     body = CommentedMap()
-    for key, block in chosen.blocks.items():
+    for key, block in blocks.items():
         section, name = key.split(".", 1)
         settings = body.setdefault(section, CommentedMap())
         settings[name] = block.value

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lit_memory.memory.kernels import Kernel, attention_bytes, attention_tensors
+from lit_memory.memory.analytic import layer_spec
 from lit_memory.memory.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
 from lit_memory.model import load_config
 
@@ -63,7 +64,7 @@ def test_a_bert_layer_keeps_what_its_description_says():
 
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
-    spec = LayerSpec.of(model.bert.encoder.layer[0], model.config)
+    spec = layer_spec(model.bert.encoder.layer[0], model.config)
     assert spec == LayerSpec(1024, 4096, 16, hidden_dropouts=2, attention_dropout=True, implementation="sdpa")
     x = Shape(batch=32, length=128, param_b=4, compute_b=2, autocast=True, cuda=True)
     kernel = Kernel.of("sdpa", True, A100, 2, spec.head_dim, True)
@@ -88,7 +89,7 @@ def test_distilbert_reads_as_one_residual_dropout_per_layer():
 
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(load_config("bundled:distilbert", 2))
-    spec = LayerSpec.of(model.distilbert.transformer.layer[0], model.config)
+    spec = layer_spec(model.distilbert.transformer.layer[0], model.config)
     assert (spec.hidden, spec.ffn, spec.heads, spec.hidden_dropouts, spec.norms) == (768, 3072, 12, 1, 2)
     names = [t.name for t in layer_tensors(spec, Shape(1, 8, 4, 4, False, True), Kernel("efficient", ""))]
     assert "dropout_1" not in names and "dropout_2" in names

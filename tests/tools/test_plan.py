@@ -116,6 +116,7 @@ def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
             "--model.save_pretrained=false",
             f"--trainer.default_root_dir={tmp_path}",
             "--memory.budget=60MiB",
+            "--cpu_bf16_fallback=false",  # the precision it was planned for, on a CPU without bf16 too
         ]
     )
     assert cli.trainer.global_step == 2
