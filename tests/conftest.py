@@ -20,6 +20,26 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 
+# The test files that take longest on a 2-core CPU without native bf16 (`pytest --durations`), longest first.
+# They are collected first, so that xdist's file scheduling (README: ``--dist loadfile --no-loadscope-reorder``)
+# starts each worker on one of them and fills in with the short files: with the long files last, one worker
+# ran them alone for the last half of the run. (xdist's own reordering sorts files by how many tests they hold.)
+LONGEST_FIRST = (
+    "test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "test_resume.py", "test_trust.py",
+    "test_lowbit.py", "tools/test_recipe_headers.py", "test_guard.py", "test_fabric.py", "tools/test_bench.py",
+    "test_anatomy.py", "memory/test_analytic.py", "test_activations.py", "tools/test_estimate.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+
+    def rank(item) -> int:
+        return order.get(Path(str(item.fspath)).relative_to(REPO / "tests").as_posix(), len(order))
+
+    items.sort(key=rank)  # stable: each file's own order is kept
+
+
 @pytest.fixture(autouse=True)
 def _each_test_starts_clean():
     """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style

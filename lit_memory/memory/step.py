@@ -13,12 +13,12 @@ allocates nothing (the ``meta`` device, fake tensors).
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import pkgutil
 import warnings
 from dataclasses import dataclass, field, replace
+from collections import abc
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -154,7 +154,10 @@ class Step:
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], target: Optional[Target] = None, loop: Optional[Loop] = None) -> "Step":
         """The step a run's resolved settings (``model``, ``trainer``, ``data`` sections, plain data) trains."""
-        settings = _plain(settings)
+        return cls._of_plain(_plain(settings), target, loop)
+
+    @classmethod
+    def _of_plain(cls, settings: dict[str, Any], target: Optional[Target], loop: Optional[Loop]) -> "Step":
         trainer, data = settings.get("trainer") or {}, settings.get("data") or {}
         model = dict(settings.get("model") or {})
         optimizer = OptimizerSpec.of(model.pop("optimizer", None) or DEFAULT_OPTIMIZER)
@@ -187,7 +190,7 @@ class Step:
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
         """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``)."""
-        return Step.from_settings(overlay(self.settings, values), self.target, self.loop)
+        return Step._of_plain(overlay(self.settings, values), self.target, self.loop)  # overlay's are plain
 
     def on(self, target: Target) -> "Step":
         return replace(self, target=target)
@@ -311,10 +314,13 @@ class Prediction:
 # -- reading settings ------------------------------------------------------------------------------
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def overlay(settings: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """``settings`` with dotted values laid over it (a value that is a dict replaces the whole key, as a
     recipe's block does: ``model.optimizer`` names the optimizer and all its arguments)."""
-    out = copy.deepcopy(_plain(settings))
+    out = _plain(settings)  # new containers all the way down: the caller's stay as they are
     for key, value in values.items():
         *parents, last = key.split(".")
         node = out
@@ -325,10 +331,12 @@ def overlay(settings: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str,
 
 
 def _plain(value: Any) -> Any:
-    """Plain dicts, lists and scalars (jsonargparse namespaces and ruamel maps included)."""
+    """Plain dicts, lists and scalars (jsonargparse namespaces and ruamel maps included), in new containers."""
+    if isinstance(value, _SCALARS):  # most leaves: no typing-ABC checks (plan reads settings thousands of times)
+        return value
     if hasattr(value, "as_dict"):
         value = value.as_dict()
-    if isinstance(value, Mapping):
+    if isinstance(value, (dict, abc.Mapping)):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]

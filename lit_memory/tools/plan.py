@@ -17,6 +17,7 @@ With ``--measure`` the measured time per optimizer step decides among the first 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import itertools
 import json
@@ -62,7 +63,7 @@ class Block:
     value: Any
     comment: Optional[str] = None
 
-    @property
+    @functools.cached_property  # read for every combination of every candidate: once per block
     def plain(self) -> Any:
         """The value as plain dicts, lists and scalars (what the CLI parses)."""
         return json.loads(json.dumps(self.value))
