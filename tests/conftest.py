@@ -16,6 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+# Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads, and the processes its
+# tests start take as many (OMP_NUM_THREADS): two workers of two threads each on two cores oversubscribed them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"

@@ -318,7 +318,11 @@ def recipe_text(
         k for k in dict.fromkeys([*blocks, *parent.blocks])
         if (k == TIER or k not in NOT_COMBINED) and _plain(blocks.get(k)) != _plain(parent.blocks.get(k))
     ]
-    parent_step = planned(chosen.setup.with_settings({k: b.plain for k, b in parent.blocks.items()}))
+    theirs = {k: b.plain for k, b in parent.blocks.items()}
+    try:  # the parent as it would run at this budget (its `auto` resolved for it)
+        parent_step = planned(chosen.setup.with_settings(theirs), budget)
+    except UserError:  # its `auto` finds no plan within the budget: compare with every layer recomputed
+        parent_step = chosen.setup.with_settings({**theirs, CHECKPOINTING: True, OFFLOADING: False})
     parent_prediction = analytic(parent_step, levels=False)
     shrinks = [
         c for c in CATEGORIES if chosen.prediction.footprint.categories[c] < parent_prediction.footprint.categories[c]
