@@ -17,8 +17,8 @@ import functools
 import json
 import pkgutil
 import warnings
-from dataclasses import dataclass, field, replace
 from collections import abc
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
