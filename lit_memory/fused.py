@@ -104,11 +104,6 @@ FABRIC_CLIPPING = (
     "gradient: give the fused strategy (or fsdp_overlap_step_with_backward) max_norm or clip_val instead, "
     "which clip inside backward with the same results"
 )
-SHARD_STATE = (
-    "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
-    "checkpoints cannot hold it: this checkpoint has the model and the trainer's state but no optimizer state, "
-    "and cannot resume training (load its weights with ckpt_path in validate/test, or export hf_model)"
-)
 
 DEFAULT_BUCKET = "layer"  # the setting as written (strategies' signatures and YAML show it as text)
 _MIB = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*MiB\s*")
@@ -669,7 +664,8 @@ def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
     Optimizer.__init__(bucket_optimizer, groups, optimizer.defaults)
     if is_bitsandbytes(optimizer):
         positions = [[(g, i) for i, _ in members[g]] for g in members]
-        bucket_optimizer.mng = _bitsandbytes_overrides(optimizer.mng, positions, [[p for _, p in members[g]] for g in members])
+        params = [[p for _, p in members[g]] for g in members]
+        bucket_optimizer.mng = _bitsandbytes_overrides(optimizer.mng, positions, params, optimizer.args.min_8bit_size)
     has_shards = any(s is not None for s in shards)
     return Bucket(
         bucket_optimizer,
@@ -723,14 +719,22 @@ class _ShardState:
         return [state for _, state in self.items()]
 
 
-def _bitsandbytes_overrides(manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]]) -> Any:
+def _bitsandbytes_overrides(
+    manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]], min_8bit_size: int
+) -> Any:
     """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a bucket's copy.
 
     The process-wide `GlobalOptimManager` finds overrides by the parameter's (group, index) in the
     optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). In the copy a
     parameter has another (group, index), and may be stepped as a local shard with another id, so the
     copy gets a view of the manager whose (group, index) entries are everything its parameters were given.
+
+    A shard's state is 8-bit or 32-bit as the whole parameter's would be (bitsandbytes compares the tensor it
+    steps with ``min_8bit_size``): the same on every number of ranks, so a checkpoint reshards without changing
+    its kind (`lit_memory.eightbit_shards`), and as the memory model counts it.
     """
+    from torch.distributed.tensor import DTensor
+
     view = copy.copy(manager)
     view.index2config = {}
     for g, (group_positions, group_params) in enumerate(zip(positions, params)):
@@ -740,6 +744,9 @@ def _bitsandbytes_overrides(manager: Any, positions: list[list[tuple[int, int]]]
                 if getattr(module, name) is param:
                     config.update(module_config)
             config.update(manager.pid2config.get(id(param), {}))
+            if isinstance(param, DTensor):
+                quantised = param.numel() >= config.get("min_8bit_size", min_8bit_size)
+                config["min_8bit_size"] = 0 if quantised else sys.maxsize
             if config:
                 view.index2config[(g, i)] = config
     return view
