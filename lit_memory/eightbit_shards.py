@@ -146,8 +146,8 @@ def load_state_dict(optimizer: Optimizer, module: nn.Module, path: Path, key: st
     dcp.load(loaded, checkpoint_id=path)
     for name, target in targets.items():
         target.restore(loaded[key]["state"][name])
-    for group, saved in zip(optimizer.param_groups, loaded[key]["param_groups"]):
-        group.update((k, v) for k, v in saved.items() if k != "params")
+    for group, hyper in zip(optimizer.param_groups, loaded[key]["param_groups"]):
+        group.update((k, v) for k, v in hyper.items() if k != "params")
     return any(target.resharded for target in targets.values())
 
 
@@ -211,7 +211,9 @@ class _Target:
             requantise(values, qmap, codes, absmax)
 
 
-def dequantise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, saved: Layout, start: int) -> torch.Tensor:
+def dequantise(
+    codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, saved: Layout, start: int
+) -> torch.Tensor:
     """The fp32 values of ``codes``, rows ``start ...`` of a parameter whose state was quantised in ``saved``'s
     shards: each value is ``qmap[code]`` times the absmax of the block of its saved shard that held it
     (``absmax[shard, block]``; bitsandbytes' blockwise dequantisation), taken a few rows at a time."""
@@ -249,9 +251,9 @@ def _sharded(name: str, value: Any, param: torch.Tensor) -> Any:
         layout = Layout.of(param, shards)
         padded = value.new_zeros(1, layout.blocks)
         padded[0, : value.numel()] = value
-        placements = param.placements
         return DTensor.from_local(
-            padded, param.device_mesh, placements, run_check=False, shape=(shards, layout.blocks), stride=(layout.blocks, 1)
+            padded, param.device_mesh, param.placements, run_check=False,
+            shape=(shards, layout.blocks), stride=(layout.blocks, 1),
         )
     if value.shape != param.to_local().shape:
         raise UserError(
@@ -265,7 +267,9 @@ def _as_dtensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``local`` (of the shard's shape) as a DTensor placed like ``param``, sharing its memory."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _params(optimizer: Optimizer) -> list[torch.Tensor]:

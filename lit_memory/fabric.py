@@ -445,7 +445,8 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
         """The key under which ``state`` holds the fused optimizer, if it does."""
         if self._fused is None or not isinstance(state, dict):
             return None
-        return next((k for k, v in state.items() if v is self._fused.optimizer or getattr(v, "optimizer", None) is self._fused.optimizer), None)
+        optimizer = self._fused.optimizer
+        return next((k for k, v in state.items() if v is optimizer or getattr(v, "optimizer", None) is optimizer), None)
 
 
 def _shard_hugging_face(module: nn.Module, device_mesh: Any) -> nn.Module:

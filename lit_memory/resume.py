@@ -171,11 +171,11 @@ class CudaRandom:
         restored = own is not None and device is not None and device < len(states)
         if restored:
             self.cuda.set_rng_state(states[device], own)
+        kept = f"its own GPU's restored (saved as cuda:{device}, now cuda:{own})" if restored else "them as they are"
+        others = ", the other GPUs' as they are" if restored and visible > 1 else ""
         _warn(
             f"the checkpoint holds the CUDA random states of {len(states)} visible GPUs and this process sees "
-            f"{visible}: training goes on with "
-            + (f"its own GPU's restored (saved as cuda:{device}, now cuda:{own})" if restored else "the CUDA random states as they are")
-            + (", the other GPUs' as they are" if restored and visible > 1 else "")
+            f"{visible}: training goes on with {kept}{others}"
         )
 
 

@@ -414,3 +414,18 @@ def test_cli_prints_the_refusal_as_one_line_and_writes_nothing(tmp_path, capsys)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {fused.ACCUMULATION}"]
     assert not root.exists()
+
+
+def test_a_single_file_checkpoint_of_sharded_8bit_state_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
+    """bitsandbytes' state under FSDP2 is quantised per shard and saved sharded: gathering it into one file on rank
+    0 (save_distributed_checkpoint false) is refused before the model is built or a run folder written."""
+    from lit_memory.eightbit_shards import ONE_FILE
+
+    root = tmp_path / "runs"
+    args = ["--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu",
+            "--trainer.devices=1", "--trainer.strategy.init_args.save_distributed_checkpoint=false"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, f"--trainer.default_root_dir={root}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {ONE_FILE}"
+    assert not root.exists()
