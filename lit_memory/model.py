@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -333,10 +334,14 @@ class SequenceClassifier(L.LightningModule):
         self.predict_loss = MeanMetric().to(self.device)
 
     def on_predict_epoch_end(self) -> None:
-        # Every rank has the same batches (labelled or not) and joins the metrics' synchronisation.
-        if self._labelled and self.predict_loss.update_count:
-            results = {**self.predict_metrics.compute(), "predict_loss": self.predict_loss.compute()}
-            self.predict_results = {k: float(v) for k, v in results.items()}
+        # Every rank has as many batches, labelled or not alike, and joins the metrics' synchronisation (even one
+        # whose rows all had labels the model does not know: its loss is then NaN, and nothing is reported).
+        if self._labelled:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method")
+                results = {**self.predict_metrics.compute(), "predict_loss": self.predict_loss.compute()}
+            if not math.isnan(float(results["predict_loss"])):
+                self.predict_results = {k: float(v) for k, v in results.items()}
 
     # -- optimisation --------------------------------------------------------------------------
 
