@@ -23,6 +23,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import checks, guard, lowbit, recipes, resume, trust
@@ -247,7 +248,7 @@ class LitMemoryCLI(LightningCLI):
         if not runs_on_cpu(self.settings.trainer.accelerator):
             warning = use_recipe_conf(self.settings.memory.allocator)
             if warning:
-                print(warning, file=sys.stderr)
+                say(warning)
 
     def _plan_checkpointing(self) -> None:
         """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
@@ -270,7 +271,7 @@ class LitMemoryCLI(LightningCLI):
         step = planned(self.step(target(device)))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
         settings.model.offload_activations = step.model["offload_activations"]
-        print(step.planned, file=sys.stderr)
+        say(step.planned)
 
     def _run_subcommand(self, subcommand: str) -> None:
         if not self._deferred:
@@ -287,7 +288,7 @@ class LitMemoryCLI(LightningCLI):
             try:
                 defaults = dict(zip(("predict", "advise"), run_hooks(self.step(), recipes.shipped_settings)))
             except UserError as err:  # settings the memory model does not cover: measure only
-                print(f"warning: no memory predictions for this run: {err}", file=sys.stderr)
+                say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
             hooks = {name: hook if hook is not None else defaults.get(name) for name, hook in hooks.items()}
         for name, hook in hooks.items():
@@ -385,6 +386,13 @@ class LitMemoryCLI(LightningCLI):
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
         if metrics:
             print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
+
+
+def say(line: str) -> None:
+    """A line on stderr from the process of global rank 0 only: Lightning's launcher runs this command again for
+    every other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
+    if rank_zero_only.rank == 0:
+        print(line, file=sys.stderr)
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:
