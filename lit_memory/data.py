@@ -295,7 +295,10 @@ class TextClassificationData(L.LightningDataModule):
                     raise UserError(f"cannot read {self._predict_file}: {str(err).splitlines()[0]}") from err
                 if first is None:
                     raise UserError(f"data.predict_path: {self._predict_file} has no rows")
-                self._predict_columns = predictions.pick_columns(list(first), text, label, id_, str(self._predict_file))
+                self._predict_columns = predictions.pick_columns(
+                    list(first), text, label, id_, str(self._predict_file),
+                    defaults=(self.hparams.text_column, self.hparams.label_column),  # the training data's
+                )
             else:
                 self._predict_rows = self.load_splits()["test"]
                 self._predict_columns = (self.hparams.text_column, "labels", None)

@@ -112,23 +112,25 @@ def json_array_rows(path: str) -> Iterator[dict[str, Any]]:
 
 
 def pick_columns(
-    columns: Sequence[str], text: Optional[str], label: Optional[str], id_: Optional[str], where: str
+    columns: Sequence[str], text: Optional[str], label: Optional[str], id_: Optional[str], where: str,
+    defaults: tuple[Optional[str], Optional[str]] = (None, None),
 ) -> tuple[str, Optional[str], Optional[str]]:
-    """(text, label or None, id or None) columns of a file with ``columns``: the ones set, else the first found
-    of the usual names. Only the text column is required."""
+    """(text, label or None, id or None) columns of a file with ``columns``: the ones set, else the first found of
+    the training data's (``defaults``: the bundled tweets' ``sentiment``) and the usual names. Only the text column
+    is required."""
 
     def first(given: Optional[str], usual: Sequence[str]) -> Optional[str]:
         if given is not None:
             return given if given in columns else None
         return next((c for c in usual if c in columns), None)
 
-    found = first(text, TEXT_COLUMNS)
+    found = first(text, (*filter(None, defaults[:1]), *TEXT_COLUMNS))
     if found is None:
         wanted = f"column {text!r}" if text is not None else "text column (" + ", ".join(TEXT_COLUMNS) + ")"
         raise UserError(f"{where} has no {wanted}; its columns are {list(columns)} (set data.text_column)")
     if id_ is not None and id_ not in columns:
         raise UserError(f"{where} has no column {id_!r}; its columns are {list(columns)} (set data.id_column)")
-    return found, first(label, LABEL_COLUMNS), first(id_, ID_COLUMNS)
+    return found, first(label, (*filter(None, defaults[1:]), *LABEL_COLUMNS)), first(id_, ID_COLUMNS)
 
 
 class Rows(torch.utils.data.IterableDataset):

@@ -196,6 +196,8 @@ def test_columns_are_found_by_their_usual_names_or_as_set():
     assert predictions.pick_columns(["id", "sentence", "labels"], None, None, None, "f") == ("sentence", "labels", "id")
     assert predictions.pick_columns(["body", "stars"], "body", "stars", None, "f") == ("body", "stars", None)
     assert predictions.pick_columns(["body"], "body", "stars", None, "f") == ("body", None, None)  # labels optional
+    # the training data's own columns (the bundled tweets': text, sentiment) come first
+    assert predictions.pick_columns(["text", "sentiment"], None, None, None, "f", ("text", "sentiment")) == ("text", "sentiment", None)
     with pytest.raises(UserError, match=r"f has no column 'key'; its columns are \['body'\] \(set data.id_column\)"):
         predictions.pick_columns(["body"], "body", None, "key", "f")
 
