@@ -23,20 +23,20 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
-from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory import checks, guard, lowbit, recipes, resume, trust
 from lit_memory.activations import is_auto
+from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
-from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
-from lit_memory.predictions import PredictionWriter
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, runs_on_cpu
+from lit_memory.predictions import PredictionWriter
 
 HELP = (
     f"{recipes.RECIPE_FLAG} NAME: use a shipped recipe, as --config <its file> at that place (list them: python -m "

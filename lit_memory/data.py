@@ -73,9 +73,10 @@ class TextClassificationData(L.LightningDataModule):
             the epoch only, so a resumed run sees the batches the interrupted one would have).
         num_workers: DataLoader workers.
         predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict`` (labels optional), streamed:
-            never held whole in memory. Its text column is ``text_column`` if set, else the first of ``text``,
-            ``sentence``, ``review``, ``content``; its labels (names or ids), where it has a ``label_column``
-            (else ``label``/``labels``), give metrics. Without it, ``predict`` predicts the test split.
+            never held whole in memory. Its text column is ``text_column`` if set, else the first of the
+            training data's, ``text``, ``sentence``, ``review``, ``content``; its labels (names or ids), where it
+            has a ``label_column`` (else the training data's, ``label`` or ``labels``), give metrics. Without it,
+            ``predict`` predicts the test split.
         id_column: the column that names each row in the predictions (default ``id`` where the file has one;
             else each row is named by its text).
     """

@@ -318,7 +318,7 @@ class SequenceClassifier(L.LightningModule):
         probs = logits.softmax(-1)
         preds = probs.argmax(-1)
         labels = batch.get("labels")
-        if labels is not None:
+        if labels is not None and self.predict_metrics is not None:  # (made by Lightning's predict loop)
             known = labels >= 0
             self._labelled = True
             if known.any():
