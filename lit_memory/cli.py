@@ -21,17 +21,22 @@ from typing import Any, Optional, Union
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory import checks, guard, lowbit, recipes, resume, trust
 from lit_memory.activations import is_auto
+from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
-from lit_memory.noise import quiet_known_noise
+from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, runs_on_cpu
+from lit_memory.predictions import PredictionWriter
 
 HELP = (
     f"{recipes.RECIPE_FLAG} NAME: use a shipped recipe, as --config <its file> at that place (list them: python -m "
@@ -161,6 +166,10 @@ class LitMemoryCLI(LightningCLI):
         # Lightning's own default, None, defers to torch's default, which an environment variable can turn off.
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         parser.set_defaults(weights_only=True)
+        if subcommand == "predict":
+            # Predictions go to a file batch by batch (`predictions:`), so Lightning need not keep them all in memory.
+            parser.set_defaults(return_predictions=False)
+            parser.add_lightning_class_args(PredictionWriter, "predictions")
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -168,6 +177,9 @@ class LitMemoryCLI(LightningCLI):
         # Memory is measured in every run: a forced callback (always present, unlike a default in
         # `trainer.callbacks`, which a user's list would replace) with its own `memory:` config block.
         parser.add_lightning_class_args(MemoryMonitor, "memory")
+        # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
+        # `_instantiate_trainer`). Its `progress:` block sets how often.
+        parser.add_lightning_class_args(LogProgress, "progress")
         # One source of truth: the model decides the classes and the tokenizer, the data follows.
         parser.link_arguments("model.num_labels", "data.num_labels")
         parser.link_arguments(
@@ -236,13 +248,16 @@ class LitMemoryCLI(LightningCLI):
         if not runs_on_cpu(self.settings.trainer.accelerator):
             warning = use_recipe_conf(self.settings.memory.allocator)
             if warning:
-                print(warning, file=sys.stderr)
+                say(warning)
 
     def _plan_checkpointing(self) -> None:
         """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
         run's device budget (`lit_memory.memory.recompute`), for the device it runs on, before the module is
         built; the config (and the recipe the run saves) then holds that plan. One line says what was chosen."""
         settings = self.settings
+        training = self.config.get("subcommand") in (None, "fit")
+        if not training and is_auto(settings.model.gradient_checkpointing):
+            settings.model.gradient_checkpointing = False  # no backward to plan for: nothing is recomputed
         if not is_auto(settings.model.gradient_checkpointing):
             if is_auto(settings.model.offload_activations):  # weighed only against a plan being chosen
                 settings.model.offload_activations = False
@@ -256,7 +271,7 @@ class LitMemoryCLI(LightningCLI):
         step = planned(self.step(target(device)))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
         settings.model.offload_activations = step.model["offload_activations"]
-        print(step.planned, file=sys.stderr)
+        say(step.planned)
 
     def _run_subcommand(self, subcommand: str) -> None:
         if not self._deferred:
@@ -267,13 +282,13 @@ class LitMemoryCLI(LightningCLI):
             return
         monitor = self.config_init[self.subcommand]["memory"] if self.subcommand else self.config_init["memory"]
         hooks = dict(self._memory_hooks)
-        if None in hooks.values():
+        if None in hooks.values() and self.subcommand in (None, "fit"):  # the monitor predicts for training only
             from lit_memory.memory.predict import run_hooks
 
             try:
                 defaults = dict(zip(("predict", "advise"), run_hooks(self.step(), recipes.shipped_settings)))
             except UserError as err:  # settings the memory model does not cover: measure only
-                print(f"warning: no memory predictions for this run: {err}", file=sys.stderr)
+                say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
             hooks = {name: hook if hook is not None else defaults.get(name) for name, hook in hooks.items()}
         for name, hook in hooks.items():
@@ -314,7 +329,27 @@ class LitMemoryCLI(LightningCLI):
         guard.install(trainer)
         return trainer
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
+        """The Trainer with the forced callbacks, where they apply: progress lines only off a terminal, with the
+        progress bar on and none of the user's own; the model summary (`lit_memory.console.ModelSummary`) unless
+        turned off or the user configured one."""
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        progress = [c for c in callbacks if isinstance(c, LogProgress)]
+        callbacks = [c for c in callbacks if not isinstance(c, LogProgress)]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            if not interactive():
+                callbacks += progress
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, LightningModelSummary) for c in given):
+            callbacks.append(ModelSummary())
+            config["enable_model_summary"] = False  # Lightning's own default summary: ours stands in for it
+        return super()._instantiate_trainer(config, callbacks)
+
     def _preflight(self) -> None:
+        if self.subcommand != "fit":
+            quiet_evaluation_noise()
+        if self.settings.get("ckpt_path") is not None:
+            self.model.report_new_head = False  # the checkpoint's head replaces the one built first
         typed = [v for k, v in trust.leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed))
 
@@ -339,12 +374,25 @@ class LitMemoryCLI(LightningCLI):
     def after_test(self) -> None:
         self._print_metrics("test")
 
+    def after_predict(self) -> None:
+        # Lightning keeps no metrics for predict: the module computed them where the inputs had labels.
+        results = getattr(self.model, "predict_results", None)
+        if results and self.trainer.is_global_zero:
+            print("predict: " + "  ".join(f"{k.removeprefix('predict_')}={v:.4f}" for k, v in sorted(results.items())))
+
     def _print_metrics(self, stage: str) -> None:
         if not self.trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
         if metrics:
             print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
+
+
+def say(line: str) -> None:
+    """A line on stderr from the process of global rank 0 only: Lightning's launcher runs this command again for
+    every other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
+    if rank_zero_only.rank == 0:
+        print(line, file=sys.stderr)
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

@@ -260,6 +260,11 @@ def test_4gb_recipe_trains_on_fsdp_and_resumes_resharded_onto_three_then_four_pr
 
     result = fit(2)
     assert result.returncode == 0, result.stderr[-4000:]
+    # A quiet console: no third-party advice (Lightning's sync_dist advice for the validation loss), and the
+    # run's own lines once, not once per process.
+    console = result.stdout + result.stderr
+    assert "sync_dist" not in console and "It is recommended" not in console, console[-4000:]
+    assert console.count("gradient_checkpointing auto: ") == 1
     run = tmp_path / "lightning_logs" / "version_0"
     losses = [float(row["train_loss"]) for row in csv.DictReader(open(run / "metrics.csv")) if row.get("train_loss")]
     assert len(losses) == 6 and losses[-1] < losses[0]  # the one batch is being learned
