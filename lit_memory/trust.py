@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from jsonargparse import Namespace
 
-from lit_memory import guard
+from lit_memory import bounds, guard
 from lit_memory.errors import UserError
 
 TRUST_FLAG = guard.TRUST_FLAG
@@ -89,6 +89,69 @@ def enforce_import_policy() -> None:
 
 def import_policy_enforced() -> bool:
     return _enforced
+
+
+_yaml_bounded = False
+_bound_error: Optional[UserError] = None  # the last bound a config broke (jsonargparse wraps errors in its own)
+_typed_files: set[str] = set()  # files named on the command line: the user's, read as they are
+_reading: Optional[tuple[str, str]] = None  # (path, text) of the config just read, for the loader's refusal
+
+
+def bound_config_reading(typed_files: Iterator[str] = ()) -> None:
+    """Untrusted: every config jsonargparse reads (``--config`` files, nested configs, a file given as a
+    value) is a regular file within `bounds.CONFIG_BYTES` (a FIFO or /dev/zero is not read at all), and every
+    YAML it loads has its aliases and nesting bounded (`bounds.check_yaml`), before it is built. Typed on
+    the command line, a file is the user's and read as it is (``--config <(...)``)."""
+    global _yaml_bounded
+    import jsonargparse
+    import yaml
+    from jsonargparse import Path as ConfigPath
+
+    _typed_files.update(os.path.realpath(f) for f in typed_files)
+    if _yaml_bounded:
+        return
+    load = jsonargparse.get_loader("yaml")
+
+    def bounded_load(value: str) -> Any:
+        global _reading
+        if guard.restricted():
+            where, _reading = (_reading[0] if _reading and _reading[1] == value else "a recipe or config"), None
+            _check(bounds.check_yaml, value, where)
+        return load(value)
+
+    jsonargparse.set_loader("yaml", bounded_load, exceptions=(yaml.YAMLError,))
+    read_text = ConfigPath.read_text
+
+    def bounded_read_text(self: Any) -> str:
+        local = not (self._std_io or self._is_url or self._is_fsspec)
+        global _reading
+        typed_pipe = os.path.realpath(self._absolute) in _typed_files and not os.path.isfile(self._absolute)
+        if guard.restricted() and local and not typed_pipe:  # ``--config <(...)`` typed: the user's pipe
+            text = _check(bounds.read_text, self._absolute, bounds.CONFIG_BYTES, "config")
+        else:
+            text = read_text(self)
+        _reading = (str(self._absolute), text)  # the YAML loader names the file it refuses
+        return text
+
+    ConfigPath.read_text = bounded_read_text
+    _yaml_bounded = True
+
+
+def _check(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, remembering the bound it broke: jsonargparse reports a loader's error inside its own."""
+    global _bound_error
+    try:
+        return fn(*args)
+    except UserError as err:
+        _bound_error = err
+        raise
+
+
+def bound_error() -> Optional[UserError]:
+    """The bound a config broke during the parse that failed (and forget it)."""
+    global _bound_error
+    err, _bound_error = _bound_error, None
+    return err
 
 
 def remote_configs_off() -> None:
@@ -163,8 +226,24 @@ HF_LOADING_OPTIONS = frozenset({
     "trust_remote_code", "cache_dir", "proxies", "token", "use_auth_token", "revision", "code_revision",
     "subfolder", "force_download", "local_files_only", "gguf_file", "user_agent",
 })
-MIN_CHECKPOINT_STEPS = 50  # a checkpoint every step of a large model fills a disk and starves training
-MAX_KEPT_CHECKPOINTS = 10
+MIN_CHECKPOINT_STEPS = guard.MIN_CHECKPOINT_STEPS  # a checkpoint every step of a large model fills a disk and starves training
+MAX_KEPT_CHECKPOINTS = guard.MAX_KEPT_CHECKPOINTS
+MIN_CHECKPOINT_SECONDS = 60
+MAX_LENGTH = 131072  # tokens: the longest context of the families lit_memory knows
+
+
+def _seconds(value: Any) -> Optional[float]:
+    """A ``train_time_interval`` as jsonargparse leaves it (a timedelta, or its fields), in seconds."""
+    import datetime
+
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (dict, Namespace)):
+        try:
+            return datetime.timedelta(**dict(value)).total_seconds()
+        except TypeError:
+            return None
+    return None
 
 
 def _cpus() -> int:
@@ -194,11 +273,18 @@ BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
      lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_STEPS} optimizer steps"),
     ("save_top_k", lambda v: isinstance(v, int) and (v < 0 or v > MAX_KEPT_CHECKPOINTS),
      lambda v: f"keeps {'every' if v < 0 else v} checkpoint{'s' if v != 1 else ''}, more than {MAX_KEPT_CHECKPOINTS}"),
+    ("max_length", lambda v: isinstance(v, int) and v > MAX_LENGTH,
+     lambda v: f"sequences of more than {MAX_LENGTH} tokens (memory while tokenising and padding grows with it)"),
+    ("train_time_interval", lambda v: _seconds(v) is not None and _seconds(v) < MIN_CHECKPOINT_SECONDS,
+     lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_SECONDS} seconds"),
 )
 
 
 def value_refusals(settings: Namespace) -> list[Refusal]:
     """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
+    global _overrides
+    overrides = settings.get("model.config_overrides") if isinstance(settings, Namespace) else None
+    _overrides = overrides.as_dict() if isinstance(overrides, Namespace) else overrides
     refusals = []
     for key, value in leaves(settings):
         name = key.rsplit(".", 1)[-1]
@@ -209,6 +295,9 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
             refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
         elif parent == "config_overrides" and name == "auto_map":
             refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
+        elif key.startswith("model.config_overrides.") and (reason := _code_setting_in(key)):
+            if not any(r.key == reason[0] for r in refusals):
+                refusals.append(Refusal(reason[0], reason[1], reason[2]))
         elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
             refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
         elif isinstance(value, str) and guard.is_remote(value) and key != "ckpt_path":
@@ -221,6 +310,28 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
     if (_device_count(devices) or 0) > _cpus() and _on_cpu(settings.get("trainer.accelerator")):
         refusals.append(Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} cores"))
     return refusals
+
+
+def _code_setting_in(key: str) -> Optional[tuple[str, Any, str]]:
+    """(key, value, reason) of the config override ``key`` lies in (itself or a dict above it, such as
+    ``attn_implementation: {"": org/kernel}`` or a sub-config's) when it would make transformers fetch or
+    run code (`guard.code_setting`)."""
+    parts = key.split(".")[2:]
+    return _code_setting_at(_overrides, parts)
+
+
+_overrides: Any = None  # the config overrides being checked (`value_refusals`)
+
+
+def _code_setting_at(tree: Any, parts: list[str]) -> Optional[tuple[str, Any, str]]:
+    node, path = tree, ["model", "config_overrides"]
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node, path = node[part], [*path, part]
+        if reason := guard.code_setting(part, node):
+            return ".".join(path), node, reason
+    return None
 
 
 def _on_cpu(accelerator: Any) -> bool:
@@ -267,10 +378,12 @@ class Decision:
     trusted: bool
     typed: Namespace = field(default_factory=Namespace)
 
-    def enforce(self) -> None:
-        """Apply the decision to this process: before parsing (imports), and to every sink."""
+    def enforce(self, typed_files: Iterator[str] = ()) -> None:
+        """Apply the decision to this process: before parsing (imports, configs read), and to every sink.
+        ``typed_files``: files named on the command line (the user's)."""
         if not self.trusted:
             enforce_import_policy()
+            bound_config_reading(typed_files)
         elif import_policy_enforced():
             raise UserError(
                 f"{TRUST_FLAG} cannot lift the import allowlist in a process that has already enforced it: "
