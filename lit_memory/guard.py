@@ -21,7 +21,16 @@ hold where the loading happens:
   restricted readers, and refuses links planted in the folders the run writes into, so a refusal
   leaves nothing written;
 - Hugging Face loaders get ``trust_remote_code=False`` unless the user typed otherwise
-  (`pretrained_kwargs`).
+  (`pretrained_kwargs`); a local model folder is checked before transformers reads it (files within
+  their bounds, no Hub kernel or quantizer in its config.json, a tokenizer that does not multiply
+  texts: `check_model_folder`), and the loaded config and tokenizer again whatever their source
+  (`check_config`, `check_normalizer`);
+- the bounds that must hold for the whole run, not only when the settings are parsed: checkpoint
+  cadence and count over every callback (`RunBounds`, `checkpoint_load`) and at every save
+  (`save_budget`).
+
+Checkpoints are read within bounds (`lit_memory.bounds`): metadata files are regular and of bounded
+size, zip records do not expand past a ratio, before anything is unpickled or inflated.
 
 lit_memory's own checkpoints (a single file; FSDP2 folders with RNG and sampler state) are tensors and
 plain data, so resuming one's own run never needs ``--trust-recipe``. Without a decision (lit_memory

@@ -12,13 +12,20 @@ user passed ``--trust-recipe``; it is applied where things happen, in three plac
 - **values**, on the parsed settings (`Decision.refusals`), after parsing and again after LightningCLI
   merges a checkpoint's hyper-parameters: anything that would run code from elsewhere
   (``trust_remote_code``, ``weights_only`` other than true, Hugging Face loading options), name a
-  remote location (a URL or fsspec chain anywhere), leave the choice of checkpoint to Lightning
-  (``ckpt_path: last/hpc/best`` from a file), or take the machine down (`BOUNDS`: worker and device
-  processes, checkpoint cadence and count). A value a parse of the command line alone produces is the
+  remote location (a URL or fsspec chain anywhere), make transformers fetch or run code (a Hub kernel
+  as attention implementation, a quantization config: `code_refusals`), leave the choice of checkpoint
+  to Lightning (``ckpt_path: last/hpc/best`` from a file), or take the machine down (`BOUNDS`: worker
+  and device processes, checkpoint cadence and count, sequence length). A value a parse of the command line alone produces is the
   user's own and exempt (`typed_values`), not whole subtrees merged under a key they typed.
 - **sinks**, for everything loaded or written later by paths no parsed value shows: `lit_memory.guard`
   (torch.load, torch's distributed-checkpoint reader, Lightning's checkpoint IO and the checkpoint it
   picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.enforce`.
+- **configs read**, untrusted: every config file jsonargparse reads is a regular file within the size
+  bound and its YAML's aliases and nesting are bounded before it is built (`bound_config_reading`,
+  `lit_memory.bounds`).
+
+Beyond all of these, ``python -m lit_memory`` holds the box (`lit_memory.box`) for an untrusted command:
+the process itself writes, reads, starts and reaches only what the box allows, whatever class asks.
 
 ``--trust-recipe`` lifts all of it. jsonargparse's settings and torch's switch are process-wide, so the
 decision is one per process: an untrusted process cannot later run a trusted command.
@@ -282,10 +289,8 @@ BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
 
 def value_refusals(settings: Namespace) -> list[Refusal]:
     """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
-    global _overrides
-    overrides = settings.get("model.config_overrides") if isinstance(settings, Namespace) else None
-    _overrides = overrides.as_dict() if isinstance(overrides, Namespace) else overrides
-    refusals = []
+    code = code_refusals(settings.get("model.config_overrides") if isinstance(settings, Namespace) else None)
+    refusals = list(code)
     for key, value in leaves(settings):
         name = key.rsplit(".", 1)[-1]
         parent = key.rsplit(".", 2)[-2] if key.count(".") else ""
@@ -295,9 +300,8 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
             refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
         elif parent == "config_overrides" and name == "auto_map":
             refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
-        elif key.startswith("model.config_overrides.") and (reason := _code_setting_in(key)):
-            if not any(r.key == reason[0] for r in refusals):
-                refusals.append(Refusal(reason[0], reason[1], reason[2]))
+        elif any(_under_key(key, r.key) for r in code):
+            continue  # inside a refused config override (a quantization config's fields)
         elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
             refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
         elif isinstance(value, str) and guard.is_remote(value) and key != "ckpt_path":
@@ -312,26 +316,24 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
     return refusals
 
 
-def _code_setting_in(key: str) -> Optional[tuple[str, Any, str]]:
-    """(key, value, reason) of the config override ``key`` lies in (itself or a dict above it, such as
-    ``attn_implementation: {"": org/kernel}`` or a sub-config's) when it would make transformers fetch or
-    run code (`guard.code_setting`)."""
-    parts = key.split(".")[2:]
-    return _code_setting_at(_overrides, parts)
+def code_refusals(overrides: Any, key: str = "model.config_overrides", depth: int = 0) -> list[Refusal]:
+    """Config overrides that would make transformers fetch or run code (`guard.code_setting`): at the top or
+    in a sub-config's dict (``text_config: {attn_implementation: org/kernel}``)."""
+    if isinstance(overrides, Namespace):
+        overrides = overrides.as_dict()
+    if not isinstance(overrides, dict) or depth > 4:
+        return []
+    found = []
+    for name, value in overrides.items():
+        if reason := guard.code_setting(str(name), value):
+            found.append(Refusal(f"{key}.{name}", value, reason))
+        elif isinstance(value, dict):
+            found += code_refusals(value, f"{key}.{name}", depth + 1)
+    return found
 
 
-_overrides: Any = None  # the config overrides being checked (`value_refusals`)
-
-
-def _code_setting_at(tree: Any, parts: list[str]) -> Optional[tuple[str, Any, str]]:
-    node, path = tree, ["model", "config_overrides"]
-    for part in parts:
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node, path = node[part], [*path, part]
-        if reason := guard.code_setting(part, node):
-            return ".".join(path), node, reason
-    return None
+def _under_key(key: str, parent: str) -> bool:
+    return key == parent or key.startswith(parent + ".")
 
 
 def _on_cpu(accelerator: Any) -> bool:
