@@ -221,3 +221,24 @@ def test_before_a_run_the_box_says_what_it_would_refuse_without_recording_it(pla
     assert held.would_refuse(run / "new" / "deeper", "into") is None
     assert "did not make it" in held.would_refuse(run / "theirs.txt", "remove", "replace")
     assert held.refused == [] and held.made == set()
+
+
+def test_python_m_lit_memory_imports_nothing_from_the_folder_it_runs_in(tmp_path):
+    """A shared folder holding ``logging.py`` or ``datasets/``: Python puts the working folder first on sys.path for
+    ``-m``; lit_memory/__init__.py drops it before importing anything (the same for every ``-m lit_memory.*``, so
+    the cheapest module stands for the CLI here), and a shared recipe's rerun line names the installed script."""
+    marker = tmp_path / "IMPORTED"
+    (tmp_path / "logging.py").write_text(f"open({str(marker)!r}, 'w').write('logging')\n")
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('datasets')\n")
+    code = "import lit_memory, sys, importlib.util; print(importlib.util.find_spec('datasets').origin)"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "lit_memory.errors"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and not marker.exists(), done.stderr
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.argv[0] = '-m'; {code}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # as `-m` sees it while the package is imported
+    assert done.returncode == 0 and str(tmp_path) not in done.stdout and not marker.exists(), done.stdout + done.stderr
+    from lit_memory.recipes import SAFE_COMMAND, shared_recipe
+
+    assert f"# rerun: {SAFE_COMMAND} fit --config recipe.yaml" in shared_recipe("{}\n", "cmd", "machine", tmp_path)
+    assert SAFE_COMMAND == "lit-memory"

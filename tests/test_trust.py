@@ -844,20 +844,3 @@ def test_transformers_settings_that_fetch_or_run_code_are_refused_wherever_they_
     refused_once(hostile.untrusted["code/kernel_in_config_json"], "config.json: attn_implementation", "kernel on the")
     refused_once(hostile.untrusted["code/quantization_config"], "model.config_overrides.quantization_config", "quantizer")
     flagged_by_check(hostile, "code")
-
-
-def test_nothing_is_imported_from_the_folder_a_command_runs_in(tmp_path):
-    """A shared folder holding ``datasets/``: ``python -m lit_memory`` run inside it imports the installed package
-    (Python puts the working folder first on sys.path for ``-m``); a recipe's rerun line names the script."""
-    marker = tmp_path / "IMPORTED"
-    (tmp_path / "datasets").mkdir()
-    (tmp_path / "datasets" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
-    env = clean_environment(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "lit_memory", "recipes", "show", "4gb"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0 and "trainer:" in done.stdout, done.stderr[-2000:]
-    assert not marker.exists()
-    from lit_memory.recipes import SAFE_COMMAND, shared_recipe
-
-    header = shared_recipe("{}\n", "python -m lit_memory fit", "machine", tmp_path)
-    assert f"# rerun: {SAFE_COMMAND} fit --config recipe.yaml" in header and SAFE_COMMAND == "lit-memory"
