@@ -67,22 +67,31 @@ def main(argv: Optional[list[str]] = None) -> None:
             else:
                 cli.resolve(args).launch()
     except UserError as err:
-        first = held.refused[0] if held is not None and held.refused and not isinstance(err, box.Refused) else err
-        _fail(str(first))
+        _fail(str(err))
     except RecursionError:
         _fail(_refused_or(held, "refusing an input nested too deeply to read (a recipe, config or checkpoint value)"))
     except torch.OutOfMemoryError as err:
         # The memory monitor has printed the breakdown at the failure and a recipe that fits.
         print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
-    except Exception as err:
-        if held is not None and held.refused:  # a refusal some library turned into an error of its own
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:  # torch's distributed checkpoint wraps errors in a BaseException of its own
+        if held is not None and held.refused:  # a refusal some library turned into an error of its own: the cause
             _fail(str(held.refused[0]))
         if (masked := _user_error_behind(err)) is not None:  # a library's cleanup failed while handling ours
             _fail(str(masked))
         raise
-    if held is not None and held.refused:  # refused, and the library that asked went on without it
-        _fail(str(held.refused[0]))
+    if held is not None:
+        _report(held)
+
+
+def _report(held: box.Box) -> None:
+    """The refusals some library caught and went on without (matplotlib falls back to a temporary cache when it
+    cannot make its own, `platform` answers without the program it asks): nothing happened, the run did without
+    it; said once each, as warnings."""
+    for message in dict.fromkeys(str(r) for r in held.refused):
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def _user_error_behind(err: BaseException) -> Optional[UserError]:

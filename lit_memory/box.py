@@ -68,6 +68,7 @@ class Root:
     owned: bool = False  # the user's: existing things in it may be changed
     links: bool = False  # links inside are fine if they stay inside (a cache's own layout)
     shallow: bool = False  # new things only directly in it or in what the run made there (the temporary folder)
+    only: str = ""  # a single file in the folder: that name and `lit_memory.files`' temporaries for it
 
 
 @dataclass
@@ -87,18 +88,21 @@ class Box:
 
     # -- configuring ---------------------------------------------------------------------------
 
-    def allow(self, path: Any, label: str, owned: bool = False, links: bool = False, shallow: bool = False) -> None:
-        """Let the run write below ``path`` (``owned``: change what it did not make there too)."""
+    def allow(self, path: Any, label: str, owned: bool = False, links: bool = False, shallow: bool = False,
+              file: bool = False) -> None:
+        """Let the run write below ``path`` (``owned``: change what it did not make there too; ``file``: only
+        the file ``path``, written whole through a temporary beside it)."""
         absolute = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        root = Root(absolute, os.path.realpath(absolute), label, owned, links, shallow)
-        self.roots = [r for r in self.roots if r.path != absolute] + [root]
+        folder, only = (os.path.dirname(absolute), os.path.basename(absolute)) if file else (absolute, "")
+        root = Root(folder, os.path.realpath(folder), label, owned, links, shallow, only)
+        self.roots = [r for r in self.roots if (r.path, r.only) != (folder, only)] + [root]
 
     def root(self, path: Any) -> Optional[Root]:
         """The innermost root ``path`` lies in, or None."""
         absolute = os.path.abspath(os.fspath(path))
         real = os.path.realpath(absolute)
-        found = [r for r in self.roots if _under(absolute, r.path) or _under(real, r.real)]
-        return max(found, key=lambda r: len(r.path), default=None)
+        found = [r for r in self.roots if (_under(absolute, r.path) or _under(real, r.real)) and _admits(r, absolute)]
+        return max(found, key=lambda r: (len(r.path), bool(r.only)), default=None)
 
     def name_settings(self, leaves: Iterator[tuple[str, Any]]) -> None:
         """Remember which setting names which path, for the refusal lines."""
@@ -115,6 +119,8 @@ class Box:
             self.refused.append(err)
         raise err
 
+
+
     def asker(self, path: str, fallback: Optional[str] = None) -> str:
         """The setting whose value is ``path`` or a folder above it (also once a library resolved its links:
         then the link is named), else ``fallback`` or the code that asked."""
@@ -128,7 +134,8 @@ class Box:
         return fallback or _caller()
 
     def _folders(self) -> str:
-        return ", ".join(r.path for r in self.roots if not r.links and not r.shallow) or "none yet"
+        return ", ".join(os.path.join(r.path, r.only) if r.only else r.path
+                         for r in self.roots if not r.links and not r.shallow) or "none yet"
 
     def would_refuse(self, path: Any, op: str, verb: Optional[str] = None, asker: Optional[str] = None) -> Optional[str]:
         """Why `check_write` would refuse ``op`` on ``path``, without recording anything: checked before a
@@ -287,7 +294,7 @@ class Box:
     # -- children ------------------------------------------------------------------------------
 
     def to_env(self) -> str:
-        return json.dumps({"roots": [r.__dict__ for r in self.roots], "since": self.since,
+        return json.dumps({"roots": [dict(r.__dict__) for r in self.roots], "since": self.since,
                            "max_children": self.max_children, "hosts": sorted(self.hosts),
                            "typed_files": sorted(self.typed_files), "settings": self.settings})
 
@@ -302,6 +309,14 @@ class Box:
 PROBE = ".lit_memory-would-write-here"  # a name no run writes: `Box.would_refuse` asks about a new file in a folder
 DISCARDED = ("/dev/null", "/dev/stdout", "/dev/stderr")  # written to without writing anything anywhere
 _NOWHERE = Root("/nonexistent-root", "/nonexistent-root", "nowhere")
+
+
+def _admits(root: Root, absolute: str) -> bool:
+    """A file root admits its file and the temporaries `lit_memory.files` writes it through."""
+    if not root.only:
+        return True
+    name = os.path.basename(absolute)
+    return os.path.dirname(absolute) in (root.path, root.real) and (name == root.only or name.startswith(f".{root.only}."))
 
 
 def _under(path: str, folder: str) -> bool:
@@ -367,6 +382,8 @@ def _compiler_asks() -> bool:
 # Programs the libraries a run uses start for answers about this interpreter: jsonargparse's stub resolver
 # (typeshed_client) asks it for its sys.path. Run with PYTHONSAFEPATH (`confine`): nothing from the working folder.
 INTERPRETER_QUERIES = (("-c", "import sys, json; print(json.dumps(sys.path))"),)
+# Programs that only answer a question about this machine: the standard library's platform.processor() runs one.
+MACHINE_QUERIES = (("uname", "-p"),)
 
 
 def _is_lit_memory(executable: Any, argv: list[str]) -> bool:
@@ -374,6 +391,8 @@ def _is_lit_memory(executable: Any, argv: list[str]) -> bool:
     itself (`inherit`), and never with --trust-recipe."""
     if not argv or "--trust-recipe" in argv:
         return False
+    if (os.path.basename(argv[0]), *argv[1:]) in MACHINE_QUERIES:
+        return True
     first = os.path.realpath(os.fsdecode(executable) if executable else argv[0])
     if first == os.path.realpath(sys.executable):
         if tuple(argv[1:]) in INTERPRETER_QUERIES:
@@ -593,8 +612,7 @@ def confine(box: Box) -> Iterator[Box]:
     seal_native_writers()
     previous, saved = _active, {k: os.environ.get(k) for k in (ENV, "PYTHONSAFEPATH")}
     if previous is not None:
-        for root in box.roots:
-            previous.allow(root.path, root.label, root.owned, root.links)
+        previous.roots += [r for r in box.roots if r not in previous.roots]
         box = previous
     _active = box
     os.environ["PYTHONSAFEPATH"] = "1"  # a Python child never imports from its working folder
@@ -620,10 +638,11 @@ def publish() -> None:
         _publish(_active)
 
 
-def allow_output(path: Any, label: str) -> None:
-    """A tool's output the user named (or the tool's own default, in the user's working folder): theirs."""
+def allow_output(path: Any, label: str, file: bool = False) -> None:
+    """A tool's output the user named (or the tool's own default, in the user's working folder): theirs. A file
+    (``file``) is that file alone, not the folder it is in."""
     if _active is not None:
-        _active.allow(path, label, owned=True)
+        _active.allow(path, label, owned=True, file=file)
         publish()
 
 
@@ -716,6 +735,8 @@ def caches() -> list[tuple[str, str]]:
     triton_home = os.environ.get("TRITON_HOME") or home
     found.append((os.environ.get("TRITON_CACHE_DIR") or os.path.join(triton_home, ".triton"), "triton's cache"))
     found.append((os.environ.get("MPLCONFIGDIR") or os.path.join(xdg, "matplotlib"), "matplotlib's cache"))
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    found.append((os.path.join(config, "matplotlib"), "matplotlib's configuration cache"))
     return found
 
 

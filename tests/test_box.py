@@ -242,3 +242,36 @@ def test_python_m_lit_memory_imports_nothing_from_the_folder_it_runs_in(tmp_path
 
     assert f"# rerun: {SAFE_COMMAND} fit --config recipe.yaml" in shared_recipe("{}\n", "cmd", "machine", tmp_path)
     assert SAFE_COMMAND == "lit-memory"
+
+
+def test_what_a_library_caught_and_went_on_without_is_said_at_the_end(place, capsys):
+    """`python -m lit_memory` ends with the refusals some library caught (a program that did not start, a file
+    that was not written): warnings, once each; the command's own outcome stands."""
+    from lit_memory.__main__ import _report
+
+    held, _, outside = place
+    with box.confine(held):
+        for attempt in (lambda: subprocess.run(["true"]), lambda: (outside / "x.json").write_text("{}")) * 2:
+            try:
+                attempt()
+            except OSError:
+                pass
+        assert box._is_lit_memory("/usr/bin/uname", ["uname", "-p"])  # platform.processor()'s question
+    _report(held)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("warning: refusing to run true")
+    assert err[1].startswith(f"warning: refusing to write {outside}") and not (outside / "x.json").exists()
+
+
+def test_a_file_a_tool_is_told_to_write_is_the_only_one_in_its_folder(place):
+    """``plan --output planned.yaml``: the user's file (replaced whole, through a temporary beside it), not the
+    folder it is in."""
+    from lit_memory import files
+
+    held, _, outside = place
+    held.allow(outside / "victim.txt", "--output", owned=True, file=True)
+    with box.confine(held):
+        files.write_text(outside / "victim.txt", "planned\n")
+    assert (outside / "victim.txt").read_text() == "planned\n"
+    refused(held, lambda: (outside / "other.yaml").write_text("x"), "outside the run's folders")
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"]

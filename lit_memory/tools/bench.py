@@ -516,8 +516,8 @@ def main(argv: list[str]) -> None:
     args, user_args = parser.parse_known_args(argv)
     box.allow_output(args.out, "--out")
     if args.update_readme:  # the checkout's tables, which this option asks to rewrite
-        for path in (recipes.recipes_dir(), recipes.recipes_dir().parent / "README.md"):
-            box.allow_output(path, "--update-readme")
+        box.allow_output(recipes.recipes_dir(), "--update-readme")
+        box.allow_output(recipes.recipes_dir().parent / "README.md", "--update-readme", file=True)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.warmup < MIN_WARMUP:

@@ -437,7 +437,7 @@ def main(argv: list[str]) -> None:
         "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
     )
     ours, rest = parser.parse_known_args(argv)
-    box.allow_output(ours.output, "--output")
+    box.allow_output(ours.output, "--output", file=True)
     budget = parse_bytes(ours.budget)
     base = step_of(rest, ours)
     recipes = shipped_recipes()

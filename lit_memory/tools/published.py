@@ -265,7 +265,7 @@ def update_docs(text: str, path: Path = DOCS) -> None:
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if not pattern.search(content):
         raise ValueError(f"{path} has no published-table markers")
-    box.allow_output(path, "--update-docs")  # the checkout's docs, which this option asks to rewrite
+    box.allow_output(path, "--update-docs", file=True)  # the checkout's docs, which this option asks to rewrite
     files.write_text(path, pattern.sub(lambda _: f"{start}\n{text}\n{end}", content))
 
 

@@ -217,9 +217,10 @@ def check(path: Path, trusted: bool) -> None:
         raise UserError(f"recipe not found: {path}")
     try:
         tree = _load_yaml(path)
-    except bounds.BoundExceeded as err:  # a bomb: nothing more is read of it
-        print(f"  REFUSED  {str(err).removeprefix('refusing ')}")
-        raise UserError(f"{path}: 1 refused; pass {TRUST_FLAG} only if you trust its source") from None
+    except bounds.BoundExceeded as err:  # a bomb: nothing more is read of it, trusted or not
+        print(f"  {'problem' if trusted else 'REFUSED'}  {str(err).removeprefix('refusing ')}")
+        verdict = "1 problem(s)" if trusted else f"1 refused; pass {TRUST_FLAG} only if you trust its source"
+        raise UserError(f"{path}: {verdict}") from None
     refused: list[str] = []
     problems = [f"unknown keys: {', '.join(unknown)}"] if (unknown := _unknown_keys(tree, _fit_schema())) else []
     source, run = path, None
