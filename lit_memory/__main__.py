@@ -12,7 +12,6 @@ from __future__ import annotations
 # before anything else is imported: this module then imports the installed packages, as the console script does.
 import contextlib
 import sys
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -40,17 +39,8 @@ def session(args: list[str]) -> Iterator[Optional[box.Box]]:
     if not boxed(args):
         yield None
         return
-    typed = [a.split("=", 1)[-1] for a in args]
-    typed_files = [a for a in typed if _exists(a)]
-    with box.confine(box.run_box(typed_files)) as held:
+    with box.confine(box.run_box(cli.named_files(args))) as held:
         yield held
-
-
-def _exists(value: str) -> bool:
-    try:
-        return bool(value) and Path(value).exists()
-    except (OSError, ValueError):
-        return False
 
 
 def main(argv: Optional[list[str]] = None) -> None:

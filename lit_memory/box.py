@@ -140,7 +140,8 @@ class Box:
     def would_refuse(self, path: Any, op: str, verb: Optional[str] = None, asker: Optional[str] = None) -> Optional[str]:
         """Why `check_write` would refuse ``op`` on ``path``, without recording anything: checked before a
         run starts, so a refusal comes before anything is written. ``op="into"``: writing a new file in the
-        folder ``path``."""
+        folder ``path``. ``asker``: who would ask, when no setting names the path; ``"=KEY"``: KEY, whatever
+        names it."""
         made, refused = set(self.made), len(self.refused)
         probe = os.path.join(os.fspath(path), PROBE) if op == "into" else os.fspath(path)
         try:
@@ -160,7 +161,7 @@ class Box:
         quiet = "__pycache__" in absolute.split(os.sep)  # Python's bytecode cache: skipped quietly when refused
 
         def who() -> str:  # only when refusing: it may walk the stack
-            return self.asker(absolute, asker)
+            return asker[1:] if asker and asker.startswith("=") else self.asker(absolute, asker)
 
         root = self.root(absolute)
         verb = verb or {"write": "write", "create": "create", "modify": "change", "remove": "remove", "replace": "replace"}[op]

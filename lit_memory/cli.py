@@ -106,7 +106,7 @@ class LitMemoryCLI(LightningCLI):
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
             self.decision = trust.Decision(trusted=trust.TRUST_FLAG in argv)
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
-        self.decision.enforce(typed_files=[] if self.argv is None else _named_files(self.argv))
+        self.decision.enforce(typed_files=[] if self.argv is None else named_files(self.argv))
         quiet_known_noise()
         self._deferred = defer
         self._collect = collect
@@ -166,7 +166,7 @@ class LitMemoryCLI(LightningCLI):
             return
         settings = self.settings
         root = settings.get("trainer.default_root_dir")
-        own = root is not None and trust._same(typed.get("trainer.default_root_dir"), root)
+        own = root is not None and self.decision.is_typed("trainer.default_root_dir", root)
         label = "trainer.default_root_dir" if root else "the working folder: trainer.default_root_dir's default"
         held.allow(os.path.expanduser(str(root)) if root else os.getcwd(), label, owned=own)
         for key, value in typed.items():
@@ -387,7 +387,7 @@ class LitMemoryCLI(LightningCLI):
             print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
 
 
-def _named_files(argv: list[str]) -> list[str]:
+def named_files(argv: list[str]) -> list[str]:
     """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``)."""
     found = []
     for token in argv:

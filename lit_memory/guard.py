@@ -485,8 +485,8 @@ def check_replace(path: Path, key: str) -> None:
     """Refuse, before a run starts, a folder it would replace at its end (``save_pretrained``'s export)
     that the box would not let it replace."""
     held = box.active()
-    if held is not None and os.path.lexists(path) and (problem := held.would_refuse(path, "remove", "replace")):
-        raise UserError(problem.replace(f"({held.asker(os.path.abspath(path))})", f"({key})", 1))
+    if held is not None and os.path.lexists(path) and (problem := held.would_refuse(path, "remove", "replace", f"={key}")):
+        raise UserError(problem)
 
 
 # -- checkpoint cadence and count over all callbacks ------------------------------------------------

@@ -394,6 +394,10 @@ class Decision:
         remote_configs_off()
         guard.enforce(self.trusted)
 
+    def is_typed(self, key: str, value: Any) -> bool:
+        """Whether the user typed ``value`` for ``key`` (a parse of the command line alone gives it)."""
+        return _same(dict(leaves(self.typed)).get(key), value)
+
     def refusals(self, settings: Namespace) -> list[Refusal]:
         """Everything in ``settings`` that needs ``--trust-recipe`` and was not typed by the user."""
         if self.trusted:
