@@ -3,7 +3,6 @@ before the expensive step, in time and memory far below what reading it would co
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
