@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from jsonargparse import Namespace
@@ -26,7 +28,7 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from lit_memory import checks, guard, lowbit, recipes, resume, trust
+from lit_memory import box, checks, guard, lowbit, recipes, resume, trust
 from lit_memory.activations import is_auto
 from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
@@ -62,6 +64,8 @@ class _Parser(LightningArgumentParser):
             return super().error(message, ex)
         if _Parser.probing:
             raise _ProbeFailed(message)
+        if bound := trust.bound_error():  # a config beyond the bounds an untrusted run reads
+            raise bound
         if denied := trust.denied_imports(message):
             raise ImportRefused(denied)
         if url := trust.remote_config(message):
@@ -107,7 +111,7 @@ class LitMemoryCLI(LightningCLI):
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
             self.decision = trust.Decision(trusted=trust.TRUST_FLAG in argv)
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
-        self.decision.enforce()
+        self.decision.enforce(typed_files=[] if self.argv is None else named_files(self.argv))
         quiet_known_noise()
         self._deferred = defer
         self._collect = collect
@@ -145,6 +149,7 @@ class LitMemoryCLI(LightningCLI):
             typed = trust.typed_values(self.argv, self._parse_alone, subcommand)
             self.decision = dataclasses.replace(self.decision, typed=typed)
         self._check_values()
+        self._confine()
         if subcommand:
             try:  # before LightningCLI merges the checkpoint's hyper-parameters into these settings
                 resume.check_resume(self.settings_of(self.config), compare=subcommand == "fit")
@@ -153,6 +158,29 @@ class LitMemoryCLI(LightningCLI):
                     raise
                 self.problems.append(str(err))
                 self.config[subcommand].ckpt_path = None  # reported; not to be read again
+
+    def _confine(self) -> None:
+        """Tell this process's box (`lit_memory.box`, held by ``python -m lit_memory`` for an untrusted
+        command) where this run writes: its run folder (``trainer.default_root_dir``, the working folder by
+        default: create-only, since its parent chose it or nobody did; the user's own when typed), the
+        folders the user typed, and which setting names which path (for the refusal lines)."""
+        typed = dict(trust.leaves(self.decision.typed))
+        guard.set_typed(typed)
+        held = box.active()
+        if held is None or self.decision.trusted:
+            return
+        settings = self.settings
+        root = settings.get("trainer.default_root_dir")
+        own = root is not None and self.decision.is_typed("trainer.default_root_dir", root)
+        label = "trainer.default_root_dir" if root else "the working folder: trainer.default_root_dir's default"
+        held.allow(os.path.expanduser(str(root)) if root else os.getcwd(), label, owned=own)
+        for key, value in typed.items():
+            if key.rsplit(".", 1)[-1] in guard.WRITE_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
+                held.allow(value, key, owned=True)
+        held.name_settings(trust.leaves(settings))
+        workers = settings.get("data.num_workers")
+        held.max_children = 2 * max(os.cpu_count() or 1, workers if isinstance(workers, int) else 0) + 4
+        box.publish()
 
     def _parse_alone(self, argv: list[str]) -> Namespace:
         _Parser.probing = True
@@ -320,6 +348,9 @@ class LitMemoryCLI(LightningCLI):
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             trainer = self._get(self.config_init, "trainer", default={})
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+            if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
+                typed = self._typed_callbacks(trainer.get("callbacks") or [])
+                kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed))
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except UserError:
@@ -345,6 +376,12 @@ class LitMemoryCLI(LightningCLI):
             config["enable_model_summary"] = False  # Lightning's own default summary: ours stands in for it
         return super()._instantiate_trainer(config, callbacks)
 
+    def _typed_callbacks(self, callbacks: list[Any]) -> set[int]:
+        """Ids of the callbacks whose class spec the user typed on the command line (theirs, bounds and all)."""
+        specs = self.settings.get("trainer.callbacks") or []
+        typed = self.decision.typed.get("trainer.callbacks") or [] if isinstance(self.decision.typed, Namespace) else []
+        return {id(c) for c, spec in zip(callbacks, specs) if any(spec == t for t in typed)}
+
     def _preflight(self) -> None:
         if self.subcommand != "fit":
             quiet_evaluation_noise()
@@ -352,6 +389,9 @@ class LitMemoryCLI(LightningCLI):
             self.model.report_new_head = False  # the checkpoint's head replaces the one built first
         typed = [v for k, v in trust.leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed))
+        if guard.restricted() and self.subcommand == "fit" and getattr(self.model, "hparams", {}).get("save_pretrained"):
+            run_dir = self.trainer.log_dir or self.trainer.default_root_dir  # where `SequenceClassifier.on_fit_end` exports
+            guard.check_replace(Path(run_dir) / "hf_model", "model.save_pretrained")
 
     def before_fit(self) -> None:
         self._preflight()
@@ -393,6 +433,18 @@ def say(line: str) -> None:
     every other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
     if rank_zero_only.rank == 0:
         print(line, file=sys.stderr)
+
+def named_files(argv: list[str]) -> list[str]:
+    """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``)."""
+    found = []
+    for token in argv:
+        value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
+        try:
+            if value and not value.startswith("-") and Path(value).exists():
+                found.append(value)
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

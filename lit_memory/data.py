@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from lit_memory import bundled, guard, predictions
+from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
@@ -135,6 +137,9 @@ class TextClassificationData(L.LightningDataModule):
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[str, Optional[str], Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
+        # What the run was started with: untrusted, nothing may raise these during the run (a batch-size
+        # finder scaling ``num_workers``), beyond this machine's cores for the workers.
+        self._bounded = {"num_workers": max(num_workers, os.cpu_count() or 1), "max_length": max_length}
         self.splits: Optional[datasets.DatasetDict] = None
         self.tokenizer = None
 
@@ -149,6 +154,8 @@ class TextClassificationData(L.LightningDataModule):
         if path.suffix.lower() not in FILE_FORMATS and not path.exists():
             return None  # a hub dataset name
         if not path.is_file():
+            if path.exists():  # a FIFO, a device: reading it may never end
+                raise UserError(f"data file {source} is not a regular file")
             raise UserError(f"data file not found: {source}")
         if path.suffix.lower() not in FILE_FORMATS:
             raise UserError(f"unsupported data file {source}: use one of " + ", ".join(FILE_FORMATS))
@@ -314,15 +321,34 @@ class TextClassificationData(L.LightningDataModule):
         else:
             source, where = self._predict_rows, f"the test split of {self.hparams.source}"
         return predictions.Rows(source, rank, world_size, where)
+    def check_bounds(self) -> None:
+        """Untrusted: the settings that multiply processes or memory are still within what the run started
+        with (`lit_memory.guard`): a callback can change them mid-run."""
+        if not guard.restricted():
+            return
+        for name, bound in self._bounded.items():
+            value = self.hparams.get(name)
+            if isinstance(value, int) and value > bound:
+                raise UserError(
+                    f"refusing data.{name}={value}: changed during the run to more than {bound} (what the run started "
+                    f"with, or this machine's CPU cores); pass --trust-recipe only if you trust its source"
+                )
 
     def _tokenize(self, splits: datasets.DatasetDict) -> None:
+        self.check_bounds()
         self.tokenizer = tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
         text, max_length = self.hparams.text_column, self.hparams.max_length
+        # Untrusted: each text is cut to what max_length tokens can come from before the tokenizer sees it,
+        # so a single huge row costs no more memory than the rest (`lit_memory.bounds.CHARS_PER_TOKEN`).
+        cap = max_length * CHARS_PER_TOKEN if guard.restricted() else None
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length).
         # The function closes over locals only: `datasets` hashes it, and hashing `self` would
         # serialise the attached trainer and model (seconds per call).
         self.splits = splits.map(
-            lambda rows: tokenizer(rows[text], truncation=True, max_length=max_length),
+            lambda rows: tokenizer(
+                rows[text] if cap is None else [t[:cap] if isinstance(t, str) else t for t in rows[text]],
+                truncation=True, max_length=max_length,
+            ),
             batched=True,
             remove_columns=[text],
             desc="tokenising",
@@ -337,6 +363,7 @@ class TextClassificationData(L.LightningDataModule):
         return DataCollatorWithPadding(self.tokenizer, padding="longest")
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        self.check_bounds()
         # A generator of its own: a DataLoader otherwise draws its workers' seed from the global
         # random state at every epoch, which would shift the dropout masks that follow.
         generator = torch.Generator().manual_seed(self.hparams.seed)
@@ -394,10 +421,13 @@ def load_tokenizer(name_or_path: str):
     """The tokenizer, padding on the right with its EOS token where it has no pad token (GPT-2's, Llama's):
     the one place that decides what batches are padded with (the model's config follows it: `pad_token_id`)."""
     path = bundled.resolve_model(name_or_path)
+    if not str(name_or_path).startswith("bundled:"):
+        guard.check_model_folder(path, f"tokenizer {name_or_path!r}")
     try:
         tokenizer = guard.call(AutoTokenizer.from_pretrained, f"tokenizer {name_or_path!r}", path)
     except OSError as err:
         raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    guard.check_normalizer(tokenizer, f"tokenizer {name_or_path!r}")  # untrusted: no normalizer that multiplies texts
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(

@@ -416,10 +416,14 @@ class SequenceClassifier(L.LightningModule):
 
 def load_config(name_or_path: str, num_labels: int, overrides: Optional[dict[str, Any]] = None):
     path = bundled.resolve_model(name_or_path)
+    if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
+        guard.check_model_folder(path, f"model {name_or_path!r}")
     try:
-        return guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
+        config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build
+    return config
 
 
 def config_label_names(config) -> Optional[list[str]]:

@@ -27,7 +27,8 @@ from typing import IO, Any, Literal, Optional
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lit_memory import files
+from lit_memory import files, guard
+from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 
 # Columns looked for, in this order, when data.text_column / label_column / id_column are not set.
@@ -198,6 +199,9 @@ class Collate:
                 missing = raw is None or raw == ""
                 labels.append(IGNORE if missing else self.label_id(raw))
                 given.append(None if missing else raw)
+        if guard.restricted():  # as the training data: a huge row costs no more than max_length tokens' text
+            cap = self.max_length * CHARS_PER_TOKEN
+            texts = [t[:cap] for t in texts]
         padding = "max_length" if self.padding == "max_length" else "longest"
         batch = dict(self.tokenizer(texts, truncation=True, max_length=self.max_length, padding=padding, return_tensors="pt"))
         if self.label:

@@ -74,10 +74,14 @@ def write_memory(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_memory(run_dir: Path) -> dict[str, Any]:
     """A run's ``memory.json``; ValueError if it is missing, unreadable or of another schema."""
-    try:
-        record = json.loads((run_dir / MEMORY_JSON).read_text(encoding="utf-8"))
-    except OSError as err:
+    from lit_memory import bounds
+
+    try:  # a regular file within its bound: a FIFO planted in a shared run folder would block forever
+        record = json.loads(bounds.read_bytes(run_dir / MEMORY_JSON, bounds.JSON_BYTES, MEMORY_JSON))
+    except (OSError, bounds.UserError) as err:
         raise ValueError(f"no {MEMORY_JSON} in {run_dir}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{run_dir / MEMORY_JSON} is nested too deeply") from None
     if not isinstance(record, dict) or record.get("schema") != MEMORY_SCHEMA:
         raise ValueError(f"{run_dir / MEMORY_JSON} is not a schema-{MEMORY_SCHEMA} memory record")
     return record
