@@ -3,8 +3,8 @@
     python tests/fabric_worker.py OUT
 
 FSDP2: `lit_memory.FusedFabricFSDPStrategy` against Lightning's ``ModelParallelStrategy`` unfused (the same
-sharding), clipping by norm and by value; the fused run checkpointed at step 3 and resumed in a new
-Fabric. FSDP1: ``fsdp_overlap_step_with_backward`` under Lightning's ``FSDPStrategy`` against the plain
+sharding), clipping by norm and by value, and 16-mixed with overflows forced (fused_worker.FP16_SCALER);
+the fused run checkpointed at step 3 and resumed in a new Fabric. FSDP1: ``fsdp_overlap_step_with_backward`` under Lightning's ``FSDPStrategy`` against the plain
 loop, and what it refuses. Lightning's FSDPStrategy refuses CPUs by its exact type and wraps with a CUDA
 device, so here a subclass runs with a module wrapped beforehand on the CPU (gloo), as torch's FSDP1 allows.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins import MixedPrecision
 from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
@@ -28,6 +29,7 @@ if __name__ == "__main__":  # a script: import this checkout's lit_memory
 
 import torch.distributed.checkpoint.state_dict as dcp_state  # noqa: E402
 
+from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
 from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
 from lit_memory.errors import UserError  # noqa: E402
 from lit_memory.model import full_state_dict, load_config, weight_decay_groups  # noqa: E402
@@ -52,8 +54,8 @@ def tiny_bert(dropout: float = 0.1) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_config(load_config("bundled:bert-large", 2, overrides))
 
 
-def launched(strategy) -> L.Fabric:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+def launched(strategy, plugins=None) -> L.Fabric:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
     fabric.launch()  # the first launch starts the other process; later ones find it running
     fabric.seed_everything(42)
     return fabric
@@ -82,11 +84,14 @@ class Record:
 # -- FSDP2 -----------------------------------------------------------------------------------------
 
 
-def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0) -> dict:
+def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = False) -> dict:
     """6 steps of AdamW (weight-decay groups, linear schedule); ``resume_at``: checkpoint there and go on
-    in a new Fabric from the checkpoint."""
+    in a new Fabric from the checkpoint; ``fp16``: 16-mixed with a GradScaler that overflows (as a plugin:
+    Fabric makes a CPU's 16-mixed bf16), its scales after each step recorded."""
     clipping = {"max_norm": MAX_NORM} if clip == "norm" else {"clip_val": CLIP_VAL}
     record = Record()
+    scaler = RecordingScaler("cpu", **FP16_SCALER) if fp16 else None
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler)] if fp16 else None
 
     def build():
         strategy = (
@@ -94,7 +99,7 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0) -> dict:
             if fused
             else ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
         )
-        fabric = launched(strategy)
+        fabric = launched(strategy, plugins)
         model = fabric.setup_module(tiny_bert())
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(weight_decay_groups(model), lr=1e-3, weight_decay=0.01))
         schedule = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
@@ -135,7 +140,8 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0) -> dict:
         optimizer.zero_grad()
         schedule.step()
     weights = full_state_dict(model.module)
-    return {**vars(record), "weights": weights, "resumed_at": start, "torch_created_state": created}
+    scales = scaler.scales if scaler is not None else []
+    return {**vars(record), "weights": weights, "resumed_at": start, "torch_created_state": created, "scales": scales}
 
 
 def stale_optimizer() -> str:
@@ -221,6 +227,8 @@ def main() -> None:
         results[f"fsdp2-{clip}"] = fsdp2(False, clip, out)
         results[f"fsdp2-{clip}-fused"] = fsdp2(True, clip, out)
     results["fsdp2-norm-fused-resumed"] = fsdp2(True, "norm", out, resume_at=3)
+    results["fsdp2-fp16"] = fsdp2(False, "value", out, fp16=True)
+    results["fsdp2-fp16-fused"] = fsdp2(True, "value", out, fp16=True)
     results["stale optimizer"] = stale_optimizer()
     plain, fused = fsdp1(False), fsdp1(True)
     shards = [n for n in plain["shards"] if plain["shards"][n].numel()]  # a rank may hold nothing of some

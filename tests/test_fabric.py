@@ -13,10 +13,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
 from torch import nn
 
 from conftest import REPO, StepLog, assert_same
+from fused_worker import FP16_SCALER, RecordingScaler
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
 from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, SHARED, STALE_OPTIMIZER, UNOWNED
@@ -69,16 +69,29 @@ def test_fused_fabric_strategy_clips_as_fabric_clip_gradients(clipping):
         torch.testing.assert_close(fused_norms, plain_norms, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("clipping", [{"clip_val": 0.01}, {}], ids=["value", "none"])
+def test_fused_fabric_strategy_with_fp16_skips_and_scales_as_gradscaler(clipping):
+    """Fabric's 16-mixed (a plugin with torch's GradScaler; Fabric makes a CPU's 16-mixed bf16), overflows
+    forced: the measuring backward unscales and checks, an overflow skips the step; otherwise the fused
+    backward unscales, clips and steps. Same weights, same scales after every step. (By norm, Fabric's own
+    clip_gradients refuses an overflowed step's non-finite norm; the Trainer's test covers it.)"""
+    fabric_fused = example("fabric_fused")
+    runs = {}
+    for fusion in (False, True):
+        scaler = RecordingScaler("cpu", **FP16_SCALER)
+        model, norms = fabric_fused.train(fused=fusion, steps=8, scaler=scaler, **clipping)
+        runs[fusion] = (dict(model.module.named_parameters()), norms, scaler.scales)
+    (plain, _, plain_scales), (fusion, _, fused_scales) = runs[False], runs[True]
+    assert fused_scales == plain_scales and len(plain_scales) == 8
+    assert min(plain_scales) < FP16_SCALER["init_scale"] and max(b > a for a, b in zip(plain_scales, plain_scales[1:]))
+    assert_same(plain, fusion, atol=1e-6)
+
+
 FABRIC_ERRORS = {
     "two-optimizers": (
         {},
         lambda fabric, net, opt: fabric.setup(net, opt, torch.optim.SGD(net.parameters())),
         fused.SEVERAL,
-    ),
-    "fp16-scaler": (
-        {"plugins": [FabricMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
-        lambda fabric, net, opt: fabric.setup(net, opt),
-        fused.SCALER,
     ),
     "clipping": ({}, lambda fabric, net, opt: fabric.clip_gradients(*fabric.setup(net, opt), 1.0), FABRIC_CLIPPING),
 }
@@ -212,6 +225,17 @@ def test_fused_fabric_fsdp_strategy_matches_unfused_fsdp2(two_processes, clip):
         torch.testing.assert_close(fusion["norms"], plain["norms"], rtol=1e-5, atol=0)
     else:
         assert min(plain["largest"]) > 0.01
+
+
+def test_fused_fabric_fsdp_strategy_with_fp16_skips_on_every_rank(two_processes):
+    """16-mixed (a plugin with torch's GradScaler), overflows forced, clipped by value: the fused step
+    all-reduces the overflow flag (both ranks skip the same steps), GradScaler's unscale of the sharded
+    gradients reduces it (DTensor): the same weights and the same scale after every step."""
+    plain, fusion = two_processes["fsdp2-fp16"], two_processes["fsdp2-fp16-fused"]
+    assert fusion["scales"] == plain["scales"] and len(plain["scales"]) == 6
+    assert min(plain["scales"]) < FP16_SCALER["init_scale"]  # steps skipped
+    assert_same(plain["weights"], fusion["weights"], atol=1e-6)
+    assert fusion["held"] == [0] * 6
 
 
 def test_fused_fabric_fsdp_strategy_refuses_an_optimizer_made_before_sharding(two_processes):

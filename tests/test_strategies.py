@@ -16,7 +16,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler
-from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
@@ -208,6 +207,30 @@ def test_fused_clipping_matches_unfused_clipping(clip, tmp_path):
         assert min(plain.largest) > float(value)
 
 
+def scale_trajectory(scales: list[float]) -> tuple[int, int]:
+    """(steps skipped, growths) of a GradScaler's scales after each step (fused_worker.FP16_SCALER's start)."""
+    before = [worker.FP16_SCALER["init_scale"], *scales[:-1]]
+    return sum(a < b for b, a in zip(before, scales)), sum(a > b for b, a in zip(before, scales))
+
+
+def test_single_device_fp16_matches_gradscaler_with_clipping_by_norm(tmp_path):
+    """16-mixed (Lightning's MixedPrecision with torch's GradScaler; a plugin, as a CPU's 16-mixed would be
+    bf16), clipping by norm, overflows forced: one measuring backward unscales, checks and measures; an
+    overflow skips the step as GradScaler does, otherwise the fused backward unscales, clips and steps."""
+    seen = {}
+    for strategy in ("single", "fused-single"):
+        seen[strategy] = worker.GradientNorms()
+        worker.train(tmp_path / strategy, strategy, steps=10, callbacks=[seen[strategy]], clip="norm:0.3", fp16=True)
+    assert_same(load(tmp_path / "single"), load(tmp_path / "fused-single"), atol=1e-6)
+    plain, fusion = (torch.load(tmp_path / s / "norms.pt") for s in ("single", "fused-single"))
+    assert fusion["scales"] == plain["scales"]
+    skipped, grown = scale_trajectory(plain["scales"])
+    assert skipped >= 3 and grown >= 1 and fusion["held"] == [0] * 10
+    finite = [n for n in plain["norms"] if n == n and n != float("inf")]  # a skipped step's norm is inf/NaN
+    assert len(finite) == 10 - skipped and min(finite) > 0.3  # every step that stepped was clipped
+    torch.testing.assert_close(seen["fused-single"].norms, seen["single"].norms, rtol=1e-5, atol=0, equal_nan=True)
+
+
 # -- FSDP, 2 processes -----------------------------------------------------------------------
 
 
@@ -226,6 +249,21 @@ def test_fsdp_fused_matches_unfused_with_clipping_by_norm(tmp_path):
     torch.testing.assert_close(fused_norms["norms"], norms["norms"], rtol=1e-5, atol=0)
     exported = AutoModelForSequenceClassification.from_pretrained(fusion / "hf_model")  # gathered from the shards
     assert_same(exported.state_dict(), load(fusion))
+
+
+def test_fsdp_fp16_skips_on_every_rank_as_gradscaler(tmp_path):
+    """FSDP2 over 2 processes, 16-mixed with overflows forced, clipping by value (exact: it clips the unscaled
+    gradients): the fused step all-reduces the overflow flag, so both ranks skip the same steps; unfused,
+    GradScaler's unscale of the sharded gradients reduces it (DTensor)."""
+    plain, fusion = tmp_path / "plain", tmp_path / "fused"
+    run_worker(plain, "--strategy", "fsdp", "--devices", "2", "--fp16", "--clip", "value:0.001")
+    run_worker(fusion, "--strategy", "fused-fsdp", "--devices", "2", "--fp16", "--clip", "value:0.001")
+    assert_same(load(plain), load(fusion), atol=1e-6)
+    plain_seen, fused_seen = torch.load(plain / "norms.pt"), torch.load(fusion / "norms.pt")
+    assert fused_seen["scales"] == plain_seen["scales"] and fused_seen["held"] == [0] * 10
+    skipped, grown = scale_trajectory(plain_seen["scales"])
+    assert skipped >= 3 and grown >= 1
+    assert min(v for v in plain_seen["largest"] if v < float("inf")) > 0.001  # the stepped steps were clipped
 
 
 @pytest.mark.parametrize("recipe, fused", [("baseline", False), ("fused", True), ("4gb", True)])
@@ -323,12 +361,6 @@ class TwoOptimizers(SequenceClassifier):
 
 ERRORS = {
     "accumulation": (FusedSingleDeviceStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
-    "fp16-scaler": (
-        FusedSingleDeviceStrategy,
-        worker.tiny_bert,
-        {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
-        fused.SCALER,
-    ),
     "manual": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=ManualOptimization), {}, fused.MANUAL),
     "two-optimizers": (FusedSingleDeviceStrategy, lambda: worker.tiny_bert(cls=TwoOptimizers), {}, fused.SEVERAL),
     "fsdp-accumulation": (FusedFSDPStrategy, worker.tiny_bert, {"accumulate_grad_batches": 2}, fused.ACCUMULATION),
