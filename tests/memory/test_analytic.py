@@ -10,7 +10,7 @@ import torch
 
 from lit_memory.cli import resolve
 from lit_memory.memory.analytic import _META_BUILDS, analytic, file_gib, reference_bytes
-from lit_memory.memory.device import Target
+from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target
 from lit_memory.memory.simulate import simulate
 from lit_memory.memory.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
 
@@ -32,7 +32,8 @@ LORA_K, LORA_N = 582_401_280, 884_736  # mT5 frozen, LoRA's trainable parameters
 def step(name: str, default_device: str, **kwargs) -> Step:
     model = {"model_name_or_path": name, **kwargs.pop("model", {})}
     optimizer = OptimizerSpec.of(kwargs.pop("optimizer", ADAMW))
-    return Step(model=model, optimizer=optimizer, target=Target(type=kwargs.pop("device", default_device)), **kwargs)
+    target = Target(type=kwargs.pop("device", default_device), gpu=GPUS[kwargs.pop("gpu", DEFAULT_GPU)])
+    return Step(model=model, optimizer=optimizer, target=target, **kwargs)
 
 
 def minilm(**kwargs) -> Step:
@@ -105,6 +106,14 @@ CASES = {
         "optimizer": spec("torchao.optim.AdamW8bit", lr=1e-4, bf16_stochastic_round=True),
     },
     "fused, clipping by norm": {"fused": True, "clip_norm": True},
+    # fp16 with torch's GradScaler under the fused step: a measuring backward that checks for overflow first
+    "16-mixed, fused (a measuring backward first)": {"precision": "16-mixed", "fused": True},
+    # fp16 weights: fp16 gradients; bitsandbytes' 8-bit state whatever the weights' dtype, torchao's plain
+    # state in the weights' dtype, its compiled step computing in fp32 either way
+    "16-true + bitsandbytes AdamW8bit": {"precision": "16-true", "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4)},
+    "16-true + torchao AdamW4bit, fused": {
+        "precision": "16-true", "fused": True, "optimizer": spec("torchao.optim.AdamW4bit", lr=1e-4),
+    },
     "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
 }
 
@@ -150,6 +159,9 @@ CUDA_CASES = {
         "loop": LOOPS["fabric"],
     },
     "gradients zeroed in place (torch 1.x's zero_grad)": {"loop": LOOPS["hf-trainer-torch1"]},
+    # sm75: SDPA's memory-efficient kernel refuses bf16, so bf16 attention runs the math kernel; fp16 does not
+    "bf16-mixed on a T4: math attention": {"precision": "bf16-mixed", "gpu": "t4"},
+    "16-mixed on a T4, fused step: memory-efficient attention": {"precision": "16-mixed", "gpu": "t4", "fused": True},
     "gradients freed only before backward": {"loop": Loop("after forward", gradients="before_backward")},
     "fused step, checkpointing, bf16-mixed, 8-bit": {
         "fused": True,
