@@ -216,7 +216,8 @@ def scale_trajectory(scales: list[float]) -> tuple[int, int]:
 def test_single_device_fp16_matches_gradscaler_with_clipping_by_norm(tmp_path):
     """16-mixed (Lightning's MixedPrecision with torch's GradScaler; a plugin, as a CPU's 16-mixed would be
     bf16), clipping by norm, overflows forced: one measuring backward unscales, checks and measures; an
-    overflow skips the step as GradScaler does, otherwise the fused backward unscales, clips and steps."""
+    overflow skips the step as GradScaler does, otherwise the fused backward unscales, clips and steps. A
+    checkpoint resumes the scale exactly."""
     seen = {}
     for strategy in ("single", "fused-single"):
         seen[strategy] = worker.GradientNorms()
@@ -229,6 +230,13 @@ def test_single_device_fp16_matches_gradscaler_with_clipping_by_norm(tmp_path):
     finite = [n for n in plain["norms"] if n == n and n != float("inf")]  # a skipped step's norm is inf/NaN
     assert len(finite) == 10 - skipped and min(finite) > 0.3  # every step that stepped was clipped
     torch.testing.assert_close(seen["fused-single"].norms, seen["single"].norms, rtol=1e-5, atol=0, equal_nan=True)
+    # The checkpoint holds the scaler's state in its own format (through the fused step's view of it): resumed
+    # at step 6, the last 4 steps skip and scale as the uninterrupted run's.
+    checkpoint = tmp_path / "fused-single" / CHECKPOINT
+    assert torch.load(checkpoint, weights_only=False)["MixedPrecision"]["scale"] == plain["scales"][5]
+    worker.train(tmp_path / "resumed", "fused-single", steps=10, clip="norm:0.3", fp16=True, resume=str(checkpoint))
+    assert_same(load(tmp_path / "resumed"), load(tmp_path / "fused-single"), atol=0)
+    assert torch.load(tmp_path / "resumed" / "norms.pt")["scales"] == plain["scales"][6:]
 
 
 # -- FSDP, 2 processes -----------------------------------------------------------------------
@@ -264,6 +272,23 @@ def test_fsdp_fp16_skips_on_every_rank_as_gradscaler(tmp_path):
     skipped, grown = scale_trajectory(plain_seen["scales"])
     assert skipped >= 3 and grown >= 1
     assert min(v for v in plain_seen["largest"] if v < float("inf")) > 0.001  # the stepped steps were clipped
+
+
+def test_fsdp2_on_cuda_takes_16_mixed_as_a_plugin():
+    """Lightning refuses the 16-mixed flag with ModelParallelStrategy, which a GPU without bf16 gets from a bf16
+    recipe: the CLI passes the same precision as a plugin (GradScaler reduces its overflow flag over the shards)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from lit_memory.cli import fp16_under_fsdp2
+
+    trainer = {"precision": "16-mixed", "strategy": FSDP2Strategy(), "accelerator": "gpu", "plugins": None}
+    with pytest.warns(UserWarning, match="CUDA is not available"):  # this machine's GradScaler("cuda")
+        given = fp16_under_fsdp2(trainer)
+    assert given["precision"] is None and [type(p) for p in given["plugins"]] == [MixedPrecision]
+    assert given["plugins"][0].precision == "16-mixed" and given["plugins"][0].device == "cuda"
+    assert fp16_under_fsdp2({**trainer, "accelerator": "cpu"}) == {}  # Lightning's own answer there
+    assert fp16_under_fsdp2({**trainer, "precision": "bf16-mixed"}) == {}
+    assert fp16_under_fsdp2({**trainer, "strategy": FusedSingleDeviceStrategy()}) == {}
 
 
 @pytest.mark.parametrize("recipe, fused", [("baseline", False), ("fused", True), ("4gb", True)])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lit_memory.cli import resolve
+from lit_memory.errors import UserError
 from lit_memory.memory.analytic import _META_BUILDS, analytic, file_gib, reference_bytes
 from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target
 from lit_memory.memory.simulate import simulate
@@ -343,3 +344,17 @@ def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_f
     assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
     module, _ = _META_BUILDS[found.build_key]
     assert module.optimizer_factory is None
+
+
+def test_a_recipes_precision_laid_over_a_step_follows_its_gpu():
+    """What plan and the out-of-memory advice predict for a recipe on a GPU without bf16 is what a run of it
+    would train with there: its bf16 autocast as 16-mixed (then the fused step checks before it steps), its
+    bf16 weights refused; the step's own precision (typed by the user, decided by the CLI) stays."""
+    t4 = bert_large(precision="bf16-mixed", gpu="t4", fused=True)
+    assert t4.precision == "bf16-mixed" and not t4.measures
+    laid = t4.with_settings({"trainer.precision": "bf16-mixed", "trainer.strategy": "lit_memory.FusedSingleDeviceStrategy"})
+    assert laid.precision == "16-mixed" and laid.scaled and laid.measures
+    with pytest.raises(UserError, match="trainer.precision bf16-true keeps the weights in bf16"):
+        t4.with_settings({"trainer.precision": "bf16-true"})
+    a100 = bert_large(gpu="a100-80gb")
+    assert a100.with_settings({"trainer.precision": "bf16-true"}).precision == "bf16-true"
