@@ -81,7 +81,8 @@ class Scales(Callback):
         self.scales = []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        self.scales.append(trainer.scaler.get_scale())
+        if trainer.scaler is not None:
+            self.scales.append(trainer.scaler.get_scale())
 
 
 def tiny_bert(optimizer=None, dropout: float = 0.1, schedule: str = "linear", cls=SequenceClassifier):
