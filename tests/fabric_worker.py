@@ -87,7 +87,8 @@ class Record:
 def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = False) -> dict:
     """6 steps of AdamW (weight-decay groups, linear schedule); ``resume_at``: checkpoint there and go on
     in a new Fabric from the checkpoint; ``fp16``: 16-mixed with a GradScaler that overflows (as a plugin:
-    Fabric makes a CPU's 16-mixed bf16), its scales after each step recorded."""
+    Fabric makes a CPU's 16-mixed bf16), its scales after each step recorded, and at `POISONED_STEP` an
+    overflow on rank 1 alone (`poison_on_rank_1`)."""
     clipping = {"max_norm": MAX_NORM} if clip == "norm" else {"clip_val": CLIP_VAL}
     record = Record()
     scaler = RecordingScaler("cpu", **FP16_SCALER) if fp16 else None
@@ -101,10 +102,13 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = Fa
         )
         fabric = launched(strategy, plugins)
         model = fabric.setup_module(tiny_bert())
+        if fp16:  # before the fused step's hooks: they see the poisoned gradient
+            poison_on_rank_1(model, fabric.global_rank, at)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(weight_decay_groups(model), lr=1e-3, weight_decay=0.01))
         schedule = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
         return fabric, model, optimizer, schedule
 
+    at = {"step": -1}
     fabric, model, optimizer, schedule = build()
     start, created = 0, []
     batches = data(fabric.global_rank, fabric.world_size)
@@ -124,6 +128,7 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = Fa
             torch.set_rng_state(rest["rng"])
             start = step
         model.train()
+        at["step"] = step
         loss = model(**batches[step]).loss
         fabric.backward(loss)
         record.gradients(model)
@@ -142,6 +147,21 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = Fa
     weights = full_state_dict(model.module)
     scales = scaler.scales if scaler is not None else []
     return {**vars(record), "weights": weights, "resumed_at": start, "torch_created_state": created, "scales": scales}
+
+
+POISONED_STEP = 3  # a step the scale would not overflow at
+
+
+def poison_on_rank_1(model: torch.nn.Module, rank: int, at: dict) -> None:
+    """An inf in rank 1's shard of the classifier's weight gradient (its second row) at `POISONED_STEP`,
+    after FSDP2 reduce-scattered it: rank 0's shard stays finite, so only a flag reduced over the ranks
+    makes rank 0 skip that step too."""
+
+    def poison(param: torch.Tensor) -> None:
+        if rank == 1 and at["step"] == POISONED_STEP:
+            param.grad.to_local().view(-1)[0] = float("inf")
+
+    model.module.classifier.weight.register_post_accumulate_grad_hook(poison)
 
 
 def stale_optimizer() -> str:

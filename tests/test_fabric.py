@@ -228,12 +228,15 @@ def test_fused_fabric_fsdp_strategy_matches_unfused_fsdp2(two_processes, clip):
 
 
 def test_fused_fabric_fsdp_strategy_with_fp16_skips_on_every_rank(two_processes):
-    """16-mixed (a plugin with torch's GradScaler), overflows forced, clipped by value: the fused step
-    all-reduces the overflow flag (both ranks skip the same steps), GradScaler's unscale of the sharded
-    gradients reduces it (DTensor): the same weights and the same scale after every step."""
+    """16-mixed (a plugin with torch's GradScaler), overflows forced (a first scale too large, and once an
+    inf in one rank's shard only), clipped by value: the fused step all-reduces the overflow flag (both ranks
+    skip the same steps), GradScaler's unscale of the sharded gradients reduces it (DTensor): the same
+    weights and the same scale after every step."""
     plain, fusion = two_processes["fsdp2-fp16"], two_processes["fsdp2-fp16-fused"]
     assert fusion["scales"] == plain["scales"] and len(plain["scales"]) == 6
     assert min(plain["scales"]) < FP16_SCALER["init_scale"]  # steps skipped
+    # an inf in rank 1's shard alone at step 3 skipped it on both ranks (rank 0 alone would have stepped)
+    assert plain["scales"][3] < plain["scales"][2]
     assert_same(plain["weights"], fusion["weights"], atol=1e-6)
     assert fusion["held"] == [0] * 6
 
