@@ -264,44 +264,54 @@ def _shard_groups(grad: torch.Tensor, group: Any = None) -> tuple:
 
 class _Measure:
     """What a backward that only measures finds, gradient by gradient (each freed after): the norm of all of
-    them (clipping by norm) and, with loss scaling, whether any is inf or NaN. With loss scaling each is first
-    unscaled in place by GradScaler's own kernel, so the norm is that of the unscaled gradients, as clipping
-    after GradScaler's ``unscale_`` sees them."""
+    them (clipping by norm) and, with loss scaling, whether any is inf or NaN, per optimizer (``keys``: the
+    user's optimizers, in an order every rank shares; GradScaler decides each optimizer's step on its own
+    gradients). With loss scaling each gradient is first unscaled in place by GradScaler's own kernel, so
+    the norm is that of the unscaled gradients, as clipping after GradScaler's ``unscale_`` sees them."""
 
-    def __init__(self, norm_type: Optional[float], scaling: Optional["LossScaling"]) -> None:
+    def __init__(self, norm_type: Optional[float], scaling: Optional["LossScaling"], keys: Sequence[int] = ()) -> None:
         self.norms = _NormMeter(norm_type) if norm_type is not None else None
         self.scaling = scaling
+        self.keys = list(keys)
         self.inv_scale: Optional[torch.Tensor] = None  # read at the first gradient: the loss is scaled by then
-        self.found: dict[torch.device, torch.Tensor] = {}  # per device: GradScaler's found_inf
+        self.found: dict[tuple[int, torch.device], torch.Tensor] = {}  # (optimizer, device): GradScaler's found_inf
         self.groups: dict[int, Any] = {}  # the process groups the checked gradients are sharded over
 
-    def add(self, grad: torch.Tensor, group: Any = None) -> None:
+    def add(self, grad: torch.Tensor, group: Any = None, key: int = 0) -> None:
         if self.scaling is not None:
             if self.inv_scale is None:
                 self.inv_scale = self.scaling.inv_scale()
             local = _local(grad)
-            found = self.found.get(local.device)
+            found = self.found.get((key, local.device))
             if found is None:
-                found = self.found[local.device] = torch.zeros((), device=local.device)
+                found = self.found[key, local.device] = torch.zeros((), device=local.device)
             torch._amp_foreach_non_finite_check_and_unscale_([local], found, self.inv_scale.to(local.device))
             self.groups.update((id(g), g) for g in _shard_groups(grad, group))
         if self.norms is not None:
             self.norms.add(grad, group)
 
     def result(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(the total norm, or None; whether a gradient overflowed on any rank, nonzero if so, or None)."""
+        """(the total norm, or None; per key, whether a gradient overflowed on any rank, nonzero if so, or None)."""
         total = self.norms.total() if self.norms is not None else None
         if self.scaling is None:
             return total, None
-        found = torch.zeros((), device=self.scaling.scale_device)
-        for part in self.found.values():
-            found += part.to(found.device)
-        if self.groups:  # an overflow on any rank skips the step on every rank
+        found = torch.zeros(len(self.keys), device=self.scaling.scale_device)
+        for (key, _), part in self.found.items():
+            found[self.keys.index(key)] += part.to(found.device)
+        if self.groups:  # an overflow on any rank skips the step on every rank: one reduction for all
             import torch.distributed as dist
 
             for group in self.groups.values():
                 dist.all_reduce(found, dist.ReduceOp.MAX, group=group)
         return total, found
+
+
+def _drop(bucket: Bucket) -> None:
+    """Free a bucket's gradients without stepping it."""
+    for param in bucket.params:
+        param.grad = None
+    for shard in bucket.shards or ():
+        shard.grad = None
 
 
 def _unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
@@ -324,9 +334,11 @@ class LossScaling:
     before the last gradient exists, so `BucketHooks.backward` first runs a backward that only checks
     (LOMO's method; the same pass clipping by norm measures in, shared): each gradient is unscaled in place
     by GradScaler's own kernel, checked and freed. An overflow on any rank (reduced over the ranks the
-    gradients are sharded over) skips the stepping backward altogether; otherwise every bucket unscales its
-    gradients with the same kernel and inverse scale before clipping and stepping. At the end of backward
-    the scaler's own ``update`` takes the result. Cost: one more backward per step (none more when clipping
+    gradients are sharded over) skips that optimizer's step, as GradScaler decides each optimizer's step on
+    its own gradients: the stepping backward altogether when every optimizer is skipped (always, for the one
+    optimizer the strategies fuse); otherwise every bucket of an optimizer that steps unscales its gradients
+    with the same kernel and inverse scale before clipping and stepping, and a skipped one's buckets drop
+    theirs. At the end of backward the scaler's own ``update`` takes the result (backed off if any overflowed). Cost: one more backward per step (none more when clipping
     by norm already runs it) and one host sync, as GradScaler's ``step`` has.
 
     ``view`` is the scaler the framework (Lightning's or Fabric's precision plugin, a plain loop) calls
@@ -336,7 +348,7 @@ class LossScaling:
     def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
         self.view = ScalerView(self)
-        self.outcome: Optional[str] = None  # "stepped" or "skipped": the last fused backward's, until update()
+        self.skipped: Optional[set[int]] = None  # the last fused backward's skipped optimizers, until update()
 
     @classmethod
     def of(cls, scaler: Any) -> Optional["LossScaling"]:
@@ -361,16 +373,14 @@ class LossScaling:
             raise UserError(UNSCALED)
         return scale
 
-    @staticmethod
-    def overflowed(found_inf: torch.Tensor) -> bool:
-        return bool(found_inf.item())  # the one host sync, as GradScaler.step's
-
-    def update(self, found_inf: torch.Tensor) -> None:
+    def update(self, found_inf: torch.Tensor, skipped: set[int]) -> None:
         """The scale updated by the scaler's own rule, once this backward is over (the scaled loss's graph reads
-        the scale: it changes only after the last backward through it)."""
-        self.scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found_inf.device: found_inf}
+        the scale: it changes only after the last backward through it); ``skipped``: the optimizers (by id)
+        whose step GradScaler would skip."""
+        found = found_inf.max() if found_inf.numel() else found_inf.new_zeros(())
+        self.scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
         self.scaler.update()
-        self.outcome = "skipped" if self.overflowed(found_inf) else "stepped"
+        self.skipped = skipped
 
 
 class ScalerView:
@@ -387,18 +397,18 @@ class ScalerView:
         return getattr(self.scaling.scaler, name)
 
     def unscale_(self, optimizer: Optimizer) -> None:
-        if self.scaling.outcome is None:
+        if self.scaling.skipped is None:
             self.scaling.scaler.unscale_(optimizer)
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        outcome = self.scaling.outcome
-        if outcome is None:
+        skipped = self.scaling.skipped
+        if skipped is None:
             return self.scaling.scaler.step(optimizer, *args, **kwargs)
-        return None if outcome == "skipped" else optimizer.step(*args, **kwargs)
+        return None if id(optimizer) in skipped else optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: Any = None) -> None:
-        outcome, self.scaling.outcome = self.scaling.outcome, None
-        if outcome is None or new_scale is not None:
+        skipped, self.scaling.skipped = self.scaling.skipped, None
+        if skipped is None or new_scale is not None:
             self.scaling.scaler.update(new_scale)
 
 
@@ -437,6 +447,10 @@ class BucketHooks:
         self.groups: dict[int, Any] = {}  # id(parameter) -> the group its plain-tensor gradient is sharded over
         self.after_step: list[Callable[[Bucket], None]] = []
         self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
+        # loss scaling: GradScaler skips each of the user's optimizers on its own gradients (a bucket's source)
+        self._optimizer_of = {b: id(b.source if b.source is not None else b.optimizer) for b in buckets}
+        self._optimizers = list(dict.fromkeys(self._optimizer_of.values()))
+        self._skipping: set[int] = set()  # this backward's optimizers whose buckets drop their gradients
         self._waiting: dict[Bucket, None] = {}  # buckets with some of their gradients (an ordered set)
         self._flushing = -1  # the backward (autograd graph task) whose end steps them
         self._meter: Optional[_Measure] = None  # while a backward only measures
@@ -447,7 +461,7 @@ class BucketHooks:
     def arrived(self, param: torch.Tensor) -> None:
         """``param``'s gradient for this backward is complete."""
         if self._meter is not None:  # a backward that only measures: take the norm, free the gradient
-            self._meter.add(param.grad, self.groups.get(id(param)))
+            self._meter.add(param.grad, self.groups.get(id(param)), self._optimizer_of[self._bucket_of[id(param)]])
             param.grad = None
             return
         if self.clipping is not None and self.clipping.by_norm and self._coefficient is None:
@@ -474,29 +488,34 @@ class BucketHooks:
 
     def backward(self, run: Callable[..., Any], **kwargs: Any) -> Optional[torch.Tensor]:
         """``run(**kwargs)``: a backward, during which the buckets step. Clipping by norm or scaling the loss, a
-        first ``run(retain_graph=True)`` only measures: the total norm (returned) and whether a gradient
-        overflowed (then the step is skipped: no second backward)."""
+        first ``run(retain_graph=True)`` only measures: the total norm (returned) and which optimizers'
+        gradients overflowed (their step is skipped; all of them: no second backward)."""
         if not self._measures:
             run(**kwargs)
             return None
         by_norm = self.clipping is not None and self.clipping.by_norm
-        meter = self._meter = _Measure(self.clipping.norm_type if by_norm else None, self.scaling)
+        meter = self._meter = _Measure(self.clipping.norm_type if by_norm else None, self.scaling, self._optimizers)
         try:
             run(**{**kwargs, "retain_graph": True})
             total, found_inf = meter.result()
         finally:
             self._meter = None
-        if found_inf is not None and self.scaling.overflowed(found_inf):
-            self.scaling.update(found_inf)
-            return total  # skipped, as GradScaler skips the step
+        skipped: set[int] = set()
+        if found_inf is not None:
+            skipped = {key for key, found in zip(self._optimizers, found_inf.tolist()) if found}  # the one host sync
+            if len(skipped) == len(self._optimizers):
+                self.scaling.update(found_inf, skipped)
+                return total  # skipped, as GradScaler skips the step
         self._coefficient = self.clipping.coefficient(total) if by_norm else None
         self._inv_scale = meter.inv_scale if self.scaling is not None else None
+        self._skipping = skipped
         try:
             run(**kwargs)
         finally:
             self._coefficient = self._inv_scale = None  # every backward measures its own
+            self._skipping = set()
         if found_inf is not None:
-            self.scaling.update(found_inf)
+            self.scaling.update(found_inf, skipped)
         return total
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
@@ -511,7 +530,10 @@ class BucketHooks:
 
     def _step(self, bucket: Bucket) -> None:
         bucket.arrived = 0
-        bucket.step(self._clip if self.clipping is not None or self.scaling is not None else None)
+        if self._skipping and self._optimizer_of[bucket] in self._skipping:
+            _drop(bucket)  # GradScaler skips this optimizer's step: its gradients are only freed
+        else:
+            bucket.step(self._clip if self.clipping is not None or self.scaling is not None else None)
         for callback in self.after_step:
             callback(bucket)
 

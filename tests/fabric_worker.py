@@ -228,6 +228,14 @@ def fsdp1(fused: bool) -> dict:
                 pass
         except UserError as err:
             refusals["norm"] = str(err)
+        fabric.strategy.precision.scaler = torch.amp.GradScaler("cpu")  # as Fabric's 16-mixed gives one
+        try:
+            with fsdp_overlap_step_with_backward(optimizers, model):
+                pass
+        except UserError as err:
+            refusals["scaler"] = str(err)
+        finally:
+            del fabric.strategy.precision.scaler
         flat_model = fabric.setup_module(fsdp1_wrapped(use_orig_params=False))
         try:
             with fsdp_overlap_step_with_backward([torch.optim.AdamW(flat_model.parameters())], flat_model):

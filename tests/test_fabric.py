@@ -19,7 +19,7 @@ from conftest import REPO, StepLog, assert_same
 from fused_worker import FP16_SCALER, RecordingScaler
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
-from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, SHARED, STALE_OPTIMIZER, UNOWNED
+from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, FSDP1_SCALER, SHARED, STALE_OPTIMIZER, UNOWNED
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
@@ -168,6 +168,53 @@ def test_overlap_steps_optimizers_over_several_parameters_as_the_plain_loop(clip
         assert min(plain_norms) > clipping["clip_val"]  # the largest gradient value: clipped at every step
 
 
+def test_overlap_with_fp16_skips_each_optimizer_as_gradscaler():
+    """Fabric's 16-mixed around fsdp_overlap_step_with_backward with an optimizer per layer: GradScaler decides
+    each optimizer's step on its own gradients, so an inf in one layer's gradient (step 2) skips that layer's
+    optimizer alone while the others step, and backs the scale off. The block does the same inside backward:
+    the checking backward flags each optimizer, the stepping one drops the skipped one's gradients."""
+    from lightning.fabric.plugins import MixedPrecision
+
+    def run_(fused: bool) -> tuple[dict, list[float], list]:
+        scaler = RecordingScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+        fabric.seed_everything(0)
+        model = fabric.setup_module(net())
+        optimizers = by_layer(model.module)
+        at = {"step": -1}
+
+        def poison(param):  # registered before the block's hooks: they see it
+            if at["step"] == 2:
+                param.grad.view(-1)[0] = float("inf")
+
+        model.module[3].weight.register_post_accumulate_grad_hook(poison)
+        x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+        moved = []
+        for step in range(5):
+            at["step"] = step
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = nn.functional.cross_entropy(model(x), y)
+            if fused:
+                with fsdp_overlap_step_with_backward(optimizers, model):
+                    fabric.backward(loss)
+            else:
+                fabric.backward(loss)
+                for optimizer in optimizers:
+                    scaler.unscale_(optimizer)
+                    scaler.step(optimizer)
+                scaler.update()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+            moved.append([not torch.equal(a, b) for a, b in zip(before, model.parameters())])
+        return dict(model.named_parameters()), scaler.scales, moved
+
+    (plain, plain_scales, plain_moved), (fusion, fused_scales, fused_moved) = run_(False), run_(True)
+    assert fused_scales == plain_scales and plain_scales[2] < plain_scales[1]  # backed off at step 2
+    assert fused_moved == plain_moved
+    assert plain_moved[2] == [True, True, False, False, True, True]  # the poisoned layer's optimizer alone skipped
+    assert_same(plain, fusion, atol=1e-6)
+
+
 def test_overlap_refuses_what_it_cannot_honour():
     """A trainable parameter no optimizer holds, one held by two, a plain loss.backward() where clipping by
     norm needs the measuring backward: one line each (the last as backward starts, before any step)."""
@@ -187,7 +234,7 @@ def test_overlap_refuses_what_it_cannot_honour():
             loss.backward()
     assert str(error.value) == fused.UNMEASURED
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing stepped
-    for message in (UNOWNED, SHARED, fused.UNMEASURED, FSDP1_NORM, FSDP1_FLAT):
+    for message in (UNOWNED, SHARED, fused.UNMEASURED, FSDP1_NORM, FSDP1_FLAT, FSDP1_SCALER, fused.UNCHECKED, fused.UNSCALED):
         assert "\n" not in message
 
 
@@ -258,8 +305,8 @@ def test_fused_fabric_fsdp_strategy_resumes_from_fabrics_checkpoint(two_processe
 def test_overlap_under_fsdp1(two_processes):
     """Lightning's FSDPStrategy (FSDP1, use_orig_params): per-parameter optimizers over each rank's flat
     slices stepped inside backward, clipped by value, equal the plain loop; no gradient, flat or original,
-    is left after backward. Clipping by norm and flat parameters are refused in one line each."""
+    is left after backward. Clipping by norm, fp16 loss scaling and flat parameters are refused in one line each."""
     result = two_processes["fsdp1"]
     assert result["trained"] and result["difference"] <= 1e-6
     assert result["held"] == [0] * 6 and result["flat_gradients_held"] == [0] * 6 and min(result["plain_held"]) > 0
-    assert result["refusals"] == {"norm": FSDP1_NORM, "flat": FSDP1_FLAT}
+    assert result["refusals"] == {"norm": FSDP1_NORM, "scaler": FSDP1_SCALER, "flat": FSDP1_FLAT}
