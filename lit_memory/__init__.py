@@ -1,7 +1,25 @@
 """lit_memory: fine-tune Transformer sequence classifiers in as little GPU memory as possible."""
 
-import importlib
-import logging
+import sys
+
+# `python -m lit_memory` puts the working folder first on sys.path (what `python -P` does not): a folder
+# someone sent, holding `datasets/` or `logging.py`, would shadow the installed packages. Dropped before
+# anything else is imported, so the console script and `python -m` import the same code. (A `lit_memory/`
+# folder there is found before this file runs: `python -P -m lit_memory` or the `lit-memory` script avoid it.)
+if sys.argv[:1] == ["-m"] and not sys.flags.safe_path and sys.path:
+    import os
+
+    if os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
+        del sys.path[0]
+
+import importlib  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+
+if os.environ.get("LIT_MEMORY_BOX"):  # started by an untrusted run: boxed the same way (lit_memory.box)
+    from lit_memory import box as _box
+
+    _box.inherit()
 
 __version__ = "0.1.0"
 

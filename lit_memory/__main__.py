@@ -1,22 +1,79 @@
-"""`python -m lit_memory`: Lightning's subcommands (fit, validate, test, predict) and the project's tools.
+"""`python -m lit_memory`: Lightning's subcommands (fit, validate, test, predict) and the project's tools,
+all listed by ``python -m lit_memory --help``.
 
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
 the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.predict`,
-which the CLI hands to the run's memory monitor itself.
+which the CLI hands to the run's memory monitor itself. An untrusted command (no ``--trust-recipe``)
+runs inside a box (`lit_memory.box`) from its first line to its last.
 """
 
 from __future__ import annotations
 
+# `python -m lit_memory` imports lit_memory/__init__.py first, which drops the working folder from sys.path
+# before anything else is imported: this module then imports the installed packages, as the console script does.
+import contextlib
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from lit_memory import cli
+from lit_memory import box, cli, trust
 from lit_memory.errors import UserError
 from lit_memory.tools import bench, estimate, plan, recipes
 
 TOOLS = {"bench": bench.main, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
+# One line per command for `python -m lit_memory --help`; `COMMAND --help` has every option.
+LIGHTNING_COMMANDS = {
+    "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, checkpoints, hf_model, memory.json",
+    "validate": "evaluate a checkpoint (--ckpt_path) or a saved model on the validation split",
+    "test": "evaluate a checkpoint (--ckpt_path) or a saved model on the test split",
+    "predict": "label a file of texts (--data.predict_path texts.csv) with a checkpoint or a saved hf_model; writes predictions.csv",
+}
+TOOL_COMMANDS = {
+    "estimate": "a run's memory before running it: tensors, allocator and device, predicted two ways",
+    "plan": "the fastest recipe predicted to fit a memory budget (--budget 4GiB)",
+    "bench": "train every recipe in a fresh process and tabulate measured memory and speed",
+    "recipes": "list the shipped recipes, show one, or check a recipe someone sent",
+}
+
+
+def usage() -> str:
+    width = max(map(len, [*LIGHTNING_COMMANDS, *TOOL_COMMANDS]))
+    lines = [
+        "usage: python -m lit_memory COMMAND [options]",
+        "       python -m lit_memory COMMAND --help     (every option of one command)",
+        "",
+        "Fine-tune Hugging Face sequence classifiers with PyTorch Lightning in as little GPU memory as possible.",
+        "",
+        "training and inference (LightningCLI: --config FILE, --recipe NAME, dotted overrides like --data.batch_size 8):",
+        *(f"  {name:<{width}}  {line}" for name, line in LIGHTNING_COMMANDS.items()),
+        "",
+        "tools:",
+        *(f"  {name:<{width}}  {line}" for name, line in TOOL_COMMANDS.items()),
+        "",
+        cli.HELP,
+    ]
+    return "\n".join(lines)
+
+
+def boxed(args: list[str]) -> bool:
+    """Whether a command runs in the box: every command that reads files someone may have sent (runs,
+    estimate, plan, bench, ``recipes check``), unless ``--trust-recipe`` is given. ``recipes``
+    list/show/headers read only the shipped recipes."""
+    if trust.TRUST_FLAG in args:
+        return False
+    return not (args[:1] == ["recipes"] and args[1:2] != ["check"])
+
+
+@contextlib.contextmanager
+def session(args: list[str]) -> Iterator[Optional[box.Box]]:
+    """The box for one command, or nothing when it is trusted. Files typed on the command line are the
+    user's: read even when they are not regular files (``--config <(...)``)."""
+    if not boxed(args):
+        yield None
+        return
+    with box.confine(box.run_box(cli.named_files(args))) as held:
+        yield held
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -25,19 +82,64 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     datasets.disable_progress_bars()
     args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        sys.exit(0 if args else 2)
+    held: Optional[box.Box] = None
     try:
-        if args and args[0] in TOOLS:
-            TOOLS[args[0]](args[1:])
-        else:
-            cli.resolve(args).launch()
+        with session(args) as held:
+            if args and args[0] in TOOLS:
+                TOOLS[args[0]](args[1:])
+            else:
+                cli.resolve(args).launch()
     except UserError as err:
-        for line in str(err).splitlines():
-            print(f"error: {line}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(err))
+    except RecursionError:
+        _fail(_refused_or(held, "refusing an input nested too deeply to read (a recipe, config or checkpoint value)"))
     except torch.OutOfMemoryError as err:
         # The memory monitor has printed the breakdown at the failure and a recipe that fits.
         print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:  # torch's distributed checkpoint wraps errors in a BaseException of its own
+        if held is not None and held.refused:  # a refusal some library turned into an error of its own: the cause
+            _fail(str(held.refused[0]))
+        if (masked := _user_error_behind(err)) is not None:  # a library's cleanup failed while handling ours
+            _fail(str(masked))
+        raise
+    if held is not None:
+        _report(held)
+
+
+def _report(held: box.Box) -> None:
+    """The refusals some library caught and went on without (matplotlib falls back to a temporary cache when it
+    cannot make its own, `platform` answers without the program it asks): nothing happened, the run did without
+    it; said once each, as warnings."""
+    for message in dict.fromkeys(str(r) for r in held.refused):
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def _user_error_behind(err: BaseException) -> Optional[UserError]:
+    """The `UserError` an exception was raised while handling, if any (Lightning's batch-size finder restores
+    its settings in a ``finally`` that can fail itself, hiding the refusal that stopped it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, UserError):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _refused_or(held: Optional[box.Box], message: str) -> str:
+    return str(held.refused[0]) if held is not None and held.refused else message
+
+
+def _fail(message: str) -> None:
+    for line in message.splitlines():
+        print(f"error: {line}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

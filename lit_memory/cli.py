@@ -14,24 +14,31 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
-from lit_memory import checks, guard, lowbit, precision, recipes, resume, trust
+from lit_memory import box, checks, guard, lowbit, precision, recipes, resume, trust
 from lit_memory.activations import is_auto
+from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
-from lit_memory.noise import quiet_known_noise
+from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import changes_on, cpu_fallback, on_gpu, runs_on_cpu
+from lit_memory.predictions import PredictionWriter
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
@@ -59,6 +66,8 @@ class _Parser(LightningArgumentParser):
             return super().error(message, ex)
         if _Parser.probing:
             raise _ProbeFailed(message)
+        if bound := trust.bound_error():  # a config beyond the bounds an untrusted run reads
+            raise bound
         if denied := trust.denied_imports(message):
             raise ImportRefused(denied)
         if url := trust.remote_config(message):
@@ -108,7 +117,7 @@ class LitMemoryCLI(LightningCLI):
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
             self.decision = trust.Decision(trusted=trust.TRUST_FLAG in argv)
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
-        self.decision.enforce()
+        self.decision.enforce(typed_files=[] if self.argv is None else named_files(self.argv))
         quiet_known_noise()
         self._deferred = defer
         self._collect = collect
@@ -152,6 +161,7 @@ class LitMemoryCLI(LightningCLI):
             if not self._collect:
                 raise
             self.problems.append(str(err))
+        self._confine()
         if subcommand:
             try:  # before LightningCLI merges the checkpoint's hyper-parameters into these settings
                 resume.check_resume(self.settings_of(self.config), compare=subcommand == "fit")
@@ -172,10 +182,34 @@ class LitMemoryCLI(LightningCLI):
         """Whether the user typed ``key`` as ``value`` on the command line (a file did not set it after)."""
         if self.argv is None:
             return False
-        typed = self.decision.typed
-        if self.decision.trusted:  # the trust decision reads them only for untrusted runs
+        decision = self.decision
+        if decision.trusted:  # the trust decision reads them only for untrusted runs
             typed = trust.typed_values(self.argv, self._parse_alone, self.config.get("subcommand"))
-        return typed.get(key) is not None and str(typed.get(key)) == str(value)
+            decision = dataclasses.replace(decision, typed=typed)
+        return decision.is_typed(key, value)
+
+    def _confine(self) -> None:
+        """Tell this process's box (`lit_memory.box`, held by ``python -m lit_memory`` for an untrusted
+        command) where this run writes: its run folder (``trainer.default_root_dir``, the working folder by
+        default: create-only, since its parent chose it or nobody did; the user's own when typed), the
+        folders the user typed, and which setting names which path (for the refusal lines)."""
+        typed = dict(trust.leaves(self.decision.typed))
+        guard.set_typed(typed)
+        held = box.active()
+        if held is None or self.decision.trusted:
+            return
+        settings = self.settings
+        root = settings.get("trainer.default_root_dir")
+        own = root is not None and self.decision.is_typed("trainer.default_root_dir", root)
+        label = "trainer.default_root_dir" if root else "the working folder: trainer.default_root_dir's default"
+        held.allow(os.path.expanduser(str(root)) if root else os.getcwd(), label, owned=own)
+        for key, value in typed.items():
+            if key.rsplit(".", 1)[-1] in guard.WRITE_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
+                held.allow(value, key, owned=True)
+        held.name_settings(trust.leaves(settings))
+        workers = settings.get("data.num_workers")
+        held.max_children = 2 * max(os.cpu_count() or 1, workers if isinstance(workers, int) else 0) + 4
+        box.publish()
 
     def _parse_alone(self, argv: list[str]) -> Namespace:
         _Parser.probing = True
@@ -189,6 +223,10 @@ class LitMemoryCLI(LightningCLI):
         # Lightning's own default, None, defers to torch's default, which an environment variable can turn off.
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         parser.set_defaults(weights_only=True)
+        if subcommand == "predict":
+            # Predictions go to a file batch by batch (`predictions:`), so Lightning need not keep them all in memory.
+            parser.set_defaults(return_predictions=False)
+            parser.add_lightning_class_args(PredictionWriter, "predictions")
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -196,6 +234,9 @@ class LitMemoryCLI(LightningCLI):
         # Memory is measured in every run: a forced callback (always present, unlike a default in
         # `trainer.callbacks`, which a user's list would replace) with its own `memory:` config block.
         parser.add_lightning_class_args(MemoryMonitor, "memory")
+        # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
+        # `_instantiate_trainer`). Its `progress:` block sets how often.
+        parser.add_lightning_class_args(LogProgress, "progress")
         # One source of truth: the model decides the classes and the tokenizer, the data follows.
         parser.link_arguments("model.num_labels", "data.num_labels")
         parser.link_arguments(
@@ -264,13 +305,16 @@ class LitMemoryCLI(LightningCLI):
         if not runs_on_cpu(self.settings.trainer.accelerator):
             warning = use_recipe_conf(self.settings.memory.allocator)
             if warning:
-                print(warning, file=sys.stderr)
+                say(warning)
 
     def _plan_checkpointing(self) -> None:
         """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
         run's device budget (`lit_memory.memory.recompute`), for the device it runs on, before the module is
         built; the config (and the recipe the run saves) then holds that plan. One line says what was chosen."""
         settings = self.settings
+        training = self.config.get("subcommand") in (None, "fit")
+        if not training and is_auto(settings.model.gradient_checkpointing):
+            settings.model.gradient_checkpointing = False  # no backward to plan for: nothing is recomputed
         if not is_auto(settings.model.gradient_checkpointing):
             if is_auto(settings.model.offload_activations):  # weighed only against a plan being chosen
                 settings.model.offload_activations = False
@@ -284,7 +328,7 @@ class LitMemoryCLI(LightningCLI):
         step = planned(self.step(target(device)))
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
         settings.model.offload_activations = step.model["offload_activations"]
-        print(step.planned, file=sys.stderr)
+        say(step.planned)
 
     def _run_subcommand(self, subcommand: str) -> None:
         if not self._deferred:
@@ -295,13 +339,13 @@ class LitMemoryCLI(LightningCLI):
             return
         monitor = self.config_init[self.subcommand]["memory"] if self.subcommand else self.config_init["memory"]
         hooks = dict(self._memory_hooks)
-        if None in hooks.values():
+        if None in hooks.values() and self.subcommand in (None, "fit"):  # the monitor predicts for training only
             from lit_memory.memory.predict import run_hooks
 
             try:
                 defaults = dict(zip(("predict", "advise"), run_hooks(self.step(), recipes.shipped_settings)))
             except UserError as err:  # settings the memory model does not cover: measure only
-                print(f"warning: no memory predictions for this run: {err}", file=sys.stderr)
+                say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
             hooks = {name: hook if hook is not None else defaults.get(name) for name, hook in hooks.items()}
         for name, hook in hooks.items():
@@ -333,6 +377,9 @@ class LitMemoryCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+            if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
+                typed = self._typed_callbacks(trainer.get("callbacks") or [])
+                kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)
@@ -343,9 +390,38 @@ class LitMemoryCLI(LightningCLI):
         guard.install(trainer)
         return trainer
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
+        """The Trainer with the forced callbacks, where they apply: progress lines only off a terminal, with the
+        progress bar on and none of the user's own; the model summary (`lit_memory.console.ModelSummary`) unless
+        turned off or the user configured one."""
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        progress = [c for c in callbacks if isinstance(c, LogProgress)]
+        callbacks = [c for c in callbacks if not isinstance(c, LogProgress)]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            if not interactive():
+                callbacks += progress
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, LightningModelSummary) for c in given):
+            callbacks.append(ModelSummary())
+            config["enable_model_summary"] = False  # Lightning's own default summary: ours stands in for it
+        return super()._instantiate_trainer(config, callbacks)
+
+    def _typed_callbacks(self, callbacks: list[Any]) -> set[int]:
+        """Ids of the callbacks whose class spec the user typed on the command line (theirs, bounds and all)."""
+        specs = self.settings.get("trainer.callbacks") or []
+        typed = self.decision.typed.get("trainer.callbacks") or [] if isinstance(self.decision.typed, Namespace) else []
+        return {id(c) for c, spec in zip(callbacks, specs) if any(spec == t for t in typed)}
+
     def _preflight(self) -> None:
+        if self.subcommand != "fit":
+            quiet_evaluation_noise()
+        if self.settings.get("ckpt_path") is not None:
+            self.model.report_new_head = False  # the checkpoint's head replaces the one built first
         typed = [v for k, v in trust.leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed))
+        if guard.restricted() and self.subcommand == "fit" and getattr(self.model, "hparams", {}).get("save_pretrained"):
+            run_dir = self.trainer.log_dir or self.trainer.default_root_dir  # where `SequenceClassifier.on_fit_end` exports
+            guard.check_replace(Path(run_dir) / "hf_model", "model.save_pretrained")
 
     def before_fit(self) -> None:
         self._preflight()
@@ -368,12 +444,37 @@ class LitMemoryCLI(LightningCLI):
     def after_test(self) -> None:
         self._print_metrics("test")
 
+    def after_predict(self) -> None:
+        # Lightning keeps no metrics for predict: the module computed them where the inputs had labels.
+        results = getattr(self.model, "predict_results", None)
+        if results and self.trainer.is_global_zero:
+            print("predict: " + "  ".join(f"{k.removeprefix('predict_')}={v:.4f}" for k, v in sorted(results.items())))
+
     def _print_metrics(self, stage: str) -> None:
         if not self.trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
         if metrics:
             print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
+
+
+def say(line: str) -> None:
+    """A line on stderr from the process of global rank 0 only: Lightning's launcher runs this command again for
+    every other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
+    if rank_zero_only.rank == 0:
+        print(line, file=sys.stderr)
+
+def named_files(argv: list[str]) -> list[str]:
+    """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``)."""
+    found = []
+    for token in argv:
+        value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
+        try:
+            if value and not value.startswith("-") and Path(value).exists():
+                found.append(value)
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def fp16_under_fsdp2(trainer: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -19,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-from lit_memory import bundled, guard
+from lit_memory import bundled, guard, predictions
+from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
@@ -72,6 +74,13 @@ class TextClassificationData(L.LightningDataModule):
         seed: seed for splitting, sub-sampling and the training order (a function of the seed and
             the epoch only, so a resumed run sees the batches the interrupted one would have).
         num_workers: DataLoader workers.
+        predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict`` (labels optional), streamed:
+            never held whole in memory. Its text column is ``text_column`` if set, else the first of the
+            training data's, ``text``, ``sentence``, ``review``, ``content``; its labels (names or ids), where it
+            has a ``label_column`` (else the training data's, ``label`` or ``labels``), give metrics. Without it,
+            ``predict`` predicts the test split.
+        id_column: the column that names each row in the predictions (default ``id`` where the file has one;
+            else each row is named by its text).
     """
 
     def __init__(
@@ -92,6 +101,8 @@ class TextClassificationData(L.LightningDataModule):
         limit_eval_samples: Optional[int] = None,
         seed: int = 42,
         num_workers: int = 0,
+        predict_path: Optional[str] = None,
+        id_column: Optional[str] = None,
     ) -> None:
         super().__init__()
         if num_labels < 2:
@@ -107,6 +118,8 @@ class TextClassificationData(L.LightningDataModule):
             if limit is not None and limit < 1:
                 raise UserError(f"the {name} split would be empty: its sample limit is {limit} (use null for all)")
         is_bundled = source == BUNDLED
+        # The columns as given (None: not set), for a file of texts to predict, which may name them otherwise.
+        self._given_columns = (text_column, label_column, id_column)
         if is_bundled and label_names is None:
             if num_labels not in BUNDLED_LABELS:
                 raise UserError(f"the bundled tweets have 2 or 3 classes, not num_labels={num_labels}")
@@ -121,6 +134,12 @@ class TextClassificationData(L.LightningDataModule):
             eval_batch_size=eval_batch_size or batch_size,
         )
         self._local_file = self._check_local_file(source)
+        self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
+        self._predict_columns: Optional[tuple[str, Optional[str], Optional[str]]] = None
+        self._predict_rows: Optional[datasets.Dataset] = None
+        # What the run was started with: untrusted, nothing may raise these during the run (a batch-size
+        # finder scaling ``num_workers``), beyond this machine's cores for the workers.
+        self._bounded = {"num_workers": max(num_workers, os.cpu_count() or 1), "max_length": max_length}
         self.splits: Optional[datasets.DatasetDict] = None
         self.tokenizer = None
 
@@ -135,6 +154,8 @@ class TextClassificationData(L.LightningDataModule):
         if path.suffix.lower() not in FILE_FORMATS and not path.exists():
             return None  # a hub dataset name
         if not path.is_file():
+            if path.exists():  # a FIFO, a device: reading it may never end
+                raise UserError(f"data file {source} is not a regular file")
             raise UserError(f"data file not found: {source}")
         if path.suffix.lower() not in FILE_FORMATS:
             raise UserError(f"unsupported data file {source}: use one of " + ", ".join(FILE_FORMATS))
@@ -240,21 +261,94 @@ class TextClassificationData(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         # Runs before Lightning creates the run folder: all user-input errors surface here.
-        if self.splits is None:
+        if self._predicting():
+            self._prepare_predict()
+        elif self.splits is None:
             self._tokenize(self.load_splits())
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.splits is None:
+        if stage == "predict":
+            self._prepare_predict()
+        elif self.splits is None:
             self._tokenize(self.load_splits())
 
+    def _predicting(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        return trainer is not None and trainer.state.fn == "predict"
+
+    # -- predict: a file of texts, or the test split, streamed --------------------------------------
+
+    @staticmethod
+    def _check_predict_file(path: str) -> Path:
+        found = Path(path).expanduser()
+        if not found.is_file():
+            raise UserError(f"data.predict_path: file not found: {path}")
+        if found.suffix.lower() not in FILE_FORMATS:
+            raise UserError(f"data.predict_path: unsupported file {path}: use one of " + ", ".join(FILE_FORMATS))
+        return found
+
+    def _prepare_predict(self) -> None:
+        """The columns of the file to predict (read from its first row: the file is streamed later), or the test
+        split of the training data; and the tokenizer."""
+        if self._predict_columns is None:
+            if self._predict_file is not None:
+                text, label, id_ = self._given_columns
+                if self._predict_file.stat().st_size == 0:
+                    raise UserError(f"data.predict_path: {self._predict_file} has no rows")
+                try:
+                    first = next(iter(predictions.read_texts(self._predict_file, FILE_FORMATS)), None)
+                except UserError:
+                    raise
+                except Exception as err:
+                    raise UserError(f"cannot read {self._predict_file}: {str(err).splitlines()[0]}") from err
+                if first is None:
+                    raise UserError(f"data.predict_path: {self._predict_file} has no rows")
+                self._predict_columns = predictions.pick_columns(
+                    list(first), text, label, id_, str(self._predict_file),
+                    defaults=(self.hparams.text_column, self.hparams.label_column),  # the training data's
+                )
+            else:
+                self._predict_rows = self.load_splits()["test"]
+                self._predict_columns = (self.hparams.text_column, "labels", None)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
+
+    def predict_rows(self, rank: int = 0, world_size: int = 1) -> predictions.Rows:
+        """This rank's share of the rows to predict, read as they are consumed."""
+        self._prepare_predict()
+        if self._predict_file is not None:
+            source, where = predictions.read_texts(self._predict_file, FILE_FORMATS), str(self._predict_file)
+        else:
+            source, where = self._predict_rows, f"the test split of {self.hparams.source}"
+        return predictions.Rows(source, rank, world_size, where)
+    def check_bounds(self) -> None:
+        """Untrusted: the settings that multiply processes or memory are still within what the run started
+        with (`lit_memory.guard`): a callback can change them mid-run."""
+        if not guard.restricted():
+            return
+        for name, bound in self._bounded.items():
+            value = self.hparams.get(name)
+            if isinstance(value, int) and value > bound:
+                raise UserError(
+                    f"refusing data.{name}={value}: changed during the run to more than {bound} (what the run started "
+                    f"with, or this machine's CPU cores); pass --trust-recipe only if you trust its source"
+                )
+
     def _tokenize(self, splits: datasets.DatasetDict) -> None:
+        self.check_bounds()
         self.tokenizer = tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
         text, max_length = self.hparams.text_column, self.hparams.max_length
+        # Untrusted: each text is cut to what max_length tokens can come from before the tokenizer sees it,
+        # so a single huge row costs no more memory than the rest (`lit_memory.bounds.CHARS_PER_TOKEN`).
+        cap = max_length * CHARS_PER_TOKEN if guard.restricted() else None
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length).
         # The function closes over locals only: `datasets` hashes it, and hashing `self` would
         # serialise the attached trainer and model (seconds per call).
         self.splits = splits.map(
-            lambda rows: tokenizer(rows[text], truncation=True, max_length=max_length),
+            lambda rows: tokenizer(
+                rows[text] if cap is None else [t[:cap] if isinstance(t, str) else t for t in rows[text]],
+                truncation=True, max_length=max_length,
+            ),
             batched=True,
             remove_columns=[text],
             desc="tokenising",
@@ -269,6 +363,7 @@ class TextClassificationData(L.LightningDataModule):
         return DataCollatorWithPadding(self.tokenizer, padding="longest")
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        self.check_bounds()
         # A generator of its own: a DataLoader otherwise draws its workers' seed from the global
         # random state at every epoch, which would shift the dropout masks that follow.
         generator = torch.Generator().manual_seed(self.hparams.seed)
@@ -292,7 +387,17 @@ class TextClassificationData(L.LightningDataModule):
         return self._loader("test", self.hparams.eval_batch_size, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", self.hparams.eval_batch_size, shuffle=False)
+        # The model decides the label names (its checkpoint's or config's id2label, restored by now); the rows
+        # are read in this process (a stream: workers would each read all of it), dealt out over the ranks.
+        trainer = getattr(self, "trainer", None)
+        names = getattr(getattr(trainer, "lightning_module", None), "label_names", None)
+        if names is None:
+            names = label_names_or_default(self.hparams.label_names, self.hparams.num_labels)
+        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rows = self.predict_rows(rank, world_size)
+        text, label, id_ = self._predict_columns
+        collate = predictions.Collate(self.tokenizer, self.hparams.max_length, self.hparams.padding, text, label, id_, names)
+        return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
 
 
 def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: int) -> datasets.DatasetDict:
@@ -306,14 +411,23 @@ def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_
         return split.train_test_split(test_size=test_size, seed=seed)
 
 
+def label_names_or_default(names: Optional[list[str]], num_labels: int) -> list[str]:
+    """One name per class id: the given names, then transformers' default (``LABEL_<id>``) for ids beyond them."""
+    names = list(names or [])
+    return names + [f"LABEL_{i}" for i in range(len(names), num_labels)]
+
+
 def load_tokenizer(name_or_path: str):
     """The tokenizer, padding on the right with its EOS token where it has no pad token (GPT-2's, Llama's):
     the one place that decides what batches are padded with (the model's config follows it: `pad_token_id`)."""
     path = bundled.resolve_model(name_or_path)
+    if not str(name_or_path).startswith("bundled:"):
+        guard.check_model_folder(path, f"tokenizer {name_or_path!r}")
     try:
         tokenizer = guard.call(AutoTokenizer.from_pretrained, f"tokenizer {name_or_path!r}", path)
     except OSError as err:
         raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    guard.check_normalizer(tokenizer, f"tokenizer {name_or_path!r}")  # untrusted: no normalizer that multiplies texts
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -30,9 +31,9 @@ from lightning.fabric.utilities.types import _DEVICE
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_memory import fused
+from lit_memory import eightbit_shards, fused
 from lit_memory.errors import UserError
-from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, SHARD_STATE, Bucket, BucketHooks, Clipping, LossScaling
+from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling
 from lit_memory.strategies import FusedStep, _AcceleratorDevice, hugging_face_models, shard
 UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
@@ -156,7 +157,7 @@ class _Route:
             if params:
                 buckets.append(Bucket(optimizer, params))
         self.check_owned(after_backward=False)
-        self.hooks = BucketHooks(buckets, clipping, scaling)
+        self.hooks = BucketHooks(buckets, clipping, scaling=scaling)
         if scaling is not None:  # optimizer.step() in the block (a no-op) calls the scaler: it sees what backward did
             self.precision.scaler = scaling.view
         self.fsdp1 = fsdp1.install(self.hooks) if fsdp1 is not None else None
@@ -406,26 +407,59 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
         held = {id(p) for p in self._module.parameters()} if self._module is not None else set()
         if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
             raise UserError(STALE_OPTIMIZER)  # made before sharding (fabric.setup(model, optimizer)): it would train nothing
-        return super().setup_optimizer(optimizer)
+        optimizer = super().setup_optimizer(optimizer)
+        if self._fused.steps_shards and not self._save_distributed_checkpoint:
+            raise UserError(eightbit_shards.ONE_FILE)
+        return optimizer
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        self._check_state(state)
-        super().save_checkpoint(path, state, *args, **kwargs)
+        key = self._fused_key(state)
+        if key is None or not self._fused.steps_shards:
+            return super().save_checkpoint(path, state, *args, **kwargs)
+        # Lightning's saver, with bitsandbytes' state as DTensors where it puts torch's optimizer state dict (it
+        # would send any other object to rank 0's meta.pt).
+        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME, _distributed_checkpoint_save
+        from lightning.fabric.utilities.types import _Stateful
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        path = Path(self.broadcast(path))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        converted, metadata = {}, {}
+        for name, obj in state.items():
+            if isinstance(obj, nn.Module):
+                converted[name] = get_model_state_dict(obj)
+            elif name == key:
+                converted[name] = eightbit_shards.state_dict(self._fused.optimizer, self._module)
+            elif isinstance(obj, Optimizer):
+                converted[name] = get_optimizer_state_dict(self._module, obj)
+            else:
+                metadata[name] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        _distributed_checkpoint_save(converted, path)
+        if self.global_rank == 0:
+            torch.save(metadata, path / _METADATA_FILENAME)
 
     def load_checkpoint(self, path: Any, state: Any = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if self._check_state(state):
-            self._fused.initialize_state()  # torch's loader fills existing state (else it creates it all at once)
-        return super().load_checkpoint(path, state, *args, **kwargs)
+        key = self._fused_key(state)
+        if key is None:
+            return super().load_checkpoint(path, state, *args, **kwargs)
+        self._fused.initialize_state()  # torch's loader fills existing state (else it creates it all at once)
+        if not self._fused.steps_shards:
+            return super().load_checkpoint(path, state, *args, **kwargs)
+        path = Path(self.broadcast(path))
+        rest = {k: v for k, v in state.items() if k != key}
+        remainder = super().load_checkpoint(path, rest, *args, **kwargs)
+        state.update(rest)  # what Fabric loaded into the dict it was given
+        eightbit_shards.load_state_dict(self._fused.optimizer, self._module, path, key)
+        return remainder
 
-    def _check_state(self, state: Any) -> bool:
-        """Whether ``state`` holds the fused optimizer; one line if its state cannot be saved."""
+    def _fused_key(self, state: Any) -> Optional[str]:
+        """The key under which ``state`` holds the fused optimizer, if it does."""
         if self._fused is None or not isinstance(state, dict):
-            return False
-        if not any(value is self._fused.optimizer for value in state.values()):
-            return False
-        if self._fused.steps_shards:
-            raise UserError(SHARD_STATE)
-        return True
+            return None
+        optimizer = self._fused.optimizer
+        return next((k for k, v in state.items() if v is optimizer or getattr(v, "optimizer", None) is optimizer), None)
 
 
 def _shard_hugging_face(module: nn.Module, device_mesh: Any) -> nn.Module:

@@ -38,17 +38,27 @@ Gradient clipping (`Clipping`) happens inside backward, with the results of clip
 as each bucket steps; by global norm with a first backward that only measures the norm
 (`BucketHooks.backward`). fp16 loss scaling (`LossScaling`: torch's ``GradScaler``, 16-mixed) shares that
 first backward: it unscales and checks every gradient, and an overflow skips the step exactly where
-GradScaler would. What fusion cannot do is look at gradients after backward: no accumulation over
-micro-batches, no user code that clips or inspects gradients after backward. The strategies refuse those
-settings with these messages before training starts.
+GradScaler would.
+
+On a device with streams (CUDA), each bucket's step is ordered after its gradients whatever stream each runs on
+(`DeviceStreams`): FSDP2 and FSDP1 hand gradients over on their reduce-scatter / post-backward stream, and
+bitsandbytes launches its kernels on the legacy default stream (`launches_on`). Empty shards (FSDP2 gives the
+last ranks none of a parameter with fewer rows than ranks) are left out of every optimizer's step and of the
+clipping norm.
+
+What fusion cannot do is look at gradients after backward: no accumulation over micro-batches, no user code
+that clips or inspects gradients after backward. The strategies refuse those settings with these messages
+before training starts.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import torch
 from torch.autograd import Variable
@@ -101,11 +111,6 @@ FABRIC_CLIPPING = (
     "gradient: give the fused strategy (or fsdp_overlap_step_with_backward) max_norm or clip_val instead, "
     "which clip inside backward with the same results"
 )
-SHARD_STATE = (
-    "bitsandbytes' 8-bit optimizer state is quantised block by block over each rank's own shard, so FSDP "
-    "checkpoints cannot hold it: this checkpoint has the model and the trainer's state but no optimizer state, "
-    "and cannot resume training (load its weights with ckpt_path in validate/test, or export hf_model)"
-)
 
 DEFAULT_BUCKET = "layer"  # the setting as written (strategies' signatures and YAML show it as text)
 _MIB = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*MiB\s*")
@@ -153,9 +158,15 @@ class Bucket:
     source_groups: Sequence[int] = ()
     shards: Optional[list[torch.Tensor]] = None
     arrived: int = field(default=0, init=False)  # gradients accumulated in this backward so far
+    streams: set = field(default_factory=set, init=False)  # where they were made (`BucketHooks` with `DeviceStreams`)
 
     def __post_init__(self) -> None:
         self._shard_state = _ShardState(dict(zip(self.shards, self.params))) if self.shards else None
+        self.launch = launches_on(self.optimizer)
+        self._bitsandbytes = is_bitsandbytes(self.optimizer)
+        # FSDP2 shards dim 0 as torch.chunk does: with fewer rows than ranks the last ranks hold none. bitsandbytes'
+        # CUDA kernels reject a 0-element launch (and exit the process), so no optimizer is handed one.
+        self._empty = [p for p in self.params if _local(p).numel() == 0]
 
     def step(self, clip: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
         """Apply the gradients the bucket's parameters hold, then free them. ``clip`` changes the
@@ -164,10 +175,16 @@ class Bucket:
             clip([_local(p.grad) for p in self.params if p.grad is not None])
         if self.source is not None:
             self._sync()
+        for param in self._empty:
+            param.grad = None
         if self.shards:
             for shard, param in zip(self.shards, self.params):
                 shard.grad = None if param.grad is None else param.grad.to_local()
-        self.optimizer.step()
+        if self._bitsandbytes:
+            with _one_sync_per_step(self.optimizer, self.params):
+                self.optimizer.step()
+        else:
+            self.optimizer.step()
         for param in self.params:
             param.grad = None
         if self.shards:
@@ -230,9 +247,14 @@ class _NormMeter:
     def __init__(self, norm_type: float) -> None:
         self.norm_type = float(norm_type)
         self.norms: dict[tuple, list[torch.Tensor]] = {}  # process groups the gradients are sharded over -> norms
+        self.device = torch.device("cpu")
 
     def add(self, grad: torch.Tensor, group: Any = None) -> None:
-        self.norms.setdefault(_shard_groups(grad, group), []).append(torch.linalg.vector_norm(_local(grad), self.norm_type))
+        local = _local(grad)
+        norms = self.norms.setdefault(_shard_groups(grad, group), [])  # the group takes part in the all-reduce even with nothing here
+        self.device = local.device
+        if local.numel():  # an empty shard adds nothing to a p-norm and has no infinity norm
+            norms.append(torch.linalg.vector_norm(local, self.norm_type))
 
     def total(self) -> torch.Tensor:
         import torch.distributed as dist
@@ -240,7 +262,7 @@ class _NormMeter:
         p = self.norm_type
         parts = []
         for groups, norms in self.norms.items():
-            part = torch.linalg.vector_norm(torch.stack(norms), p)
+            part = torch.linalg.vector_norm(torch.stack(norms), p) if norms else torch.zeros((), device=self.device)
             if groups:
                 part = part if p == float("inf") else part**p
                 for group in groups:
@@ -285,7 +307,8 @@ class _Measure:
             found = self.found.get((key, local.device))
             if found is None:
                 found = self.found[key, local.device] = torch.zeros((), device=local.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([local], found, self.inv_scale.to(local.device))
+            if local.numel():  # an empty shard (FSDP2's last ranks) has nothing to check, but joins the reduction
+                torch._amp_foreach_non_finite_check_and_unscale_([local], found, self.inv_scale.to(local.device))
             self.groups.update((id(g), g) for g in _shard_groups(grad, group))
         if self.norms is not None:
             self.norms.add(grad, group)
@@ -319,7 +342,8 @@ def _unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
     by the measuring backward."""
     kinds: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
-        kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+        if grad.numel():
+            kinds.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, _), same in kinds.items():
         torch._amp_foreach_non_finite_check_and_unscale_(same, torch.zeros((), device=device), inv_scale.to(device))
 
@@ -421,6 +445,93 @@ def _allow_a_second_backward() -> None:
     torch._functorch.config.donated_buffer = False
 
 
+# -- the order of a bucket's step and its gradients on a device with streams ------------------------
+
+
+class DeviceStreams:
+    """One device's streams, as the fused step orders its work on them: ``module`` is torch's module for the device
+    type (``torch.cuda``; `device_streams` picks it). A test gives a recording one (a fake device handle).
+
+    Where the gradients of a bucket are made and where its optimizer's kernels run can differ:
+
+    - FSDP2 runs the post-accumulate-grad hooks inside its reduce-scatter stream (all-reduce stream under HSDP), a
+      non-blocking stream from torch's pool (``foreach_reduce`` in torch/distributed/fsdp/_fully_shard/
+      _fsdp_collectives.py: the hooks run in ``device_handle.stream(post_reduce_stream)``); FSDP1 steps its
+      in-backward optimizers inside its post-backward stream; on one device, autograd runs a gradient's
+      accumulation, and so its hook, on the stream of its forward;
+    - torch's optimizers (and anything made of torch ops) launch on torch's current stream, which is where the
+      gradient was made: in order. bitsandbytes 0.50 passes no stream to its optimizer kernels (``_optimizer_update_*``
+      in bitsandbytes/backends/cuda/ops.py), so they run on the legacy default stream, which a non-blocking stream
+      does not synchronise with (`launches_on`).
+
+    ``BucketHooks`` makes the launch stream wait for an event recorded where the gradients were made when the bucket
+    completed, runs the whole step with the launch stream current (the library's torch ops, e.g. its zero-initialised
+    first-step state, go where its kernels go) and marks the gradients used there (``record_stream``), so their memory
+    is not reused before the step has read them. No host synchronisation."""
+
+    def __init__(self, module: Any, device: torch.device) -> None:
+        self.module, self.device = module, device
+
+    def current(self) -> Any:
+        return self.module.current_stream(self.device)
+
+    def default(self) -> Any:
+        return self.module.default_stream(self.device)
+
+    def use(self, stream: Any) -> Any:
+        return self.module.stream(stream)
+
+    def record(self, stream: Any) -> Any:
+        return stream.record_event()
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def used_on(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+def device_streams(device: Optional[torch.device]) -> Optional[DeviceStreams]:
+    """The streams of ``device`` where work can run out of program order (CUDA, and devices with its stream
+    API); None on the CPU, where it cannot. Module-level so that a test can put a recording handle in its place."""
+    if device is None or device.type in ("cpu", "meta"):
+        return None
+    module = torch.get_device_module(device)
+    if not all(hasattr(module, name) for name in ("current_stream", "default_stream", "stream")):
+        return None
+    return DeviceStreams(module, device)
+
+
+def launches_on(optimizer: Optimizer) -> Literal["current", "default"]:
+    """The stream an optimizer's kernels run on: torch's current one, or the device's legacy default stream
+    whatever the current one is (bitsandbytes: `DeviceStreams`)."""
+    return "default" if is_bitsandbytes(optimizer) else "current"
+
+
+@contextmanager
+def _one_sync_per_step(optimizer: Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+    """bitsandbytes' ``Optimizer8bit.step`` synchronises the whole device after every parameter
+    (``bitsandbytes.utils.sync_gpu``, a global of its optimizer module, ``torch.cuda.synchronize()``): inside
+    backward that stops the host ~390 times per BERT-large step, and under FSDP2 inside the reduce-scatter hook,
+    so communication and the host's launches stop overlapping compute. Its non-paged kernels need none (the stream
+    orders them: `DeviceStreams`; bitsandbytes PR #2050 drops them too), so none is made. A paged optimizer
+    prefetches and updates its unified-memory state asynchronously and keeps bitsandbytes' own sync at the end of
+    the step: one per bucket (~25 per BERT-large step with ``layer`` buckets), each draining the device's queue."""
+    module = sys.modules["bitsandbytes.optim.optimizer"]
+    sync = module.sync_gpu
+    module.sync_gpu = _no_sync
+    try:
+        yield
+    finally:
+        module.sync_gpu = sync
+    if optimizer.is_paged and params:
+        sync(_local(params[0]))
+
+
+def _no_sync(tensor: torch.Tensor) -> None:
+    """bitsandbytes' per-parameter device sync, left out (`_one_sync_per_step`)."""
+
+
 class BucketHooks:
     """Step each bucket from its parameters' ``register_post_accumulate_grad_hook`` when backward has
     accumulated the last of their gradients; `remove` restores normal stepping.
@@ -434,10 +545,22 @@ class BucketHooks:
     backward must run through `backward`. Where gradients arrive by another route than the hooks (FSDP1 hands them over after
     reducing a flat parameter), that route calls `arrived`, names the process group in ``groups`` and
     tidies up in ``after_step``.
+
+    ``streams`` (`DeviceStreams`; by default `device_streams` of the parameters' device, None on the CPU) orders
+    each step after its gradients. A bucket whose optimizer launches on another stream than its gradients were
+    made on (bitsandbytes under FSDP2 or FSDP1) is stepped one bucket later: when the next such bucket completes, or
+    at the end of backward. By then the compute stream has been given the next layer's backward, so its wait for
+    this reduce-scatter comes after that work and the reduce-scatter still overlaps it; stepped at once, the compute
+    stream would wait for each layer's reduce-scatter before the next layer's backward. The cost: one more
+    bucket's (sharded) gradients alive.
     """
 
     def __init__(
-        self, buckets: list[Bucket], clipping: Optional[Clipping] = None, scaling: Optional[LossScaling] = None
+        self,
+        buckets: list[Bucket],
+        clipping: Optional[Clipping] = None,
+        streams: Optional[DeviceStreams] = None,
+        scaling: Optional[LossScaling] = None,
     ) -> None:
         self.buckets = buckets
         self.clipping = clipping
@@ -446,6 +569,9 @@ class BucketHooks:
             _allow_a_second_backward()
         self.groups: dict[int, Any] = {}  # id(parameter) -> the group its plain-tensor gradient is sharded over
         self.after_step: list[Callable[[Bucket], None]] = []
+        first = next((p for b in buckets for p in b.params), None)
+        self.streams = streams if streams is not None else device_streams(None if first is None else first.device)
+        self._deferred: Optional[tuple[Bucket, list, Any]] = None  # (bucket, events to wait for, its launch stream)
         self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
         # loss scaling: GradScaler skips each of the user's optimizers on its own gradients (a bucket's source)
         self._optimizer_of = {b: id(b.source if b.source is not None else b.optimizer) for b in buckets}
@@ -476,6 +602,8 @@ class BucketHooks:
             Variable._execution_engine.queue_callback(self._flush)
         bucket = self._bucket_of[id(param)]
         bucket.arrived += 1
+        if self.streams is not None:
+            bucket.streams.add(self.streams.current())
         if bucket.arrived < len(bucket.params):
             self._waiting[bucket] = None
             return
@@ -528,8 +656,36 @@ class BucketHooks:
             for grad in grads:
                 grad.clamp_(-self.clipping.value, self.clipping.value)
 
-    def _step(self, bucket: Bucket) -> None:
+    def _step(self, bucket: Bucket, defer: bool = True) -> None:
+        """Step ``bucket`` (all its gradients are here), ordered after them where they were made."""
+        if self.streams is None:
+            self._run(bucket)
+            return
+        target = self.streams.default() if bucket.launch == "default" else self.streams.current()
+        made = [stream for stream in bucket.streams if stream != target]
+        if not made:  # made on the stream its optimizer launches on: in order already
+            self._run(bucket)
+            return
+        events = [self.streams.record(stream) for stream in made]
+        if defer:  # step the one deferred before, defer this one
+            previous, self._deferred = self._deferred, (bucket, events, target)
+            if previous is None:
+                return
+            bucket, events, target = previous
+        self._run_after(bucket, events, target)
+
+    def _run_after(self, bucket: Bucket, events: list, target: Any) -> None:
+        for event in events:
+            self.streams.wait(target, event)
+        with self.streams.use(target):
+            for param in bucket.params:
+                if param.grad is not None:
+                    self.streams.used_on(_local(param.grad), target)
+            self._run(bucket)
+
+    def _run(self, bucket: Bucket) -> None:
         bucket.arrived = 0
+        bucket.streams.clear()
         if self._skipping and self._optimizer_of[bucket] in self._skipping:
             _drop(bucket)  # GradScaler skips this optimizer's step: its gradients are only freed
         else:
@@ -538,9 +694,12 @@ class BucketHooks:
             callback(bucket)
 
     def _flush(self) -> None:
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._run_after(*deferred)
         waiting, self._waiting = self._waiting, {}
         for bucket in waiting:
-            self._step(bucket)
+            self._step(bucket, defer=False)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -557,6 +716,7 @@ class OptimizerInBackward:
     transformer layer, each other module's own parameters); parameters in no unit are one bucket each.
     ``bucket``: a `Bucketing` or the setting as written (`parse_bucket`).
     ``clipping``: see `Clipping`; by norm, run backward through `backward`.
+    ``streams``: see `BucketHooks` (by default the parameters' device's).
     ``scaler``: the loop's ``torch.amp.GradScaler`` (fp16): the loss it scales is unscaled and checked inside
     backward (`LossScaling`); run backward through `backward`, and call `scaler` (the scaler's view) where
     the loop called the GradScaler, or nothing: the scale is already updated.
@@ -568,10 +728,12 @@ class OptimizerInBackward:
         units: Optional[Sequence[Sequence[torch.Tensor]]] = None,
         bucket: Any = DEFAULT_BUCKET,
         clipping: Optional[Clipping] = None,
+        streams: Optional[DeviceStreams] = None,
         scaler: Any = None,
     ) -> None:
         self.optimizer, self.units, self.clipping = optimizer, list(units or ()), clipping
         self.bucket = parse_bucket(bucket)
+        self.streams = streams
         self.scaling = LossScaling.of(scaler)
         self._fuse()
 
@@ -584,7 +746,8 @@ class OptimizerInBackward:
         self._trainable = self._signature()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
         groups = group_parameters(params, self.units, self.bucket)
-        self.hooks = BucketHooks([copy_bucket(self.optimizer, group) for group in groups], self.clipping, self.scaling)
+        buckets = [copy_bucket(self.optimizer, group) for group in groups]
+        self.hooks = BucketHooks(buckets, self.clipping, self.streams, self.scaling)
 
     def _signature(self) -> tuple:
         return tuple((id(p), p.requires_grad) for group in self.optimizer.param_groups for p in group["params"])
@@ -604,7 +767,8 @@ class OptimizerInBackward:
 
     @property
     def steps_shards(self) -> bool:
-        """Whether some bucket steps local shards (bitsandbytes under FSDP2): that state cannot be resharded."""
+        """Whether some bucket steps local shards (bitsandbytes under FSDP2): their state is checkpointed by
+        `lit_memory.eightbit_shards`, not by torch's optimizer state dict."""
         return any(bucket.shards for bucket in self.hooks.buckets)
 
     @torch.no_grad()
@@ -707,7 +871,8 @@ def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
     Optimizer.__init__(bucket_optimizer, groups, optimizer.defaults)
     if is_bitsandbytes(optimizer):
         positions = [[(g, i) for i, _ in members[g]] for g in members]
-        bucket_optimizer.mng = _bitsandbytes_overrides(optimizer.mng, positions, [[p for _, p in members[g]] for g in members])
+        params = [[p for _, p in members[g]] for g in members]
+        bucket_optimizer.mng = _bitsandbytes_overrides(optimizer.mng, positions, params, optimizer.args.min_8bit_size)
     has_shards = any(s is not None for s in shards)
     return Bucket(
         bucket_optimizer,
@@ -761,14 +926,22 @@ class _ShardState:
         return [state for _, state in self.items()]
 
 
-def _bitsandbytes_overrides(manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]]) -> Any:
+def _bitsandbytes_overrides(
+    manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]], min_8bit_size: int
+) -> Any:
     """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a bucket's copy.
 
     The process-wide `GlobalOptimManager` finds overrides by the parameter's (group, index) in the
     optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). In the copy a
     parameter has another (group, index), and may be stepped as a local shard with another id, so the
     copy gets a view of the manager whose (group, index) entries are everything its parameters were given.
+
+    A shard's state is 8-bit or 32-bit as the whole parameter's would be (bitsandbytes compares the tensor it
+    steps with ``min_8bit_size``): the same on every number of ranks, so a checkpoint reshards without changing
+    its kind (`lit_memory.eightbit_shards`), and as the memory model counts it.
     """
+    from torch.distributed.tensor import DTensor
+
     view = copy.copy(manager)
     view.index2config = {}
     for g, (group_positions, group_params) in enumerate(zip(positions, params)):
@@ -778,6 +951,9 @@ def _bitsandbytes_overrides(manager: Any, positions: list[list[tuple[int, int]]]
                 if getattr(module, name) is param:
                     config.update(module_config)
             config.update(manager.pid2config.get(id(param), {}))
+            if isinstance(param, DTensor):
+                quantised = param.numel() >= config.get("min_8bit_size", min_8bit_size)
+                config["min_8bit_size"] = 0 if quantised else sys.maxsize
             if config:
                 view.index2config[(g, i)] = config
     return view

@@ -21,7 +21,16 @@ hold where the loading happens:
   restricted readers, and refuses links planted in the folders the run writes into, so a refusal
   leaves nothing written;
 - Hugging Face loaders get ``trust_remote_code=False`` unless the user typed otherwise
-  (`pretrained_kwargs`).
+  (`pretrained_kwargs`); a local model folder is checked before transformers reads it (files within
+  their bounds, no Hub kernel or quantizer in its config.json, a tokenizer that does not multiply
+  texts: `check_model_folder`), and the loaded config and tokenizer again whatever their source
+  (`check_config`, `check_normalizer`);
+- the bounds that must hold for the whole run, not only when the settings are parsed: checkpoint
+  cadence and count over every callback (`RunBounds`, `checkpoint_load`) and at every save
+  (`save_budget`).
+
+Checkpoints are read within bounds (`lit_memory.bounds`): metadata files are regular and of bounded
+size, zip records do not expand past a ratio, before anything is unpickled or inflated.
 
 lit_memory's own checkpoints (a single file; FSDP2 folders with RNG and sampler state) are tensors and
 plain data, so resuming one's own run never needs ``--trust-recipe``. Without a decision (lit_memory
@@ -40,8 +49,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Callback
 
-from lit_memory import files
+from lit_memory import bounds, box, files
 from lit_memory.errors import UserError
 
 TRUST_FLAG = "--trust-recipe"
@@ -99,6 +109,13 @@ def checkpoint_problem(path: Any, files_too: bool = True) -> Optional[str]:
 
 
 def _file_problem(path: Path, data: Optional[bytes] = None) -> Optional[str]:
+    if data is None:
+        try:
+            bounds.regular(path, "checkpoint")
+        except UserError as err:
+            return str(err).split(": ", 1)[-1]
+        if problem := bounds.zip_problem(path):  # before torch's reader decompresses a record whole
+            return problem
     try:
         if data is not None:
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -130,8 +147,12 @@ def _folder_problem(path: Path) -> Optional[str]:
 
     metadata_files = sorted(p for p in path.iterdir() if p.name == ".metadata" or re.fullmatch(r"__\d+\.metadata", p.name))
     for file in metadata_files:
+        try:  # a regular file within its bound: a link to /dev/zero or a FIFO would never end
+            data = bounds.read_bytes(file, bounds.METADATA_BYTES, "checkpoint metadata")
+        except UserError as err:
+            return f"its {file.name}: {str(err).split(': ', 1)[-1]}"
         try:
-            metadata = load_metadata(io.BytesIO(file.read_bytes()))
+            metadata = load_metadata(io.BytesIO(data))
         except Exception as err:
             return f"its {file.name} names code to run when unpickled ({err})"
         for index, info in (metadata.storage_data or {}).items():
@@ -139,13 +160,19 @@ def _folder_problem(path: Path) -> Optional[str]:
                 continue  # tensors: torch's reader loads them weights-only itself
             if getattr(info, "transform_descriptors", None):
                 continue  # compressed: the forced weights-only load covers it when it is read
-            with open(path / info.relative_path, "rb") as f:
+            if info.length > bounds.PICKLE_BYTES:
+                return f"its item {index.fqn!r} ({info.relative_path}): {info.length} bytes of pickle, more than the bound"
+            try:
+                item = bounds.regular(path / info.relative_path, "checkpoint item")
+            except UserError as err:
+                return f"its item {index.fqn!r}: {str(err).split(': ', 1)[-1]}"
+            with open(item, "rb") as f:
                 f.seek(info.offset)
                 problem = _file_problem(path, f.read(info.length))
             if problem:
                 return f"its item {index.fqn!r} ({info.relative_path}): {problem}"
     meta = path / "meta.pt"
-    if meta.is_file() and (problem := _file_problem(meta)):
+    if (meta.exists() or meta.is_symlink()) and (problem := _file_problem(meta)):
         return f"its {meta.name}: {problem}"
     return None
 
@@ -212,8 +239,7 @@ def harden() -> None:
             return read_metadata(self, *args, **kwargs)
         # torch's own method, with the restricted unpickler in place of pickle.load
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = load_metadata(f)
+        metadata = load_metadata(io.BytesIO(bounds.read_bytes(path, bounds.METADATA_BYTES, "checkpoint metadata")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -300,8 +326,16 @@ def install(trainer: Any) -> None:
     if not isinstance(strategy.checkpoint_io, GuardedCheckpointIO):
         strategy.checkpoint_io = GuardedCheckpointIO(strategy.checkpoint_io)
         save = strategy.save_checkpoint  # some strategies save without their checkpoint IO (sharded folders)
+        saves: list[int] = []
 
         def recorded_save(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> None:
+            if restricted():  # the cadence bound, counted at the saves themselves: whatever callback asks
+                saves.append(trainer.global_step)
+                if len(saves) > save_budget(trainer):
+                    raise UserError(
+                        f"refusing to save {filepath}: checkpoint {len(saves)} by step {trainer.global_step}, more than "
+                        f"one per {MIN_CHECKPOINT_STEPS} optimizer steps over all callbacks; {HINT}"
+                    )
             save(checkpoint, filepath, *args, **kwargs)
             _written.add(_key(filepath))
 
@@ -372,6 +406,13 @@ def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
         raise UserError(f"refusing ckpt_path={str(found)!r}: {problem}; {HINT}")
 
 
+# Settings (and the attributes of Lightning's objects) that name where a run writes.
+WRITE_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir", "exclude_batches_path", "output_dir")
+LINK_DEPTH = 4  # how deep below a write folder links are looked for before a run (the box sees any depth)
+# The files of fixed names a run writes into its run folder (Lightning's and lit_memory's own).
+RUN_FILES = ("config.yaml", "recipe.yaml", "hparams.yaml", "metrics.csv", "memory.json", "step_times.json")
+
+
 def write_folders(trainer: Any) -> list[Path]:
     """The local folders a run writes into: its run folder, its loggers', checkpoint and profiler folders."""
     folders = [trainer.log_dir or trainer.default_root_dir]
@@ -385,18 +426,143 @@ def write_folders(trainer: Any) -> list[Path]:
     return out
 
 
+def write_paths(trainer: Any) -> list[tuple[Path, bool, str]]:
+    """(path, is a folder, whose attribute) of every place the run's Lightning objects name for writing:
+    `write_folders`, and any attribute of a callback, logger or profiler named like one (``dirpath``,
+    ``save_dir``, ``exclude_batches_path``, ``*_dir``, ``*_path``): what a class the checks have never seen
+    would write."""
+    found = [(folder, True, "the run's folders") for folder in write_folders(trainer)]
+    for obj in [*trainer.callbacks, *trainer.loggers, trainer.profiler]:
+        for name, value in vars(obj).items() if obj is not None else ():
+            name = name.lstrip("_")
+            if not (name in WRITE_KEYS or name.endswith(("_dir", "_path", "dirpath", "filepath"))):
+                continue
+            if not isinstance(value, (str, os.PathLike)) or not str(value) or is_remote(str(value)):
+                continue
+            if name.endswith(("model_path", "best_k_models")):  # ModelCheckpoint's record of what it saved
+                continue
+            folder = name.endswith(("dir", "dirpath")) or os.path.isdir(value)
+            if name == "exclude_batches_path" and not str(value).endswith(".json"):
+                folder = True  # SpikeDetection writes skip_batches.json into it
+            if all(Path(value) != p for p, _, _ in found):
+                found.append((Path(value), folder, f"{type(obj).__name__}.{name}"))
+    return found
+
+
 def check_write_folders(trainer: Any) -> None:
     """Refuse symbolic links and hard-linked files planted in the folders a run writes into: Lightning's
     writers (config, hyper-parameters, metrics, checkpoints) open files by name and would write through
-    them. Lightning's own ``last.ckpt`` link to a checkpoint beside it is not planted."""
+    them. Lightning's own ``last.ckpt`` link to a checkpoint beside it is not planted. In the box
+    (`lit_memory.box`), also every place the run's objects name for writing that the box would refuse:
+    outside the run's folders, or a file there the run did not make (said now, before anything is written)."""
     for folder in write_folders(trainer):
-        planted = [p for p in files.planted_links(folder) if not own_checkpoint_link(p)]
+        planted = [p for p in files.planted_links(folder, depth=LINK_DEPTH) if not own_checkpoint_link(p)]
         if planted:
             raise UserError(
                 f"refusing to write into {folder}: {planted[0]} is a link (a shared folder can plant one where a "
                 f"run writes, pointing at a file of yours); use a new run folder, or pass {TRUST_FLAG} only if you "
                 "trust its source"
             )
+    held = box.active()
+    if held is None:
+        return
+    run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+    for name in RUN_FILES:  # in a run folder a recipe chose, the files of another run are not replaced
+        if os.path.lexists(run_dir / name) and (problem := held.would_refuse(run_dir / name, "remove", "replace")):
+            raise UserError(problem)
+    for path, folder, whose in write_paths(trainer):
+        if problem := held.would_refuse(path, "into" if folder else "write", asker=whose):
+            raise UserError(problem)
+    for callback in trainer.checkpoint_callbacks:  # save_last without a version counter replaces (rmtree) last.ckpt
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath and callback.save_last and not getattr(callback, "_enable_version_counter", True):
+            last = Path(dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            if os.path.lexists(last) and (problem := held.would_refuse(last, "remove", "replace")):
+                raise UserError(problem)
+
+
+def check_replace(path: Path, key: str) -> None:
+    """Refuse, before a run starts, a folder it would replace at its end (``save_pretrained``'s export)
+    that the box would not let it replace."""
+    held = box.active()
+    if held is not None and os.path.lexists(path) and (problem := held.would_refuse(path, "remove", "replace", f"={key}")):
+        raise UserError(problem)
+
+
+# -- checkpoint cadence and count over all callbacks ------------------------------------------------
+
+MIN_CHECKPOINT_STEPS = 50  # on average, over every callback: at most one checkpoint per this many optimizer steps
+MAX_KEPT_CHECKPOINTS = 10  # kept at once, over every callback
+
+
+def checkpoint_load(trainer: Any, typed: Callable[[Any], bool] = lambda c: False) -> Optional[str]:
+    """Why the run's checkpoint callbacks, together, would save too often or keep too many, or None.
+    Each callback's interval in optimizer steps (``every_n_train_steps``, or ``every_n_epochs`` times the
+    optimizer steps of an epoch, known once the training data is loaded); the saves over the run
+    (``max_steps``, else ``max_epochs`` epochs) may exceed one per callback by at most one per
+    `MIN_CHECKPOINT_STEPS` steps. Callbacks the user typed are theirs."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if not typed(c)]
+    if not callbacks:
+        return None
+    batches = trainer.num_training_batches
+    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if batches not in (None, float("inf")) else None
+    if trainer.max_steps and trainer.max_steps > 0:
+        total = trainer.max_steps
+    elif per_epoch is not None and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        total = per_epoch * trainer.max_epochs
+    else:
+        total = None  # endless: every cadence counts
+    saves, kept, rate = 0.0, 0, 0.0
+    for c in callbacks:
+        steps = getattr(c, "_every_n_train_steps", 0) or 0
+        epochs = getattr(c, "_every_n_epochs", 0) or 0
+        interval = steps if steps > 0 else (epochs * per_epoch if epochs > 0 and per_epoch else None)
+        copies = 2 if c.save_last is True else 1  # last.ckpt written again beside each save (a link costs nothing)
+        if interval:
+            rate += copies / interval
+            saves += copies * (total // interval if total is not None else float("inf"))
+        top_k = c.save_top_k if c.monitor is not None else min(c.save_top_k, 1)
+        kept += (top_k if top_k >= 0 else MAX_KEPT_CHECKPOINTS + 1) + (1 if c.save_last is True else 0)
+    if kept > MAX_KEPT_CHECKPOINTS:
+        return (f"the checkpoint callbacks together keep {kept} checkpoints, more than {MAX_KEPT_CHECKPOINTS} "
+                "(save_top_k and save_last summed over trainer.callbacks)")
+    allowed = len(callbacks) + (total // MIN_CHECKPOINT_STEPS if total is not None else 0)
+    if rate * MIN_CHECKPOINT_STEPS > 1 and saves > allowed:
+        return (f"the checkpoint callbacks together save a checkpoint every {1 / rate:.1f} optimizer steps "
+                f"({'endlessly' if total is None else f'{saves:.0f} times in {total} steps'}), more often than every "
+                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over trainer.callbacks)")
+    return None
+
+
+def save_budget(trainer: Any) -> float:
+    """How many checkpoints a run may have saved by now: two per callback (a save and last.ckpt's copy) and
+    two more (a batch-size finder's, an exception's), plus two per `MIN_CHECKPOINT_STEPS` steps, plus what
+    the callbacks the user typed save at their own cadence (`RunBounds`)."""
+    step = trainer.global_step
+    typed = getattr(trainer, "_lit_memory_typed_rate", 0.0)
+    return 2 * len(trainer.checkpoint_callbacks) + 2 + 2 * (step // MIN_CHECKPOINT_STEPS) + typed * (step + 1)
+
+
+class RunBounds(Callback):
+    """The bounds that hold for the whole run, checked once the training data is loaded (an epoch's length
+    decides an every-N-epochs cadence) and again at each save: checkpoints, counted over all callbacks."""
+
+    def __init__(self, typed: Callable[[Any], bool] = lambda c: False) -> None:
+        self.typed = typed
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not restricted():
+            return
+        if problem := checkpoint_load(trainer, self.typed):
+            raise UserError(f"refusing {problem}; {HINT}")
+        rate = 0.0
+        for c in trainer.checkpoint_callbacks:
+            steps = getattr(c, "_every_n_train_steps", 0) or 0
+            if self.typed(c) and steps > 0:
+                rate += 2 / steps
+            elif self.typed(c):
+                rate += 2.0  # an every-N-epochs or timed cadence the user chose: not counted against them
+        trainer._lit_memory_typed_rate = rate
 
 
 def own_checkpoint_link(path: Path) -> bool:
@@ -431,32 +597,168 @@ def hugging_face_error(err: Exception) -> Optional[str]:
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def model_folder_problems(folder: Path) -> list[str]:
-    """What loading a local Hugging Face model folder would refuse untrusted, found without loading it:
-    Python code it names (``auto_map``) for a model type transformers does not know (so it cannot load
-    without running that code), and pickled weights that name anything weights-only loading refuses
-    (torch's static scan of the pickle, `torch.serialization.get_unsafe_globals_in_checkpoint`)."""
+# Hugging Face settings that fetch or run code (config.json, config overrides, from_pretrained options).
+KERNEL_SETTINGS = ("attn_implementation", "experts_implementation")
+KERNEL_PATTERN = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")  # transformers' `is_kernel`: org/name[@rev][:fn]
+CODE_SETTINGS = {
+    "quantization_config": "transformers picks a quantizer by it, which imports (and can download) code of its own",
+    "use_kernels": "it makes transformers download kernels from the Hugging Face Hub and import them",
+    "kernel_config": "it makes transformers download kernels from the Hugging Face Hub and import them",
+    "allow_all_kernels": "it lets transformers import kernels from any Hub repository",
+    "custom_pipelines": "it names Python code to run the model with",
+}
+
+
+def code_setting(name: str, value: Any) -> Optional[str]:
+    """Why a Hugging Face config setting (a config.json key, a config override, a config attribute) would
+    make transformers fetch or run code, or None: an attention or experts implementation naming a kernel
+    on the Hub (``kernels-community/flash-attn``: downloaded and imported where the ``kernels`` package
+    is installed), a quantization config, kernel options."""
+    bare = name.lstrip("_").removesuffix("_internal")
+    if bare in KERNEL_SETTINGS:
+        values = value.values() if isinstance(value, dict) else [value]
+        kernels = [v for v in values if isinstance(v, str) and KERNEL_PATTERN.match(v)]
+        if kernels:
+            return f"{kernels[0]!r} names a kernel on the Hugging Face Hub that transformers downloads and imports"
+        return None
+    if bare in CODE_SETTINGS and value not in (None, False, {}):
+        return CODE_SETTINGS[bare]
+    return None
+
+
+def config_code_problems(config: Any, where: str, depth: int = 0) -> list[str]:
+    """`code_setting` over a config as a dict (config.json) or a transformers config, with its sub-configs."""
+    found = []
+    items = config.items() if isinstance(config, dict) else [
+        (name, getattr(config, name, None)) for name in ("_attn_implementation", "_experts_implementation", "quantization_config")
+    ]
+    for name, value in items:
+        if isinstance(name, str) and (reason := code_setting(name, value)):
+            found.append(f"{where}: {name.lstrip('_').removesuffix('_internal')}: {reason}")
+    if depth < 4:
+        subs = [v for v in config.values() if isinstance(v, dict)] if isinstance(config, dict) else [
+            getattr(config, n, None) for n in (getattr(config, "sub_configs", None) or {})]
+        for sub in subs:
+            if sub is not None and sub is not config:
+                found += config_code_problems(sub, where, depth + 1)
+    return found
+
+
+_typed: frozenset[str] = frozenset()  # dotted keys the user typed (`set_typed`)
+
+
+def set_typed(keys: Any) -> None:
+    """The settings the user typed, for the checks made after parsing (a typed config override is theirs)."""
+    global _typed
+    _typed = frozenset(keys)
+
+
+def check_config(config: Any, overrides: Optional[dict[str, Any]] = None) -> None:
+    """Untrusted: refuse a loaded Hugging Face config (its file, the Hub's or a folder's, with the overrides)
+    that would fetch or run code when the model is built, or name a model too large to build. An override
+    the user typed is theirs."""
+    if not restricted():
+        return
+    typed = {k.rsplit(".", 1)[-1] for k in _typed if k.startswith("model.config_overrides.")}
+    for problem in config_code_problems(config, "the model config"):
+        name = problem.split(": ", 2)[1]
+        if name not in typed and f"_{name}" not in typed:
+            raise UserError(f"refusing {problem}; {HINT}")
+    if problem := bounds.model_size_problem(config, exempt=tuple(typed)):
+        raise UserError(f"refusing the model config: {problem}; {HINT}")
+
+
+def check_normalizer(tokenizer: Any, what: str) -> None:
+    """Untrusted: refuse a loaded tokenizer whose normalizers would multiply every text (`bounds`)."""
+    if not restricted():
+        return
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is None:
+        return
     import json
 
+    if problem := bounds.normalizer_problem(json.loads(normalizer.__getstate__())):
+        raise UserError(f"refusing {what}: {problem}; {HINT}")
+
+
+WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TEXT_SUFFIXES = {".json": bounds.JSON_BYTES, ".txt": bounds.TOKENIZER_BYTES, ".model": bounds.TOKENIZER_BYTES}
+
+
+def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str]:
+    """What loading a local Hugging Face model folder would refuse untrusted, found without loading it:
+    files that are not regular (a FIFO, a device) or beyond their size bound (`bounds`), settings in
+    its config.json that fetch or run code (`code_setting`), Python code it names (``auto_map``) for a
+    model type transformers does not know (so it cannot load without running that code), a tokenizer
+    whose normalizers multiply texts, and pickled weights that expand without bound or name anything
+    weights-only loading refuses (torch's static scan of the pickle,
+    `torch.serialization.get_unsafe_globals_in_checkpoint`). ``loaders_refuse=False`` leaves out what the
+    loaders refuse by themselves when they get there (``auto_map`` code, pickles: `call`, weights-only loads)."""
     from transformers import CONFIG_MAPPING
 
     problems = []
-    for name in ("config.json", "tokenizer_config.json"):
-        try:
-            config = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+    entries = sorted(folder.iterdir())
+    for entry in entries:
+        if entry.is_dir():
             continue
-        if isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        limit = bounds.TOKENIZER_BYTES if entry.name == "tokenizer.json" else TEXT_SUFFIXES.get(entry.suffix)
+        try:
+            bounds.regular(entry, "model file", limit)
+        except UserError as err:
+            problems.append(str(err).removeprefix("refusing to read ").removeprefix("cannot read "))
+    for name in ("config.json", "tokenizer_config.json"):
+        if not os.path.lexists(folder / name):
+            continue
+        try:
+            config = bounds.read_json(folder / name, what="model file")
+        except UserError as err:
+            problems.append(str(err).removeprefix("refusing to read "))
+            continue
+        except ValueError:
+            continue  # not JSON: transformers says so
+        if loaders_refuse and isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
             problems.append(f"{folder / name} names Python code to load it with (auto_map) for a model type "
                             f"transformers does not know ({config.get('model_type')!r})")
-    for file in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        if name == "config.json" and isinstance(config, dict):
+            problems += config_code_problems(config, str(folder / name))
+    if os.path.lexists(folder / "tokenizer.json") and (problem := bounds.tokenizer_problem(folder / "tokenizer.json")):
+        problems.append(f"{folder / 'tokenizer.json'}: {problem}")
+    for file in (p for p in entries if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
         try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+            unsafe = bounds.unsafe_globals(file) if loaders_refuse else _zip_bounds(file)
+        except bounds.BoundExceeded as err:
+            problems.append(f"{file}: {err}")
+            continue
         except Exception as err:  # noqa: BLE001  not a torch zip file: weights-only loading reads no more of it
             unsafe = [f"unreadable as a torch file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
-        if unsafe:
+        if unsafe and loaders_refuse:
             problems.append(f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it")
     return problems
+
+
+def _zip_bounds(file: Path) -> list[str]:
+    if problem := bounds.zip_problem(file):
+        raise bounds.BoundExceeded(problem)
+    return []
+
+
+_checked_folders: dict[str, list[str]] = {}
+
+
+def check_model_folder(name_or_path: Any, what: str) -> None:
+    """Untrusted: refuse a local model or tokenizer folder with any of `model_folder_problems`, before
+    transformers reads it (checked once per folder and process)."""
+    if not restricted() or not isinstance(name_or_path, (str, os.PathLike)):
+        return
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return
+    key = os.path.realpath(folder)
+    if key not in _checked_folders:
+        _checked_folders[key] = model_folder_problems(folder, loaders_refuse=False)
+    if _checked_folders[key]:
+        raise UserError(f"refusing {what}: {_checked_folders[key][0]}; {HINT}")
 
 
 def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:

@@ -8,7 +8,7 @@ the bf16 weight stochastically, so a ``bf16-true`` run (2 B weights, no fp32 mas
 average, updates smaller than half a bf16 unit in the last place, which rounding to nearest loses.
 
 Its state is DTensor-aware: under FSDP2 it steps the sharded parameters and its state is saved and
-resharded like torch's own (unlike bitsandbytes', `lit_memory.strategies.SHARD_STATE`). Each step
+resharded like torch's own (bitsandbytes' by `lit_memory.eightbit_shards`). Each step
 runs one ``torch.compile``'d kernel per parameter, compiled once per parameter shape and setting.
 """
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -19,14 +20,14 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from lit_memory import bundled, files, guard
 from lit_memory.activations import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
-from lit_memory.data import load_tokenizer, pad_token_id
+from lit_memory.data import label_names_or_default, load_tokenizer, pad_token_id
 from lit_memory.eightbit import (
     EmbeddingState,
     check_stable_embedding,
@@ -190,10 +191,54 @@ class SequenceClassifier(L.LightningModule):
             metrics["f1"] = BinaryF1Score()  # F1 of the positive class: the seed's `f1`
         self.val_metrics = MetricCollection(metrics, prefix="val_")
         self.test_metrics = self.val_metrics.clone(prefix="test_")
+        self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
+        self.predict_loss: Optional[MeanMetric] = None
+        self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
+        self._labelled = False
+        self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
+        # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
+        # own (a fine-tuned folder's id2label); None: transformers' default names.
+        self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
 
     @property
     def tokenizer_name_or_path(self) -> str:
         return self.hparams.tokenizer_name_or_path or self.hparams.model_name_or_path
+
+    # -- label names: they travel with the model -------------------------------------------------
+
+    @property
+    def label_names(self) -> list[str]:
+        """One name per class id (transformers' ``LABEL_<id>`` for ids without one)."""
+        return label_names_or_default(self._label_names, self.hparams.num_labels)
+
+    def set_label_names(self, names: Optional[list[str]]) -> None:
+        """Name the classes: in the Hugging Face config (exported as id2label/label2id) and in checkpoints."""
+        if not names:
+            return
+        self._label_names = list(names)
+        for config in {id(c): c for c in (self.hf_config, getattr(self.model, "config", None)) if c is not None}.values():
+            self._name_classes(config)
+
+    def _name_classes(self, config) -> None:
+        id2label = dict(enumerate(self.label_names))
+        config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
+
+    def setup(self, stage: str) -> None:
+        data = getattr(self.trainer, "datamodule", None)
+        resolved = getattr(data, "resolved_label_names", None)
+        if stage == "fit" and resolved:  # the ids the data trains with: its names win
+            self.set_label_names(resolved)
+        elif self._label_names is None:  # else the model's own, then the data's (a checkpoint's come later)
+            self.set_label_names(resolved or getattr(data, "hparams", {}).get("label_names"))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._label_names:
+            checkpoint["id2label"] = dict(enumerate(self.label_names))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        id2label = checkpoint.get("id2label")
+        if id2label:
+            self.set_label_names([id2label[i] for i in sorted(id2label)])
 
     # -- model ---------------------------------------------------------------------------------
 
@@ -217,7 +262,7 @@ class SequenceClassifier(L.LightningModule):
                     f"cannot load the weights of {self.hparams.model_name_or_path!r} with weights_only=True: "
                     f"{str(err).splitlines()[0]} (convert them to safetensors from a trusted copy)"
                 ) from None
-            report_loading(model, loading)
+            report_loading(model, loading, self.report_new_head)
         else:
             model = AutoModelForSequenceClassification.from_config(self.hf_config)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes
@@ -232,6 +277,8 @@ class SequenceClassifier(L.LightningModule):
             enable_gradient_checkpointing(model, plan, anatomy.layers)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
+        if self._label_names:
+            self._name_classes(model.config)  # from_config copies the config it is given
         if self.hparams.compile:
             # Regional: one graph per transformer layer, compiled once and reused by all of them. Each
             # layer's backward still hands its gradients over as it ends, so the fused step's bound holds.
@@ -253,7 +300,8 @@ class SequenceClassifier(L.LightningModule):
     def _eval_step(self, batch: dict[str, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
         out = self.model(**batch)
         metrics.update(out.logits.argmax(-1), batch["labels"])
-        self.log(f"{stage}_loss", out.loss, prog_bar=True, batch_size=batch["labels"].shape[0])
+        # Averaged over the ranks at the epoch's end (the metric objects synchronise themselves).
+        self.log(f"{stage}_loss", out.loss, prog_bar=True, batch_size=batch["labels"].shape[0], sync_dist=True)
         self.log_dict(metrics, prog_bar=True)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -262,10 +310,38 @@ class SequenceClassifier(L.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.test_metrics, "test")
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
-        batch = {k: v for k, v in batch.items() if k != "labels"}
-        probs = self.model(**batch).logits.float().softmax(-1)
-        return {"preds": probs.argmax(-1), "probs": probs}
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Class probabilities (and the predicted ids) of a batch; where it has ``labels``, the metrics are
+        accumulated too (rows labelled `lit_memory.predictions.IGNORE` left out), for `on_predict_epoch_end`."""
+        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+        logits = self.model(**inputs).logits.float()
+        probs = logits.softmax(-1)
+        preds = probs.argmax(-1)
+        labels = batch.get("labels")
+        if labels is not None and self.predict_metrics is not None:  # (made by Lightning's predict loop)
+            known = labels >= 0
+            self._labelled = True
+            if known.any():
+                self.predict_metrics.update(preds[known], labels[known])
+                self.predict_loss.update(torch.nn.functional.cross_entropy(logits[known], labels[known], reduction="none"))
+        return {"preds": preds, "probs": probs}
+
+    def on_predict_epoch_start(self) -> None:
+        self._labelled = False
+        self.predict_results = {}
+        self.predict_metrics = self.val_metrics.clone(prefix="predict_").to(self.device)
+        self.predict_metrics.reset()
+        self.predict_loss = MeanMetric().to(self.device)
+
+    def on_predict_epoch_end(self) -> None:
+        # Every rank has as many batches, labelled or not alike, and joins the metrics' synchronisation (even one
+        # whose rows all had labels the model does not know: its loss is then NaN, and nothing is reported).
+        if self._labelled:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method")
+                results = {**self.predict_metrics.compute(), "predict_loss": self.predict_loss.compute()}
+            if not math.isnan(float(results["predict_loss"])):
+                self.predict_results = {k: float(v) for k, v in results.items()}
 
     # -- optimisation --------------------------------------------------------------------------
 
@@ -327,10 +403,8 @@ class SequenceClassifier(L.LightningModule):
             model.load_state_dict(state)
             model = model.merge_and_unload()
             state = model.state_dict()
-        names = getattr(self.trainer.datamodule, "resolved_label_names", None) if self._trainer else None
-        if names:
-            model.config.id2label = dict(enumerate(names))
-            model.config.label2id = {n: i for i, n in enumerate(names)}
+        if self._label_names:
+            self._name_classes(model.config)
         with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
             model.save_pretrained(folder, state_dict=state)
             load_tokenizer(self.tokenizer_name_or_path).save_pretrained(folder)
@@ -342,10 +416,24 @@ class SequenceClassifier(L.LightningModule):
 
 def load_config(name_or_path: str, num_labels: int, overrides: Optional[dict[str, Any]] = None):
     path = bundled.resolve_model(name_or_path)
+    if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
+        guard.check_model_folder(path, f"model {name_or_path!r}")
     try:
-        return guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
+        config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build
+    return config
+
+
+def config_label_names(config) -> Optional[list[str]]:
+    """The class names a Hugging Face config holds (a fine-tuned folder's id2label), or None where it holds
+    transformers' defaults (``LABEL_<id>``) or another number of classes."""
+    id2label = {int(i): str(name) for i, name in (getattr(config, "id2label", None) or {}).items()}
+    names = [id2label.get(i) for i in range(config.num_labels)]
+    if None in names or all(name == f"LABEL_{i}" for i, name in enumerate(names)):
+        return None
+    return names
 
 
 def set_pad_token(config, tokenizer_name_or_path: str) -> None:
@@ -379,12 +467,13 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def report_loading(model: PreTrainedModel, loading: dict[str, Any]) -> None:
-    """One line for what every fine-tune expects (a new classification head), a warning for anything else."""
+def report_loading(model: PreTrainedModel, loading: dict[str, Any], new_head_line: bool = True) -> None:
+    """One line for what every fine-tune expects (a new classification head; not where a checkpoint loaded next
+    replaces it), a warning for anything else."""
     head = {name for name, _ in model.named_children() if name != model.base_model_prefix}
     missing = sorted(loading["missing_keys"])
     new_head = [key for key in missing if key.split(".")[0] in head]
-    if new_head:
+    if new_head and new_head_line:
         rank_zero_info(f"classifier head initialised: {model.config.num_labels} labels ({', '.join(new_head)})")
     surprises = {
         "not in the checkpoint, initialised at random": sorted(set(missing) - set(new_head)),

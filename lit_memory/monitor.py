@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -36,8 +37,9 @@ from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_
 
 log = logging.getLogger(__name__)
 
-# (trainer, module, simulate) -> predicted footprints per method ("analytic", "simulated")
-Predict = Callable[[L.Trainer, L.LightningModule, bool], dict[str, Footprint]]
+# (trainer, module, simulate, shape) -> predicted footprints per method ("analytic", "simulated"), for batches of
+# ``shape`` (rows, tokens); None: the configured batch_size x max_length, the worst case.
+Predict = Callable[[L.Trainer, L.LightningModule, bool, Optional[tuple[int, int]]], dict[str, Footprint]]
 # (trainer, limit in bytes) -> one line: what to run instead
 Advise = Callable[[L.Trainer, int], str]
 
@@ -83,7 +85,15 @@ class MemoryMonitor(L.Callback):
         self.advise: Optional[Advise] = None
         self.tracker: Optional[Tracker] = None
         self.measured = Footprint()
-        self.predictions: dict[str, Footprint] = {}
+        self.predictions: dict[str, Footprint] = {}  # for the configured shape: the worst case
+        # The longest micro-batch (rows, tokens) the tracked steps saw, and all steps; predictions for the former
+        # (and, on CUDA, the latter), to compare with what was measured at that shape (dynamic padding).
+        self.longest_tracked: Optional[tuple[int, int]] = None
+        self.longest: Optional[tuple[int, int]] = None
+        self.peak_batch: Optional[tuple[int, int]] = None  # the tracked batch whose step reached the tracked peak
+        self._peak_batch_bytes = -1
+        self._shape: Optional[tuple[int, int]] = None
+        self.shape_predictions: dict[str, dict[str, Footprint]] = {}
         self.process: Optional[ProcessPeak] = None
         self.cuda: Optional[dict[str, Any]] = None
         self.batches = 0
@@ -137,8 +147,11 @@ class MemoryMonitor(L.Callback):
                 "max_allocated_bytes": 0, "max_reserved_bytes": 0, "max_device_bytes": 0, "device_source": None,
                 "peak_phase": None,
             }
+        self.longest_tracked = self.longest = self.peak_batch = None
+        self._peak_batch_bytes = -1
+        self.shape_predictions = {}
         if self.predict is not None:
-            self.predictions = self.predict(trainer, pl_module, self.simulate)
+            self.predictions = self.predict(trainer, pl_module, self.simulate, None)
 
     # -- measurement ---------------------------------------------------------------------------
 
@@ -172,7 +185,10 @@ class MemoryMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx
+        shape = self._shape = batch_tokens(batch)
+        self.longest = longer(self.longest, shape)
         if self._tracking(trainer, batch_idx):
+            self.longest_tracked = longer(self.longest_tracked, shape)
             tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
             tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
             self.tracker = tracker.__enter__()
@@ -199,6 +215,8 @@ class MemoryMonitor(L.Callback):
         tracker, self.tracker = self.tracker, None
         tracker.__exit__(None, None, None)
         self.measured.merge(tracker.footprint)
+        if tracker.footprint.peak > self._peak_batch_bytes:
+            self.peak_batch, self._peak_batch_bytes = self._shape, tracker.footprint.peak
 
     def measured_peak(self) -> Optional[int]:
         """The peak so far: the CUDA allocator's when on CUDA, else the tracked tensors'."""
@@ -212,6 +230,11 @@ class MemoryMonitor(L.Callback):
             "tracked": self.measured.to_dict() if self.measured.phases else None,
             "process": self.process.to_dict() if self.process else None,
             "cuda": dict(self.cuda) if self.cuda else None,
+            "longest_batch": {
+                "tracked": list(self.longest_tracked) if self.longest_tracked else None,
+                "all": list(self.longest) if self.longest else None,
+                "tracked_peak": list(self.peak_batch) if self.peak_batch else None,
+            },
         }
 
     # -- reporting -----------------------------------------------------------------------------
@@ -222,8 +245,30 @@ class MemoryMonitor(L.Callback):
             gathered = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, self.measurements())
             ranks = [{"rank": rank, **m} for rank, m in enumerate(gathered)]
+        if trainer.is_global_zero:
+            self._predict_seen_shapes(trainer, pl_module)
         self._write(trainer, ranks=ranks)
         self._print_table(trainer, ranks)
+
+    def _predict_seen_shapes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Predictions for the longest batch the tracked steps saw (and, on CUDA, all steps: the allocator's peaks
+        cover them), where it is not the configured shape (dynamic padding makes batches shorter)."""
+        configured = batch_shape(trainer)
+        seen = {
+            "tracked": self.longest_tracked,
+            "all": self.longest if self.cuda else None,
+            # a shorter batch can reach the tracked peak (the first step has no optimizer state yet)
+            "tracked_peak": self.peak_batch if self.peak_batch != self.longest_tracked else None,
+        }
+        for key, shape in seen.items():
+            if shape is None or self.predict is None:
+                continue
+            if configured is not None and list(shape) == configured:
+                self.shape_predictions[key] = dict(self.predictions)
+            elif key != "tracked" and shape == self.longest_tracked:
+                self.shape_predictions[key] = self.shape_predictions.get("tracked", {})
+            else:  # the simulation, where asked, for the tracked shape only: that is what it is compared with
+                self.shape_predictions[key] = self.predict(trainer, pl_module, self.simulate and key == "tracked", shape)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._read_cuda(trainer)
@@ -280,6 +325,11 @@ class MemoryMonitor(L.Callback):
             },
             world_size=trainer.world_size,
             batch_shape=shape,
+            padding=padding(trainer),
+            longest_batch=self.measurements()["longest_batch"],
+            predicted_at_longest={
+                key: {m: found.get(m) for m in records.METHODS} for key, found in self.shape_predictions.items()
+            },
             batches=self.batches,
             tracked_batches=self.tracked_batches,
             optimizer_steps=trainer.global_step,
@@ -297,7 +347,11 @@ class MemoryMonitor(L.Callback):
 
     @rank_zero_only
     def _print_table(self, trainer: L.Trainer, ranks: Optional[list]) -> None:
-        columns: dict[str, Any] = dict(self.predictions)
+        configured = batch_shape(trainer)
+        tracked_shape = self.longest_tracked
+        # Predictions beside the measurements are for the shape measured: the longest tracked batch.
+        at_tracked = self.shape_predictions.get("tracked", self.predictions) if tracked_shape else self.predictions
+        columns: dict[str, Any] = dict(at_tracked)
         if self.measured.phases:
             columns["tracked tensors"] = self.measured
         if self.cuda:
@@ -307,10 +361,13 @@ class MemoryMonitor(L.Callback):
             )
         if not columns:
             return
-        shape = f", batch {' x '.join(map(str, batch_shape(trainer)))} tokens" if batch_shape(trainer) else ""
+        shown = tracked_shape or (tuple(configured) if configured else None)
+        what = " (the longest tracked batch)" if tracked_shape and configured and list(tracked_shape) != configured else ""
+        shape = f", batch {_shape_text(shown)} tokens{what}" if shown else ""
         per = f" per rank ({trainer.world_size} ranks)" if trainer.world_size > 1 else ""
         title = f"memory on {self._device(trainer).type}{per}{shape}"
         lines = [table(title, columns)]
+        lines += self._shape_lines(trainer, configured, tracked_shape)
         if self.process is not None:
             lines.append(
                 f"  process: max RSS {format_bytes(self.process.peak)}, grew {format_bytes(self.process.growth)} "
@@ -326,6 +383,49 @@ class MemoryMonitor(L.Callback):
             tracked = rank["tracked"]["peak_bytes"] if rank["tracked"] else None
             lines.append(f"  rank {rank['rank']}: tracked peak {format_bytes(tracked)}")
         print("\n".join(lines))
+
+    def _shape_lines(self, trainer: L.Trainer, configured: Optional[list[int]], tracked: Optional[tuple[int, int]]) -> list[str]:
+        """What made the measured batches shorter than the worst case, and the worst case itself, labelled."""
+        lines = []
+        if configured and tracked and list(tracked) != configured:
+            why = (
+                f"dynamic padding (data.padding: {padding(trainer)}) pads each batch to its longest text"
+                if padding(trainer) == "longest" else "the data had shorter batches"
+            )
+            lines.append(
+                f"  shorter batches: {why}; the longest tracked batch was {_shape_text(tracked)} tokens, not "
+                f"{_shape_text(configured)} (max_length): predictions above are for {_shape_text(tracked)}"
+            )
+        at_peak = self.shape_predictions.get("tracked_peak", {}).get("analytic")
+        if at_peak is not None and self.peak_batch and self.peak_batch != tracked:
+            # e.g. the longest batch came first, before the optimizer state existed
+            lines.append(
+                f"  the tracked peak came in another batch, {_shape_text(self.peak_batch)} tokens: analytic "
+                f"{format_bytes(at_peak.peak)} at that shape"
+            )
+        if self.cuda and self.longest and self.longest != tracked and "all" in self.shape_predictions:
+            found = self.shape_predictions["all"].get("analytic")
+            if found is not None:
+                lines.append(
+                    f"  cuda peaks cover every batch, the longest {_shape_text(self.longest)} tokens: analytic "
+                    f"{format_bytes(found.peak)} allocated, {format_bytes(found.reserved)} reserved, "
+                    f"{format_bytes(found.device)} device at that shape"
+                )
+        if configured and self.predictions:
+            worst = ", ".join(
+                f"{method} {format_bytes(level(f))}" for method, f in self.predictions.items()
+            )
+            limit = self.budget or self.tier
+            fits = ""
+            if limit is not None and "analytic" in self.predictions:
+                name = "memory.budget" if self.budget else "memory.tier"
+                verdict = "fits" if level(self.predictions["analytic"]) <= limit else "does not fit"
+                fits = f": {verdict} {name} {format_bytes(limit)}"
+            where = "device" if next(iter(self.predictions.values())).device is not None else "tensors"
+            lines.append(
+                f"  fits (worst case: every batch {_shape_text(configured)}, padded to max_length): {worst} {where}{fits}"
+            )
+        return lines
 
 
 class StepTimer(L.Callback):
@@ -390,23 +490,135 @@ class StepTimer(L.Callback):
 
 def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:
     """This process's memory on ``device`` as ``nvidia-smi`` shows it: NVML's per-process figure where
-    ``pynvml`` (nvidia-ml-py) is installed, else cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``:
-    the whole device's, other processes included). (None, None) when neither answers."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == os.getpid() and process.usedGpuMemory:
-                return int(process.usedGpuMemory), "nvml (this process)"
-    except Exception:  # no pynvml, no NVML driver library, no permission: the device-wide reading below
-        pass
+    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`Nvml.process_memory`), else
+    cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``: the whole device's, other processes included).
+    (None, None) when neither answers."""
+    reader = nvml()
+    if reader is not None:
+        try:
+            found = reader.process_memory(device)
+        except Exception:  # noqa: BLE001  a driver that stopped answering: the device-wide reading below
+            found = None
+        if found is not None:
+            return found
     try:
         free, total = torch.cuda.mem_get_info(device)
     except Exception:
         return None, None
     return int(total - free), "cudaMemGetInfo (whole device)"
+
+
+class Nvml:
+    """NVML for one process: initialised once (the monitor reads the device at every phase boundary, three times a
+    batch), device handles kept, and this process found among the GPU's processes.
+
+    NVML names processes by their PID in the host's PID namespace; in a container (Docker, Kubernetes, most
+    SLURM+pyxis setups) ``os.getpid()`` is another number, so matching by PID finds nothing. Then this process is
+    the one whose NVML figure can hold what its own CUDA caching allocator has reserved (NVML's figure is the
+    allocator's segments plus the CUDA context): the candidates are intersected over readings until one is left,
+    and its host PID is kept. While several remain (processes of a similar size on one GPU), there is no answer.
+
+    ``module``: the ``pynvml`` module, or a stand-in with its functions (a test's fake NVML).
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.nvml = module
+        self.pid = os.getpid()
+        module.nvmlInit()
+        self._handles: dict[int, Any] = {}
+        self._host_pid: dict[int, int] = {}  # device index -> this process's PID as NVML names it
+        self._candidates: dict[int, set[int]] = {}
+        self._own = own_pids()
+
+    def handle(self, index: int) -> Any:
+        if index not in self._handles:
+            self._handles[index] = self.nvml.nvmlDeviceGetHandleByIndex(index)
+        return self._handles[index]
+
+    def process_memory(self, device: torch.device) -> Optional[tuple[int, str]]:
+        """(bytes, source) of this process on ``device``, or None where NVML cannot tell which process it is."""
+        index = torch.cuda._get_nvml_device_index(device)
+        processes = [p for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle(index)) if p.usedGpuMemory]
+        known = self._host_pid.get(index)
+        for process in processes:
+            if process.pid in self._own or process.pid == known:
+                return int(process.usedGpuMemory), "nvml (this process)"
+        reserved = torch.cuda.memory_reserved(device)
+        if reserved <= 0:
+            return None
+        fitting = {p.pid for p in processes if p.usedGpuMemory >= reserved}
+        candidates = self._candidates[index] = self._candidates.get(index, fitting) & fitting or fitting
+        if len(candidates) != 1:
+            return None
+        (pid,) = candidates
+        self._host_pid[index] = pid
+        used = next(int(p.usedGpuMemory) for p in processes if p.pid == pid)
+        return used, "nvml (this process, matched by memory: PIDs of another namespace)"
+
+
+_nvml: Optional[Nvml] = None
+_nvml_failed_in: Optional[int] = None  # the PID of a process whose NVML would not start: not tried again
+
+
+def nvml() -> Optional[Nvml]:
+    """This process's `Nvml`, started on first use (again in a forked child: NVML state is per process); None
+    where ``pynvml`` or the NVML library is missing or refuses to start."""
+    global _nvml, _nvml_failed_in
+    pid = os.getpid()
+    if _nvml is not None and _nvml.pid == pid:
+        return _nvml
+    if _nvml_failed_in == pid:
+        return None
+    try:
+        import pynvml
+
+        _nvml = Nvml(pynvml)
+    except Exception:  # noqa: BLE001  no nvidia-ml-py, no driver library, no permission
+        _nvml, _nvml_failed_in = None, pid
+    return _nvml
+
+
+def own_pids() -> set[int]:
+    """This process's PIDs: its own, and its PID in every namespace ``/proc/self/status`` shows (``NSpid``: the
+    outer ones are visible where /proc was mounted from an outer namespace)."""
+    pids = {os.getpid()}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    pids |= {int(v) for v in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return pids
+
+
+def batch_tokens(batch: Any) -> Optional[tuple[int, int]]:
+    """(rows, tokens) of a batch of token ids: its ``input_ids``, else its first 2-D tensor."""
+    tensors = batch if isinstance(batch, Mapping) else {}
+    found = tensors.get("input_ids")
+    if not isinstance(found, torch.Tensor) or found.ndim != 2:
+        found = next((t for t in tensors.values() if isinstance(t, torch.Tensor) and t.ndim == 2), None)
+    return (int(found.shape[0]), int(found.shape[1])) if found is not None else None
+
+
+def longer(a: Optional[tuple[int, int]], b: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    """The batch with more tokens (then the longer one): what needs more activation memory."""
+    if a is None or b is None:
+        return a or b
+    return max(a, b, key=lambda shape: (shape[0] * shape[1], shape[1]))
+
+
+def level(footprint: Footprint) -> int:
+    """What decides whether a step fits: the device total where there is one (CUDA), else the tensors' peak."""
+    return footprint.device if footprint.device is not None else footprint.peak
+
+
+def padding(trainer: L.Trainer) -> Optional[str]:
+    return getattr(trainer.datamodule, "hparams", {}).get("padding")
+
+
+def _shape_text(shape: Any) -> str:
+    return " x ".join(map(str, shape))
 
 
 def batch_shape(trainer: L.Trainer) -> Optional[list[int]]:

@@ -13,7 +13,15 @@ NOISE = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Precision .* is not supported by the model summary",
     r"OptimState\w+ does not implement _stable_hash_for_caching",  # torchao's state: compiles, is not cached
+    # Lightning's advice to log more often than a short run has batches: the progress lines carry the loss.
+    r"The number of training batches \(\d+\) is smaller than the logging interval",
+    # Lightning's prediction writer would like batch indices, which a streamed file has no sampler for: every
+    # row carries its own (`lit_memory.predictions`).
+    r"Couldn't infer the batch indices fetched from your dataloader",
 )
+# Outside fit: a checkpoint holds the state of the callbacks that resume a fit exactly (`lit_memory.resume`), which
+# validate/test/predict neither have nor need; Lightning advises adding them.
+EVALUATION_NOISE = (r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",)
 
 
 class _DropTips(logging.Filter):
@@ -21,6 +29,12 @@ class _DropTips(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_evaluation_noise() -> None:
+    """`EVALUATION_NOISE` off, for a process that runs validate, test or predict."""
+    for message in EVALUATION_NOISE:
+        warnings.filterwarnings("ignore", message=message)
 
 
 def quiet_known_noise() -> None:

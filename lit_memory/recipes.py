@@ -28,6 +28,9 @@ SHARED_RECIPE = "recipe.yaml"  # written into every fit's run folder
 # Settings that belong to one run on one machine: blanked in the shared recipe.
 RUN_SPECIFIC = ("trainer.default_root_dir", "ckpt_path")
 RECIPE_FLAG = "--recipe"
+# The command a shared recipe tells its receiver to run: the installed script, whose sys.path starts at its own
+# folder, so nothing is imported from the folder the recipe came in (`python -m` would put that folder first).
+SAFE_COMMAND = "lit-memory"
 
 # -- the shipped recipes -----------------------------------------------------------------------
 
@@ -181,8 +184,8 @@ def shared_recipe(config_yaml: str, command: str, machine: str, run_dir: Path) -
     )
     lines = [
         f"# {SHARED_RECIPE}: the fully resolved settings of one lit_memory fit run, to share as one file.",
-        f"# rerun: python -m lit_memory fit --config {SHARED_RECIPE}"
-        f"   (inspect it first: python -m lit_memory recipes check {SHARED_RECIPE})",
+        f"# rerun: {SAFE_COMMAND} fit --config {SHARED_RECIPE}"
+        f"   (inspect it first: {SAFE_COMMAND} recipes check {SHARED_RECIPE})",
         f"# command: {command}",
         f"# machine: {machine}",
         f"# versions: {versions}",

@@ -10,7 +10,8 @@ loops' progress (global step, epoch, batch index). What they lack, and this modu
   that in the checkpoint and hands it back on resume (its stateful-dataloader interface);
 - the random-number state: `ExactResume` saves the torch (CPU and CUDA), numpy and Python states
   of every rank in the checkpoint and restores each rank's own when training restarts, so dropout
-  draws the masks the uninterrupted run drew;
+  draws the masks the uninterrupted run drew (with fewer or more visible GPUs than when saved, the
+  process's own GPU's, with one warning line: `CudaRandom`);
 - checkpoints often enough to matter: `ResumeCheckpoint`, the checkpoint ``fit`` keeps by default
   (every `EVERY_N_TRAIN_STEPS` steps, ``last.ckpt`` linked to the newest), and
   ``--ckpt_path last`` finds the newest ``last.ckpt`` of the earlier runs in the same log folder.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union
 
@@ -37,7 +39,7 @@ from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit_memory import guard
@@ -107,15 +109,17 @@ class ExactResume(Callback):
     did not (see `_restore_loader_states`).
 
     The states are gathered from all ranks into the checkpoint's trainer state (for FSDP's sharded
-    checkpoints that is the ``meta.pt`` rank 0 writes), a few KiB per rank.
+    checkpoints that is the ``meta.pt`` rank 0 writes), a few KiB per rank. ``cuda``: the CUDA random
+    states (`CudaRandom`; a test gives a fake).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: Optional["CudaRandom"] = None) -> None:
         self._states: Optional[list[dict[str, Any]]] = None
+        self.cuda = cuda or CudaRandom()
 
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank while a checkpoint is written, right after the step it follows.
-        return {"rng": _all_gather(_rng_states())}
+        return {"rng": _all_gather(_rng_states(self.cuda))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._states = state["rng"]
@@ -126,12 +130,59 @@ class ExactResume(Callback):
             return
         states, self._states = self._states, None
         if len(states) != trainer.world_size:
-            rank_zero_warn(
+            _warn(
                 f"the checkpoint was written by {len(states)} processes and this run has {trainer.world_size}: "
-                "training goes on, but with other data shards and random states than the interrupted run's"
+                "training goes on resharded (weights and optimizer state), with other data shards and random states, "
+                "so not bit-exact with the interrupted run"
             )
             return
-        _set_rng_states(_from_checkpoint(states[trainer.global_rank]))
+        mine = _from_checkpoint(states[trainer.global_rank])
+        _set_rng_states({k: v for k, v in mine.items() if k not in ("torch.cuda", CUDA_DEVICE)})
+        self.cuda.restore(mine.get("torch.cuda", []), mine.get(CUDA_DEVICE))
+
+
+CUDA_DEVICE = "torch.cuda.device"  # beside Lightning's "torch.cuda" list: the index of the process's own GPU in it
+
+
+class CudaRandom:
+    """The CUDA random states of the visible GPUs (torch's: one state per visible device, by index) and the
+    process's own GPU, behind a handle that a test replaces by a fake.
+
+    A checkpoint holds one state per GPU its process saw; a resumed run may see fewer or more (another machine,
+    another ``CUDA_VISIBLE_DEVICES``), where restoring by index (Lightning's ``_set_rng_states``) fails with an
+    IndexError. Then the process's own GPU gets the state its GPU had when saved, the others keep theirs, with one
+    warning line: that GPU's draws (dropout) go on as the interrupted run's."""
+
+    def __init__(self, cuda: Any = torch.cuda) -> None:
+        self.cuda = cuda
+
+    def states(self) -> dict[str, Any]:
+        if not self.cuda.is_available():
+            return {"torch.cuda": []}
+        return {"torch.cuda": self.cuda.get_rng_state_all(), CUDA_DEVICE: self.cuda.current_device()}
+
+    def restore(self, states: list[torch.Tensor], device: Optional[int]) -> None:
+        visible = self.cuda.device_count() if self.cuda.is_available() else 0
+        if len(states) == visible:
+            if states:
+                self.cuda.set_rng_state_all(states)
+            return
+        own = self.cuda.current_device() if visible else None
+        restored = own is not None and device is not None and device < len(states)
+        if restored:
+            self.cuda.set_rng_state(states[device], own)
+        kept = f"its own GPU's restored (saved as cuda:{device}, now cuda:{own})" if restored else "them as they are"
+        others = ", the other GPUs' as they are" if restored and visible > 1 else ""
+        _warn(
+            f"the checkpoint holds the CUDA random states of {len(states)} visible GPUs and this process sees "
+            f"{visible}: training goes on with {kept}{others}"
+        )
+
+
+@rank_zero_only
+def _warn(message: str) -> None:
+    """One warning line, from rank 0 (as the CLI's other warnings)."""
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _restore_loader_states(trainer: Trainer) -> None:
@@ -150,8 +201,8 @@ def _restore_loader_states(trainer: Trainer) -> None:
     iter(loop._data_fetcher)  # the loaders' iterators were made before the states were loaded
 
 
-def _rng_states() -> dict[str, Any]:
-    states = _collect_rng_states(include_cuda=True)
+def _rng_states(cuda: CudaRandom) -> dict[str, Any]:
+    states = {**_collect_rng_states(include_cuda=False), **cuda.states()}
     if "numpy" in states:  # its key array as a tensor: checkpoints load with weights_only=True
         kind, keys, *rest = states["numpy"]
         states["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), *rest)

@@ -25,6 +25,7 @@ the norm, one more when not clipping by norm; an overflow skips the step as Grad
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -41,11 +42,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_memory import fused
+from lit_memory import eightbit_shards, fused
 from lit_memory.anatomy import find_layers, parameter_units
 from lit_memory.anatomy import hugging_face_models as _hugging_face_models
+from lit_memory.eightbit import is_bitsandbytes
 from lit_memory.errors import UserError
-from lit_memory.fused import DEFAULT_BUCKET, SHARD_STATE, Bucketing, Clipping, OptimizerInBackward, parse_bucket
+from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
 
 
 class _AcceleratorDevice:
@@ -85,7 +87,7 @@ class FusedStep:
         self, optimizer: Optimizer, module: Optional[nn.Module], clipping: Optional[Clipping], precision: Any
     ) -> None:
         units = parameter_units(module) if module is not None else None
-        self._fused = OptimizerInBackward(optimizer, units, self.bucket, clipping, getattr(precision, "scaler", None))
+        self._fused = OptimizerInBackward(optimizer, units, self.bucket, clipping, scaler=getattr(precision, "scaler", None))
         if self._fused.scaler is not None:  # the plugin's unscale/step/update see what the fused backward did
             self._scaled, precision.scaler = precision, self._fused.scaler
 
@@ -222,8 +224,8 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
     then to the model, so each layer's parameters are gathered only while it computes.
 
     With a bitsandbytes optimizer the fused step updates each rank's local shard (bitsandbytes knows
-    nothing of DTensor); that 8-bit state cannot be gathered or resharded, so it is left out of
-    checkpoints (`SHARD_STATE`) rather than saved in a form that would resume wrongly.
+    nothing of DTensor); checkpoints keep that state sharded, and resume it exactly on as many ranks and
+    requantised on another number (`lit_memory.eightbit_shards`).
 
     Args:
         fused: step inside backward. Layered after a recipe, ``configs/fsdp.yaml`` keeps the recipe's
@@ -263,18 +265,46 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
             shard(model, mesh)
         super().setup(trainer)
 
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        # Before anything is built where the module says its optimizer (lit_memory's); else in setup_optimizers.
+        factory = getattr(model, "optimizer_factory", None)
+        if self.fused_step and not self._save_distributed_checkpoint and callable(factory):
+            if is_bitsandbytes(factory([nn.Parameter(torch.zeros(1))])):
+                raise UserError(eightbit_shards.ONE_FILE)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._fused is not None and self._fused.steps_shards and not self._save_distributed_checkpoint:
+            raise UserError(eightbit_shards.ONE_FILE)
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._fused is not None and self._fused.steps_shards:
-            return {}
+            return eightbit_shards.state_dict(_unwrapped(optimizer), self.lightning_module)
         return super().optimizer_state(optimizer)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if self._fused is not None:
-            if self._fused.steps_shards:
-                raise UserError(SHARD_STATE)
-            # Lightning loads into existing optimizer state (torch would create it with all gradients at once).
-            self._fused.initialize_state()
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._fused is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Lightning loads into existing optimizer state (torch would create it with all gradients at once).
+        self._fused.initialize_state()
+        if not self._fused.steps_shards:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint, _load_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            raise UserError(eightbit_shards.NOT_SHARDED.format(path=path))
+        # Lightning's load of the weights and the trainer state; bitsandbytes' state is loaded here.
+        metadata = _load_checkpoint(
+            path, {"state_dict": self.model}, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
+        eightbit_shards.load_state_dict(self._fused.optimizer, self.lightning_module, path, "optimizer_0")
+        return metadata
+
+
+def _unwrapped(optimizer: Optimizer) -> Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def shard(model: nn.Module, mesh: Any) -> None:

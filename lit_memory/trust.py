@@ -12,13 +12,20 @@ user passed ``--trust-recipe``; it is applied where things happen, in three plac
 - **values**, on the parsed settings (`Decision.refusals`), after parsing and again after LightningCLI
   merges a checkpoint's hyper-parameters: anything that would run code from elsewhere
   (``trust_remote_code``, ``weights_only`` other than true, Hugging Face loading options), name a
-  remote location (a URL or fsspec chain anywhere), leave the choice of checkpoint to Lightning
-  (``ckpt_path: last/hpc/best`` from a file), or take the machine down (`BOUNDS`: worker and device
-  processes, checkpoint cadence and count). A value a parse of the command line alone produces is the
+  remote location (a URL or fsspec chain anywhere), make transformers fetch or run code (a Hub kernel
+  as attention implementation, a quantization config: `code_refusals`), leave the choice of checkpoint
+  to Lightning (``ckpt_path: last/hpc/best`` from a file), or take the machine down (`BOUNDS`: worker
+  and device processes, checkpoint cadence and count, sequence length). A value a parse of the command line alone produces is the
   user's own and exempt (`typed_values`), not whole subtrees merged under a key they typed.
 - **sinks**, for everything loaded or written later by paths no parsed value shows: `lit_memory.guard`
   (torch.load, torch's distributed-checkpoint reader, Lightning's checkpoint IO and the checkpoint it
   picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.enforce`.
+- **configs read**, untrusted: every config file jsonargparse reads is a regular file within the size
+  bound and its YAML's aliases and nesting are bounded before it is built (`bound_config_reading`,
+  `lit_memory.bounds`).
+
+Beyond all of these, ``python -m lit_memory`` holds the box (`lit_memory.box`) for an untrusted command:
+the process itself writes, reads, starts and reaches only what the box allows, whatever class asks.
 
 ``--trust-recipe`` lifts all of it. jsonargparse's settings and torch's switch are process-wide, so the
 decision is one per process: an untrusted process cannot later run a trusted command.
@@ -34,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from jsonargparse import Namespace
 
-from lit_memory import guard
+from lit_memory import bounds, guard
 from lit_memory.errors import UserError
 
 TRUST_FLAG = guard.TRUST_FLAG
@@ -89,6 +96,69 @@ def enforce_import_policy() -> None:
 
 def import_policy_enforced() -> bool:
     return _enforced
+
+
+_yaml_bounded = False
+_bound_error: Optional[UserError] = None  # the last bound a config broke (jsonargparse wraps errors in its own)
+_typed_files: set[str] = set()  # files named on the command line: the user's, read as they are
+_reading: Optional[tuple[str, str]] = None  # (path, text) of the config just read, for the loader's refusal
+
+
+def bound_config_reading(typed_files: Iterator[str] = ()) -> None:
+    """Untrusted: every config jsonargparse reads (``--config`` files, nested configs, a file given as a
+    value) is a regular file within `bounds.CONFIG_BYTES` (a FIFO or /dev/zero is not read at all), and every
+    YAML it loads has its aliases and nesting bounded (`bounds.check_yaml`), before it is built. Typed on
+    the command line, a file is the user's and read as it is (``--config <(...)``)."""
+    global _yaml_bounded
+    import jsonargparse
+    import yaml
+    from jsonargparse import Path as ConfigPath
+
+    _typed_files.update(os.path.realpath(f) for f in typed_files)
+    if _yaml_bounded:
+        return
+    load = jsonargparse.get_loader("yaml")
+
+    def bounded_load(value: str) -> Any:
+        global _reading
+        if guard.restricted():
+            where, _reading = (_reading[0] if _reading and _reading[1] == value else "a recipe or config"), None
+            _check(bounds.check_yaml, value, where)
+        return load(value)
+
+    jsonargparse.set_loader("yaml", bounded_load, exceptions=(yaml.YAMLError,))
+    read_text = ConfigPath.read_text
+
+    def bounded_read_text(self: Any) -> str:
+        local = not (self._std_io or self._is_url or self._is_fsspec)
+        global _reading
+        typed_pipe = os.path.realpath(self._absolute) in _typed_files and not os.path.isfile(self._absolute)
+        if guard.restricted() and local and not typed_pipe:  # ``--config <(...)`` typed: the user's pipe
+            text = _check(bounds.read_text, self._absolute, bounds.CONFIG_BYTES, "config")
+        else:
+            text = read_text(self)
+        _reading = (str(self._absolute), text)  # the YAML loader names the file it refuses
+        return text
+
+    ConfigPath.read_text = bounded_read_text
+    _yaml_bounded = True
+
+
+def _check(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, remembering the bound it broke: jsonargparse reports a loader's error inside its own."""
+    global _bound_error
+    try:
+        return fn(*args)
+    except UserError as err:
+        _bound_error = err
+        raise
+
+
+def bound_error() -> Optional[UserError]:
+    """The bound a config broke during the parse that failed (and forget it)."""
+    global _bound_error
+    err, _bound_error = _bound_error, None
+    return err
 
 
 def remote_configs_off() -> None:
@@ -163,8 +233,24 @@ HF_LOADING_OPTIONS = frozenset({
     "trust_remote_code", "cache_dir", "proxies", "token", "use_auth_token", "revision", "code_revision",
     "subfolder", "force_download", "local_files_only", "gguf_file", "user_agent",
 })
-MIN_CHECKPOINT_STEPS = 50  # a checkpoint every step of a large model fills a disk and starves training
-MAX_KEPT_CHECKPOINTS = 10
+MIN_CHECKPOINT_STEPS = guard.MIN_CHECKPOINT_STEPS  # a checkpoint every step of a large model fills a disk and starves training
+MAX_KEPT_CHECKPOINTS = guard.MAX_KEPT_CHECKPOINTS
+MIN_CHECKPOINT_SECONDS = 60
+MAX_LENGTH = 131072  # tokens: the longest context of the families lit_memory knows
+
+
+def _seconds(value: Any) -> Optional[float]:
+    """A ``train_time_interval`` as jsonargparse leaves it (a timedelta, or its fields), in seconds."""
+    import datetime
+
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (dict, Namespace)):
+        try:
+            return datetime.timedelta(**dict(value)).total_seconds()
+        except TypeError:
+            return None
+    return None
 
 
 def _cpus() -> int:
@@ -194,12 +280,17 @@ BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
      lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_STEPS} optimizer steps"),
     ("save_top_k", lambda v: isinstance(v, int) and (v < 0 or v > MAX_KEPT_CHECKPOINTS),
      lambda v: f"keeps {'every' if v < 0 else v} checkpoint{'s' if v != 1 else ''}, more than {MAX_KEPT_CHECKPOINTS}"),
+    ("max_length", lambda v: isinstance(v, int) and v > MAX_LENGTH,
+     lambda v: f"sequences of more than {MAX_LENGTH} tokens (memory while tokenising and padding grows with it)"),
+    ("train_time_interval", lambda v: _seconds(v) is not None and _seconds(v) < MIN_CHECKPOINT_SECONDS,
+     lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_SECONDS} seconds"),
 )
 
 
 def value_refusals(settings: Namespace) -> list[Refusal]:
     """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
-    refusals = []
+    code = code_refusals(settings.get("model.config_overrides") if isinstance(settings, Namespace) else None)
+    refusals = list(code)
     for key, value in leaves(settings):
         name = key.rsplit(".", 1)[-1]
         parent = key.rsplit(".", 2)[-2] if key.count(".") else ""
@@ -209,6 +300,8 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
             refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
         elif parent == "config_overrides" and name == "auto_map":
             refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
+        elif any(_under_key(key, r.key) for r in code):
+            continue  # inside a refused config override (a quantization config's fields)
         elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
             refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
         elif isinstance(value, str) and guard.is_remote(value) and key != "ckpt_path":
@@ -221,6 +314,26 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
     if (_device_count(devices) or 0) > _cpus() and _on_cpu(settings.get("trainer.accelerator")):
         refusals.append(Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} cores"))
     return refusals
+
+
+def code_refusals(overrides: Any, key: str = "model.config_overrides", depth: int = 0) -> list[Refusal]:
+    """Config overrides that would make transformers fetch or run code (`guard.code_setting`): at the top or
+    in a sub-config's dict (``text_config: {attn_implementation: org/kernel}``)."""
+    if isinstance(overrides, Namespace):
+        overrides = overrides.as_dict()
+    if not isinstance(overrides, dict) or depth > 4:
+        return []
+    found = []
+    for name, value in overrides.items():
+        if reason := guard.code_setting(str(name), value):
+            found.append(Refusal(f"{key}.{name}", value, reason))
+        elif isinstance(value, dict):
+            found += code_refusals(value, f"{key}.{name}", depth + 1)
+    return found
+
+
+def _under_key(key: str, parent: str) -> bool:
+    return key == parent or key.startswith(parent + ".")
 
 
 def _on_cpu(accelerator: Any) -> bool:
@@ -267,10 +380,12 @@ class Decision:
     trusted: bool
     typed: Namespace = field(default_factory=Namespace)
 
-    def enforce(self) -> None:
-        """Apply the decision to this process: before parsing (imports), and to every sink."""
+    def enforce(self, typed_files: Iterator[str] = ()) -> None:
+        """Apply the decision to this process: before parsing (imports, configs read), and to every sink.
+        ``typed_files``: files named on the command line (the user's)."""
         if not self.trusted:
             enforce_import_policy()
+            bound_config_reading(typed_files)
         elif import_policy_enforced():
             raise UserError(
                 f"{TRUST_FLAG} cannot lift the import allowlist in a process that has already enforced it: "
@@ -278,6 +393,10 @@ class Decision:
             )
         remote_configs_off()
         guard.enforce(self.trusted)
+
+    def is_typed(self, key: str, value: Any) -> bool:
+        """Whether the user typed ``value`` for ``key`` (a parse of the command line alone gives it)."""
+        return _same(dict(leaves(self.typed)).get(key), value)
 
     def refusals(self, settings: Namespace) -> list[Refusal]:
         """Everything in ``settings`` that needs ``--trust-recipe`` and was not typed by the user."""

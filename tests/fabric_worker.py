@@ -3,8 +3,9 @@
     python tests/fabric_worker.py OUT
 
 FSDP2: `lit_memory.FusedFabricFSDPStrategy` against Lightning's ``ModelParallelStrategy`` unfused (the same
-sharding), clipping by norm and by value, and 16-mixed with overflows forced (fused_worker.FP16_SCALER);
-the fused run checkpointed at step 3 and resumed in a new Fabric. FSDP1: ``fsdp_overlap_step_with_backward`` under Lightning's ``FSDPStrategy`` against the plain
+sharding), clipping by norm and by value, and 16-mixed with overflows forced (fused_worker.FP16_SCALER); the
+fused run checkpointed at step 3 and resumed in a new Fabric, with torch's AdamW and with bitsandbytes' AdamW8bit
+(its sharded state). FSDP1: ``fsdp_overlap_step_with_backward`` under Lightning's ``FSDPStrategy`` against the plain
 loop, and what it refuses. Lightning's FSDPStrategy refuses CPUs by its exact type and wraps with a CUDA
 device, so here a subclass runs with a module wrapped beforehand on the CPU (gloo), as torch's FSDP1 allows.
 
@@ -29,11 +30,15 @@ if __name__ == "__main__":  # a script: import this checkout's lit_memory
 
 import torch.distributed.checkpoint.state_dict as dcp_state  # noqa: E402
 
+import bitsandbytes as bnb  # noqa: E402
+
 from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
 from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
+from lit_memory import fused as fused_module  # noqa: E402
 from lit_memory.errors import UserError  # noqa: E402
 from lit_memory.model import full_state_dict, load_config, weight_decay_groups  # noqa: E402
 from lit_memory.strategies import hugging_face_models, shard  # noqa: E402
+from streams import Recording  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 GLOBAL_BATCH, LENGTH, STEPS = 8, 16, 6
@@ -84,11 +89,11 @@ class Record:
 # -- FSDP2 -----------------------------------------------------------------------------------------
 
 
-def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = False) -> dict:
-    """6 steps of AdamW (weight-decay groups, linear schedule); ``resume_at``: checkpoint there and go on
-    in a new Fabric from the checkpoint; ``fp16``: 16-mixed with a GradScaler that overflows (as a plugin:
-    Fabric makes a CPU's 16-mixed bf16), its scales after each step recorded, and at `POISONED_STEP` an
-    overflow on rank 1 alone (`poison_on_rank_1`)."""
+def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, eight_bit: bool = False, fp16: bool = False) -> dict:
+    """6 steps of AdamW (weight-decay groups, linear schedule; ``eight_bit``: bitsandbytes' AdamW8bit); ``resume_at``:
+    checkpoint there and go on in a new Fabric from the checkpoint; ``fp16``: 16-mixed with a GradScaler that
+    overflows (as a plugin: Fabric makes a CPU's 16-mixed bf16), its scales after each step recorded, and at
+    `POISONED_STEP` an overflow on rank 1 alone (`poison_on_rank_1`)."""
     clipping = {"max_norm": MAX_NORM} if clip == "norm" else {"clip_val": CLIP_VAL}
     record = Record()
     scaler = RecordingScaler("cpu", **FP16_SCALER) if fp16 else None
@@ -104,7 +109,8 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = Fa
         model = fabric.setup_module(tiny_bert())
         if fp16:  # before the fused step's hooks: they see the poisoned gradient
             poison_on_rank_1(model, fabric.global_rank, at)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(weight_decay_groups(model), lr=1e-3, weight_decay=0.01))
+        make = bnb.optim.AdamW8bit if eight_bit else torch.optim.AdamW
+        optimizer = fabric.setup_optimizers(make(weight_decay_groups(model), lr=1e-3, weight_decay=0.01))
         schedule = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
         return fabric, model, optimizer, schedule
 
@@ -115,13 +121,13 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, fp16: bool = Fa
     for step in range(STEPS):
         if resume_at and step == resume_at:
             state = {"model": model, "optimizer": optimizer, "schedule": schedule, "rng": torch.get_rng_state()}
-            fabric.save(out / "checkpoint", state)
+            fabric.save(out / f"checkpoint{'-8bit' if eight_bit else ''}", state)
             fabric, model, optimizer, schedule = build()  # a fresh model and optimizer, as a new process has
             initialize = dcp_state._init_optim_state
             dcp_state._init_optim_state = lambda optim: (created.append(not optim.state), initialize(optim))
             state = {"model": model, "optimizer": optimizer, "schedule": schedule}
             try:
-                rest = fabric.load(out / "checkpoint", state)
+                rest = fabric.load(out / f"checkpoint{'-8bit' if eight_bit else ''}", state)
             finally:
                 dcp_state._init_optim_state = initialize
             schedule.load_state_dict(state["schedule"])  # Fabric hands back a plain object's state
@@ -207,11 +213,16 @@ def fsdp1(fused: bool) -> dict:
     start = {n: p.detach().clone() for n, p in model.named_parameters()}  # this rank's flat slices
     optimizers = [torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()]
     held, flat = [], []
+    recording = Recording()  # FSDP1 switches torch.cpu's stream objects as CUDA's: where did each step run?
     for batch in data(fabric.global_rank, fabric.world_size):
         loss = model(**batch).loss
         if fused:
-            with fsdp_overlap_step_with_backward(optimizers, model, clip_val=CLIP_VAL):
-                fabric.backward(loss)
+            fused_module.device_streams, streams = (lambda device: recording), fused_module.device_streams
+            try:
+                with fsdp_overlap_step_with_backward(optimizers, model, clip_val=CLIP_VAL):
+                    fabric.backward(loss)
+            finally:
+                fused_module.device_streams = streams
         else:
             fabric.backward(loss)
             torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VAL)
@@ -242,9 +253,16 @@ def fsdp1(fused: bool) -> dict:
                 pass
         except UserError as err:
             refusals["flat"] = str(err)
+    recording.remove()
+    post_backward = model._forward_module._post_backward_stream  # made at the first forward
     shards = {n: p.detach().clone() for n, p in model.named_parameters()}
     trained = any(not torch.equal(shards[n], start[n]) for n in shards)
-    return {"shards": shards, "trained": trained, "held": held, "flat_gradients_held": flat, "refusals": refusals}
+    # torch's AdamW runs where FSDP1 hands the gradient over, its post-backward stream: nothing to wait for
+    steps = [(s["on"] is post_backward, s["waited"]) for s in recording.steps()]
+    return {
+        "shards": shards, "trained": trained, "held": held, "flat_gradients_held": flat, "refusals": refusals,
+        "steps": steps,
+    }
 
 
 def main() -> None:
@@ -255,6 +273,8 @@ def main() -> None:
         results[f"fsdp2-{clip}"] = fsdp2(False, clip, out)
         results[f"fsdp2-{clip}-fused"] = fsdp2(True, clip, out)
     results["fsdp2-norm-fused-resumed"] = fsdp2(True, "norm", out, resume_at=3)
+    results["fsdp2-norm-fused-8bit"] = fsdp2(True, "norm", out, eight_bit=True)
+    results["fsdp2-norm-fused-8bit-resumed"] = fsdp2(True, "norm", out, resume_at=3, eight_bit=True)
     results["fsdp2-fp16"] = fsdp2(False, "value", out, fp16=True)
     results["fsdp2-fp16-fused"] = fsdp2(True, "value", out, fp16=True)
     results["stale optimizer"] = stale_optimizer()
@@ -271,6 +291,7 @@ def main() -> None:
         "flat_gradients_held": fused["flat_gradients_held"],
         "plain_held": plain["held"],
         "refusals": fused["refusals"],
+        "steps": fused["steps"],
     }
     if torch.distributed.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -31,11 +31,13 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 0, 1])}
 
 
-def train(model: torch.nn.Module, fused: bool, steps: int = 3, embeddings_32bit: bool = False) -> torch.optim.Optimizer:
+def train(
+    model: torch.nn.Module, fused: bool, steps: int = 3, embeddings_32bit: bool = False, streams=None
+) -> torch.optim.Optimizer:
     optimizer = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)
     if embeddings_32bit:
         keep_embeddings_32bit(Anatomy.of(model).embeddings, optimizer)
-    step = OptimizerInBackward(optimizer, parameter_units(model)) if fused else None
+    step = OptimizerInBackward(optimizer, parameter_units(model), streams=streams) if fused else None
     for i in range(steps):
         torch.manual_seed(100 + i)  # the same dropout masks in every run
         model(**batch(i)).loss.backward()
@@ -95,8 +97,13 @@ def one_rank_group(tmp_path):
 
 
 def test_fused_8bit_steps_fsdp_local_shards_exactly_as_unsharded(one_rank_group):
+    """bitsandbytes knows nothing of DTensor: the core steps local shards. FSDP2 hands each gradient over inside its
+    reduce-scatter stream (on the CPU too, as torch.cpu's stream objects, which `streams.Recording` reads): every
+    8-bit step ran on the default stream, where bitsandbytes launches, after an event recorded on that stream."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+
+    from streams import Recording
 
     plain = tiny_bert()
     sharded = copy.deepcopy(plain)
@@ -104,8 +111,15 @@ def test_fused_8bit_steps_fsdp_local_shards_exactly_as_unsharded(one_rank_group)
         fully_shard(layer)
     fully_shard(sharded)
     reference = train(plain, fused=True, embeddings_32bit=True)
-    # bitsandbytes knows nothing of DTensor: the core steps local shards
-    optimizer = train(sharded, fused=True, embeddings_32bit=True)
+    recording = Recording()
+    try:
+        optimizer = train(sharded, fused=True, embeddings_32bit=True, streams=recording)
+    finally:
+        recording.remove()
+    reduce_scatter = sharded._get_fsdp_state()._comm_ctx.reduce_scatter_stream
+    steps = recording.steps()
+    assert len(steps) == 3 * len(parameter_units(sharded))
+    assert all(s["on"] is recording.default_stream and s["waited"] == [reduce_scatter] for s in steps)
 
     word = sharded.bert.embeddings.word_embeddings.weight
     assert isinstance(word, DTensor)

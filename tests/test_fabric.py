@@ -302,6 +302,16 @@ def test_fused_fabric_fsdp_strategy_resumes_from_fabrics_checkpoint(two_processe
     assert resumed["torch_created_state"] and not any(resumed["torch_created_state"])
 
 
+def test_fused_fabric_fsdp_strategy_resumes_bitsandbytes_8bit_state_exactly(two_processes):
+    """bitsandbytes' AdamW8bit steps each rank's local shard; fabric.save keeps that state sharded (as DTensors) and
+    fabric.load restores it, so the resumed run's weights are the uninterrupted run's, bit for bit."""
+    resumed = two_processes["fsdp2-norm-fused-8bit-resumed"]
+    assert resumed["resumed_at"] == 3
+    uninterrupted = two_processes["fsdp2-norm-fused-8bit"]["weights"]
+    assert_same(uninterrupted, resumed["weights"], atol=0)
+    assert not all(torch.equal(uninterrupted[k], two_processes["fsdp2-norm-fused"]["weights"][k]) for k in uninterrupted)
+
+
 def test_overlap_under_fsdp1(two_processes):
     """Lightning's FSDPStrategy (FSDP1, use_orig_params): per-parameter optimizers over each rank's flat
     slices stepped inside backward, clipped by value, equal the plain loop; no gradient, flat or original,
@@ -310,3 +320,5 @@ def test_overlap_under_fsdp1(two_processes):
     assert result["trained"] and result["difference"] <= 1e-6
     assert result["held"] == [0] * 6 and result["flat_gradients_held"] == [0] * 6 and min(result["plain_held"]) > 0
     assert result["refusals"] == {"norm": FSDP1_NORM, "scaler": FSDP1_SCALER, "flat": FSDP1_FLAT}
+    # Each step ran on FSDP1's post-backward stream, where it hands the gradient over: in order, nothing to wait for.
+    assert result["steps"] and all(on_post_backward and waited == [] for on_post_backward, waited in result["steps"])

@@ -404,7 +404,7 @@ def scaled(net, fused: bool, clipping=None, steps: int = 10) -> list[float]:
     step's view of the scaler. Returns the scale after each step."""
     optimizer = torch.optim.AdamW(weight_decay_groups(net), lr=1e-3, weight_decay=0.01)
     scaler = RecordingScaler("cpu", **FP16_SCALER)
-    fusion = OptimizerInBackward(optimizer, parameter_units(net), "layer", clipping, scaler) if fused else None
+    fusion = OptimizerInBackward(optimizer, parameter_units(net), "layer", clipping, scaler=scaler) if fused else None
     loop_scaler = fusion.scaler if fused else scaler
     torch.manual_seed(1)  # dropout masks
     samples = batches(4 * steps)
@@ -456,3 +456,108 @@ def test_fp16_loss_scaling_needs_the_checking_backward():
         loss.backward()  # not through fusion.backward: the first bucket would step before any overflow is known
     assert str(error.value) == fused_module.UNCHECKED
     fusion.remove()
+
+
+# -- stream order, device syncs, empty shards --------------------------------------------------------
+
+
+def _8bit(params):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+
+
+def _trained_on(stream, make, streams=None, steps: int = 2):
+    """A fused run whose backward runs inside ``stream`` (where FSDP2 and FSDP1 run the hooks that hand gradients
+    over: torch.cpu's stream objects stand for CUDA's), ordered through ``streams``."""
+    net = model(dropout=0.0)
+    fusion = OptimizerInBackward(make(weight_decay_groups(net)), parameter_units(net), streams=streams)
+    for batch in batches(steps):
+        with torch.cpu.stream(stream):
+            net(**{k: v[None] for k, v in batch.items()}).loss.backward()
+    fusion.remove()
+    return net, fusion
+
+
+def test_each_bucket_steps_on_its_optimizers_stream_after_its_gradients(monkeypatch):
+    """Gradients handed over on another stream than the default one (``rs``): bitsandbytes launches on the
+    default stream whatever the current one is, so each bucket's step runs there after an event recorded on ``rs``
+    when the bucket completed, one bucket late (the wait then follows the next layer's backward, which the
+    reduce-scatter overlaps); the last at the end of backward. torch's AdamW runs on ``rs`` itself, at once, with
+    nothing to wait for. No device sync, the numbers unchanged."""
+    import bitsandbytes.optim.optimizer as bnb_optimizer
+
+    from streams import Recording
+
+    syncs = []
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", lambda tensor: syncs.append(tensor))
+    rs = torch.cpu.Stream()
+    for make, launch in ((_8bit, "default"), (OPTIMIZERS["AdamW"], "current")):
+        recording = Recording()
+        try:
+            net, fusion = _trained_on(rs, make, recording)
+        finally:
+            recording.remove()
+        buckets = len(fusion.hooks.buckets)
+        steps = recording.steps()
+        assert len(steps) == 2 * buckets and {b.launch for b in fusion.hooks.buckets} == {launch}
+        if launch == "current":
+            assert all(s["on"] is rs and s["waited"] == [] for s in steps)
+            assert not any(entry[0] in ("record", "wait") for entry in recording.log)
+        else:
+            assert all(s["on"] is recording.default_stream and s["waited"] == [rs] for s in steps)
+            kinds = [entry[0] for entry in recording.log if entry[0] in ("record", "step")]
+            first_backward = kinds[: 2 * buckets]
+            assert first_backward == ["record"] + ["record", "step"] * (buckets - 1) + ["step"]  # one late, the last at the end
+            used = [entry for entry in recording.log if entry[0] == "used"]
+            assert used and all(stream is recording.default_stream for _, stream in used)  # gradients kept for it
+        unordered, _ = _trained_on(rs, make)  # the CPU: no streams to order
+        assert_same_parameters(unordered, net, atol=0)
+    assert syncs == []  # bitsandbytes' per-parameter torch.cuda.synchronize(), left out
+
+
+def test_a_paged_8bit_optimizer_synchronises_once_per_bucket(monkeypatch):
+    """Paged state is prefetched and updated asynchronously: bitsandbytes' own sync at the end of a step stays,
+    once per bucket instead of after every parameter."""
+    import bitsandbytes as bnb
+    import bitsandbytes.optim.optimizer as bnb_optimizer
+
+    syncs = []
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", lambda tensor: syncs.append(tensor))
+    with pytest.warns(UserWarning, match="Paged optimizers are not supported on CPU"):
+        _, fusion = _trained_on(torch.cpu.current_stream(), lambda p: bnb.optim.PagedAdamW8bit(p, lr=1e-3), steps=1)
+    assert len(syncs) == len(fusion.hooks.buckets) < sum(len(b.params) for b in fusion.hooks.buckets)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD-momentum", "Adafactor", "AdamW8bit"])
+def test_an_empty_shard_reaches_no_optimizer_and_adds_nothing_to_the_norm(name):
+    """FSDP2 gives the last ranks no rows of a parameter with fewer rows than ranks (a 2-label head on 3 ranks):
+    a bucket hands its optimizer only the shards with values (bitsandbytes' CUDA kernels exit the process on a
+    0-element launch), and the clipping norm skips it (an empty tensor has no infinity norm)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from lit_memory.fused import Bucket, _NormMeter
+
+    make = _8bit if name == "AdamW8bit" else OPTIMIZERS[name]
+    torch.manual_seed(0)
+    full, empty = torch.nn.Parameter(torch.randn(2, 256)), torch.nn.Parameter(torch.empty(0, 256))
+    bucket = Bucket(make([full, empty]), [full, empty])
+    full.grad, empty.grad = torch.randn(2, 256), torch.empty(0, 256)
+    handed = []
+    hook = register_optimizer_step_pre_hook(
+        lambda opt, *_: handed.extend(p.numel() for g in opt.param_groups for p in g["params"] if p.grad is not None)
+    )
+    try:
+        bucket.step()
+    finally:
+        hook.remove()
+    assert handed == [512] and full.grad is None and empty.grad is None
+    for norm_type in (2.0, float("inf")):
+        meter = _NormMeter(norm_type)
+        grad = torch.randn(2, 256)
+        meter.add(grad)
+        meter.add(torch.empty(0, 256))
+        assert meter.total() == torch.linalg.vector_norm(grad, norm_type)
+        only_empty = _NormMeter(norm_type)
+        only_empty.add(torch.empty(0, 256))
+        assert only_empty.total() == 0  # a rank holding nothing still takes part, with 0

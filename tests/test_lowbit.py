@@ -248,7 +248,7 @@ def _cache_switch_follows_the_parameters(tmp_path, functorch_config):
 
 def test_fsdp2_fused_torchao_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
     """torchao's 8-bit state is DTensor-aware: under FSDP2 with the fused step it is saved in the sharded
-    checkpoint and restored, so 6 steps + resume to 10 equal 10 steps (bitsandbytes' refuses: SHARD_STATE)."""
+    checkpoint and restored, so 6 steps + resume to 10 equal 10 steps (bitsandbytes': tests/test_resume.py)."""
     from test_strategies import CHECKPOINT, load, run_worker
 
     args = ["--strategy", "fused-fsdp", "--devices", "2", "--optimizer", "torchao-8bit"]

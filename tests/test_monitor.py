@@ -78,7 +78,11 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
         "weights", "gradients", "optimizer state", "activations", "other/temporary", "peak (tensors)", "(phase)"
     ]
     assert rows["peak (tensors)"][-2:] == format_bytes(measured).split()
-    assert table[8].startswith("  process: max RSS ")
+    # padded to max_length: the measured shape is the worst case, which the "fits" line names
+    rows_, tokens = shape = report["batch_shape"]
+    assert table[8].startswith(f"  fits (worst case: every batch {rows_} x {tokens}, padded to max_length): analytic ")
+    assert table[9].startswith("  process: max RSS ")
+    assert report["longest_batch"] == {"tracked": shape, "all": shape, "tracked_peak": shape}
 
 
 def test_memory_is_measured_by_default_and_configurable(capsys):
@@ -224,27 +228,128 @@ def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predic
     assert rows["weights"] == ["2.00", "GiB", "-"]
 
 
-def test_the_device_level_reads_nvml_for_this_process_when_it_can(monkeypatch):
-    """nvidia-ml-py is optional: with it, this process's own usage; without (or without a driver), the whole
-    device's used memory from cudaMemGetInfo; neither: nothing."""
-    import sys
-    from types import ModuleType
+class FakeNvml:
+    """NVML's functions as ``pynvml`` has them, with the processes the device lists (PIDs as NVML names them)."""
 
-    fake = ModuleType("pynvml")
-    fake.nvmlInit = lambda: None
-    fake.nvmlDeviceGetHandleByIndex = lambda index: "handle"
-    fake.nvmlDeviceGetComputeRunningProcesses = lambda handle: [
-        SimpleNamespace(pid=1, usedGpuMemory=5), SimpleNamespace(pid=__import__("os").getpid(), usedGpuMemory=1234)
-    ]
+    def __init__(self, processes: dict[int, int]) -> None:
+        self.processes, self.inits = processes, 0
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return f"handle {index}"
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.processes.items()]
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    """A fake NVML as the `pynvml` module, the monitor's per-process NVML state reset."""
+    import sys
+
+    from lit_memory import monitor
+
+    fake = FakeNvml({})
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(monitor, "_nvml", None)
+    monkeypatch.setattr(monitor, "_nvml_failed_in", None)
     monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda device: 0)
-    assert device_memory_used(torch.device("cuda", 0)) == (1234, "nvml (this process)")
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6, 10))
-    assert device_memory_used(torch.device("cuda", 0)) == (4, "cudaMemGetInfo (whole device)")
+    return fake
+
+
+def test_the_device_level_reads_nvml_for_this_process_when_it_can(nvml, monkeypatch):
+    """nvidia-ml-py is optional: with it, this process's own usage (NVML started once per process); without (or
+    without a driver), the whole device's used memory from cudaMemGetInfo; neither: nothing."""
+    import os
+
+    from lit_memory import monitor
+
+    nvml.processes = {1: 5, os.getpid(): 1234}
+    cuda = torch.device("cuda", 0)
+    for _ in range(3):  # a batch's three phase boundaries
+        assert device_memory_used(cuda) == (1234, "nvml (this process)")
+    assert nvml.inits == 1
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # not installed
+    monkeypatch.setattr(monitor, "_nvml", None)
+    assert device_memory_used(cuda) == (4, "cudaMemGetInfo (whole device)")
 
     def no_driver(device):
         raise RuntimeError("no CUDA driver")
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_driver)
-    assert device_memory_used(torch.device("cuda", 0)) == (None, None)
+    assert device_memory_used(cuda) == (None, None)
+
+
+def test_in_a_container_nvml_finds_this_process_by_what_its_allocator_holds(nvml, monkeypatch):
+    """NVML lists host PIDs, none of them ours: the process whose NVML figure can hold this process's reserved
+    memory is ours; while two can, the device-wide reading stands; the PID found is kept."""
+    GiB = 2**30
+    reserved = {"bytes": 2 * GiB}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved["bytes"])
+    nvml.processes = {70001: 3 * GiB, 70002: int(3.5 * GiB), 70003: GiB}  # others' processes and ours (70001)
+    cuda = torch.device("cuda", 0)
+    assert device_memory_used(cuda) == (4, "cudaMemGetInfo (whole device)")  # 70001 and 70002 could both be ours
+    reserved["bytes"] = 4 * GiB
+    nvml.processes = {70001: int(4.5 * GiB), 70002: int(3.5 * GiB), 70003: 5 * GiB}  # 70003 grew: not a candidate
+    assert device_memory_used(cuda) == (int(4.5 * GiB), "nvml (this process, matched by memory: PIDs of another namespace)")
+    reserved["bytes"] = GiB // 2  # the allocator released memory: the PID found is kept
+    nvml.processes = {70001: 2 * GiB, 70002: 5 * GiB, 70004: 3 * GiB}
+    assert device_memory_used(cuda) == (2 * GiB, "nvml (this process)")
+    assert nvml.inits == 1
+
+
+def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsys):
+    """Dynamic padding: the tracked batches are shorter than max_length. The predictions beside the measurements
+    are for the longest tracked batch (and the batch that reached the tracked peak); the worst case is the fits
+    line; memory.json holds them all."""
+    from lit_memory.memory.footprint import Footprint
+
+    asked = []
+
+    def predict(trainer, module, simulate, shape):
+        asked.append(shape)
+        rows, tokens = shape or (32, 128)
+        return {"analytic": Footprint({"backward": {"weights": 100, "gradients": 0, "optimizer": 200, "activations": rows * tokens, "other": 0}})}
+
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu")), log_dir=None, default_root_dir=None, world_size=1,
+        accumulate_grad_batches=1, global_step=0, is_global_zero=True, optimizers=[],
+        datamodule=SimpleNamespace(hparams={"batch_size": 32, "max_length": 128, "padding": "longest"}),
+    )
+    monitor = MemoryMonitor(track_steps=2, tier="1MiB")
+    monitor.predict = predict
+    monitor.on_fit_start(trainer, None)
+    for step, tokens in enumerate((50, 41, 60)):  # the third step is past the tracked ones
+        trainer.global_step = step
+        batch = {"input_ids": torch.zeros(32, tokens, dtype=torch.long), "labels": torch.zeros(32, dtype=torch.long)}
+        monitor.on_train_batch_start(trainer, torch.nn.Linear(2, 2), batch, step)
+        if monitor.tracker is not None:
+            monitor._stop_tracker()
+        monitor._phase = None
+    monitor.peak_batch = (32, 41)  # as if the second step, with its optimizer state, reached the tracked peak
+    monitor._predict_seen_shapes(trainer, None)
+    assert asked == [None, (32, 50), (32, 41)]  # the worst case at the start; the tracked shapes at the end
+    assert (monitor.longest_tracked, monitor.longest) == ((32, 50), (32, 60))
+    monitor._print_table(trainer, None)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:8] == ["memory", "on", "cpu,", "batch", "32", "x", "50", "tokens"]
+    rows = {line[:44].strip(): line[44:].split() for line in table[1:8]}
+    assert rows["activations"][:2] == format_bytes(32 * 50).split()  # predicted at 32 x 50
+    assert table[8] == (
+        "  shorter batches: dynamic padding (data.padding: longest) pads each batch to its longest text; the longest "
+        "tracked batch was 32 x 50 tokens, not 32 x 128 (max_length): predictions above are for 32 x 50"
+    )
+    assert table[9] == f"  the tracked peak came in another batch, 32 x 41 tokens: analytic {format_bytes(300 + 32 * 41)} at that shape"
+    assert table[10] == (
+        f"  fits (worst case: every batch 32 x 128, padded to max_length): analytic {format_bytes(300 + 32 * 128)} tensors: "
+        "fits memory.tier 1.00 MiB"
+    )
+    record = monitor.record(trainer)
+    assert record["batch_shape"] == [32, 128] and record["padding"] == "longest"
+    assert record["longest_batch"] == {"tracked": [32, 50], "all": [32, 60], "tracked_peak": [32, 41]}
+    assert record["predicted"]["analytic"]["peak_bytes"] == 300 + 32 * 128
+    assert record["predicted_at_longest"]["tracked"]["analytic"]["peak_bytes"] == 300 + 32 * 50
+    assert record["predicted_at_longest"]["tracked_peak"]["analytic"]["peak_bytes"] == 300 + 32 * 41

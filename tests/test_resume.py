@@ -13,9 +13,11 @@ import csv
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
 from lit_memory.cli import LitMemoryCLI
@@ -49,7 +52,11 @@ def reviews(tmp_path_factory) -> Path:
     return write_csv(tmp_path_factory.mktemp("data") / "reviews.csv", rows(40))
 
 
-def fit(root: Path, recipe: str, data: Path, *more: str) -> subprocess.CompletedProcess:
+def fit(
+    root: Path, recipe: str, data: Path, *more: str, launcher: Sequence[str] = (sys.executable,), log: Optional[Path] = None
+) -> Any:
+    """``python -m lit_memory fit`` run to its end; with ``launcher`` (e.g. torchrun) and ``log``, started with its
+    output going to ``log``."""
     args = [
         "--config", str(RECIPES / f"{recipe}.yaml"),
         "--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false", f"--model.config_overrides={TINY}",
@@ -61,11 +68,12 @@ def fit(root: Path, recipe: str, data: Path, *more: str) -> subprocess.Completed
         "--trainer.callbacks+=LearningRateMonitor", "--trainer.callbacks.logging_interval=step",
         f"--trainer.default_root_dir={root}",
     ]
-    return subprocess.run(
-        [sys.executable, "-m", "lit_memory", "fit", "--trust-recipe", *args, *more],  # trust: the test's killer
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
-    )
+    command = [*launcher, "-m", "lit_memory", "fit", "--trust-recipe", *args, *more]  # trust: the test's killer
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    if log is not None:
+        with open(log, "w") as out:
+            return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
 def kill_and_resume(full: Path, interrupted: Path, recipe: str, data: Path, *more: str) -> None:
@@ -121,15 +129,53 @@ def test_a_run_killed_mid_epoch_resumes_exactly(recipe, reviews, tmp_path):
     assert_log_goes_on(run(tmp_path / "full"), run(tmp_path / "interrupted", 1))
 
 
-def test_fsdp_run_killed_mid_epoch_resumes_exactly_from_its_sharded_checkpoint(reviews, tmp_path):
-    """FSDP2 with the fused step over 2 CPU processes: each rank has its own data shard, batch
-    lengths and dropout masks, so each restores its own random state from the sharded checkpoint."""
-    fsdp = ["--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=2",
-            "--data.batch_size=2"]  # 2 per rank: still 8 steps per epoch
-    kill_and_resume(tmp_path / "full", tmp_path / "interrupted", "fused", reviews, *fsdp)
-    assert (run(tmp_path / "interrupted") / "checkpoints" / "epoch=1-step=10.ckpt" / "meta.pt").is_file()  # sharded
-    assert max_weight_difference(run(tmp_path / "full"), run(tmp_path / "interrupted", 1)) <= 1e-5
-    assert_log_goes_on(run(tmp_path / "full"), run(tmp_path / "interrupted", 1))
+def two_nodes(root: Path, recipe: str, data: Path, *more: str) -> list[subprocess.CompletedProcess]:
+    """README's multi-node command, ``torchrun --nnodes 2 ... --rdzv-backend c10d --rdzv-endpoint HEAD:PORT -m
+    lit_memory fit ... --trainer.num_nodes 2``, as two "nodes" of one process each on this machine: two torchrun
+    agents meeting at a c10d rendezvous on 127.0.0.1, their output folders shared (as a cluster's file system)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", root.name,
+    ]
+    logs = [root.parent / f"{root.name}-node{i}-{port}.log" for i in range(2)]  # files: neither node blocks on a pipe
+    nodes = [
+        fit(root, recipe, data, *more, "--trainer.devices=1", "--trainer.num_nodes=2", launcher=torchrun, log=log)
+        for log in logs
+    ]
+    return [subprocess.CompletedProcess(node.args, node.wait(600), "", log.read_text()) for node, log in zip(nodes, logs)]
+
+
+def test_4gb_on_fsdp_killed_mid_epoch_on_two_torchrun_nodes_resumes_exactly(reviews, tmp_path):
+    """The 4gb recipe (bitsandbytes' 8-bit AdamW, its state saved sharded) under FSDP2 over 2 CPU processes: the run
+    never interrupted launched by Lightning on one machine; the killed run and its resume launched by torchrun as two
+    nodes (README's multi-node command, rehearsed on 127.0.0.1). The same 2 global ranks train the same shards, so
+    the resumed run ends with the uninterrupted run's weights: each rank restores its shards of the weights and of
+    the 8-bit state, and its own random state, from the sharded checkpoint."""
+    fsdp = ["--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--data.batch_size=2"]  # 8 steps/epoch
+    done = fit(tmp_path / "full", "4gb", reviews, *fsdp, "--trainer.devices=2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    interrupted = tmp_path / "interrupted"
+    killed = two_nodes(interrupted, "4gb", reviews, *fsdp, "--trainer.callbacks+=interrupt.KillAfterStep",
+                       f"--trainer.callbacks.step={KILL_AFTER}")
+    for node in killed:  # each agent reports its process killed
+        assert node.returncode != 0 and "Signal 9 (SIGKILL)" in node.stderr, node.stderr[-4000:]
+    checkpoint = run(interrupted) / "checkpoints" / "epoch=1-step=10.ckpt"
+    assert (run(interrupted) / "checkpoints" / "last.ckpt").resolve() == checkpoint
+    saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata  # sharded: meta.pt + each rank's file
+    codes = [k for k, v in saved.items() if k.startswith("optimizer_0.state.") and getattr(v, "properties", None)
+             and v.properties.dtype == torch.uint8]
+    assert (checkpoint / "meta.pt").is_file() and len(codes) > 10  # the 8-bit state, in the checkpoint
+    resumed = two_nodes(interrupted, "4gb", reviews, *fsdp, "--ckpt_path=last")  # a new run folder, version_1
+    for node in resumed:
+        assert node.returncode == 0, node.stderr[-4000:]
+    assert f"Restoring states from the checkpoint path at {run(interrupted) / 'checkpoints' / 'last.ckpt'}" in (
+        resumed[0].stdout + resumed[0].stderr + resumed[1].stdout + resumed[1].stderr
+    )
+    assert max_weight_difference(run(tmp_path / "full"), run(interrupted, 1)) <= 1e-6
+    assert_log_goes_on(run(tmp_path / "full"), run(interrupted, 1))
 
 
 # -- the parts ----------------------------------------------------------------------------------
@@ -178,7 +224,7 @@ def test_the_loader_resumes_inside_the_epoch_and_starts_the_next_one_afresh():
     assert [b.tolist() for b in after_last] == [b.tolist() for b in original]
 
 
-def test_every_random_state_comes_back_from_a_weights_only_checkpoint(tmp_path):
+def test_every_random_state_comes_back_from_a_weights_only_checkpoint(tmp_path, capsys):
     def draw() -> tuple:
         return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
 
@@ -194,9 +240,65 @@ def test_every_random_state_comes_back_from_a_weights_only_checkpoint(tmp_path):
 
     other = ExactResume()  # written by 2 processes, resumed by 1: says so, restores nothing
     other.load_state_dict({"rng": 2 * torch.load(tmp_path / "state.pt", weights_only=True)["rng"]})
-    with pytest.warns(UserWarning, match="written by 2 processes and this run has 1"):
-        other.on_train_start(trainer, None)
+    other.on_train_start(trainer, None)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: the checkpoint was written by 2 processes and this run has 1: training goes on resharded (weights "
+        "and optimizer state), with other data shards and random states, so not bit-exact with the interrupted run"
+    ]
     assert draw() != expected
+
+
+class FakeCuda:
+    """torch.cuda's random-state functions over ``count`` visible GPUs, the process's own being ``current``."""
+
+    def __init__(self, count: int, current: int = 0) -> None:
+        self.states = [torch.tensor([10 * count + i]) for i in range(count)]
+        self.current = current
+
+    def is_available(self) -> bool:
+        return bool(self.states)
+
+    def device_count(self) -> int:
+        return len(self.states)
+
+    def current_device(self) -> int:
+        return self.current
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return list(self.states)
+
+    def set_rng_state_all(self, states: list[torch.Tensor]) -> None:
+        for index, state in enumerate(states):
+            self.set_rng_state(state, index)
+
+    def set_rng_state(self, state: torch.Tensor, device: int) -> None:
+        self.states[device] = state  # an IndexError past the visible GPUs, as torch's
+
+
+@pytest.mark.parametrize("saved, visible", [(8, 2), (2, 8), (2, 2), (0, 2), (2, 0)])
+def test_resuming_with_fewer_or_more_visible_gpus_goes_on_with_one_warning_line(saved, visible, capsys):
+    """A checkpoint holds one CUDA random state per GPU its process saw, and the index of its own (cuda:1 here).
+    Resumed where the process sees another number, Lightning's restore by index raises IndexError with fewer; here
+    the process's own GPU (cuda:0 now) gets the state its GPU had, the others keep theirs, and one line says so."""
+    from lit_memory.resume import CudaRandom
+
+    writer = CudaRandom(FakeCuda(saved, current=min(1, max(saved - 1, 0))))
+    states = writer.states()
+    reader = FakeCuda(visible, current=0)
+    before = list(reader.states)
+    CudaRandom(reader).restore(states["torch.cuda"], states.get("torch.cuda.device"))
+    lines = capsys.readouterr().err.splitlines()
+    if saved == visible:
+        assert lines == [] and reader.states == states["torch.cuda"]  # as before: every state by index
+        return
+    assert len(lines) == 1 and lines[0].startswith(
+        f"warning: the checkpoint holds the CUDA random states of {saved} visible GPUs and this process sees {visible}: "
+    )
+    if saved and visible:
+        assert "its own GPU's restored (saved as cuda:1, now cuda:0)" in lines[0]
+        assert reader.states == [states["torch.cuda"][1]] + before[1:]
+    else:
+        assert reader.states == before  # nothing saved for it, or nothing to restore on
 
 
 def test_last_is_the_newest_last_ckpt_of_the_earlier_runs(tmp_path):

@@ -31,7 +31,7 @@ from lit_memory.memory import records
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 from lit_memory.monitor import MemoryMonitor
-from lit_memory.strategies import SHARD_STATE, FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
+from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
 
 CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
 
@@ -272,23 +272,34 @@ def test_fsdp_config_shards_and_keeps_the_recipes_choice_of_fused_step(recipe, f
     assert cli.trainer.world_size == 6
 
 
-def test_4gb_recipe_trains_on_fsdp_with_two_processes(tmp_path):
-    """bf16 + checkpointing + 8-bit AdamW (local shards, 32-bit embeddings) + fused step, sharded over 2 ranks."""
+def test_4gb_recipe_trains_on_fsdp_and_resumes_resharded_onto_three_then_four_processes(tmp_path):
+    """bf16 + checkpointing + 8-bit AdamW (local shards, 32-bit embeddings) + fused step, sharded over 2 ranks; its
+    checkpoint (8-bit state saved sharded) resumed on 3 ranks, whose checkpoint is resumed on 4, each saying in one
+    line that it is resharded. The 2-label head and token-type embeddings (2 rows) leave the last ranks empty shards:
+    no optimizer is handed one (bitsandbytes' CUDA kernels would exit the process). Every bucket's 8-bit step ran on
+    the stream bitsandbytes launches on (the default one) after waiting for an event where FSDP2 made the gradients
+    (its reduce-scatter stream, recorded through torch.cpu's stream objects: `streams.Probe`), with no device sync."""
     args = [
         "--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
-        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_epochs=6", "--trainer.overfit_batches=1",
+        "--trainer.accelerator=cpu", "--trainer.max_epochs=6", "--trainer.overfit_batches=1",
         "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--model.optimizer.init_args.lr=1e-4",
         "--data.limit_train_samples=64", "--data.limit_eval_samples=16", f"--trainer.default_root_dir={tmp_path}",
         "--data.padding=max_length",  # every batch the shape the per-rank memory prediction assumes
     ]
-    def fit(*more: str) -> subprocess.CompletedProcess:
+    def fit(devices: int, *more: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "lit_memory", "fit", *args, *more], cwd=REPO, capture_output=True, text=True,
-            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [sys.executable, "-m", "lit_memory", "fit", *args, f"--trainer.devices={devices}", *more], cwd=REPO,
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
         )
 
-    result = fit()
+    result = fit(2)
     assert result.returncode == 0, result.stderr[-4000:]
+    # A quiet console: no third-party advice (Lightning's sync_dist advice for the validation loss), and the
+    # run's own lines once, not once per process.
+    console = result.stdout + result.stderr
+    assert "sync_dist" not in console and "It is recommended" not in console, console[-4000:]
+    assert console.count("gradient_checkpointing auto: ") == 1
     run = tmp_path / "lightning_logs" / "version_0"
     losses = [float(row["train_loss"]) for row in csv.DictReader(open(run / "metrics.csv")) if row.get("train_loss")]
     assert len(losses) == 6 and losses[-1] < losses[0]  # the one batch is being learned
@@ -304,11 +315,37 @@ def test_4gb_recipe_trains_on_fsdp_with_two_processes(tmp_path):
     pretrained.configure_model()
     name = "bert.encoder.layer.0.attention.self.query.weight"
     assert not torch.equal(tuned.state_dict()[name], pretrained.model.state_dict()[name])
-    # Its checkpoint holds no 8-bit optimizer state (per-rank quantised shards): resuming says so, in one line.
-    (checkpoint,) = (run / "checkpoints").iterdir()
-    resumed = fit(f"--ckpt_path={checkpoint}", "--trainer.max_epochs=7")
-    assert resumed.returncode == 2
-    assert resumed.stderr.strip().splitlines()[-1] == f"error: {SHARD_STATE}"
+
+    for version, (before, devices) in enumerate([(2, 3), (3, 4)], start=1):
+        (checkpoint,) = (tmp_path / "lightning_logs" / f"version_{version - 1}" / "checkpoints").iterdir()
+        probes = tmp_path / f"probe{devices}"
+        resumed = fit(
+            devices, f"--ckpt_path={checkpoint}", f"--trainer.max_epochs={6 + version}",
+            "--trust-recipe", "--trainer.callbacks+=streams.Probe", f"--trainer.callbacks.out={probes}",  # the test's probe
+        )
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        warnings = [line for line in resumed.stderr.splitlines() if "processes and this run has" in line]
+        assert warnings == [
+            f"warning: the checkpoint was written by {before} processes and this run has {devices}: training goes on "
+            "resharded (weights and optimizer state), with other data shards and random states, so not bit-exact "
+            "with the interrupted run"
+        ]
+        # One more step (lr 1e-4) from the checkpoint's weights: they moved, a little.
+        weights = [_exported(tmp_path / "lightning_logs" / f"version_{v}") for v in (version - 1, version)]
+        moved = max((weights[1][k] - weights[0][k]).abs().max().item() for k in weights[0])
+        assert 0 < moved < 1e-2
+        ranks = [torch.load(probes / f"rank{r}.pt") for r in range(devices)]
+        assert [r["empty_shards"] > 0 for r in ranks] == [False, False] + [True] * (devices - 2)
+        for rank in ranks:
+            # every bucket with values here stepped once, and none was handed an empty shard
+            assert rank["steps"] == rank["buckets"] > 6 and rank["smallest_handed"] > 0, rank
+            assert rank["on_default"] == rank["ordered"] == rank["steps"] and rank["syncs"] == 0, rank
+
+
+def _exported(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "hf_model" / "model.safetensors")
 
 
 def test_lora_recipe_trains_on_fsdp_and_exports_the_merged_model(tmp_path):
@@ -410,4 +447,19 @@ def test_cli_prints_the_refusal_as_one_line_and_writes_nothing(tmp_path, capsys)
         main(["fit", *args, f"--trainer.default_root_dir={root}"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {fused.ACCUMULATION}"]
+    assert not root.exists()
+
+
+def test_a_single_file_checkpoint_of_sharded_8bit_state_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
+    """bitsandbytes' state under FSDP2 is quantised per shard and saved sharded: gathering it into one file on rank
+    0 (save_distributed_checkpoint false) is refused before the model is built or a run folder written."""
+    from lit_memory.eightbit_shards import ONE_FILE
+
+    root = tmp_path / "runs"
+    args = ["--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu",
+            "--trainer.devices=1", "--trainer.strategy.init_args.save_distributed_checkpoint=false"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, f"--trainer.default_root_dir={root}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {ONE_FILE}"
     assert not root.exists()

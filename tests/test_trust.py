@@ -561,6 +561,120 @@ def hostile(tmp_path_factory):
     checked = {"auto_resume": [onexc, hpc, last, hpc_name], "dcp": [dcp_item, dcp_rank], "typed": [typed],
                "links": [links, links_root, hard], "network": [net, chain, source, logger],
                "bounds": [workers, devices, cadence, keep], "transformers": [remote_model, hf_option]}
+    # -- the box (issue 32): allowed classes that write where a recipe says, bounds they get around, bombs ------
+    outside = root / "outside"  # a folder of the receiver's, outside any run folder
+    outside.mkdir()
+    (outside / "precious.txt").write_text(ORIGINAL)
+
+    def shared_folder(name: str) -> Path:  # a folder sent along, holding what the receiver must keep
+        folder = root / name
+        folder.mkdir(parents=True)
+        return folder
+
+    callback = "      - class_path: lightning.pytorch.callbacks.{}\n        init_args: {{{}}}\n"
+    spike = recipe("spike", "trainer:\n  callbacks:\n" + callback.format(
+        "SpikeDetection", f"exclude_batches_path: {outside / 'skip_batches.json'}"))
+    spike_shared = shared_folder("shared_spike")
+    (spike_shared / "skip_batches.json").symlink_to(victim)
+    spike_link = recipe("spike_link", f"trainer:\n  default_root_dir: {spike_shared}\n  callbacks:\n" + callback.format(
+        "SpikeDetection", f"exclude_batches_path: {spike_shared / 'skip_batches.json'}"))
+    last_shared = shared_folder("shared_last")
+    (last_shared / "ckpts" / "last.ckpt").mkdir(parents=True)
+    (last_shared / "ckpts" / "last.ckpt" / "precious.txt").write_text(ORIGINAL)  # rmtree'd by save_last: link
+    last_link = recipe("last_link", f"trainer:\n  default_root_dir: {last_shared}\n  callbacks:\n" + callback.format(
+        "ModelCheckpoint", f"dirpath: {last_shared / 'ckpts'}, save_last: link, enable_version_counter: false"))
+    profiler = recipe("profiler", "trainer:\n  profiler:\n    class_path: lightning.pytorch.profilers.SimpleProfiler\n"
+                                  f"    init_args: {{dirpath: {outside}, filename: precious}}\n")
+    export_shared = shared_folder("shared_export")
+    (export_shared / "hf_model").mkdir()
+    (export_shared / "hf_model" / "precious.txt").write_text(ORIGINAL)
+    export = recipe("export", f"trainer:\n  default_root_dir: {export_shared}\n  logger: false\nmodel:\n  save_pretrained: true\n")
+    nest_shared = shared_folder("shared_nest")
+    (nest_shared / "a" / "b").mkdir(parents=True)
+    (nest_shared / "a" / "b" / "c").symlink_to(outside)  # three folders down
+    nested = recipe("nested", f"trainer:\n  default_root_dir: {nest_shared}\n  callbacks:\n" + callback.format(
+        "ModelCheckpoint", f"dirpath: {nest_shared / 'a' / 'b' / 'c' / 'ckpts'}"))
+    fifo_shared = shared_folder("shared_fifo")
+    os.mkfifo(fifo_shared / "memory.json")
+    fifo_run = recipe("fifo_run", f"trainer:\n  default_root_dir: {fifo_shared}\n  logger: {csv_logger.format(fifo_shared)}\n")
+    finder = recipe("finder", "trainer:\n  callbacks:\n" + callback.format(
+        "BatchSizeFinder", f"batch_arg_name: num_workers, init_val: {cpus + 1}, max_trials: 2"))
+    many_kept = recipe("many_kept", "trainer:\n  callbacks:\n" + "".join(callback.format(
+        "ModelCheckpoint", f"monitor: train_loss, save_top_k: 10, every_n_train_steps: {100 + i}") for i in range(5)))
+    every_step = recipe("every_step", "trainer:\n  limit_train_batches: 1\n  max_steps: 20\n  limit_val_batches: 0\n"
+                        "  callbacks:\n" + "".join(callback.format("ModelCheckpoint", f"every_n_epochs: {i + 1}, filename: 'c{i}-{{step}}'")
+                                                    for i in range(5)))
+    # Resource bombs in files.
+    laughs = "".join(f"    {chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(9))
+    yaml_bomb = recipe("yaml_bomb", "model:\n  config_overrides:\n    a: &a [x, x, x, x, x, x, x, x, x, x]\n" + laughs)
+    deep = recipe("deep", "model:\n  config_overrides:\n    x: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    big = recipe("big", "# " + "x" * (4 << 20) + "\ntrainer:\n  max_steps: 1\n")
+    for name, target in (("zero_ckpt", "/dev/zero"), ("fifo_ckpt", None)):
+        folder = distributed_checkpoint(root / name)
+        (folder / ".metadata").unlink()
+        os.symlink(target, folder / ".metadata") if target else os.mkfifo(folder / ".metadata")
+    zero_ckpt = recipe("zero_ckpt", f"ckpt_path: {root / 'zero_ckpt'}\n")
+    fifo_ckpt = recipe("fifo_ckpt", f"ckpt_path: {root / 'fifo_ckpt'}\n")
+
+    def model_folder(name: str, **config: object) -> Path:
+        folder = root / name
+        shutil.copytree(REPO / "lit_memory" / "assets" / "bert-large-uncased", folder)
+        (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **TINY, **config}))
+        return folder
+
+    chain = model_folder("replace_chain")
+    tokenizer = json.loads((chain / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"String": "e"}, "content": "e" * 10} for _ in range(6)]}
+    (chain / "tokenizer.json").write_text(json.dumps(tokenizer))
+    normalizers = recipe("normalizers", f"model:\n  model_name_or_path: {chain}\n  pretrained: false\n")
+    bomb_folder = model_folder("deflate")
+    from test_bounds import deflate_bomb
+
+    deflate_bomb(bomb_folder / "pytorch_model.bin")
+    deflate = recipe("deflate", f"model:\n  model_name_or_path: {bomb_folder}\n")
+    layers = recipe("layers", "model:\n  config_overrides: {num_hidden_layers: 20000}\n")
+    kernel = recipe("kernel", "model:\n  config_overrides: {attn_implementation: kernels-community/flash-attn}\n")
+    kernel_folder = model_folder("kernel_folder", attn_implementation="kernels-community/flash-attn")
+    kernel_file = recipe("kernel_file", f"model:\n  model_name_or_path: {kernel_folder}\n  pretrained: false\n")
+    quantized = recipe("quantized", "model:\n  config_overrides:\n    quantization_config: {quant_method: bitsandbytes, load_in_8bit: true}\n")
+    no_checkpoints = ["--trainer.max_steps=1", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+                      "--trainer.enable_model_summary=false", "--data.limit_train_samples=8", "--data.limit_eval_samples=4",
+                      "--data.batch_size=4", "--model.save_pretrained=false"]
+
+    def fit_with_callbacks(config: str, runs: str, *more: str) -> list[str]:  # checkpointing on: the recipe's callbacks
+        return ["fit", "--config", config, *no_checkpoints, *more, f"--trainer.default_root_dir={runs}"]
+
+    untrusted.update({
+        "box/spike_detection": {"argv": fit(spike)},
+        "box/spike_detection_link": {"argv": fit_keeping_root(spike_link)},
+        "box/save_last_link_rmtree": {"argv": fit_with_callbacks(last_link, str(last_shared))[:-1]},
+        "box/profiler": {"argv": fit(profiler)},
+        "box/save_pretrained_replaces": {"argv": ["fit", "--config", export, *FAST]},
+        "box/nested_link": {"argv": fit_with_callbacks(nested, str(nest_shared))[:-1]},
+        "box/fifo_memory_json": {"argv": fit_keeping_root(fifo_run)},
+        "bounds/batch_size_finder_workers": {"argv": fit(finder, runs=str(side / "finder"))},
+        "bounds/checkpoints_kept_over_callbacks": {"argv": fit_with_callbacks(many_kept, str(side / "kept"))},
+        "bounds/checkpoint_cadence_over_callbacks": {"argv": ["fit", "--config", every_step, "--trainer.num_sanity_val_steps=0",
+                                                              "--trainer.enable_progress_bar=false", "--data.limit_train_samples=8",
+                                                              "--data.batch_size=4", "--model.save_pretrained=false",
+                                                              f"--trainer.default_root_dir={side / 'every'}"]},
+        "bombs/yaml_aliases": {"argv": fit(yaml_bomb)},
+        "bombs/deep_nesting": {"argv": fit(deep)},
+        "bombs/large_recipe": {"argv": fit(big)},
+        "bombs/metadata_dev_zero": {"argv": fit(zero_ckpt)},
+        "bombs/metadata_fifo": {"argv": fit(fifo_ckpt)},
+        "bombs/tokenizer_normalizers": {"argv": fit(normalizers)},
+        "bombs/deflated_weights": {"argv": fit(deflate)},
+        "bombs/estimate_layers": {"argv": ["estimate", "--config", layers, "--no-simulate"]},
+        "code/kernel_override": {"argv": fit(kernel)},
+        "code/kernel_in_config_json": {"argv": fit(kernel_file)},
+        "code/quantization_config": {"argv": fit(quantized)},
+    })
+    checked.update({"box": [spike, spike_link, last_link, profiler, export, nested, fifo_run],
+                    "bounds_runtime": [finder, many_kept, every_step],
+                    "bombs": [yaml_bomb, deep, big, zero_ckpt, fifo_ckpt, normalizers, deflate],
+                    "code": [kernel, kernel_file, quantized]})
     for group, files_ in checked.items():
         for i, file in enumerate(files_):
             untrusted[f"{group}/check/{i}"] = {"argv": ["recipes", "check", file]}
@@ -572,6 +686,7 @@ def hostile(tmp_path_factory):
         "links/run_folder": {"argv": fit_keeping_root(links_root)},
         "network/nested_config_fit": {"argv": fit(net, runs=str(side / "net"))},
         "bounds/num_workers_mild": {"argv": fit(workers_mild, runs=str(side / "workers"))},
+        "box/save_pretrained_replaces": {"argv": ["fit", "--config", export, *FAST]},  # trusted: replaced, as asked
     }
     before = snapshot(root)
     results = run_batch(untrusted, side, trusted=False)
@@ -675,3 +790,57 @@ def test_model_code_runs_only_when_trusted(hostile):
     flagged_by_check(hostile, "transformers")
     result = hostile.trusted["transformers/unknown_model_code"]
     assert hostile.markers["unknown"].read_text() == "ran", result["err"][-2000:]
+
+
+# -- the box: whatever class writes, the process writes only in its run folder (issue 32) ----------------
+
+
+def test_allowed_classes_write_only_in_the_run_folder(hostile):
+    """Lightning classes on the allowlist that take paths, and lit_memory's export, each refused before the run
+    writes anything: the setting that asked is named."""
+    refused_once(hostile.untrusted["box/spike_detection"], "skip_batches.json",
+                 "(trainer.callbacks.0.init_args.exclude_batches_path)", "outside the run's folders")
+    refused_once(hostile.untrusted["box/spike_detection_link"], "skip_batches.json is a link")
+    refused_once(hostile.untrusted["box/save_last_link_rmtree"], "last.ckpt", "this run did not make it")
+    refused_once(hostile.untrusted["box/profiler"], "(trainer.profiler.init_args.dirpath)", "outside the run's folders")
+    refused_once(hostile.untrusted["box/save_pretrained_replaces"], "hf_model (model.save_pretrained)", "did not make it")
+    refused_once(hostile.untrusted["box/nested_link"], "(trainer.callbacks.0.init_args.dirpath", "through the link",
+                 "shared_nest/a/b/c")  # Lightning resolves a dirpath's links itself: the box sees where it points
+    refused_once(hostile.untrusted["box/fifo_memory_json"], "memory.json", "did not make it")  # and no hang
+    flagged_by_check(hostile, "box")
+    assert (hostile.root / "outside" / "precious.txt").read_text() == ORIGINAL
+    assert sorted(p.name for p in (hostile.root / "outside").iterdir()) == ["precious.txt"]
+    result = hostile.trusted["box/save_pretrained_replaces"]  # trusted: the export replaces, as it always did
+    assert result["code"] == 0, result["err"][-2000:]
+    assert sorted(p.name for p in (hostile.root / "shared_export" / "hf_model").iterdir()) != ["precious.txt"]
+
+
+def test_bounds_hold_for_the_whole_run(hostile):
+    """A batch-size finder scaling the worker count, checkpoint callbacks that each pass their own bounds but
+    together save every step or keep 50: stopped with one line once the run knows (its data loaded)."""
+    refused_once(hostile.untrusted["bounds/batch_size_finder_workers"], f"data.num_workers={hostile.cpus + 1}",
+                 "changed during the run")
+    refused_once(hostile.untrusted["bounds/checkpoints_kept_over_callbacks"], "keep 50 checkpoints, more than 10")
+    refused_once(hostile.untrusted["bounds/checkpoint_cadence_over_callbacks"], "every 0.4 optimizer steps", "45 times in 20 steps")
+    flagged_by_check(hostile, "bounds_runtime")
+    assert not list((hostile.side / "every").rglob("*.ckpt")) and not list((hostile.side / "kept").rglob("*.ckpt"))
+
+
+def test_files_built_to_exhaust_memory_or_time_are_refused_before_the_expensive_step(hostile):
+    refused_once(hostile.untrusted["bombs/yaml_aliases"], "yaml_bomb.yaml", "once its aliases are expanded")
+    refused_once(hostile.untrusted["bombs/deep_nesting"], "nested deeper than 64 levels")
+    refused_once(hostile.untrusted["bombs/large_recipe"], "big.yaml", "more than the 1 MiB bound")
+    refused_once(hostile.untrusted["bombs/metadata_dev_zero"], "its .metadata", "not a regular file")
+    refused_once(hostile.untrusted["bombs/metadata_fifo"], "its .metadata", "a FIFO")
+    refused_once(hostile.untrusted["bombs/tokenizer_normalizers"], "tokenizer.json", "normalizers can multiply")
+    refused_once(hostile.untrusted["bombs/deflated_weights"], "pytorch_model.bin", "decompression bomb")
+    refused_once(hostile.untrusted["bombs/estimate_layers"], "num_hidden_layers=20000")
+    flagged_by_check(hostile, "bombs")
+
+
+def test_transformers_settings_that_fetch_or_run_code_are_refused_wherever_they_are(hostile):
+    refused_once(hostile.untrusted["code/kernel_override"], "model.config_overrides.attn_implementation",
+                 "kernel on the Hugging Face Hub")
+    refused_once(hostile.untrusted["code/kernel_in_config_json"], "config.json: attn_implementation", "kernel on the")
+    refused_once(hostile.untrusted["code/quantization_config"], "model.config_overrides.quantization_config", "quantizer")
+    flagged_by_check(hostile, "code")

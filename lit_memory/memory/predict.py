@@ -74,16 +74,22 @@ def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]
         found = step.on(target(device))
         return replace(found, world_size=trainer.world_size) if found.sharded else found
 
-    def predict_hook(trainer: Any, module: Any, simulated: bool) -> dict[str, Footprint]:
+    def predict_hook(trainer: Any, module: Any, simulated: bool, shape: Optional[tuple[int, int]] = None) -> dict[str, Footprint]:
         predictions: dict[str, Footprint] = {}
+        try:
+            run = on(trainer)
+        except Exception as err:  # noqa: BLE001  as below: the run still trains and is measured
+            print(f"warning: no memory prediction: {type(err).__name__}: {err}")
+            return predictions
+        if shape is not None:  # batches of this many rows and tokens (e.g. the longest a dynamically padded run saw)
+            run = replace(run, batch_size=int(shape[0]), max_length=int(shape[1]))
         for method in METHODS if simulated else METHODS[:1]:
             try:
                 declined = None
                 if method == "simulated":
-                    run = on(trainer)
                     found, declined = (None, None) if run.sharded else simulate_or_decline(run)
                 else:
-                    found = analytic(on(trainer))
+                    found = analytic(run)
             except Exception as err:  # a model the predictions do not cover must still train (and be measured)
                 print(f"warning: no {method} memory prediction: {type(err).__name__}: {err}")
                 continue

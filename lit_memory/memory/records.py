@@ -27,6 +27,9 @@ def memory_record(
     world_size: int,
     batch_shape: Optional[list[int]],
     batches: int,
+    padding: Optional[str] = None,
+    longest_batch: Optional[dict[str, Optional[list[int]]]] = None,
+    predicted_at_longest: Optional[dict[str, dict[str, Optional[Footprint]]]] = None,
     tracked_batches: int,
     optimizer_steps: int,
     predicted: dict[str, Optional[Footprint]],
@@ -35,7 +38,9 @@ def memory_record(
     oom: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The content of ``memory.json``. Every number is for one rank (one device); ``measured`` is
-    rank 0's and ``ranks`` has every rank's when there are several."""
+    rank 0's and ``ranks`` has every rank's when there are several. ``predicted`` is for ``batch_shape`` (the
+    worst case: every batch padded to max_length); ``predicted_at_longest`` for the longest batch the tracked
+    steps (``tracked``) and all steps (``all``, on CUDA) saw, ``longest_batch``, where padding made it shorter."""
     tracked = measured.get("tracked")
     return {
         "schema": MEMORY_SCHEMA,
@@ -43,10 +48,16 @@ def memory_record(
         "world_size": world_size,
         "config": "config.yaml",
         "batch_shape": batch_shape,
+        "padding": padding,
+        "longest_batch": longest_batch,
         "batches": batches,
         "tracked_batches": tracked_batches,
         "optimizer_steps": optimizer_steps,
         "predicted": {m: (f.to_dict() if f is not None else None) for m, f in predicted.items()},
+        "predicted_at_longest": {
+            key: {m: (f.to_dict() if f is not None else None) for m, f in found.items()}
+            for key, found in (predicted_at_longest or {}).items()
+        },
         "measured": {
             "tracked": tracked.to_dict() if isinstance(tracked, Footprint) else tracked,
             "process": measured.get("process"),
@@ -63,10 +74,14 @@ def write_memory(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_memory(run_dir: Path) -> dict[str, Any]:
     """A run's ``memory.json``; ValueError if it is missing, unreadable or of another schema."""
-    try:
-        record = json.loads((run_dir / MEMORY_JSON).read_text(encoding="utf-8"))
-    except OSError as err:
+    from lit_memory import bounds
+
+    try:  # a regular file within its bound: a FIFO planted in a shared run folder would block forever
+        record = json.loads(bounds.read_bytes(run_dir / MEMORY_JSON, bounds.JSON_BYTES, MEMORY_JSON))
+    except (OSError, bounds.UserError) as err:
         raise ValueError(f"no {MEMORY_JSON} in {run_dir}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{run_dir / MEMORY_JSON} is nested too deeply") from None
     if not isinstance(record, dict) or record.get("schema") != MEMORY_SCHEMA:
         raise ValueError(f"{run_dir / MEMORY_JSON} is not a schema-{MEMORY_SCHEMA} memory record")
     return record

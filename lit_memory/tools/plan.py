@@ -30,7 +30,7 @@ from typing import Any, Optional
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from lit_memory import files
+from lit_memory import box, files
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.lowbit import check_settings
@@ -437,6 +437,7 @@ def main(argv: list[str]) -> None:
         "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
     )
     ours, rest = parser.parse_known_args(argv)
+    box.allow_output(ours.output, "--output", file=True)
     budget = parse_bytes(ours.budget)
     base = step_of(rest, ours)
     recipes = shipped_recipes()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import tempfile
 from argparse import ArgumentError
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from jsonargparse import Namespace
 
-from lit_memory import files, guard
+from lit_memory import bounds, files, guard
 from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory import records
@@ -214,7 +215,12 @@ def check(path: Path, trusted: bool) -> None:
     read only through the guard's restricted readers."""
     if not _is_file(path):
         raise UserError(f"recipe not found: {path}")
-    tree = _load_yaml(path)
+    try:
+        tree = _load_yaml(path)
+    except bounds.BoundExceeded as err:  # a bomb: nothing more is read of it, trusted or not
+        print(f"  {'problem' if trusted else 'REFUSED'}  {str(err).removeprefix('refusing ')}")
+        verdict = "1 problem(s)" if trusted else f"1 refused; pass {TRUST_FLAG} only if you trust its source"
+        raise UserError(f"{path}: {verdict}") from None
     refused: list[str] = []
     problems = [f"unknown keys: {', '.join(unknown)}"] if (unknown := _unknown_keys(tree, _fit_schema())) else []
     source, run = path, None
@@ -254,8 +260,10 @@ def check(path: Path, trusted: bool) -> None:
     print(f"ok: {path} parses against the `fit` schema" + ("" if refused else " and needs no " + TRUST_FLAG))
 
 
-# Keys whose value is a folder a run writes into (the run folder, loggers', checkpoints', a profiler's).
-WRITE_FOLDER_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir")
+# Keys whose value is a place a run writes into (the run folder, loggers', checkpoints', a profiler's, ...).
+WRITE_FOLDER_KEYS = guard.WRITE_KEYS
+# Settings a batch-size finder may scale (`batch_arg_name`) that the bounds hold for the whole run.
+BOUNDED_DURING_RUN = ("num_workers", "max_length")
 
 
 def later_refusals(settings: Namespace) -> list[str]:
@@ -279,11 +287,92 @@ def later_refusals(settings: Namespace) -> list[str]:
         value = settings.get(key)
         if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
             found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
+    run_folder = Path(os.path.expanduser(str(settings.get("trainer.default_root_dir") or "."))).absolute()
     for key, value in leaves(settings):
-        if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and not guard.is_remote(value):
-            planted = [p for p in files.planted_links(value, depth=2) if not guard.own_checkpoint_link(p)]
+        if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
+            planted = [p for p in files.planted_links(value, depth=guard.LINK_DEPTH) if not guard.own_checkpoint_link(p)]
             if planted:
                 found.append(f"{key}: {planted[0]} is a link in a folder a run writes into (it would write through it)")
+            place = Path(os.path.expanduser(value)).absolute()
+            if not (place == run_folder or run_folder in place.parents):
+                found.append(f"{key}: {value} is outside the run folder {run_folder} (an untrusted run writes only there)")
+    found += _kept_checkpoints(settings) + _replaced(settings, run_folder) + _replaced_last(settings)
+    for key, value in leaves(settings):
+        if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN:
+            found.append(f"{key}: {value!r} would be scaled during the run past the bound that holds for data.{value}")
+    return found
+
+
+def _kept_checkpoints(settings: Namespace) -> list[str]:
+    """What the run's check over all checkpoint callbacks (`lit_memory.guard.checkpoint_load`) will refuse once
+    its data is loaded, judged from the settings: how many are kept, and how often they save where the epoch's
+    length is known here (an integer ``trainer.limit_train_batches``)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = []
+    for _, spec in leaves_of_class(settings, ModelCheckpoint):
+        init = spec.get("init_args") or Namespace()
+        steps, epochs = init.get("every_n_train_steps"), init.get("every_n_epochs")
+        if steps is None and epochs is None and init.get("train_time_interval") is None:
+            epochs = 1  # Lightning's default: every epoch
+        callbacks.append(SimpleNamespace(
+            _every_n_train_steps=steps or 0, _every_n_epochs=epochs or 0, save_last=init.get("save_last"),
+            save_top_k=init.get("save_top_k", 1) if isinstance(init.get("save_top_k", 1), int) else 1,
+            monitor=init.get("monitor"),
+        ))
+    batches = settings.get("trainer.limit_train_batches")
+    accumulate = settings.get("trainer.accumulate_grad_batches")
+    trainer = SimpleNamespace(
+        checkpoint_callbacks=callbacks,
+        num_training_batches=batches if isinstance(batches, int) and not isinstance(batches, bool) else float("inf"),
+        accumulate_grad_batches=accumulate if isinstance(accumulate, int) else 1,
+        max_steps=settings.get("trainer.max_steps") or -1, max_epochs=settings.get("trainer.max_epochs"),
+    )
+    problem = guard.checkpoint_load(trainer)
+    return [f"trainer.callbacks: {problem}"] if problem else []
+
+
+def _replaced(settings: Namespace, run_folder: Path) -> list[str]:
+    """What a run would replace without having made it, in a folder the recipe chose that the run writes
+    straight into (no logger, or a logger with no name and version folders): its files of fixed names
+    (`lit_memory.guard.RUN_FILES`) and ``save_pretrained``'s ``hf_model``."""
+    found, folders = [], []
+    if settings.get("trainer.logger") is False:
+        folders.append(("trainer.default_root_dir", run_folder))
+    for key, spec in _specs(settings.get("trainer.logger")):
+        init = spec.get("init_args") or Namespace()
+        if init.get("save_dir") and init.get("name") == "" and init.get("version") == "":
+            folders.append((f"trainer.logger{key}.init_args.save_dir", Path(os.path.expanduser(str(init.get("save_dir"))))))
+    for key, folder in folders:
+        names = [*guard.RUN_FILES, *(["hf_model"] if settings.get("model.save_pretrained") and key == "trainer.default_root_dir" else [])]
+        for name in names:
+            if os.path.lexists(folder / name):
+                found.append(f"{key}: the run would replace {folder / name}, which it did not make")
+    return found
+
+
+def _specs(value: Any) -> list[tuple[str, Namespace]]:
+    """(index suffix, spec) of a class spec or a list of them."""
+    if isinstance(value, Namespace) and "class_path" in value:
+        return [("", value)]
+    if isinstance(value, list):
+        return [(f".{i}", v) for i, v in enumerate(value) if isinstance(v, Namespace) and "class_path" in v]
+    return []
+
+
+def _replaced_last(settings: Namespace) -> list[str]:
+    """A ``last.ckpt`` that ``save_last`` without a version counter would replace (a folder: removed whole)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found = []
+    for key, spec in leaves_of_class(settings, ModelCheckpoint):
+        init = spec.get("init_args") or Namespace()
+        if init.get("dirpath") and init.get("save_last") and init.get("enable_version_counter") is False:
+            last = Path(os.path.expanduser(str(init.get("dirpath")))) / "last.ckpt"
+            if os.path.lexists(last):
+                found.append(f"{key}: save_last would replace {last}, which the run did not make")
     return found
 
 
@@ -347,8 +436,12 @@ def _is_file(path: Path) -> bool:
 
 
 def _load_yaml(path: Path) -> Any:
+    """The recipe as plain data, read within the bounds a run reads it with (`lit_memory.bounds`): a regular
+    file of at most 1 MiB whose aliases and nesting are bounded, checked before anything is built."""
+    text = bounds.read_text(path, bounds.CONFIG_BYTES, "recipe")
+    bounds.check_yaml(text, str(path))
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
 

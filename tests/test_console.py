@@ -1,0 +1,78 @@
+"""What a run prints while it runs: progress lines off a terminal (the rich bar on one), the model summary without
+Lightning's column of zero FLOPs. (A fit's progress lines themselves: tests/test_predictions.py's shared fit.)"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+
+from conftest import FAST
+from lit_memory import cli as cli_module
+from lit_memory.cli import LitMemoryCLI
+from lit_memory.console import LogProgress, ModelSummary, interactive, total_epochs
+from lit_memory.errors import UserError
+
+SUMMARY = [
+    (" ", ["0", "1"]),
+    ("Name", ["val_metrics", "model"]),
+    ("Type", ["MetricCollection", "BertForSequenceClassification"]),
+    ("Params", ["0", "22.7 M"]),
+    ("Mode", ["train", "train"]),
+    ("FLOPs", ["0", "0"]),
+]
+
+
+def summarize(total_flops: int) -> None:
+    ModelSummary.summarize(SUMMARY, 22_700_000, 22_700_000, 90.8, {"train": 131, "eval": 0}, total_flops)
+
+
+def test_the_model_summary_leaves_out_flops_lightning_did_not_count(caplog, capsys, monkeypatch):
+    with caplog.at_level(logging.INFO):
+        summarize(0)
+    text = caplog.text
+    assert "BertForSequenceClassification" in text and "22.7 M" in text and "Trainable params" in text
+    assert "FLOPs" not in text and "Flops" not in text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        summarize(12_000)
+    assert "FLOPs" in caplog.text and "12.0 K" in caplog.text  # counted (an example_input_array): shown
+    monkeypatch.setattr("lit_memory.console.interactive", lambda stream=None: True)  # a terminal: rich's table
+    summarize(0)
+    out = capsys.readouterr().out
+    assert "BertForSequenceClassification" in out and "Total params" in out and "FLOPs" not in out
+
+
+def test_a_terminal_keeps_the_rich_bar_and_a_log_gets_progress_lines(monkeypatch):
+    args = [*FAST, "--trainer.enable_progress_bar=true", "--trainer.enable_model_summary=true", "--progress.interval=5"]
+    monkeypatch.setattr(cli_module, "interactive", lambda: False)
+    callbacks = LitMemoryCLI(args=args, run=False).trainer.callbacks
+    (progress,) = [c for c in callbacks if isinstance(c, LogProgress)]
+    assert progress.interval == 5 and not any(isinstance(c, RichProgressBar) for c in callbacks)
+    assert any(type(c) is ModelSummary for c in callbacks) and not any(isinstance(c, RichModelSummary) for c in callbacks)
+    monkeypatch.setattr(cli_module, "interactive", lambda: True)
+    callbacks = LitMemoryCLI(args=args, run=False).trainer.callbacks
+    assert any(isinstance(c, RichProgressBar) for c in callbacks) and not any(isinstance(c, LogProgress) for c in callbacks)
+    # the progress bar turned off: neither
+    callbacks = LitMemoryCLI(args=[*args, "--trainer.enable_progress_bar=false"], run=False).trainer.callbacks
+    assert not any(isinstance(c, (RichProgressBar, LogProgress)) for c in callbacks)
+
+
+def test_whether_output_is_a_terminal_is_rich_s_decision(monkeypatch, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        assert not interactive(log)
+        monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's switch for a terminal it cannot detect (CI runners)
+        monkeypatch.setenv("TERM", "xterm")
+        assert interactive(log)
+
+
+def test_the_interval_is_checked_and_the_epochs_follow_max_steps():
+    with pytest.raises(UserError, match="progress.interval must be a number of seconds > 0, got 0"):
+        LogProgress(0)
+    trainer = SimpleNamespace(max_epochs=-1, max_steps=10, num_training_batches=4, accumulate_grad_batches=2)
+    assert total_epochs(trainer) == 5  # 2 optimizer steps an epoch
+    trainer.max_epochs = 3
+    assert total_epochs(trainer) == 3
+    assert total_epochs(SimpleNamespace(max_epochs=None, max_steps=-1, num_training_batches=float("inf"), accumulate_grad_batches=1)) is None
