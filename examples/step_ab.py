@@ -19,6 +19,10 @@ load hits all of them alike; the median step per variant is printed, and the fir
     # clipping by norm (a measuring backward before the fused one): "gradient_clip_val" is the step's, not the model's
     python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
         --batch 8 --length 16 --steps 40 --variants '[{}, {"gradient_clip_val": 1.0}]'
+    # fp16 with torch's GradScaler: the unfused step (backward, unscale_, step, update) against the fused one (a
+    # backward that checks for overflow, then the one that steps); "fused" is the step's too
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+        --batch 8 --length 16 --steps 40 --fp16 --variants '[{"fused": false}, {}, {"fused": false, "gradient_clip_val": 1.0}, {"gradient_clip_val": 1.0}]'
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import statistics
 import time
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -37,10 +42,43 @@ from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.model import SequenceClassifier
 
 
-def build(variant: dict, args: argparse.Namespace) -> tuple[SequenceClassifier, OptimizerInBackward]:
+class Step:
+    """One variant's training step: forward, then backward with the fused optimizer step inside (or, with
+    ``"fused": false``, Lightning's order after it: unscale, clip, step, update, free the gradients)."""
+
+    def __init__(self, module: SequenceClassifier, optimizer, fused: Optional[OptimizerInBackward], clip, scaler) -> None:
+        self.module, self.optimizer, self.fused, self.clip, self.scaler = module, optimizer, fused, clip, scaler
+
+    def __call__(self, batch: dict, autocast) -> None:
+        with autocast():
+            loss = self.module.model(**batch).loss
+        scaler = self.fused.scaler if self.fused is not None else self.scaler
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        if self.fused is not None:
+            self.fused.backward(loss.backward)
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            return
+        loss.backward()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.module.model.parameters(), self.clip)
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def build(variant: dict, args: argparse.Namespace) -> Step:
     torch.manual_seed(0)
     variant = dict(variant)
     clip = variant.pop("gradient_clip_val", None)  # clipping by norm, as trainer.gradient_clip_val
+    fusion = variant.pop("fused", True)
     module = SequenceClassifier(
         model_name_or_path="bundled:bert-large", pretrained=False, config_overrides=args.config_overrides, **variant
     )
@@ -49,20 +87,27 @@ def build(variant: dict, args: argparse.Namespace) -> tuple[SequenceClassifier, 
 
         module.optimizer_factory = partial(bnb.optim.AdamW8bit, lr=2e-5, weight_decay=0.01)
     module.configure_model()
+    optimizer = module.build_optimizer()
+    # the scale a GradScaler settles at for this model: no step skipped (a skipped step would skip the update)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6) if args.fp16 else None
+    if not fusion:
+        return Step(module, optimizer, None, clip, scaler)
     # the fused step (layer buckets), as fused.yaml and 4gb.yaml train
-    fused = OptimizerInBackward(module.build_optimizer(), parameter_units(module.model), clipping=Clipping(max_norm=clip) if clip else None)
-    return module, fused
+    clipping = Clipping(max_norm=clip) if clip else None
+    return Step(module, optimizer, OptimizerInBackward(optimizer, parameter_units(module.model), clipping=clipping, scaler=scaler), clip, scaler)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--variants", type=json.loads, required=True, help="JSON list of SequenceClassifier kwargs (and gradient_clip_val)"
+        "--variants", type=json.loads, required=True,
+        help="JSON list of SequenceClassifier kwargs (and the step's gradient_clip_val, fused)",
     )
     parser.add_argument("--config_overrides", type=json.loads, default={})
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as bf16-mixed")
+    parser.add_argument("--fp16", action="store_true", help="fp16 autocast with torch's GradScaler, as 16-mixed")
     parser.add_argument("--adamw8bit", action="store_true", help="bitsandbytes AdamW8bit instead of AdamW")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -74,15 +119,13 @@ def main() -> None:
         "attention_mask": torch.ones(args.batch, args.length, dtype=torch.long),
         "labels": torch.randint(0, 2, (args.batch,), generator=g),
     }
-    autocast = partial(torch.autocast, "cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    autocast = partial(torch.autocast, "cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext
     modules = [build(v, args) for v in args.variants]
 
-    def step(variant: tuple[SequenceClassifier, OptimizerInBackward]) -> float:
-        module, fused = variant
+    def step(variant: Step) -> float:
         start = time.perf_counter()
-        with autocast():
-            loss = module.model(**batch).loss
-        fused.backward(loss.backward)
+        variant(batch, autocast)
         return time.perf_counter() - start
 
     first = [step(m) for m in modules]

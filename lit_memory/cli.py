@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from lit_memory import box, checks, guard, lowbit, recipes, resume, trust
+from lit_memory import box, checks, guard, lowbit, precision, recipes, resume, trust
 from lit_memory.activations import is_auto
 from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
@@ -37,8 +37,10 @@ from lit_memory.fused import parse_bucket
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
-from lit_memory.precision import cpu_fallback, runs_on_cpu
+from lit_memory.precision import changes_on, cpu_fallback, on_gpu, runs_on_cpu
 from lit_memory.predictions import PredictionWriter
+
+THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
 HELP = (
     f"{recipes.RECIPE_FLAG} NAME: use a shipped recipe, as --config <its file> at that place (list them: python -m "
@@ -91,7 +93,9 @@ class LitMemoryCLI(LightningCLI):
     ``collect=True`` keeps refused values in ``refusals`` and other problems in ``problems``
     (``recipes check``). ``predict`` and ``advise`` are the memory monitor's hooks (`lit_memory.monitor`);
     by default the run's own `step` predicts (`lit_memory.memory.predict.run_hooks`), and advises from the
-    shipped recipes."""
+    shipped recipes. ``gpu``: the `lit_memory.memory.device.Gpu` the run is for, whose bf16 support decides
+    the precision (`lit_memory.precision.on_gpu`): by default the one it trains on, None for none
+    (``estimate``/``plan`` give their target's)."""
 
     def __init__(
         self,
@@ -101,8 +105,10 @@ class LitMemoryCLI(LightningCLI):
         collect: bool = False,
         predict: Optional[Predict] = None,
         advise: Optional[Advise] = None,
+        gpu: Any = THIS_GPU,
         **kwargs: Any,
     ) -> None:
+        self._gpu = gpu
         argv = sys.argv[1:] if args is None else args
         if isinstance(argv, (dict, Namespace)):  # LightningCLI also takes the config as an object: a file, not typed
             self.command, self.argv = "LitMemoryCLI(args=<a config object>)", None
@@ -149,6 +155,12 @@ class LitMemoryCLI(LightningCLI):
             typed = trust.typed_values(self.argv, self._parse_alone, subcommand)
             self.decision = dataclasses.replace(self.decision, typed=typed)
         self._check_values()
+        try:  # before resuming compares the precision a checkpoint was made with
+            self._follow_device()
+        except UserError as err:
+            if not self._collect:
+                raise
+            self.problems.append(str(err))
         self._confine()
         if subcommand:
             try:  # before LightningCLI merges the checkpoint's hyper-parameters into these settings
@@ -158,6 +170,23 @@ class LitMemoryCLI(LightningCLI):
                     raise
                 self.problems.append(str(err))
                 self.config[subcommand].ckpt_path = None  # reported; not to be read again
+
+    def _follow_device(self) -> None:
+        """A recipe's bf16 on a GPU without bf16 (`lit_memory.precision.on_gpu`), unless the user typed it."""
+        trainer = self.settings.trainer
+        gpu = precision.training_gpu(trainer.accelerator) if self._gpu is THIS_GPU else self._gpu
+        if changes_on(trainer.precision, gpu) and not self._typed("trainer.precision", trainer.precision):
+            trainer.precision = on_gpu(trainer.precision, gpu)
+
+    def _typed(self, key: str, value: Any) -> bool:
+        """Whether the user typed ``key`` as ``value`` on the command line (a file did not set it after)."""
+        if self.argv is None:
+            return False
+        decision = self.decision
+        if decision.trusted:  # the trust decision reads them only for untrusted runs
+            typed = trust.typed_values(self.argv, self._parse_alone, self.config.get("subcommand"))
+            decision = dataclasses.replace(decision, typed=typed)
+        return decision.is_typed(key, value)
 
     def _confine(self) -> None:
         """Tell this process's box (`lit_memory.box`, held by ``python -m lit_memory`` for an untrusted
@@ -345,12 +374,13 @@ class LitMemoryCLI(LightningCLI):
             self._run_subcommand(self.subcommand)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
-            trainer = self._get(self.config_init, "trainer", default={})
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
             if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
                 typed = self._typed_callbacks(trainer.get("callbacks") or [])
                 kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed))
+        kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except UserError:
@@ -445,6 +475,23 @@ def named_files(argv: list[str]) -> list[str]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def fp16_under_fsdp2(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments that run ``16-mixed`` under FSDP2 on CUDA (a GPU without bf16: `lit_memory.precision`).
+    Lightning refuses the precision flag with ModelParallelStrategy (`lit_memory.FSDP2Strategy` is one), yet
+    GradScaler works there: its unscale of the sharded gradients reduces the overflow flag over the ranks
+    (torch's DTensor), and the fused step reduces its own. So the same precision comes as a plugin."""
+    from lightning.pytorch.plugins import MixedPrecision
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if str(trainer.get("precision")) != "16-mixed" or not isinstance(trainer.get("strategy"), ModelParallelStrategy):
+        return {}
+    if runs_on_cpu(trainer.get("accelerator")):
+        return {}  # Lightning's own answer on a CPU (it runs 16-mixed as bf16)
+    plugins = trainer.get("plugins") or []
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    return {"precision": None, "plugins": [*plugins, MixedPrecision("16-mixed", "cuda")]}
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lit_memory import eightbit_shards, fused
 from lit_memory.errors import UserError
-from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping
+from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling
 from lit_memory.strategies import FusedStep, _AcceleratorDevice, hugging_face_models, shard
 UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
@@ -49,6 +49,11 @@ FSDP1_FLAT = (
 FSDP1_NORM = (
     "clipping by norm inside backward needs a second backward over the same forward, which FSDPStrategy (FSDP1) "
     "does not support (it removes its gradient hooks after the first): clip by value (clip_val), or use FSDP2 "
+    "(ModelParallelStrategy, or lit_memory.FusedFabricFSDPStrategy)"
+)
+FSDP1_SCALER = (
+    "fp16 loss scaling inside backward checks every gradient in a first backward over the same forward, which "
+    "FSDPStrategy (FSDP1) does not support (it removes its gradient hooks after the first): use bf16-mixed, or FSDP2 "
     "(ModelParallelStrategy, or lit_memory.FusedFabricFSDPStrategy)"
 )
 STALE_OPTIMIZER = (
@@ -102,7 +107,9 @@ def fsdp_overlap_step_with_backward(
     ``fabric.clip_gradients`` would give over all of the optimizers' parameters. By norm, call
     ``fabric.backward(loss)`` inside the block: it first runs a backward that only measures the norm
     (one more backward, no gradient memory; FSDP1 cannot run it and refuses); a plain ``loss.backward()``
-    cannot, and stops with one line.
+    cannot, and stops with one line. Under Fabric's ``16-mixed`` (torch's GradScaler) the same first backward
+    unscales and checks every gradient (`lit_memory.fused.LossScaling`): ``fabric.backward(loss)`` then steps
+    with the unscaled gradients, or skips the step on an overflow, and updates the scale, as GradScaler would.
     """
     route = _Route(optimizers, fabric_module, _clipping(max_norm, norm_type, clip_val))
     try:
@@ -128,6 +135,10 @@ class _Route:
         fsdp1 = _FSDP1(forward_module) if _FSDP1.applies(forward_module) else None
         if fsdp1 is not None and clipping is not None and clipping.by_norm:
             raise UserError(FSDP1_NORM)
+        self.precision = getattr(self.strategy, "precision", None)  # Fabric's 16-mixed: its GradScaler
+        scaling = LossScaling.of(getattr(self.precision, "scaler", None))
+        if fsdp1 is not None and scaling is not None:
+            raise UserError(FSDP1_SCALER)
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
         optimizers = [o.optimizer if isinstance(o, _FabricOptimizer) else o for o in optimizers]
         names = {id(p): _name(name) for name, p in self.module.named_parameters()}
@@ -146,9 +157,11 @@ class _Route:
             if params:
                 buckets.append(Bucket(optimizer, params))
         self.check_owned(after_backward=False)
-        self.hooks = BucketHooks(buckets, clipping)
+        self.hooks = BucketHooks(buckets, clipping, scaling=scaling)
+        if scaling is not None:  # optimizer.step() in the block (a no-op) calls the scaler: it sees what backward did
+            self.precision.scaler = scaling.view
         self.fsdp1 = fsdp1.install(self.hooks) if fsdp1 is not None else None
-        self._patched = clipping is not None and clipping.by_norm and self.strategy is not None
+        self._patched = ((clipping is not None and clipping.by_norm) or scaling is not None) and self.strategy is not None
         if self._patched:
             self._measure_in(self.strategy)
 
@@ -168,8 +181,8 @@ class _Route:
                 raise UserError(UNOWNED.format(name=_name(name)))
 
     def _measure_in(self, strategy: Any) -> None:
-        # Clipping by norm needs the loss, to run a measuring backward before the fused one; the block
-        # sees it only where fabric.backward hands it to the strategy, so for the block's duration the
+        # Clipping by norm and loss scaling need the loss, to run a measuring backward before the fused one; the
+        # block sees it only where fabric.backward hands it to the strategy, so for the block's duration the
         # strategy's backward (an instance attribute, removed again in `remove`) runs both.
         run = strategy.backward
 
@@ -180,6 +193,8 @@ class _Route:
 
     def remove(self) -> None:
         self.hooks.remove()
+        if self.hooks.scaling is not None:
+            self.precision.scaler = self.hooks.scaling.scaler
         if self.fsdp1 is not None:
             self.fsdp1.remove()
         if self._patched:
@@ -286,8 +301,6 @@ class _FusedFabricStep(FusedStep):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._fused is not None:
             raise UserError(fused.SEVERAL)
-        if getattr(self.precision, "scaler", None) is not None:  # before Fabric wraps the optimizer
-            raise UserError(fused.SCALER)
         optimizer = super().setup_optimizer(optimizer)
         self._fuse(optimizer, self._module, self.clipping, self.precision)
         return optimizer

@@ -36,7 +36,9 @@ Two layers:
 
 Gradient clipping (`Clipping`) happens inside backward, with the results of clipping after it: by value
 as each bucket steps; by global norm with a first backward that only measures the norm
-(`BucketHooks.backward`).
+(`BucketHooks.backward`). fp16 loss scaling (`LossScaling`: torch's ``GradScaler``, 16-mixed) shares that
+first backward: it unscales and checks every gradient, and an overflow skips the step exactly where
+GradScaler would.
 
 On a device with streams (CUDA), each bucket's step is ordered after its gradients whatever stream each runs on
 (`DeviceStreams`): FSDP2 and FSDP1 hand gradients over on their reduce-scatter / post-backward stream, and
@@ -44,9 +46,9 @@ bitsandbytes launches its kernels on the legacy default stream (`launches_on`). 
 last ranks none of a parameter with fewer rows than ranks) are left out of every optimizer's step and of the
 clipping norm.
 
-What fusion cannot do is look at gradients after backward: no accumulation
-over micro-batches, no skipped steps (fp16 gradient scaling), no user code that clips or inspects
-gradients after backward. The strategies refuse those settings with these messages before training starts.
+What fusion cannot do is look at gradients after backward: no accumulation over micro-batches, no user code
+that clips or inspects gradients after backward. The strategies refuse those settings with these messages
+before training starts.
 """
 
 from __future__ import annotations
@@ -86,9 +88,14 @@ UNMEASURED = (
     "a backward that measures it first can give: call backward through the fused strategy or fabric.backward(loss), "
     "not loss.backward()"
 )
-SCALER = (
-    "the fused step cannot skip a step after an fp16 gradient overflow, which 16-mixed's gradient scaler needs: "
-    "use precision bf16-mixed or 32-true, or remove the fused strategy"
+UNSCALED = (
+    "fp16 loss scaling: backward came before the loss was scaled (scaler.scale(loss)), so there is no scale to "
+    "unscale the gradients by: scale the loss with the GradScaler first, as Lightning and Fabric do"
+)
+UNCHECKED = (
+    "fp16 loss scaling under the fused step must know whether any gradient overflowed before the first bucket "
+    "steps, which only a backward that checks them first can tell: call backward through the fused strategy or "
+    "fabric.backward(loss), not loss.backward()"
 )
 MANUAL = (
     "the fused step runs the optimizer inside backward, where manual optimization cannot control it: "
@@ -243,15 +250,8 @@ class _NormMeter:
         self.device = torch.device("cpu")
 
     def add(self, grad: torch.Tensor, group: Any = None) -> None:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(grad, DTensor):
-            mesh = grad.device_mesh
-            groups = tuple(mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard())
-        else:
-            groups = () if group is None else (group,)
         local = _local(grad)
-        norms = self.norms.setdefault(groups, [])  # the group takes part in the all-reduce even with nothing here
+        norms = self.norms.setdefault(_shard_groups(grad, group), [])  # the group takes part in the all-reduce even with nothing here
         self.device = local.device
         if local.numel():  # an empty shard adds nothing to a p-norm and has no infinity norm
             norms.append(torch.linalg.vector_norm(local, self.norm_type))
@@ -272,6 +272,168 @@ class _NormMeter:
         if not parts:
             return torch.tensor(0.0)
         return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), p)
+
+
+def _shard_groups(grad: torch.Tensor, group: Any = None) -> tuple:
+    """The process groups a gradient is sharded over: a DTensor's shard dimensions, else ``group`` (FSDP1's)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        return tuple(mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard())
+    return () if group is None else (group,)
+
+
+class _Measure:
+    """What a backward that only measures finds, gradient by gradient (each freed after): the norm of all of
+    them (clipping by norm) and, with loss scaling, whether any is inf or NaN, per optimizer (``keys``: the
+    user's optimizers, in an order every rank shares; GradScaler decides each optimizer's step on its own
+    gradients). With loss scaling each gradient is first unscaled in place by GradScaler's own kernel, so
+    the norm is that of the unscaled gradients, as clipping after GradScaler's ``unscale_`` sees them."""
+
+    def __init__(self, norm_type: Optional[float], scaling: Optional["LossScaling"], keys: Sequence[int] = ()) -> None:
+        self.norms = _NormMeter(norm_type) if norm_type is not None else None
+        self.scaling = scaling
+        self.keys = list(keys)
+        self.inv_scale: Optional[torch.Tensor] = None  # read at the first gradient: the loss is scaled by then
+        self.found: dict[tuple[int, torch.device], torch.Tensor] = {}  # (optimizer, device): GradScaler's found_inf
+        self.groups: dict[int, Any] = {}  # the process groups the checked gradients are sharded over
+
+    def add(self, grad: torch.Tensor, group: Any = None, key: int = 0) -> None:
+        if self.scaling is not None:
+            if self.inv_scale is None:
+                self.inv_scale = self.scaling.inv_scale()
+            local = _local(grad)
+            found = self.found.get((key, local.device))
+            if found is None:
+                found = self.found[key, local.device] = torch.zeros((), device=local.device)
+            if local.numel():  # an empty shard (FSDP2's last ranks) has nothing to check, but joins the reduction
+                torch._amp_foreach_non_finite_check_and_unscale_([local], found, self.inv_scale.to(local.device))
+            self.groups.update((id(g), g) for g in _shard_groups(grad, group))
+        if self.norms is not None:
+            self.norms.add(grad, group)
+
+    def result(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(the total norm, or None; per key, whether a gradient overflowed on any rank, nonzero if so, or None)."""
+        total = self.norms.total() if self.norms is not None else None
+        if self.scaling is None:
+            return total, None
+        found = torch.zeros(len(self.keys), device=self.scaling.scale_device)
+        for (key, _), part in self.found.items():
+            found[self.keys.index(key)] += part.to(found.device)
+        if self.groups:  # an overflow on any rank skips the step on every rank: one reduction for all
+            import torch.distributed as dist
+
+            for group in self.groups.values():
+                dist.all_reduce(found, dist.ReduceOp.MAX, group=group)
+        return total, found
+
+
+def _drop(bucket: Bucket) -> None:
+    """Free a bucket's gradients without stepping it."""
+    for param in bucket.params:
+        param.grad = None
+    for shard in bucket.shards or ():
+        shard.grad = None
+
+
+def _unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
+    """GradScaler's unscaling (its kernel, per device and dtype), in place; whether they overflowed was decided
+    by the measuring backward."""
+    kinds: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad.numel():
+            kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), same in kinds.items():
+        torch._amp_foreach_non_finite_check_and_unscale_(same, torch.zeros((), device=device), inv_scale.to(device))
+
+
+class LossScaling:
+    """fp16 dynamic loss scaling (torch's ``GradScaler``, as 16-mixed uses it) with the fused step, with the
+    unfused step's results: each step either applies the same unscaled gradients (clipped after unscaling,
+    as Lightning orders it) or is skipped exactly where GradScaler skips it, and the scale follows the same
+    trajectory (backed off after an overflow, grown after ``growth_interval`` clean steps).
+
+    Unfused, GradScaler looks at every gradient after backward before any step. Fused, the first bucket steps
+    before the last gradient exists, so `BucketHooks.backward` first runs a backward that only checks
+    (LOMO's method; the same pass clipping by norm measures in, shared): each gradient is unscaled in place
+    by GradScaler's own kernel, checked and freed. An overflow on any rank (reduced over the ranks the
+    gradients are sharded over) skips that optimizer's step, as GradScaler decides each optimizer's step on
+    its own gradients: the stepping backward altogether when every optimizer is skipped (always, for the one
+    optimizer the strategies fuse); otherwise every bucket of an optimizer that steps unscales its gradients
+    with the same kernel and inverse scale before clipping and stepping, and a skipped one's buckets drop
+    theirs. At the end of backward the scaler's own ``update`` takes the result (backed off if any overflowed). Cost: one more backward per step (none more when clipping
+    by norm already runs it) and one host sync, as GradScaler's ``step`` has.
+
+    ``view`` is the scaler the framework (Lightning's or Fabric's precision plugin, a plain loop) calls
+    afterwards: its ``unscale_``/``step``/``update`` see that this backward already did their work.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.view = ScalerView(self)
+        self.skipped: Optional[set[int]] = None  # the last fused backward's skipped optimizers, until update()
+
+    @classmethod
+    def of(cls, scaler: Any) -> Optional["LossScaling"]:
+        """For a precision's ``scaler``: None without one (or a disabled one)."""
+        if isinstance(scaler, ScalerView):
+            scaler = scaler.scaling.scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return cls(scaler)
+
+    def inv_scale(self) -> torch.Tensor:
+        """As GradScaler's ``unscale_`` computes it (the reciprocal in fp64)."""
+        return self._scale().double().reciprocal().float()
+
+    @property
+    def scale_device(self) -> torch.device:
+        return self._scale().device
+
+    def _scale(self) -> torch.Tensor:
+        scale = self.scaler._scale  # made by scaler.scale(loss), which every framework calls before backward
+        if scale is None:
+            raise UserError(UNSCALED)
+        return scale
+
+    def update(self, found_inf: torch.Tensor, skipped: set[int]) -> None:
+        """The scale updated by the scaler's own rule, once this backward is over (the scaled loss's graph reads
+        the scale: it changes only after the last backward through it); ``skipped``: the optimizers (by id)
+        whose step GradScaler would skip."""
+        found = found_inf.max() if found_inf.numel() else found_inf.new_zeros(())
+        self.scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
+        self.scaler.update()
+        self.skipped = skipped
+
+
+class ScalerView:
+    """The user's GradScaler as the framework sees it while the fused step scales: after a fused backward
+    (which unscaled, stepped or skipped, and updated the scale) ``unscale_`` does nothing, ``step`` calls the
+    optimizer's own step only if GradScaler would have (it finds no gradient left) and ``update`` nothing;
+    without one (gradients set by hand) each is the scaler's own. Everything else is the scaler's (``scale``,
+    ``get_scale``, ``state_dict``: checkpoints keep its format)."""
+
+    def __init__(self, scaling: LossScaling) -> None:
+        self.scaling = scaling
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scaling.scaler, name)
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        if self.scaling.skipped is None:
+            self.scaling.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        skipped = self.scaling.skipped
+        if skipped is None:
+            return self.scaling.scaler.step(optimizer, *args, **kwargs)
+        return None if id(optimizer) in skipped else optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        skipped, self.scaling.skipped = self.scaling.skipped, None
+        if skipped is None or new_scale is not None:
+            self.scaling.scaler.update(new_scale)
 
 
 def _allow_a_second_backward() -> None:
@@ -379,8 +541,8 @@ class BucketHooks:
     would skip the parameters without one, so no gradient is held past its backward. The end of
     backward is an autograd engine callback, as torch's FSDP queues its own.
 
-    ``clipping`` clips every bucket's gradients before its step; by norm, backward must run through
-    `backward`. Where gradients arrive by another route than the hooks (FSDP1 hands them over after
+    ``clipping`` clips every bucket's gradients before its step; by norm, and with ``scaling`` (`LossScaling`),
+    backward must run through `backward`. Where gradients arrive by another route than the hooks (FSDP1 hands them over after
     reducing a flat parameter), that route calls `arrived`, names the process group in ``groups`` and
     tidies up in ``after_step``.
 
@@ -394,11 +556,16 @@ class BucketHooks:
     """
 
     def __init__(
-        self, buckets: list[Bucket], clipping: Optional[Clipping] = None, streams: Optional[DeviceStreams] = None
+        self,
+        buckets: list[Bucket],
+        clipping: Optional[Clipping] = None,
+        streams: Optional[DeviceStreams] = None,
+        scaling: Optional[LossScaling] = None,
     ) -> None:
         self.buckets = buckets
         self.clipping = clipping
-        if clipping is not None and clipping.by_norm:
+        self.scaling = scaling
+        if self._measures:
             _allow_a_second_backward()
         self.groups: dict[int, Any] = {}  # id(parameter) -> the group its plain-tensor gradient is sharded over
         self.after_step: list[Callable[[Bucket], None]] = []
@@ -406,20 +573,27 @@ class BucketHooks:
         self.streams = streams if streams is not None else device_streams(None if first is None else first.device)
         self._deferred: Optional[tuple[Bucket, list, Any]] = None  # (bucket, events to wait for, its launch stream)
         self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
+        # loss scaling: GradScaler skips each of the user's optimizers on its own gradients (a bucket's source)
+        self._optimizer_of = {b: id(b.source if b.source is not None else b.optimizer) for b in buckets}
+        self._optimizers = list(dict.fromkeys(self._optimizer_of.values()))
+        self._skipping: set[int] = set()  # this backward's optimizers whose buckets drop their gradients
         self._waiting: dict[Bucket, None] = {}  # buckets with some of their gradients (an ordered set)
         self._flushing = -1  # the backward (autograd graph task) whose end steps them
-        self._meter: Optional[_NormMeter] = None  # while a backward only measures the norm
+        self._meter: Optional[_Measure] = None  # while a backward only measures
         self._coefficient: Optional[torch.Tensor] = None  # clipping by norm: this backward's factor
+        self._inv_scale: Optional[torch.Tensor] = None  # loss scaling: this backward's inverse scale
         self._handles = [p.register_post_accumulate_grad_hook(self.arrived) for b in buckets for p in b.params]
 
     def arrived(self, param: torch.Tensor) -> None:
         """``param``'s gradient for this backward is complete."""
         if self._meter is not None:  # a backward that only measures: take the norm, free the gradient
-            self._meter.add(param.grad, self.groups.get(id(param)))
+            self._meter.add(param.grad, self.groups.get(id(param)), self._optimizer_of[self._bucket_of[id(param)]])
             param.grad = None
             return
         if self.clipping is not None and self.clipping.by_norm and self._coefficient is None:
             raise UserError(UNMEASURED)
+        if self.scaling is not None and self._inv_scale is None:
+            raise UserError(UNSCALED if self.scaling.scaler._scale is None else UNCHECKED)
         backward = torch._C._current_graph_task_id()  # by id, not a flag: a failed backward runs no callback
         if backward != self._flushing:
             self._flushing = backward
@@ -436,26 +610,45 @@ class BucketHooks:
         self._waiting.pop(bucket, None)
         self._step(bucket)
 
+    @property
+    def _measures(self) -> bool:
+        return (self.clipping is not None and self.clipping.by_norm) or self.scaling is not None
+
     def backward(self, run: Callable[..., Any], **kwargs: Any) -> Optional[torch.Tensor]:
-        """``run(**kwargs)``: a backward, during which the buckets step. Clipping by norm, a first
-        ``run(retain_graph=True)`` only measures the total norm, which is returned."""
-        if self.clipping is None or not self.clipping.by_norm:
+        """``run(**kwargs)``: a backward, during which the buckets step. Clipping by norm or scaling the loss, a
+        first ``run(retain_graph=True)`` only measures: the total norm (returned) and which optimizers'
+        gradients overflowed (their step is skipped; all of them: no second backward)."""
+        if not self._measures:
             run(**kwargs)
             return None
-        self._meter = _NormMeter(self.clipping.norm_type)
+        by_norm = self.clipping is not None and self.clipping.by_norm
+        meter = self._meter = _Measure(self.clipping.norm_type if by_norm else None, self.scaling, self._optimizers)
         try:
             run(**{**kwargs, "retain_graph": True})
-            total = self._meter.total()
+            total, found_inf = meter.result()
         finally:
             self._meter = None
-        self._coefficient = self.clipping.coefficient(total)
+        skipped: set[int] = set()
+        if found_inf is not None:
+            skipped = {key for key, found in zip(self._optimizers, found_inf.tolist()) if found}  # the one host sync
+            if len(skipped) == len(self._optimizers):
+                self.scaling.update(found_inf, skipped)
+                return total  # skipped, as GradScaler skips the step
+        self._coefficient = self.clipping.coefficient(total) if by_norm else None
+        self._inv_scale = meter.inv_scale if self.scaling is not None else None
+        self._skipping = skipped
         try:
             run(**kwargs)
         finally:
-            self._coefficient = None  # every backward measures its own
+            self._coefficient = self._inv_scale = None  # every backward measures its own
+            self._skipping = set()
+        if found_inf is not None:
+            self.scaling.update(found_inf, skipped)
         return total
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
+        if self._inv_scale is not None:  # GradScaler's order: unscale, then clip
+            _unscale(grads, self._inv_scale)
         if self._coefficient is not None:
             for grad in grads:
                 grad.mul_(self._coefficient.to(grad.device))
@@ -493,7 +686,10 @@ class BucketHooks:
     def _run(self, bucket: Bucket) -> None:
         bucket.arrived = 0
         bucket.streams.clear()
-        bucket.step(self._clip if self.clipping is not None else None)
+        if self._skipping and self._optimizer_of[bucket] in self._skipping:
+            _drop(bucket)  # GradScaler skips this optimizer's step: its gradients are only freed
+        else:
+            bucket.step(self._clip if self.clipping is not None or self.scaling is not None else None)
         for callback in self.after_step:
             callback(bucket)
 
@@ -521,6 +717,9 @@ class OptimizerInBackward:
     ``bucket``: a `Bucketing` or the setting as written (`parse_bucket`).
     ``clipping``: see `Clipping`; by norm, run backward through `backward`.
     ``streams``: see `BucketHooks` (by default the parameters' device's).
+    ``scaler``: the loop's ``torch.amp.GradScaler`` (fp16): the loss it scales is unscaled and checked inside
+    backward (`LossScaling`); run backward through `backward`, and call `scaler` (the scaler's view) where
+    the loop called the GradScaler, or nothing: the scale is already updated.
     """
 
     def __init__(
@@ -530,17 +729,25 @@ class OptimizerInBackward:
         bucket: Any = DEFAULT_BUCKET,
         clipping: Optional[Clipping] = None,
         streams: Optional[DeviceStreams] = None,
+        scaler: Any = None,
     ) -> None:
         self.optimizer, self.units, self.clipping = optimizer, list(units or ()), clipping
         self.bucket = parse_bucket(bucket)
         self.streams = streams
+        self.scaling = LossScaling.of(scaler)
         self._fuse()
+
+    @property
+    def scaler(self) -> Optional[ScalerView]:
+        """The GradScaler as the loop sees it after a fused backward (`ScalerView`); None without one."""
+        return self.scaling.view if self.scaling is not None else None
 
     def _fuse(self) -> None:
         self._trainable = self._signature()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
         groups = group_parameters(params, self.units, self.bucket)
-        self.hooks = BucketHooks([copy_bucket(self.optimizer, group) for group in groups], self.clipping, self.streams)
+        buckets = [copy_bucket(self.optimizer, group) for group in groups]
+        self.hooks = BucketHooks(buckets, self.clipping, self.streams, self.scaling)
 
     def _signature(self) -> tuple:
         return tuple((id(p), p.requires_grad) for group in self.optimizer.param_groups for p in group["params"])

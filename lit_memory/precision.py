@@ -1,20 +1,42 @@
-"""bf16 on a CPU without native bf16: run fp32 instead, and say so.
+"""bf16 where the device has none: the precision a recipe's bf16 becomes, and one line that says so.
 
-Without AVX512-BF16 or AMX, a CPU emulates bf16 arithmetic: autocast measured about 18x slower than
-fp32 on such a machine (AVX2) for MiniLM. Recipes ask for bf16 because GPUs (and recent CPUs) run
-it natively; on other CPUs the CLI switches those runs to fp32 with one warning line. GPU runs and
-bf16-capable CPUs are never changed, and ``--cpu_bf16_fallback false`` keeps bf16 anyway.
+Recipes ask for bf16 because GPUs from compute capability 8.0 (Ampere) and recent CPUs run it natively.
+
+- **A CPU** without AVX512-BF16 or AMX emulates bf16 arithmetic: autocast measured about 18x slower than
+  fp32 on such a machine (AVX2) for MiniLM, so the CLI switches those runs to fp32 with one warning line
+  (`cpu_fallback`); ``--cpu_bf16_fallback false`` keeps bf16 anyway.
+- **A GPU below compute capability 8.0** (Pascal, Volta, Turing: P100, V100, T4, GTX 10xx/16xx, RTX 20xx) has
+  no bf16 tensor cores; ``torch.cuda.is_bf16_supported()`` still answers True (emulation), so nothing would
+  stop a bf16 run there, without tensor cores, and SDPA's fused attention kernels refuse bf16 below sm80, so
+  attention falls back to the math kernel (`lit_memory.memory.kernels`). `on_gpu`: bf16 autocast becomes
+  fp16 autocast with dynamic loss scaling (``16-mixed``: torch's GradScaler, exact under the fused step,
+  `lit_memory.fused.LossScaling`), with one warning line; bf16 weights without a master copy (``bf16-true``,
+  the 2gb tier) have no fp16 counterpart that keeps quality, so they stop with one error line naming the tier
+  that trains there (`NO_BF16_WEIGHTS`; docs/fused.md says why). A ``--trainer.precision`` the user typed is
+  kept (the CLI asks `lit_memory.trust.typed_values`). The GPU is `training_gpu`'s (this machine's) for a run,
+  the ``--gpu`` target's for ``estimate``/``plan``: a `lit_memory.memory.device.Gpu`, so tests drive it with the
+  catalogue's cards.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_memory.errors import UserError
+from lit_memory.memory.device import Gpu
+
 BF16 = ("bf16-mixed", "bf16-true", "bf16")
+FP16_MIXED = "16-mixed"
+NO_BF16_WEIGHTS = (
+    "trainer.precision {precision} keeps the weights in bf16 without an fp32 master copy (the 2gb tier), which needs "
+    "bf16 arithmetic: {gpu} has none (compute capability 8.0+; torch would emulate it, slowly), and fp16 weights lose "
+    "updates bf16's stochastic rounding keeps: train the 4gb tier instead (--recipe 4gb: fp16 with dynamic loss "
+    "scaling and fp32 master weights, for 4 GiB), or type --trainer.precision {precision} to run it emulated"
+)
 
 
 def native_cpu_bf16() -> bool:
@@ -52,3 +74,45 @@ def cpu_fallback(precision: Any, accelerator: Any) -> Any:
 @rank_zero_only
 def _warn(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+def gpu_words(gpu: Gpu) -> str:
+    return f"{gpu.name} (sm{gpu.capability[0]}{gpu.capability[1]})"
+
+
+def changes_on(precision: Any, gpu: Optional[Gpu]) -> bool:
+    """Whether `on_gpu` changes ``precision`` on ``gpu`` (None: no CUDA GPU)."""
+    return gpu is not None and not gpu.bf16 and str(precision) in BF16
+
+
+def trains_on(precision: Any, gpu: Optional[Gpu]) -> Any:
+    """The precision a run configured with ``precision`` trains with on ``gpu`` (None: not a CUDA GPU): bf16
+    autocast becomes ``16-mixed`` on a GPU without bf16; bf16 weights (``bf16-true``) are one error line there
+    (`NO_BF16_WEIGHTS`); anything else is unchanged."""
+    if not changes_on(precision, gpu):
+        return precision
+    if str(precision) == "bf16-true":
+        raise UserError(NO_BF16_WEIGHTS.format(precision=precision, gpu=gpu_words(gpu)))
+    return FP16_MIXED
+
+
+def on_gpu(precision: Any, gpu: Optional[Gpu]) -> Any:
+    """`trains_on`, with one warning line where it changes the precision."""
+    if trains_on(precision, gpu) == precision:
+        return precision
+    _warn(
+        f"warning: {gpu_words(gpu)} has no bf16 (compute capability 8.0+; torch would emulate it without tensor cores, "
+        f"and attention would fall back to its math kernel): training with trainer.precision={FP16_MIXED} (fp16 "
+        f"autocast, dynamic loss scaling) instead of {precision} (--trainer.precision {precision} keeps it)"
+    )
+    return FP16_MIXED
+
+
+def training_gpu(accelerator: Any) -> Optional[Gpu]:
+    """The CUDA GPU a run configured with ``accelerator`` trains on (this machine's current one), None where it
+    trains on no CUDA GPU."""
+    if runs_on_cpu(accelerator) or not torch.cuda.is_available():
+        return None
+    from lit_memory.memory.device import target
+
+    return target("cuda").gpu

@@ -17,7 +17,9 @@ Other code detects fusion with ``getattr(trainer.strategy, "fused_step", False)`
 
 Fused, ``trainer.gradient_clip_val`` clips inside backward (`lit_memory.fused.Clipping`) with the results of
 Lightning's clipping after an unfused backward: by value at no cost, by norm (the default algorithm) at the
-cost of one more backward per step, which only measures the norm.
+cost of one more backward per step, which only measures the norm. ``16-mixed`` (fp16 with torch's GradScaler)
+is unscaled and checked inside backward too (`lit_memory.fused.LossScaling`): the same backward that measures
+the norm, one more when not clipping by norm; an overflow skips the step as GradScaler skips it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class FusedStep:
     bucket: Bucketing = parse_bucket(DEFAULT_BUCKET)
     total_norm: Optional[torch.Tensor] = None  # the last backward's gradient norm before clipping (by norm)
     _fused: Optional[OptimizerInBackward] = None
+    _scaled: Any = None  # the precision plugin whose GradScaler the fused step stands in for
 
     def _set_fusion(self, fused_step: bool, bucket: Any) -> None:
         self.fused_step, self.bucket = fused_step, parse_bucket(bucket)  # a bad setting is one line when built
@@ -83,10 +86,10 @@ class FusedStep:
     def _fuse(
         self, optimizer: Optimizer, module: Optional[nn.Module], clipping: Optional[Clipping], precision: Any
     ) -> None:
-        if getattr(precision, "scaler", None) is not None:
-            raise UserError(fused.SCALER)
         units = parameter_units(module) if module is not None else None
-        self._fused = OptimizerInBackward(optimizer, units, self.bucket, clipping)
+        self._fused = OptimizerInBackward(optimizer, units, self.bucket, clipping, scaler=getattr(precision, "scaler", None))
+        if self._fused.scaler is not None:  # the plugin's unscale/step/update see what the fused backward did
+            self._scaled, precision.scaler = precision, self._fused.scaler
 
     def _fused_backward(self, run: Any, **kwargs: Any) -> None:
         """``run(**kwargs)`` is the framework's backward; the fused optimizer steps inside it."""
@@ -94,6 +97,8 @@ class FusedStep:
         self.total_norm = self._fused.backward(run, **kwargs)
 
     def _unfuse(self) -> None:
+        if self._scaled is not None:
+            self._scaled.scaler, self._scaled = self._fused.scaling.scaler, None
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
@@ -105,7 +110,7 @@ class _FusedTrainerStep(FusedStep):
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
         if self.fused_step and model.trainer.state.fn == TrainerFn.FITTING:  # before data, run folder or model exist
-            _check_trainer(model.trainer, model, self.precision_plugin)
+            _check_trainer(model.trainer, model)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         try:
@@ -116,7 +121,7 @@ class _FusedTrainerStep(FusedStep):
             raise UserError(fused.SEVERAL) from None
         if not self.fused_step:
             return
-        _check_trainer(trainer, self.lightning_module, self.precision_plugin)  # callbacks the module added since
+        _check_trainer(trainer, self.lightning_module)  # callbacks the module added since
         self._unfuse()
         self._fuse(self.optimizers[0], self.lightning_module, _clipping(trainer), self.precision_plugin)
         # Lightning clips after backward too (Precision._after_closure), when the gradients are clipped, applied
@@ -159,7 +164,7 @@ def _clipping(trainer: Trainer) -> Optional[Clipping]:
     return Clipping(max_norm=trainer.gradient_clip_val)  # Lightning's clip_grad_by_norm: the 2-norm
 
 
-def _check_trainer(trainer: Trainer, model: LightningModule, precision_plugin: Any) -> None:
+def _check_trainer(trainer: Trainer, model: LightningModule) -> None:
     if not model.automatic_optimization:
         raise UserError(fused.MANUAL)
     if trainer.accumulate_grad_batches > 1:
@@ -168,8 +173,6 @@ def _check_trainer(trainer: Trainer, model: LightningModule, precision_plugin: A
         raise UserError(fused.ACCUMULATION_SCHEDULE)
     if type(model).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
         raise UserError(fused.CLIPPING_HOOK)
-    if getattr(precision_plugin, "scaler", None) is not None:
-        raise UserError(fused.SCALER)
 
 
 class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDeviceStrategy):

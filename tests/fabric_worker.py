@@ -3,8 +3,9 @@
     python tests/fabric_worker.py OUT
 
 FSDP2: `lit_memory.FusedFabricFSDPStrategy` against Lightning's ``ModelParallelStrategy`` unfused (the same
-sharding), clipping by norm and by value; the fused run checkpointed at step 3 and resumed in a new
-Fabric, with torch's AdamW and with bitsandbytes' AdamW8bit (its sharded state). FSDP1: ``fsdp_overlap_step_with_backward`` under Lightning's ``FSDPStrategy`` against the plain
+sharding), clipping by norm and by value, and 16-mixed with overflows forced (fused_worker.FP16_SCALER); the
+fused run checkpointed at step 3 and resumed in a new Fabric, with torch's AdamW and with bitsandbytes' AdamW8bit
+(its sharded state). FSDP1: ``fsdp_overlap_step_with_backward`` under Lightning's ``FSDPStrategy`` against the plain
 loop, and what it refuses. Lightning's FSDPStrategy refuses CPUs by its exact type and wraps with a CUDA
 device, so here a subclass runs with a module wrapped beforehand on the CPU (gloo), as torch's FSDP1 allows.
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins import MixedPrecision
 from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
@@ -30,6 +32,7 @@ import torch.distributed.checkpoint.state_dict as dcp_state  # noqa: E402
 
 import bitsandbytes as bnb  # noqa: E402
 
+from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
 from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
 from lit_memory import fused as fused_module  # noqa: E402
 from lit_memory.errors import UserError  # noqa: E402
@@ -56,8 +59,8 @@ def tiny_bert(dropout: float = 0.1) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_config(load_config("bundled:bert-large", 2, overrides))
 
 
-def launched(strategy) -> L.Fabric:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+def launched(strategy, plugins=None) -> L.Fabric:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
     fabric.launch()  # the first launch starts the other process; later ones find it running
     fabric.seed_everything(42)
     return fabric
@@ -86,11 +89,15 @@ class Record:
 # -- FSDP2 -----------------------------------------------------------------------------------------
 
 
-def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, eight_bit: bool = False) -> dict:
+def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, eight_bit: bool = False, fp16: bool = False) -> dict:
     """6 steps of AdamW (weight-decay groups, linear schedule; ``eight_bit``: bitsandbytes' AdamW8bit); ``resume_at``:
-    checkpoint there and go on in a new Fabric from the checkpoint."""
+    checkpoint there and go on in a new Fabric from the checkpoint; ``fp16``: 16-mixed with a GradScaler that
+    overflows (as a plugin: Fabric makes a CPU's 16-mixed bf16), its scales after each step recorded, and at
+    `POISONED_STEP` an overflow on rank 1 alone (`poison_on_rank_1`)."""
     clipping = {"max_norm": MAX_NORM} if clip == "norm" else {"clip_val": CLIP_VAL}
     record = Record()
+    scaler = RecordingScaler("cpu", **FP16_SCALER) if fp16 else None
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler)] if fp16 else None
 
     def build():
         strategy = (
@@ -98,13 +105,16 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, eight_bit: bool
             if fused
             else ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
         )
-        fabric = launched(strategy)
+        fabric = launched(strategy, plugins)
         model = fabric.setup_module(tiny_bert())
+        if fp16:  # before the fused step's hooks: they see the poisoned gradient
+            poison_on_rank_1(model, fabric.global_rank, at)
         make = bnb.optim.AdamW8bit if eight_bit else torch.optim.AdamW
         optimizer = fabric.setup_optimizers(make(weight_decay_groups(model), lr=1e-3, weight_decay=0.01))
         schedule = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
         return fabric, model, optimizer, schedule
 
+    at = {"step": -1}
     fabric, model, optimizer, schedule = build()
     start, created = 0, []
     batches = data(fabric.global_rank, fabric.world_size)
@@ -124,6 +134,7 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, eight_bit: bool
             torch.set_rng_state(rest["rng"])
             start = step
         model.train()
+        at["step"] = step
         loss = model(**batches[step]).loss
         fabric.backward(loss)
         record.gradients(model)
@@ -140,7 +151,23 @@ def fsdp2(fused: bool, clip: str, out: Path, resume_at: int = 0, eight_bit: bool
         optimizer.zero_grad()
         schedule.step()
     weights = full_state_dict(model.module)
-    return {**vars(record), "weights": weights, "resumed_at": start, "torch_created_state": created}
+    scales = scaler.scales if scaler is not None else []
+    return {**vars(record), "weights": weights, "resumed_at": start, "torch_created_state": created, "scales": scales}
+
+
+POISONED_STEP = 3  # a step the scale would not overflow at
+
+
+def poison_on_rank_1(model: torch.nn.Module, rank: int, at: dict) -> None:
+    """An inf in rank 1's shard of the classifier's weight gradient (its second row) at `POISONED_STEP`,
+    after FSDP2 reduce-scattered it: rank 0's shard stays finite, so only a flag reduced over the ranks
+    makes rank 0 skip that step too."""
+
+    def poison(param: torch.Tensor) -> None:
+        if rank == 1 and at["step"] == POISONED_STEP:
+            param.grad.to_local().view(-1)[0] = float("inf")
+
+    model.module.classifier.weight.register_post_accumulate_grad_hook(poison)
 
 
 def stale_optimizer() -> str:
@@ -212,6 +239,14 @@ def fsdp1(fused: bool) -> dict:
                 pass
         except UserError as err:
             refusals["norm"] = str(err)
+        fabric.strategy.precision.scaler = torch.amp.GradScaler("cpu")  # as Fabric's 16-mixed gives one
+        try:
+            with fsdp_overlap_step_with_backward(optimizers, model):
+                pass
+        except UserError as err:
+            refusals["scaler"] = str(err)
+        finally:
+            del fabric.strategy.precision.scaler
         flat_model = fabric.setup_module(fsdp1_wrapped(use_orig_params=False))
         try:
             with fsdp_overlap_step_with_backward([torch.optim.AdamW(flat_model.parameters())], flat_model):
@@ -240,6 +275,8 @@ def main() -> None:
     results["fsdp2-norm-fused-resumed"] = fsdp2(True, "norm", out, resume_at=3)
     results["fsdp2-norm-fused-8bit"] = fsdp2(True, "norm", out, eight_bit=True)
     results["fsdp2-norm-fused-8bit-resumed"] = fsdp2(True, "norm", out, resume_at=3, eight_bit=True)
+    results["fsdp2-fp16"] = fsdp2(False, "value", out, fp16=True)
+    results["fsdp2-fp16-fused"] = fsdp2(True, "value", out, fp16=True)
     results["stale optimizer"] = stale_optimizer()
     plain, fused = fsdp1(False), fsdp1(True)
     shards = [n for n in plain["shards"] if plain["shards"][n].numel()]  # a rank may hold nothing of some

@@ -3,13 +3,14 @@
 Run in the test process (one device) or as a script (new processes: resuming, and FSDP, whose
 launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest):
 
-    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5] [--optimizer torchao-8bit]
+    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5] [--optimizer torchao-8bit] [--fp16]
 
 The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
 (step 6, ...) with every rank's random-number state (`lit_memory.resume.ExactResume`), so a
 resumed run sees exactly the batches and dropout masks the uninterrupted run saw. At the end the
 model is exported as the CLI does it (``OUT/hf_model``, gathered from the shards under FSDP) and
-rank 0 writes the final full parameters to ``OUT/params.pt`` and each step's gradient norm to ``OUT/norms.pt``.
+rank 0 writes the final full parameters to ``OUT/params.pt`` and each step's gradient norm (and with
+``--fp16`` the loss scale after it) to ``OUT/norms.pt``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,39 @@ def torchao_8bit(params) -> torch.optim.Optimizer:
 
 
 OPTIMIZERS = {"adamw": None, "torchao-8bit": torchao_8bit}  # --optimizer: None is tiny_bert's AdamW
+# A first scale that overflows and quick growth: the first steps and the step after each growth are skipped.
+FP16_SCALER = {"init_scale": 2.0**20, "growth_interval": 2, "growth_factor": 2.0**4}
+
+
+class RecordingScaler(torch.amp.GradScaler):
+    """torch's GradScaler, keeping the scale after each update (fused or not, the scaler's own update runs)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scales: list[float] = []
+
+    def update(self, new_scale=None) -> None:
+        super().update(new_scale)
+        self.scales.append(self.get_scale())
+
+
+def fp16_plugin():
+    """16-mixed on the CPU: fp16 autocast with its own GradScaler (Lightning turns a CPU's 16-mixed into
+    bf16, so the precision comes as a plugin)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", RecordingScaler("cpu", **FP16_SCALER))
+
+
+class Scales(Callback):
+    """The loss scale after each step (the scaler backs off after a skipped step)."""
+
+    def __init__(self) -> None:
+        self.scales = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.scaler is not None:
+            self.scales.append(trainer.scaler.get_scale())
 
 
 def tiny_bert(optimizer=None, dropout: float = 0.1, schedule: str = "linear", cls=SequenceClassifier):
@@ -102,8 +136,10 @@ def train(
     model: Optional[SequenceClassifier] = None,
     callbacks: Optional[list[Callback]] = None,
     clip: Optional[str] = None,
+    fp16: bool = False,
 ) -> SequenceClassifier:
-    """``clip``: ``norm:0.5`` or ``value:0.01``, the trainer's gradient_clip_algorithm and gradient_clip_val."""
+    """``clip``: ``norm:0.5`` or ``value:0.01``, the trainer's gradient_clip_algorithm and gradient_clip_val;
+    ``fp16``: 16-mixed (`fp16_plugin`)."""
     L.seed_everything(42)
     model = model or tiny_bert()
     # Its own generator: a DataLoader otherwise draws from the global random state every epoch, which
@@ -111,7 +147,7 @@ def train(
     samples, generator = batches(BATCH * BATCHES_PER_EPOCH * devices), torch.Generator().manual_seed(0)
     data = DataLoader(samples, batch_size=BATCH, shuffle=False, generator=generator)
     algorithm, value = clip.split(":") if clip else (None, None)
-    norms = GradientNorms()
+    norms, scales = GradientNorms(), Scales()
     trainer = L.Trainer(
         strategy=STRATEGIES[strategy](),
         accelerator="cpu",
@@ -120,6 +156,7 @@ def train(
         gradient_clip_algorithm=algorithm,
         gradient_clip_val=None if value is None else float(value),
         limit_val_batches=0,
+        plugins=[fp16_plugin()] if fp16 else None,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -128,6 +165,7 @@ def train(
             ModelCheckpoint(out / "checkpoints", save_top_k=-1, every_n_train_steps=BATCHES_PER_EPOCH),
             ExactResume(),
             norms,
+            scales,
             *(callbacks or []),
         ],
     )
@@ -136,7 +174,7 @@ def train(
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(params, out / "params.pt")
-        torch.save({"norms": norms.norms, "largest": norms.largest, "held": norms.held}, out / "norms.pt")
+        torch.save({"norms": norms.norms, "largest": norms.largest, "held": norms.held, "scales": scales.scales}, out / "norms.pt")
     return model
 
 
@@ -148,10 +186,11 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--clip", help="norm:MAX_NORM or value:CLIP_VALUE")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--fp16", action="store_true", help="16-mixed with a GradScaler that overflows (fp16_plugin)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = tiny_bert(OPTIMIZERS[args.optimizer])
-    train(args.out, args.strategy, args.devices, resume=args.resume, model=model, clip=args.clip)
+    train(args.out, args.strategy, args.devices, resume=args.resume, model=model, clip=args.clip, fp16=args.fp16)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
 from torch import nn
 
 from conftest import REPO, StepLog, assert_same
+from fused_worker import FP16_SCALER, RecordingScaler
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
-from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, SHARED, STALE_OPTIMIZER, UNOWNED
+from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, FSDP1_SCALER, SHARED, STALE_OPTIMIZER, UNOWNED
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
@@ -69,16 +69,29 @@ def test_fused_fabric_strategy_clips_as_fabric_clip_gradients(clipping):
         torch.testing.assert_close(fused_norms, plain_norms, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("clipping", [{"clip_val": 0.01}, {}], ids=["value", "none"])
+def test_fused_fabric_strategy_with_fp16_skips_and_scales_as_gradscaler(clipping):
+    """Fabric's 16-mixed (a plugin with torch's GradScaler; Fabric makes a CPU's 16-mixed bf16), overflows
+    forced: the measuring backward unscales and checks, an overflow skips the step; otherwise the fused
+    backward unscales, clips and steps. Same weights, same scales after every step. (By norm, Fabric's own
+    clip_gradients refuses an overflowed step's non-finite norm; the Trainer's test covers it.)"""
+    fabric_fused = example("fabric_fused")
+    runs = {}
+    for fusion in (False, True):
+        scaler = RecordingScaler("cpu", **FP16_SCALER)
+        model, norms = fabric_fused.train(fused=fusion, steps=8, scaler=scaler, **clipping)
+        runs[fusion] = (dict(model.module.named_parameters()), norms, scaler.scales)
+    (plain, _, plain_scales), (fusion, _, fused_scales) = runs[False], runs[True]
+    assert fused_scales == plain_scales and len(plain_scales) == 8
+    assert min(plain_scales) < FP16_SCALER["init_scale"] and max(b > a for a, b in zip(plain_scales, plain_scales[1:]))
+    assert_same(plain, fusion, atol=1e-6)
+
+
 FABRIC_ERRORS = {
     "two-optimizers": (
         {},
         lambda fabric, net, opt: fabric.setup(net, opt, torch.optim.SGD(net.parameters())),
         fused.SEVERAL,
-    ),
-    "fp16-scaler": (
-        {"plugins": [FabricMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]},
-        lambda fabric, net, opt: fabric.setup(net, opt),
-        fused.SCALER,
     ),
     "clipping": ({}, lambda fabric, net, opt: fabric.clip_gradients(*fabric.setup(net, opt), 1.0), FABRIC_CLIPPING),
 }
@@ -155,6 +168,53 @@ def test_overlap_steps_optimizers_over_several_parameters_as_the_plain_loop(clip
         assert min(plain_norms) > clipping["clip_val"]  # the largest gradient value: clipped at every step
 
 
+def test_overlap_with_fp16_skips_each_optimizer_as_gradscaler():
+    """Fabric's 16-mixed around fsdp_overlap_step_with_backward with an optimizer per layer: GradScaler decides
+    each optimizer's step on its own gradients, so an inf in one layer's gradient (step 2) skips that layer's
+    optimizer alone while the others step, and backs the scale off. The block does the same inside backward:
+    the checking backward flags each optimizer, the stepping one drops the skipped one's gradients."""
+    from lightning.fabric.plugins import MixedPrecision
+
+    def run_(fused: bool) -> tuple[dict, list[float], list]:
+        scaler = RecordingScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+        fabric.seed_everything(0)
+        model = fabric.setup_module(net())
+        optimizers = by_layer(model.module)
+        at = {"step": -1}
+
+        def poison(param):  # registered before the block's hooks: they see it
+            if at["step"] == 2:
+                param.grad.view(-1)[0] = float("inf")
+
+        model.module[3].weight.register_post_accumulate_grad_hook(poison)
+        x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+        moved = []
+        for step in range(5):
+            at["step"] = step
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = nn.functional.cross_entropy(model(x), y)
+            if fused:
+                with fsdp_overlap_step_with_backward(optimizers, model):
+                    fabric.backward(loss)
+            else:
+                fabric.backward(loss)
+                for optimizer in optimizers:
+                    scaler.unscale_(optimizer)
+                    scaler.step(optimizer)
+                scaler.update()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+            moved.append([not torch.equal(a, b) for a, b in zip(before, model.parameters())])
+        return dict(model.named_parameters()), scaler.scales, moved
+
+    (plain, plain_scales, plain_moved), (fusion, fused_scales, fused_moved) = run_(False), run_(True)
+    assert fused_scales == plain_scales and plain_scales[2] < plain_scales[1]  # backed off at step 2
+    assert fused_moved == plain_moved
+    assert plain_moved[2] == [True, True, False, False, True, True]  # the poisoned layer's optimizer alone skipped
+    assert_same(plain, fusion, atol=1e-6)
+
+
 def test_overlap_refuses_what_it_cannot_honour():
     """A trainable parameter no optimizer holds, one held by two, a plain loss.backward() where clipping by
     norm needs the measuring backward: one line each (the last as backward starts, before any step)."""
@@ -174,7 +234,7 @@ def test_overlap_refuses_what_it_cannot_honour():
             loss.backward()
     assert str(error.value) == fused.UNMEASURED
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing stepped
-    for message in (UNOWNED, SHARED, fused.UNMEASURED, FSDP1_NORM, FSDP1_FLAT):
+    for message in (UNOWNED, SHARED, fused.UNMEASURED, FSDP1_NORM, FSDP1_FLAT, FSDP1_SCALER, fused.UNCHECKED, fused.UNSCALED):
         assert "\n" not in message
 
 
@@ -214,6 +274,20 @@ def test_fused_fabric_fsdp_strategy_matches_unfused_fsdp2(two_processes, clip):
         assert min(plain["largest"]) > 0.01
 
 
+def test_fused_fabric_fsdp_strategy_with_fp16_skips_on_every_rank(two_processes):
+    """16-mixed (a plugin with torch's GradScaler), overflows forced (a first scale too large, and once an
+    inf in one rank's shard only), clipped by value: the fused step all-reduces the overflow flag (both ranks
+    skip the same steps), GradScaler's unscale of the sharded gradients reduces it (DTensor): the same
+    weights and the same scale after every step."""
+    plain, fusion = two_processes["fsdp2-fp16"], two_processes["fsdp2-fp16-fused"]
+    assert fusion["scales"] == plain["scales"] and len(plain["scales"]) == 6
+    assert min(plain["scales"]) < FP16_SCALER["init_scale"]  # steps skipped
+    # an inf in rank 1's shard alone at step 3 skipped it on both ranks (rank 0 alone would have stepped)
+    assert plain["scales"][3] < plain["scales"][2]
+    assert_same(plain["weights"], fusion["weights"], atol=1e-6)
+    assert fusion["held"] == [0] * 6
+
+
 def test_fused_fabric_fsdp_strategy_refuses_an_optimizer_made_before_sharding(two_processes):
     assert two_processes["stale optimizer"] == STALE_OPTIMIZER  # fabric.setup(model, optimizer): it would train nothing
 
@@ -241,10 +315,10 @@ def test_fused_fabric_fsdp_strategy_resumes_bitsandbytes_8bit_state_exactly(two_
 def test_overlap_under_fsdp1(two_processes):
     """Lightning's FSDPStrategy (FSDP1, use_orig_params): per-parameter optimizers over each rank's flat
     slices stepped inside backward, clipped by value, equal the plain loop; no gradient, flat or original,
-    is left after backward. Clipping by norm and flat parameters are refused in one line each."""
+    is left after backward. Clipping by norm, fp16 loss scaling and flat parameters are refused in one line each."""
     result = two_processes["fsdp1"]
     assert result["trained"] and result["difference"] <= 1e-6
     assert result["held"] == [0] * 6 and result["flat_gradients_held"] == [0] * 6 and min(result["plain_held"]) > 0
-    assert result["refusals"] == {"norm": FSDP1_NORM, "flat": FSDP1_FLAT}
+    assert result["refusals"] == {"norm": FSDP1_NORM, "scaler": FSDP1_SCALER, "flat": FSDP1_FLAT}
     # Each step ran on FSDP1's post-backward stream, where it hands the gradient over: in order, nothing to wait for.
     assert result["steps"] and all(on_post_backward and waited == [] for on_post_backward, waited in result["steps"])

@@ -9,8 +9,9 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
-from fused_worker import batches, tiny_bert
+from fused_worker import FP16_SCALER, RecordingScaler, batches, tiny_bert
 from lit_memory.anatomy import parameter_units
+from lit_memory import fused as fused_module
 from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
 from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, weight_decay_groups
@@ -392,6 +393,69 @@ def test_units_decide_layer_buckets_and_parameters_in_no_unit_step_alone():
     assert group_parameters([a, b, c, d], [[a, b], [c]], "layer") == [[c], [b, a], [d]]
     assert group_parameters([a, b, c], [[a, b], [c]], "param") == [[c], [b], [a]]
     assert group_parameters([a, b, c], [[a, b], [c]], "16 MiB") == [[c, b, a]]
+
+
+# -- fp16 loss scaling inside backward --------------------------------------------------------------
+
+
+def scaled(net, fused: bool, clipping=None, steps: int = 10) -> list[float]:
+    """AdamW steps under CPU fp16 autocast with torch's GradScaler (the scale overflows at the start and after
+    each growth), clipped after unscaling as Lightning orders it. Fused, the loop is the same with the fused
+    step's view of the scaler. Returns the scale after each step."""
+    optimizer = torch.optim.AdamW(weight_decay_groups(net), lr=1e-3, weight_decay=0.01)
+    scaler = RecordingScaler("cpu", **FP16_SCALER)
+    fusion = OptimizerInBackward(optimizer, parameter_units(net), "layer", clipping, scaler=scaler) if fused else None
+    loop_scaler = fusion.scaler if fused else scaler
+    torch.manual_seed(1)  # dropout masks
+    samples = batches(4 * steps)
+    for i in range(steps):
+        batch = {k: torch.stack([s[k] for s in samples[4 * i : 4 * i + 4]]) for k in samples[0]}
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loop_scaler.scale(net(**batch).loss)
+        if fused:
+            fusion.backward(loss.backward)
+            assert all(p.grad is None for p in net.parameters())
+        else:
+            loss.backward()
+        loop_scaler.unscale_(optimizer)
+        if clipping is not None and not fused:
+            if clipping.by_norm:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clipping.max_norm)
+            else:
+                torch.nn.utils.clip_grad_value_(net.parameters(), clipping.value)
+        loop_scaler.step(optimizer)
+        loop_scaler.update()
+        optimizer.zero_grad()
+    if fusion:
+        fusion.remove()
+    return scaler.scales
+
+
+@pytest.mark.parametrize("clipping", [None, Clipping(max_norm=0.3), Clipping(value=0.01)], ids=["none", "norm", "value"])
+def test_fp16_loss_scaling_inside_backward_matches_gradscaler(clipping):
+    """A measuring backward unscales and checks every gradient first (with clipping by norm, the same one
+    that measures the norm): an overflow skips the step, as GradScaler skips it; otherwise every bucket
+    unscales with GradScaler's kernel, then clips, then steps. Same weights, same scales, so the same steps
+    skipped (a skipped step backs the scale off), and the steps that were not moved the weights."""
+    plain, fusion = model(), model()
+    plain_scales = scaled(plain, fused=False, clipping=clipping)
+    fused_scales = scaled(fusion, fused=True, clipping=clipping)
+    assert fused_scales == plain_scales
+    skipped = sum(after < before for before, after in zip([2.0**20] + plain_scales, plain_scales))
+    grown = sum(after > before for before, after in zip(plain_scales, plain_scales[1:]))
+    assert 3 <= skipped <= 7 and grown >= 1  # overflows forced: the first steps and after each growth
+    assert_same_parameters(plain, fusion, atol=1e-6)
+    assert not torch.equal(next(plain.parameters()), next(model().parameters()))  # the other steps trained
+
+
+def test_fp16_loss_scaling_needs_the_checking_backward():
+    net = model()
+    fusion = OptimizerInBackward(torch.optim.SGD(net.parameters(), lr=0.1), parameter_units(net), scaler=torch.amp.GradScaler("cpu"))
+    loss = fusion.scaler.scale(net(**{k: v[None] for k, v in batches(1)[0].items()}).loss)
+    with pytest.raises(UserError) as error:
+        loss.backward()  # not through fusion.backward: the first bucket would step before any overflow is known
+    assert str(error.value) == fused_module.UNCHECKED
+    fusion.remove()
 
 
 # -- stream order, device syncs, empty shards --------------------------------------------------------

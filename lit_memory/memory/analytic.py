@@ -90,6 +90,7 @@ def shape_of(config, step: Step, masked: bool = True) -> Shape:
         length=step.max_length,
         param_b=param.itemsize,
         compute_b=compute.itemsize,
+        compute_bf16=compute == torch.bfloat16,
         autocast=autocast,
         cuda=step.device == "cuda",
         token_types=bool(getattr(config, "type_vocab_size", 0)),
@@ -524,6 +525,24 @@ def torchao_kernel_bytes(kind: Optional[str], numel: int, block: float) -> int:
 
 
 
+# torch's GradScaler (16-mixed): its scale (fp32) and growth tracker (int32) live through the run. Unscaling is in
+# place on the gradients (one foreach kernel, or per bucket fused); it adds the found-inf flag and the inverse
+# scale, made through fp64 (the scale as a double, its reciprocal, the float): four scalars at most at once.
+# On CUDA each scalar is a 512-byte block of the caching allocator (its smallest), within the small pool's
+# segments the weights' biases already reserve; on the CPU its own bytes.
+SCALER_STATE = (4, 4)
+UNSCALE_TEMPORARIES = (4, 8, 8, 4)
+CUDA_BLOCK = 512
+
+
+def scaler_bytes(step: Step) -> tuple[int, int]:
+    """(GradScaler's state, what unscaling adds while it runs) for ``step``: 0 without loss scaling."""
+    if not step.scaled:
+        return 0, 0
+    size = (lambda b: -(-b // CUDA_BLOCK) * CUDA_BLOCK) if step.device == "cuda" else (lambda b: b)
+    return sum(map(size, SCALER_STATE)), sum(map(size, UNSCALE_TEMPORARIES))
+
+
 def _total(categories: dict[str, int]) -> int:
     return sum(categories.values())
 
@@ -643,7 +662,8 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
     capability = step.target.gpu.capability
     k = kernel(spec, shape, capability)
     act = _activations(model, spec, shape, k, step)
-    batch = batch_bytes(shape)
+    scaler_state, unscaling = scaler_bytes(step)
+    batch = batch_bytes(shape) + scaler_state  # "other": the batch, and GradScaler's state for the whole run
     sharding = Sharding.of(model, step)
     loop = step.loop
 
@@ -668,12 +688,13 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
         # gradients and step temporaries are largest is stepped. Under FSDP a bucket's gradients exist
         # unsharded until reduced, then as the rank's shard.
         footprint.add("forward", phase(activations=act.forward + act.transient))
-        early = phase(activations=act.backward, other=batch + act.backward_temp)
+        early = phase(activations=act.backward, other=batch + unscaling + act.backward_temp)
         late = max(
             (
                 phase(
                     gradients=(size := sum(_nbytes(p) for p in bucket)),
                     optimizer=state + _bucket_tensors(optimizer, step.device, by_group).temp_bytes,
+                    other=batch + unscaling,
                     unsharded=size if sharding else 0,
                 )
                 for bucket, by_group in buckets
@@ -682,15 +703,16 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
             default=phase(),
         )
         measuring = phase()
-        if step.clip_norm:
-            # Clipping by norm: a first backward only measures the norm and keeps the graph for the fused one,
-            # so every saved activation stays to its end, where the largest gradient (the word embeddings') comes;
-            # each gradient lives only until its norm is taken (under FSDP, a unit's unsharded ones until reduced).
-            # Inside the layers it is as the fused backward: `early`.
+        if step.measures:
+            # Clipping by norm or loss scaling: a first backward only measures (the norm; whether a gradient
+            # overflowed, each unscaled in place) and keeps the graph for the fused one, so every saved activation
+            # stays to its end, where the largest gradient (the word embeddings') comes; each gradient lives only
+            # until it is measured (under FSDP, a unit's unsharded ones until reduced). Inside the layers it is
+            # as the fused backward: `early`.
             measuring = phase(
                 gradients=largest_grad,
                 activations=act.forward,
-                other=batch + act.backward_temp,
+                other=batch + unscaling + act.backward_temp,
                 unsharded=sharding.reducing if sharding else 0,
             )
         footprint.add("backward", max(early, late, measuring, key=_total))
@@ -708,7 +730,7 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
         else:
             late = phase(gradients=grads, unsharded=sharding.reducing if sharding else 0)
         footprint.add("backward", max(early, late, key=_total))
-        footprint.add("step", phase(gradients=grads, optimizer=state + step_temp))
+        footprint.add("step", phase(gradients=grads, optimizer=state + step_temp, other=batch + unscaling))
     if sharding:
         notes.append(sharding.describe())
     eval_kernel = kernel(spec, shape, capability, training=False)
@@ -786,7 +808,7 @@ def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, 
         selective=selective,
         offload=step.offloading,
         fused=step.fused,
-        clip_norm=step.clip_norm,
+        measures=step.measures,
         accumulate=step.accumulate_grad_batches,
         gradients=step.loop.gradients,
         autocast_cache=step.loop.autocast_cache,

@@ -8,10 +8,11 @@ Dispatch"), in priority order, the first whose constraints hold:
 
 - **flash** (FlashAttention-2): CUDA sm80-sm121, fp16/bf16 inputs, head dim <= 256 (and not (192, 224], nor
   (224, 256] with dropout, when training on sm86/sm89/sm120), no ``attn_mask``;
-- **efficient** (memory-efficient, CUTLASS): CUDA sm50-sm121, fp32/fp16 (bf16 from sm80), head dim a multiple
-  of the GEMM alignment (8 for 16-bit inputs on tensor cores, 4 for fp32 from sm80), takes a mask;
-- **math**: anything else (fp64, odd head dims, older GPUs); it computes 16-bit inputs in fp32 (torch >= 2.5,
-  ``allow_fp16_bf16_reduction_math_sdp`` off by default).
+- **efficient** (memory-efficient, CUTLASS): CUDA sm50-sm121, fp32/fp16, bf16 only from sm80
+  (``can_use_mem_efficient_attention``: below sm80 its dtypes are {fp16, fp32}), head dim a multiple of the
+  GEMM alignment (8 for 16-bit inputs on tensor cores, 4 for fp32 from sm80), takes a mask;
+- **math**: anything else (fp64, odd head dims, older GPUs, bf16 below sm80: a bf16 recipe on a T4 or V100);
+  it computes 16-bit inputs in fp32 (torch >= 2.5, ``allow_fp16_bf16_reduction_math_sdp`` off by default).
 
 cuDNN attention, first on sm90/sm100 with recent cuDNN builds, keeps what flash keeps. transformers passes
 no mask when no token is padded (`Kernel.of` assumes padding, the common case and the larger).
@@ -64,8 +65,10 @@ class Kernel:
         dropout: bool,
         training: bool = True,
         masked: bool = True,
+        bf16: bool = False,
     ) -> "Kernel":
-        """The kernel torch runs for these inputs (``implementation``: transformers' ``_attn_implementation``)."""
+        """The kernel torch runs for these inputs (``implementation``: transformers' ``_attn_implementation``;
+        ``bf16``: 2-byte inputs are bf16, not fp16)."""
         if implementation != "sdpa":
             why = "eager" if implementation == "eager" else f"{implementation!r} is predicted as eager"
             return cls("eager", why)
@@ -90,9 +93,9 @@ class Kernel:
         elif capability < (8, 0):
             reasons.append("flash needs sm80+")
         alignment = _gemm_alignment(capability, half)
-        if capability >= (5, 0) and compute_bytes in (2, 4) and head_dim % alignment == 0 and (
-            compute_bytes == 4 or capability >= (8, 0) or half
-        ):
+        if half and bf16 and capability < (8, 0):
+            reasons.append("memory-efficient takes bf16 only from sm80")
+        elif capability >= (5, 0) and compute_bytes in (2, 4) and head_dim % alignment == 0:
             return cls("efficient", "memory-efficient: " + ("; ".join(reasons) or "preferred here"))
         return cls("math", "math: no fused kernel takes these inputs (" + ", ".join(reasons or ["dtype/head dim"]) + ")")
 

@@ -97,6 +97,7 @@ class Shape:
     autocast: bool
     cuda: bool
     token_types: bool = True
+    compute_bf16: bool = False  # 2-byte compute is bf16 (not fp16): the attention kernel depends on it
     masked: bool = True  # a padding mask reaches attention (some token padded)
     softmax_keeps_input: bool = False  # torch < 1.11 (`lit_memory.memory.kernels.attention_tensors`)
 
@@ -119,7 +120,7 @@ def batch_bytes(shape: Shape) -> int:
 def kernel(spec: LayerSpec, shape: Shape, capability: tuple[int, int], training: bool = True) -> Kernel:
     return Kernel.of(
         spec.implementation, shape.cuda, capability, shape.compute_b, spec.head_dim, spec.attention_dropout,
-        training, shape.masked,
+        training, shape.masked, shape.compute_bf16,
     )
 
 

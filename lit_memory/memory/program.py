@@ -63,7 +63,7 @@ class StepModel:
     selective: int = 0  # per token per selective layer, selective checkpointing's kept matmul outputs
     offload: bool = False
     fused: bool = False
-    clip_norm: bool = False
+    measures: bool = False  # fused: a first backward that only measures (clipping by norm, loss scaling)
     accumulate: int = 1
     gradients: str = "after_step"  # the loop's release (`lit_memory.memory.step.Loop`)
     autocast_cache: bool = False
@@ -138,7 +138,7 @@ def events(m: StepModel) -> list[Event]:
         t.phase("backward")
         if len(workspaces) == 1:
             workspaces.append(t.alloc(m.workspace))  # autograd's backward thread has a cuBLAS handle of its own
-        if m.fused and m.clip_norm:  # a first backward that only measures the norm, keeping the graph
+        if m.fused and m.measures:  # a first backward that only measures (norm, overflow), keeping the graph
             _backward(t, m, forward_keys, layer_params, lambda i: t.free(t.alloc(m.params[i].bytes)), keep=True)
         done: set[int] = set()
 

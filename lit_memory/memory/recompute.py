@@ -36,16 +36,18 @@ from lit_memory.memory.step import PRECISIONS, Step, build
 
 @dataclass(frozen=True)
 class Flops:
-    """Counted FLOPs of one training micro-batch (forward, and backward with any recompute inside it)."""
+    """Counted FLOPs of one training micro-batch (forward, and backward with any recompute inside it; the fused
+    step's measuring backward for clipping by norm or loss scaling, which is a second backward: `Step.measures`)."""
 
     forward: int
     backward: int
     recompute: int  # of `backward`: the checkpointed layers' forward run again
     samples: int
+    measuring: int = 0  # the backward that only measures (its recompute included), before the one that steps
 
     @property
     def total(self) -> int:
-        return self.forward + self.backward
+        return self.forward + self.backward + self.measuring
 
     @property
     def per_sample(self) -> float:
@@ -114,7 +116,8 @@ def flops(step: Step) -> Flops:
     """``step``'s counted FLOPs per micro-batch, and how much of them its checkpointing recomputes."""
     forward, backward = _count(step)
     plain = _count(_with_plan(step, None))[1] if step.checkpointing else backward
-    return Flops(forward=forward, backward=backward, recompute=max(backward - plain, 0), samples=step.batch_size)
+    recompute = max(backward - plain, 0)
+    return Flops(forward, backward, recompute, step.batch_size, measuring=backward if step.measures else 0)
 
 
 def recompute_ratio(step: Step) -> float:
@@ -127,7 +130,7 @@ def recompute_ratio(step: Step) -> float:
     if counted is None:  # not countable: full layers cost a forward each (see UNCOUNTED)
         modes = [m for m in step.checkpointing.modes(layer_costs(step).layers)]
         return sum(UNCOUNTED[0] if m == "full" else UNCOUNTED[1] for m in modes if m) / (3 * len(modes))
-    return counted.recompute / (counted.total - counted.recompute)
+    return counted.recompute / (counted.forward + counted.backward - counted.recompute)
 
 
 @dataclass(frozen=True)

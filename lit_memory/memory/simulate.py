@@ -102,7 +102,8 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, step
 
     if step.fused:
         # hooks on the (throwaway, fake) model's parameters; any max_norm: only the extra backward matters here
-        fused = OptimizerInBackward(optimizer, parameter_units(module), step.bucket, Clipping(max_norm=1.0) if step.clip_norm else None)
+        # (loss scaling's measuring backward holds what clipping by norm's does: the same pass, stood in by it)
+        fused = OptimizerInBackward(optimizer, parameter_units(module), step.bucket, Clipping(max_norm=1.0) if step.measures else None)
         return _Stepping([optimizer], warm, lambda: None, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
     return _Stepping([optimizer], warm, before_backward, lambda loss: loss.backward(), after_backward=optimizer.step)
 
@@ -200,11 +201,11 @@ def cuda_stand_ins(step: Step):
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         kernel = Kernel.of(
             "sdpa", True, capability, query.element_size(), query.shape[-1], dropout_p > 0, torch.is_grad_enabled(),
-            attn_mask is not None,
+            attn_mask is not None, query.dtype == torch.bfloat16,
         )
         chosen.append(kernel.name)
         if not kernel.fused:  # math: torch's own decomposition (16-bit inputs in fp32, as on CUDA)
-            return sdpa(query.float(), key.float(), value.float(), attn_mask, dropout_p, is_causal, scale).to(query.dtype)
+            return sdpa(query.float(), key.float(), value.float(), attn_mask, dropout_p, is_causal, scale=scale, **kwargs).to(query.dtype)
         if not torch.is_grad_enabled():
             return torch.empty_like(query)
         return _FusedAttention.apply(query, key, value, kernel.name, attn_mask is not None)

@@ -29,6 +29,7 @@ from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
 from lit_memory.activations import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
+from lit_memory.precision import trains_on
 
 # precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
 PRECISIONS = {
@@ -189,7 +190,11 @@ class Step:
         return step
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
-        """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``)."""
+        """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``).
+        A precision among them is the one a run with it trains with on the target's GPU (a recipe's bf16 on a GPU
+        without bf16: `lit_memory.precision.trains_on`; bf16 weights there are one `UserError`)."""
+        if values.get("trainer.precision") is not None and self.target.cuda_device:
+            values = {**values, "trainer.precision": trains_on(values["trainer.precision"], self.target.gpu)}
         return Step._of_plain(overlay(self.settings, values), self.target, self.loop)  # overlay's are plain
 
     def on(self, target: Target) -> "Step":
@@ -225,6 +230,17 @@ class Step:
         return (self.model.get("config_overrides") or {}).get("attn_implementation")
 
     @property
+    def scaled(self) -> bool:
+        """fp16 autocast with torch's GradScaler (``16-mixed``: Lightning gives it one)."""
+        return self.precision == "16-mixed"
+
+    @property
+    def measures(self) -> bool:
+        """The fused step runs a backward that only measures before the one that steps: for clipping by norm
+        (the norm) and loss scaling (whether a gradient overflowed), one pass for both (`lit_memory.fused`)."""
+        return self.fused and (self.clip_norm or self.scaled)
+
+    @property
     def loses_small_updates(self) -> bool:
         """16-bit weights without fp32 master copies, updated by rounding to nearest: every update below half
         a unit in their last place is lost. Stochastic rounding keeps them on average."""
@@ -251,8 +267,9 @@ class Step:
             parts.append(f"freeze {hp['freeze']}")
         if self.fused:
             parts.append(f"fused backward+step ({self.bucket} buckets)")
-        if self.clip_norm and self.fused:
-            parts.append("clipping by norm (a measuring backward first)")
+        if self.measures:
+            why = " and ".join(w for w, on in (("clipping by norm", self.clip_norm), ("loss scaling", self.scaled)) if on)
+            parts.append(f"{why} (a measuring backward first)")
         if self.sharded:
             parts.append(f"sharded over {self.world_size} ranks")
         if self.loop.name != "lightning":

@@ -67,10 +67,12 @@ def target_of(args: argparse.Namespace) -> Target:
 def step_of(rest: list[str], args: argparse.Namespace) -> Step:
     """The step ``fit`` would train with these arguments, for the options' device and loop: resolved by the
     same parser (`lit_memory.cli.resolve`), built once (`Step.from_settings`). The CPU's bf16 fallback is
-    this machine's business, not the predicted device's: it stays off."""
+    this machine's business, not the predicted device's: it stays off; the target GPU's bf16 support decides
+    the precision as it would for a run there (`lit_memory.precision.on_gpu`, one line when it changes it)."""
     fallback = ["--cpu_bf16_fallback=false"] if args.device == "cuda" else []
-    run = resolve(["fit", *rest, *fallback])
-    return planned(Step.from_settings(run.settings.as_dict(), target_of(args), loop(args.loop)))
+    device = target_of(args)
+    run = resolve(["fit", *rest, *fallback], gpu=device.gpu if device.cuda_device else None)
+    return planned(Step.from_settings(run.settings.as_dict(), device, loop(args.loop)))
 
 
 def embedding_state_notes(step: Step) -> list[str]:
@@ -129,6 +131,7 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
             "offload_activations": bool(step.model.get("offload_activations")),
             "freeze": step.model.get("freeze"),
             "fused": step.fused,
+            "measuring_backward": step.measures,
             "sharded": step.sharded,
             "world_size": step.world_size,
             "loop": step.loop.name,
@@ -152,6 +155,7 @@ def flops_fields(counted: Flops) -> dict[str, Any]:
             "backward": counted.backward,
             "recompute": counted.recompute,
             "recompute_share": round(counted.recompute_share, 4),
+            "measuring": counted.measuring,
             "per_sample": counted.per_sample,
             "counted": FLOPS_NOTE,
         },
@@ -159,7 +163,8 @@ def flops_fields(counted: Flops) -> dict[str, Any]:
 
 
 FLOPS_NOTE = (
-    "one micro-batch's forward and backward (recompute included), counted by torch's FlopCounterMode on fake "
+    "one micro-batch's forward and backward (recompute included; the fused step's measuring backward for clipping "
+    "by norm or loss scaling, a second backward), counted by torch's FlopCounterMode on fake "
     "tensors: matmuls and attention only; device-independent (what a GPU computes, not how long it takes)"
 )
 
@@ -181,6 +186,7 @@ def format_report(data: dict) -> str:
         f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
         f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
         f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}"
+        + (" (a measuring backward first)" if setup.get("measuring_backward") else "")
         + (f", per rank of {setup['world_size']} (FSDP)" if setup.get("sharded") else "")
         + (f", {setup['loop']} loop" if setup.get("loop", "lightning") != "lightning" else ""),
         f"on {data['device']['target']}; {setup['attention']}",
@@ -193,6 +199,7 @@ def format_report(data: dict) -> str:
         lines.append(
             f"FLOPs per step (counted, device-independent): {data['predicted']['flops_per_step'] / 1e12:.2f} TFLOP "
             f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} %"
+            + (f", measuring backward {found['measuring'] / 1e12:.2f} TFLOP" if found.get("measuring") else "")
         )
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)

@@ -211,8 +211,9 @@ class Result:
 
 
 def step_of(row: Row) -> Step:
-    run = resolve(["fit", *row.args, "--cpu_bf16_fallback=false"])
-    return Step.from_settings(run.settings.as_dict(), row.source.target, row.source.loop)
+    target = row.source.target
+    run = resolve(["fit", *row.args, "--cpu_bf16_fallback=false"], gpu=target.gpu if target.cuda_device else None)
+    return Step.from_settings(run.settings.as_dict(), target, row.source.loop)
 
 
 def predict_row(row: Row) -> Result:

@@ -59,7 +59,7 @@ def header_step(path: Path) -> "Step":
 
     # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
     model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
-    run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"])
+    run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"], gpu=Target().gpu)
     return planned(Step.from_settings(run.settings.as_dict(), Target()))
 
 
@@ -138,7 +138,7 @@ def estimate_text(config: Path, args: list[str]) -> str:
     from lit_memory.memory.recompute import planned
     from lit_memory.memory.step import Step
 
-    run = resolve(["fit", *expand_args(args, config), "--config", str(config), "--cpu_bf16_fallback=false"])
+    run = resolve(["fit", *expand_args(args, config), "--config", str(config), "--cpu_bf16_fallback=false"], gpu=Target().gpu)
     step = Step.from_settings(run.settings.as_dict(), Target())
     try:
         step = planned(step)

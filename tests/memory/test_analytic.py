@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lit_memory.cli import resolve
+from lit_memory.errors import UserError
 from lit_memory.memory.analytic import _META_BUILDS, analytic, file_gib, reference_bytes
-from lit_memory.memory.device import Target
+from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target
 from lit_memory.memory.simulate import simulate
 from lit_memory.memory.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
 
@@ -32,7 +33,8 @@ LORA_K, LORA_N = 582_401_280, 884_736  # mT5 frozen, LoRA's trainable parameters
 def step(name: str, default_device: str, **kwargs) -> Step:
     model = {"model_name_or_path": name, **kwargs.pop("model", {})}
     optimizer = OptimizerSpec.of(kwargs.pop("optimizer", ADAMW))
-    return Step(model=model, optimizer=optimizer, target=Target(type=kwargs.pop("device", default_device)), **kwargs)
+    target = Target(type=kwargs.pop("device", default_device), gpu=GPUS[kwargs.pop("gpu", DEFAULT_GPU)])
+    return Step(model=model, optimizer=optimizer, target=target, **kwargs)
 
 
 def minilm(**kwargs) -> Step:
@@ -105,6 +107,14 @@ CASES = {
         "optimizer": spec("torchao.optim.AdamW8bit", lr=1e-4, bf16_stochastic_round=True),
     },
     "fused, clipping by norm": {"fused": True, "clip_norm": True},
+    # fp16 with torch's GradScaler under the fused step: a measuring backward that checks for overflow first
+    "16-mixed, fused (a measuring backward first)": {"precision": "16-mixed", "fused": True},
+    # fp16 weights: fp16 gradients; bitsandbytes' 8-bit state whatever the weights' dtype, torchao's plain
+    # state in the weights' dtype, its compiled step computing in fp32 either way
+    "16-true + bitsandbytes AdamW8bit": {"precision": "16-true", "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4)},
+    "16-true + torchao AdamW4bit, fused": {
+        "precision": "16-true", "fused": True, "optimizer": spec("torchao.optim.AdamW4bit", lr=1e-4),
+    },
     "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
 }
 
@@ -150,6 +160,9 @@ CUDA_CASES = {
         "loop": LOOPS["fabric"],
     },
     "gradients zeroed in place (torch 1.x's zero_grad)": {"loop": LOOPS["hf-trainer-torch1"]},
+    # sm75: SDPA's memory-efficient kernel refuses bf16, so bf16 attention runs the math kernel; fp16 does not
+    "bf16-mixed on a T4: math attention": {"precision": "bf16-mixed", "gpu": "t4"},
+    "16-mixed on a T4, fused step: memory-efficient attention": {"precision": "16-mixed", "gpu": "t4", "fused": True},
     "gradients freed only before backward": {"loop": Loop("after forward", gradients="before_backward")},
     "fused step, checkpointing, bf16-mixed, 8-bit": {
         "fused": True,
@@ -331,3 +344,17 @@ def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_f
     assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
     module, _ = _META_BUILDS[found.build_key]
     assert module.optimizer_factory is None
+
+
+def test_a_recipes_precision_laid_over_a_step_follows_its_gpu():
+    """What plan and the out-of-memory advice predict for a recipe on a GPU without bf16 is what a run of it
+    would train with there: its bf16 autocast as 16-mixed (then the fused step checks before it steps), its
+    bf16 weights refused; the step's own precision (typed by the user, decided by the CLI) stays."""
+    t4 = bert_large(precision="bf16-mixed", gpu="t4", fused=True)
+    assert t4.precision == "bf16-mixed" and not t4.measures
+    laid = t4.with_settings({"trainer.precision": "bf16-mixed", "trainer.strategy": "lit_memory.FusedSingleDeviceStrategy"})
+    assert laid.precision == "16-mixed" and laid.scaled and laid.measures
+    with pytest.raises(UserError, match="trainer.precision bf16-true keeps the weights in bf16"):
+        t4.with_settings({"trainer.precision": "bf16-true"})
+    a100 = bert_large(gpu="a100-80gb")
+    assert a100.with_settings({"trainer.precision": "bf16-true"}).precision == "bf16-true"

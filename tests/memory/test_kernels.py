@@ -32,6 +32,27 @@ def test_the_kernel_is_the_one_torch_dispatches_to(implementation, capability, b
     assert kernel.name == expected, kernel.reason
 
 
+T4, P100 = (7, 5), (6, 0)
+
+
+@pytest.mark.parametrize(
+    "capability, bf16, masked, expected",
+    [
+        (T4, True, True, "math"),  # memory-efficient takes bf16 only from sm80: a bf16 recipe on a T4
+        (V100, True, False, "math"),  # and flash needs sm80 whatever the dtype
+        (T4, False, True, "efficient"),  # fp16 below sm80: memory-efficient
+        (P100, False, True, "efficient"),  # sm60: no tensor cores, alignment 1
+        (A100, True, True, "efficient"),  # bf16 from sm80
+        (A100, True, False, "flash"),
+    ],
+)
+def test_bf16_attention_below_sm80_runs_the_math_kernel(capability, bf16, masked, expected):
+    """torch's sdp_utils.cpp: can_use_mem_efficient_attention's dtypes are {fp16, fp32} below sm80 and add bf16
+    from sm80; flash needs sm80+ (its dtypes fp16/bf16)."""
+    kernel = Kernel.of("sdpa", True, capability, 2, 64, dropout=True, masked=masked, bf16=bf16)
+    assert kernel.name == expected, kernel.reason
+
+
 def test_the_cpu_runs_its_math_kernel_for_attention_dropout_only():
     assert Kernel.of("sdpa", False, (0, 0), 4, 64, dropout=True).name == "cpu-math"
     assert Kernel.of("sdpa", False, (0, 0), 4, 64, dropout=True, training=False).name == "cpu-fused"

@@ -151,3 +151,38 @@ def test_under_fsdp_each_of_8_ranks_is_predicted_at_most_0_6_of_one_device(capsy
     # weights and optimizer state are 1/8 each (plus the gathered units); activations are each rank's own
     assert sharded["categories"]["optimizer"] == pytest.approx(one["categories"]["optimizer"] / 8, rel=0.01)
     assert sharded["categories"]["activations"] == one["categories"]["activations"]
+
+
+def test_a_gpu_without_bf16_is_predicted_in_fp16_with_its_attention_kernel(capsys):
+    """--gpu t4 (sm75): bf16.yaml's bf16 becomes what fit would train with there, 16-mixed (one line says so),
+    whose fp16 attention runs SDPA's memory-efficient kernel. bf16 typed stays bf16, and then attention runs the
+    math kernel (memory-efficient takes bf16 only from sm80): about 2 GiB more at BERT-large 32 x 128."""
+    args = ["estimate", "--json", "--no-simulate", "--gpu", "t4", "--config", str(RECIPES / "bf16.yaml"), *BERT_LARGE]
+    main(args)
+    out = capsys.readouterr()
+    fp16 = json.loads(out.out)
+    assert fp16["setup"]["precision"] == "16-mixed" and "memory-efficient" in fp16["setup"]["attention"]
+    assert [line for line in out.err.splitlines() if "has no bf16" in line] == out.err.strip().splitlines()[:1]
+    main([*args, "--trainer.precision=bf16-mixed"])
+    bf16 = json.loads(capsys.readouterr().out)
+    assert bf16["setup"]["precision"] == "bf16-mixed" and "math" in bf16["setup"]["attention"]
+    extra = bf16["predicted"]["analytic"]["categories"]["activations"] - fp16["predicted"]["analytic"]["categories"]["activations"]
+    assert 1.8 * GiB < extra < 2.6 * GiB
+
+
+def test_4gb_on_a_gpu_without_bf16_fits_4_gib_in_fp16_with_its_checking_backward(capsys):
+    """The 4gb tier on an sm75 card: 16-mixed under the fused step, whose first backward checks for overflow
+    (kept graph and the largest gradient predicted at the measuring pass; its FLOPs counted as a second
+    backward), planned to fit 4 GiB. The 2gb tier's bf16 weights stop there with one line naming 4gb."""
+    data = estimate(capsys, "--no-simulate", "--config", str(RECIPES / "4gb.yaml"), *BERT_LARGE, "--gpu", "t4")
+    assert data["setup"]["precision"] == "16-mixed" and data["setup"]["measuring_backward"]
+    assert data["predicted"]["analytic"]["device_bytes"] <= 4 * GiB
+    flops = data["predicted"]["flops"]
+    assert flops["measuring"] == flops["backward"] and data["predicted"]["flops_per_step"] == sum(
+        flops[k] for k in ("forward", "backward", "measuring")
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--no-simulate", "--gpu", "t4", "--config", str(RECIPES / "2gb.yaml"), *BERT_LARGE])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: trainer.precision bf16-true keeps the weights in bf16") and "--recipe 4gb" in error
