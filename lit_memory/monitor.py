@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -30,7 +29,9 @@ from lit_memory import files
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.allocator import check_recipe_conf
-from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes, parse_bytes
+from lit_memory.memory.device import CardReading, allocator_limit, capacity, process_memory_used, read_card
+from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes
+from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
 from lit_memory.memory.report import Levels, table
 from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
 
@@ -52,11 +53,16 @@ class MemoryMonitor(L.Callback):
             and of an accumulation window only the micro-batches that differ: the first, the second
             and the last. 0 turns tensor tracking off; on CUDA the allocator's peaks
             (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read every step regardless.
-        budget: a memory limit such as ``4GiB``. On CUDA it caps this process with
-            ``torch.cuda.set_per_process_memory_fraction`` for the run; on CPU the tracker raises
-            CUDA's out-of-memory error when the tracked tensors exceed it (every step is then tracked).
-        tier: the device memory the run's recipe is made for (``4GiB`` for recipes/4gb.yaml): what
-            ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given. Nothing is enforced.
+        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity). On CUDA it caps
+            this process's device total for the run: the caching allocator
+            (``torch.cuda.set_per_process_memory_fraction``) gets the budget less the CUDA context measured at
+            the start (`lit_memory.memory.device.allocator_limit`); on CPU the tracker raises CUDA's
+            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
+        tier: the device memory the run's recipe is made for, a card (``rtx3050-4gb`` for recipes/4gb.yaml)
+            or a size: what ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given (and
+            the run's card has that much free). Nothing is enforced.
+        margin: the share of a limit every "fits" decision keeps free for the memory model's own error
+            (`lit_memory.memory.margin`; default 0.08, from the published measurements' worst under-prediction).
         allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``),
             in ``PYTORCH_CUDA_ALLOC_CONF``'s form: the command line sets them before CUDA starts unless that
             variable is set already (it wins), and predictions use them. Recorded here, applied by the CLI.
@@ -71,12 +77,14 @@ class MemoryMonitor(L.Callback):
         simulate: bool = False,
         tier: Optional[str] = None,
         allocator: Optional[str] = None,
+        margin: float = DEFAULT_MARGIN,
     ) -> None:
         if track_steps < 0:
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
-        self.budget = parse_bytes(budget) if budget is not None else None
-        self.tier = parse_bytes(tier) if tier is not None else None
+        self.budget = capacity(budget) if budget is not None else None
+        self.tier = capacity(tier) if tier is not None else None
+        self.margin = check_margin(margin)
         self.allocator = check_recipe_conf(allocator) if allocator is not None else None
         self.simulate = simulate
         self.predict: Optional[Predict] = None
@@ -117,9 +125,16 @@ class MemoryMonitor(L.Callback):
         self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
         if stage == "fit" and self.budget is not None and self._on_cuda(trainer):
             device = self._device(trainer)
-            total = torch.cuda.get_device_properties(device).total_memory
+            card = self.read_card(device)
+            limit, line = allocator_limit(self.budget, card)
             self._fraction = torch.cuda.get_per_process_memory_fraction(device)
-            torch.cuda.set_per_process_memory_fraction(min(self.budget / total, 1.0), device)
+            torch.cuda.set_per_process_memory_fraction(min(limit / card.total, 1.0), device)
+            print(line, file=sys.stderr)  # every rank caps its own process
+
+    @staticmethod
+    def read_card(device: torch.device) -> CardReading:
+        """The run's card at the start (`lit_memory.memory.device.read_card`): the seam a test replaces."""
+        return read_card(device.index)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._fraction is not None:  # the cap belongs to this run, not to the process
@@ -392,17 +407,10 @@ def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[st
     """This process's memory on ``device`` as ``nvidia-smi`` shows it: NVML's per-process figure where
     ``pynvml`` (nvidia-ml-py) is installed, else cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``:
     the whole device's, other processes included). (None, None) when neither answers."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == os.getpid() and process.usedGpuMemory:
-                return int(process.usedGpuMemory), "nvml (this process)"
-    except Exception:  # no pynvml, no NVML driver library, no permission: the device-wide reading below
-        pass
-    try:
+    used, source = process_memory_used(device)
+    if used is not None:
+        return used, source
+    try:  # no pynvml, no NVML driver library, no permission: the device-wide reading
         free, total = torch.cuda.mem_get_info(device)
     except Exception:
         return None, None

@@ -172,13 +172,21 @@ def fake_cuda(monkeypatch, tmp_path):
     return calls, trainer
 
 
-def test_a_cuda_budget_caps_the_run_and_is_undone_when_it_ends(fake_cuda):
+def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cuda, capsys):
+    """The allocator gets the budget less this process's CUDA context measured at the start (the card read
+    through the monitor's seam), so the device total, context included, stays within the budget."""
+    from lit_memory.memory.device import GPUS, CardReading
+
     calls, trainer = fake_cuda
     monitor = MemoryMonitor(budget="4GiB")
+    monitor.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
     monitor.setup(trainer, None, "fit")
-    assert calls.fractions == [0.25]
+    assert calls.fractions == [(4 * 2**30 - 512 * 2**20) / (16 * 2**30)]
+    assert "the caching allocator is capped at 3.50 GiB on fake" in capsys.readouterr().err
     monitor.teardown(trainer, None, "fit")
-    assert calls.fractions == [0.25, 0.9]  # the process's own cap again: `plan --measure` runs several fits
+    assert calls.fractions[1:] == [0.9]  # the process's own cap again: `plan --measure` runs several fits
+    # a card as the budget: its capacity as torch reports it
+    assert MemoryMonitor(budget="rtx3050-4gb", tier="t4").budget == GPUS["rtx3050-4gb"].memory
 
 
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
