@@ -94,7 +94,9 @@ def recipe_file(entry: str) -> Path:
     return Path(entry) if _is_file_entry(entry) else recipes.recipe_path(entry)
 
 
-def bench_overrides(run_dir: Path, warmup: int, steps: int, validate_after: Optional[int]) -> list[str]:
+def bench_overrides(
+    run_dir: Path, warmup: int, steps: int, validate_after: Optional[int], simulate: bool = True
+) -> list[str]:
     """What every benchmarked fit gets after the user's arguments (so they win)."""
     # A CSV logger writing straight into run_dir: memory.json, step_times.json, metrics.csv are found there.
     logger = {
@@ -110,7 +112,7 @@ def bench_overrides(run_dir: Path, warmup: int, steps: int, validate_after: Opti
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--model.save_pretrained=false",
-        "--memory.simulate=true",  # the predicted peak: the simulated step
+        f"--memory.simulate={str(simulate).lower()}",  # the predicted peak: the simulated step (else analytic)
         f"--trainer.logger={json.dumps(logger)}",
         f"--trainer.callbacks+={json.dumps(timer)}",
     ]
@@ -135,16 +137,18 @@ def _resolved(recipe: str, args: list[str]) -> LitMemoryCLI:
 
 
 def prepare(
-    names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str]
+    names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str],
+    extra: Callable[[str], list[str]] = lambda name: [], simulate: bool = True, count_flops: bool = True,
 ) -> list[BenchRun]:
-    """Resolve every recipe with the user's arguments before anything runs: bad input fails here."""
+    """Resolve every recipe with the user's arguments (and ``extra(name)``'s, per recipe) before anything runs:
+    bad input fails here."""
     runs = []
     for entry in names:
         name = Path(entry).stem
         # Fixed-length batches, as the reference post had them: every step the same work, the predicted worst case.
-        base = ["--config", str(recipe_file(entry)), *user_args, "--data.padding=max_length"]
+        base = ["--config", str(recipe_file(entry)), *user_args, *extra(name), "--data.padding=max_length"]
         run_dir = (out / "runs" / name).resolve()
-        resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None))
+        resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None, simulate))
         validate_after = (warmup + steps) * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
         note = None
         if peer is not None:
@@ -153,8 +157,8 @@ def prepare(
             except NoTrainerEquivalent as err:
                 note = str(err)
         runs.append(
-            BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after), base, note, run_dir,
-                     counted_flops(resolved))
+            BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after, simulate), base, note, run_dir,
+                     counted_flops(resolved) if count_flops else {})
         )
     return runs
 
@@ -508,12 +512,25 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--peer", help=f"also train each recipe with: {', '.join(PEERS)}")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="output folder (default bench/)")
     parser.add_argument(
+        "--gpu-proof", action="store_true",
+        help="the memory model against this GPU in one command (docs/gpu.md): every recipe a few steps on BERT-large "
+        "from its config, 4gb.yaml's card emulated; writes docs/gpu/<gpu>.json",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="with --gpu-proof: resolve every run, train nothing")
+    parser.add_argument(
         "--update-readme",
         action="store_true",
         help="also write the table into a checkout's recipes/README.md (and README.md) and its rows into "
         f"recipes/{recipes.MEASURED}, which `recipes list` reads",
     )
     args, user_args = parser.parse_known_args(argv)
+    if args.dry_run and not args.gpu_proof:
+        raise UserError("--dry-run goes with --gpu-proof")
+    if args.gpu_proof:
+        from lit_memory.tools import proof
+
+        proof.main(user_args, args.out, args.dry_run, args.recipes)
+        return
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.warmup < MIN_WARMUP:
