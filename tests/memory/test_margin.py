@@ -34,3 +34,12 @@ def test_a_margin_outside_0_to_half_is_one_error_line(value):
     with pytest.raises(UserError, match=r"^memory.margin must be a share of the limit in \[0, 0.5\)"):
         check_margin(value)
     assert check_margin("0.1") == 0.1 and check_margin(0) == 0.0 and 0.07 < DEFAULT_MARGIN < 0.1
+
+
+def test_the_runs_margin_is_read_once_from_its_settings():
+    from lit_memory.cli import resolve
+
+    assert resolve(["fit", "--memory.margin=0.12"]).step().margin == 0.12
+    assert resolve(["fit"]).step().margin == DEFAULT_MARGIN
+    with pytest.raises(UserError, match="memory.margin must be"):
+        resolve(["fit", "--memory.margin=0.7"]).step()
