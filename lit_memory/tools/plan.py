@@ -108,9 +108,12 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 
 def _identity(step: Step) -> tuple:
     """What makes two candidates the same setup (settings a setup ignores dropped: only low-bit optimizers
-    read ``embedding_optimizer_state``, unless it swaps in StableEmbedding)."""
+    read ``embedding_optimizer_state``, and only for embeddings that train (every freeze setting and LoRA
+    freeze them), unless it swaps in StableEmbedding)."""
     model = dict(step.model)
-    if model.get("embedding_optimizer_state") != "stable_embedding" and step.optimizer.library not in ("bitsandbytes", "torchao"):
+    low_bit = step.optimizer.library in ("bitsandbytes", "torchao")
+    embeddings_train = model.get("freeze") is None and model.get("lora") is None
+    if model.get("embedding_optimizer_state") != "stable_embedding" and not (low_bit and embeddings_train):
         model.pop("embedding_optimizer_state", None)
     return (
         json.dumps(model, sort_keys=True, default=str), step.optimizer.key, step.precision, step.batch_size,
