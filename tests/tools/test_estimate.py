@@ -118,7 +118,8 @@ def test_estimate_without_simulation_prints_a_table(capsys):
     assert "simulated" not in out and "reserved" not in out  # the CPU has no allocator or context to add
     main(["estimate", "--no-simulate", *A100, "--config", str(RECIPES / "accumulate.yaml")])
     out = capsys.readouterr().out
-    assert "reserved (allocator)" in out and "device (nvidia-smi)" in out and "A100 80GB (sm80)" in out
+    assert "reserved (allocator)" in out and "device (nvidia-smi)" in out and "A100 80GB (sm80, 79.26 GiB)" in out
+    assert "verdict: fits a100-80gb (79.26 GiB) with" in out
 
 
 def test_estimate_json_without_simulation_has_null_simulated_entries(capsys):
