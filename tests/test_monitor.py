@@ -85,7 +85,9 @@ def test_memory_is_measured_by_default_and_configurable(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["memory"] == {"track_steps": 2, "budget": None, "simulate": False, "tier": None, "allocator": None}
+    assert config["memory"] == {
+        "track_steps": 2, "budget": None, "simulate": False, "tier": None, "allocator": None, "margin": 0.08,
+    }
 
 
 def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, capsys):
