@@ -14,9 +14,15 @@ import torch
 
 from lit_memory import cli
 from lit_memory.errors import UserError
-from lit_memory.tools import bench, estimate, plan, recipes
+from lit_memory.tools import bench, estimate, plan, proof, recipes
 
-TOOLS = {"bench": bench.main, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
+
+def _bench(argv: list[str]) -> None:
+    """``bench``, or with ``--gpu-proof`` the GPU proof built on it (`lit_memory.tools.proof`)."""
+    (proof.cli if "--gpu-proof" in argv else bench.main)(argv)
+
+
+TOOLS = {"bench": _bench, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
 
 
 def main(argv: Optional[list[str]] = None) -> None:

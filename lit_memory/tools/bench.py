@@ -496,7 +496,8 @@ def main(argv: list[str]) -> None:
         allow_abbrev=False,
         description="Run recipes, each in a fresh process, and tabulate predicted and measured peak memory, "
         "step time and samples/s. Every other argument goes to each recipe's fit after the recipe: "
-        "--config FILE (model/data configs), dotted overrides such as --trainer.accelerator=cuda.",
+        "--config FILE (model/data configs), dotted overrides such as --trainer.accelerator=cuda. "
+        "bench --gpu-proof [--dry-run]: the memory model against this GPU in one command (docs/gpu.md).",
     )
     parser.add_argument(
         "--recipes",
@@ -512,25 +513,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--peer", help=f"also train each recipe with: {', '.join(PEERS)}")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="output folder (default bench/)")
     parser.add_argument(
-        "--gpu-proof", action="store_true",
-        help="the memory model against this GPU in one command (docs/gpu.md): every recipe a few steps on BERT-large "
-        "from its config, 4gb.yaml's card emulated; writes docs/gpu/<gpu>.json",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="with --gpu-proof: resolve every run, train nothing")
-    parser.add_argument(
         "--update-readme",
         action="store_true",
         help="also write the table into a checkout's recipes/README.md (and README.md) and its rows into "
         f"recipes/{recipes.MEASURED}, which `recipes list` reads",
     )
     args, user_args = parser.parse_known_args(argv)
-    if args.dry_run and not args.gpu_proof:
-        raise UserError("--dry-run goes with --gpu-proof")
-    if args.gpu_proof:
-        from lit_memory.tools import proof
-
-        proof.main(user_args, args.out, args.dry_run, args.recipes)
-        return
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.warmup < MIN_WARMUP:

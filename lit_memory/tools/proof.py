@@ -175,6 +175,23 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all") -> 
         print(f"failed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
 
 
+def cli(argv: list[str]) -> None:
+    """``bench --gpu-proof [--dry-run] [--out DIR] [--recipes a,b]``; other arguments go to every recipe's fit."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_memory bench --gpu-proof", allow_abbrev=False,
+        description="Every recipe a few steps on BERT-large from its config on this GPU, the tiers capped at their "
+        "cards (4gb.yaml: rtx3050-4gb emulated); writes docs/gpu/<gpu>.json (docs/gpu.md).",
+    )
+    parser.add_argument("--gpu-proof", action="store_true", required=True)
+    parser.add_argument("--dry-run", action="store_true", help="resolve every run and write the data; train nothing")
+    parser.add_argument("--out", type=Path, default=Path("bench"), help="runs, logs and data (default bench/)")
+    parser.add_argument("--recipes", default="all", help="`all` or a,b,c (as bench takes them)")
+    args, user_args = parser.parse_known_args(argv)
+    main(user_args, args.out, args.dry_run, args.recipes)
+
+
 def tier_of_args(args: list[str]) -> Optional[str]:
     return args[0].split("=", 1)[1] if args else None
 
