@@ -19,9 +19,15 @@ import torch
 
 from lit_memory import box, cli, trust
 from lit_memory.errors import UserError
-from lit_memory.tools import bench, estimate, plan, recipes
+from lit_memory.tools import bench, estimate, plan, proof, recipes
 
-TOOLS = {"bench": bench.main, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
+
+def _bench(argv: list[str]) -> None:
+    """``bench``, or with ``--gpu-proof`` the GPU proof built on it (`lit_memory.tools.proof`)."""
+    (proof.cli if "--gpu-proof" in argv else bench.main)(argv)
+
+
+TOOLS = {"bench": _bench, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
 # One line per command for `python -m lit_memory --help`; `COMMAND --help` has every option.
 LIGHTNING_COMMANDS = {
     "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, checkpoints, hf_model, memory.json",

@@ -310,7 +310,9 @@ class LitMemoryCLI(LightningCLI):
     def _plan_checkpointing(self) -> None:
         """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
         run's device budget (`lit_memory.memory.recompute`), for the device it runs on, before the module is
-        built; the config (and the recipe the run saves) then holds that plan. One line says what was chosen."""
+        built; the config (and the recipe the run saves) then holds that plan. On CUDA the budget is the smaller
+        of ``memory.budget``/``memory.tier`` and what the run's card has free at start (`read_card`, matched to
+        the catalogue by name for its speeds); one line says which applied, one what was chosen."""
         settings = self.settings
         training = self.config.get("subcommand") in (None, "fit")
         if not training and is_auto(settings.model.gradient_checkpointing):
@@ -319,16 +321,46 @@ class LitMemoryCLI(LightningCLI):
             if is_auto(settings.model.offload_activations):  # weighed only against a plan being chosen
                 settings.model.offload_activations = False
             return
+        from dataclasses import replace
+
         from lit_memory.data import check_shape
-        from lit_memory.memory.device import target
+        from lit_memory.memory.device import planning_limit, target
         from lit_memory.memory.recompute import planned
+        from lit_memory.memory.step import budget_name, budget_of
 
         check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
         device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"  # (its allocator: set just before)
-        step = planned(self.step(target(device)))
+        found = target(device)
+        as_dict = settings.as_dict()
+        budget, where = budget_of(as_dict), budget_name(as_dict) or ""
+        card = self._card() if device == "cuda" else None
+        if card is not None:
+            found = replace(found, gpu=card.gpu)
+        budget, where, line = planning_limit(budget, where, card)
+        if line:
+            print(line, file=sys.stderr)
+        step = planned(self.step(found), budget, where)
         settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
         settings.model.offload_activations = step.model["offload_activations"]
         say(step.planned)
+
+    def _card(self) -> Any:
+        """The run's card at start (`lit_memory.memory.device.read_card`, the seam a test replaces), or None
+        where reading it here would break the launch: a strategy that forks or spawns its processes must find
+        CUDA uninitialised in this one."""
+        strategy = self.settings.trainer.strategy
+        name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
+        if "spawn" in name or "fork" in name:
+            print(f"memory: the card is not read before {name} starts its processes: auto plans for the budget alone",
+                  file=sys.stderr)
+            return None
+        return self.read_card()
+
+    @staticmethod
+    def read_card() -> Any:
+        from lit_memory.memory.device import read_card
+
+        return read_card()
 
     def _run_subcommand(self, subcommand: str) -> None:
         if not self._deferred:

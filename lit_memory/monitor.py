@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,9 @@ from lit_memory import files
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.allocator import check_recipe_conf
-from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes, parse_bytes
+from lit_memory.memory.device import CardReading, allocator_limit, capacity, process_memory_used, read_card
+from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes
+from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
 from lit_memory.memory.report import Levels, table
 from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
 
@@ -54,11 +55,16 @@ class MemoryMonitor(L.Callback):
             and of an accumulation window only the micro-batches that differ: the first, the second
             and the last. 0 turns tensor tracking off; on CUDA the allocator's peaks
             (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read every step regardless.
-        budget: a memory limit such as ``4GiB``. On CUDA it caps this process with
-            ``torch.cuda.set_per_process_memory_fraction`` for the run; on CPU the tracker raises
-            CUDA's out-of-memory error when the tracked tensors exceed it (every step is then tracked).
-        tier: the device memory the run's recipe is made for (``4GiB`` for recipes/4gb.yaml): what
-            ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given. Nothing is enforced.
+        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity). On CUDA it caps
+            this process's device total for the run: the caching allocator
+            (``torch.cuda.set_per_process_memory_fraction``) gets the budget less the CUDA context measured at
+            the start (`lit_memory.memory.device.allocator_limit`); on CPU the tracker raises CUDA's
+            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
+        tier: the device memory the run's recipe is made for, a card (``rtx3050-4gb`` for recipes/4gb.yaml)
+            or a size: what ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given (and
+            the run's card has that much free). Nothing is enforced.
+        margin: the share of a limit every "fits" decision keeps free for the memory model's own error
+            (`lit_memory.memory.margin`; default 0.08, from the published measurements' worst under-prediction).
         allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``),
             in ``PYTORCH_CUDA_ALLOC_CONF``'s form: the command line sets them before CUDA starts unless that
             variable is set already (it wins), and predictions use them. Recorded here, applied by the CLI.
@@ -73,12 +79,14 @@ class MemoryMonitor(L.Callback):
         simulate: bool = False,
         tier: Optional[str] = None,
         allocator: Optional[str] = None,
+        margin: float = DEFAULT_MARGIN,
     ) -> None:
         if track_steps < 0:
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
-        self.budget = parse_bytes(budget) if budget is not None else None
-        self.tier = parse_bytes(tier) if tier is not None else None
+        self.budget = capacity(budget) if budget is not None else None
+        self.tier = capacity(tier) if tier is not None else None
+        self.margin = check_margin(margin)
         self.allocator = check_recipe_conf(allocator) if allocator is not None else None
         self.simulate = simulate
         self.predict: Optional[Predict] = None
@@ -127,9 +135,16 @@ class MemoryMonitor(L.Callback):
         self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
         if stage == "fit" and self.budget is not None and self._on_cuda(trainer):
             device = self._device(trainer)
-            total = torch.cuda.get_device_properties(device).total_memory
+            card = self.read_card(device)
+            limit, line = allocator_limit(self.budget, card)
             self._fraction = torch.cuda.get_per_process_memory_fraction(device)
-            torch.cuda.set_per_process_memory_fraction(min(self.budget / total, 1.0), device)
+            torch.cuda.set_per_process_memory_fraction(min(limit / card.total, 1.0), device)
+            print(line, file=sys.stderr)  # every rank caps its own process
+
+    @staticmethod
+    def read_card(device: torch.device) -> CardReading:
+        """The run's card at the start (`lit_memory.memory.device.read_card`): the seam a test replaces."""
+        return read_card(device.index)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._fraction is not None:  # the cap belongs to this run, not to the process
@@ -490,106 +505,17 @@ class StepTimer(L.Callback):
 
 def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:
     """This process's memory on ``device`` as ``nvidia-smi`` shows it: NVML's per-process figure where
-    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`Nvml.process_memory`), else
+    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`lit_memory.memory.nvml`), else
     cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``: the whole device's, other processes included).
     (None, None) when neither answers."""
-    reader = nvml()
-    if reader is not None:
-        try:
-            found = reader.process_memory(device)
-        except Exception:  # noqa: BLE001  a driver that stopped answering: the device-wide reading below
-            found = None
-        if found is not None:
-            return found
-    try:
+    used, source = process_memory_used(device)
+    if used is not None:
+        return used, source
+    try:  # no pynvml, no NVML driver library, no permission, or this process not found: the device-wide reading
         free, total = torch.cuda.mem_get_info(device)
     except Exception:
         return None, None
     return int(total - free), "cudaMemGetInfo (whole device)"
-
-
-class Nvml:
-    """NVML for one process: initialised once (the monitor reads the device at every phase boundary, three times a
-    batch), device handles kept, and this process found among the GPU's processes.
-
-    NVML names processes by their PID in the host's PID namespace; in a container (Docker, Kubernetes, most
-    SLURM+pyxis setups) ``os.getpid()`` is another number, so matching by PID finds nothing. Then this process is
-    the one whose NVML figure can hold what its own CUDA caching allocator has reserved (NVML's figure is the
-    allocator's segments plus the CUDA context): the candidates are intersected over readings until one is left,
-    and its host PID is kept. While several remain (processes of a similar size on one GPU), there is no answer.
-
-    ``module``: the ``pynvml`` module, or a stand-in with its functions (a test's fake NVML).
-    """
-
-    def __init__(self, module: Any) -> None:
-        self.nvml = module
-        self.pid = os.getpid()
-        module.nvmlInit()
-        self._handles: dict[int, Any] = {}
-        self._host_pid: dict[int, int] = {}  # device index -> this process's PID as NVML names it
-        self._candidates: dict[int, set[int]] = {}
-        self._own = own_pids()
-
-    def handle(self, index: int) -> Any:
-        if index not in self._handles:
-            self._handles[index] = self.nvml.nvmlDeviceGetHandleByIndex(index)
-        return self._handles[index]
-
-    def process_memory(self, device: torch.device) -> Optional[tuple[int, str]]:
-        """(bytes, source) of this process on ``device``, or None where NVML cannot tell which process it is."""
-        index = torch.cuda._get_nvml_device_index(device)
-        processes = [p for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle(index)) if p.usedGpuMemory]
-        known = self._host_pid.get(index)
-        for process in processes:
-            if process.pid in self._own or process.pid == known:
-                return int(process.usedGpuMemory), "nvml (this process)"
-        reserved = torch.cuda.memory_reserved(device)
-        if reserved <= 0:
-            return None
-        fitting = {p.pid for p in processes if p.usedGpuMemory >= reserved}
-        candidates = self._candidates[index] = self._candidates.get(index, fitting) & fitting or fitting
-        if len(candidates) != 1:
-            return None
-        (pid,) = candidates
-        self._host_pid[index] = pid
-        used = next(int(p.usedGpuMemory) for p in processes if p.pid == pid)
-        return used, "nvml (this process, matched by memory: PIDs of another namespace)"
-
-
-_nvml: Optional[Nvml] = None
-_nvml_failed_in: Optional[int] = None  # the PID of a process whose NVML would not start: not tried again
-
-
-def nvml() -> Optional[Nvml]:
-    """This process's `Nvml`, started on first use (again in a forked child: NVML state is per process); None
-    where ``pynvml`` or the NVML library is missing or refuses to start."""
-    global _nvml, _nvml_failed_in
-    pid = os.getpid()
-    if _nvml is not None and _nvml.pid == pid:
-        return _nvml
-    if _nvml_failed_in == pid:
-        return None
-    try:
-        import pynvml
-
-        _nvml = Nvml(pynvml)
-    except Exception:  # noqa: BLE001  no nvidia-ml-py, no driver library, no permission
-        _nvml, _nvml_failed_in = None, pid
-    return _nvml
-
-
-def own_pids() -> set[int]:
-    """This process's PIDs: its own, and its PID in every namespace ``/proc/self/status`` shows (``NSpid``: the
-    outer ones are visible where /proc was mounted from an outer namespace)."""
-    pids = {os.getpid()}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    pids |= {int(v) for v in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return pids
 
 
 def batch_tokens(batch: Any) -> Optional[tuple[int, int]]:

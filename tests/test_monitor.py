@@ -12,6 +12,7 @@ import yaml
 from conftest import FAST, RECIPES
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.memory import nvml as nvml_module
 from lit_memory.memory import records
 from lit_memory.memory.footprint import CATEGORIES, PHASES, format_bytes
 from lit_memory.monitor import MemoryMonitor, device_memory_used
@@ -89,7 +90,9 @@ def test_memory_is_measured_by_default_and_configurable(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["memory"] == {"track_steps": 2, "budget": None, "simulate": False, "tier": None, "allocator": None}
+    assert config["memory"] == {
+        "track_steps": 2, "budget": None, "simulate": False, "tier": None, "allocator": None, "margin": 0.08,
+    }
 
 
 def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, capsys):
@@ -185,13 +188,21 @@ def fake_cuda(monkeypatch, tmp_path):
     return calls, trainer
 
 
-def test_a_cuda_budget_caps_the_run_and_is_undone_when_it_ends(fake_cuda):
+def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cuda, capsys):
+    """The allocator gets the budget less this process's CUDA context measured at the start (the card read
+    through the monitor's seam), so the device total, context included, stays within the budget."""
+    from lit_memory.memory.device import GPUS, CardReading
+
     calls, trainer = fake_cuda
     monitor = MemoryMonitor(budget="4GiB")
+    monitor.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
     monitor.setup(trainer, None, "fit")
-    assert calls.fractions == [0.25]
+    assert calls.fractions == [(4 * 2**30 - 512 * 2**20) / (16 * 2**30)]
+    assert "the caching allocator is capped at 3.50 GiB on fake" in capsys.readouterr().err
     monitor.teardown(trainer, None, "fit")
-    assert calls.fractions == [0.25, 0.9]  # the process's own cap again: `plan --measure` runs several fits
+    assert calls.fractions[1:] == [0.9]  # the process's own cap again: `plan --measure` runs several fits
+    # a card as the budget: its capacity as torch reports it
+    assert MemoryMonitor(budget="rtx3050-4gb", tier="t4").budget == GPUS["rtx3050-4gb"].memory
 
 
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
@@ -258,12 +269,10 @@ def nvml(monkeypatch):
     """A fake NVML as the `pynvml` module, the monitor's per-process NVML state reset."""
     import sys
 
-    from lit_memory import monitor
-
     fake = FakeNvml({})
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(monitor, "_nvml", None)
-    monkeypatch.setattr(monitor, "_nvml_failed_in", None)
+    monkeypatch.setattr(nvml_module, "_nvml", None)
+    monkeypatch.setattr(nvml_module, "_nvml_failed_in", None)
     monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6, 10))
     return fake
@@ -274,15 +283,13 @@ def test_the_device_level_reads_nvml_for_this_process_when_it_can(nvml, monkeypa
     without a driver), the whole device's used memory from cudaMemGetInfo; neither: nothing."""
     import os
 
-    from lit_memory import monitor
-
     nvml.processes = {1: 5, os.getpid(): 1234}
     cuda = torch.device("cuda", 0)
     for _ in range(3):  # a batch's three phase boundaries
         assert device_memory_used(cuda) == (1234, "nvml (this process)")
     assert nvml.inits == 1
     monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # not installed
-    monkeypatch.setattr(monitor, "_nvml", None)
+    monkeypatch.setattr(nvml_module, "_nvml", None)
     assert device_memory_used(cuda) == (4, "cudaMemGetInfo (whole device)")
 
     def no_driver(device):

@@ -18,7 +18,8 @@ run that ran out of memory prints (the lightest shipped recipe predicted to fit)
 7. Lightning's optimizer step before the fused step (one optimizer step per parameter).
 
 Whether a setup fits is decided on its device total (`lit_memory.memory.predict.device_total`: tensors,
-the allocator's reserve and the CUDA context), the number ``nvidia-smi`` shows and a budget means.
+the allocator's reserve and the CUDA context), the number ``nvidia-smi`` shows and a budget means, with the
+margin ``memory.margin`` kept free (`lit_memory.memory.margin`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Optional
 from lit_memory.errors import UserError
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.memory.analytic import device_total
+from lit_memory.memory.margin import Fit
 from lit_memory.memory.recompute import planned, recompute_ratio
 from lit_memory.memory.step import PRECISIONS, Prediction, Step
 
@@ -58,35 +60,44 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
 
 
 def lightest_fitting(
-    base: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]]
-) -> Optional[tuple[str, int]]:
+    base: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]], where: str = ""
+) -> Optional[tuple[str, Fit]]:
     """Of ``recipes`` ((name, dotted settings) pairs) laid over ``base``'s settings, the one the rule prefers
-    among those predicted to fit ``limit`` (device total): (its name, its predicted device total)."""
+    among those predicted to fit ``limit`` (device total) with the margin kept (`lit_memory.memory.margin`):
+    (its name, its fit). A recipe's ``auto`` plans for the smaller of its own budget and ``limit``."""
     from lit_memory.memory.analytic import analytic
+    from lit_memory.memory.step import budget_name, budget_of
 
     fitting = []
     for name, values in recipes:
         try:
-            step = planned(base.with_settings(values))
+            step = base.with_settings(values)
+            own = budget_of(step.settings)
+            budget, words = (own, budget_name(step.settings) or "") if own is not None and own < limit else (limit, where)
+            step = planned(step, budget, words)
         except UserError:  # its `auto` checkpointing finds no plan within the limit: it does not fit
             continue
-        total = device_total(step)
-        if total <= limit:
-            fitting.append((name, step, analytic(step), total))
+        fit = Fit(device_total(step), limit, step.margin, where)
+        if fit.fits:
+            fitting.append((name, step, analytic(step), fit))
     if not fitting:
         return None
     longest = max(step.max_length for _, step, _, _ in fitting)
-    name, _, _, total = min(fitting, key=lambda f: rank(f[1], f[2], longest))
-    return name, total
+    name, _, _, fit = min(fitting, key=lambda f: rank(f[1], f[2], longest))
+    return name, fit
 
 
 def advise(step: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]]) -> str:
-    """One line for a run that ran out of ``limit`` bytes: the lightest recipe predicted to fit, or plan."""
+    """One line for a run that ran out of ``limit`` bytes: the lightest recipe predicted to fit, with what it
+    leaves free, or plan."""
     size = format_bytes(limit)
-    found = lightest_fitting(step, limit, recipes)
+    found = lightest_fitting(step, limit, recipes, size)
     if found is None:
         budget = size.replace(" ", "")
-        return f"no shipped recipe is predicted to fit {size}: try `python -m lit_memory plan --budget {budget}`"
-    name, total = found
+        return (
+            f"no shipped recipe is predicted to fit {size} with the {100 * step.margin:g} % margin: try "
+            f"`python -m lit_memory plan --budget {budget}`"
+        )
+    name, fit = found
     where = "device total" if step.device == "cuda" else "peak"
-    return f"lightest shipped recipe predicted to fit {size}: --config {name} (predicted {where} {format_bytes(total)})"
+    return f"lightest shipped recipe predicted to fit {size}: --config {name} (predicted {where}: {fit.line()})"

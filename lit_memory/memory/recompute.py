@@ -31,6 +31,7 @@ import torch
 from lit_memory.activations import CheckpointPlan
 from lit_memory.errors import UserError
 from lit_memory.memory.footprint import format_bytes
+from lit_memory.memory.margin import DEFAULT_MARGIN, Fit, usable
 from lit_memory.memory.step import PRECISIONS, Step, build
 
 
@@ -209,6 +210,12 @@ class Resolved:
     offload: bool = False
     offloaded: int = 0  # bytes per direction per micro-batch
     exposed: float = 0.0  # modelled seconds the copies add
+    margin: float = DEFAULT_MARGIN
+    where: str = ""  # the budget in words
+
+    @property
+    def fit(self) -> Fit:
+        return Fit(self.total, self.budget, self.margin, self.where)
 
     def line(self) -> str:
         chosen = self.plan.describe(self.layers) if self.plan else "no checkpointing"
@@ -221,11 +228,12 @@ class Resolved:
             f"FLOPs per step {self.flops / self.flops_none:.3f}x no checkpointing" if self.flops_none
             else "FLOPs not countable for this model: the fewest layers recomputed"
         )
-        return f"gradient_checkpointing auto: {chosen} (predicted {format_bytes(self.total)} of {format_bytes(self.budget)}; {cost})"
+        return f"gradient_checkpointing auto: {chosen}: {self.fit.line()}; {cost}"
 
 
-def resolve(step: Step, budget: int) -> Resolved:
-    """The plan with the least modelled time whose predicted device total fits ``budget`` (bytes): the fewest
+def resolve(step: Step, budget: int, where: str = "") -> Resolved:
+    """The plan with the least modelled time whose predicted device total fits ``budget`` (bytes) with the
+    step's margin kept free (`lit_memory.memory.margin`; ``where``: the budget in words): the fewest
     counted FLOPs, unless ``offload_activations: auto`` lets offloading the checkpointed layers' inputs buy
     room for less recompute where its copies cost less time than that recompute (`seconds`; CUDA only).
 
@@ -260,45 +268,49 @@ def resolve(step: Step, budget: int) -> Resolved:
                 continue
             offloaded = activations(plan, False) - activations(plan, True) if offload and cuda else 0
             candidates.append((seconds(step, costs, plan, offloaded) if costs.base else costs.of(plan), plan, offload, offloaded))
+    room = usable(budget, step.margin)
     for _, plan, offload, offloaded in sorted(candidates, key=lambda c: (c[0], c[2])):
         candidate = _with_plan(step, plan, offload=offload)
-        if analytic(candidate, levels=False).footprint.peak + context > budget:
+        if analytic(candidate, levels=False).footprint.peak + context > room:
             continue
         total = device_total(candidate)
-        if total <= budget:
+        if total <= room:
             exposed = seconds(step, costs, plan, offloaded) - seconds(step, costs, plan, 0) if offloaded else 0.0
             return Resolved(
                 plan=plan, budget=budget, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n,
-                offload=offload, offloaded=offloaded, exposed=exposed,
+                offload=offload, offloaded=offloaded, exposed=exposed, margin=step.margin, where=where,
             )
     smallest = device_total(_with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1]))
     raise UserError(
-        f"gradient_checkpointing auto: no plan fits {format_bytes(budget)}; every layer recomputed is predicted "
-        f"at {format_bytes(smallest)} (python -m lit_memory plan --budget ... finds other settings)"
+        f"gradient_checkpointing auto: no plan fits {where or format_bytes(budget)} with the {100 * step.margin:g} % "
+        f"margin ({format_bytes(room)}); every layer recomputed is predicted at {format_bytes(smallest)} "
+        "(python -m lit_memory plan --budget ... finds other settings; --memory.margin sets the margin)"
     )
 
 
-def resolved_setting(step: Step, budget: Optional[int]) -> tuple[Any, Resolved]:
+def resolved_setting(step: Step, budget: Optional[int], where: str = "") -> tuple[Any, Resolved]:
     """``auto`` as the setting it resolves to (what the run's config then holds), with the reasons."""
     if budget is None:
         raise UserError(
             "model.gradient_checkpointing auto needs a device budget: pass --memory.budget (e.g. 4GiB), or use a "
             "recipe that names its tier (memory.tier)"
         )
-    found = resolve(step, budget)
+    found = resolve(step, budget, where)
     return (found.plan.value() if found.plan else False), found
 
 
-def planned(step: Step, budget: Optional[int] = None) -> Step:
+def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
     (default: the run's, `lit_memory.memory.step.budget_of`): the plan with the fewest FLOPs predicted to fit,
     written into its settings as a run's config holds it. Other steps come back as they are."""
     from lit_memory.activations import is_auto
-    from lit_memory.memory.step import budget_of
+    from lit_memory.memory.step import budget_name, budget_of
 
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
-    value, found = resolved_setting(step, budget if budget is not None else budget_of(step.settings))
+    if budget is None:
+        budget, where = budget_of(step.settings), budget_name(step.settings) or ""
+    value, found = resolved_setting(step, budget, where)
     chosen = {"gradient_checkpointing": value, "offload_activations": found.offload}
     model = {**step.model, **chosen}
     settings = {**step.settings, "model": {**(step.settings.get("model") or {}), **chosen}}

@@ -27,6 +27,7 @@ from lit_memory.errors import UserError
 from lit_memory.lora import apply_lora
 from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
+from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
 from lit_memory.activations import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.precision import trains_on
@@ -149,6 +150,7 @@ class Step:
     world_size: int = 1  # processes (devices x nodes): the numbers are per rank
     target: Target = field(default_factory=Target)
     loop: Loop = field(default_factory=Loop)
+    margin: float = DEFAULT_MARGIN  # ``memory.margin``: the share of a limit every fit decision keeps free
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # what it was built from
     planned: Optional[str] = field(default=None, compare=False)  # what `gradient_checkpointing: auto` chose, in words
 
@@ -179,6 +181,7 @@ class Step:
             world_size=ranks(trainer.get("devices", 1)) * int(trainer.get("num_nodes") or 1) if sharded else 1,
             target=_with_recipe_allocator(target if target is not None else Target(), settings),
             loop=loop if loop is not None else Loop(),
+            margin=margin_of(settings),
             settings=settings,
         )
         if is_auto(model.get("gradient_checkpointing")):
@@ -300,12 +303,33 @@ def _with_recipe_allocator(target: Target, settings: Mapping[str, Any]) -> Targe
 
 
 def budget_of(settings: Mapping[str, Any]) -> Optional[int]:
-    """The device budget a run plans for: ``memory.budget`` (enforced), else the recipe's ``memory.tier``."""
-    from lit_memory.memory.footprint import parse_bytes
+    """The device budget a run plans for: ``memory.budget`` (enforced), else the recipe's ``memory.tier``
+    (a size, or a card: `lit_memory.memory.device.capacity`)."""
+    from lit_memory.memory.device import capacity
 
     memory = settings.get("memory") or {}
     value = memory.get("budget") or memory.get("tier")
-    return parse_bytes(value) if value else None
+    return capacity(value) if value else None
+
+
+def budget_name(settings: Mapping[str, Any]) -> Optional[str]:
+    """The budget in words, for the decisions' lines: ``memory.tier rtx3050-4gb (3.81 GiB)``."""
+    from lit_memory.memory.device import capacity, is_gpu_name
+    from lit_memory.memory.footprint import format_bytes
+
+    memory = settings.get("memory") or {}
+    key = "budget" if memory.get("budget") else "tier" if memory.get("tier") else None
+    if key is None:
+        return None
+    value = memory[key]
+    size = format_bytes(capacity(value))
+    return f"memory.{key} {value} ({size})" if is_gpu_name(value) else f"memory.{key} {size}"
+
+
+def margin_of(settings: Mapping[str, Any]) -> float:
+    """``memory.margin`` (default `lit_memory.memory.margin.DEFAULT_MARGIN`), checked."""
+    value = (settings.get("memory") or {}).get("margin")
+    return DEFAULT_MARGIN if value is None else check_margin(value)
 
 
 _MODEL_ARGS = {

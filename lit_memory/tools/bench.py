@@ -94,7 +94,9 @@ def recipe_file(entry: str) -> Path:
     return Path(entry) if _is_file_entry(entry) else recipes.recipe_path(entry)
 
 
-def bench_overrides(run_dir: Path, warmup: int, steps: int, validate_after: Optional[int]) -> list[str]:
+def bench_overrides(
+    run_dir: Path, warmup: int, steps: int, validate_after: Optional[int], simulate: bool = True
+) -> list[str]:
     """What every benchmarked fit gets after the user's arguments (so they win)."""
     # A CSV logger writing straight into run_dir: memory.json, step_times.json, metrics.csv are found there.
     logger = {
@@ -110,7 +112,7 @@ def bench_overrides(run_dir: Path, warmup: int, steps: int, validate_after: Opti
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--model.save_pretrained=false",
-        "--memory.simulate=true",  # the predicted peak: the simulated step
+        f"--memory.simulate={str(simulate).lower()}",  # the predicted peak: the simulated step (else analytic)
         f"--trainer.logger={json.dumps(logger)}",
         f"--trainer.callbacks+={json.dumps(timer)}",
     ]
@@ -135,16 +137,18 @@ def _resolved(recipe: str, args: list[str]) -> LitMemoryCLI:
 
 
 def prepare(
-    names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str]
+    names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str],
+    extra: Callable[[str], list[str]] = lambda name: [], simulate: bool = True, count_flops: bool = True,
 ) -> list[BenchRun]:
-    """Resolve every recipe with the user's arguments before anything runs: bad input fails here."""
+    """Resolve every recipe with the user's arguments (and ``extra(name)``'s, per recipe) before anything runs:
+    bad input fails here."""
     runs = []
     for entry in names:
         name = Path(entry).stem
         # Fixed-length batches, as the reference post had them: every step the same work, the predicted worst case.
-        base = ["--config", str(recipe_file(entry)), *user_args, "--data.padding=max_length"]
+        base = ["--config", str(recipe_file(entry)), *user_args, *extra(name), "--data.padding=max_length"]
         run_dir = (out / "runs" / name).resolve()
-        resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None))
+        resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None, simulate))
         validate_after = (warmup + steps) * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
         note = None
         if peer is not None:
@@ -153,8 +157,8 @@ def prepare(
             except NoTrainerEquivalent as err:
                 note = str(err)
         runs.append(
-            BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after), base, note, run_dir,
-                     counted_flops(resolved))
+            BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after, simulate), base, note, run_dir,
+                     counted_flops(resolved) if count_flops else {})
         )
     return runs
 
@@ -492,7 +496,8 @@ def main(argv: list[str]) -> None:
         allow_abbrev=False,
         description="Run recipes, each in a fresh process, and tabulate predicted and measured peak memory, "
         "step time and samples/s. Every other argument goes to each recipe's fit after the recipe: "
-        "--config FILE (model/data configs), dotted overrides such as --trainer.accelerator=cuda.",
+        "--config FILE (model/data configs), dotted overrides such as --trainer.accelerator=cuda. "
+        "bench --gpu-proof [--dry-run]: the memory model against this GPU in one command (docs/gpu.md).",
     )
     parser.add_argument(
         "--recipes",

@@ -19,8 +19,9 @@ from lit_memory.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
 from lit_memory.memory.allocator import AllocatorConfig
 from lit_memory.memory.analytic import file_gib
-from lit_memory.memory.device import DEFAULT_GPU, GPUS, Target, target
+from lit_memory.memory.device import ALIASES, DEFAULT_GPU, GPUS, Target, target
 from lit_memory.memory.footprint import Footprint, format_bytes, parse_bytes
+from lit_memory.memory.margin import Fit
 from lit_memory.memory.predict import predict
 from lit_memory.memory.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.report import table
@@ -38,9 +39,10 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=DEVICES, default="cuda", help="device the prediction is for (default: cuda)"
     )
     parser.add_argument(
-        "--gpu", choices=sorted(GPUS), default=None,
-        help=f"the GPU (default: this machine's, else {DEFAULT_GPU}): its architecture picks the attention kernel "
-        "and the cuBLAS workspace, its generation the CUDA context",
+        "--gpu", choices=sorted([*GPUS, *ALIASES]), default=None, metavar="GPU",
+        help=f"the GPU (default: this machine's, else {DEFAULT_GPU}): its capacity is what the verdict fits, its "
+        "architecture picks the attention kernel and the cuBLAS workspace, its generation the CUDA context; one of "
+        f"{', '.join(GPUS)} (MIG slices as <gpu>-<profile>)",
     )
     parser.add_argument("--cuda", default=None, help="CUDA version PyTorch is built with (default: this machine's, else 12.4)")
     parser.add_argument(
@@ -137,7 +139,13 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
             "loop": step.loop.name,
             "attention": analytic_.attention,
         },
-        "device": {"analytic": step.device, "simulated": step.device, "target": step.target.describe()},
+        "device": {
+            "analytic": step.device, "simulated": step.device, "target": step.target.describe(),
+            "gpu": step.target.gpu.label if step.target.cuda_device else None,
+            # what torch reports as the target card's total memory (`lit_memory.memory.device.GPUS`)
+            "capacity_bytes": step.target.gpu.memory if step.target.cuda_device else None,
+        },
+        "verdict": fit.to_dict() if (fit := verdict(step, analytic_.footprint)) else None,
         "predicted": {
             **{k: (p.footprint.to_dict() if p else None) for k, p in {"analytic": analytic_, "simulated": simulated}.items()},
             **(flops_fields(counted) if counted else {}),
@@ -145,6 +153,22 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
         "inference_bytes": {"analytic": analytic_.inference, "simulated": simulated.inference if simulated else None},
         "notes": notes,
     }
+
+
+def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
+    """Whether the step fits, with the margin kept (`lit_memory.memory.margin`): its predicted device total
+    against ``memory.budget`` (else ``memory.tier``) where one is set, else the target card's capacity; on a
+    CPU target, the tensors against the budget (None without one)."""
+    from lit_memory.memory.predict import level
+    from lit_memory.memory.step import budget_name, budget_of
+
+    budget = budget_of(step.settings)
+    if step.target.cuda_device and (budget is None or step.target.gpu.memory < budget):
+        gpu = step.target.gpu
+        return Fit(level(footprint), gpu.memory, step.margin, f"{gpu.label} ({format_bytes(gpu.memory)})")
+    if budget is None:
+        return None
+    return Fit(level(footprint), budget, step.margin, budget_name(step.settings) or "")
 
 
 def flops_fields(counted: Flops) -> dict[str, Any]:
@@ -201,6 +225,8 @@ def format_report(data: dict) -> str:
             f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} %"
             + (f", measuring backward {found['measuring'] / 1e12:.2f} TFLOP" if found.get("measuring") else "")
         )
+    if data.get("verdict"):
+        lines.append(f"verdict: {data['verdict']['line']}")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
 

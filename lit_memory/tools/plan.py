@@ -36,7 +36,9 @@ from lit_memory.errors import UserError
 from lit_memory.lowbit import check_settings
 from lit_memory.memory.analytic import analytic
 from lit_memory.memory.choose import RULE, rank
-from lit_memory.memory.footprint import CATEGORIES, format_bytes, parse_bytes
+from lit_memory.memory.device import capacity, gpu_key, is_gpu_name
+from lit_memory.memory.footprint import CATEGORIES, format_bytes
+from lit_memory.memory.margin import Fit, usable
 from lit_memory.memory.predict import device_total, level
 from lit_memory.memory.report import breakdown
 from lit_memory.memory.simulate import simulate
@@ -106,9 +108,12 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 
 def _identity(step: Step) -> tuple:
     """What makes two candidates the same setup (settings a setup ignores dropped: only low-bit optimizers
-    read ``embedding_optimizer_state``, unless it swaps in StableEmbedding)."""
+    read ``embedding_optimizer_state``, and only for embeddings that train (every freeze setting and LoRA
+    freeze them), unless it swaps in StableEmbedding)."""
     model = dict(step.model)
-    if model.get("embedding_optimizer_state") != "stable_embedding" and step.optimizer.library not in ("bitsandbytes", "torchao"):
+    low_bit = step.optimizer.library in ("bitsandbytes", "torchao")
+    embeddings_train = model.get("freeze") is None and model.get("lora") is None
+    if model.get("embedding_optimizer_state") != "stable_embedding" and not (low_bit and embeddings_train):
         model.pop("embedding_optimizer_state", None)
     return (
         json.dumps(model, sort_keys=True, default=str), step.optimizer.key, step.precision, step.batch_size,
@@ -217,7 +222,7 @@ def refine(chosen: Candidate, budget: int) -> Candidate:
         value.fa.set_flow_style()
     if found.plan == chosen.setup.checkpointing and found.offload == chosen.setup.offloading:
         return chosen
-    words = f"predicted to fit {format_bytes(budget)}"
+    words = f"predicted to fit {format_bytes(budget)} with the {100 * chosen.setup.margin:g} % margin"
     blocks = {
         **chosen.blocks,
         CHECKPOINTING: Block(CHECKPOINTING, value, f"activations: per layer, the least recompute (fewest FLOPs) {words}"),
@@ -287,11 +292,11 @@ def _breakdown(prediction: Prediction) -> str:
     return breakdown(prediction.footprint, prediction.device)
 
 
-def _as_written(chosen: Candidate, budget: int) -> dict[str, Block]:
+def _as_written(chosen: Candidate, budget: int, card: Optional[str] = None) -> dict[str, Block]:
     """The chosen settings as the recipe writes them, with the budget as its ``memory.tier``. A per-layer plan
     is written as chosen (the one the simulation confirmed), not as a parent's ``auto``: ``auto`` resolves again
     where the recipe runs, for that run's precision (a CPU's bf16 fallback: fp32) and device."""
-    tier = Block(TIER, _size(budget), "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)")
+    tier = Block(TIER, card or _size(budget), "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)")
     return {**chosen.blocks, TIER: tier}
 
 
@@ -308,12 +313,13 @@ def _size(n: int) -> str:
 
 
 def recipe_text(
-    chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str
+    chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str,
+    card: Optional[str] = None,
 ) -> str:
     parent, _ = _parent(chosen.blocks, recipes)
     from lit_memory.memory.recompute import planned
 
-    blocks = _as_written(chosen, budget)
+    blocks = _as_written(chosen, budget, card)
     changes = [
         k for k in dict.fromkeys([*blocks, *parent.blocks])
         if (k == TIER or k not in NOT_COMBINED) and _plain(blocks.get(k)) != _plain(parent.blocks.get(k))
@@ -329,7 +335,8 @@ def recipe_text(
     ]
     where = f"{chosen.setup.model.get('model_name_or_path')}, {chosen.setup.target.describe()}"
     header = [
-        f"# planned: the fastest setup predicted to fit {format_bytes(budget)} ({where})",
+        f"# planned: the fastest setup predicted to fit {card or format_bytes(budget)} ({where})",
+        f"# fits: {Fit(device_total(chosen.setup), budget, chosen.setup.margin, card or '').line()}",
         f"# parent: {parent.name}",
         f"# changes: {', '.join(changes) if changes else 'none'}",
         f"# shrinks: {', '.join(shrinks) if shrinks else 'nothing'} (predicted, against {parent.name})",
@@ -369,26 +376,29 @@ def choose(
     longest = max(c.setup.max_length for c in everything)
     ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
     overhead = base.target.context_bytes
-    fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= budget and c.total <= budget)
+    room = usable(budget, base.margin)  # the margin kept free (`lit_memory.memory.margin`)
+    fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
     wanted = MEASURED if measured else 1
     confirmed: list[tuple[Candidate, Optional[Prediction]]] = []
     for tried, candidate in enumerate(fitting):
         if tried >= (CONFIRMATIONS if confirm else wanted):
             break
         simulated = simulate(candidate.setup) if confirm else None
-        if simulated is None or level(simulated.footprint) <= budget:
+        if simulated is None or level(simulated.footprint) <= room:
             confirmed.append((candidate, simulated))
         if len(confirmed) == wanted:
             break
     if not confirmed:
         smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
-        if smallest.prediction.footprint.peak + overhead > budget or smallest.total > budget:
+        if smallest.prediction.footprint.peak + overhead > room or smallest.total > room:
             raise UserError(
-                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)}; the "
+                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)} with the "
+                f"{100 * base.margin:g} % margin ({format_bytes(room)}); the "
                 f"smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
             )
         raise UserError(
-            f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} do not fit in simulation"
+            f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} with the "
+            f"{100 * base.margin:g} % margin do not fit in simulation"
         )
     if measured:
         effective = base.batch_size * base.accumulate_grad_batches
@@ -411,7 +421,7 @@ def _refined(chosen: Candidate, simulated: Optional[Prediction], budget: int, co
     if better is chosen:
         return chosen, simulated
     again = simulate(better.setup) if confirm else None
-    if again is None or level(again.footprint) <= budget:
+    if again is None or level(again.footprint) <= usable(budget, better.setup.margin):
         return better, again
     return chosen, simulated
 
@@ -424,7 +434,8 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument(
         "--budget", required=True,
-        help="device memory to fit (what nvidia-smi would show for the process), e.g. 4GiB, 8GB, 6000MiB",
+        help="device memory to fit (what nvidia-smi would show for the process), e.g. 4GiB, 8GB, 6000MiB, or a "
+        "GPU (rtx3050-4gb: its capacity); a setup fits with --memory.margin (default 0.08) of it kept free",
     )
     add_target_arguments(parser)
     parser.add_argument("--output", default="planned.yaml", help="where to write the recipe (default: planned.yaml)")
@@ -438,17 +449,19 @@ def main(argv: list[str]) -> None:
     )
     ours, rest = parser.parse_known_args(argv)
     box.allow_output(ours.output, "--output", file=True)
-    budget = parse_bytes(ours.budget)
+    budget = capacity(ours.budget)
+    card = gpu_key(ours.budget) if is_gpu_name(ours.budget) else None
     base = step_of(rest, ours)
     recipes = shipped_recipes()
     chosen, simulated, everything = choose(
         base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
-    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command))
+    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command, card))
     print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(budget)}:")
     print(f"  {chosen.setup.describe()}")
     print(f"  analytic:  {_breakdown(chosen.prediction)}")
+    print(f"  {Fit(device_total(chosen.setup), budget, chosen.setup.margin, card or '').line()}")
     if simulated is not None:
         print(f"  simulated: {_breakdown(simulated)}")
     print(f"wrote {ours.output}: python -m lit_memory fit {shlex.join([*rest, '--config', ours.output])}")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import tempfile
 from argparse import ArgumentError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 from jsonargparse import Namespace
@@ -52,15 +53,61 @@ FLOPS_REFERENCE = "bf16"  # the recipe every other's FLOPs are stated against: n
 
 
 def header_step(path: Path) -> "Step":
-    """A shipped recipe's step on BERT-large (``configs/bert-large.yaml``) for the documented default GPU."""
-    from lit_memory.memory.device import Target
+    """A shipped recipe's step on BERT-large (``configs/bert-large.yaml``) for the card its ``memory.tier`` names
+    (4gb.yaml: rtx3050-4gb), else the documented default GPU; its ``auto`` resolved for its tier."""
+    return _header_step(str(path), path.read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=32)
+def _header_step(path: str, text: str) -> "Step":  # the text keys the cache: a rewritten recipe is read again
+    from lit_memory.memory.device import Target, is_gpu_name, gpu
     from lit_memory.memory.recompute import planned
     from lit_memory.memory.step import Step
 
     # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
     model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
-    run = resolve(["fit", "--config", str(path), *model, "--cpu_bf16_fallback=false"], gpu=Target().gpu)
-    return planned(Step.from_settings(run.settings.as_dict(), Target()))
+    argv = ["fit", "--config", path, *model, "--cpu_bf16_fallback=false"]
+    settings = resolve(argv, gpu=Target().gpu).settings.as_dict()
+    tier = (settings.get("memory") or {}).get("tier")
+    target = Target(gpu=gpu(tier)) if is_gpu_name(tier) else Target()
+    if target.gpu.bf16 != Target().gpu.bf16:  # the precision a run there trains with (`lit_memory.precision`)
+        settings = resolve(argv, gpu=target.gpu).settings.as_dict()
+    return planned(Step.from_settings(settings, target))
+
+
+PLANNED = "# planned-for: "
+
+
+def planned_line(path: Path) -> Optional[str]:
+    """The header line of a recipe with a ``memory.tier``: what it is planned for and what BERT-large at the
+    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.margin`); None without a tier."""
+    from lit_memory.memory.analytic import analytic
+    from lit_memory.memory.margin import Fit
+    from lit_memory.memory.step import budget_of
+
+    step = header_step(path)
+    budget = budget_of(step.settings)
+    if budget is None:
+        return None
+    card = step.target.gpu
+    tier = str((step.settings.get("memory") or {}).get("tier") or "")
+    if card.key and tier and card.key == gpu_key_of(tier):
+        bf16 = "bf16" if card.bf16 else "no bf16"
+        where = f"{card.key} ({card.name}, {format_bytes(card.memory)}, sm{card.capability[0]}{card.capability[1]}, {bf16})"
+    else:
+        where = format_bytes(budget)
+    fit = Fit(analytic(step).footprint.device, budget, step.margin, where)
+    name = card.key if where != format_bytes(budget) else where
+    return (
+        f"{PLANNED}{name}; BERT-large {step.batch_size} x {step.max_length} {fit.line()} "
+        "(python -m lit_memory recipes headers)"
+    )
+
+
+def gpu_key_of(value: str) -> str:
+    from lit_memory.memory.device import gpu_key, is_gpu_name
+
+    return gpu_key(value) if is_gpu_name(value) else ""
 
 
 def flops_line(path: Path) -> str:
@@ -188,7 +235,11 @@ def headers(check: bool) -> None:
         devices[name] = predicted.rsplit("device ", 1)[1].split(" (")[0]
         updated = with_predicted_line(text, predicted)
         updated = with_predicted_line(updated, flops_line(path), FLOPS, PREDICTED)
-        for prefix in (PREDICTED, FLOPS):
+        prefixes = (PREDICTED, FLOPS)
+        if (line := planned_line(path)) is not None:
+            updated = with_predicted_line(updated, line, PLANNED, "# shrinks:")
+            prefixes += (PLANNED,)
+        for prefix in prefixes:
             print(f"{name}: {next(l for l in updated.splitlines() if l.startswith(prefix))[len(prefix):]}")
         if updated != text:
             stale.append(name)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +15,7 @@ from lit_memory.memory.analytic import analytic, device_total
 from lit_memory.memory.device import Target
 from lit_memory.memory.recompute import flops, layer_costs, resolve as plan_for
 from lit_memory.memory.simulate import simulate
+from lit_memory.memory.margin import usable
 from lit_memory.memory.step import OptimizerSpec, Step
 
 L, H, F, HEADS = 4, 64, 256, 4
@@ -87,21 +90,32 @@ def brute_force(step: Step, budget: int) -> tuple[float, Step]:
 
 @pytest.mark.parametrize("fraction", [0.15, 0.5, 0.85, 1.0])
 def test_auto_is_the_plan_with_the_fewest_flops_that_fits(fraction):
+    """Without a margin, the plan of fewest FLOPs within the budget itself; with one, within what it leaves."""
     none = device_total(tiny("cuda"))
     full = device_total(tiny("cuda", gradient_checkpointing=True))
     budget = int(full + fraction * (none - full))
-    found = plan_for(tiny("cuda"), budget)
+    bare = replace(tiny("cuda"), margin=0.0)
+    found = plan_for(bare, budget)
     assert found.total <= budget
-    best, _ = brute_force(tiny("cuda"), budget)
+    best, _ = brute_force(bare, budget)
     assert found.flops == pytest.approx(best, rel=1e-12)
     if fraction == 1.0:
         assert found.plan is None  # no checkpointing fits: nothing recomputed
+    kept = replace(tiny("cuda"), margin=0.05)
+    room = usable(int(budget / 0.95), 0.05)  # a budget whose 5 % margin leaves the same room
+    found = plan_for(kept, int(budget / 0.95), "a card")
+    assert found.total <= room and found.flops == pytest.approx(brute_force(kept, room)[0], rel=1e-12)
+    assert found.fit.fits and found.fit.spare >= 0.05
+    assert f"fits a card with {math.floor(100 * found.fit.spare)} % to spare" in found.line()
 
 
-def test_auto_says_in_one_line_when_nothing_fits():
+def test_auto_keeps_the_margin_and_says_in_one_line_when_nothing_fits():
     full = device_total(tiny("cuda", gradient_checkpointing=True))
     with pytest.raises(UserError, match=r"^gradient_checkpointing auto: no plan fits .*every layer recomputed is predicted"):
         plan_for(tiny("cuda"), full - 2**20)
+    # every layer recomputed fits the budget itself, but not with the default 8 % of it kept free
+    with pytest.raises(UserError, match=r"no plan fits rtx3050-4gb with the 8 % margin"):
+        plan_for(tiny("cuda"), int(full / 0.95), "rtx3050-4gb")
 
 
 def test_the_command_line_resolves_auto_for_the_runs_budget_and_says_so(capsys):
@@ -115,3 +129,37 @@ def test_the_command_line_resolves_auto_for_the_runs_budget_and_says_so(capsys):
     plan = CheckpointPlan.parse(cli.model.hparams.gradient_checkpointing)
     assert plan is not None and plan.recomputes
     assert "gradient_checkpointing auto: checkpointing" in capsys.readouterr().err
+
+
+def test_on_cuda_auto_plans_for_the_smaller_of_the_tier_and_what_the_card_has_free(capsys):
+    """The run's own card (a fake reading: the seam `LitMemoryCLI.read_card`): with less free than the tier,
+    the plan fits the free memory (its context included) with the margin kept, and one line says the card's
+    limit applied; with more free, the tier applies."""
+    from lit_memory.memory.device import CardReading
+
+    args = ["fit", "--model.model_name_or_path=bundled:bert-large", f"--model.config_overrides={TINY}",
+            "--model.pretrained=false", "--model.gradient_checkpointing=auto", f"--data.batch_size={BATCH}",
+            f"--data.max_length={LENGTH}", "--trainer.accelerator=cuda", "--memory.tier=t4"]
+    none, full = device_total(tiny("cuda")), device_total(tiny("cuda", gradient_checkpointing=True))
+    context = 300 * 2**20
+    available = int((full + (none - full) // 2) / 0.92)  # between every layer recomputed and none, margin kept
+    card = CardReading("Tesla T4", 15102 * 2**20, available - context, context, "nvml (this process)", (7, 5))
+    cli = resolve(args)
+    cli.read_card = lambda: card
+    cli.build(trainer=False)
+    err = capsys.readouterr().err
+    assert "memory: auto plans for what the card has free, less than memory.tier t4 (14.75 GiB)" in err
+    assert "300.00 MiB (nvml (this process))" in err
+    plan = CheckpointPlan.parse(cli.model.hparams.gradient_checkpointing)
+    assert plan is not None and plan.recomputes
+    planned = tiny("cuda", gradient_checkpointing=plan.value())
+    assert device_total(replace(planned, target=replace(planned.target, gpu=card.gpu))) <= usable(available, 0.08)
+    assert "with 8 % to spare" in err or "with 9 % to spare" in err
+
+    roomy = replace(card, free=14 * 2**30)
+    cli = resolve([*args, "--memory.tier=2GiB"])
+    cli.read_card = lambda: roomy
+    cli.build(trainer=False)
+    err = capsys.readouterr().err
+    assert "memory: auto plans for memory.tier 2.00 GiB: Tesla T4 has 14.29 GiB for this run at start" in err
+    assert not cli.model.hparams.gradient_checkpointing  # 2 GiB: nothing to recompute for this tiny model

@@ -24,17 +24,19 @@ def estimate(capsys, *args: str) -> dict:
 
 
 def test_2gb_fits_2_gib_of_device_memory_at_bert_large(capsys):
-    """The issue's bar: BERT-large at batch 32 x 128 predicted at most 2.0 GiB of device memory (tensors, the
-    caching allocator's reserve, the CUDA context) by the analytic model, as the recipe's header says. The
+    """The issue's bar: BERT-large at batch 32 x 128 predicted within 2.0 GiB of device memory (tensors, the
+    caching allocator's reserve, the CUDA context) with the 8 % margin to spare by the analytic model, as the
+    recipe's header says (its embeddings frozen: what it gives up for that). The
     simulation agrees on the tensors and, within 5 %, on the device total: its allocator replay, over the
     step's op-level allocations, finds more fragmentation around torchao's 4-bit step buffers (a little over
     2 GiB; their size on CUDA is unmeasured and predicted at the CPU kernel's)."""
     data = estimate(capsys, "--config", str(RECIPES / "2gb.yaml"), *BERT_LARGE)
     assert data["setup"]["batch_size"] == 32 and data["setup"]["max_length"] == 128
     parameters = data["model"]["parameters"]
-    assert data["model"]["trainable"] == parameters > 330e6  # nothing frozen, no LoRA
-    embeddings = (30522 + 512 + 2) * 1024  # word, position, token type matrices: unquantised bf16 state
-    assert data["predicted"]["analytic"]["device_bytes"] <= 2 * GiB
+    embeddings = (30522 + 512 + 2) * 1024 + 2 * 1024  # word, position, token type matrices and their LayerNorm
+    assert data["model"]["trainable"] == parameters - embeddings > 300e6  # the embeddings frozen, no LoRA
+    assert data["predicted"]["analytic"]["device_bytes"] <= 0.92 * 2 * GiB
+    assert data["verdict"]["fits"] and data["verdict"]["spare"] >= 0.08
     simulated = data["predicted"]["simulated"]
     assert simulated["device_bytes"] == pytest.approx(data["predicted"]["analytic"]["device_bytes"], rel=0.05)
     assert simulated["peak_bytes"] + simulated["context_bytes"] <= 2 * GiB
@@ -45,16 +47,24 @@ def test_2gb_fits_2_gib_of_device_memory_at_bert_large(capsys):
         categories = footprint["categories"]
         # bf16 weights (and the position/token-type id buffers): 2 B per parameter, no fp32 master copy
         assert categories["weights"] == pytest.approx(2 * data["model"]["parameters"], rel=0.001)
-        # 4-bit moments: 2 x (0.5 B + a fp32 scale per 32) per value; the embeddings: 2 x 2 B (bf16)
-        expected = 2 * (0.5 + 4 / 32) * (parameters - embeddings) + 2 * 2 * embeddings
+        # 4-bit moments: 2 x (0.5 B + a fp32 scale per 64) per trained value; none for the frozen embeddings
+        expected = 2 * (0.5 + 4 / 64) * (parameters - embeddings)
         assert categories["optimizer"] == pytest.approx(expected, rel=0.02)
     assert any("compiled code cannot run on fake tensors" in note for note in data["notes"])
 
 
-def test_4gb_fits_4_gib_of_device_memory_at_bert_large(capsys):
-    footprint = estimate(capsys, "--no-simulate", "--config", str(RECIPES / "4gb.yaml"), *BERT_LARGE)["predicted"]["analytic"]
-    assert footprint["device_bytes"] <= 4 * GiB
+def test_4gb_fits_its_card_with_the_margin_at_bert_large(capsys):
+    """4gb.yaml is planned for rtx3050-4gb: on that card (3.81 GiB as torch reports it) BERT-large at 32 x 128
+    fits with at least 8 % to spare; the JSON states the card's capacity and the verdict."""
+    main(["estimate", "--json", "--gpu", "rtx3050-4gb", "--no-simulate", "--config", str(RECIPES / "4gb.yaml"), *BERT_LARGE])
+    data = json.loads(capsys.readouterr().out)
+    footprint = data["predicted"]["analytic"]
     assert set(footprint["phases"]["backward"]) == {"peak_bytes", "reserved_bytes", "device_bytes", "categories"}
+    assert data["device"]["gpu"] == "rtx3050-4gb" and data["device"]["capacity_bytes"] == int(3902 * 2**20)
+    verdict = data["verdict"]
+    assert verdict["fits"] and verdict["spare"] >= 0.08 and verdict["limit_bytes"] == data["device"]["capacity_bytes"]
+    assert footprint["device_bytes"] <= 0.92 * data["device"]["capacity_bytes"]
+    assert verdict["line"].startswith("fits memory.tier rtx3050-4gb (3.81 GiB) with")
 
 
 def test_the_context_and_the_gpu_come_from_the_options(capsys):
@@ -108,7 +118,8 @@ def test_estimate_without_simulation_prints_a_table(capsys):
     assert "simulated" not in out and "reserved" not in out  # the CPU has no allocator or context to add
     main(["estimate", "--no-simulate", *A100, "--config", str(RECIPES / "accumulate.yaml")])
     out = capsys.readouterr().out
-    assert "reserved (allocator)" in out and "device (nvidia-smi)" in out and "A100 80GB (sm80)" in out
+    assert "reserved (allocator)" in out and "device (nvidia-smi)" in out and "A100 80GB (sm80, 79.26 GiB)" in out
+    assert "verdict: fits a100-80gb (79.26 GiB) with" in out
 
 
 def test_estimate_json_without_simulation_has_null_simulated_entries(capsys):

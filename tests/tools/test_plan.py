@@ -48,7 +48,7 @@ def test_candidates_cover_every_switch_and_micro_batch(minilm_candidates):
     assert all(s.batch_size * s.accumulate_grad_batches == 32 for s in setups)  # the effective batch is kept
     assert {s.max_length for s in setups} == {64, 128}
     assert {bool(s.model["gradient_checkpointing"]) for s in setups} == {False, True}
-    assert {s.model["freeze"] for s in setups} == {None, "body"}
+    assert {s.model["freeze"] for s in setups} == {None, "body", "embeddings"}
     shipped = {yaml.safe_load(p.read_text())["model"]["optimizer"]["class_path"] for p in RECIPES.glob("*.yaml")}
     assert {s.optimizer_name for s in setups} == {path.rsplit(".", 1)[1] for path in shipped}
     assert {s.precision for s in setups} == {"32-true", "bf16-mixed", "bf16-true"} and {s.fused for s in setups} == {False, True}
@@ -74,7 +74,7 @@ def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
 
 def test_impossible_budget_names_the_smallest_need(minilm_candidates):
     base, _ = minilm_candidates
-    with pytest.raises(UserError, match=r"predicted to fit 1.00 MiB; the smallest needs .* MiB \(batch"):
+    with pytest.raises(UserError, match=r"predicted to fit 1.00 MiB with the 8 % margin \(.*\); the smallest needs .* MiB \(batch"):
         choose(base, 1 * MiB, [], confirm=False)
 
 
@@ -142,7 +142,8 @@ def test_plan_finds_2gb_for_bert_large_in_2_gib_of_device_memory():
     base = base_setup("cuda", "--config", str(CONFIGS / "bert-large.yaml"))
     recipes = shipped_recipes()
     chosen, simulated, _ = choose(base, 2 * 2**30, [], recipes)
-    assert simulated.footprint.device <= 2 * 2**30 and chosen.prediction.footprint.device <= 2 * 2**30
+    room = 0.92 * 2 * 2**30  # the 8 % margin kept free
+    assert simulated.footprint.device <= room and chosen.prediction.footprint.device <= room
     assert chosen.prediction.footprint.device == device_total(chosen.setup)
     assert chosen.prediction.footprint.device > chosen.prediction.footprint.peak + base.target.context_bytes
     parent, changes = _parent(chosen.blocks, recipes)

@@ -33,3 +33,17 @@ def test_the_docs_show_the_generated_table():
     start, end = published.MARKERS
     shown = text[text.index(start) + len(start) : text.index(end)].strip()
     assert shown == published.markdown(RESULTS).strip(), "regenerate: python -m lit_memory estimate --published --update-docs"
+
+
+def test_the_default_margin_covers_the_worst_under_prediction_on_a_strict_row():
+    """`memory.margin`'s default (lit_memory/memory/margin.py) is derived from this table: no smaller than the
+    worst under-prediction on a strictly comparable row, whichever way it is counted (the share of the limit a
+    plan must leave free, 1 - ratio; or how far the measurement ran above the prediction, 1 / ratio - 1)."""
+    from lit_memory.memory.margin import DEFAULT_MARGIN
+
+    worst = published.margin_row(RESULTS)
+    assert worst.row.source.strict and worst.row.unmatched is None and worst.ratio < 1
+    assert DEFAULT_MARGIN >= 1 / worst.ratio - 1 >= 1 - worst.ratio
+    assert DEFAULT_MARGIN < 1 / worst.ratio - 1 + 0.01  # derived from it, not padded
+    assert all(r.ratio >= worst.ratio for r in RESULTS if r.row.unmatched is None and r.row.source.strict)
+    assert f"default {100 * DEFAULT_MARGIN:g} %" in published.markdown(RESULTS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import yaml
 
 from conftest import RECIPES
 from lit_memory.memory.footprint import parse_bytes
@@ -22,11 +23,14 @@ def test_every_header_states_the_prediction_the_command_makes(capsys):
     commands.headers(check=True)  # raises if any header differs from what the command writes now
     lines = capsys.readouterr().out.splitlines()
     estimates = [l for c in (RECIPES.parent / "configs").glob("*.yaml") for l in c.read_text().splitlines() if l.startswith(commands.ESTIMATE)]
-    assert len(lines) == 2 * len(list(RECIPES.glob("*.yaml"))) + len(estimates)  # memory and FLOPs; the configs' lines
+    tiers = [p for p in RECIPES.glob("*.yaml") if "tier" in (yaml.safe_load(p.read_text()).get("memory") or {})]
+    # memory and FLOPs, what a tier is planned for; the configs' lines
+    assert len(lines) == 2 * len(list(RECIPES.glob("*.yaml"))) + len(tiers) + len(estimates)
     assert len(estimates) >= 8 and all(commands.ARROW in l and "x 128" in l for l in estimates)
     for path in RECIPES.glob("*.yaml"):
         line = header(path)["predicted"]
-        assert line.startswith("BERT-large ") and "on A100 80GB" in line
+        card = "GeForce RTX 3050 Laptop GPU 4GB" if path.stem == "4gb" else "A100 80GB"  # the tier's card, else the default
+        assert line.startswith("BERT-large ") and f"on {card}:" in line
         levels = predicted(line)
         assert levels["tensors"] <= levels["reserved"] < levels["device"]
         assert re.search(r"TFLOP per micro-batch, [0-9.]+x bf16.yaml's", header(path)["flops"]), path.name
@@ -44,9 +48,21 @@ def test_the_tiers_recompute_less_than_every_layer_full():
     assert flops_ratio("baseline") == 1.0
 
 
-def test_the_memory_tiers_fit_their_names_in_device_memory():
-    assert predicted(header(RECIPES / "4gb.yaml")["predicted"])["device"] <= parse_bytes("4GiB")
-    assert predicted(header(RECIPES / "2gb.yaml")["predicted"])["device"] <= parse_bytes("2GiB")
+def test_the_memory_tiers_fit_their_cards_with_the_margin_to_spare():
+    """The issue's bars: 4gb.yaml planned for rtx3050-4gb, BERT-large 32 x 128 fitting it with at least 8 % to spare
+    at no more than 1.20x bf16.yaml's FLOPs; 2gb.yaml fitting 2 GiB with 8 % to spare (its header says what it
+    gives up for that)."""
+    from lit_memory.memory.device import GPUS
+
+    planned = header(RECIPES / "4gb.yaml")["planned-for"]
+    assert planned.startswith("rtx3050-4gb; BERT-large 32 x 128 fits rtx3050-4gb (GeForce RTX 3050 Laptop GPU 4GB, 3.81 GiB")
+    spare = int(re.search(r"with (\d+) % to spare", planned).group(1))
+    assert spare >= 8 and predicted(header(RECIPES / "4gb.yaml")["predicted"])["device"] <= 0.92 * GPUS["rtx3050-4gb"].memory
+    assert flops_ratio("4gb") <= 1.20
+    assert yaml.safe_load((RECIPES / "4gb.yaml").read_text())["memory"]["tier"] == "rtx3050-4gb"
+    planned = header(RECIPES / "2gb.yaml")["planned-for"]
+    assert planned.startswith("2.00 GiB; BERT-large 32 x 128 fits 2.00 GiB with") and "gives-up" in header(RECIPES / "2gb.yaml")
+    assert predicted(header(RECIPES / "2gb.yaml")["predicted"])["device"] <= 0.92 * parse_bytes("2GiB")
     assert "32 x 128" in header(RECIPES / "2gb.yaml")["predicted"]
 
 

@@ -1,0 +1,56 @@
+"""`python -m lit_memory bench --gpu-proof`: its dry run on this CPU (every recipe resolved, the data written, the
+tiers capped at their cards), and the record it writes from a run's memory.json."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+
+from conftest import RECIPES
+from lit_memory.__main__ import main
+from lit_memory.memory import records
+from lit_memory.memory.device import GPUS
+from lit_memory.memory.footprint import Footprint
+from lit_memory.tools import proof
+
+GiB = 2**30
+
+
+def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(tmp_path, capsys):
+    main(["bench", "--gpu-proof", "--dry-run", "--out", str(tmp_path)])
+    assert "nothing trained" in capsys.readouterr().out
+    runs = {r["recipe"]: shlex.split(r["fit"]) for r in json.loads((tmp_path / "gpu-proof-runs.json").read_text())["runs"]}
+    assert set(runs) == {p.stem for p in RECIPES.glob("*.yaml")}
+    for name, args in runs.items():
+        assert "--model.model_name_or_path=bundled:bert-large" in args and "--model.pretrained=false" in args, name
+        assert "--trainer.accelerator=cuda" in args and "--memory.simulate=false" in args and "--memory.track_steps=0" in args
+        assert "--data.padding=max_length" in args
+    assert "--memory.budget=rtx3050-4gb" in runs["4gb"] and "--memory.budget=2GiB" in runs["2gb"]
+    assert not any(a.startswith("--memory.budget") for a in runs["baseline"])
+    with open(tmp_path / "synthetic.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == proof.ROWS and {r["label"] for r in rows} == {"0", "1"}
+    assert min(len(r["text"].split()) for r in rows) >= 128  # every row truncates to a full sequence
+
+
+def test_a_recipes_record_puts_each_measured_level_beside_its_prediction(tmp_path):
+    footprint = Footprint({"backward": {"weights": 2 * GiB, "gradients": 0, "optimizer": GiB, "activations": 0, "other": 0}},
+                          reserved=int(3.1 * GiB), context=400 * 2**20)
+    cuda = {"max_allocated_bytes": int(3.3 * GiB), "max_reserved_bytes": int(3.2 * GiB),
+            "max_device_bytes": int(3.6 * GiB), "device_source": "nvml (this process)", "peak_phase": "backward"}
+    record = records.memory_record(
+        device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "total_bytes": GPUS["h100"].memory, "limit_bytes": None},
+        world_size=1, batch_shape=[32, 128], batches=5, tracked_batches=0, optimizer_steps=5,
+        predicted={"analytic": footprint, "simulated": None},
+        measured={"tracked": None, "process": None, "cuda": cuda},
+    )
+    records.write_memory(tmp_path, record)
+    row = proof.proof_row("4gb", {"samples_per_s": 120.0, "step_time_s": 0.27}, tmp_path, "rtx3050-4gb")
+    assert row["measured_bytes"] == {"tensors": cuda["max_allocated_bytes"], "reserved": cuda["max_reserved_bytes"],
+                                     "device": cuda["max_device_bytes"]}
+    assert row["predicted_bytes"]["device"] == footprint.device
+    assert row["measured_over_predicted"]["tensors"] == round(3.3 / 3.0, 4)
+    assert row["device_source"] == "nvml (this process)" and row["samples_per_s"] == 120.0
+    assert row["within_budget"] and row["spare"] == round(1 - cuda["max_device_bytes"] / GPUS["rtx3050-4gb"].memory, 4)
+    assert proof.proof_row("lora", {"error": "exit status 1: out of memory"}, tmp_path / "none", None)["error"]
