@@ -114,6 +114,8 @@ def plain(value: Any) -> Any:
     """Plain dicts, lists and scalars (jsonargparse namespaces, ruamel's maps and scalars included), in new containers."""
     if type(value) in _SCALARS:  # most leaves: no typing-ABC checks (plan reads settings thousands of times)
         return value
+    if type(value) is dict:
+        return {k if type(k) is str else str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (str, int, float)):  # ruamel's round-trip scalars (ScalarFloat, ...): their base type
         return next(base for base in (str, float, int) if isinstance(value, base))(value)
     if hasattr(value, "as_dict"):
@@ -205,22 +207,23 @@ def overlay(settings: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str,
 def key_of(value: Any) -> str:
     """The one cache key of settings and typed values: JSON with sorted keys of their plain data, a dataclass by its
     compared fields (what makes two equal), anything else (a dtype) by its ``str()``. Equal values, equal keys."""
-    return json.dumps(_keyable(value), sort_keys=True, default=str)
+    return json.dumps(value, sort_keys=True, default=_keyable)  # json's C encoder walks the plain data itself
 
 
 def _keyable(value: Any) -> Any:
-    if isinstance(value, _SCALARS):
-        return value
+    """What `key_of` writes for a value JSON cannot (called by the encoder, which then writes what this returns)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _keyable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare}
-        return {"": type(value).__name__, **fields}
+        return {"": type(value).__name__, **{name: getattr(value, name) for name in _compared(type(value))}}
     if hasattr(value, "as_dict"):
-        value = value.as_dict()
-    if isinstance(value, (dict, abc.Mapping)):
-        return {str(k): _keyable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_keyable(v) for v in value]
-    return value
+        return value.as_dict()
+    if isinstance(value, abc.Mapping):
+        return dict(value)
+    return str(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _compared(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.compare)
 
 
 # -- signatures --------------------------------------------------------------------------------------------------
