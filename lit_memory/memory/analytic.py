@@ -544,7 +544,7 @@ def _total(categories: dict[str, int]) -> int:
 
 
 # The last meta-device builds: `plan` predicts hundreds of setups that share a handful of models.
-_META_BUILDS: OrderedDict[tuple, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
+_META_BUILDS: OrderedDict[str, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
 META_BUILDS_KEPT = 128  # plan cycles through ~100 builds; a meta BERT-large build is ~1 MiB of Python objects
 
 
