@@ -126,6 +126,30 @@ def check_yaml(text: str, where: str = "YAML") -> None:
         return  # not valid YAML: the loader says so in its own words
 
 
+def read_yaml(path: Any, what: str = "recipe", round_trip: bool = False) -> Any:
+    """A YAML file (a recipe, a config) as data, read within the bounds a run reads a stranger's config with: a
+    regular file of at most `CONFIG_BYTES` whose aliases and nesting are bounded (`check_yaml`), checked before
+    anything is built. Plain data (PyYAML's safe loader: no tags, no objects) by default; ``round_trip``: ruamel's
+    round-trip maps, which keep each setting's comment (for the tools that write recipes). Not valid YAML: one
+    `UserError` line. The one way lit_memory reads a YAML file itself (the CLI's configs are jsonargparse's)."""
+    text = read_text(path, CONFIG_BYTES, what)
+    check_yaml(text, str(path))
+    if round_trip:
+        from ruamel.yaml import YAML
+        from ruamel.yaml.error import YAMLError
+
+        load = YAML().load  # round-trip: plain YAML 1.2 with comments kept; no Python objects are made
+    else:
+        import yaml
+        from yaml import YAMLError
+
+        load = yaml.safe_load
+    try:
+        return load(text) or {}
+    except YAMLError as err:
+        raise UserError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+
+
 # -- zip files (torch's format) ---------------------------------------------------------------------
 
 

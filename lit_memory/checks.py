@@ -84,7 +84,9 @@ def _problems(key: str, value: Any, default: Any) -> list[str]:
 
 def check_trainer(trainer: Any) -> None:
     """Trainer settings Lightning takes as given and fails on later (``accumulate_grad_batches: 0`` divides
-    by zero in the loop, ``-1`` silently never steps; a NaN clip value clips everything to NaN)."""
+    by zero in the loop, ``-1`` silently never steps; a NaN clip value clips everything to NaN), and a fused
+    strategy's bucket: the strategy parses it when built (`lit_memory.fused.parse_bucket`, the one parser), where
+    jsonargparse would wrap its line into an error about the Trainer's ``strategy`` union."""
     get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
     accumulate = get("accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
@@ -92,3 +94,9 @@ def check_trainer(trainer: Any) -> None:
     clip = get("gradient_clip_val", None)
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not 0 <= clip < math.inf):
         raise UserError(f"trainer.gradient_clip_val must be a finite number >= 0 (or null), got {clip!r}")
+    strategy = get("strategy", None)
+    bucket = getattr(getattr(strategy, "init_args", None), "bucket", None)
+    if bucket is not None:
+        from lit_memory.fused import parse_bucket
+
+        parse_bucket(bucket)

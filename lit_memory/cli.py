@@ -33,12 +33,12 @@ from lit_memory.activations import is_auto
 from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
-from lit_memory.fused import parse_bucket
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.monitor import Advise, MemoryMonitor, Predict
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import changes_on, cpu_fallback, on_gpu, runs_on_cpu
 from lit_memory.predictions import PredictionWriter
+from lit_memory.settings import Precision, leaves
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
@@ -193,7 +193,7 @@ class LitMemoryCLI(LightningCLI):
         command) where this run writes: its run folder (``trainer.default_root_dir``, the working folder by
         default: create-only, since its parent chose it or nobody did; the user's own when typed), the
         folders the user typed, and which setting names which path (for the refusal lines)."""
-        typed = dict(trust.leaves(self.decision.typed))
+        typed = dict(leaves(self.decision.typed))
         guard.set_typed(typed)
         held = box.active()
         if held is None or self.decision.trusted:
@@ -206,7 +206,7 @@ class LitMemoryCLI(LightningCLI):
         for key, value in typed.items():
             if key.rsplit(".", 1)[-1] in guard.WRITE_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
                 held.allow(value, key, owned=True)
-        held.name_settings(trust.leaves(settings))
+        held.name_settings(leaves(settings))
         workers = settings.get("data.num_workers")
         held.max_children = 2 * max(os.cpu_count() or 1, workers if isinstance(workers, int) else 0) + 4
         box.publish()
@@ -283,11 +283,6 @@ class LitMemoryCLI(LightningCLI):
         lowbit.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
-        # The fused strategies refuse a bad bucket when built, but jsonargparse would wrap that line into
-        # its error for the Trainer's `strategy` union: check it first, as one line.
-        bucket = getattr(getattr(settings.trainer.strategy, "init_args", None), "bucket", None)
-        if bucket is not None:
-            parse_bucket(bucket)
 
     # -- building and running ------------------------------------------------------------------
 
@@ -449,7 +444,7 @@ class LitMemoryCLI(LightningCLI):
             quiet_evaluation_noise()
         if self.settings.get("ckpt_path") is not None:
             self.model.report_new_head = False  # the checkpoint's head replaces the one built first
-        typed = [v for k, v in trust.leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
+        typed = [v for k, v in leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed))
         if guard.restricted() and self.subcommand == "fit" and getattr(self.model, "hparams", {}).get("save_pretrained"):
             run_dir = self.trainer.log_dir or self.trainer.default_root_dir  # where `SequenceClassifier.on_fit_end` exports
@@ -517,13 +512,14 @@ def fp16_under_fsdp2(trainer: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.plugins import MixedPrecision
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    if str(trainer.get("precision")) != "16-mixed" or not isinstance(trainer.get("strategy"), ModelParallelStrategy):
+    precision = Precision.known(trainer.get("precision"))  # Lightning's aliases too (16, "16")
+    if precision is None or not precision.scaled or not isinstance(trainer.get("strategy"), ModelParallelStrategy):
         return {}
     if runs_on_cpu(trainer.get("accelerator")):
         return {}  # Lightning's own answer on a CPU (it runs 16-mixed as bf16)
     plugins = trainer.get("plugins") or []
     plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-    return {"precision": None, "plugins": [*plugins, MixedPrecision("16-mixed", "cuda")]}
+    return {"precision": None, "plugins": [*plugins, MixedPrecision(precision.name, "cuda")]}
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from lit_memory.errors import UserError
+from lit_memory.settings import Precision
 
 PACKAGE = "torchao.optim"
 # torchao's FP8 state needs FP8 casts in the GPU's kernels: compute capability 8.9 (Ada, Hopper) or newer.
@@ -85,7 +86,8 @@ def check_settings(optimizer: Any, precision: Any, on_gpu: bool) -> None:
     is built. ``optimizer``: the parsed ``model.optimizer`` (a class path and its init args)."""
     class_path = str(_get(optimizer, "class_path") or "")
     init_args = _get(optimizer, "init_args") or {}
-    if _get(init_args, "bf16_stochastic_round") and str(precision) != "bf16-true":
+    weights = getattr(Precision.known(precision), "param", None)
+    if _get(init_args, "bf16_stochastic_round") and weights != torch.bfloat16:
         raise UserError(
             f"model.optimizer.init_args.bf16_stochastic_round rounds bf16 weights, and trainer.precision {precision} "
             "trains no bf16 weights (torchao ignores it there): set trainer.precision bf16-true, or drop "

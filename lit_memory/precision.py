@@ -16,6 +16,9 @@ Recipes ask for bf16 because GPUs from compute capability 8.0 (Ampere) and recen
   kept (the CLI asks `lit_memory.trust.typed_values`). The GPU is `training_gpu`'s (this machine's) for a run,
   the ``--gpu`` target's for ``estimate``/``plan``: a `lit_memory.memory.device.Gpu`, so tests drive it with the
   catalogue's cards.
+
+Each function takes ``trainer.precision`` as configured (Lightning's aliases included: ``bf16`` is ``bf16-mixed``),
+reads it as a `lit_memory.settings.Precision`, and returns it unchanged, as written, where it changes nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
 from lit_memory.memory.device import Gpu
+from lit_memory.settings import Precision
 
-BF16 = ("bf16-mixed", "bf16-true", "bf16")
 FP16_MIXED = "16-mixed"
 NO_BF16_WEIGHTS = (
     "trainer.precision {precision} keeps the weights in bf16 without an fp32 master copy (the 2gb tier), which needs "
@@ -54,7 +57,7 @@ def runs_on_cpu(accelerator: Any) -> bool:
 def trains_with(precision: Any, accelerator: Any, fallback: bool = True) -> Any:
     """The precision a run configured with ``precision`` trains with: ``32-true`` for bf16 on a CPU that lacks
     it (with ``fallback``, the CLI's ``--cpu_bf16_fallback``), else unchanged."""
-    if not fallback or str(precision) not in BF16 or not runs_on_cpu(accelerator) or native_cpu_bf16():
+    if not fallback or not _bf16(precision) or not runs_on_cpu(accelerator) or native_cpu_bf16():
         return precision
     return "32-true"
 
@@ -76,13 +79,19 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def _bf16(precision: Any) -> bool:
+    """Computes in bf16 (autocast or bf16 weights); a precision lit_memory does not model is left alone."""
+    found = Precision.known(precision)
+    return found is not None and found.bf16
+
+
 def gpu_words(gpu: Gpu) -> str:
     return f"{gpu.name} (sm{gpu.capability[0]}{gpu.capability[1]})"
 
 
 def changes_on(precision: Any, gpu: Optional[Gpu]) -> bool:
     """Whether `on_gpu` changes ``precision`` on ``gpu`` (None: no CUDA GPU)."""
-    return gpu is not None and not gpu.bf16 and str(precision) in BF16
+    return gpu is not None and not gpu.bf16 and _bf16(precision)
 
 
 def trains_on(precision: Any, gpu: Optional[Gpu]) -> Any:
@@ -91,7 +100,7 @@ def trains_on(precision: Any, gpu: Optional[Gpu]) -> Any:
     (`NO_BF16_WEIGHTS`); anything else is unchanged."""
     if not changes_on(precision, gpu):
         return precision
-    if str(precision) == "bf16-true":
+    if Precision.of(precision).half_weights:  # bf16 weights
         raise UserError(NO_BF16_WEIGHTS.format(precision=precision, gpu=gpu_words(gpu)))
     return FP16_MIXED
 

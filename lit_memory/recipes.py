@@ -16,9 +16,10 @@ from typing import Any
 
 from lightning.pytorch.cli import SaveConfigCallback
 
-from lit_memory import files, resume, trust
+from lit_memory import bounds, files, resume, trust
 from lit_memory.errors import UserError
 from lit_memory.memory import records
+from lit_memory.settings import leaves
 
 PACKAGED = Path(__file__).resolve().parent / "assets" / "recipes"  # where the wheel puts `recipes/`
 CHECKOUT = Path(__file__).resolve().parents[1] / "recipes"  # a repo checkout or an editable install
@@ -74,13 +75,10 @@ def expand_recipes(argv: list[str]) -> list[str]:
 
 def shipped_settings() -> list[tuple[str, dict[str, Any]]]:
     """Every shipped recipe as (``recipes/<file>``, its settings as dotted ``section.key`` values): what the
-    out-of-memory advice lays over a run's own settings. Read as plain YAML (safe_load: data only)."""
-    import yaml
-
+    out-of-memory advice lays over a run's own settings. Read as plain data (`lit_memory.bounds.read_yaml`)."""
     found = []
     for name in names():
-        tree = yaml.safe_load(recipe_path(name).read_text(encoding="utf-8")) or {}
-        values = {f"{section}.{key}": value for section, block in tree.items() for key, value in (block or {}).items()}
+        values = dict(leaves(bounds.read_yaml(recipe_path(name)), depth=2))
         found.append((f"recipes/{name}.yaml", values))
     return found
 

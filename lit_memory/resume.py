@@ -34,7 +34,6 @@ from typing import Any, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -45,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lit_memory import guard
 from lit_memory.errors import UserError
 from lit_memory.precision import trains_with
+from lit_memory.settings import Precision, key_of
 
 # The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32, so
 # long runs are saved several times an epoch and short ones (the bundled 4,000 samples) at their end.
@@ -314,7 +314,7 @@ def check_resume(settings: Namespace, compare: bool = True) -> None:
     if saved is None or not compare:
         return  # a checkpoint from elsewhere, without our record: Lightning checks what it can
     mine = resume_settings(settings)
-    differ = [k for k in RESUME_KEYS if k in saved and _canonical(saved[k]) != _canonical(mine[k])]
+    differ = [k for k in RESUME_KEYS if k in saved and _canonical(k, saved[k]) != _canonical(k, mine[k])]
     if differ:
         details = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {mine[k]!r} here" for k in differ)
         raise UserError(
@@ -336,5 +336,9 @@ def saved_settings(path: Path) -> Optional[dict[str, Any]]:
     return checkpoint.get(RESUME_STATE) if isinstance(checkpoint, dict) else None
 
 
-def _canonical(value: Any) -> Any:
-    return yaml.safe_dump(value, sort_keys=True)
+def _canonical(key: str, value: Any) -> str:
+    """What two values of ``key`` are compared by: a precision by Lightning's name for it (``bf16`` is
+    ``bf16-mixed``), anything else by its plain data (`lit_memory.settings.key_of`)."""
+    if key == "trainer.precision" and (precision := Precision.known(value)) is not None:
+        value = precision.name
+    return key_of(value)

@@ -43,6 +43,7 @@ from jsonargparse import Namespace
 
 from lit_memory import bounds, guard
 from lit_memory.errors import UserError
+from lit_memory.settings import assign, leaves
 
 TRUST_FLAG = guard.TRUST_FLAG
 HINT = guard.HINT
@@ -468,53 +469,3 @@ def sanitize(settings: Namespace) -> Namespace:
         if refusal.safe is not None:
             assign(out, refusal.key, refusal.safe)
     return out
-
-
-# -- dotted keys over jsonargparse's Namespace -------------------------------------------------
-
-
-def leaves(tree: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every leaf: a Namespace flattened by jsonargparse (``items(branches=False)``),
-    then the dicts and lists it keeps as values (``model.config_overrides.x``, ``trainer.callbacks.0.init_args.y``)."""
-    if isinstance(tree, Namespace):
-        for k, v in tree.items(branches=False):
-            yield from leaves(v, f"{key}.{k}" if key else k)
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from leaves(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from leaves(v, f"{key}.{i}" if key else str(i))
-    else:
-        yield key, tree
-
-
-def locate(tree: Any, key: str) -> tuple[Any, Any]:
-    """(container, key or index in it) of a dotted key named by `leaves`: through Namespaces by
-    jsonargparse's own dotted access, then into dicts and lists. KeyError if it is not there."""
-    parts = key.split(".")
-    node = tree
-    while True:
-        if isinstance(node, Namespace):
-            head = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in node), None)
-            if head is None:
-                raise KeyError(key)
-            rest = parts[head.count(".") + 1 :]
-            if not rest:
-                return node, head
-            node, parts = node[head], rest
-        else:
-            step: Any = int(parts[0]) if isinstance(node, list) and parts[0].isdigit() else parts[0]
-            present = (isinstance(node, dict) and step in node) or (
-                isinstance(node, list) and isinstance(step, int) and step < len(node)
-            )
-            if not present:
-                raise KeyError(key)
-            if len(parts) == 1:
-                return node, step
-            node, parts = node[step], parts[1:]
-
-
-def assign(tree: Any, key: str, value: Any) -> None:
-    container, last = locate(tree, key)
-    container[last] = value

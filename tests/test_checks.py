@@ -16,6 +16,7 @@ from conftest import RECIPES
 from lit_memory.__main__ import main
 from lit_memory.checks import check_optimizer, check_trainer
 from lit_memory.errors import UserError
+from lit_memory.settings import leaves
 
 
 @pytest.mark.parametrize(
@@ -61,12 +62,8 @@ def test_check_trainer(trainer, message):
     check_trainer({"accumulate_grad_batches": 4, "gradient_clip_val": 1.0})
 
 
-def _leaves(node: dict, prefix: str = ""):
-    for key, value in node.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        elif not key.endswith("class_path"):
-            yield f"{prefix}{key}", value
+def _leaves(node: dict):
+    return ((key, value) for key, value in leaves(node, lists=False) if not key.endswith("class_path"))
 
 
 def _fuzz_cases() -> list[tuple[str, str, str]]:

@@ -11,7 +11,7 @@ from conftest import REPO
 PACKAGE = REPO / "lit_memory"
 # Bottom to top. A module may import its own layer and the layers below.
 LAYERS = {
-    "errors": 0,  # and the one writer every file goes through (files), the box and the bounded readers
+    "errors": 0,  # and the one writer every file goes through (files), the box, the bounded readers and the typed settings
     "measure": 1,  # memory accounting over plain torch objects: categories, tracker, records, report
     "runtime": 2,  # what trains: model, data, fused step, strategies, the monitor that measures
     "predict": 3,  # memory accounting that builds the configured model: setup, analytic model, simulation
@@ -31,7 +31,7 @@ CONFIG = {"lit_memory.trust", "lit_memory.recipes", "lit_memory.cli"}
 
 
 def layer(module: str) -> int:
-    if module in ("lit_memory.errors", "lit_memory.files", "lit_memory.box", "lit_memory.bounds"):
+    if module in ("lit_memory.errors", "lit_memory.files", "lit_memory.box", "lit_memory.bounds", "lit_memory.settings"):
         return LAYERS["errors"]
     if module in PREDICT:
         return LAYERS["predict"]

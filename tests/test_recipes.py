@@ -14,6 +14,7 @@ from conftest import RECIPES, REPO
 from lit_memory import recipes
 from lit_memory.memory import records
 from lit_memory.__main__ import main
+from lit_memory.settings import leaves
 
 SEED_TIERS = ["baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq"]
 
@@ -24,12 +25,9 @@ def header(name: str) -> dict[str, str]:
     return fields
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        out.update(flatten(value, path + ".") if isinstance(value, dict) else {path: value})
-    return out
+def flatten(tree: dict) -> dict[str, object]:
+    """Dotted keys down to the values a recipe writes (a list is one value)."""
+    return dict(leaves(tree, lists=False))
 
 
 def load(name: str) -> dict[str, object]:

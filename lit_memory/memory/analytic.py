@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from lit_memory.anatomy import _ACTIVATION, _FFN, _dropout, _first, _mlp_kind, in_out, linear_types, parameter_units
-from lit_memory.fused import group_parameters
+from lit_memory.fused import Bucketing, group_parameters
 from lit_memory.memory import program
 from lit_memory.memory.allocator import replay
-from lit_memory.memory.device import CUBLAS_THREADS
+from lit_memory.memory.device import add_levels
 from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.kernels import Kernel
 from lit_memory.memory.layers import (
@@ -57,7 +57,7 @@ from lit_memory.memory.layers import (
     selective_bytes_per_token,
     working_set_per_token,
 )
-from lit_memory.memory.step import PRECISIONS, Prediction, Step, build
+from lit_memory.memory.step import Prediction, Step, build
 from lit_memory.model import SequenceClassifier, transformer_layers
 
 
@@ -84,14 +84,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def shape_of(config, step: Step, masked: bool = True) -> Shape:
-    param, compute, autocast = PRECISIONS[step.precision]
     return Shape(
         batch=step.batch_size,
         length=step.max_length,
-        param_b=param.itemsize,
-        compute_b=compute.itemsize,
-        compute_bf16=compute == torch.bfloat16,
-        autocast=autocast,
+        precision=step.precision,
         cuda=step.device == "cuda",
         token_types=bool(getattr(config, "type_vocab_size", 0)),
         masked=masked,
@@ -548,7 +544,7 @@ def _total(categories: dict[str, int]) -> int:
 
 
 # The last meta-device builds: `plan` predicts hundreds of setups that share a handful of models.
-_META_BUILDS: OrderedDict[tuple, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
+_META_BUILDS: OrderedDict[str, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
 META_BUILDS_KEPT = 128  # plan cycles through ~100 builds; a meta BERT-large build is ~1 MiB of Python objects
 
 
@@ -603,7 +599,7 @@ class Sharding:
 
 
 def _buckets(
-    module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: str
+    module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: Bucketing
 ) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
     """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`), each
     with its parameters split by group, as its optimizer steps them (one foreach call per group)."""
@@ -681,7 +677,7 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
 
     footprint = Footprint()
     accumulating = step.accumulate_grad_batches > 1
-    buckets = _per_build(optimizer, ("buckets", str(step.bucket)), lambda: _buckets(module, optimizer, step.bucket)) if step.fused else []
+    buckets = _per_build(optimizer, ("buckets", step.bucket), lambda: _buckets(module, optimizer, step.bucket)) if step.fused else []
     if step.fused:
         # Each bucket's gradients are applied by one optimizer step and freed as soon as the last of
         # them is accumulated: early in backward the activations dominate, later the bucket whose
@@ -746,7 +742,10 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
     )
     if step.device == "cuda" and levels:
         model_ = _step_model(module, optimizer, opt, buckets, spec, shape, k, step, act)
-        _add_levels(prediction.footprint, program.events(model_), step)
+        # the allocator's reserve beyond what it holds, over the tensors' peak (its replay, not the model's sum)
+        found = replay(program.events(model_), step.target.allocator)
+        reserve = footprint.peak + max(found.peak_reserved - found.peak_allocated, 0)
+        add_levels(footprint, reserve, found.peak_phase, step.target)
     prediction.seconds = time.perf_counter() - start
     return prediction
 
@@ -832,27 +831,11 @@ def _ffn_stages(layers, spec: LayerSpec) -> dict[int, str]:
     return stages
 
 
-def _add_levels(footprint: Footprint, events: list, step: Step) -> None:
-    """Reserved and device levels: the tensors' peak plus what the allocator reserves beyond what it holds
-    (the replay's peak reserved minus its peak allocated, the cuBLAS workspaces counted as reserved) plus the
-    CUDA context. The allocator caches what it reserves: in the steady state every phase holds the peak."""
-    found = replay(events, step.target.allocator)
-    workspaces = CUBLAS_THREADS * step.target.cublas_workspace
-    overhead = max(found.peak_reserved - found.peak_allocated, 0) + workspaces
-    footprint.reserved = _round_up(footprint.peak + overhead, 2**20)
-    footprint.reserved_phase = found.peak_phase if found.peak_phase in footprint.phases else footprint.peak_phase
-    footprint.context = step.target.context_bytes
-
-
-def _round_up(value: int, unit: int) -> int:
-    return -(-value // unit) * unit
-
-
 def device_total(step: Step) -> int:
     """What ``nvidia-smi`` would show for this step's process at its peak, predicted analytically: tensors,
     the allocator's reserve and the CUDA context (bytes). Cached per step; cheap enough for a search
     over hundreds of setups."""
-    key = (step.cache_key, _step_shape_key(step))
+    key = step.key()
     if key not in _TOTALS:
         prediction = analytic(step)
         _TOTALS[key] = prediction.footprint.device if prediction.footprint.device is not None else prediction.footprint.peak
@@ -861,11 +844,4 @@ def device_total(step: Step) -> int:
     return _TOTALS[key]
 
 
-_TOTALS: dict[tuple, int] = {}
-
-
-def _step_shape_key(step: Step) -> tuple:
-    return (
-        step.accumulate_grad_batches, step.batch_size, step.max_length, step.fused, step.bucket, step.clip_norm,
-        step.sharded, step.world_size, step.target, step.loop,
-    )
+_TOTALS: dict[str, int] = {}

@@ -31,7 +31,7 @@ from lit_memory.memory.footprint import format_bytes
 from lit_memory.memory.analytic import device_total
 from lit_memory.memory.margin import Fit
 from lit_memory.memory.recompute import planned, recompute_ratio
-from lit_memory.memory.step import PRECISIONS, Prediction, Step
+from lit_memory.memory.step import Prediction, Step
 
 RULE = (
     "quality (no 16-bit weights rounded to nearest > the fewest parameters frozen (freezing, LoRA) > no truncation) "
@@ -43,7 +43,7 @@ RULE = (
 
 def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     """Sort key of the module docstring's rule: smaller is faster."""
-    sixteen_bit = PRECISIONS[step.precision][1].itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
+    sixteen_bit = step.precision.compute.itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
     precision = (0 if sixteen_bit else 1) if step.device == "cuda" else (0 if not sixteen_bit else 1)
     steady_state = prediction.footprint.phases["forward"]["optimizer"]
     frozen = 1 - prediction.trainable / prediction.parameters if prediction.parameters else 0.0

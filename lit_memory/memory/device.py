@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.allocator import ENV, AllocatorConfig
@@ -257,6 +257,17 @@ class Target:
             context = f"context {self.context_bytes / MiB:.0f} MiB ({loading}: {row.bytes / MiB:.0f} MiB {measured}{extra})"
         card = f"{self.gpu.name} (sm{self.gpu.capability[0]}{self.gpu.capability[1]}, {self.gpu.memory / 2**30:.2f} GiB)"
         return f"{card}, CUDA {self.cuda}, {context}, {self.allocator.describe()}"
+
+
+def add_levels(footprint: Any, reserved: int, phase: str, target: Target) -> None:
+    """A CUDA step's ``footprint`` (`lit_memory.memory.footprint.Footprint`) given its reserved and device levels:
+    ``reserved``, what the allocator holds at its peak as the prediction replayed it (at ``phase``), plus the cuBLAS
+    workspaces (through the allocator), in whole MiB; the device adds the CUDA context. The allocator caches what it
+    reserves: in the steady state every phase holds that peak. The one place both predictions add the levels."""
+    workspaces = CUBLAS_THREADS * target.cublas_workspace
+    footprint.reserved = -(-(reserved + workspaces) // MiB) * MiB
+    footprint.reserved_phase = phase if phase in footprint.phases else footprint.peak_phase
+    footprint.context = target.context_bytes
 
 
 def cuda_tuple(version: str) -> tuple[int, int]:

@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 FUSED = ("flash", "efficient", "cudnn")
 KERNELS = (*FUSED, "math", "eager", "cpu-fused", "cpu-math")
 
@@ -60,15 +62,14 @@ class Kernel:
         implementation: str,
         cuda: bool,
         capability: tuple[int, int],
-        compute_bytes: int,
+        dtype: torch.dtype,
         head_dim: int,
         dropout: bool,
         training: bool = True,
         masked: bool = True,
-        bf16: bool = False,
     ) -> "Kernel":
         """The kernel torch runs for these inputs (``implementation``: transformers' ``_attn_implementation``;
-        ``bf16``: 2-byte inputs are bf16, not fp16)."""
+        ``dtype``: q, k and v's, a step's compute dtype: `lit_memory.settings.Precision.compute`)."""
         if implementation != "sdpa":
             why = "eager" if implementation == "eager" else f"{implementation!r} is predicted as eager"
             return cls("eager", why)
@@ -77,7 +78,7 @@ class Kernel:
             if dropout:
                 return cls("cpu-math", "the CPU runs its math kernel for attention dropout")
             return cls("cpu-fused", "the CPU's fused kernel (no dropout)")
-        half = compute_bytes == 2
+        half = dtype.itemsize == 2
         reasons = []
         if capability >= (8, 0) and half and head_dim <= 256 and head_dim % 8 == 0 and not masked:
             if training and (capability[:1] == (12,) or (8, 6) <= capability <= (8, 9)) and (
@@ -93,9 +94,9 @@ class Kernel:
         elif capability < (8, 0):
             reasons.append("flash needs sm80+")
         alignment = _gemm_alignment(capability, half)
-        if half and bf16 and capability < (8, 0):
+        if dtype == torch.bfloat16 and capability < (8, 0):
             reasons.append("memory-efficient takes bf16 only from sm80")
-        elif capability >= (5, 0) and compute_bytes in (2, 4) and head_dim % alignment == 0:
+        elif capability >= (5, 0) and dtype.itemsize in (2, 4) and head_dim % alignment == 0:
             return cls("efficient", "memory-efficient: " + ("; ".join(reasons) or "preferred here"))
         return cls("math", "math: no fused kernel takes these inputs (" + ", ".join(reasons or ["dtype/head dim"]) + ")")
 

@@ -1,7 +1,7 @@
 """What one transformer layer keeps for backward: a function of a small description of the layer.
 
 `LayerSpec` says what a layer is (sizes, the feed-forward and norm kinds, its dropouts, how attention is
-computed); `Shape` says how it runs (batch, length, the bytes of each precision, autocast, the device);
+computed); `Shape` says how it runs (batch, length, the precision, the device);
 `Kernel` (`lit_memory.memory.kernels`) which attention kernel torch picks. From the three, `layer_tensors`
 lists, per token and in the order the forward pass makes them, the tensors a layer keeps for backward and
 the temporaries it frees on the way. The analytic model sums them (`layer_bytes_per_token`); the allocator
@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from lit_memory.memory.kernels import AttentionBytes, Kernel, attention_bytes, attention_tensors
+from lit_memory.settings import Precision
 
 FFN_KINDS = ("mlp", "gated")  # in -> activation -> out; gate and up -> activation(gate) * up -> down
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -88,18 +89,29 @@ def activation_saves(activation) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """How a layer runs: batch, sequence length, precision bytes, device."""
+    """How a layer runs: batch, sequence length, the precision (its dtypes' bytes below), device."""
 
     batch: int
     length: int
-    param_b: int  # bytes of weights, gradients, the residual stream and LayerNorm inputs
-    compute_b: int  # bytes of linear outputs: 2 under autocast or with 16-bit weights
-    autocast: bool
+    precision: Precision
     cuda: bool
     token_types: bool = True
-    compute_bf16: bool = False  # 2-byte compute is bf16 (not fp16): the attention kernel depends on it
     masked: bool = True  # a padding mask reaches attention (some token padded)
     softmax_keeps_input: bool = False  # torch < 1.11 (`lit_memory.memory.kernels.attention_tensors`)
+
+    @property
+    def param_b(self) -> int:
+        """Bytes of weights, gradients, the residual stream and LayerNorm inputs."""
+        return self.precision.param.itemsize
+
+    @property
+    def compute_b(self) -> int:
+        """Bytes of linear outputs: 2 under autocast or with 16-bit weights."""
+        return self.precision.compute.itemsize
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision.autocast
 
     @property
     def tokens(self) -> int:
@@ -119,8 +131,8 @@ def batch_bytes(shape: Shape) -> int:
 
 def kernel(spec: LayerSpec, shape: Shape, capability: tuple[int, int], training: bool = True) -> Kernel:
     return Kernel.of(
-        spec.implementation, shape.cuda, capability, shape.compute_b, spec.head_dim, spec.attention_dropout,
-        training, shape.masked, shape.compute_bf16,
+        spec.implementation, shape.cuda, capability, shape.precision.compute, spec.head_dim, spec.attention_dropout,
+        training, shape.masked,
     )
 
 

@@ -17,10 +17,9 @@ from typing import Any, Callable, Optional
 from lit_memory.memory.analytic import analytic, device_total
 from lit_memory.memory.device import target
 from lit_memory.memory.footprint import Footprint
+from lit_memory.memory.records import METHODS
 from lit_memory.memory.simulate import simulate
 from lit_memory.memory.step import Prediction, Step
-
-METHODS = ("analytic", "simulated")
 
 __all__ = ["METHODS", "device_total", "fits", "level", "predict", "run_hooks", "simulate_or_decline"]
 

@@ -21,7 +21,6 @@ memory model (`lit_memory.memory.analytic.device_total`), the number a budget me
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -32,7 +31,8 @@ from lit_memory.activations import CheckpointPlan
 from lit_memory.errors import UserError
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.memory.margin import DEFAULT_MARGIN, Fit, usable
-from lit_memory.memory.step import PRECISIONS, Step, build
+from lit_memory.memory.step import Step, build
+from lit_memory.model import SequenceClassifier
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ class Flops:
         return self.recompute / self.total if self.total else 0.0
 
 
-_COUNTS: dict[tuple, tuple[int, int]] = {}
-_NOT_COUNTED = {"embedding_optimizer_state", "offload_activations", "save_pretrained", "lr_scheduler_type", "warmup_ratio"}
+_COUNTS: dict[str, tuple[int, int]] = {}
 
 
 def _count(step: Step) -> tuple[int, int]:
@@ -71,12 +70,13 @@ def _count(step: Step) -> tuple[int, int]:
     from lit_memory.memory.simulate import _fake_batch
 
     step = _with_plan(step, step.checkpointing, offload=False)  # where kept tensors wait changes no count
-    # what the count depends on: the model and its plan, the batch shape (not the optimizer or the precision)
-    model = {k: v for k, v in step.model.items() if k not in _NOT_COUNTED}
-    key = (json.dumps(model, sort_keys=True, default=str), step.batch_size, step.max_length)
+    # what the count depends on: the model's settings that change its matmuls, its plan among them, and the batch
+    # shape (not the optimizer or the precision)
+    model = {k: v for k, v in step.model.items() if k not in SequenceClassifier.SAME_FLOPS}
+    key = step.key("model", "batch_size", "max_length", model=model)
     if key in _COUNTS:
         return _COUNTS[key]
-    _, compute, autocast = PRECISIONS[step.precision]
+    compute, autocast = step.precision.compute, step.precision.autocast
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     module, _ = build(step, fake)
     forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)
@@ -95,11 +95,12 @@ def _count(step: Step) -> tuple[int, int]:
 
 
 def _with_plan(step: Step, plan: Optional[CheckpointPlan], offload: Optional[bool] = None) -> Step:
-    """``step`` with ``plan`` (and, given, ``offload_activations``) in its settings."""
+    """``step`` with ``plan`` (and, given, ``offload_activations``) in its module's settings (what
+    `Step.as_settings` then states)."""
     model = {**step.model, "gradient_checkpointing": plan.value() if plan else False}
     if offload is not None:
         model["offload_activations"] = offload
-    return replace(step, model=model, settings={**step.settings, "model": {**(step.settings.get("model") or {}), **model}})
+    return replace(step, model=model)
 
 
 def count_or_decline(step: Step) -> tuple[Optional[Flops], Optional[str]]:
@@ -302,7 +303,7 @@ def resolved_setting(step: Step, budget: Optional[int], where: str = "") -> tupl
 def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
     (default: the run's, `lit_memory.memory.step.budget_of`): the plan with the fewest FLOPs predicted to fit,
-    written into its settings as a run's config holds it. Other steps come back as they are."""
+    written into its module's settings as a run's config holds it. Other steps come back as they are."""
     from lit_memory.activations import is_auto
     from lit_memory.memory.step import budget_name, budget_of
 
@@ -311,7 +312,5 @@ def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     if budget is None:
         budget, where = budget_of(step.settings), budget_name(step.settings) or ""
     value, found = resolved_setting(step, budget, where)
-    chosen = {"gradient_checkpointing": value, "offload_activations": found.offload}
-    model = {**step.model, **chosen}
-    settings = {**step.settings, "model": {**(step.settings.get("model") or {}), **chosen}}
-    return replace(step, model=model, settings=settings, planned=found.line())
+    model = {**step.model, "gradient_checkpointing": value, "offload_activations": found.offload}
+    return replace(step, model=model, planned=found.line())

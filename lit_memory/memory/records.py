@@ -18,7 +18,7 @@ from lit_memory.memory.footprint import Footprint, format_bytes
 MEMORY_JSON = "memory.json"
 MEMORY_SCHEMA = 3  # 3: predictions at three levels (reserved_bytes, device_bytes), measured CUDA device peak
 BENCH_JSON = "bench.json"
-METHODS = ("analytic", "simulated")
+METHODS = ("analytic", "simulated")  # the predictions, by the names memory.json and `lit_memory.memory.predict` give them
 
 
 def memory_record(

@@ -25,7 +25,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 from unittest import mock
 
 import torch
@@ -36,9 +36,9 @@ from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.lowbit import is_torchao
 from lit_memory.memory.allocator import replay
 from lit_memory.memory.analytic import foreach_default, torchao_kernel_bytes
-from lit_memory.memory.device import CUBLAS_THREADS
+from lit_memory.memory.device import add_levels
 from lit_memory.memory.kernels import Kernel
-from lit_memory.memory.step import PRECISIONS, Prediction, Step, build
+from lit_memory.memory.step import Prediction, Step, build
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 
@@ -200,8 +200,8 @@ def cuda_stand_ins(step: Step):
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         kernel = Kernel.of(
-            "sdpa", True, capability, query.element_size(), query.shape[-1], dropout_p > 0, torch.is_grad_enabled(),
-            attn_mask is not None, query.dtype == torch.bfloat16,
+            "sdpa", True, capability, query.dtype, query.shape[-1], dropout_p > 0, torch.is_grad_enabled(),
+            attn_mask is not None,
         )
         chosen.append(kernel.name)
         if not kernel.fused:  # math: torch's own decomposition (16-bit inputs in fp32, as on CUDA)
@@ -254,7 +254,7 @@ def _tracked_step(step: Step, mode) -> Prediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    _, compute, autocast = PRECISIONS[step.precision]
+    compute, autocast = step.precision.compute, step.precision.autocast
     module, optimizer = build(step, mode)
     if step.offloading:
         # The step runs on the CPU here, standing in for the GPU: offload to the meta device instead
@@ -271,7 +271,7 @@ def _tracked_step(step: Step, mode) -> Prediction:
         batch = _fake_batch(step, module.model.config)
         # Lightning's own autocast context (it disables autocast's weight cache; `Loop.autocast_cache`
         # keeps it, as Fabric and accelerate do); one per use.
-        plugin = MixedPrecision(step.precision, "cpu") if autocast else None
+        plugin = MixedPrecision(step.precision.name, "cpu") if autocast else None
 
         def forward_context() -> contextlib.AbstractContextManager:
             if plugin is None:
@@ -306,7 +306,8 @@ def _tracked_step(step: Step, mode) -> Prediction:
     if cuda:
         kernel = kernels[0] if kernels else "eager attention"
         notes.append(STAND_IN_NOTE.format(kernel=kernel))
-        _add_levels(footprint, tracker.events, step)
+        found = steady_replay(tracker.events, step)
+        add_levels(footprint, max(found.peak_reserved, footprint.peak), found.peak_phase, step.target)
     return Prediction(
         method="simulated",  # `measure` renames its own
         device=step.device,
@@ -320,10 +321,9 @@ def _tracked_step(step: Step, mode) -> Prediction:
     )
 
 
-def _add_levels(footprint, events: list, step: Step) -> None:
-    """The tracked step's allocations replayed twice after what existed before it (the second pass: the
-    steady state, allocating into what the first left cached), plus the cuBLAS workspaces; the device adds
-    the CUDA context."""
+def steady_replay(events: list, step: Step) -> Any:
+    """The tracked step's allocations replayed twice after what existed before it (the second pass: the steady
+    state, allocating into what the first left cached), through the target's allocator."""
     first = next((i for i, e in enumerate(events) if e[0] == "phase"), len(events))
     setup, body = events[:first], events[first:]
     made = {e[1] for e in body if e[0] == "+"}
@@ -334,9 +334,4 @@ def _add_levels(footprint, events: list, step: Step) -> None:
         for e in body
         if e[0] == "phase" or e[1] in transient
     ]
-    found = replay([("phase", "setup"), *setup, *body, *again], step.target.allocator)
-    workspaces = CUBLAS_THREADS * step.target.cublas_workspace
-    reserved = max(found.peak_reserved, footprint.peak) + workspaces
-    footprint.reserved = -(-reserved // 2**20) * 2**20
-    footprint.reserved_phase = found.peak_phase if found.peak_phase in footprint.phases else footprint.peak_phase
-    footprint.context = step.target.context_bytes
+    return replay([("phase", "setup"), *setup, *body, *again], step.target.allocator)

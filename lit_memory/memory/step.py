@@ -6,6 +6,12 @@ as ``LitMemoryCLI.settings.as_dict()`` gives it), and derive other setups from i
 (the same settings with a recipe's values laid over them), never by rebuilding one another way. The
 optimizer is kept as its config (`OptimizerSpec`: class path and init args), not as a factory to read back.
 
+The settings are read once, into typed values: the module's and the data's sections hold every argument of
+`SequenceClassifier` and `TextClassificationData` (read from their signatures, `SECTIONS`: no argument list is
+copied here), the precision is a `lit_memory.settings.Precision`, the bucket a `lit_memory.fused.Bucketing`.
+`Step.as_settings` writes a step back as the settings a run of it states, and `Step.key` is the one cache key of
+whatever is computed from a step.
+
 `build` makes the module and optimizer exactly as ``fit`` does, with tensors created under a context that
 allocates nothing (the ``meta`` device, fake tensors).
 """
@@ -16,14 +22,15 @@ import contextlib
 import functools
 import json
 import pkgutil
-import warnings
-from collections import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+from lightning.pytorch import Trainer
 
+from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
+from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
 from lit_memory.lora import apply_lora
 from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
@@ -31,17 +38,12 @@ from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
 from lit_memory.activations import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.precision import trains_on
+from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, plain, section
 
-# precision -> (parameter/gradient dtype, compute dtype of linear outputs, autocast?)
-PRECISIONS = {
-    "32-true": (torch.float32, torch.float32, False),
-    "64-true": (torch.float64, torch.float64, False),
-    "bf16-mixed": (torch.float32, torch.bfloat16, True),
-    "16-mixed": (torch.float32, torch.float16, True),
-    "bf16-true": (torch.bfloat16, torch.bfloat16, False),
-    "16-true": (torch.float16, torch.float16, False),
-}
 DEVICES = ("cuda", "cpu")
+# The sections of a run's settings a step reads, by the class LightningCLI builds from each: what they hold and
+# their defaults are those classes' signatures (`lit_memory.settings.section`).
+SECTIONS = {"model": SequenceClassifier, "data": TextClassificationData, "trainer": Trainer}
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class OptimizerSpec:
             return cls(value)
         if not isinstance(value, Mapping) or "class_path" not in value:
             raise UserError(f"model.optimizer must be a class_path with init_args, got {value!r}")
-        return cls(str(value["class_path"]), _plain(value.get("init_args") or {}))
+        return cls(str(value["class_path"]), plain(value.get("init_args") or {}))
 
     @property
     def name(self) -> str:
@@ -77,7 +79,8 @@ class OptimizerSpec:
 
     @property
     def key(self) -> str:
-        return json.dumps({"class_path": self.class_path, "init_args": self.init_args}, sort_keys=True, default=str)
+        """`lit_memory.settings.key_of` its config (JSON: `factory` reads it back)."""
+        return key_of(self.to_dict())
 
     def factory(self) -> Callable:
         """The callable the CLI would give the module (params -> optimizer), made by jsonargparse from this
@@ -137,14 +140,14 @@ def loop(name: str) -> Loop:
 class Step:
     """Everything a training step's memory depends on, from one run's settings."""
 
-    model: Mapping[str, Any]  # the module's init args, optimizer excluded (plain data)
+    model: Mapping[str, Any]  # the module's init args but the optimizer, every one (plain data: `__post_init__`)
     optimizer: OptimizerSpec
-    precision: str = "32-true"
+    precision: Precision = PRECISIONS["32-true"]  # given as Lightning's value, parsed once (`__post_init__`)
     accumulate_grad_batches: int = 1
     batch_size: int = 32
     max_length: int = 128
     fused: bool = False
-    bucket: str = "layer"  # the fused strategy's bucket setting (lit_memory.fused.parse_bucket)
+    bucket: Bucketing = Bucketing(DEFAULT_BUCKET)  # the fused strategy's setting, parsed once (as written: too)
     clip_norm: bool = False  # gradients clipped by norm; fused, a backward that only measures it comes first
     sharded: bool = False  # FSDP: parameters, gradients and optimizer state split over the ranks
     world_size: int = 1  # processes (devices x nodes): the numbers are per rank
@@ -154,31 +157,38 @@ class Step:
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # what it was built from
     planned: Optional[str] = field(default=None, compare=False)  # what `gradient_checkpointing: auto` chose, in words
 
+    def __post_init__(self) -> None:
+        # A step made in Python may give some of the module's arguments (the others are their defaults), Lightning's
+        # precision value and the bucket as written: read here, once, into what a step holds.
+        object.__setattr__(self, "model", _module_settings(self.model))
+        object.__setattr__(self, "precision", Precision.of(self.precision))
+        object.__setattr__(self, "bucket", parse_bucket(self.bucket))
+
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], target: Optional[Target] = None, loop: Optional[Loop] = None) -> "Step":
         """The step a run's resolved settings (``model``, ``trainer``, ``data`` sections, plain data) trains."""
-        return cls._of_plain(_plain(settings), target, loop)
+        return cls._of_plain(plain(settings), target, loop)
 
     @classmethod
     def _of_plain(cls, settings: dict[str, Any], target: Optional[Target], loop: Optional[Loop]) -> "Step":
-        trainer, data = settings.get("trainer") or {}, settings.get("data") or {}
-        model = dict(settings.get("model") or {})
-        optimizer = OptimizerSpec.of(model.pop("optimizer", None) or DEFAULT_OPTIMIZER)
-        model = {k: v for k, v in model.items() if k in _MODEL_ARGS}
-        strategy = trainer.get("strategy", "auto")
+        trainer, data = section(Trainer, settings.get("trainer")), section(TextClassificationData, settings.get("data"))
+        given = settings.get("model") or {}
+        optimizer = OptimizerSpec.of(given.get("optimizer") or DEFAULT_OPTIMIZER)
+        model = _module_settings({k: v for k, v in given.items() if k != "optimizer"})
+        strategy = trainer["strategy"]
         sharded = is_sharded(strategy)
         step = cls(
             model=model,
             optimizer=optimizer,
-            precision=normalize_precision(trainer.get("precision")),
-            accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
-            batch_size=int(data.get("batch_size", 32)),
-            max_length=int(data.get("max_length", 128)),
+            precision=Precision.of(trainer["precision"]),
+            accumulate_grad_batches=int(trainer["accumulate_grad_batches"] or 1),
+            batch_size=int(data["batch_size"]),
+            max_length=int(data["max_length"]),
             fused=is_fused(strategy),
-            bucket=_init_args(strategy).get("bucket") or "layer",
-            clip_norm=clips_by_norm(trainer.get("gradient_clip_val"), trainer.get("gradient_clip_algorithm")),
+            bucket=parse_bucket(_init_args(strategy).get("bucket") or DEFAULT_BUCKET),
+            clip_norm=clips_by_norm(trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"]),
             sharded=sharded,
-            world_size=ranks(trainer.get("devices", 1)) * int(trainer.get("num_nodes") or 1) if sharded else 1,
+            world_size=ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) if sharded else 1,
             target=_with_recipe_allocator(target if target is not None else Target(), settings),
             loop=loop if loop is not None else Loop(),
             margin=margin_of(settings),
@@ -193,12 +203,41 @@ class Step:
         return step
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
-        """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``).
-        A precision among them is the one a run with it trains with on the target's GPU (a recipe's bf16 on a GPU
-        without bf16: `lit_memory.precision.trains_on`; bf16 weights there are one `UserError`)."""
+        """This step with dotted settings laid over its own (``{"data.batch_size": 8, "model.optimizer": {...}}``,
+        over `as_settings`). A precision among them is the one a run with it trains with on the target's GPU (a
+        recipe's bf16 on a GPU without bf16: `lit_memory.precision.trains_on`; bf16 weights there are one
+        `UserError`)."""
         if values.get("trainer.precision") is not None and self.target.cuda_device:
             values = {**values, "trainer.precision": trains_on(values["trainer.precision"], self.target.gpu)}
-        return Step._of_plain(overlay(self.settings, values), self.target, self.loop)  # overlay's are plain
+        return Step._of_plain(overlay(self._stated, values), self.target, self.loop)  # overlay's are plain
+
+    def as_settings(self) -> dict[str, Any]:
+        """The settings a run of this step states, as plain data (`from_settings` reads them back to an equal step):
+        the ones it was made from, with its own fields written over them, so a step made in Python, or one a field
+        of was replaced, is laid over as it is. A strategy is written only where the one it was made with does not
+        give its fusion, sharding or bucket."""
+        return plain(self._stated)  # a copy: the cached one is never handed out
+
+    @functools.cached_property  # a step is frozen; plan lays hundreds of combinations over one
+    def _stated(self) -> dict[str, Any]:
+        trainer = section(Trainer, self.settings.get("trainer"))
+        values: dict[str, Any] = {
+            "model": {**self.model, "optimizer": self.optimizer.to_dict()},
+            "data.batch_size": self.batch_size,
+            "data.max_length": self.max_length,
+            "trainer.precision": self.precision.name,
+            "trainer.accumulate_grad_batches": self.accumulate_grad_batches,
+            "memory.margin": self.margin,
+        }
+        strategy = trainer["strategy"]
+        bucket = _init_args(strategy).get("bucket") or DEFAULT_BUCKET
+        if (is_fused(strategy), is_sharded(strategy), parse_bucket(bucket)) != (self.fused, self.sharded, self.bucket):
+            values["trainer.strategy"] = _strategy_for(self.fused, self.sharded, self.bucket)
+        if self.sharded and ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) != self.world_size:
+            values.update({"trainer.devices": self.world_size, "trainer.num_nodes": 1})
+        if clips_by_norm(trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"]) != self.clip_norm:
+            values.update({"trainer.gradient_clip_val": 1.0 if self.clip_norm else None, "trainer.gradient_clip_algorithm": "norm"})
+        return overlay(self.settings, values)
 
     def on(self, target: Target) -> "Step":
         return replace(self, target=target)
@@ -235,7 +274,7 @@ class Step:
     @property
     def scaled(self) -> bool:
         """fp16 autocast with torch's GradScaler (``16-mixed``: Lightning gives it one)."""
-        return self.precision == "16-mixed"
+        return self.precision.scaled
 
     @property
     def measures(self) -> bool:
@@ -247,7 +286,7 @@ class Step:
     def loses_small_updates(self) -> bool:
         """16-bit weights without fp32 master copies, updated by rounding to nearest: every update below half
         a unit in their last place is lost. Stochastic rounding keeps them on average."""
-        weights = PRECISIONS[self.precision][0]
+        weights = self.precision.param
         return weights.itemsize == 2 and not (weights == torch.bfloat16 and self.stochastic_rounding)
 
     def module(self) -> SequenceClassifier:
@@ -258,7 +297,7 @@ class Step:
         hp = self.model
         parts = [
             f"batch {self.batch_size} x {self.max_length} tokens",
-            self.precision,
+            self.precision.name,
             self.optimizer_name + (" with stochastic rounding" if self.stochastic_rounding else ""),
             f"accumulate {self.accumulate_grad_batches}",
         ]
@@ -279,16 +318,47 @@ class Step:
             parts.append(f"{self.loop.name} loop")
         return ", ".join(parts)
 
-    @property
-    def cache_key(self) -> tuple:
-        """What a meta build depends on (model, optimizer, precision): no reference to anything live."""
-        return (json.dumps(dict(self.model), sort_keys=True, default=str), self.optimizer.key, self.precision)
+    def key(self, *names: str, **values: Any) -> str:
+        """The one cache key of what is computed from this step: its fields ``names`` (default: every field a step
+        compares by), ``values`` standing in for some of them (the part of the model's settings a result depends
+        on), as `lit_memory.settings.key_of` writes them: plain strings, no reference to anything live."""
+        names = names or _COMPARED
+        return key_of({name: values[name] if name in values else getattr(self, name) for name in names})
 
     @property
-    def build_key(self) -> tuple:
+    def cache_key(self) -> str:
+        """What a meta build with its checkpointing plan depends on (model, optimizer, precision)."""
+        return self.key("model", "optimizer", "precision")
+
+    @property
+    def build_key(self) -> str:
         """`cache_key` without the checkpointing plan: what the module's parameters and optimizer depend on."""
         model = {k: v for k, v in self.model.items() if k != "gradient_checkpointing"}
-        return (json.dumps(model, sort_keys=True, default=str), self.optimizer.key, self.precision)
+        return self.key("model", "optimizer", "precision", model=model)
+
+
+_COMPARED = tuple(f.name for f in fields(Step) if f.compare)
+
+
+def _module_settings(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every argument of the module but the optimizer (`SECTIONS`), as given or its default; one `UserError` line
+    for a key that is none of them."""
+    if unknown := [k for k in given if k not in _MODULE_ARGUMENTS]:
+        raise UserError(f"model: {', '.join(map(repr, unknown))}: not arguments of {SequenceClassifier.__name__} "
+                        f"(those are: {', '.join(_MODULE_ARGUMENTS)})")
+    return section(SequenceClassifier, given, without=("optimizer",))
+
+
+_MODULE_ARGUMENTS = tuple(name for name in arguments(SequenceClassifier) if name != "optimizer")
+
+
+def _strategy_for(fused: bool, sharded: bool, bucket: Bucketing) -> Any:
+    """A strategy setting with this fusion, sharding and bucket (`Step.as_settings`)."""
+    if sharded:
+        return {"class_path": "lit_memory.FSDP2Strategy", "init_args": {"fused": fused, "bucket": str(bucket)}}
+    if fused:
+        return {"class_path": "lit_memory.FusedSingleDeviceStrategy", "init_args": {"bucket": str(bucket)}}
+    return "auto"
 
 
 def _with_recipe_allocator(target: Target, settings: Mapping[str, Any]) -> Target:
@@ -332,13 +402,6 @@ def margin_of(settings: Mapping[str, Any]) -> float:
     return DEFAULT_MARGIN if value is None else check_margin(value)
 
 
-_MODEL_ARGS = {
-    "model_name_or_path", "num_labels", "pretrained", "config_overrides", "tokenizer_name_or_path",
-    "gradient_checkpointing", "offload_activations", "freeze", "embedding_optimizer_state", "lora",
-    "lr_scheduler_type", "warmup_ratio", "save_pretrained", "compile",
-}
-
-
 @dataclass
 class Prediction:
     method: str  # "analytic" or "simulated"
@@ -353,49 +416,6 @@ class Prediction:
 
 
 # -- reading settings ------------------------------------------------------------------------------
-
-
-_SCALARS = (str, int, float, bool, type(None))
-
-
-def overlay(settings: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` with dotted values laid over it (a value that is a dict replaces the whole key, as a
-    recipe's block does: ``model.optimizer`` names the optimizer and all its arguments)."""
-    out = _plain(settings)  # new containers all the way down: the caller's stay as they are
-    for key, value in values.items():
-        *parents, last = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = _plain(value)
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """Plain dicts, lists and scalars (jsonargparse namespaces and ruamel maps included), in new containers."""
-    if isinstance(value, _SCALARS):  # most leaves: no typing-ABC checks (plan reads settings thousands of times)
-        return value
-    if hasattr(value, "as_dict"):
-        value = value.as_dict()
-    if isinstance(value, (dict, abc.Mapping)):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def normalize_precision(precision: Any) -> str:
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "bf16 is supported for historical reasons"
-        try:
-            unified = str(_convert_precision_to_unified_args(precision or "32-true"))
-        except ValueError:
-            unified = str(precision)
-    if unified not in PRECISIONS:
-        raise UserError(f"precision {precision!r} is not modelled; choose one of: {', '.join(PRECISIONS)}")
-    return unified
 
 
 def strategy_class(strategy: Any) -> Any:
@@ -517,12 +537,12 @@ def adopt(model: torch.nn.Module, context: Any) -> int:
     return len(made)
 
 
-def _tensor_init_context(precision: str) -> contextlib.AbstractContextManager:
+def _tensor_init_context(precision: Precision) -> contextlib.AbstractContextManager:
     """Lightning's "-true" precisions create the module's tensors in their dtype (its tensor_init_context)."""
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
-    if precision in ("bf16-true", "16-true"):
-        return HalfPrecision(precision).tensor_init_context()
-    if precision == "64-true":
+    if precision.half_weights:
+        return HalfPrecision(precision.name).tensor_init_context()
+    if precision.param == torch.float64:
         return DoublePrecision().tensor_init_context()
     return contextlib.nullcontext()

@@ -126,7 +126,7 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
         "setup": {
             "batch_size": step.batch_size,
             "max_length": step.max_length,
-            "precision": step.precision,
+            "precision": step.precision.name,
             "optimizer": step.optimizer_name,
             "accumulate_grad_batches": step.accumulate_grad_batches,
             "gradient_checkpointing": step.checkpointing.value() if step.checkpointing else False,

@@ -29,7 +29,8 @@ from transformers import TrainerCallback
 from lit_memory import files
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.step import is_fused, normalize_precision
+from lit_memory.memory.step import is_fused
+from lit_memory.settings import Precision
 from lit_memory.memory.tracker import Tracker
 from lit_memory.activations import CheckpointPlan
 from lit_memory.monitor import clock
@@ -64,7 +65,7 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         raise NoTrainerEquivalent("no Trainer equivalent (fused backward + step)")
     if config.trainer.strategy not in ("auto", "single_device"):
         raise NoTrainerEquivalent("no Trainer equivalent (strategy)")
-    precision = normalize_precision(config.trainer.precision)
+    precision = Precision.of(config.trainer.precision).name
     if precision not in PRECISION:
         raise NoTrainerEquivalent(f"no Trainer equivalent (precision {precision})")
     optimizer = config.model.optimizer
@@ -173,8 +174,9 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
     # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
     module.hparams.gradient_checkpointing = False
     module.configure_model()
-    if normalize_precision(cli.settings.trainer.precision) == "bf16-true":
-        module.model.to(torch.bfloat16)
+    weights = Precision.of(cli.settings.trainer.precision).param
+    if weights != torch.float32:  # bf16-true: the weights themselves in bf16
+        module.model.to(weights)
     data.prepare_data()
     loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
     args = TrainingArguments(

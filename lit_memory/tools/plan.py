@@ -20,7 +20,6 @@ import argparse
 import functools
 import io
 import itertools
-import json
 import shlex
 import tempfile
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
 from lit_memory import box, files
+from lit_memory.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.lowbit import check_settings
@@ -45,6 +45,7 @@ from lit_memory.memory.simulate import simulate
 from lit_memory.memory.step import Prediction, Step
 from lit_memory.monitor import StepTimer
 from lit_memory.recipes import recipes_dir
+from lit_memory.settings import key_of, leaves, locate, plain
 from lit_memory.tools.estimate import add_target_arguments, step_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
@@ -68,7 +69,7 @@ class Block:
     @functools.cached_property  # read for every combination of every candidate: once per block
     def plain(self) -> Any:
         """The value as plain dicts, lists and scalars (what the CLI parses)."""
-        return json.loads(json.dumps(self.value))
+        return plain(self.value)
 
 
 @dataclass
@@ -85,14 +86,15 @@ def _yaml() -> YAML:
 
 
 def load_recipe(path: Path) -> Recipe:
-    """A recipe's second-level settings, each with its value and its end-of-line comment."""
-    data = _yaml().load(path.read_text(encoding="utf-8")) or {}
+    """A recipe's second-level settings, each with its value and its end-of-line comment (read round-trip, within
+    the bounds a stranger's recipe is read with: `lit_memory.bounds.read_yaml`)."""
+    data = read_yaml(path, round_trip=True)
     blocks = {}
-    for section, settings in data.items():
-        for name, value in settings.items():
-            token = settings.ca.items.get(name, [None] * 3)[2]
-            comment = token.value.strip().lstrip("#").strip() if token is not None else None
-            blocks[f"{section}.{name}"] = Block(f"{section}.{name}", value, comment)
+    for key, value in leaves(data, depth=2):
+        container, name = locate(data, key)
+        token = getattr(container, "ca", None) and container.ca.items.get(name, [None] * 3)[2]
+        comment = token.value.strip().lstrip("#").strip() if token else None
+        blocks[key] = Block(key, value, comment)
     return Recipe(path.stem, path, blocks)
 
 
@@ -115,9 +117,9 @@ def _identity(step: Step) -> tuple:
     embeddings_train = model.get("freeze") is None and model.get("lora") is None
     if model.get("embedding_optimizer_state") != "stable_embedding" and not (low_bit and embeddings_train):
         model.pop("embedding_optimizer_state", None)
-    return (
-        json.dumps(model, sort_keys=True, default=str), step.optimizer.key, step.precision, step.batch_size,
-        step.accumulate_grad_batches, step.max_length, step.fused, step.target.allocator,
+    return step.key(
+        "model", "optimizer", "precision", "batch_size", "accumulate_grad_batches", "max_length", "fused", "target",
+        model=model, target=step.target.allocator,
     )
 
 
@@ -170,7 +172,7 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
                 block = Block(key, True, "activations: keep layer inputs only, recompute the rest (non-reentrant)")
             if block is not None and key == OFFLOADING and block.plain == "auto":
                 block = None  # weighed against recompute once a setup is chosen (`refine`)
-            seen.setdefault(json.dumps(block.plain if block else "<absent>", sort_keys=True), block)
+            seen.setdefault(key_of(block.plain if block else "<absent>"), block)
         options[key] = list(seen.values())
     order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
     effective = base.batch_size * base.accumulate_grad_batches

@@ -53,11 +53,10 @@ def synthetic_csv(path: Path, rows: int = ROWS, seed: int = 0) -> Path:
 
 def tier_of(entry: str) -> Optional[str]:
     """A recipe's ``memory.tier`` as written (a card such as ``rtx3050-4gb``, or a size), else None."""
-    import yaml
-
+    from lit_memory.bounds import read_yaml
     from lit_memory.tools.bench import recipe_file
 
-    tree = yaml.safe_load(recipe_file(entry).read_text(encoding="utf-8")) or {}
+    tree = read_yaml(recipe_file(entry))
     tier = (tree.get("memory") or {}).get("tier")
     return str(tier) if tier else None
 

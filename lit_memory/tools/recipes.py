@@ -20,7 +20,8 @@ from lit_memory.errors import UserError
 from lit_memory.memory import records
 from lit_memory.memory.footprint import format_bytes
 from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
-from lit_memory.trust import HINT, TRUST_FLAG, leaves, locate
+from lit_memory.settings import leaves, locate
+from lit_memory.trust import HINT, TRUST_FLAG
 
 if TYPE_CHECKING:
     from lit_memory.memory.step import Step
@@ -267,7 +268,7 @@ def check(path: Path, trusted: bool) -> None:
     if not _is_file(path):
         raise UserError(f"recipe not found: {path}")
     try:
-        tree = _load_yaml(path)
+        tree = bounds.read_yaml(path)
     except bounds.BoundExceeded as err:  # a bomb: nothing more is read of it, trusted or not
         print(f"  {'problem' if trusted else 'REFUSED'}  {str(err).removeprefix('refusing ')}")
         verdict = "1 problem(s)" if trusted else f"1 refused; pass {TRUST_FLAG} only if you trust its source"
@@ -484,17 +485,6 @@ def _is_file(path: Path) -> bool:
         return path.is_file()
     except (OSError, ValueError):  # a value too long or too odd to be a path
         return False
-
-
-def _load_yaml(path: Path) -> Any:
-    """The recipe as plain data, read within the bounds a run reads it with (`lit_memory.bounds`): a regular
-    file of at most 1 MiB whose aliases and nesting are bounded, checked before anything is built."""
-    text = bounds.read_text(path, bounds.CONFIG_BYTES, "recipe")
-    bounds.check_yaml(text, str(path))
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
 
 
 def main(argv: list[str]) -> None:

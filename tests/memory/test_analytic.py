@@ -338,7 +338,7 @@ def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_f
     run = resolve(["fit", "--data.batch_size=2", "--data.max_length=16"])
     found = Step.from_settings(run.settings.as_dict(), Target(type="cpu"))
     assert pickle.loads(pickle.dumps(found)) == found
-    assert all(isinstance(part, str) for part in found.cache_key)
+    assert isinstance(found.cache_key, str) and isinstance(found.build_key, str)
     assert found.optimizer.class_path == "torch.optim.AdamW" and found.optimizer.init_args["lr"] == 2e-5
     first = analytic(found).footprint.peak
     assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
@@ -351,10 +351,10 @@ def test_a_recipes_precision_laid_over_a_step_follows_its_gpu():
     would train with there: its bf16 autocast as 16-mixed (then the fused step checks before it steps), its
     bf16 weights refused; the step's own precision (typed by the user, decided by the CLI) stays."""
     t4 = bert_large(precision="bf16-mixed", gpu="t4", fused=True)
-    assert t4.precision == "bf16-mixed" and not t4.measures
+    assert t4.precision.name == "bf16-mixed" and not t4.measures
     laid = t4.with_settings({"trainer.precision": "bf16-mixed", "trainer.strategy": "lit_memory.FusedSingleDeviceStrategy"})
-    assert laid.precision == "16-mixed" and laid.scaled and laid.measures
+    assert laid.precision.name == "16-mixed" and laid.scaled and laid.measures
     with pytest.raises(UserError, match="trainer.precision bf16-true keeps the weights in bf16"):
         t4.with_settings({"trainer.precision": "bf16-true"})
     a100 = bert_large(gpu="a100-80gb")
-    assert a100.with_settings({"trainer.precision": "bf16-true"}).precision == "bf16-true"
+    assert a100.with_settings({"trainer.precision": "bf16-true"}).precision.name == "bf16-true"

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lit_memory.memory.kernels import Kernel, attention_bytes, attention_tensors
 from lit_memory.memory.analytic import layer_spec
 from lit_memory.memory.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
 from lit_memory.model import load_config
+from lit_memory.settings import PRECISIONS
+
+DTYPE = {2: torch.float16, 4: torch.float32, 8: torch.float64}  # the inputs' dtype by its bytes
 
 A100, V100, L4 = (8, 0), (7, 0), (8, 9)
 
@@ -28,7 +32,7 @@ A100, V100, L4 = (8, 0), (7, 0), (8, 9)
     ],
 )
 def test_the_kernel_is_the_one_torch_dispatches_to(implementation, capability, bytes_, head_dim, masked, expected):
-    kernel = Kernel.of(implementation, True, capability, bytes_, head_dim, dropout=True, masked=masked)
+    kernel = Kernel.of(implementation, True, capability, DTYPE[bytes_], head_dim, dropout=True, masked=masked)
     assert kernel.name == expected, kernel.reason
 
 
@@ -49,13 +53,13 @@ T4, P100 = (7, 5), (6, 0)
 def test_bf16_attention_below_sm80_runs_the_math_kernel(capability, bf16, masked, expected):
     """torch's sdp_utils.cpp: can_use_mem_efficient_attention's dtypes are {fp16, fp32} below sm80 and add bf16
     from sm80; flash needs sm80+ (its dtypes fp16/bf16)."""
-    kernel = Kernel.of("sdpa", True, capability, 2, 64, dropout=True, masked=masked, bf16=bf16)
+    kernel = Kernel.of("sdpa", True, capability, torch.bfloat16 if bf16 else torch.float16, 64, dropout=True, masked=masked)
     assert kernel.name == expected, kernel.reason
 
 
 def test_the_cpu_runs_its_math_kernel_for_attention_dropout_only():
-    assert Kernel.of("sdpa", False, (0, 0), 4, 64, dropout=True).name == "cpu-math"
-    assert Kernel.of("sdpa", False, (0, 0), 4, 64, dropout=True, training=False).name == "cpu-fused"
+    assert Kernel.of("sdpa", False, (0, 0), torch.float32, 64, dropout=True).name == "cpu-math"
+    assert Kernel.of("sdpa", False, (0, 0), torch.float32, 64, dropout=True, training=False).name == "cpu-fused"
 
 
 def test_fused_kernels_keep_no_attention_matrix_and_eager_keeps_it_at_autocast_widths():
@@ -87,8 +91,8 @@ def test_a_bert_layer_keeps_what_its_description_says():
         model = AutoModelForSequenceClassification.from_config(config)
     spec = layer_spec(model.bert.encoder.layer[0], model.config)
     assert spec == LayerSpec(1024, 4096, 16, hidden_dropouts=2, attention_dropout=True, implementation="sdpa")
-    x = Shape(batch=32, length=128, param_b=4, compute_b=2, autocast=True, cuda=True)
-    kernel = Kernel.of("sdpa", True, A100, 2, spec.head_dim, True)
+    x = Shape(batch=32, length=128, precision=PRECISIONS["16-mixed"], cuda=True)  # fp32 weights, fp16 autocast
+    kernel = Kernel.of("sdpa", True, A100, torch.float16, spec.head_dim, True)
     h, f = 1024, 4096
     # three cast inputs, q/k/v/output, lse and bias, two masks, two LayerNorm inputs + stats, FFN in/hidden/act
     expected = 3 * h * 2 + 4 * h * 2 + 4 * 16 * 128 // 128 + 128 * 2 + 2 * h + 2 * h * 4 + 16 + h * 2 + 2 * f * 2
@@ -112,7 +116,7 @@ def test_distilbert_reads_as_one_residual_dropout_per_layer():
         model = AutoModelForSequenceClassification.from_config(load_config("bundled:distilbert", 2))
     spec = layer_spec(model.distilbert.transformer.layer[0], model.config)
     assert (spec.hidden, spec.ffn, spec.heads, spec.hidden_dropouts, spec.norms) == (768, 3072, 12, 1, 2)
-    names = [t.name for t in layer_tensors(spec, Shape(1, 8, 4, 4, False, True), Kernel("efficient", ""))]
+    names = [t.name for t in layer_tensors(spec, Shape(1, 8, PRECISIONS["32-true"], True), Kernel("efficient", ""))]
     assert "dropout_1" not in names and "dropout_2" in names
 
 

@@ -163,3 +163,21 @@ def test_on_cuda_auto_plans_for_the_smaller_of_the_tier_and_what_the_card_has_fr
     err = capsys.readouterr().err
     assert "memory: auto plans for memory.tier 2.00 GiB: Tesla T4 has 14.29 GiB for this run at start" in err
     assert not cli.model.hparams.gradient_checkpointing  # 2 GiB: nothing to recompute for this tiny model
+
+
+def test_the_module_arguments_a_count_is_keyed_without_change_no_count():
+    """`SequenceClassifier.SAME_FLOPS` are left out of the count's cache key: each, set away from its default,
+    counts the same FLOPs when counted afresh (a new argument of the module is counted unless named there)."""
+    from lit_memory.memory import recompute
+    from lit_memory.model import SequenceClassifier
+
+    values = {"embedding_optimizer_state": "stable_embedding", "offload_activations": True, "lr_scheduler_type": "linear",
+              "warmup_ratio": 0.1, "save_pretrained": False}
+    assert set(values) == SequenceClassifier.SAME_FLOPS
+    base = replace(tiny(), batch_size=2, max_length=16)
+    counted = flops(base)
+    for name, value in values.items():
+        changed = replace(base, model={**base.model, name: value})
+        assert changed.key("model") != base.key("model")
+        recompute._COUNTS.clear()
+        assert flops(changed) == counted, name

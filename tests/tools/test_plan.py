@@ -51,9 +51,9 @@ def test_candidates_cover_every_switch_and_micro_batch(minilm_candidates):
     assert {s.model["freeze"] for s in setups} == {None, "body", "embeddings"}
     shipped = {yaml.safe_load(p.read_text())["model"]["optimizer"]["class_path"] for p in RECIPES.glob("*.yaml")}
     assert {s.optimizer_name for s in setups} == {path.rsplit(".", 1)[1] for path in shipped}
-    assert {s.precision for s in setups} == {"32-true", "bf16-mixed", "bf16-true"} and {s.fused for s in setups} == {False, True}
+    assert {s.precision.name for s in setups} == {"32-true", "bf16-mixed", "bf16-true"} and {s.fused for s in setups} == {False, True}
     # stochastic rounding only where the weights are bf16 (fit refuses it elsewhere)
-    assert {s.precision for s in setups if s.stochastic_rounding} == {"bf16-true"}
+    assert {s.precision.name for s in setups if s.stochastic_rounding} == {"bf16-true"}
 
 
 def test_when_everything_fits_the_plan_is_the_baseline(minilm_candidates):
