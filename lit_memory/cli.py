@@ -326,13 +326,14 @@ class LitMemoryCLI(LightningCLI):
         from lit_memory.data import check_shape
         from lit_memory.memory.device import planning_limit, target
         from lit_memory.memory.recompute import planned
-        from lit_memory.memory.step import budget_name, budget_of
+        from lit_memory.memory.budget import MemorySettings
 
         check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
         device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"  # (its allocator: set just before)
         found = target(device)
         as_dict = settings.as_dict()
-        budget, where = budget_of(as_dict), budget_name(as_dict) or ""
+        memory = MemorySettings.of(as_dict)
+        budget, where = memory.limit_bytes, memory.limit_words
         card = self._card() if device == "cuda" else None
         if card is not None:
             found = replace(found, gpu=card.gpu)

@@ -301,15 +301,14 @@ def resolved_setting(step: Step, budget: Optional[int], where: str = "") -> tupl
 
 def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
-    (default: the run's, `lit_memory.memory.step.budget_of`): the plan with the fewest FLOPs predicted to fit,
+    (default: the run's, `lit_memory.memory.budget.MemorySettings.limit`): the plan with the fewest FLOPs predicted to fit,
     written into its settings as a run's config holds it. Other steps come back as they are."""
     from lit_memory.activations import is_auto
-    from lit_memory.memory.step import budget_name, budget_of
 
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
     if budget is None:
-        budget, where = budget_of(step.settings), budget_name(step.settings) or ""
+        budget, where = step.memory.limit_bytes, step.memory.limit_words
     value, found = resolved_setting(step, budget, where)
     chosen = {"gradient_checkpointing": value, "offload_activations": found.offload}
     model = {**step.model, **chosen}

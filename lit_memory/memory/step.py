@@ -25,9 +25,10 @@ import torch
 
 from lit_memory.errors import UserError
 from lit_memory.lora import apply_lora
+from lit_memory.memory.budget import MemorySettings
 from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
-from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
+from lit_memory.memory.margin import DEFAULT_MARGIN
 from lit_memory.activations import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.precision import trains_on
@@ -151,6 +152,7 @@ class Step:
     target: Target = field(default_factory=Target)
     loop: Loop = field(default_factory=Loop)
     margin: float = DEFAULT_MARGIN  # ``memory.margin``: the share of a limit every fit decision keeps free
+    memory: MemorySettings = field(default_factory=MemorySettings, compare=False, repr=False)  # the ``memory:`` block
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # what it was built from
     planned: Optional[str] = field(default=None, compare=False)  # what `gradient_checkpointing: auto` chose, in words
 
@@ -167,6 +169,10 @@ class Step:
         model = {k: v for k, v in model.items() if k in _MODEL_ARGS}
         strategy = trainer.get("strategy", "auto")
         sharded = is_sharded(strategy)
+        memory = MemorySettings.of(settings)
+        target = target if target is not None else Target()
+        if memory.allocator and target.cuda_device and not target.allocator_given:  # as a run sets them
+            target = replace(target, allocator=memory.allocator_config, allocator_given=True)
         step = cls(
             model=model,
             optimizer=optimizer,
@@ -179,9 +185,10 @@ class Step:
             clip_norm=clips_by_norm(trainer.get("gradient_clip_val"), trainer.get("gradient_clip_algorithm")),
             sharded=sharded,
             world_size=ranks(trainer.get("devices", 1)) * int(trainer.get("num_nodes") or 1) if sharded else 1,
-            target=_with_recipe_allocator(target if target is not None else Target(), settings),
+            target=target,
             loop=loop if loop is not None else Loop(),
-            margin=margin_of(settings),
+            margin=memory.margin,
+            memory=memory,
             settings=settings,
         )
         if is_auto(model.get("gradient_checkpointing")):
@@ -289,47 +296,6 @@ class Step:
         """`cache_key` without the checkpointing plan: what the module's parameters and optimizer depend on."""
         model = {k: v for k, v in self.model.items() if k != "gradient_checkpointing"}
         return (json.dumps(model, sort_keys=True, default=str), self.optimizer.key, self.precision)
-
-
-def _with_recipe_allocator(target: Target, settings: Mapping[str, Any]) -> Target:
-    """The recipe's ``memory.allocator`` for a CUDA target whose allocator settings nobody gave (as a run sets
-    them: `lit_memory.memory.allocator.use_recipe_conf`)."""
-    from lit_memory.memory.allocator import AllocatorConfig, check_recipe_conf
-
-    conf = (settings.get("memory") or {}).get("allocator")
-    if not conf or not target.cuda_device or target.allocator_given:
-        return target
-    return replace(target, allocator=AllocatorConfig.parse(check_recipe_conf(conf)), allocator_given=True)
-
-
-def budget_of(settings: Mapping[str, Any]) -> Optional[int]:
-    """The device budget a run plans for: ``memory.budget`` (enforced), else the recipe's ``memory.tier``
-    (a size, or a card: `lit_memory.memory.device.capacity`)."""
-    from lit_memory.memory.device import capacity
-
-    memory = settings.get("memory") or {}
-    value = memory.get("budget") or memory.get("tier")
-    return capacity(value) if value else None
-
-
-def budget_name(settings: Mapping[str, Any]) -> Optional[str]:
-    """The budget in words, for the decisions' lines: ``memory.tier rtx3050-4gb (3.81 GiB)``."""
-    from lit_memory.memory.device import capacity, is_gpu_name
-    from lit_memory.memory.footprint import format_bytes
-
-    memory = settings.get("memory") or {}
-    key = "budget" if memory.get("budget") else "tier" if memory.get("tier") else None
-    if key is None:
-        return None
-    value = memory[key]
-    size = format_bytes(capacity(value))
-    return f"memory.{key} {value} ({size})" if is_gpu_name(value) else f"memory.{key} {size}"
-
-
-def margin_of(settings: Mapping[str, Any]) -> float:
-    """``memory.margin`` (default `lit_memory.memory.margin.DEFAULT_MARGIN`), checked."""
-    value = (settings.get("memory") or {}).get("margin")
-    return DEFAULT_MARGIN if value is None else check_margin(value)
 
 
 _MODEL_ARGS = {

@@ -160,15 +160,14 @@ def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
     against ``memory.budget`` (else ``memory.tier``) where one is set, else the target card's capacity; on a
     CPU target, the tensors against the budget (None without one)."""
     from lit_memory.memory.predict import level
-    from lit_memory.memory.step import budget_name, budget_of
 
-    budget = budget_of(step.settings)
+    budget = step.memory.limit_bytes
     if step.target.cuda_device and (budget is None or step.target.gpu.memory < budget):
         gpu = step.target.gpu
         return Fit(level(footprint), gpu.memory, step.margin, f"{gpu.label} ({format_bytes(gpu.memory)})")
     if budget is None:
         return None
-    return Fit(level(footprint), budget, step.margin, budget_name(step.settings) or "")
+    return Fit(level(footprint), budget, step.margin, step.memory.limit_words)
 
 
 def flops_fields(counted: Flops) -> dict[str, Any]:
