@@ -52,7 +52,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--allocator-conf", default=None,
-        help="PYTORCH_CUDA_ALLOC_CONF to predict for (default: this environment's), e.g. expandable_segments:True",
+        help="allocator settings to predict for (default: this environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, "
+        "as torch reads them), e.g. expandable_segments:True",
     )
     parser.add_argument(
         "--loop", choices=sorted(LOOPS), default="lightning",
