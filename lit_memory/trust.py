@@ -21,7 +21,7 @@ user passed ``--trust-recipe``; it is applied where things happen, in three plac
   (torch.load, torch's distributed-checkpoint reader, Lightning's checkpoint IO and the checkpoint it
   picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.applied`.
 - **configs read**, untrusted: every config file jsonargparse reads is a regular file within the size
-  bound and its YAML's aliases and nesting are bounded before it is built (`bound_config_reading`,
+  bound and its YAML's aliases and nesting are bounded before it is built (`bounded_config_reading`,
   `lit_memory.bounds`).
 
 Beyond all of these, ``python -m lit_memory`` holds the box (`lit_memory.box`) for an untrusted command:

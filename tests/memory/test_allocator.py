@@ -172,6 +172,24 @@ def test_a_recipes_allocator_settings_hold_for_its_run_and_the_environment_wins(
         assert warning is None  # the same settings: nothing to say
 
 
+def test_torchs_own_runtime_setter_applies_them_without_its_deprecated_wrappers_warning():
+    """In this process, the installed torch's settings: set through ``torch._C._accelerator_setAllocatorSettings``
+    (``torch.cuda.memory._set_allocator_settings`` warns that it is deprecated), and put back after the run."""
+    import warnings
+
+    import torch
+
+    from lit_memory.memory.allocator import recipe_settings
+
+    before = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning fails the test
+        with recipe_settings("expandable_segments:True,max_split_size_mb:64", {}):
+            now = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
+            assert now.expandable_segments and now.max_split_size == 64 * MiB
+    assert AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings()) == before
+
+
 def test_the_environment_is_read_in_the_order_the_installed_torch_reads_it():
     """Which of the two variables wins when both are set, asked of torch itself: what its allocator config parsed
     from the environment (``torch._C._accelerator_getAllocatorSettings``, which a CPU build has too), in a fresh
