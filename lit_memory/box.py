@@ -165,6 +165,9 @@ class Box:
 
         root = self.root(absolute)
         verb = verb or {"write": "write", "create": "create", "modify": "change", "remove": "remove", "replace": "replace"}[op]
+        if op == "create" and not os.path.lexists(absolute) and self._on_the_way(absolute):
+            self.made.add(absolute)  # a missing folder above a run folder (mkdir -p of save_dir): empty, new
+            return
         if root is None:
             self.refuse(f"refusing to {verb} {absolute} ({who()}): it is outside the run's folders "
                         f"({self._folders()}) and caches; {HINT}", quiet)
@@ -187,6 +190,11 @@ class Box:
             return
         self.refuse(f"refusing to {verb} {absolute} ({who()}): this run did not make it (an untrusted "
                     f"run changes and removes only what it made); {HINT}", quiet)
+
+    def _on_the_way(self, absolute: str) -> bool:
+        """``absolute`` is a folder above a run folder: creating it gives the run nothing its folder does not."""
+        return any(_under(r.path, absolute) and r.path != absolute and not (r.only or r.links or r.shallow)
+                   for r in self.roots)
 
     def _check_links(self, absolute: str, root: Root, verb: str, op: str, quiet: bool, who: Any) -> None:
         """No link between the root and ``absolute``; for a write, not at ``absolute`` either."""

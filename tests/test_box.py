@@ -62,6 +62,27 @@ def test_a_run_creates_and_rewrites_its_own_files_in_its_run_folder(place):
     assert sorted(p.name for p in run.iterdir()) == ["theirs", "theirs.txt"] and held.refused == []
 
 
+@pytest.mark.parametrize("in_temp", [False, True])
+def test_the_missing_folders_above_a_run_folder_are_made_and_nothing_beside_them(tmp_path, in_temp):
+    """A logger's save_dir below folders that do not exist yet (bench's --out DIR/runs/<recipe>): made like
+    mkdir -p, also in the temporary folder under a folder made before the run (found on a GPU: the CSV
+    logger's makedirs was refused); a folder beside the way stays refused, and outside the temporary folder a
+    file on the way too."""
+    (tmp_path / "new").mkdir()  # made before the run
+    run = tmp_path / "new" / "runs" / "mine"
+    held = box.Box(since=time.time() + 1e-3)
+    if in_temp:
+        held.allow(tmp_path, "the temporary folder", shallow=True)
+    held.allow(run, "trainer.logger.init_args.save_dir")
+    with box.confine(held):
+        run.mkdir(parents=True)
+        (run / "metrics.csv").write_text("1")
+    refused(held, lambda: (tmp_path / "new" / "beside").mkdir(), "refusing to create")
+    if not in_temp:
+        refused(held, lambda: (tmp_path / "new" / "runs" / "x.txt").write_text("1"), "outside the run's folders")
+    assert (run / "metrics.csv").read_text() == "1"
+
+
 def test_a_write_outside_the_run_folder_names_the_path_and_the_setting(place):
     held, _, outside = place
     line = refused(held, lambda: (outside / "x.json").write_text("{}"), str(outside / "x.json"),

@@ -143,7 +143,8 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all") -> 
         entries, [*proof_args(data), *user_args], out, WARMUP, STEPS, False, None,
         extra=lambda name: budgets[name], simulate=False, count_flops=False,
     )
-    command = shlex.join(["python", "-m", "lit_memory", "bench", "--gpu-proof", *(["--dry-run"] if dry_run else []), *user_args])
+    command = shlex.join(["python", "-m", "lit_memory", "bench", "--gpu-proof", *(["--dry-run"] if dry_run else []),
+                          *([] if names == "all" else [f"--recipes={names}"]), *user_args])
     plan = [{"recipe": r.recipe, "fit": shlex.join(["python", "-m", "lit_memory", "fit", *r.fit_args])} for r in runs]
     if dry_run:
         files.write_text(out / "gpu-proof-runs.json", json.dumps({"command": command, "runs": plan}, indent=2) + "\n")
@@ -152,6 +153,8 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all") -> 
         print(f"dry run: {len(plan)} recipes resolved; the data is {data}; nothing trained")
         return
     target = DOCS / f"{gpu_name()}.json"
+    if not target.parent.is_dir():  # a checkout has it (docs/gpu/README.md); a copy without it gets it back
+        target.parent.mkdir(parents=True)
     box.allow_output(target, "--gpu-proof", file=True)  # the checkout's docs/gpu/<gpu>.json, which this command writes
     info: dict[str, Any] = {
         "command": command,
@@ -177,6 +180,22 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all") -> 
         print(f"failed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
 
 
+def table(record: dict[str, Any]) -> str:
+    """A record as the markdown table docs/gpu.md shows: measured GiB and measured/predicted per level."""
+    gib = 2**30
+    lines = ["| recipe | budget | tensors GiB (x pred.) | reserved GiB (x pred.) | device GiB (x pred.) | samples/s | note |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in record["recipes"]:
+        measured, ratio = row.get("measured_bytes") or {}, row.get("measured_over_predicted") or {}
+        cells = [f"{measured[k] / gib:.2f} ({ratio[k]:.3f})" if measured.get(k) and ratio.get(k) else "-"
+                 for k in ("tensors", "reserved", "device")]
+        note = row.get("error") or (f"within the card, {row['spare']:.1%} to spare" if row.get("within_budget")
+                                    else "over the card" if row.get("within_budget") is False else "")
+        speed = f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "-"
+        lines.append(f"| {row['recipe']} | {row.get('budget') or '-'} | " + " | ".join(cells) + f" | {speed} | {note} |")
+    return "\n".join(lines)
+
+
 def cli(argv: list[str]) -> None:
     """``bench --gpu-proof [--dry-run] [--out DIR] [--recipes a,b]``; other arguments go to every recipe's fit."""
     import argparse
@@ -190,7 +209,11 @@ def cli(argv: list[str]) -> None:
     parser.add_argument("--dry-run", action="store_true", help="resolve every run and write the data; train nothing")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="runs, logs and data (default bench/)")
     parser.add_argument("--recipes", default="all", help="`all` or a,b,c (as bench takes them)")
+    parser.add_argument("--show", type=Path, metavar="RECORD", help="print a record (docs/gpu/<gpu>.json) as a table")
     args, user_args = parser.parse_known_args(argv)
+    if args.show:
+        print(table(json.loads(args.show.read_text(encoding="utf-8"))))
+        return
     main(user_args, args.out, args.dry_run, args.recipes)
 
 

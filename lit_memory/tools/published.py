@@ -22,6 +22,7 @@ from lit_memory.cli import resolve
 from lit_memory.memory.analytic import analytic
 from lit_memory.memory.device import GPUS, MiB, Target
 from lit_memory.memory.footprint import Footprint
+from lit_memory.memory.recompute import planned
 from lit_memory.memory.step import Loop, LOOPS, Step
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
@@ -188,6 +189,42 @@ ROWS: tuple[Row, ...] = (
         3.4, LEFTOVER,
     ),
 )
+# lit_memory's own GPU proof (`python -m lit_memory bench --gpu-proof`, docs/gpu.md): each committed record
+# docs/gpu/<gpu>.json is a source per level, each recipe it measured a row with the fit arguments the proof ran.
+PROOFS = Path(__file__).resolve().parents[2] / "docs" / "gpu"
+PROOF_LEVELS = {"device": "NVML's figure for the process (what nvidia-smi lists)",
+                "tensors": "`torch.cuda.max_memory_allocated()`"}
+
+
+def proof_rows(folder: Path = PROOFS) -> tuple[Row, ...]:
+    from lit_memory.tools.proof import MODEL
+
+    rows: list[Row] = []
+    for path in sorted(folder.glob("*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        machine = record["machine"]
+        version, _, build = machine["torch"].partition("+cu")
+        cuda = f"{build[:-1]}.{build[-1]}" if build else "12.4"  # 2.11.0+cu130: CUDA 13.0
+        for level, how in PROOF_LEVELS.items():
+            source = Source(
+                f"lit_memory GPU proof, {machine['device']} (docs/gpu/{path.name})", "",
+                f"{machine['device']}, PyTorch {machine['torch']}, Lightning {machine['lightning']}, transformers "
+                f"{machine['transformers']}: `{record['command']}`; {record['note']}",
+                f"{how}, over 5 optimizer steps", level,
+                Target(gpu=GPUS[path.stem], cuda=cuda, torch=".".join(version.split(".")[:2])), LOOPS["lightning"],
+            )
+            for row in record["recipes"]:
+                measured = (row.get("measured_bytes") or {}).get(level)
+                if not measured:
+                    continue  # refused before training (the row's error says why): nothing measured to hold
+                budget = [f"--memory.budget={row['budget']}"] if row.get("budget") else []
+                args = ("--config", f"recipes/{row['recipe']}.yaml", *MODEL, *budget, "--data.padding=max_length")
+                rows.append(Row(source, f"{row['recipe']}.yaml", args, measured, f"{measured / GiB:.2f} G", bound=0.08))
+    return tuple(rows)
+
+
+ROWS += proof_rows()
+
 # Published, but not a setting lit_memory trains: listed so that the table says what it leaves out.
 NOT_EXPRESSIBLE = (
     (
@@ -215,7 +252,7 @@ class Result:
 def step_of(row: Row) -> Step:
     target = row.source.target
     run = resolve(["fit", *row.args, "--cpu_bf16_fallback=false"], gpu=target.gpu if target.cuda_device else None)
-    return Step.from_settings(run.settings.as_dict(), target, row.source.loop)
+    return planned(Step.from_settings(run.settings.as_dict(), target, row.source.loop))  # `auto` as the run plans it
 
 
 def predict_row(row: Row) -> Result:

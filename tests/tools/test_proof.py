@@ -54,3 +54,27 @@ def test_a_recipes_record_puts_each_measured_level_beside_its_prediction(tmp_pat
     assert row["device_source"] == "nvml (this process)" and row["samples_per_s"] == 120.0
     assert row["within_budget"] and row["spare"] == round(1 - cuda["max_device_bytes"] / GPUS["rtx3050-4gb"].memory, 4)
     assert proof.proof_row("lora", {"error": "exit status 1: out of memory"}, tmp_path / "none", None)["error"]
+
+
+def test_a_record_reads_back_as_the_table_docs_gpu_shows(capsys):
+    """Every committed record (docs/gpu/<gpu>.json) shows one line per recipe, each measured level beside its
+    ratio, the capped tiers with what was left of their card, a refusal with its reason; docs/gpu.md shows the
+    H100's table exactly as `--show` prints it."""
+    records_ = sorted(proof.DOCS.glob("*.json"))
+    assert records_, "no GPU record committed"
+    for path in records_:
+        main(["bench", "--gpu-proof", "--show", str(path)])
+        lines = capsys.readouterr().out.strip().splitlines()
+        record = json.loads(path.read_text())
+        assert len(lines) == 2 + len(record["recipes"])
+        for row, line in zip(record["recipes"], lines[2:]):
+            assert line.startswith(f"| {row['recipe']} |")
+            ratios = row.get("measured_over_predicted") or {}
+            for level, ratio in ratios.items():
+                assert f"{row['measured_bytes'][level] / GiB:.2f} ({ratio:.3f})" in line
+            if row.get("within_budget"):
+                assert f"{row['spare']:.1%} to spare" in line
+            if row.get("error"):
+                assert row["error"] in line
+    main(["bench", "--gpu-proof", "--show", str(proof.DOCS / "h100.json")])
+    assert capsys.readouterr().out.strip() in (proof.DOCS.parent / "gpu.md").read_text()
