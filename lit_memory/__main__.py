@@ -3,8 +3,8 @@ all listed by ``python -m lit_memory --help``.
 
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
 the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.predict`,
-which the CLI hands to the run's memory monitor itself. An untrusted command (no ``--trust-recipe``)
-runs inside a box (`lit_memory.box`) from its first line to its last.
+which the CLI hands to the run's memory callbacks itself. A command's trust decision holds from its first line
+to its last, and an untrusted command (no ``--trust-recipe``) runs inside a box (`lit_memory.box`) as long.
 """
 
 from __future__ import annotations
@@ -73,13 +73,17 @@ def boxed(args: list[str]) -> bool:
 
 @contextlib.contextmanager
 def session(args: list[str]) -> Iterator[Optional[box.Box]]:
-    """The box for one command, or nothing when it is trusted. Files typed on the command line are the
-    user's: read even when they are not regular files (``--config <(...)``)."""
-    if not boxed(args):
-        yield None
-        return
-    with box.confine(box.run_box(cli.named_files(args))) as held:
-        yield held
+    """One command's switches, from its first line to its last: its trust decision (`lit_memory.trust.Decision`:
+    every run and tool inside it is judged by it; untrusted unless ``--trust-recipe`` is given) and the box, or
+    nothing when it is trusted. Files typed on the command line are the user's: read even when they are not
+    regular files (``--config <(...)``)."""
+    typed = cli.named_files(args)
+    with trust.Decision(trusted=trust.TRUST_FLAG in args).applied(typed):
+        if not boxed(args):
+            yield None
+            return
+        with box.confine(box.run_box(typed)) as held:
+            yield held
 
 
 def main(argv: Optional[list[str]] = None) -> None:

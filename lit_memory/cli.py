@@ -8,37 +8,41 @@ and checks the result (the trust decision's refusals, `lit_memory.resume.check_r
 is built, loaded or written. The returned `LitMemoryCLI` holds the settings (`settings`); `build()`
 instantiates the module, data (and Trainer, its checkpoint IO under `lit_memory.guard`), `launch()`
 runs the subcommand after the guard's `preflight`.
+
+The command line parses and composes; the modules that own each concern decide: the trust decision
+(`lit_memory.trust`), the resume check (`lit_memory.resume`), precision following the device
+(`lit_memory.precision`), ``auto`` checkpointing (`lit_memory.memory.recompute.plan_run`), the recipe's allocator
+settings (`lit_memory.memory.allocator.recipe_settings`), the memory callbacks (`lit_memory.run_memory`), the
+progress, summary and metric lines (`lit_memory.console`), the checks before a run (`lit_memory.guard.preflight`).
+Everything a run switches in this process holds for the run only (`LitMemoryCLI.scope`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
-from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_only
 
-from lit_memory import box, checks, guard, lowbit, precision, recipes, resume, trust
-from lit_memory.activations import is_auto
-from lit_memory.console import LogProgress, ModelSummary, interactive
+from lit_memory import checks, console, environment, guard, lowbit, precision, recipes, resume, trust
+from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
+from lit_memory.memory.allocator import recipe_settings
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
-from lit_memory.monitor import Advise, MemoryMonitor, Predict
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
-from lit_memory.precision import changes_on, cpu_fallback, on_gpu, runs_on_cpu
+from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predictions import PredictionWriter
-from lit_memory.settings import Precision, leaves
+from lit_memory.run_memory import Advise, MemoryOptions, Predict, memory_callbacks
+from lit_memory.settings import leaves
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
@@ -59,12 +63,12 @@ class _Parser(LightningArgumentParser):
     """
 
     toplevel = False
-    probing = False  # a parse of the command line alone (`trust.typed_values`): fail quietly
+    probing = False  # set on this run's parsers while they parse the command line alone (`LitMemoryCLI._probing`)
 
     def error(self, message: str, ex: Optional[Exception] = None):
         if not self.toplevel:
             return super().error(message, ex)
-        if _Parser.probing:
+        if self.probing:  # a parse of the command line alone (`trust.typed_values`): fail quietly
             raise _ProbeFailed(message)
         if bound := trust.bound_error():  # a config beyond the bounds an untrusted run reads
             raise bound
@@ -89,13 +93,16 @@ class ImportRefused(UserError):
 
 class LitMemoryCLI(LightningCLI):
     """LightningCLI for the project's module and data, with ``--recipe NAME``, the trust decision and
-    the memory monitor. ``defer=True`` stops after parsing and checking (see `resolve`);
+    the memory callbacks. ``defer=True`` stops after parsing and checking (see `resolve`);
     ``collect=True`` keeps refused values in ``refusals`` and other problems in ``problems``
-    (``recipes check``). ``predict`` and ``advise`` are the memory monitor's hooks (`lit_memory.monitor`);
+    (``recipes check``). ``predict`` and ``advise`` are the memory callbacks' hooks (`lit_memory.run_memory`);
     by default the run's own `step` predicts (`lit_memory.memory.predict.run_hooks`), and advises from the
     shipped recipes. ``gpu``: the `lit_memory.memory.device.Gpu` the run is for, whose bf16 support decides
     the precision (`lit_memory.precision.on_gpu`): by default the one it trains on, None for none
-    (``estimate``/``plan`` give their target's)."""
+    (``estimate``/``plan`` give their target's).
+
+    Each phase (parsing, `build`, `launch`) runs inside the run's `scope`; a caller that builds and then trains
+    itself holds the scope around both."""
 
     def __init__(
         self,
@@ -117,11 +124,14 @@ class LitMemoryCLI(LightningCLI):
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
             self.decision = trust.Decision(trusted=trust.TRUST_FLAG in argv)
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
-        self.decision.enforce(typed_files=[] if self.argv is None else named_files(self.argv))
+        self._typed_files = [] if self.argv is None else named_files(self.argv)
+        self._held: Optional[contextlib.ExitStack] = None
+        self._seeded = False
         quiet_known_noise()
         self._deferred = defer
         self._collect = collect
         self._memory_hooks = {"predict": predict, "advise": advise}
+        self.memory: Optional[MemoryOptions] = None  # the `memory:` block, parsed
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
@@ -129,14 +139,36 @@ class LitMemoryCLI(LightningCLI):
         kwargs.setdefault("parser_class", _Parser)
         if kwargs["save_config_callback"] is recipes.SaveRecipe:
             kwargs["save_config_kwargs"] = {"command": self.command, **(kwargs.get("save_config_kwargs") or {})}
-        super().__init__(
-            SequenceClassifier,
-            TextClassificationData,
-            args=argv,
-            run=run,
-            auto_configure_optimizers=False,  # the module takes the optimizer (it builds decay groups)
-            **kwargs,
-        )
+        with self.scope():
+            super().__init__(
+                SequenceClassifier,
+                TextClassificationData,
+                args=argv,
+                run=run,
+                auto_configure_optimizers=False,  # the module takes the optimizer (it builds decay groups)
+                **kwargs,
+            )
+
+    # -- the run's switches --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["LitMemoryCLI"]:
+        """What this run switches in the process, for the length of the block, and put back after it: the trust
+        decision (`lit_memory.trust.Decision.applied`: jsonargparse's import policy and config reading, torch's
+        weights-only switch, the guard's sinks), the environment variables Lightning sets for a run
+        (`lit_memory.environment.restored`), the recipe's allocator settings on CUDA (entered when the run is
+        built). Re-entrant: inside it, further entries add nothing."""
+        if self._held is not None:
+            yield self
+            return
+        with contextlib.ExitStack() as held:
+            held.enter_context(self.decision.applied(self._typed_files))
+            held.enter_context(environment.restored())
+            self._held = held
+            try:
+                yield self
+            finally:
+                self._held = None
 
     # -- parsing and checking ------------------------------------------------------------------
 
@@ -155,28 +187,34 @@ class LitMemoryCLI(LightningCLI):
             typed = trust.typed_values(self.argv, self._parse_alone, subcommand)
             self.decision = dataclasses.replace(self.decision, typed=typed)
         self._check_values()
-        try:  # before resuming compares the precision a checkpoint was made with
-            self._follow_device()
+        self._problem(self._parse_memory)
+        self._problem(self._follow_device)  # before resuming compares the precision a checkpoint was made with
+        self.decision.confine(self.settings)  # where the box lets this run write
+        if subcommand:
+            # before LightningCLI merges the checkpoint's hyper-parameters into these settings
+            if not self._problem(resume.check_resume, self.settings_of(self.config), compare=subcommand == "fit"):
+                self.config[subcommand].ckpt_path = None  # reported; not to be read again
+
+    def _problem(self, check: Any, *args: Any, **kwargs: Any) -> bool:
+        """``check(*args)``; with ``collect=True`` its `UserError` is kept in ``problems`` (False), else raised."""
+        try:
+            check(*args, **kwargs)
         except UserError as err:
             if not self._collect:
                 raise
             self.problems.append(str(err))
-        self._confine()
-        if subcommand:
-            try:  # before LightningCLI merges the checkpoint's hyper-parameters into these settings
-                resume.check_resume(self.settings_of(self.config), compare=subcommand == "fit")
-            except UserError as err:
-                if not self._collect:
-                    raise
-                self.problems.append(str(err))
-                self.config[subcommand].ckpt_path = None  # reported; not to be read again
+            return False
+        return True
+
+    def _parse_memory(self) -> None:
+        """The ``memory:`` block as typed values (`lit_memory.run_memory.MemoryOptions`), once, here."""
+        self.memory = MemoryOptions(**self.settings.memory.as_dict())
 
     def _follow_device(self) -> None:
-        """A recipe's bf16 on a GPU without bf16 (`lit_memory.precision.on_gpu`), unless the user typed it."""
+        """A recipe's bf16 on a GPU without bf16 (`lit_memory.precision.follow_device`), unless the user typed it."""
         trainer = self.settings.trainer
         gpu = precision.training_gpu(trainer.accelerator) if self._gpu is THIS_GPU else self._gpu
-        if changes_on(trainer.precision, gpu) and not self._typed("trainer.precision", trainer.precision):
-            trainer.precision = on_gpu(trainer.precision, gpu)
+        precision.follow_device(trainer, gpu, self._typed)
 
     def _typed(self, key: str, value: Any) -> bool:
         """Whether the user typed ``key`` as ``value`` on the command line (a file did not set it after)."""
@@ -188,35 +226,22 @@ class LitMemoryCLI(LightningCLI):
             decision = dataclasses.replace(decision, typed=typed)
         return decision.is_typed(key, value)
 
-    def _confine(self) -> None:
-        """Tell this process's box (`lit_memory.box`, held by ``python -m lit_memory`` for an untrusted
-        command) where this run writes: its run folder (``trainer.default_root_dir``, the working folder by
-        default: create-only, since its parent chose it or nobody did; the user's own when typed), the
-        folders the user typed, and which setting names which path (for the refusal lines)."""
-        typed = dict(leaves(self.decision.typed))
-        guard.set_typed(typed)
-        held = box.active()
-        if held is None or self.decision.trusted:
-            return
-        settings = self.settings
-        root = settings.get("trainer.default_root_dir")
-        own = root is not None and self.decision.is_typed("trainer.default_root_dir", root)
-        label = "trainer.default_root_dir" if root else "the working folder: trainer.default_root_dir's default"
-        held.allow(os.path.expanduser(str(root)) if root else os.getcwd(), label, owned=own)
-        for key, value in typed.items():
-            if key.rsplit(".", 1)[-1] in guard.WRITE_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
-                held.allow(value, key, owned=True)
-        held.name_settings(leaves(settings))
-        workers = settings.get("data.num_workers")
-        held.max_children = 2 * max(os.cpu_count() or 1, workers if isinstance(workers, int) else 0) + 4
-        box.publish()
-
     def _parse_alone(self, argv: list[str]) -> Namespace:
-        _Parser.probing = True
-        try:
+        with self._probing():
             return self.parser.parse_args(argv)
+
+    @contextlib.contextmanager
+    def _probing(self) -> Iterator[None]:
+        """This run's parsers (the main one and each subcommand's) fail quietly while the command line is parsed
+        alone (`trust.typed_values`)."""
+        parsers = [self.parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        for parser in parsers:
+            parser.probing = True
+        try:
+            yield
         finally:
-            _Parser.probing = False
+            for parser in parsers:
+                parser.probing = False
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         # Load checkpoints with weights_only=True (tensors and plain data only, no pickled code);
@@ -231,9 +256,9 @@ class LitMemoryCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
-        # Memory is measured in every run: a forced callback (always present, unlike a default in
-        # `trainer.callbacks`, which a user's list would replace) with its own `memory:` config block.
-        parser.add_lightning_class_args(MemoryMonitor, "memory")
+        # Memory is measured in every run: its `memory:` block, whose callbacks every run gets (`_instantiate_trainer`;
+        # unlike a default in `trainer.callbacks`, a user's list does not replace them).
+        parser.add_class_arguments(MemoryOptions, "memory", fail_untyped=False, instantiate=False, sub_configs=True)
         # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
         # `_instantiate_trainer`). Its `progress:` block sets how often.
         parser.add_lightning_class_args(LogProgress, "progress")
@@ -286,73 +311,36 @@ class LitMemoryCLI(LightningCLI):
 
     # -- building and running ------------------------------------------------------------------
 
-    def instantiate_classes(self) -> None:
-        if not self._deferred:
-            self._use_allocator_settings()
-            self._plan_checkpointing()
-            super().instantiate_classes()
+    def _set_seed(self) -> None:
+        """Seed once, when the run is built: a deferred run (`resolve`) seeds in `build`/`launch`, so that parsing
+        alone (``estimate``, ``recipes check``) leaves the process's random state and environment as they were."""
+        if self._deferred or self._seeded:
+            return
+        self._seeded = True
+        super()._set_seed()
 
-    def _use_allocator_settings(self) -> None:
-        """The recipe's ``memory.allocator``, for a run on CUDA, before anything allocates there (and before
-        the checkpointing plan, which predicts with them). A CPU run leaves the environment alone."""
-        from lit_memory.memory.allocator import use_recipe_conf
+    def _prepare(self) -> None:
+        """Before anything is instantiated: the seed, the recipe's allocator settings for a run on CUDA (before
+        anything allocates there, and before the checkpointing plan, which predicts with them; a CPU run leaves
+        them alone), and ``auto`` checkpointing planned (`lit_memory.memory.recompute.plan_run`)."""
+        from lit_memory.memory.recompute import plan_run
 
+        self._set_seed()
         if not runs_on_cpu(self.settings.trainer.accelerator):
-            warning = use_recipe_conf(self.settings.memory.allocator)
+            warning = self._held.enter_context(recipe_settings(self.memory.settings.allocator))
             if warning:
                 say(warning)
-
-    def _plan_checkpointing(self) -> None:
-        """``model.gradient_checkpointing: auto`` becomes the plan with the fewest FLOPs predicted to fit this
-        run's device budget (`lit_memory.memory.recompute`), for the device it runs on, before the module is
-        built; the config (and the recipe the run saves) then holds that plan. On CUDA the budget is the smaller
-        of ``memory.budget``/``memory.tier`` and what the run's card has free at start (`read_card`, matched to
-        the catalogue by name for its speeds); one line says which applied, one what was chosen."""
-        settings = self.settings
         training = self.config.get("subcommand") in (None, "fit")
-        if not training and is_auto(settings.model.gradient_checkpointing):
-            settings.model.gradient_checkpointing = False  # no backward to plan for: nothing is recomputed
-        if not is_auto(settings.model.gradient_checkpointing):
-            if is_auto(settings.model.offload_activations):  # weighed only against a plan being chosen
-                settings.model.offload_activations = False
-            return
-        from dataclasses import replace
+        plan_run(self.settings, self.memory.settings, training, self.step, lambda: self.read_card())
 
-        from lit_memory.data import check_shape
-        from lit_memory.memory.device import planning_limit, target
-        from lit_memory.memory.recompute import planned
-        from lit_memory.memory.step import budget_name, budget_of
-
-        check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
-        device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"  # (its allocator: set just before)
-        found = target(device)
-        as_dict = settings.as_dict()
-        budget, where = budget_of(as_dict), budget_name(as_dict) or ""
-        card = self._card() if device == "cuda" else None
-        if card is not None:
-            found = replace(found, gpu=card.gpu)
-        budget, where, line = planning_limit(budget, where, card)
-        if line:
-            print(line, file=sys.stderr)
-        step = planned(self.step(found), budget, where)
-        settings.model.gradient_checkpointing = step.model["gradient_checkpointing"]
-        settings.model.offload_activations = step.model["offload_activations"]
-        say(step.planned)
-
-    def _card(self) -> Any:
-        """The run's card at start (`lit_memory.memory.device.read_card`, the seam a test replaces), or None
-        where reading it here would break the launch: a strategy that forks or spawns its processes must find
-        CUDA uninitialised in this one."""
-        strategy = self.settings.trainer.strategy
-        name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
-        if "spawn" in name or "fork" in name:
-            print(f"memory: the card is not read before {name} starts its processes: auto plans for the budget alone",
-                  file=sys.stderr)
-            return None
-        return self.read_card()
+    def instantiate_classes(self) -> None:
+        if not self._deferred:
+            self._prepare()
+            super().instantiate_classes()
 
     @staticmethod
     def read_card() -> Any:
+        """The run's card at start (`lit_memory.memory.device.read_card`): the seam a test replaces."""
         from lit_memory.memory.device import read_card
 
         return read_card()
@@ -361,12 +349,33 @@ class LitMemoryCLI(LightningCLI):
         if not self._deferred:
             super()._run_subcommand(subcommand)
 
-    def after_instantiate_classes(self) -> None:
-        if self._deferred:
-            return
-        monitor = self.config_init[self.subcommand]["memory"] if self.subcommand else self.config_init["memory"]
+    def build(self, trainer: bool = True) -> "LitMemoryCLI":
+        """Instantiate the module and data module (and the Trainer): ``self.model``, ``self.datamodule``. A caller
+        that trains with them holds `scope` around this and its training."""
+        with self.scope():
+            self._deferred = False
+            self._prepare()
+            if trainer:
+                LightningCLI.instantiate_classes(self)
+            else:
+                self.config_init = self.parser.instantiate_classes(self.config)
+                self.datamodule = self._get(self.config_init, "data")
+                self.model = self._get(self.config_init, "model")
+        return self
+
+    def launch(self) -> None:
+        """Build and run the subcommand of a deferred run."""
+        with self.scope():
+            self._deferred = False
+            self.instantiate_classes()
+            if self.subcommand is not None:
+                self._run_subcommand(self.subcommand)
+
+    def _memory_hooks_for_run(self) -> dict[str, Any]:
+        """The memory callbacks' hooks: those given, else, for training (predictions are for fit only), the run's
+        own step's (`lit_memory.memory.predict.run_hooks`), advising from the shipped recipes."""
         hooks = dict(self._memory_hooks)
-        if None in hooks.values() and self.subcommand in (None, "fit"):  # the monitor predicts for training only
+        if None in hooks.values() and self.subcommand in (None, "fit"):
             from lit_memory.memory.predict import run_hooks
 
             try:
@@ -375,37 +384,14 @@ class LitMemoryCLI(LightningCLI):
                 say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
             hooks = {name: hook if hook is not None else defaults.get(name) for name, hook in hooks.items()}
-        for name, hook in hooks.items():
-            if hook is not None:
-                setattr(monitor, name, hook)
-
-    def build(self, trainer: bool = True) -> "LitMemoryCLI":
-        """Instantiate the module and data module (and the Trainer): ``self.model``, ``self.datamodule``."""
-        self._use_allocator_settings()
-        self._plan_checkpointing()
-        if trainer:
-            LightningCLI.instantiate_classes(self)
-            self.after_instantiate_classes()
-        else:
-            self.config_init = self.parser.instantiate_classes(self.config)
-            self.datamodule = self._get(self.config_init, "data")
-            self.model = self._get(self.config_init, "model")
-        return self
-
-    def launch(self) -> None:
-        """Build and run the subcommand of a deferred run."""
-        self._deferred = False
-        self.instantiate_classes()
-        self.after_instantiate_classes()
-        if self.subcommand is not None:
-            self._run_subcommand(self.subcommand)
+        return hooks
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
             if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
-                typed = self._typed_callbacks(trainer.get("callbacks") or [])
+                typed = self.decision.typed_callbacks(self.settings, trainer.get("callbacks") or [])
                 kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
@@ -418,26 +404,11 @@ class LitMemoryCLI(LightningCLI):
         return trainer
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
-        """The Trainer with the forced callbacks, where they apply: progress lines only off a terminal, with the
-        progress bar on and none of the user's own; the model summary (`lit_memory.console.ModelSummary`) unless
-        turned off or the user configured one."""
-        given = config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        progress = [c for c in callbacks if isinstance(c, LogProgress)]
-        callbacks = [c for c in callbacks if not isinstance(c, LogProgress)]
-        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
-            if not interactive():
-                callbacks += progress
-        if config.get("enable_model_summary") is not False and not any(isinstance(c, LightningModelSummary) for c in given):
-            callbacks.append(ModelSummary())
-            config["enable_model_summary"] = False  # Lightning's own default summary: ours stands in for it
-        return super()._instantiate_trainer(config, callbacks)
-
-    def _typed_callbacks(self, callbacks: list[Any]) -> set[int]:
-        """Ids of the callbacks whose class spec the user typed on the command line (theirs, bounds and all)."""
-        specs = self.settings.get("trainer.callbacks") or []
-        typed = self.decision.typed.get("trainer.callbacks") or [] if isinstance(self.decision.typed, Namespace) else []
-        return {id(c) for c, spec in zip(callbacks, specs) if any(spec == t for t in typed)}
+        """The Trainer with every run's callbacks: those of its ``memory:`` block
+        (`lit_memory.run_memory.memory_callbacks`), and the progress lines and model summary where they apply
+        (`lit_memory.console.forced_callbacks`)."""
+        callbacks = [*callbacks, *memory_callbacks(self.memory, **self._memory_hooks_for_run())]
+        return super()._instantiate_trainer(config, console.forced_callbacks(config, callbacks))
 
     def _preflight(self) -> None:
         if self.subcommand != "fit":
@@ -445,10 +416,7 @@ class LitMemoryCLI(LightningCLI):
         if self.settings.get("ckpt_path") is not None:
             self.model.report_new_head = False  # the checkpoint's head replaces the one built first
         typed = [v for k, v in leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
-        guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed))
-        if guard.restricted() and self.subcommand == "fit" and getattr(self.model, "hparams", {}).get("save_pretrained"):
-            run_dir = self.trainer.log_dir or self.trainer.default_root_dir  # where `SequenceClassifier.on_fit_end` exports
-            guard.check_replace(Path(run_dir) / "hf_model", "model.save_pretrained")
+        guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed), self.model)
 
     def before_fit(self) -> None:
         self._preflight()
@@ -463,33 +431,17 @@ class LitMemoryCLI(LightningCLI):
         self._preflight()
 
     def after_fit(self) -> None:
-        self._print_metrics("val")
+        console.print_metrics(self.trainer, "val")
 
     def after_validate(self) -> None:
-        self._print_metrics("val")
+        console.print_metrics(self.trainer, "val")
 
     def after_test(self) -> None:
-        self._print_metrics("test")
+        console.print_metrics(self.trainer, "test")
 
     def after_predict(self) -> None:
-        # Lightning keeps no metrics for predict: the module computed them where the inputs had labels.
-        results = getattr(self.model, "predict_results", None)
-        if results and self.trainer.is_global_zero:
-            print("predict: " + "  ".join(f"{k.removeprefix('predict_')}={v:.4f}" for k, v in sorted(results.items())))
+        console.print_predict_metrics(self.trainer, self.model)
 
-    def _print_metrics(self, stage: str) -> None:
-        if not self.trainer.is_global_zero:
-            return
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
-        if metrics:
-            print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
-
-
-def say(line: str) -> None:
-    """A line on stderr from the process of global rank 0 only: Lightning's launcher runs this command again for
-    every other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
-    if rank_zero_only.rank == 0:
-        print(line, file=sys.stderr)
 
 def named_files(argv: list[str]) -> list[str]:
     """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``)."""
@@ -502,24 +454,6 @@ def named_files(argv: list[str]) -> list[str]:
         except (OSError, ValueError):
             continue
     return found
-
-
-def fp16_under_fsdp2(trainer: dict[str, Any]) -> dict[str, Any]:
-    """Trainer arguments that run ``16-mixed`` under FSDP2 on CUDA (a GPU without bf16: `lit_memory.precision`).
-    Lightning refuses the precision flag with ModelParallelStrategy (`lit_memory.FSDP2Strategy` is one), yet
-    GradScaler works there: its unscale of the sharded gradients reduces the overflow flag over the ranks
-    (torch's DTensor), and the fused step reduces its own. So the same precision comes as a plugin."""
-    from lightning.pytorch.plugins import MixedPrecision
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    precision = Precision.known(trainer.get("precision"))  # Lightning's aliases too (16, "16")
-    if precision is None or not precision.scaled or not isinstance(trainer.get("strategy"), ModelParallelStrategy):
-        return {}
-    if runs_on_cpu(trainer.get("accelerator")):
-        return {}  # Lightning's own answer on a CPU (it runs 16-mixed as bf16)
-    plugins = trainer.get("plugins") or []
-    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-    return {"precision": None, "plugins": [*plugins, MixedPrecision(precision.name, "cuda")]}
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

@@ -268,3 +268,46 @@ class ModelSummary(LightningModelSummary):
         if not total_flops:
             text = text.rsplit("\n", 1)[0]  # "0 Total Flops", Lightning's last line
         log.info("\n" + text)
+
+
+def forced_callbacks(config: dict[str, Any], callbacks: list) -> list:
+    """The callbacks every run gets besides its own (``callbacks``, LightningCLI's forced ones), where they apply:
+    progress lines (`LogProgress`) only off a terminal, with the progress bar on and none of the user's own; the
+    model summary (`ModelSummary`) unless turned off or the user configured one, standing in for Lightning's
+    default (``config``'s ``enable_model_summary`` is turned off then)."""
+    given = config.get("callbacks") or []
+    given = given if isinstance(given, list) else [given]
+    progress = [c for c in callbacks if isinstance(c, LogProgress)]
+    callbacks = [c for c in callbacks if not isinstance(c, LogProgress)]
+    if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+        if not interactive():
+            callbacks += progress
+    if config.get("enable_model_summary") is not False and not any(isinstance(c, LightningModelSummary) for c in given):
+        callbacks.append(ModelSummary())
+        config["enable_model_summary"] = False
+    return callbacks
+
+
+def print_metrics(trainer: Any, stage: str) -> None:
+    """One line of the stage's metrics (``val``, ``test``) from the global-zero process: ``val: acc=0.8751 f1=...``."""
+    if not trainer.is_global_zero:
+        return
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
+    if metrics:
+        print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
+
+
+def print_predict_metrics(trainer: Any, module: Any) -> None:
+    """Lightning keeps no metrics for predict: the module computed them where the inputs had labels."""
+    results = getattr(module, "predict_results", None)
+    if results and trainer.is_global_zero:
+        print("predict: " + "  ".join(f"{k.removeprefix('predict_')}={v:.4f}" for k, v in sorted(results.items())))
+
+
+def say(line: str) -> None:
+    """A line on stderr from the process of global rank 0 only: Lightning's launcher runs a command again for every
+    other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank == 0:
+        print(line, file=sys.stderr)

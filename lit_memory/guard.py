@@ -1,14 +1,14 @@
 """The trust guard at the sinks: where a run unpickles, imports model code, picks a checkpoint or writes.
 
-`lit_memory.trust` decides, once per process, whether the files a run was given (recipes, configs,
-checkpoints, model folders, run folders) are trusted (``--trust-recipe``) and calls `enforce`. Checks on
+`lit_memory.trust` decides, once per run, whether the files a run was given (recipes, configs,
+checkpoints, model folders, run folders) are trusted (``--trust-recipe``), and the run holds `enforced` for its
+length. Checks on
 parsed values cannot see what is loaded later by paths they never saw (a checkpoint Lightning finds by
 itself, a rank-local metadata file, a pickled item inside a checkpoint folder), so untrusted, the rules
 hold where the loading happens:
 
-- **every** ``torch.load`` in the process is weights-only (tensors and plain data): torch's own
-  process-wide switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which overrides ``weights_only=False`` at
-  every call site (Lightning's ``meta.pt``, the non-tensor items torch's distributed-checkpoint
+- **every** ``torch.load`` in the process is weights-only (tensors and plain data) while the run lasts: torch's
+  own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which overrides ``weights_only=False`` at every call site (Lightning's ``meta.pt``, the non-tensor items torch's distributed-checkpoint
   planner loads, transformers' ``.bin`` weights);
 - the two unpicklers that bypass ``torch.load`` are restricted: torch's distributed-checkpoint reader
   reads ``.metadata`` and rank-local ``__N.metadata`` with plain `pickle.load`, and Lightning's FSDP
@@ -39,13 +39,14 @@ used as a library, by the caller's own code) nothing here restricts anything.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -57,23 +58,42 @@ from lit_memory.errors import UserError
 TRUST_FLAG = "--trust-recipe"
 HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization reads it at every torch.load
+NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 # Lightning's own names for checkpoints it finds itself.
 SPECIAL_CKPT = ("last", "best", "hpc")
 
-_trusted: Optional[bool] = None  # None: no decision made in this process (library use)
+_trusted: Optional[bool] = None  # None: no run's decision holds now (library use)
 _written: set[str] = set()  # checkpoints this process saved: the only ones it removes while `restricted`
 _own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
 
 
-def enforce(trusted: bool) -> None:
-    """Apply a run's trust decision to every sink in this process (idempotent; `lit_memory.trust` makes
-    sure an untrusted process is never made trusted later)."""
-    global _trusted
-    _trusted = trusted
+@contextlib.contextmanager
+def enforced(trusted: bool) -> Iterator[None]:
+    """Apply a run's trust decision to every sink in this process for the length of the block (`lit_memory.trust`
+    makes sure a trusted decision never lifts an untrusted one inside it). Untrusted, torch's weights-only switch
+    is set for every ``torch.load`` (children started meanwhile inherit it); at the end the switch, the decision
+    and what the run recorded here (the checkpoints it saved, the folders and settings the user typed) are as
+    they were before it."""
+    global _trusted, _typed
     harden()
+    saved = (_trusted, set(_written), list(_own_folders), _typed)
+    switches = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
+    _trusted = trusted
     if not trusted:
         os.environ[FORCE_WEIGHTS_ONLY] = "1"
-        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # torch refuses both set
+        os.environ.pop(NO_WEIGHTS_ONLY, None)  # torch refuses both set
+    try:
+        yield
+    finally:
+        _trusted, written, own, _typed = saved
+        _written.clear()
+        _written.update(written)
+        _own_folders[:] = own
+        for name, value in switches.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def restricted() -> bool:
@@ -358,10 +378,13 @@ def install(trainer: Any) -> None:
 # -- before a run starts ---------------------------------------------------------------------
 
 
-def preflight(trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folders: tuple[Any, ...] = ()) -> None:
+def preflight(
+    trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folders: tuple[Any, ...] = (), model: Any = None
+) -> None:
     """Untrusted: refuse, before anything is written, what the run would load or write unsafely: the
     checkpoint Lightning will pick (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s
-    check), and links planted in the folders it writes into. ``own_folders``: folders the user typed
+    check), links planted in the folders it writes into, and a fit's export folder (``model.save_pretrained``:
+    ``hf_model`` in the run folder) the box would not let it replace. ``own_folders``: folders the user typed
     (``--trainer.default_root_dir``, a callback's ``dirpath``): a checkpoint Lightning picks by itself
     there (SLURM's requeued job resuming) is theirs, and still read with the restricted readers."""
     if not restricted():
@@ -380,6 +403,9 @@ def preflight(trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folde
     finally:
         state.fn = fn
     check_write_folders(trainer)
+    if subcommand == "fit" and getattr(model, "hparams", {}).get("save_pretrained"):
+        run_dir = trainer.log_dir or trainer.default_root_dir  # where `SequenceClassifier.on_fit_end` exports
+        check_replace(Path(run_dir) / "hf_model", "model.save_pretrained")
 
 
 def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:

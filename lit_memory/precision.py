@@ -125,3 +125,28 @@ def training_gpu(accelerator: Any) -> Optional[Gpu]:
     from lit_memory.memory.device import target
 
     return target("cuda").gpu
+
+
+def follow_device(trainer: Any, gpu: Optional[Gpu], typed: Any) -> None:
+    """A run's trainer settings (changed in place) follow the GPU it trains on: a recipe's bf16 becomes `on_gpu`'s on
+    a GPU without bf16, unless the user typed it (``typed(key, value)``: whether they did)."""
+    if changes_on(trainer.precision, gpu) and not typed("trainer.precision", trainer.precision):
+        trainer.precision = on_gpu(trainer.precision, gpu)
+
+
+def fp16_under_fsdp2(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments that run ``16-mixed`` under FSDP2 on CUDA (a GPU without bf16, above). Lightning refuses the
+    precision flag with ModelParallelStrategy (`lit_memory.FSDP2Strategy` is one), yet GradScaler works there: its
+    unscale of the sharded gradients reduces the overflow flag over the ranks (torch's DTensor), and the fused step
+    reduces its own. So the same precision comes as a plugin."""
+    from lightning.pytorch.plugins import MixedPrecision
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    precision = Precision.known(trainer.get("precision"))  # Lightning's aliases too (16, "16")
+    if precision is None or not precision.scaled or not isinstance(trainer.get("strategy"), ModelParallelStrategy):
+        return {}
+    if runs_on_cpu(trainer.get("accelerator")):
+        return {}  # Lightning's own answer on a CPU (it runs 16-mixed as bf16)
+    plugins = trainer.get("plugins") or []
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    return {"precision": None, "plugins": [*plugins, MixedPrecision(precision.name, "cuda")]}

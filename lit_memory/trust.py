@@ -4,7 +4,7 @@ A recipe, a config, a checkpoint or a run folder someone sent is not trusted; th
 types is. One `Decision` per run says which of the two the run's settings came from and whether the
 user passed ``--trust-recipe``; it is applied where things happen, in three places:
 
-- **imports**, while jsonargparse parses: its import-path policy (`enforce_import_policy`) refuses any
+- **imports**, while jsonargparse parses: its import-path policy (`import_policy`) refuses any
   class or callable outside `ALLOWLIST` (and where the object is really defined: a re-export such as
   ``lightning.pytorch.cli.os.system`` is ``os.system``); values typed ``Any`` stay plain data. Reading
   configs from URLs or fsspec chains is off in every run (`remote_configs_off`): a nested config is a
@@ -19,20 +19,23 @@ user passed ``--trust-recipe``; it is applied where things happen, in three plac
   user's own and exempt (`typed_values`), not whole subtrees merged under a key they typed.
 - **sinks**, for everything loaded or written later by paths no parsed value shows: `lit_memory.guard`
   (torch.load, torch's distributed-checkpoint reader, Lightning's checkpoint IO and the checkpoint it
-  picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.enforce`.
+  picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.applied`.
 - **configs read**, untrusted: every config file jsonargparse reads is a regular file within the size
-  bound and its YAML's aliases and nesting are bounded before it is built (`bound_config_reading`,
+  bound and its YAML's aliases and nesting are bounded before it is built (`bounded_config_reading`,
   `lit_memory.bounds`).
 
 Beyond all of these, ``python -m lit_memory`` holds the box (`lit_memory.box`) for an untrusted command:
 the process itself writes, reads, starts and reaches only what the box allows, whatever class asks.
 
-``--trust-recipe`` lifts all of it. jsonargparse's settings and torch's switch are process-wide, so the
-decision is one per process: an untrusted process cannot later run a trusted command.
+``--trust-recipe`` lifts all of it. The decision holds for one run (`Decision.applied`: ``python -m lit_memory``
+holds it from the command's first line to its last, the command line's run for each of its phases): jsonargparse's
+settings, its config reading and torch's switch are process-wide, so they are set for the run and put back after
+it. Inside an untrusted run nothing can be trusted; after it, the process is as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from jsonargparse import Namespace
 
-from lit_memory import bounds, guard
+from lit_memory import bounds, box, guard
 from lit_memory.errors import UserError
 from lit_memory.settings import assign, leaves
 
@@ -74,51 +77,63 @@ DENYLIST = (
 )
 SPECIAL_CKPT = guard.SPECIAL_CKPT
 
-_enforced = False
+# jsonargparse's settings the import policy changes (in its private `_common.parsing_settings`)
+POLICY_SETTINGS = ("import_path_verdicts", "import_paths_enforced", "instantiate_subclass_spec_in_any")
+_policy_depth = 0  # untrusted runs holding the import policy now (nested: a tool's run inside a command's)
 
 
-def enforce_import_policy() -> None:
-    """Make jsonargparse refuse, from now on in this process, every import path outside `ALLOWLIST`.
+@contextlib.contextmanager
+def import_policy() -> Iterator[None]:
+    """For the length of the block, jsonargparse refuses every import path outside `ALLOWLIST` (while parsing and
+    while instantiating), and keeps values typed ``Any`` as data; then its settings are as they were.
 
-    jsonargparse's settings are process-wide and cannot be undone through its API, so the decision
-    is made once per process: `--trust-recipe` must be given to the process that parses.
-    """
-    global _enforced
+    jsonargparse (4.53) keeps these settings in one process-wide table that its API only adds to
+    (``set_parsing_settings``: a denied ``*`` cannot be taken back), has no public getter, and its ``parser_context``
+    does not cover: so the table's entries are saved and put back here (tests/test_trust.py checks they exist)."""
+    global _policy_depth
     import jsonargparse
+    from jsonargparse import _common
 
-    if not _enforced:
-        jsonargparse.set_parsing_settings(
-            import_path_denylist=["*", *DENYLIST],
-            import_path_allowlist=list(ALLOWLIST),
-            instantiate_subclass_spec_in_any=False,
-        )
-        _enforced = True
+    saved = {key: _common.parsing_settings[key] for key in POLICY_SETTINGS}
+    jsonargparse.set_parsing_settings(
+        import_path_denylist=["*", *DENYLIST],
+        import_path_allowlist=list(ALLOWLIST),
+        instantiate_subclass_spec_in_any=False,
+    )
+    _policy_depth += 1
+    try:
+        yield
+    finally:
+        _policy_depth -= 1
+        _common.parsing_settings.update(saved)
 
 
 def import_policy_enforced() -> bool:
-    return _enforced
+    return _policy_depth > 0
 
 
-_yaml_bounded = False
 _bound_error: Optional[UserError] = None  # the last bound a config broke (jsonargparse wraps errors in its own)
 _typed_files: set[str] = set()  # files named on the command line: the user's, read as they are
 _reading: Optional[tuple[str, str]] = None  # (path, text) of the config just read, for the loader's refusal
 
 
-def bound_config_reading(typed_files: Iterator[str] = ()) -> None:
-    """Untrusted: every config jsonargparse reads (``--config`` files, nested configs, a file given as a
-    value) is a regular file within `bounds.CONFIG_BYTES` (a FIFO or /dev/zero is not read at all), and every
-    YAML it loads has its aliases and nesting bounded (`bounds.check_yaml`), before it is built. Typed on
-    the command line, a file is the user's and read as it is (``--config <(...)``)."""
-    global _yaml_bounded
+@contextlib.contextmanager
+def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
+    """Untrusted, for the length of the block: every config jsonargparse reads (``--config`` files, nested configs,
+    a file given as a value) is a regular file within `bounds.CONFIG_BYTES` (a FIFO or /dev/zero is not read at all),
+    and every YAML it loads has its aliases and nesting bounded (`bounds.check_yaml`), before it is built. Typed on
+    the command line, a file is the user's and read as it is (``--config <(...)``). jsonargparse's YAML loader and
+    its path reader are wrapped while the block lasts (its API sets a loader, `jsonargparse.set_loader`; the reader
+    has none), and put back after."""
     import jsonargparse
     import yaml
     from jsonargparse import Path as ConfigPath
 
-    _typed_files.update(os.path.realpath(f) for f in typed_files)
-    if _yaml_bounded:
-        return
+    typed = {os.path.realpath(f) for f in typed_files}
     load = jsonargparse.get_loader("yaml")
+    read_text = ConfigPath.read_text
+    saved_typed = set(_typed_files)
+    _typed_files.update(typed)
 
     def bounded_load(value: str) -> Any:
         global _reading
@@ -126,9 +141,6 @@ def bound_config_reading(typed_files: Iterator[str] = ()) -> None:
             where, _reading = (_reading[0] if _reading and _reading[1] == value else "a recipe or config"), None
             _check(bounds.check_yaml, value, where)
         return load(value)
-
-    jsonargparse.set_loader("yaml", bounded_load, exceptions=(yaml.YAMLError,))
-    read_text = ConfigPath.read_text
 
     def bounded_read_text(self: Any) -> str:
         local = not (self._std_io or self._is_url or self._is_fsspec)
@@ -141,8 +153,19 @@ def bound_config_reading(typed_files: Iterator[str] = ()) -> None:
         _reading = (str(self._absolute), text)  # the YAML loader names the file it refuses
         return text
 
-    ConfigPath.read_text = bounded_read_text
-    _yaml_bounded = True
+    bounded = getattr(load, "bounded", False)  # an enclosing untrusted run's: it holds already
+    if not bounded:
+        bounded_load.bounded = True  # type: ignore[attr-defined]
+        jsonargparse.set_loader("yaml", bounded_load, exceptions=(yaml.YAMLError,))
+        ConfigPath.read_text = bounded_read_text
+    try:
+        yield
+    finally:
+        if not bounded:
+            jsonargparse.set_loader("yaml", load, exceptions=(yaml.YAMLError,))
+            ConfigPath.read_text = read_text
+        _typed_files.clear()
+        _typed_files.update(saved_typed)
 
 
 def _check(fn: Callable[..., Any], *args: Any) -> Any:
@@ -162,12 +185,22 @@ def bound_error() -> Optional[UserError]:
     return err
 
 
-def remote_configs_off() -> None:
-    """jsonargparse reads a config given by URL or fsspec chain (LightningCLI turns fsspec on when
-    imported): off, so ``check``, ``fit``, ``estimate`` and ``plan`` never fetch a nested config."""
+@contextlib.contextmanager
+def remote_configs_off() -> Iterator[None]:
+    """For the length of the block, jsonargparse reads no config given by URL or fsspec chain (LightningCLI turns
+    fsspec on when imported): ``check``, ``fit``, ``estimate`` and ``plan`` never fetch a nested config. Then its
+    reading modes are as they were."""
     import jsonargparse
+    from jsonargparse._optionals import _get_config_read_mode
 
+    mode = _get_config_read_mode()  # jsonargparse's own getter is deprecated; its setter is public
     jsonargparse.set_parsing_settings(config_read_mode_urls_enabled=False, config_read_mode_fsspec_enabled=False)
+    try:
+        yield
+    finally:
+        jsonargparse.set_parsing_settings(
+            config_read_mode_urls_enabled="u" in mode, config_read_mode_fsspec_enabled="s" in mode
+        )
 
 
 # -- imports refused while parsing -------------------------------------------------------------
@@ -381,19 +414,53 @@ class Decision:
     trusted: bool
     typed: Namespace = field(default_factory=Namespace)
 
-    def enforce(self, typed_files: Iterator[str] = ()) -> None:
-        """Apply the decision to this process: before parsing (imports, configs read), and to every sink.
-        ``typed_files``: files named on the command line (the user's)."""
-        if not self.trusted:
-            enforce_import_policy()
-            bound_config_reading(typed_files)
-        elif import_policy_enforced():
+    @contextlib.contextmanager
+    def applied(self, typed_files: Iterator[str] = ()) -> Iterator["Decision"]:
+        """Apply the decision to this process for the length of the block (a run): imports and configs read while
+        parsing, and every sink (`lit_memory.guard.enforced`); at the end all of it is as it was before.
+        ``typed_files``: files named on the command line (the user's). Inside an untrusted run, a trusted decision
+        is refused: it would lift the rules the enclosing run holds."""
+        if self.trusted and import_policy_enforced():
             raise UserError(
-                f"{TRUST_FLAG} cannot lift the import allowlist in a process that has already enforced it: "
-                "run the trusted command in a process of its own"
+                f"{TRUST_FLAG} cannot lift the import allowlist inside an untrusted run: run the trusted command in "
+                "a process of its own"
             )
-        remote_configs_off()
-        guard.enforce(self.trusted)
+        with contextlib.ExitStack() as held:
+            if not self.trusted:
+                held.enter_context(import_policy())
+                held.enter_context(bounded_config_reading(typed_files))
+            held.enter_context(remote_configs_off())
+            held.enter_context(guard.enforced(self.trusted))
+            yield self
+
+    def confine(self, settings: Namespace) -> None:
+        """Tell this process's box (`lit_memory.box`, held by ``python -m lit_memory`` for an untrusted command)
+        where this run writes: its run folder (``trainer.default_root_dir``, the working folder by default:
+        create-only, since its parent chose it or nobody did; the user's own when typed), the folders the user
+        typed, and which setting names which path (for the refusal lines). The guard is told the typed settings."""
+        typed = dict(leaves(self.typed))
+        guard.set_typed(typed)
+        held = box.active()
+        if held is None or self.trusted:
+            return
+        root = settings.get("trainer.default_root_dir")
+        own = root is not None and self.is_typed("trainer.default_root_dir", root)
+        label = "trainer.default_root_dir" if root else "the working folder: trainer.default_root_dir's default"
+        held.allow(os.path.expanduser(str(root)) if root else os.getcwd(), label, owned=own)
+        for key, value in typed.items():
+            if key.rsplit(".", 1)[-1] in guard.WRITE_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
+                held.allow(value, key, owned=True)
+        held.name_settings(leaves(settings))
+        workers = settings.get("data.num_workers")
+        held.max_children = 2 * max(os.cpu_count() or 1, workers if isinstance(workers, int) else 0) + 4
+        box.publish()
+
+    def typed_callbacks(self, settings: Namespace, callbacks: list[Any]) -> set[int]:
+        """Ids of ``callbacks`` (built from ``settings``' ``trainer.callbacks``) whose class spec the user typed on
+        the command line: theirs, bounds and all."""
+        specs = settings.get("trainer.callbacks") or []
+        typed = self.typed.get("trainer.callbacks") or [] if isinstance(self.typed, Namespace) else []
+        return {id(c) for c, spec in zip(callbacks, specs) if any(spec == t for t in typed)}
 
     def is_typed(self, key: str, value: Any) -> bool:
         """Whether the user typed ``value`` for ``key`` (a parse of the command line alone gives it)."""

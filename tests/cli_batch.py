@@ -5,9 +5,10 @@
 CASES.json: ``{name: {"argv": [...], "env": {...}}}``. Each case is one call of the entry point
 (`lit_memory.__main__.main`, what ``python -m lit_memory`` runs) with its own argv and environment
 variables (restored after it), its stdout and stderr captured; RESULTS.json gets
-``{name: {"code": exit status, "out": stdout, "err": stderr}}``. The trust decision is one per process,
-so a batch is all untrusted or all ``--trust-recipe``: the cases share only what every one of them
-would set up the same way in a process of its own, and a process start (about 10 s here) is paid once.
+``{name: {"code": exit status, "out": stdout, "err": stderr}}``. Each command's trust decision holds for that
+command only (`lit_memory.trust.Decision.applied`); tests/test_trust.py runs a batch all untrusted and one all
+``--trust-recipe`` to compare them. The cases share only what every one of them would set up the same way in a
+process of its own, and a process start (about 10 s here) is paid once.
 """
 
 from __future__ import annotations

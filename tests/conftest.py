@@ -48,18 +48,6 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=rank)  # stable: each file's own order is kept
 
 
-@pytest.fixture(autouse=True)
-def _each_test_starts_clean():
-    """Every test starts from the same environment: Lightning's launcher, for one, sets RANK-style
-    variables in the launching process and never removes them. (The heap is no longer trimmed by hand
-    here: the ~1 GB a fit used to leave behind was its model, kept alive by torch's ModTracker, fixed in
-    `lit_memory.memory.tracker`; see examples/soak.py.)"""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 POSITIVE = ["great hotel, friendly staff", "lovely clean room", "excellent breakfast", "would stay again", "superb view"]
 NEGATIVE = ["dirty room and rude staff", "terrible noise all night", "awful breakfast", "never again", "broken shower"]
 

@@ -195,3 +195,33 @@ class Payload:
 
     def __reduce__(self):
         return open, (self.marker, "w")
+
+
+def test_a_runs_switches_hold_for_the_run_only(tmp_path):
+    """What a run switches in this process holds inside its scope and is as it was after it: the trust decision
+    (jsonargparse's import policy, torch's weights-only switch, the guard's sinks), the seed's variables, and on
+    CUDA the recipe's allocator settings, in the variable torch reads first and in torch's runtime settings. So
+    `plan --measure`'s candidates, each a run of its own in one process, each get their own allocator settings."""
+    import os
+
+    import jsonargparse
+
+    from lit_memory import guard, trust
+    from lit_memory.cli import resolve
+    from lit_memory.memory.allocator import AllocatorConfig, env_names, environment_conf
+
+    policy, environment = dict(jsonargparse._common.parsing_settings), dict(os.environ)
+    runtime = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
+    assert environment_conf() is None  # (this test needs an environment that sets no allocator settings)
+    for conf in ("expandable_segments:True", "max_split_size_mb:64"):  # two candidates in turn
+        run = resolve(["fit", "--model.pretrained=false", "--trainer.accelerator=cuda", f"--memory.allocator={conf}",
+                       f"--trainer.default_root_dir={tmp_path}"])
+        assert dict(os.environ) == environment  # parsing alone switches nothing that outlives it
+        with run.scope():
+            run.build(trainer=False)
+            assert os.environ[env_names()[0]] == conf and torch._C._accelerator_getAllocatorSettings() == conf
+            assert trust.import_policy_enforced() and guard.restricted() and os.environ[guard.FORCE_WEIGHTS_ONLY] == "1"
+            assert os.environ["PL_GLOBAL_SEED"] == "42"
+        assert dict(os.environ) == environment and dict(jsonargparse._common.parsing_settings) == policy
+        assert not trust.import_policy_enforced() and not guard.restricted()
+        assert AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings()) == runtime

@@ -10,7 +10,7 @@ import pytest
 from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
 
 from conftest import FAST
-from lit_memory import cli as cli_module
+from lit_memory import console as console_module
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.console import LogProgress, ModelSummary, interactive, total_epochs
 from lit_memory.errors import UserError
@@ -47,12 +47,12 @@ def test_the_model_summary_leaves_out_flops_lightning_did_not_count(caplog, caps
 
 def test_a_terminal_keeps_the_rich_bar_and_a_log_gets_progress_lines(monkeypatch):
     args = [*FAST, "--trainer.enable_progress_bar=true", "--trainer.enable_model_summary=true", "--progress.interval=5"]
-    monkeypatch.setattr(cli_module, "interactive", lambda: False)
+    monkeypatch.setattr(console_module, "interactive", lambda: False)
     callbacks = LitMemoryCLI(args=args, run=False).trainer.callbacks
     (progress,) = [c for c in callbacks if isinstance(c, LogProgress)]
     assert progress.interval == 5 and not any(isinstance(c, RichProgressBar) for c in callbacks)
     assert any(type(c) is ModelSummary for c in callbacks) and not any(isinstance(c, RichModelSummary) for c in callbacks)
-    monkeypatch.setattr(cli_module, "interactive", lambda: True)
+    monkeypatch.setattr(console_module, "interactive", lambda: True)
     callbacks = LitMemoryCLI(args=args, run=False).trainer.callbacks
     assert any(isinstance(c, RichProgressBar) for c in callbacks) and not any(isinstance(c, LogProgress) for c in callbacks)
     # the progress bar turned off: neither

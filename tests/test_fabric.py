@@ -22,7 +22,17 @@ from lit_memory.errors import UserError
 from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, FSDP1_SCALER, SHARED, STALE_OPTIMIZER, UNOWNED
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
+pytestmark = pytest.mark.usefixtures("one_thread", "seed_variables")  # conftest: one thread for these small models
+
+
+@pytest.fixture
+def seed_variables(monkeypatch):
+    """The examples seed as a user's script does (``Fabric.seed_everything``), which sets ``PL_GLOBAL_SEED`` and
+    ``PL_SEED_WORKERS`` for the process: as they were after each test (set and removed here, so that monkeypatch
+    records what to put back)."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def example(name: str):

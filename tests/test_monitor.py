@@ -15,7 +15,9 @@ from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.memory import nvml as nvml_module
 from lit_memory.memory import records
 from lit_memory.memory.footprint import CATEGORIES, PHASES, format_bytes
+from lit_memory.memory.budget import MemorySettings
 from lit_memory.monitor import MemoryMonitor, device_memory_used
+from lit_memory.run_memory import BudgetCap, MemoryPredictions, MemoryTable
 
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 # Every batch padded to max_length, so the measured batch has the predicted (worst-case) shape.
@@ -30,7 +32,7 @@ def test_accumulation_windows_track_only_the_micro_batches_that_differ():
     assert [i for i in range(8) if monitor._tracking(trainer, i)] == [0, 1, 7]
     trainer.global_step = 2  # past the tracked steps
     assert not any(monitor._tracking(trainer, i) for i in range(16, 24))
-    budgeted = MemoryMonitor(track_steps=2, budget="1GiB")  # a CPU budget is enforced at every micro-batch
+    budgeted = MemoryMonitor(track_steps=2, memory=MemorySettings.parse(budget="1GiB"))  # enforced at every micro-batch
     assert all(budgeted._tracking(trainer, i) for i in range(16, 24))
 
 
@@ -190,19 +192,23 @@ def fake_cuda(monkeypatch, tmp_path):
 
 def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cuda, capsys):
     """The allocator gets the budget less this process's CUDA context measured at the start (the card read
-    through the monitor's seam), so the device total, context included, stays within the budget."""
+    through the cap's seam), so the device total, context included, stays within the budget."""
     from lit_memory.memory.device import GPUS, CardReading
 
     calls, trainer = fake_cuda
-    monitor = MemoryMonitor(budget="4GiB")
-    monitor.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
-    monitor.setup(trainer, None, "fit")
+    cap = BudgetCap(MemorySettings.parse(budget="4GiB").budget.bytes)
+    cap.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
+    cap.setup(trainer, None, "fit")
     assert calls.fractions == [(4 * 2**30 - 512 * 2**20) / (16 * 2**30)]
     assert "the caching allocator is capped at 3.50 GiB on fake" in capsys.readouterr().err
-    monitor.teardown(trainer, None, "fit")
+    cap.teardown(trainer, None, "fit")
     assert calls.fractions[1:] == [0.9]  # the process's own cap again: `plan --measure` runs several fits
-    # a card as the budget: its capacity as torch reports it
-    assert MemoryMonitor(budget="rtx3050-4gb", tier="t4").budget == GPUS["rtx3050-4gb"].memory
+    BudgetCap(None).setup(trainer, None, "fit")  # no budget: the process's cap stays as it is
+    assert calls.fractions[2:] == []
+    # a card as the budget: its capacity as torch reports it; the budget is the limit, before the tier
+    settings = MemorySettings.parse(budget="rtx3050-4gb", tier="t4")
+    assert settings.budget.bytes == settings.limit_bytes == GPUS["rtx3050-4gb"].memory
+    assert settings.limit_words == "memory.budget rtx3050-4gb (3.81 GiB)"
 
 
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
@@ -238,7 +244,7 @@ def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predic
         "max_device_bytes": int(4.4 * 2**30), "device_source": "nvml (this process)", "peak_phase": "backward",
     }
     monitor.process = None
-    monitor._print_table(trainer, None)
+    MemoryTable(monitor).on_fit_end(trainer, None)
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[-3:] == ["analytic", "cuda", "(measured)"]
     rows = {line[:28].strip(): line[28:].split() for line in out[1:]}
@@ -335,8 +341,10 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
         accumulate_grad_batches=1, global_step=0, is_global_zero=True, optimizers=[],
         datamodule=SimpleNamespace(hparams={"batch_size": 32, "max_length": 128, "padding": "longest"}),
     )
-    monitor = MemoryMonitor(track_steps=2, tier="1MiB")
-    monitor.predict = predict
+    memory = MemorySettings.parse(tier="1MiB")
+    monitor = MemoryMonitor(track_steps=2, memory=memory)
+    predictions = MemoryPredictions(monitor, predict)
+    predictions.on_fit_start(trainer, None)
     monitor.on_fit_start(trainer, None)
     for step, tokens in enumerate((50, 41, 60)):  # the third step is past the tracked ones
         trainer.global_step = step
@@ -346,10 +354,10 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
             monitor._stop_tracker()
         monitor._phase = None
     monitor.peak_batch = (32, 41)  # as if the second step, with its optimizer state, reached the tracked peak
-    monitor._predict_seen_shapes(trainer, None)
+    predictions.on_fit_end(trainer, None)
     assert asked == [None, (32, 50), (32, 41)]  # the worst case at the start; the tracked shapes at the end
     assert (monitor.longest_tracked, monitor.longest) == ((32, 50), (32, 60))
-    monitor._print_table(trainer, None)
+    MemoryTable(monitor, memory).on_fit_end(trainer, None)
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:8] == ["memory", "on", "cpu,", "batch", "32", "x", "50", "tokens"]
     rows = {line[:44].strip(): line[44:].split() for line in table[1:8]}

@@ -2,8 +2,8 @@
 
 Every case plants a marker file if its code runs. Untrusted, `fit` and `recipes check` refuse it
 with one line per refusal, the marker never appears and no run folder is written; trusted (in a
-process of its own: the import policy is decided once per process), the code runs as it would
-without lit_memory's checks, which proves the refusals stopped real code.
+process of its own, as a user runs it), the code runs as it would without lit_memory's checks, which
+proves the refusals stopped real code.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def run_main(argv, capsys):
 
 
 def clean_environment(**more: str) -> dict[str, str]:
-    """This process's environment for a command of its own: without torch's weights-only switch, which an
-    untrusted run in this process (a module fixture's, say) sets process-wide and children inherit."""
+    """This process's environment for a command of its own: without torch's weights-only switch, which the
+    environment running the tests may set (an untrusted run sets it only while it runs)."""
     env = {k: v for k, v in os.environ.items() if k != guard.FORCE_WEIGHTS_ONLY}
     return {**env, **more}
 
@@ -174,11 +174,27 @@ def test_trust_recipe_lets_the_parser_import_it(boom):
     assert boom.marker.read_text() == "import-time side effect"  # so the refusals above did stop real code
 
 
-def test_trust_cannot_be_granted_after_the_policy_is_enforced_in_this_process(capsys):
-    run_main(["fit", "--print_config"], capsys)  # enforces the policy in this process
-    code, _, err = run_main(["fit", "--print_config", trust.TRUST_FLAG], capsys)
+def test_an_untrusted_runs_rules_end_with_it_and_cannot_be_lifted_inside_it(boom, capsys):
+    """The decision holds for one run: jsonargparse's import policy (its settings table, saved and put back: the
+    entries still exist in the installed version), torch's weights-only switch and the guard's sinks are as they
+    were after an untrusted command, so a trusted one in the same process imports what it names; inside an
+    untrusted run, trust is refused."""
+    import jsonargparse
+
+    assert set(trust.POLICY_SETTINGS) <= set(jsonargparse._common.parsing_settings)
+    policy, environment = dict(jsonargparse._common.parsing_settings), dict(os.environ)
+    run_main(["fit", "--print_config"], capsys)  # untrusted: the policy held while it ran
+    assert dict(jsonargparse._common.parsing_settings) == policy and dict(os.environ) == environment
+    assert not trust.import_policy_enforced() and not guard.restricted()
+    code, out, err = run_main(["fit", f"--trainer.callbacks+={boom.name}.Boom", "--print_config", trust.TRUST_FLAG], capsys)
+    assert code == 0, err
+    assert boom.marker.read_text() == "import-time side effect"
+    with trust.Decision(trusted=False).applied():
+        assert guard.restricted() and os.environ[guard.FORCE_WEIGHTS_ONLY] == "1"
+        code, _, err = run_main(["fit", "--print_config", trust.TRUST_FLAG], capsys)
     assert code == 2
-    assert err.strip().startswith(f"error: {trust.TRUST_FLAG} cannot lift the import allowlist in a process")
+    assert err.strip().startswith(f"error: {trust.TRUST_FLAG} cannot lift the import allowlist inside an untrusted run")
+    assert dict(os.environ) == environment
 
 
 # -- values: settings that run code from elsewhere ----------------------------------------------
@@ -365,7 +381,7 @@ def test_denied_imports_are_read_with_their_keys_from_a_nested_parse_error():
 # -- every attack class, end to end: hostile files as someone would send them -----------------------
 #
 # Two subprocesses run every case (`cli_batch.py`: each case is one `python -m lit_memory ARGV`), one
-# untrusted, one with --trust-recipe: the trust decision is one per process. Untrusted, each case must
+# untrusted, one with --trust-recipe, to compare the two. Untrusted, each case must
 # end with exactly one `error:` line, its payload's marker must not appear, and nothing may be written
 # anywhere under the hostile folder; trusted, the payloads run (where running them is legitimate),
 # which proves the refusals stopped real code.

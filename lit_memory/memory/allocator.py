@@ -25,10 +25,11 @@ snapshot tools read a real CUDA allocator). One stream is modelled: a step's ker
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import re
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional
+from typing import Callable, Hashable, Iterable, Iterator, Mapping, Optional
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize: largest small-pool request
@@ -36,12 +37,42 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: large-pool segment for requests under 10 MiB
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
-ENV = "PYTORCH_CUDA_ALLOC_CONF"
+CUDA_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+UNIFIED_ENV = "PYTORCH_ALLOC_CONF"
+
+
+def env_names(torch_version: Optional[str] = None) -> tuple[str, ...]:
+    """The variables torch reads its allocator settings from, in the order it reads them; the first one set wins,
+    and is read once, when the allocator's config is first used (c10/core/AllocatorConfig.cpp,
+    ``AcceleratorAllocatorConfig::instance``). torch 2.8 to 2.11 read the unified ``PYTORCH_ALLOC_CONF`` first and
+    warned that ``PYTORCH_CUDA_ALLOC_CONF`` is deprecated; from 2.12 the CUDA name is an alias again and read first
+    (then ROCm's ``PYTORCH_HIP_ALLOC_CONF``, then the unified one: tests/memory/test_allocator.py checks the installed
+    torch's order against this one); before 2.8 only the CUDA name existed."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    match = re.match(r"(\d+)\.(\d+)", str(torch_version))
+    version = (int(match[1]), int(match[2])) if match else (0, 0)
+    if version >= (2, 12):
+        return (CUDA_ENV, UNIFIED_ENV)
+    if version >= (2, 8):
+        return (UNIFIED_ENV, CUDA_ENV)
+    return (CUDA_ENV,)
+
+
+def environment_conf(environ: Optional[Mapping[str, str]] = None, torch_version: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """(variable, settings) torch takes from the environment (``os.environ`` by default), or None: none is set."""
+    environ = os.environ if environ is None else environ
+    for name in env_names(torch_version):
+        if name in environ:  # set, even empty: torch reads it (an empty one means the defaults)
+            return name, environ[name]
+    return None
 
 
 @dataclass(frozen=True)
 class AllocatorConfig:
-    """The allocator settings of ``PYTORCH_CUDA_ALLOC_CONF`` that change how much it reserves."""
+    """The allocator settings (``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``) that change how much it reserves."""
 
     expandable_segments: bool = False
     max_split_size: Optional[int] = None  # bytes (``max_split_size_mb``); None: unlimited
@@ -62,8 +93,10 @@ class AllocatorConfig:
         return cls(**values)
 
     @classmethod
-    def from_env(cls) -> "AllocatorConfig":
-        return cls.parse(os.environ.get(ENV))
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "AllocatorConfig":
+        """The settings torch takes from the environment (`environment_conf`: either variable, in torch's order)."""
+        found = environment_conf(environ)
+        return cls.parse(found[1] if found else None)
 
     def describe(self) -> str:
         parts = ["expandable segments" if self.expandable_segments else "fixed segments"]
@@ -74,7 +107,7 @@ class AllocatorConfig:
         return ", ".join(parts)
 
 
-# The PYTORCH_CUDA_ALLOC_CONF keys a recipe may set (torch's CUDA semantics notes), with their values' form: a
+# The allocator settings' keys a recipe may set (torch's CUDA semantics notes), with their values' form: a
 # recipe from someone else sets allocator knobs, nothing that loads a backend or a library.
 RECIPE_KEYS = {
     "expandable_segments": r"(?i:true|false)",
@@ -96,27 +129,72 @@ def check_recipe_conf(conf: str) -> str:
             raise UserError(
                 f"memory.allocator: {item!r} is not an allocator setting a recipe can make; use "
                 + ", ".join(f"{k}:<{v}>" for k, v in RECIPE_KEYS.items())
-                + f" (comma-separated), or set {ENV} yourself"
+                + f" (comma-separated), or set {CUDA_ENV} yourself"
             )
     return ",".join(items)
 
 
-def use_recipe_conf(conf: Optional[str]) -> Optional[str]:
-    """Make ``conf`` (checked) this process's CUDA allocator settings unless the environment already names its
-    own, which wins: returns a warning line then. Set before CUDA allocates (the allocator reads ``ENV`` when
-    it starts); where CUDA has started already, torch's own runtime setter applies it to the segments to come."""
+@contextlib.contextmanager
+def recipe_settings(conf: Optional[str], environ: Optional[dict] = None, runtime: Optional["Runtime"] = None) -> Iterator[Optional[str]]:
+    """Make ``conf`` (a recipe's ``memory.allocator``, checked) this process's CUDA allocator settings for the length
+    of the block, unless the environment names its own (either variable: `environment_conf`), which wins: the block
+    then gets a warning line, else None. The variable torch reads first is set, for the processes a run starts, and
+    torch's runtime setter applies the settings in this one (`Runtime`): torch reads the variables once, and a
+    library may have read them already. At the end both are as they were (the allocator's settings apply to the
+    segments it makes from then on), so one run's settings never reach the next run in the same process."""
+    environ = os.environ if environ is None else environ
     if not conf:
-        return None
+        yield None
+        return
     conf = check_recipe_conf(conf)
-    mine = os.environ.get(ENV)
-    if mine is not None:
-        return None if mine == conf else f"warning: {ENV}={mine} from the environment, not the recipe's memory.allocator {conf}"
-    os.environ[ENV] = conf
-    import torch
+    found = environment_conf(environ)
+    if found is not None:
+        name, mine = found
+        yield None if mine == conf else f"warning: {name}={mine} from the environment, not the recipe's memory.allocator {conf}"
+        return
+    name = env_names()[0]
+    runtime = Runtime() if runtime is None else runtime
+    before = runtime.get()
+    environ[name] = conf
+    runtime.set(conf)
+    try:
+        yield None
+    finally:
+        environ.pop(name, None)
+        runtime.set(restoring(before, conf))
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.memory._set_allocator_settings(conf)  # private, but torch's only way once CUDA has started
-    return None
+
+class Runtime:
+    """torch's allocator settings in this process, read and set at run time: ``torch._C._accelerator_getAllocatorSettings``
+    and ``_accelerator_setAllocatorSettings`` (torch 2.9 on; ``torch.cuda.memory._set_allocator_settings`` is their
+    deprecated wrapper, which warns). Older torch: its CUDA setter, once CUDA has started (before, the variable
+    does it); nothing to read back. The seam a test replaces."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._get: Optional[Callable[[], str]] = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        self._set: Optional[Callable[[str], None]] = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if self._set is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._set = torch.cuda.memory._set_allocator_settings
+
+    def get(self) -> Optional[str]:
+        return self._get() if self._get is not None else None
+
+    def set(self, conf: Optional[str]) -> None:
+        if self._set is not None and conf is not None:
+            self._set(conf)
+
+
+def restoring(before: Optional[str], applied: str) -> Optional[str]:
+    """The settings string that puts torch's allocator back to ``before`` after ``applied``: each parse resets the
+    sizes and thresholds it is not given, but not ``expandable_segments``, which must be turned off by name.
+    None: nothing to restore to (a torch that cannot read its settings back)."""
+    if before is None:
+        return "expandable_segments:False" if "expandable_segments" in applied else None
+    if "expandable_segments" in applied and "expandable_segments" not in before:
+        return ",".join(s for s in (before, "expandable_segments:False") if s)
+    return before
 
 
 def round_size(size: int, divisions: int = 0) -> int:

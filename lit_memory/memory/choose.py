@@ -66,14 +66,13 @@ def lightest_fitting(
     among those predicted to fit ``limit`` (device total) with the margin kept (`lit_memory.memory.margin`):
     (its name, its fit). A recipe's ``auto`` plans for the smaller of its own budget and ``limit``."""
     from lit_memory.memory.analytic import analytic
-    from lit_memory.memory.step import budget_name, budget_of
 
     fitting = []
     for name, values in recipes:
         try:
             step = base.with_settings(values)
-            own = budget_of(step.settings)
-            budget, words = (own, budget_name(step.settings) or "") if own is not None and own < limit else (limit, where)
+            own = step.memory.limit_bytes
+            budget, words = (own, step.memory.limit_words) if own is not None and own < limit else (limit, where)
             step = planned(step, budget, words)
         except UserError:  # its `auto` checkpointing finds no plan within the limit: it does not fit
             continue

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lit_memory.errors import UserError
-from lit_memory.memory.allocator import ENV, AllocatorConfig
+from lit_memory.memory.allocator import AllocatorConfig, environment_conf
 
 MiB = 2**20
 
@@ -344,7 +344,7 @@ def target(
     memory and CUDA version), else the documented default; the allocator settings of this environment."""
     if device == "cpu":
         return Target(type="cpu")
-    given = allocator is not None or ENV in os.environ
+    given = allocator is not None or environment_conf() is not None
     found = Target(allocator=allocator if allocator is not None else AllocatorConfig.from_env(), allocator_given=given)
     if gpu_name is None:
         found = _this_gpu(found)

@@ -21,9 +21,10 @@ memory model (`lit_memory.memory.analytic.device_total`), the number a budget me
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -302,15 +303,64 @@ def resolved_setting(step: Step, budget: Optional[int], where: str = "") -> tupl
 
 def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
-    (default: the run's, `lit_memory.memory.step.budget_of`): the plan with the fewest FLOPs predicted to fit,
-    written into its module's settings as a run's config holds it. Other steps come back as they are."""
+    (default: the run's, `lit_memory.memory.budget.MemorySettings`): the plan with the fewest FLOPs predicted to
+    fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
     from lit_memory.activations import is_auto
-    from lit_memory.memory.step import budget_name, budget_of
 
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
     if budget is None:
-        budget, where = budget_of(step.settings), budget_name(step.settings) or ""
+        budget, where = step.memory.limit_bytes, step.memory.limit_words
     value, found = resolved_setting(step, budget, where)
     model = {**step.model, "gradient_checkpointing": value, "offload_activations": found.offload}
     return replace(step, model=model, planned=found.line())
+
+
+def plan_run(
+    settings: Any, memory: Any, training: bool, step_for: Callable[[Any], Step], read_card: Callable[[], Any]
+) -> None:
+    """A run's ``model.gradient_checkpointing: auto`` (its resolved settings, a jsonargparse namespace changed in
+    place) becomes the plan with the fewest FLOPs predicted to fit its device budget, for the device it runs on,
+    before the module is built: the config (and the recipe the run saves) then holds that plan. Outside training
+    there is no backward to plan for (nothing is recomputed); ``offload_activations: auto`` is weighed only against
+    a plan being chosen. On CUDA the budget is the smaller of ``memory.budget``/``memory.tier`` (``memory``, a
+    `lit_memory.memory.budget.MemorySettings`) and what the run's card has free at start (``read_card()``, matched
+    to the catalogue by name for its speeds; `lit_memory.memory.device.planning_limit`); one line says which
+    applied, one what was chosen. ``step_for(target)``: the run's step for a target device."""
+    from lit_memory.activations import is_auto
+    from lit_memory.console import say
+    from lit_memory.data import check_shape
+    from lit_memory.memory.device import planning_limit, target
+    from lit_memory.precision import runs_on_cpu
+
+    model = settings.model
+    if not training and is_auto(model.gradient_checkpointing):
+        model.gradient_checkpointing = False  # no backward to plan for: nothing is recomputed
+    if not is_auto(model.gradient_checkpointing):
+        if is_auto(model.offload_activations):
+            model.offload_activations = False
+        return
+    check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
+    device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"  # (its allocator: set just before)
+    found = target(device)
+    card = _card(settings.trainer.strategy, read_card) if device == "cuda" else None
+    if card is not None:
+        found = replace(found, gpu=card.gpu)
+    budget, where, line = planning_limit(memory.limit_bytes, memory.limit_words, card)
+    if line:
+        print(line, file=sys.stderr)  # every rank: each reads its own card
+    step = planned(step_for(found), budget, where)
+    model.gradient_checkpointing = step.model["gradient_checkpointing"]
+    model.offload_activations = step.model["offload_activations"]
+    say(step.planned)
+
+
+def _card(strategy: Any, read_card: Callable[[], Any]) -> Any:
+    """The run's card at start, or None where reading it here would break the launch: a strategy that forks or
+    spawns its processes must find CUDA uninitialised in this one."""
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
+    if "spawn" in name or "fork" in name:
+        print(f"memory: the card is not read before {name} starts its processes: auto plans for the budget alone",
+              file=sys.stderr)
+        return None
+    return read_card()

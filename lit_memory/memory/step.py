@@ -32,9 +32,10 @@ from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
 from lit_memory.lora import apply_lora
+from lit_memory.memory.budget import MemorySettings
 from lit_memory.memory.device import Target
 from lit_memory.memory.footprint import Footprint
-from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
+from lit_memory.memory.margin import DEFAULT_MARGIN
 from lit_memory.activations import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.precision import trains_on
@@ -154,6 +155,7 @@ class Step:
     target: Target = field(default_factory=Target)
     loop: Loop = field(default_factory=Loop)
     margin: float = DEFAULT_MARGIN  # ``memory.margin``: the share of a limit every fit decision keeps free
+    memory: MemorySettings = field(default_factory=MemorySettings, compare=False, repr=False)  # the ``memory:`` block
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # what it was built from
     planned: Optional[str] = field(default=None, compare=False)  # what `gradient_checkpointing: auto` chose, in words
 
@@ -177,6 +179,10 @@ class Step:
         model = _module_settings({k: v for k, v in given.items() if k != "optimizer"})
         strategy = trainer["strategy"]
         sharded = is_sharded(strategy)
+        memory = MemorySettings.of(settings)
+        target = target if target is not None else Target()
+        if memory.allocator and target.cuda_device and not target.allocator_given:  # as a run sets them
+            target = replace(target, allocator=memory.allocator_config, allocator_given=True)
         step = cls(
             model=model,
             optimizer=optimizer,
@@ -189,9 +195,10 @@ class Step:
             clip_norm=clips_by_norm(trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"]),
             sharded=sharded,
             world_size=ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) if sharded else 1,
-            target=_with_recipe_allocator(target if target is not None else Target(), settings),
+            target=target,
             loop=loop if loop is not None else Loop(),
-            margin=margin_of(settings),
+            margin=memory.margin,
+            memory=memory,
             settings=settings,
         )
         if is_auto(model.get("gradient_checkpointing")):
@@ -361,45 +368,6 @@ def _strategy_for(fused: bool, sharded: bool, bucket: Bucketing) -> Any:
     return "auto"
 
 
-def _with_recipe_allocator(target: Target, settings: Mapping[str, Any]) -> Target:
-    """The recipe's ``memory.allocator`` for a CUDA target whose allocator settings nobody gave (as a run sets
-    them: `lit_memory.memory.allocator.use_recipe_conf`)."""
-    from lit_memory.memory.allocator import AllocatorConfig, check_recipe_conf
-
-    conf = (settings.get("memory") or {}).get("allocator")
-    if not conf or not target.cuda_device or target.allocator_given:
-        return target
-    return replace(target, allocator=AllocatorConfig.parse(check_recipe_conf(conf)), allocator_given=True)
-
-
-def budget_of(settings: Mapping[str, Any]) -> Optional[int]:
-    """The device budget a run plans for: ``memory.budget`` (enforced), else the recipe's ``memory.tier``
-    (a size, or a card: `lit_memory.memory.device.capacity`)."""
-    from lit_memory.memory.device import capacity
-
-    memory = settings.get("memory") or {}
-    value = memory.get("budget") or memory.get("tier")
-    return capacity(value) if value else None
-
-
-def budget_name(settings: Mapping[str, Any]) -> Optional[str]:
-    """The budget in words, for the decisions' lines: ``memory.tier rtx3050-4gb (3.81 GiB)``."""
-    from lit_memory.memory.device import capacity, is_gpu_name
-    from lit_memory.memory.footprint import format_bytes
-
-    memory = settings.get("memory") or {}
-    key = "budget" if memory.get("budget") else "tier" if memory.get("tier") else None
-    if key is None:
-        return None
-    value = memory[key]
-    size = format_bytes(capacity(value))
-    return f"memory.{key} {value} ({size})" if is_gpu_name(value) else f"memory.{key} {size}"
-
-
-def margin_of(settings: Mapping[str, Any]) -> float:
-    """``memory.margin`` (default `lit_memory.memory.margin.DEFAULT_MARGIN`), checked."""
-    value = (settings.get("memory") or {}).get("margin")
-    return DEFAULT_MARGIN if value is None else check_margin(value)
 
 
 @dataclass

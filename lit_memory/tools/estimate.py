@@ -52,7 +52,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--allocator-conf", default=None,
-        help="PYTORCH_CUDA_ALLOC_CONF to predict for (default: this environment's), e.g. expandable_segments:True",
+        help="allocator settings to predict for (default: this environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, "
+        "as torch reads them), e.g. expandable_segments:True",
     )
     parser.add_argument(
         "--loop", choices=sorted(LOOPS), default="lightning",
@@ -160,15 +161,14 @@ def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
     against ``memory.budget`` (else ``memory.tier``) where one is set, else the target card's capacity; on a
     CPU target, the tensors against the budget (None without one)."""
     from lit_memory.memory.predict import level
-    from lit_memory.memory.step import budget_name, budget_of
 
-    budget = budget_of(step.settings)
+    budget = step.memory.limit_bytes
     if step.target.cuda_device and (budget is None or step.target.gpu.memory < budget):
         gpu = step.target.gpu
         return Fit(level(footprint), gpu.memory, step.margin, f"{gpu.label} ({format_bytes(gpu.memory)})")
     if budget is None:
         return None
-    return Fit(level(footprint), budget, step.margin, budget_name(step.settings) or "")
+    return Fit(level(footprint), budget, step.margin, step.memory.limit_words)
 
 
 def flops_fields(counted: Flops) -> dict[str, Any]:

@@ -168,37 +168,39 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
     """Train `warmup + steps` optimizer steps with `transformers.Trainer`; return the measurements."""
     from transformers import Trainer, TrainingArguments
 
-    cli = resolve(["fit", *fit_args]).build(trainer=False)
-    kwargs = trainer_arguments(cli)
-    module, data = cli.model, cli.datamodule
-    # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
-    module.hparams.gradient_checkpointing = False
-    module.configure_model()
-    weights = Precision.of(cli.settings.trainer.precision).param
-    if weights != torch.float32:  # bf16-true: the weights themselves in bf16
-        module.model.to(weights)
-    data.prepare_data()
-    loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
-    args = TrainingArguments(
-        output_dir=str(out),
-        max_steps=warmup + steps,
-        report_to=[],
-        save_strategy="no",
-        eval_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        **kwargs,
-    )
-    cuda = not args.use_cpu and torch.cuda.is_available()
-    meter = PeerMeter(warmup, track_steps, cuda)
-    trainer = Trainer(
-        model=module.model,
-        args=args,
-        train_dataset=loader.dataset,
-        data_collator=loader.collate_fn,
-        callbacks=[meter],
-    )
-    trainer.train()
+    run_ = resolve(["fit", *fit_args])
+    with run_.scope():  # the run's trust decision and switches hold while the Trainer loads and trains
+        cli = run_.build(trainer=False)
+        kwargs = trainer_arguments(cli)
+        module, data = cli.model, cli.datamodule
+        # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
+        module.hparams.gradient_checkpointing = False
+        module.configure_model()
+        weights = Precision.of(cli.settings.trainer.precision).param
+        if weights != torch.float32:  # bf16-true: the weights themselves in bf16
+            module.model.to(weights)
+        data.prepare_data()
+        loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=warmup + steps,
+            report_to=[],
+            save_strategy="no",
+            eval_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            **kwargs,
+        )
+        cuda = not args.use_cpu and torch.cuda.is_available()
+        meter = PeerMeter(warmup, track_steps, cuda)
+        trainer = Trainer(
+            model=module.model,
+            args=args,
+            train_dataset=loader.dataset,
+            data_collator=loader.collate_fn,
+            callbacks=[meter],
+        )
+        trainer.train()
     samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     return meter.record(samples)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import io
 import itertools
 import shlex
@@ -26,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
@@ -263,10 +265,19 @@ def measure(text: str, args: list[str], effective: int, steps: int = 3) -> float
             "--memory.track_steps=0",
             f"--data.limit_train_samples={effective * (steps + 2)}",
         ]
-        run = resolve(["fit", *args, "--config", str(path), *overrides]).build()
-        timer = StepTimer(warmup=1)
-        run.trainer.callbacks.append(timer)
-        run.trainer.fit(run.model, run.datamodule)
+        run = resolve(["fit", *args, "--config", str(path), *overrides])
+        # The run's scope: its allocator settings, environment and trust decision are this candidate's alone, and
+        # put back before the next candidate's (on CUDA its cached segments are returned: the next candidate's
+        # are made under its own allocator settings).
+        with run.scope():
+            run.build()
+            timer = StepTimer(warmup=1)
+            run.trainer.callbacks.append(timer)
+            run.trainer.fit(run.model, run.datamodule)
+        del run
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gc.collect()
+            torch.cuda.empty_cache()
     return timer.seconds_per_step
 
 

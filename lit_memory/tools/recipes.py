@@ -84,10 +84,9 @@ def planned_line(path: Path) -> Optional[str]:
     recipe's batch leaves free there, with the margin kept (`lit_memory.memory.margin`); None without a tier."""
     from lit_memory.memory.analytic import analytic
     from lit_memory.memory.margin import Fit
-    from lit_memory.memory.step import budget_of
 
     step = header_step(path)
-    budget = budget_of(step.settings)
+    budget = step.memory.limit_bytes
     if budget is None:
         return None
     card = step.target.gpu

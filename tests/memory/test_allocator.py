@@ -136,28 +136,90 @@ def test_a_recipe_sets_allocator_knobs_and_nothing_else():
         assert "\n" not in str(err.value)
 
 
-def test_the_environment_wins_over_the_recipe_and_says_so(monkeypatch):
+class FakeRuntime:
+    """torch's allocator settings read and set at run time (`allocator.Runtime`), as a CUDA process has them."""
+
+    def __init__(self, settings: str = "") -> None:
+        self.settings, self.calls = settings, []
+
+    def get(self) -> str:
+        return self.settings
+
+    def set(self, conf) -> None:
+        if conf is not None:
+            self.calls.append(conf)
+            self.settings = conf
+
+
+def test_a_recipes_allocator_settings_hold_for_its_run_and_the_environment_wins():
+    from lit_memory.memory.allocator import CUDA_ENV, UNIFIED_ENV, env_names, recipe_settings
+
+    first = env_names()[0]  # the variable this torch reads first: set for the processes a run starts
+    environ, runtime = {}, FakeRuntime("max_split_size_mb:64")
+    with recipe_settings(None, environ, runtime) as warning:
+        assert warning is None and environ == {} and runtime.calls == []
+    with recipe_settings("expandable_segments:True", environ, runtime) as warning:
+        assert warning is None and environ == {first: "expandable_segments:True"}
+        assert runtime.settings == "expandable_segments:True"  # applied now: torch reads the variable only once
+    # after the run: the environment as it was, and torch's settings (expandable segments turned off by name)
+    assert environ == {} and runtime.settings == "max_split_size_mb:64,expandable_segments:False"
+    for name in (CUDA_ENV, UNIFIED_ENV):  # either of torch's variables is the environment's own choice
+        environ, runtime = {name: "max_split_size_mb:64"}, FakeRuntime()
+        with recipe_settings("expandable_segments:True", environ, runtime) as warning:
+            assert warning.startswith(f"warning: {name}=max_split_size_mb:64 from the environment, not the recipe's")
+        assert environ == {name: "max_split_size_mb:64"} and runtime.calls == []
+    with recipe_settings("max_split_size_mb:64", {CUDA_ENV: "max_split_size_mb:64"}, FakeRuntime()) as warning:
+        assert warning is None  # the same settings: nothing to say
+
+
+def test_torchs_own_runtime_setter_applies_them_without_its_deprecated_wrappers_warning():
+    """In this process, the installed torch's settings: set through ``torch._C._accelerator_setAllocatorSettings``
+    (``torch.cuda.memory._set_allocator_settings`` warns that it is deprecated), and put back after the run."""
+    import warnings
+
+    import torch
+
+    from lit_memory.memory.allocator import recipe_settings
+
+    before = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning fails the test
+        with recipe_settings("expandable_segments:True,max_split_size_mb:64", {}):
+            now = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
+            assert now.expandable_segments and now.max_split_size == 64 * MiB
+    assert AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings()) == before
+
+
+def test_the_environment_is_read_in_the_order_the_installed_torch_reads_it():
+    """Which of the two variables wins when both are set, asked of torch itself: what its allocator config parsed
+    from the environment (``torch._C._accelerator_getAllocatorSettings``, which a CPU build has too), in a fresh
+    process (torch reads them once). Either alone is read (`test_predictions_use_the_recipes_allocator...`)."""
     import os
+    import subprocess
+    import sys
 
-    from lit_memory.memory.allocator import ENV, use_recipe_conf
+    from lit_memory.memory.allocator import CUDA_ENV, UNIFIED_ENV, environment_conf, env_names
 
-    monkeypatch.delenv(ENV, raising=False)
-    assert use_recipe_conf(None) is None and ENV not in os.environ
-    assert use_recipe_conf("expandable_segments:True") is None and os.environ[ENV] == "expandable_segments:True"
-    monkeypatch.setenv(ENV, "max_split_size_mb:64")
-    warning = use_recipe_conf("expandable_segments:True")
-    assert warning.startswith("warning: ") and "max_split_size_mb:64" in warning and os.environ[ENV] == "max_split_size_mb:64"
+    both = {CUDA_ENV: "max_split_size_mb:64", UNIFIED_ENV: "expandable_segments:True"}
+    clean = {k: v for k, v in os.environ.items() if k not in (*both, "PYTORCH_HIP_ALLOC_CONF")}
+    code = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+    read = subprocess.run([sys.executable, "-c", code], env={**clean, **both}, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert environment_conf(both) == next((name, value) for name, value in both.items() if value == read)
+    assert env_names("2.13.0") == (CUDA_ENV, UNIFIED_ENV)  # the installed torch's order (2.13: CUDA's first)
+    assert env_names("2.9.1") == (UNIFIED_ENV, CUDA_ENV) and env_names("2.4.0") == (CUDA_ENV,)
 
 
 def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
     """A CUDA target nobody gave allocator settings takes the recipe's (as the run sets them); the environment's
     or an explicit one stays."""
-    from lit_memory.memory.allocator import ENV
+    from lit_memory.memory.allocator import CUDA_ENV as ENV, UNIFIED_ENV
     from lit_memory.memory.device import target
     from lit_memory.memory.step import Step
 
     settings = {"model": {"model_name_or_path": "bundled:minilm"}, "memory": {"allocator": "expandable_segments:True"}}
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(UNIFIED_ENV, raising=False)
     assert Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator.expandable_segments
     assert not Step.from_settings({**settings, "memory": {}}, target("cuda", "a100-80gb")).target.allocator.expandable_segments
     given = target("cuda", "a100-80gb", allocator=AllocatorConfig())
@@ -165,3 +227,6 @@ def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
     monkeypatch.setenv(ENV, "max_split_size_mb:64")
     from_env = Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator
     assert not from_env.expandable_segments and from_env.max_split_size == 64 * MiB
+    monkeypatch.delenv(ENV)
+    monkeypatch.setenv(UNIFIED_ENV, "max_split_size_mb:128")  # the unified name is read as well
+    assert Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator.max_split_size == 128 * MiB

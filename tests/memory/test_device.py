@@ -8,7 +8,7 @@ from lit_memory.errors import UserError
 from lit_memory.memory.allocator import AllocatorConfig
 from lit_memory.memory.device import CONTEXTS, GPUS, LAZY_KERNELS, MiB, Target, target
 
-CUDA_ENV = ("CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF")
+CUDA_ENV = ("CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # either allocator variable is read
 
 
 def test_the_context_follows_module_loading_and_the_gpu_generation():

@@ -1,0 +1,39 @@
+"""The environment variables a run sets in its own process, put back when the run ends (`restored`).
+
+Lightning sets them for the processes a run starts and leaves them behind in the one that started them: its
+launchers (``_SubprocessScriptLauncher`` for DDP/FSDP, the spawn launcher, ``_init_dist_connection``) name the
+rendezvous and this process's place in it (``MASTER_ADDR``/``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``), its DDP set-up may set ``OMP_NUM_THREADS``, a deterministic trainer ``CUBLAS_WORKSPACE_CONFIG``, and
+``seed_everything`` the seed its dataloader workers and spawned processes read (``PL_GLOBAL_SEED``,
+``PL_SEED_WORKERS``). Left behind, they change the next run in the same process: with ``LOCAL_RANK`` set, a
+launcher takes the process for one it started and starts no other. The allocator's and the trust decision's own
+variables are put back by their own scopes (`lit_memory.memory.allocator.recipe_settings`,
+`lit_memory.guard.enforced`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterable, Iterator, Optional
+
+RUN_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK",
+    "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
+)
+
+
+@contextlib.contextmanager
+def restored(names: Iterable[str] = RUN_VARIABLES, environ: Optional[dict] = None) -> Iterator[None]:
+    """For the length of the block, the variables ``names`` may change; at its end each is as it was (unset, if it
+    was). The others are left alone: what a run's own code sets for the process is its business."""
+    environ = os.environ if environ is None else environ
+    saved = {name: environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value

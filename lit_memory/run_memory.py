@@ -1,0 +1,290 @@
+"""What a run does about memory beside measuring it: the ``memory:`` block and the callbacks it composes.
+
+`lit_memory.monitor.MemoryMonitor` measures and writes ``memory.json``; beside it, each with one job:
+
+- `BudgetCap`: ``memory.budget`` on CUDA, the caching allocator capped at the budget less the CUDA context;
+- `MemoryPredictions`: the run's predictions (worst case at the start, the shapes the run saw at the end), handed
+  to the monitor for its record;
+- `MemoryTable`: the end-of-fit table, predicted beside measured;
+- `OutOfMemoryReport`: on an out-of-memory error, the breakdown at the failure and what to run instead.
+
+`MemoryOptions` is the ``memory:`` block of every run's config; `memory_callbacks` composes the callbacks for it
+(the command line does: `lit_memory.cli`). Predictions and advice come in as hooks (``predict``, ``advise``: the
+command line hands those of `lit_memory.memory.predict`), so nothing here imports the memory model.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from lit_memory.errors import UserError
+from lit_memory.memory.budget import MemorySettings
+from lit_memory.memory.device import CardReading, allocator_limit, read_card
+from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes
+from lit_memory.memory.margin import DEFAULT_MARGIN
+from lit_memory.memory.report import Levels, table
+from lit_memory.monitor import MemoryMonitor, batch_shape, padding
+
+# (trainer, module, simulate, shape) -> predicted footprints per method ("analytic", "simulated"), for batches of
+# ``shape`` (rows, tokens); None: the configured batch_size x max_length, the worst case.
+Predict = Callable[[L.Trainer, L.LightningModule, bool, Optional[tuple[int, int]]], dict[str, Footprint]]
+# (trainer, limit in bytes) -> one line: what to run instead
+Advise = Callable[[L.Trainer, int], str]
+
+
+class MemoryOptions:
+    """Memory in every run: measured, predicted, bounded. The ``memory:`` block of a config.
+
+    Args:
+        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker (per category
+            and per phase). Its Python dispatch slows the tracked micro-batches, so only the first
+            steps are tracked (the first creates the optimizer state, the second is the steady state),
+            and of an accumulation window only the micro-batches that differ: the first, the second
+            and the last. 0 turns tensor tracking off; on CUDA the allocator's peaks
+            (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read every step regardless.
+        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity). On CUDA it caps
+            this process's device total for the run: the caching allocator
+            (``torch.cuda.set_per_process_memory_fraction``) gets the budget less the CUDA context measured at
+            the start (`lit_memory.memory.device.allocator_limit`); on CPU the tracker raises CUDA's
+            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
+        simulate: also predict by simulation at the start of fit (one training step on fake tensors:
+            seconds on the bundled model, about half a minute on BERT-large), when predictions are given.
+        tier: the device memory the run's recipe is made for, a card (``rtx3050-4gb`` for recipes/4gb.yaml)
+            or a size: what ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given (and
+            the run's card has that much free). Nothing is enforced.
+        allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``),
+            in ``PYTORCH_CUDA_ALLOC_CONF``'s form: a run on CUDA makes them its own for its length unless the
+            environment names its own (either of torch's variables: that wins), and predictions use them
+            (`lit_memory.memory.allocator.recipe_settings`).
+        margin: the share of a limit every "fits" decision keeps free for the memory model's own error
+            (`lit_memory.memory.margin`; default 0.08, from the published measurements' worst under-prediction).
+    """
+
+    def __init__(
+        self,
+        track_steps: int = 2,
+        budget: Optional[str] = None,
+        simulate: bool = False,
+        tier: Optional[str] = None,
+        allocator: Optional[str] = None,
+        margin: float = DEFAULT_MARGIN,
+    ) -> None:
+        if track_steps < 0:
+            raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
+        self.track_steps = track_steps
+        self.simulate = simulate
+        self.settings = MemorySettings.parse(budget=budget, tier=tier, margin=margin, allocator=allocator)
+
+
+def memory_callbacks(options: MemoryOptions, predict: Optional[Predict] = None, advise: Optional[Advise] = None) -> list[L.Callback]:
+    """The callbacks a run's ``memory:`` block makes, in the order their hooks must run: the predictions before the
+    monitor (it records them when the fit ends), the table and the report after it (they show what it measured)."""
+    monitor = MemoryMonitor(options.track_steps, options.settings)
+    units: list[L.Callback] = [BudgetCap(options.settings.budget.bytes if options.settings.budget else None)]
+    if predict is not None:
+        units.append(MemoryPredictions(monitor, predict, options.simulate))
+    return [*units, monitor, MemoryTable(monitor, options.settings), OutOfMemoryReport(monitor, advise)]
+
+
+class BudgetCap(L.Callback):
+    """``memory.budget`` as a cap on CUDA, for the length of a fit: the caching allocator
+    (``torch.cuda.set_per_process_memory_fraction``) may reserve the budget less this process's CUDA context measured
+    at the start (`lit_memory.memory.device.allocator_limit`: the fraction limits the allocator only, pytorch#58466);
+    the process's own fraction again when the fit ends. On a CPU the monitor's tracker holds the budget."""
+
+    def __init__(self, budget: Optional[int]) -> None:
+        self.budget = budget
+        self._fraction: Optional[float] = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        if stage != "fit" or self.budget is None or device.type != "cuda":
+            return
+        card = self.read_card(device)
+        limit, line = allocator_limit(self.budget, card)
+        self._fraction = torch.cuda.get_per_process_memory_fraction(device)
+        torch.cuda.set_per_process_memory_fraction(min(limit / card.total, 1.0), device)
+        print(line, file=sys.stderr)  # every rank caps its own process
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._fraction is not None:  # the cap belongs to this run, not to the process
+            torch.cuda.set_per_process_memory_fraction(self._fraction, trainer.strategy.root_device)
+            self._fraction = None
+
+    @staticmethod
+    def read_card(device: torch.device) -> CardReading:
+        """The run's card at the start (`lit_memory.memory.device.read_card`): the seam a test replaces."""
+        return read_card(device.index)
+
+
+class MemoryPredictions(L.Callback):
+    """The run's predictions, for the monitor to record beside what it measures: at the start of fit for the
+    configured shape (the worst case: every batch ``batch_size x max_length``), at the end for the longest batch the
+    tracked steps saw (and, on CUDA, all steps: the allocator's peaks cover them) where it is shorter (dynamic
+    padding), and for the batch that reached the tracked peak. The simulation, where asked, for the tracked shape
+    only: that is what it is compared with. On the global-zero rank only, at the end."""
+
+    def __init__(self, monitor: MemoryMonitor, predict: Predict, simulate: bool = False) -> None:
+        self.monitor, self.predict, self.simulate = monitor, predict, simulate
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.monitor.predictions = self.predict(trainer, pl_module, self.simulate, None)
+        self.monitor.shape_predictions = {}
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        monitor = self.monitor
+        configured = batch_shape(trainer)
+        seen = {
+            "tracked": monitor.longest_tracked,
+            "all": monitor.longest if monitor.cuda else None,
+            # a shorter batch can reach the tracked peak (the first step has no optimizer state yet)
+            "tracked_peak": monitor.peak_batch if monitor.peak_batch != monitor.longest_tracked else None,
+        }
+        found = monitor.shape_predictions
+        for key, shape in seen.items():
+            if shape is None:
+                continue
+            if configured is not None and list(shape) == configured:
+                found[key] = dict(monitor.predictions)
+            elif key != "tracked" and shape == monitor.longest_tracked:
+                found[key] = found.get("tracked", {})
+            else:
+                found[key] = self.predict(trainer, pl_module, self.simulate and key == "tracked", shape)
+
+
+class MemoryTable(L.Callback):
+    """The end-of-fit table on rank zero: what the monitor measured beside the predictions it was given, per category
+    and level (`lit_memory.memory.report.table`), with lines for the shapes measured, the process and the ranks, and
+    whether the worst case fits ``memory.budget`` (else ``memory.tier``)."""
+
+    def __init__(self, monitor: MemoryMonitor, memory: MemorySettings = MemorySettings()) -> None:
+        self.monitor, self.memory = monitor, memory
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        text = self.text(trainer)
+        if text:
+            print(text)
+
+    def text(self, trainer: L.Trainer) -> str:
+        monitor = self.monitor
+        configured = batch_shape(trainer)
+        tracked_shape = monitor.longest_tracked
+        # Predictions beside the measurements are for the shape measured: the longest tracked batch.
+        at_tracked = monitor.shape_predictions.get("tracked", monitor.predictions) if tracked_shape else monitor.predictions
+        columns: dict[str, Any] = dict(at_tracked)
+        if monitor.measured.phases:
+            columns["tracked tensors"] = monitor.measured
+        cuda = monitor.cuda
+        if cuda:
+            columns["cuda (measured)"] = Levels(
+                cuda["max_allocated_bytes"], cuda["max_reserved_bytes"], cuda["max_device_bytes"] or None, cuda["peak_phase"],
+            )
+        if not columns:
+            return ""
+        shown = tracked_shape or (tuple(configured) if configured else None)
+        what = " (the longest tracked batch)" if tracked_shape and configured and list(tracked_shape) != configured else ""
+        shape = f", batch {shape_text(shown)} tokens{what}" if shown else ""
+        per = f" per rank ({trainer.world_size} ranks)" if trainer.world_size > 1 else ""
+        title = f"memory on {trainer.strategy.root_device.type}{per}{shape}"
+        lines = [table(title, columns)]
+        lines += self._shape_lines(trainer, configured, tracked_shape)
+        if monitor.process is not None:
+            lines.append(
+                f"  process: max RSS {format_bytes(monitor.process.peak)}, grew {format_bytes(monitor.process.growth)} "
+                f"during the run (tensors plus the runtime, libraries and allocator caches)"
+            )
+        if cuda:
+            lines.append(
+                f"  cuda: max allocated {format_bytes(cuda['max_allocated_bytes'])} "
+                f"(in {cuda['peak_phase']}), max reserved {format_bytes(cuda['max_reserved_bytes'])}, "
+                f"device {format_bytes(cuda['max_device_bytes'] or None)} ({cuda['device_source']})"
+            )
+        for rank in monitor.ranks or []:
+            tracked = rank["tracked"]["peak_bytes"] if rank["tracked"] else None
+            lines.append(f"  rank {rank['rank']}: tracked peak {format_bytes(tracked)}")
+        return "\n".join(lines)
+
+    def _shape_lines(self, trainer: L.Trainer, configured: Optional[list[int]], tracked: Optional[tuple[int, int]]) -> list[str]:
+        """What made the measured batches shorter than the worst case, and the worst case itself, labelled."""
+        monitor, lines = self.monitor, []
+        if configured and tracked and list(tracked) != configured:
+            why = (
+                f"dynamic padding (data.padding: {padding(trainer)}) pads each batch to its longest text"
+                if padding(trainer) == "longest" else "the data had shorter batches"
+            )
+            lines.append(
+                f"  shorter batches: {why}; the longest tracked batch was {shape_text(tracked)} tokens, not "
+                f"{shape_text(configured)} (max_length): predictions above are for {shape_text(tracked)}"
+            )
+        at_peak = monitor.shape_predictions.get("tracked_peak", {}).get("analytic")
+        if at_peak is not None and monitor.peak_batch and monitor.peak_batch != tracked:
+            # e.g. the longest batch came first, before the optimizer state existed
+            lines.append(
+                f"  the tracked peak came in another batch, {shape_text(monitor.peak_batch)} tokens: analytic "
+                f"{format_bytes(at_peak.peak)} at that shape"
+            )
+        if monitor.cuda and monitor.longest and monitor.longest != tracked and "all" in monitor.shape_predictions:
+            found = monitor.shape_predictions["all"].get("analytic")
+            if found is not None:
+                lines.append(
+                    f"  cuda peaks cover every batch, the longest {shape_text(monitor.longest)} tokens: analytic "
+                    f"{format_bytes(found.peak)} allocated, {format_bytes(found.reserved)} reserved, "
+                    f"{format_bytes(found.device)} device at that shape"
+                )
+        predictions = monitor.predictions
+        if configured and predictions:
+            worst = ", ".join(f"{method} {format_bytes(level(f))}" for method, f in predictions.items())
+            limit, fits = self.memory.limit_bytes, ""
+            if limit is not None and "analytic" in predictions:
+                name = "memory.budget" if self.memory.budget else "memory.tier"
+                verdict = "fits" if level(predictions["analytic"]) <= limit else "does not fit"
+                fits = f": {verdict} {name} {format_bytes(limit)}"
+            where = "device" if next(iter(predictions.values())).device is not None else "tensors"
+            lines.append(
+                f"  fits (worst case: every batch {shape_text(configured)}, padded to max_length): {worst} {where}{fits}"
+            )
+        return lines
+
+
+class OutOfMemoryReport(L.Callback):
+    """On an out-of-memory error, on rank zero: the breakdown the monitor recorded at the failure (phase, batch, live
+    bytes per category, the limit) and one line saying what to run instead (``advise``: the lightest shipped recipe
+    predicted to fit; without it, the command that plans one)."""
+
+    def __init__(self, monitor: MemoryMonitor, advise: Optional[Advise] = None) -> None:
+        self.monitor, self.advise = monitor, advise
+
+    @rank_zero_only
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        oom = self.monitor.oom
+        if oom is None:
+            return
+        limit = oom["limit_bytes"]
+        print(
+            f"out of memory in the {oom['phase']} phase of batch {oom['batch']}: "
+            f"{format_bytes(oom['live_bytes'])} live = {breakdown_line(oom['categories'])} "
+            f"(limit {format_bytes(limit)})",
+            file=sys.stderr,
+        )
+        if self.advise is not None and limit is not None:
+            print(self.advise(trainer, limit), file=sys.stderr)
+        else:
+            print("run `python -m lit_memory plan --budget <your GPU memory> <your configs>` for a recipe that fits",
+                  file=sys.stderr)
+
+
+def level(footprint: Footprint) -> int:
+    """What decides whether a step fits: the device total where there is one (CUDA), else the tensors' peak."""
+    return footprint.device if footprint.device is not None else footprint.peak
+
+
+def shape_text(shape: Any) -> str:
+    return " x ".join(map(str, shape))
