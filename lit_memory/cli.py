@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from lit_memory import box, checks, guard, lowbit, precision, recipes, resume, trust
+from lit_memory import box, checks, guard, optimizers, precision, recipes, resume, trust
 from lit_memory.activations import is_auto
 from lit_memory.console import LogProgress, ModelSummary, interactive
 from lit_memory.data import TextClassificationData
@@ -280,7 +280,7 @@ class LitMemoryCLI(LightningCLI):
         self._check_values()  # again: a resumed checkpoint's hyper-parameters are merged in by now
         # As configured, before the CPU fallback below may change the precision.
         checks.check_trainer(settings.trainer)
-        lowbit.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
+        optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
         # The fused strategies refuse a bad bucket when built, but jsonargparse would wrap that line into

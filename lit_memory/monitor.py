@@ -35,6 +35,7 @@ from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes
 from lit_memory.memory.margin import DEFAULT_MARGIN, check_margin
 from lit_memory.memory.report import Levels, table
 from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
+from lit_memory.optimizers import compiles_its_step
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,9 @@ class MemoryMonitor(L.Callback):
         self.longest = longer(self.longest, shape)
         if self._tracking(trainer, batch_idx):
             self.longest_tracked = longer(self.longest_tracked, shape)
-            tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
+            tracker = Tracker(
+                self._device(trainer), None if self._on_cuda(trainer) else self.budget, compiled_steps=compiles_its_step
+            )
             tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
             self.tracker = tracker.__enter__()
         self._enter_phase(trainer, "forward")

@@ -33,6 +33,7 @@ from lit_memory.memory.step import is_fused, normalize_precision
 from lit_memory.memory.tracker import Tracker
 from lit_memory.activations import CheckpointPlan
 from lit_memory.monitor import clock
+from lit_memory.optimizers import compiles_its_step
 
 PEER_JSON = "peer.json"
 # Our optimizer class paths -> the Trainer's `optim` names.
@@ -137,7 +138,7 @@ class PeerMeter(TrainerCallback):
             self._track(model, optimizer)
 
     def _track(self, model, optimizer) -> None:
-        self.tracker = Tracker("cpu")
+        self.tracker = Tracker("cpu", compiled_steps=compiles_its_step)  # torchao's steps are compiled
         # What exists already (parameters, gradients, optimizer state) is registered; the rest is seen made.
         self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
         self.tracker.__enter__()
