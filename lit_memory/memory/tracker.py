@@ -323,7 +323,9 @@ class ProcessPeak:
 
     @property
     def peak(self) -> int:
-        return _status_bytes("VmHWM") or _maxrss()
+        # Never below the size at the start: the kernel's RSS counters are cached per CPU and can read a few
+        # hundred KiB apart (VmHWM 132 KiB below VmRSS read a moment before, on this project's machine).
+        return max(_status_bytes("VmHWM") or _maxrss(), self.start)
 
     @property
     def growth(self) -> int:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_memory import files, recipes
+from lit_memory import box, files, recipes
 from lit_memory.errors import UserError
 from lit_memory.memory import records
 
@@ -135,6 +135,7 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all") -> 
         raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere)")
     if recipes.recipes_dir() != recipes.CHECKOUT:
         raise UserError("--gpu-proof writes docs/gpu/ of a checkout: run it from a clone of the repository")
+    box.allow_output(out, "--out")  # the runs, logs and data go where the user said (default bench/)
     entries = ordered(names)
     data = synthetic_csv(out / "synthetic.csv")
     budgets = {Path(e).stem: budget_args(e) for e in entries}
@@ -151,6 +152,7 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all") -> 
         print(f"dry run: {len(plan)} recipes resolved; the data is {data}; nothing trained")
         return
     target = DOCS / f"{gpu_name()}.json"
+    box.allow_output(target, "--gpu-proof", file=True)  # the checkout's docs/gpu/<gpu>.json, which this command writes
     info: dict[str, Any] = {
         "command": command,
         "note": "BERT-large from its config (random weights), batch as each recipe states, synthetic 128-token rows; "
