@@ -23,9 +23,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from lit_memory.errors import UserError
+from lit_memory.optimizers import library_of
 
+# The ranges every optimizer shares; a library's own arguments' are its (`lit_memory.optimizers.Library.positive`).
 NON_NEGATIVE = ("lr", "weight_decay", "momentum", "dampening")
-POSITIVE = ("eps", "block_size", "min_8bit_size", "percentile_clipping")
+POSITIVE = ("eps",)
 IN_UNIT = ("betas", "beta1", "beta2")  # coefficients of running averages (not Adafactor's decay_rate: an exponent)
 
 
@@ -36,11 +38,12 @@ def check_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> None:
         optimizer = factory([dummy])
     except (ValueError, TypeError, RuntimeError, AssertionError) as err:
         raise UserError(f"model.optimizer: {' '.join(str(err).split()) or type(err).__name__}") from None
+    positive = (*POSITIVE, *library_of(optimizer).positive)
     problems = [
         p
         for key, value in _settings(optimizer).items()
         if (parameter := _parameter(type(optimizer), key)) is not None and _set(value, parameter.default)
-        for p in _problems(key, value, parameter.default)
+        for p in _problems(key, value, parameter.default, positive)
     ]
     if problems:
         raise UserError(f"model.optimizer: {type(optimizer).__name__}: {'; '.join(problems)}")
@@ -87,7 +90,7 @@ def _set(value: Any, default: Any) -> bool:
         return True
 
 
-def _problems(key: str, value: Any, default: Any) -> list[str]:
+def _problems(key: str, value: Any, default: Any, positive: Sequence[str] = POSITIVE) -> list[str]:
     if isinstance(default, bool) and not isinstance(value, bool):
         return [f"{key} must be true or false, got {value!r}"]
     if isinstance(default, numbers.Real) and not isinstance(default, bool):
@@ -108,7 +111,7 @@ def _problems(key: str, value: Any, default: Any) -> list[str]:
             out.append(f"{key} must be finite, got {value!r}")
         elif key in NON_NEGATIVE and number < 0:
             out.append(f"{key} must be >= 0, got {value!r}")
-        elif key in POSITIVE and number <= 0:
+        elif key in positive and number <= 0:
             out.append(f"{key} must be > 0, got {value!r}")
         elif key in IN_UNIT and not 0 <= number < 1:
             out.append(f"{key} must be in [0, 1), got {value!r}")

@@ -42,9 +42,9 @@ GradScaler would.
 
 On a device with streams (CUDA), each bucket's step is ordered after its gradients whatever stream each runs on
 (`DeviceStreams`): FSDP2 and FSDP1 hand gradients over on their reduce-scatter / post-backward stream, and
-bitsandbytes launches its kernels on the legacy default stream (`lit_memory.optimizers.Library.launch_stream`). Empty shards (FSDP2 gives the
-last ranks none of a parameter with fewer rows than ranks) are left out of every optimizer's step and of the
-clipping norm.
+bitsandbytes launches its kernels on the legacy default stream (`lit_memory.optimizers.Library.launch_stream`).
+Empty shards (FSDP2 gives the last ranks none of a parameter with fewer rows than ranks) are left out of every
+optimizer's step and of the clipping norm.
 
 What fusion cannot do is look at gradients after backward: no accumulation over micro-batches, no user code
 that clips or inspects gradients after backward. The strategies refuse those settings with these messages
@@ -54,9 +54,8 @@ before training starts.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch.autograd import Variable

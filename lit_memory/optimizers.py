@@ -7,7 +7,8 @@ subclass of bitsandbytes' ``Optimizer8bit`` is bitsandbytes'); a class path name
 says what the rest of lit_memory needs: whether its state is quantised (``embedding_optimizer_state`` then applies:
 `prepare`), the stream its kernels run on and what its step does around them (`lit_memory.fused`), whether it steps
 FSDP2's local shards (`lit_memory.eightbit_shards`), whether its step is compiled (the tracker pauses), the import
-paths an untrusted recipe may name (`IMPORTABLE`, for `lit_memory.trust`), the settings checks it needs, and how a
+paths an untrusted recipe may name (`IMPORTABLE`, for `lit_memory.trust`), the settings checks it needs (its own
+arguments' ranges: `Library.positive`; anything else: `Library.check_settings`), and how a
 copy of it steps other tensors (`copy_for`: the fused step's buckets, the probes below).
 
 **What it keeps** (`optimizer_tensors`), measured, not assumed by its name: a copy of the optimizer is stepped once
@@ -65,6 +66,7 @@ class Library:
     launch_stream = "current"  # where its kernels run: torch's current stream, or the device's legacy "default"
     steps_local_shards = False  # under FSDP2 it steps each rank's local shard, not the DTensor parameter
     compiles_step = False  # its step runs torch.compile'd code (a tracker's dispatch mode must step aside)
+    positive: tuple[str, ...] = ()  # its own arguments that must be > 0 (`lit_memory.checks`; shared ranges there)
 
     def __init__(self, name: Optional[str] = None) -> None:
         if name is not None:
@@ -229,6 +231,7 @@ class TorchAO(Library):
     importable = ("torchao.optim",)
     quantises_state = True
     compiles_step = True
+    positive = ("block_size",)  # refused only at the first step, deep in its kernel
 
     def keep_unquantised(self, optimizer: Optimizer, params: list[torch.Tensor], dtype: Optional[torch.dtype]) -> None:
         lowbit.keep_plain_state(optimizer, params, dtype)
