@@ -12,7 +12,7 @@ import torch
 import torchao.optim
 from transformers import Adafactor
 
-from lit_memory import trust
+from lit_memory import fused, optimizers, trust
 from lit_memory.checks import check_optimizer
 from lit_memory.errors import UserError
 from lit_memory.memory.analytic import analytic
@@ -21,7 +21,7 @@ from lit_memory.memory.predict import simulate_or_decline
 from lit_memory.memory.simulate import measure
 from lit_memory.memory.step import OptimizerSpec, Step
 from lit_memory.model import weight_decay_groups
-from lit_memory.optimizers import IMPORTABLE, library_of, optimizer_tensors, prepare, unquantised_extra
+from lit_memory.optimizers import IMPORTABLE, Library, library_of, optimizer_tensors, prepare, unquantised_extra
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
@@ -83,6 +83,30 @@ def test_an_optimizers_library_is_read_one_way_from_its_class_or_class_path():
         False, False, True, True,
     ]
     assert set(IMPORTABLE) <= set(trust.ALLOWLIST)  # the recipes' import allowlist names them from here
+
+
+def test_a_library_added_in_one_place_is_what_every_other_place_asks(monkeypatch):
+    """docs/memory.md, "Adding an optimizer", step 3: one `Library` in `LIBRARIES`, and the module's preparation,
+    the settings checks, the fused step's buckets and the planner's view of the optimizer follow it."""
+
+    class Mine(Library):
+        name, packages = "mine", (__name__,)
+        quantises_state, launch_stream, positive = True, "default", ("beta",)
+
+        def keep_unquantised(self, optimizer, params, dtype) -> None:
+            optimizer.unquantised = [id(p) for p in params]
+
+    monkeypatch.setattr(optimizers, "LIBRARIES", (Mine(), *optimizers.LIBRARIES))
+    assert library_of(SignMomentum).name == library_of(f"{__name__}.SignMomentum").name == "mine"
+    assert OptimizerSpec(f"{__name__}.SignMomentum", {}).library.quantises_state
+    with pytest.raises(UserError, match="model.optimizer: SignMomentum: beta must be > 0, got -0.5"):
+        check_optimizer(functools.partial(SignMomentum, beta=-0.5))
+    module, optimizer = built("cpu", SignMomentum, {}, torch.float32, True)
+    assert optimizer.unquantised == [id(module.p0)]
+    assert fused.copy_bucket(optimizer, list(module.parameters())).launch == "default"
+    assert library_of(torch.optim.AdamW).name == "torch" and fused.copy_bucket(
+        torch.optim.AdamW(module.parameters()), list(module.parameters())
+    ).launch == "current"
 
 
 # -- the state, measured on meta tensors, against real state ------------------------------------------------
