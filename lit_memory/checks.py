@@ -7,7 +7,9 @@ Optimizers check some of their arguments themselves (torch: a negative learning 
 their first step, deep in a kernel (torchao's ``block_size``, HF Adafactor's ``eps`` pair), and some
 never (a string where a flag belongs is truthy). So the module builds the configured optimizer once on
 a dummy parameter, which runs the class's own checks, then checks what it kept (``defaults``) against
-the types of the class's own defaults and the ranges every optimizer shares.
+the types of the class's own defaults and the ranges every optimizer shares: only the values the user set,
+the constructor's arguments that differ from its defaults (a class may keep a value it never takes, such as
+bitsandbytes' Lion8bit's ``eps`` of 0, which no range of ours is about).
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import inspect
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from lit_memory.errors import UserError
+from lit_memory.optimizers import library_of
 
+# The ranges every optimizer shares; a library's own arguments' are its (`lit_memory.optimizers.Library.positive`).
 NON_NEGATIVE = ("lr", "weight_decay", "momentum", "dampening")
-POSITIVE = ("eps", "block_size", "min_8bit_size", "percentile_clipping")
+POSITIVE = ("eps",)
 IN_UNIT = ("betas", "beta1", "beta2")  # coefficients of running averages (not Adafactor's decay_rate: an exponent)
 
 
@@ -34,7 +38,13 @@ def check_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> None:
         optimizer = factory([dummy])
     except (ValueError, TypeError, RuntimeError, AssertionError) as err:
         raise UserError(f"model.optimizer: {' '.join(str(err).split()) or type(err).__name__}") from None
-    problems = [p for key, value in _settings(optimizer).items() for p in _problems(key, value, _default(optimizer, key))]
+    positive = (*POSITIVE, *library_of(optimizer).positive)
+    problems = [
+        p
+        for key, value in _settings(optimizer).items()
+        if (parameter := _parameter(type(optimizer), key)) is not None and _set(value, parameter.default)
+        for p in _problems(key, value, parameter.default, positive)
+    ]
     if problems:
         raise UserError(f"model.optimizer: {type(optimizer).__name__}: {'; '.join(problems)}")
 
@@ -43,18 +53,44 @@ def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What the optimizer kept of its arguments: ``defaults``, and attributes for those kept outside it
     (torchao keeps ``block_size`` on the instance)."""
     kept = dict(optimizer.defaults)
-    for key in inspect.signature(type(optimizer).__init__).parameters:
-        if key not in kept and key not in ("self", "params") and hasattr(optimizer, key):
-            kept[key] = getattr(optimizer, key)
+    for cls in type(optimizer).__mro__:
+        for key in _arguments(cls):
+            if key not in kept and key not in ("self", "params") and hasattr(optimizer, key):
+                kept[key] = getattr(optimizer, key)
     return kept
 
 
-def _default(optimizer: torch.optim.Optimizer, key: str) -> Any:
-    parameter = inspect.signature(type(optimizer).__init__).parameters.get(key)
-    return inspect.Parameter.empty if parameter is None else parameter.default
+def _arguments(cls: type) -> dict[str, inspect.Parameter]:
+    init = cls.__dict__.get("__init__")
+    return dict(inspect.signature(init).parameters) if init is not None else {}
 
 
-def _problems(key: str, value: Any, default: Any) -> list[str]:
+def _parameter(cls: type, key: str) -> Optional[inspect.Parameter]:
+    """The constructor argument ``key`` of ``cls``: its own ``__init__``'s, or, through ``**kwargs``, a base's."""
+    for base in cls.__mro__:
+        arguments = _arguments(base)
+        if not arguments:
+            continue
+        if key in arguments and arguments[key].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            return arguments[key]
+        if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in arguments.values()):
+            return None
+    return None
+
+
+def _set(value: Any, default: Any) -> bool:
+    """Whether ``value`` is one the user set: a required argument's, or another than the default."""
+    if default is inspect.Parameter.empty or isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return True
+    try:
+        if isinstance(value, Sequence) and isinstance(default, Sequence) and not isinstance(value, str):
+            return list(value) != list(default)
+        return type(value) is not type(default) or bool(value != default)
+    except Exception:  # noqa: BLE001  values that do not compare: checked
+        return True
+
+
+def _problems(key: str, value: Any, default: Any, positive: Sequence[str] = POSITIVE) -> list[str]:
     if isinstance(default, bool) and not isinstance(value, bool):
         return [f"{key} must be true or false, got {value!r}"]
     if isinstance(default, numbers.Real) and not isinstance(default, bool):
@@ -75,7 +111,7 @@ def _problems(key: str, value: Any, default: Any) -> list[str]:
             out.append(f"{key} must be finite, got {value!r}")
         elif key in NON_NEGATIVE and number < 0:
             out.append(f"{key} must be >= 0, got {value!r}")
-        elif key in POSITIVE and number <= 0:
+        elif key in positive and number <= 0:
             out.append(f"{key} must be > 0, got {value!r}")
         elif key in IN_UNIT and not 0 <= number < 1:
             out.append(f"{key} must be in [0, 1), got {value!r}")

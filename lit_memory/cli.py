@@ -32,7 +32,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import checks, console, environment, guard, lowbit, precision, recipes, resume, trust
+from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
 from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
@@ -305,7 +305,7 @@ class LitMemoryCLI(LightningCLI):
         self._check_values()  # again: a resumed checkpoint's hyper-parameters are merged in by now
         # As configured, before the CPU fallback below may change the precision.
         checks.check_trainer(settings.trainer)
-        lowbit.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
+        optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
 

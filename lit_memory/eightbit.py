@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Literal, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -48,14 +49,14 @@ def unquantised_dtype(state: EmbeddingState) -> Optional[torch.dtype]:
     return None if state == "unquantized" else torch.float32
 
 
-def is_bitsandbytes(optimizer: Optimizer) -> bool:
-    module = sys.modules.get("bitsandbytes.optim.optimizer")  # loaded if the optimizer is one
-    return module is not None and isinstance(optimizer, module.Optimizer8bit)
-
-
 def keep_embeddings_32bit(embeddings: Sequence[nn.Embedding], optimizer: Optimizer) -> None:
-    """bitsandbytes' per-parameter override: these embedding matrices (`lit_memory.anatomy.Anatomy.embeddings`,
-    as `unquantised` picks them for the setting) keep 32-bit optimizer state.
+    """32-bit optimizer state for these embedding matrices (`lit_memory.anatomy.Anatomy.embeddings`, as `unquantised`
+    picks them for the setting): `keep_32bit` on their weights."""
+    keep_32bit(optimizer, [module.weight for module in embeddings])
+
+
+def keep_32bit(optimizer: Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """bitsandbytes' per-parameter override: these parameters keep 32-bit optimizer state.
 
     bitsandbytes keeps overrides in a process-wide manager keyed by ``id(parameter)``; they are given
     to this optimizer alone (its own copy of the manager), so they cannot leak to a later model whose
@@ -63,9 +64,83 @@ def keep_embeddings_32bit(embeddings: Sequence[nn.Embedding], optimizer: Optimiz
     """
     manager = copy.copy(optimizer.mng)
     manager.pid2config = dict(manager.pid2config)
-    for module in embeddings:
-        manager.pid2config[id(module.weight)] = {**manager.pid2config.get(id(module.weight), {}), "optim_bits": 32}
+    for param in params:
+        manager.pid2config[id(param)] = {**manager.pid2config.get(id(param), {}), "optim_bits": 32}
     optimizer.mng = manager
+
+
+def config_of(optimizer: Optimizer, group: int, index: int) -> dict[str, Any]:
+    """The settings bitsandbytes steps the ``index``-th parameter of group ``group`` with: the group's and the
+    optimizer's, and its manager's overrides for it (by position, by id, or by module: `StableEmbedding` registers
+    its weight), read without ``check_overrides``, which would record them in the process-wide manager."""
+    manager = optimizer.mng
+    param = optimizer.param_groups[group]["params"][index]
+    config = optimizer.get_config(group, index, optimizer.param_groups[group])
+    for module, name, module_config in manager.module_weight_config_triple:
+        if getattr(module, name) is param:
+            config.update(module_config)
+    return config
+
+
+def overrides_for_copy(
+    manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]], min_8bit_size: int
+) -> Any:
+    """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a copy of an optimizer
+    (`lit_memory.optimizers.copy_for`: the fused step's buckets, the memory model's probes).
+
+    The process-wide `GlobalOptimManager` finds overrides by the parameter's (group, index) in the
+    optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). In the copy a
+    parameter has another (group, index), and may be stepped as a local shard, or a probe's stand-in, with another
+    id, so the copy gets a manager of its own whose (group, index) entries are everything its parameters were given
+    (and nothing by id or module: its first step then records nothing in the process-wide manager).
+
+    A shard's state is 8-bit or 32-bit as the whole parameter's would be (bitsandbytes compares the tensor it
+    steps with ``min_8bit_size``): the same on every number of ranks, so a checkpoint reshards without changing
+    its kind (`lit_memory.eightbit_shards`), and as the memory model counts it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    view = copy.copy(manager)
+    view.index2config, view.pid2config, view.module_weight_config_triple = {}, {}, []
+    for g, (group_positions, group_params) in enumerate(zip(positions, params)):
+        for i, (position, param) in enumerate(zip(group_positions, group_params)):
+            config = dict(manager.index2config.get(position, {}))
+            for module, name, module_config in manager.module_weight_config_triple:
+                if getattr(module, name) is param:
+                    config.update(module_config)
+            config.update(manager.pid2config.get(id(param), {}))
+            if isinstance(param, DTensor):
+                quantised = param.numel() >= config.get("min_8bit_size", min_8bit_size)
+                config["min_8bit_size"] = 0 if quantised else sys.maxsize
+            if config:
+                view.index2config[(g, i)] = config
+    return view
+
+
+@contextmanager
+def one_sync_per_step(optimizer: Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+    """bitsandbytes' ``Optimizer8bit.step`` synchronises the whole device after every parameter
+    (``bitsandbytes.utils.sync_gpu``, a global of its optimizer module, ``torch.cuda.synchronize()``): inside
+    backward that stops the host ~390 times per BERT-large step, and under FSDP2 inside the reduce-scatter hook,
+    so communication and the host's launches stop overlapping compute. Its non-paged kernels need none (the stream
+    orders them: `lit_memory.fused.DeviceStreams`; bitsandbytes PR #2050 drops them too), so none is made. A paged
+    optimizer prefetches and updates its unified-memory state asynchronously and keeps bitsandbytes' own sync at the
+    end of the step: one per fused bucket (~25 per BERT-large step with ``layer`` buckets), each draining the
+    device's queue."""
+    module = sys.modules["bitsandbytes.optim.optimizer"]
+    sync = module.sync_gpu
+    module.sync_gpu = _no_sync
+    try:
+        yield
+    finally:
+        module.sync_gpu = sync
+    if optimizer.is_paged and params:
+        param = params[0]
+        sync(param.to_local() if hasattr(param, "to_local") else param)
+
+
+def _no_sync(tensor: torch.Tensor) -> None:
+    """bitsandbytes' per-parameter device sync, left out (`one_sync_per_step`)."""
 
 
 def check_stable_embedding(embedding: nn.Module) -> None:
@@ -94,8 +169,7 @@ def swap_stable_embedding(model: nn.Module) -> None:
     model.set_input_embeddings(new)
 
 
-def quantised_embeddings(embeddings: Sequence[nn.Embedding]) -> list[tuple[nn.Embedding, int]]:
-    """The matrices ``auto`` leaves on 8-bit state, each with the bytes 32-bit state would add (6 per value:
-    two fp32 moments instead of two 8-bit codes)."""
-    return [(e, 6 * e.weight.numel()) for e in embeddings if e.weight.numel() > AUTO_32BIT_VALUES]
+def quantised_embeddings(embeddings: Sequence[nn.Embedding]) -> list[nn.Embedding]:
+    """The matrices ``auto`` leaves on quantised state (larger than `AUTO_32BIT_VALUES`)."""
+    return [e for e in embeddings if e.weight.numel() > AUTO_32BIT_VALUES]
 

@@ -42,9 +42,9 @@ GradScaler would.
 
 On a device with streams (CUDA), each bucket's step is ordered after its gradients whatever stream each runs on
 (`DeviceStreams`): FSDP2 and FSDP1 hand gradients over on their reduce-scatter / post-backward stream, and
-bitsandbytes launches its kernels on the legacy default stream (`launches_on`). Empty shards (FSDP2 gives the
-last ranks none of a parameter with fewer rows than ranks) are left out of every optimizer's step and of the
-clipping norm.
+bitsandbytes launches its kernels on the legacy default stream (`lit_memory.optimizers.Library.launch_stream`).
+Empty shards (FSDP2 gives the last ranks none of a parameter with fewer rows than ranks) are left out of every
+optimizer's step and of the clipping norm.
 
 What fusion cannot do is look at gradients after backward: no accumulation over micro-batches, no user code
 that clips or inspects gradients after backward. The strategies refuse those settings with these messages
@@ -53,18 +53,15 @@ before training starts.
 
 from __future__ import annotations
 
-import copy
 import re
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch.autograd import Variable
 from torch.optim import Optimizer
 
-from lit_memory.eightbit import is_bitsandbytes
+from lit_memory.optimizers import copy_for, library_of
 from lit_memory.errors import UserError
 
 
@@ -162,8 +159,9 @@ class Bucket:
 
     def __post_init__(self) -> None:
         self._shard_state = _ShardState(dict(zip(self.shards, self.params))) if self.shards else None
-        self.launch = launches_on(self.optimizer)
-        self._bitsandbytes = is_bitsandbytes(self.optimizer)
+        library = library_of(self.optimizer)
+        self.launch = library.launch_stream
+        self._step_context = library.step_context  # what a step runs inside (bitsandbytes: one device sync)
         # FSDP2 shards dim 0 as torch.chunk does: with fewer rows than ranks the last ranks hold none. bitsandbytes'
         # CUDA kernels reject a 0-element launch (and exit the process), so no optimizer is handed one.
         self._empty = [p for p in self.params if _local(p).numel() == 0]
@@ -180,8 +178,9 @@ class Bucket:
         if self.shards:
             for shard, param in zip(self.shards, self.params):
                 shard.grad = None if param.grad is None else param.grad.to_local()
-        if self._bitsandbytes:
-            with _one_sync_per_step(self.optimizer, self.params):
+        context = self._step_context(self.optimizer, self.params)
+        if context is not None:
+            with context:
                 self.optimizer.step()
         else:
             self.optimizer.step()
@@ -462,7 +461,7 @@ class DeviceStreams:
     - torch's optimizers (and anything made of torch ops) launch on torch's current stream, which is where the
       gradient was made: in order. bitsandbytes 0.50 passes no stream to its optimizer kernels (``_optimizer_update_*``
       in bitsandbytes/backends/cuda/ops.py), so they run on the legacy default stream, which a non-blocking stream
-      does not synchronise with (`launches_on`).
+      does not synchronise with (`lit_memory.optimizers.Library.launch_stream`).
 
     ``BucketHooks`` makes the launch stream wait for an event recorded where the gradients were made when the bucket
     completed, runs the whole step with the launch stream current (the library's torch ops, e.g. its zero-initialised
@@ -500,36 +499,6 @@ def device_streams(device: Optional[torch.device]) -> Optional[DeviceStreams]:
     if not all(hasattr(module, name) for name in ("current_stream", "default_stream", "stream")):
         return None
     return DeviceStreams(module, device)
-
-
-def launches_on(optimizer: Optimizer) -> Literal["current", "default"]:
-    """The stream an optimizer's kernels run on: torch's current one, or the device's legacy default stream
-    whatever the current one is (bitsandbytes: `DeviceStreams`)."""
-    return "default" if is_bitsandbytes(optimizer) else "current"
-
-
-@contextmanager
-def _one_sync_per_step(optimizer: Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
-    """bitsandbytes' ``Optimizer8bit.step`` synchronises the whole device after every parameter
-    (``bitsandbytes.utils.sync_gpu``, a global of its optimizer module, ``torch.cuda.synchronize()``): inside
-    backward that stops the host ~390 times per BERT-large step, and under FSDP2 inside the reduce-scatter hook,
-    so communication and the host's launches stop overlapping compute. Its non-paged kernels need none (the stream
-    orders them: `DeviceStreams`; bitsandbytes PR #2050 drops them too), so none is made. A paged optimizer
-    prefetches and updates its unified-memory state asynchronously and keeps bitsandbytes' own sync at the end of
-    the step: one per bucket (~25 per BERT-large step with ``layer`` buckets), each draining the device's queue."""
-    module = sys.modules["bitsandbytes.optim.optimizer"]
-    sync = module.sync_gpu
-    module.sync_gpu = _no_sync
-    try:
-        yield
-    finally:
-        module.sync_gpu = sync
-    if optimizer.is_paged and params:
-        sync(_local(params[0]))
-
-
-def _no_sync(tensor: torch.Tensor) -> None:
-    """bitsandbytes' per-parameter device sync, left out (`_one_sync_per_step`)."""
 
 
 class BucketHooks:
@@ -845,41 +814,22 @@ def gradient_bytes(param: torch.Tensor) -> int:
 
 def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
     """A bucket stepping ``params`` (some of ``optimizer``'s) with a copy of ``optimizer`` that
-    optimises exactly them, as the original would: one group per original group they come from.
-
-    Constructors cannot rebuild an optimizer in general (bitsandbytes keeps settings such as
-    ``min_8bit_size`` in ``args``, and AdamW8bit refuses its own ``optim_bits`` back), so the copy
-    keeps every attribute of the original and re-initialises only torch's own bookkeeping (hooks,
-    state, groups) for these parameters.
+    optimises exactly them, as the original would: one group per original group they come from
+    (`lit_memory.optimizers.copy_for`).
     """
     wanted = {id(p) for p in params}
-    members: dict[int, list[tuple[int, torch.Tensor]]] = {}  # original group -> [(index in it, parameter)]
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) in wanted:
-                members.setdefault(g, []).append((i, p))
-    ordered = [p for g in members for _, p in members[g]]
-    shards = [_local_shard(optimizer, p) for p in ordered]
-    stepped = {id(p): p if s is None else s for p, s in zip(ordered, shards)}
-
-    bucket_optimizer = object.__new__(type(optimizer))
-    # An LR scheduler wraps the original's bound `step` on the instance: that one stays behind.
-    vars(bucket_optimizer).update((k, v) for k, v in vars(optimizer).items() if k not in ("step", "_opt_called"))
-    groups = [
-        {**optimizer.param_groups[g], "params": [stepped[id(p)] for _, p in members[g]]} for g in members
+    entries = [
+        (g, i, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if id(p) in wanted
     ]
-    Optimizer.__init__(bucket_optimizer, groups, optimizer.defaults)
-    if is_bitsandbytes(optimizer):
-        positions = [[(g, i) for i, _ in members[g]] for g in members]
-        params = [[p for _, p in members[g]] for g in members]
-        bucket_optimizer.mng = _bitsandbytes_overrides(optimizer.mng, positions, params, optimizer.args.min_8bit_size)
+    shards = [_local_shard(optimizer, p) for _, _, p in entries]
+    bucket_optimizer, source_groups = copy_for(optimizer, [(g, i, p, p if s is None else s) for (g, i, p), s in zip(entries, shards)])
     has_shards = any(s is not None for s in shards)
     return Bucket(
         bucket_optimizer,
-        ordered,
+        [p for _, _, p in entries],
         source=optimizer,
-        source_groups=list(members),
-        shards=[stepped[id(p)] for p in ordered] if has_shards else None,
+        source_groups=source_groups,
+        shards=[p if s is None else s for (_, _, p), s in zip(entries, shards)] if has_shards else None,
     )
 
 
@@ -899,7 +849,7 @@ def _local_shard(optimizer: Optimizer, param: torch.Tensor) -> Optional[torch.Te
     """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(param, DTensor) and is_bitsandbytes(optimizer):
+    if isinstance(param, DTensor) and library_of(optimizer).steps_local_shards:
         return param.to_local().detach()
     return None
 
@@ -924,36 +874,3 @@ class _ShardState:
 
     def values(self) -> list[dict]:
         return [state for _, state in self.items()]
-
-
-def _bitsandbytes_overrides(
-    manager: Any, positions: list[list[tuple[int, int]]], params: list[list[torch.Tensor]], min_8bit_size: int
-) -> Any:
-    """bitsandbytes' per-parameter overrides (e.g. 32-bit state for embeddings) for a bucket's copy.
-
-    The process-wide `GlobalOptimManager` finds overrides by the parameter's (group, index) in the
-    optimizer, by parameter id, or by module (`StableEmbedding` registers its weight). In the copy a
-    parameter has another (group, index), and may be stepped as a local shard with another id, so the
-    copy gets a view of the manager whose (group, index) entries are everything its parameters were given.
-
-    A shard's state is 8-bit or 32-bit as the whole parameter's would be (bitsandbytes compares the tensor it
-    steps with ``min_8bit_size``): the same on every number of ranks, so a checkpoint reshards without changing
-    its kind (`lit_memory.eightbit_shards`), and as the memory model counts it.
-    """
-    from torch.distributed.tensor import DTensor
-
-    view = copy.copy(manager)
-    view.index2config = {}
-    for g, (group_positions, group_params) in enumerate(zip(positions, params)):
-        for i, (position, param) in enumerate(zip(group_positions, group_params)):
-            config = dict(manager.index2config.get(position, {}))
-            for module, name, module_config in manager.module_weight_config_triple:
-                if getattr(module, name) is param:
-                    config.update(module_config)
-            config.update(manager.pid2config.get(id(param), {}))
-            if isinstance(param, DTensor):
-                quantised = param.numel() >= config.get("min_8bit_size", min_8bit_size)
-                config["min_8bit_size"] = 0 if quantised else sys.maxsize
-            if config:
-                view.index2config[(g, i)] = config
-    return view

@@ -14,7 +14,6 @@ runs one ``torch.compile``'d kernel per parameter, compiled once per parameter s
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 import torch
@@ -27,26 +26,21 @@ PACKAGE = "torchao.optim"
 FP8_CAPABILITY = (8, 9)
 
 
-def is_torchao(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is one of torchao's Adam variants (loaded if it is one)."""
-    module = sys.modules.get("torchao.optim.adam")
-    return module is not None and isinstance(optimizer, module._AdamBase)
-
-
 def keep_plain_state(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor], dtype: Optional[torch.dtype] = torch.float32
 ) -> None:
     """Keep these parameters' state unquantised, in ``dtype`` (None: the parameter's): torchao quantises every state tensor of
     4096 values or more, with no per-parameter override of its own. This is bitsandbytes' advice for NLP
     models (32-bit state for the embedding matrices: rare tokens get rare, small updates) made for torchao,
-    and it keeps the compiled step's buffers off the largest tensor (`lit_memory.memory.analytic.torchao_kernel_bytes`).
+    and it keeps the compiled step's buffers off the largest tensor (`lit_memory.optimizers.torchao_kernel_bytes`).
 
     It replaces the instance's ``_new_buffer`` (private torchao API: checked by tests/test_lowbit.py), where
     torchao creates each state tensor; fused-step bucket copies share the instance's attributes, so theirs too.
-    The ids and the bytes per value are kept on the optimizer (``plain_state``) for the memory model."""
+    The ids and the dtype (None: the parameter's) are kept on the optimizer (``plain_state``): copies that step
+    other tensors in their place (the memory model's probes) carry them over (`lit_memory.optimizers.TorchAO`)."""
     from torch.distributed.tensor import DTensor
 
-    plain = {id(p): (dtype or p.dtype).itemsize for p in params}
+    plain = {id(p): dtype for p in params}
     quantised = optimizer._new_buffer
 
     def _new_buffer(p: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -75,7 +69,7 @@ def compile_steps_without_the_dtensor_cache_collision(optimizer: torch.optim.Opt
     graph cache, keyed by the flattened tensors, still serves); unsharded state hashes its inner tensors."""
     from torch.distributed.tensor import DTensor
 
-    if is_torchao(optimizer) and any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+    if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
         import torch._functorch.config
 
         torch._functorch.config.enable_autograd_cache = False
@@ -83,7 +77,8 @@ def compile_steps_without_the_dtensor_cache_collision(optimizer: torch.optim.Opt
 
 def check_settings(optimizer: Any, precision: Any, on_gpu: bool) -> None:
     """One `UserError` line for a torchao optimizer setting that cannot do what it says, before anything
-    is built. ``optimizer``: the parsed ``model.optimizer`` (a class path and its init args)."""
+    is built. ``optimizer``: the parsed ``model.optimizer`` of one of torchao's (a class path and its init args;
+    `lit_memory.optimizers.check_settings` asks its library)."""
     class_path = str(_get(optimizer, "class_path") or "")
     init_args = _get(optimizer, "init_args") or {}
     weights = getattr(Precision.known(precision), "param", None)
@@ -94,7 +89,7 @@ def check_settings(optimizer: Any, precision: Any, on_gpu: bool) -> None:
             "bf16_stochastic_round"
         )
     name = class_path.rsplit(".", 1)[-1]
-    if class_path.startswith(PACKAGE) and name.endswith("Fp8") and on_gpu and torch.cuda.is_available():
+    if name.endswith("Fp8") and on_gpu and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
         if capability < FP8_CAPABILITY:
             raise UserError(

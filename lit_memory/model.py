@@ -24,22 +24,13 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled, files, guard
+from lit_memory import bundled, files, guard, optimizers
 from lit_memory.activations import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.data import label_names_or_default, load_tokenizer, pad_token_id
-from lit_memory.eightbit import (
-    EmbeddingState,
-    check_stable_embedding,
-    is_bitsandbytes,
-    keep_embeddings_32bit,
-    swap_stable_embedding,
-    unquantised,
-    unquantised_dtype,
-)
+from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
-from lit_memory.lowbit import compile_steps_without_the_dtensor_cache_collision, is_torchao, keep_plain_state
 from lit_memory.checks import check_optimizer
 
 log = logging.getLogger(__name__)
@@ -91,7 +82,8 @@ class SequenceClassifier(L.LightningModule):
             weights are put in a group without weight decay.
         embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) treats the
             embedding matrices (`lit_memory.eightbit.unquantised`): ``32bit`` keeps their state unquantised
-            in fp32 (bitsandbytes' per-parameter override; `lit_memory.lowbit.keep_plain_state` for torchao),
+            in fp32 (bitsandbytes' per-parameter override; `lit_memory.lowbit.keep_plain_state` for torchao;
+            `lit_memory.optimizers.Library.keep_unquantised`),
             ``unquantized`` in the parameters' own dtype (torchao: bf16 state for bf16 weights, as its own
             pure-bf16 training has it; bitsandbytes: as ``32bit``), ``auto`` (the default) as ``32bit`` for
             matrices up to `lit_memory.eightbit.AUTO_32BIT_VALUES` values (BERT's, ModernBERT's word
@@ -355,12 +347,8 @@ class SequenceClassifier(L.LightningModule):
         """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
         state = self.hparams.embedding_optimizer_state
-        kept = [e for e in unquantised(state, Anatomy.of(self.model).embeddings) if e.weight.requires_grad]
-        if kept and is_bitsandbytes(optimizer):
-            keep_embeddings_32bit(kept, optimizer)
-        elif kept and is_torchao(optimizer):
-            keep_plain_state(optimizer, [e.weight for e in kept], unquantised_dtype(state))
-        compile_steps_without_the_dtensor_cache_collision(optimizer)
+        kept = [e.weight for e in unquantised(state, Anatomy.of(self.model).embeddings) if e.weight.requires_grad]
+        optimizers.prepare(optimizer, kept, unquantised_dtype(state))  # what its library needs (`lit_memory.optimizers`)
         return optimizer
 
     def configure_optimizers(self):

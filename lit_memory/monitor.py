@@ -31,6 +31,7 @@ from lit_memory.memory.budget import MemorySettings
 from lit_memory.memory.device import process_memory_used
 from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
+from lit_memory.optimizers import compiles_its_step
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,9 @@ class MemoryMonitor(L.Callback):
         self.longest = longer(self.longest, shape)
         if self._tracking(trainer, batch_idx):
             self.longest_tracked = longer(self.longest_tracked, shape)
-            tracker = Tracker(self._device(trainer), None if self._on_cuda(trainer) else self.budget)
+            tracker = Tracker(
+                self._device(trainer), None if self._on_cuda(trainer) else self.budget, compiled_steps=compiles_its_step
+            )
             tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
             self.tracker = tracker.__enter__()
         self._enter_phase(trainer, "forward")

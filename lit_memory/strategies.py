@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 from lit_memory import eightbit_shards, fused
 from lit_memory.anatomy import find_layers, parameter_units
 from lit_memory.anatomy import hugging_face_models as _hugging_face_models
-from lit_memory.eightbit import is_bitsandbytes
+from lit_memory.optimizers import library_of
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
 
@@ -270,7 +270,7 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
         # Before anything is built where the module says its optimizer (lit_memory's); else in setup_optimizers.
         factory = getattr(model, "optimizer_factory", None)
         if self.fused_step and not self._save_distributed_checkpoint and callable(factory):
-            if is_bitsandbytes(factory([nn.Parameter(torch.zeros(1))])):
+            if library_of(factory([nn.Parameter(torch.zeros(1))])).steps_local_shards:
                 raise UserError(eightbit_shards.ONE_FILE)
 
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -45,19 +45,17 @@ from typing import Any, Callable, Iterator, Optional
 from jsonargparse import Namespace
 
 from lit_memory import bounds, box, guard
+from lit_memory.optimizers import IMPORTABLE
 from lit_memory.errors import UserError
 from lit_memory.settings import assign, leaves
 
 TRUST_FLAG = guard.TRUST_FLAG
 HINT = guard.HINT
-# Import paths a recipe may name: optimizers, Lightning's own callbacks/loggers/strategies/plugins,
-# this package and peft. An entry allows itself and everything under it.
+# Import paths a recipe may name: optimizers (those of the libraries lit_memory knows: `lit_memory.optimizers`),
+# Lightning's own callbacks/loggers/strategies/plugins, this package and peft. An entry allows itself and everything
+# under it.
 ALLOWLIST = (
-    "torch.optim",
-    "transformers.optimization",
-    "transformers.Adafactor",
-    "bitsandbytes.optim",
-    "torchao.optim",
+    *IMPORTABLE,
     "lightning",
     "lit_memory",
     "peft",

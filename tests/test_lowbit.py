@@ -27,7 +27,7 @@ from lit_memory.__main__ import main
 from lit_memory.errors import UserError
 from lit_memory.anatomy import parameter_units
 from lit_memory.fused import OptimizerInBackward
-from lit_memory.memory.analytic import optimizer_bytes
+from lit_memory.optimizers import optimizer_tensors
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 from lit_memory.lowbit import keep_plain_state
 from lit_memory.memory.step import OptimizerSpec
@@ -132,14 +132,15 @@ def test_state_resumes_exactly_from_a_weights_only_checkpoint():
 )
 def test_the_analytic_model_counts_the_state_torchao_creates(cls, dtype):
     """Every byte of torchao's real state (codes, block scales, lookup tables, plain moments in the weights'
-    dtype, step counters) against `optimizer_bytes`. One eager step: the state is what matters here."""
+    dtype, step counters) against what the memory model measures (`optimizer_tensors`). One eager step: the state is
+    what matters here."""
     model = toy_bert(dtype)
     optimizer = cls(weight_decay_groups(model), lr=1e-3)
     model(**batch(0)).loss.backward()
     with torch.compiler.set_stance("force_eager"):
         optimizer.step()
     storages = {s for state in optimizer.state.values() for v in state.values() for s in get_untyped_storages(v)}
-    assert optimizer_bytes(optimizer, "cpu")[0] == sum(s.nbytes() for s in storages)
+    assert optimizer_tensors(optimizer, "cpu").state_bytes == sum(s.nbytes() for s in storages)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, None], ids=["32bit", "unquantized"])
@@ -161,7 +162,7 @@ def test_embeddings_keep_unquantised_state_and_the_fused_buckets_keep_it_too(dty
         elif p.numel() >= 4096:
             assert kinds == {"OptimState8bit"}
     storages = {s for state in optimizer.state.values() for v in state.values() for s in get_untyped_storages(v)}
-    assert optimizer_bytes(optimizer, "cpu")[0] == sum(s.nbytes() for s in storages)
+    assert optimizer_tensors(optimizer, "cpu").state_bytes == sum(s.nbytes() for s in storages)
 
 
 def test_stochastic_rounding_keeps_the_small_updates_rounding_to_nearest_loses():

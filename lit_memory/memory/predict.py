@@ -20,6 +20,7 @@ from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.records import METHODS
 from lit_memory.memory.simulate import simulate
 from lit_memory.memory.step import Prediction, Step
+from lit_memory.optimizers import StepNotSimulated
 
 __all__ = ["METHODS", "device_total", "fits", "level", "predict", "run_hooks", "simulate_or_decline"]
 
@@ -27,11 +28,15 @@ __all__ = ["METHODS", "device_total", "fits", "level", "predict", "run_hooks", "
 def simulate_or_decline(step: Step) -> tuple[Optional[Prediction], Optional[str]]:
     """The simulated step, or None and one line saying why it cannot run: a forward that computes a shape
     or a Python number from the data (DeBERTa's relative positions call nonzero, ModernBERT reads a scalar
-    back), which fake tensors cannot give. Everything else the simulation meets is raised as it is."""
+    back), which fake tensors cannot give, or an optimizer's step that computes a shape from the data (its
+    scalar reads are answered: `lit_memory.optimizers.answering_scalars`). Everything else the simulation meets
+    is raised as it is."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     try:
         return simulate(step), None
+    except StepNotSimulated as err:
+        return None, f"not simulated: {err}, which fake tensors cannot give; the analytic prediction stands alone"
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
         return None, (
             f"not simulated: the model's forward computes from the data what fake tensors cannot give ({err}); "

@@ -15,7 +15,8 @@ that kernel does (q, k, v, the output laid out as the kernel lays it out, the lo
 dq, dk, dv and the kernel's workspace in backward); dropout keeps a 1-byte mask (``native_dropout``, CUDA's
 kernel) instead of the CPU's full-width noise; under autocast, softmax and LayerNorm run in fp32 as CUDA's
 autocast policy has them (the CPU's runs them in bf16). What is left differs in small ways: CPU
-kernels' own temporaries, bitsandbytes' CPU code, torchao's compiled kernel (see `TORCHAO_NOTE`).
+kernels' own temporaries, bitsandbytes' CPU code, torchao's compiled kernel (stood in for by what it allocates:
+`lit_memory.optimizers.simulated_step`, which also answers the scalar reads of an optimizer's step).
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ import torch
 from lit_memory.activations import OffloadActivations
 from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
-from lit_memory.lowbit import is_torchao
 from lit_memory.memory.allocator import replay
-from lit_memory.memory.analytic import foreach_default, torchao_kernel_bytes
 from lit_memory.memory.device import add_levels
 from lit_memory.memory.kernels import Kernel
 from lit_memory.memory.step import Prediction, Step, build
 from lit_memory.memory.tracker import Tracker
 from lit_memory.model import SequenceClassifier
+from lit_memory.optimizers import library_of, simulated_step, use_device_defaults
 
 
 def _fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
@@ -54,15 +54,6 @@ def _fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
     if getattr(config, "type_vocab_size", 0):
         batch["token_type_ids"] = torch.zeros(shape, dtype=torch.long)
     return batch
-
-
-def _use_device_defaults(optimizer: torch.optim.Optimizer, device: str) -> None:
-    """Run the optimizer implementation torch picks on ``device``: on CUDA, foreach kernels (their
-    temporaries are a whole parameter group at once) where the config leaves ``foreach`` unset."""
-    if device == "cuda" and foreach_default(optimizer, device):
-        for group in optimizer.param_groups:
-            if group.get("foreach", False) is None:
-                group["foreach"] = True
 
 
 @dataclass
@@ -108,40 +99,10 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, step
     return _Stepping([optimizer], warm, before_backward, lambda loss: loss.backward(), after_backward=optimizer.step)
 
 
-TORCHAO_NOTE = (
-    "torchao's update kernel is compiled, and compiled code cannot run on fake tensors: the simulation creates "
-    "its state with torchao's own code and allocates the kernel's buffers as inductor's CPU code does "
-    "(lit_memory.memory.analytic.torchao_kernel_bytes) instead of running it"
-)
 STAND_IN_NOTE = (
     "simulated on CPU kernels, with CUDA's stood in where their memory differs: the attention kernel torch "
     "picks on the target GPU ({kernel}), 1-byte dropout masks, autocast's fp32 softmax and LayerNorm"
 )
-
-
-@contextlib.contextmanager
-def _torchao_kernel_as_buffers(optimizer: torch.optim.Optimizer):
-    """Step torchao's optimizer on fake tensors: its Python code as it is (state creation, the step
-    counter), its compiled per-parameter kernel (`torchao.optim.adam.single_param_adam`, private) replaced
-    by the buffers that kernel allocates, run eagerly. Enter before the fake mode: torchao builds its
-    quantisation maps from Python lists (cached), which fake tensors cannot give."""
-    if not is_torchao(optimizer):
-        yield
-        return
-    from torchao.optim import adam, subclass_4bit, subclass_8bit
-
-    for maps in (subclass_8bit, subclass_4bit):
-        maps.get_qmap_signed(), maps.get_qmap_unsigned()
-
-    def buffers(p, grad, step, exp_avg, *rest) -> None:
-        name = type(exp_avg).__name__
-        kind = name.removeprefix("OptimState") if name.startswith("OptimState") else None  # plain state: in place
-        block = getattr(exp_avg, "block_size", float("inf"))
-        held = torch.empty(torchao_kernel_bytes(kind, exp_avg.numel(), block), dtype=torch.uint8)
-        del held
-
-    with mock.patch.object(adam, "single_param_adam", buffers), torch.compiler.set_stance("force_eager"):
-        yield
 
 
 # -- CUDA's kernels, stood in for ----------------------------------------------------------------------
@@ -262,10 +223,11 @@ def _tracked_step(step: Step, mode) -> Prediction:
         module.activation_offload = OffloadActivations(host="meta")
     cuda = step.device == "cuda"
     stand_ins = cuda_stand_ins(step) if cuda else contextlib.nullcontext([])
-    stepped_as_compiled = _torchao_kernel_as_buffers(optimizer) if isinstance(mode, FakeTensorMode) else contextlib.nullcontext()
-    with stepped_as_compiled, mode, warnings.catch_warnings(), stand_ins as kernels:
+    # Entered before the fake mode: torchao builds its quantisation maps from Python lists, which fake tensors cannot give.
+    stepped_fake = simulated_step(optimizer) if isinstance(mode, FakeTensorMode) else contextlib.nullcontext()
+    with stepped_fake, mode, warnings.catch_warnings(), stand_ins as kernels:
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices
-        _use_device_defaults(optimizer, step.device)
+        use_device_defaults(optimizer, step.device)
         stepping = _stepping(module, optimizer, step)
         stepping.warm()  # the steady state: the optimizer state exists
         batch = _fake_batch(step, module.model.config)
@@ -280,7 +242,7 @@ def _tracked_step(step: Step, mode) -> Prediction:
                 return torch.autocast("cpu", dtype=compute, cache_enabled=True)
             return plugin.forward_context()
 
-        tracker = Tracker("cpu", compiled_steps=False, record=cuda)  # torchao's steps run eagerly here
+        tracker = Tracker("cpu", record=cuda)  # compiled steps (torchao's) run eagerly here (`simulated_step`)
         tracker.track_external(module, *stepping.optimizers, batch)
         with tracker:
             tracker.enter_phase("forward")
@@ -302,7 +264,8 @@ def _tracked_step(step: Step, mode) -> Prediction:
             inference.enter_phase("forward")
             module.model(**inputs)
     footprint = tracker.footprint
-    notes = [TORCHAO_NOTE] if is_torchao(optimizer) else []
+    own = library_of(optimizer).simulation_note() if isinstance(mode, FakeTensorMode) else None
+    notes = [own] if own else []
     if cuda:
         kernel = kernels[0] if kernels else "eager attention"
         notes.append(STAND_IN_NOTE.format(kernel=kernel))

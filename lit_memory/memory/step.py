@@ -38,6 +38,7 @@ from lit_memory.memory.footprint import Footprint
 from lit_memory.memory.margin import DEFAULT_MARGIN
 from lit_memory.activations import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
+from lit_memory.optimizers import Library, library_of
 from lit_memory.precision import trains_on
 from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, plain, section
 
@@ -69,14 +70,14 @@ class OptimizerSpec:
         return self.class_path.rsplit(".", 1)[-1]
 
     @property
-    def library(self) -> str:
-        """``torch``, ``bitsandbytes``, ``torchao``, ``transformers`` or the class path's top package."""
-        return self.class_path.split(".", 1)[0]
+    def library(self) -> Library:
+        """What lit_memory knows of the optimizer's library (`lit_memory.optimizers.library_of`)."""
+        return library_of(self.class_path)
 
     @property
     def stochastic_rounding(self) -> bool:
         """Whether the optimizer rounds bf16 weights stochastically (torchao's ``bf16_stochastic_round``)."""
-        return bool(self.init_args.get("bf16_stochastic_round"))
+        return self.library.stochastic_rounding(self.init_args)
 
     @property
     def key(self) -> str:

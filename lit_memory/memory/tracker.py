@@ -15,7 +15,7 @@ import resource
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -63,7 +63,7 @@ class Tracker(MemTracker):
         self,
         device: Union[str, torch.device] = "cpu",
         budget: Optional[int] = None,
-        compiled_steps: bool = True,
+        compiled_steps: Optional[Callable[[torch.optim.Optimizer], bool]] = None,
         record: bool = False,
     ) -> None:
         super().__init__()
@@ -75,10 +75,11 @@ class Tracker(MemTracker):
         self.budget = budget
         self.footprint = Footprint()
         self.phase: Optional[str] = None
-        # Optimizers whose step runs torch.compile'd kernels (torchao's): dynamo refuses to run compiled
-        # code under a Python dispatch mode, so their update runs with this tracker paused. Their kernels'
-        # buffers are allocated outside the dispatcher and are not tracked tensors in any case; the state
-        # they create is labelled after the step. ``False``: step them tracked (an eager stand-in does).
+        # Which optimizers' step runs torch.compile'd kernels (torchao's: `lit_memory.optimizers.compiles_its_step`,
+        # given by the caller: this layer knows no optimizer library): dynamo refuses to run compiled code under a
+        # Python dispatch mode, so their update runs with this tracker paused. Their kernels' buffers are allocated
+        # outside the dispatcher and are not tracked tensors in any case; the state they create is labelled after
+        # the step. None: every step tracked (an eager stand-in runs instead of compiled code, or none compiles).
         self.compiled_steps = compiled_steps
         self._paused = False
         self._mod_tracker = _ForwardCalls()
@@ -143,7 +144,7 @@ class Tracker(MemTracker):
                                 self._update_and_maybe_create_winfos(value, _MemRefType.OPT)
 
         def before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-            if not (self.compiled_steps and compiles_its_step(optimizer)):
+            if self.compiled_steps is None or not self.compiled_steps(optimizer):
                 return None
             # Lightning hands the step a closure that runs training_step and backward: track those, pause after.
             # ``args`` are the step's own: the optimizer first.
@@ -269,11 +270,6 @@ class _ForwardCalls(ModTracker):
     def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
         if self._user_post_fw_hook is not None:
             self._user_post_fw_hook(mod, input, output)
-
-
-def compiles_its_step(optimizer: torch.optim.Optimizer) -> bool:
-    """torchao's optimizers compile their per-parameter update (``torch.compile(..., fullgraph=True)``)."""
-    return type(optimizer).__module__.startswith("torchao.optim")
 
 
 def batch_tensors(data: Any) -> list[torch.Tensor]:

@@ -13,7 +13,9 @@ import argparse
 import json
 from typing import Any, Optional
 
-from lit_memory.anatomy import skeleton
+import torch
+
+from lit_memory.anatomy import Anatomy, skeleton
 from lit_memory.cli import resolve
 from lit_memory.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
@@ -25,7 +27,8 @@ from lit_memory.memory.margin import Fit
 from lit_memory.memory.predict import predict
 from lit_memory.memory.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.report import table
-from lit_memory.memory.step import DEVICES, LOOPS, Prediction, Step, loop
+from lit_memory.memory.step import DEVICES, LOOPS, Prediction, Step, build, loop
+from lit_memory.optimizers import unquantised_extra
 
 CUDA_NOTES = (
     "the CPU simulation runs CPU kernels; CUDA's stand in where their memory differs (attention kernel, dropout "
@@ -79,27 +82,26 @@ def step_of(rest: list[str], args: argparse.Namespace) -> Step:
 
 
 def embedding_state_notes(step: Step) -> list[str]:
-    """What ``embedding_optimizer_state: auto`` did with a low-bit optimizer: which embedding matrices it left
-    on quantised state (`lit_memory.eightbit.unquantised`), and for bitsandbytes' what 32-bit state would have
-    added (already in the numbers; said so they can be traded)."""
+    """What ``embedding_optimizer_state: auto`` did with an optimizer whose state is quantised: which embedding
+    matrices it left on quantised state (`lit_memory.eightbit.unquantised`), and what unquantised state would have
+    added (measured: `lit_memory.optimizers.unquantised_extra`; already in the numbers, said so they can be traded)."""
     model = step.model
     trained = model.get("freeze") is None and model.get("lora") is None  # every freeze setting and LoRA freeze them
-    library = step.optimizer.library
-    if model.get("embedding_optimizer_state", "auto") != "auto" or library not in ("bitsandbytes", "torchao") or not trained:
+    if model.get("embedding_optimizer_state", "auto") != "auto" or not step.optimizer.library.quantises_state or not trained:
         return []
+    if not quantised_embeddings(skeleton(step.module().hf_config).embeddings):
+        return []
+    module, optimizer = build(step, torch.device("meta"))
+    embeddings = quantised_embeddings(Anatomy.of(module.model).embeddings)
+    extra = unquantised_extra(optimizer, [e.weight for e in embeddings], step.device)
     notes = []
-    for e, extra in quantised_embeddings(skeleton(step.module().hf_config).embeddings):
+    for e in embeddings:
         what = f"{e.num_embeddings} x {e.embedding_dim} {type(e).__name__} ({e.weight.numel() / 1e6:.1f} M values"
-        if library == "bitsandbytes":
-            notes.append(
-                f"optimizer state: embedding_optimizer_state auto keeps 8-bit state for {what}; 32-bit would add "
-                f"{format_bytes(extra)}: --model.embedding_optimizer_state 32bit)"
-            )
-        else:  # torchao: its quantised state also changes its step's buffers; estimate the alternative itself
-            notes.append(
-                f"optimizer state: embedding_optimizer_state auto keeps {step.optimizer.name}'s quantised state for {what}; "
-                "estimate --model.embedding_optimizer_state 32bit or unquantized for plain state)"
-            )
+        notes.append(
+            f"optimizer state: embedding_optimizer_state auto keeps {step.optimizer.name}'s quantised state for {what}; "
+            f"32-bit state would add {format_bytes(extra[id(e.weight)])}: estimate --model.embedding_optimizer_state "
+            "32bit for the whole step)"
+        )
     return notes
 
 

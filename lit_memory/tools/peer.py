@@ -34,6 +34,7 @@ from lit_memory.settings import Precision
 from lit_memory.memory.tracker import Tracker
 from lit_memory.activations import CheckpointPlan
 from lit_memory.monitor import clock
+from lit_memory.optimizers import compiles_its_step, library_of
 
 PEER_JSON = "peer.json"
 # Our optimizer class paths -> the Trainer's `optim` names.
@@ -73,7 +74,7 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         raise NoTrainerEquivalent(f"no Trainer equivalent (optimizer {optimizer.class_path})")
     init = optimizer.init_args
     optim_args = {}
-    if optimizer.class_path.startswith("torchao."):
+    if library_of(optimizer.class_path).name == "torchao":
         if init.block_size != TRAINER_TORCHAO_BLOCK:
             raise NoTrainerEquivalent(
                 f"no Trainer equivalent ({optimizer.class_path} with block_size {init.block_size}: the Trainer's "
@@ -138,7 +139,7 @@ class PeerMeter(TrainerCallback):
             self._track(model, optimizer)
 
     def _track(self, model, optimizer) -> None:
-        self.tracker = Tracker("cpu")
+        self.tracker = Tracker("cpu", compiled_steps=compiles_its_step)  # torchao's steps are compiled
         # What exists already (parameters, gradients, optimizer state) is registered; the rest is seen made.
         self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
         self.tracker.__enter__()

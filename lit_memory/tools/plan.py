@@ -35,7 +35,7 @@ from lit_memory import box, files
 from lit_memory.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.lowbit import check_settings
+from lit_memory.optimizers import check_settings
 from lit_memory.memory.analytic import analytic
 from lit_memory.memory.choose import RULE, rank
 from lit_memory.memory.device import capacity, gpu_key, is_gpu_name
@@ -111,11 +111,11 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 
 
 def _identity(step: Step) -> tuple:
-    """What makes two candidates the same setup (settings a setup ignores dropped: only low-bit optimizers
-    read ``embedding_optimizer_state``, and only for embeddings that train (every freeze setting and LoRA
+    """What makes two candidates the same setup (settings a setup ignores dropped: only optimizers with quantised
+    state read ``embedding_optimizer_state``, and only for embeddings that train (every freeze setting and LoRA
     freeze them), unless it swaps in StableEmbedding)."""
     model = dict(step.model)
-    low_bit = step.optimizer.library in ("bitsandbytes", "torchao")
+    low_bit = step.optimizer.library.quantises_state
     embeddings_train = model.get("freeze") is None and model.get("lora") is None
     if model.get("embedding_optimizer_state") != "stable_embedding" and not (low_bit and embeddings_train):
         model.pop("embedding_optimizer_state", None)

@@ -12,6 +12,7 @@ from torch import nn
 from conftest import REPO
 from lit_memory.memory.footprint import PHASES
 from lit_memory.memory.tracker import MemoryBudgetExceeded, Tracker
+from lit_memory.optimizers import compiles_its_step
 
 
 def tiny_step(tracker: Tracker):
@@ -139,7 +140,7 @@ def test_a_compiled_optimizer_step_runs_under_the_tracker_and_its_state_is_count
     ("torch.compile with fullgraph=True found no compiled frames", and afterwards in the whole process: not
     tried here): the tracker steps out for the update, after the closure's forward and backward, which
     it tracks, and labels the state the update made."""
-    tracker = Tracker()
+    tracker = Tracker(compiled_steps=compiles_its_step)
     compiled_step(tracker, closure)
     step = tracker.footprint.phases["step"]
     assert step["gradients"] == (64 * 64 + 64) * 4  # made by the closure's backward, tracked
