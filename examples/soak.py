@@ -36,8 +36,8 @@ import lightning as L
 import torch
 
 from lit_memory.cli import resolve
-from lit_memory.memory.footprint import format_bytes, parse_bytes
-from lit_memory.memory.tracker import current_rss
+from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
+from lit_memory.memory.measure.tracker import current_rss
 
 QUIET = [
     "--trainer.enable_progress_bar=false",

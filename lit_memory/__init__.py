@@ -30,6 +30,30 @@ __version__ = "0.1.0"
 for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+# The package's layers, bottom to top: a module imports its own layer and the layers below, never one above,
+# function-level imports included (tests/test_layers.py checks every import). Each layer names its modules and
+# packages; a module falls in the layer of the longest name that holds it, and the runtime holds the rest.
+LAYERS = (
+    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.box", "lit_memory.bounds", "lit_memory.settings")),
+    ("memory below the runtime", ("lit_memory.memory", "lit_memory.memory.measure", "lit_memory.memory.hardware")),
+    ("runtime", ("lit_memory",)),  # model, data, fused step, optimizers, strategies, Fabric, the monitor that measures
+    ("memory above the runtime", ("lit_memory.memory.prediction", "lit_memory.memory.planning")),
+    ("config", ("lit_memory.trust", "lit_memory.recipes", "lit_memory.cli")),  # from argv to a checked run
+    ("tools", ("lit_memory.tools",)),  # estimate, plan, bench, peer, recipe commands, the GPU proof
+    ("entry", ("lit_memory.__main__",)),  # python -m lit_memory
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in `LAYERS` of a module of this package."""
+    best, found = -1, 0
+    for index, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), index
+    return found
+
+
 # `lit_memory.<name>` for YAML class paths (and `from lit_memory import <name>`), imported on first use: `import lit_memory.errors`
 # must not pull in Lightning and transformers.
 _EXPORTS = {

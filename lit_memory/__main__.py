@@ -2,7 +2,7 @@
 all listed by ``python -m lit_memory --help``.
 
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
-the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.predict`,
+the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.prediction.predict`,
 which the CLI hands to the run's memory callbacks itself. A command's trust decision holds from its first line
 to its last, and an untrusted command (no ``--trust-recipe``) runs inside a box (`lit_memory.box`) as long.
 """

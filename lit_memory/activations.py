@@ -119,7 +119,7 @@ class CheckpointPlan:
         if value == "auto":
             raise UserError(
                 "model.gradient_checkpointing: auto is chosen for a device budget before the model is built "
-                "(`python -m lit_memory fit/estimate` do it; in Python: lit_memory.memory.recompute.resolve)"
+                "(`python -m lit_memory fit/estimate` do it; in Python: lit_memory.memory.planning.recompute.resolve)"
             )
         raise UserError(
             f"gradient_checkpointing={value!r} is not one of: false, true (= full), full, selective, auto, "

@@ -11,8 +11,8 @@ runs the subcommand after the guard's `preflight`.
 
 The command line parses and composes; the modules that own each concern decide: the trust decision
 (`lit_memory.trust`), the resume check (`lit_memory.resume`), precision following the device
-(`lit_memory.precision`), ``auto`` checkpointing (`lit_memory.memory.recompute.plan_run`), the recipe's allocator
-settings (`lit_memory.memory.allocator.recipe_settings`), the memory callbacks (`lit_memory.run_memory`), the
+(`lit_memory.precision`), ``auto`` checkpointing (`lit_memory.memory.planning.recompute.plan_run`), the recipe's allocator
+settings (`lit_memory.memory.hardware.allocator.recipe_settings`), the memory callbacks (`lit_memory.run_memory`), the
 progress, summary and metric lines (`lit_memory.console`), the checks before a run (`lit_memory.guard.preflight`).
 Everything a run switches in this process holds for the run only (`LitMemoryCLI.scope`).
 """
@@ -36,7 +36,7 @@ from lit_memory import checks, console, environment, guard, optimizers, precisio
 from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
-from lit_memory.memory.allocator import recipe_settings
+from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
@@ -96,8 +96,8 @@ class LitMemoryCLI(LightningCLI):
     the memory callbacks. ``defer=True`` stops after parsing and checking (see `resolve`);
     ``collect=True`` keeps refused values in ``refusals`` and other problems in ``problems``
     (``recipes check``). ``predict`` and ``advise`` are the memory callbacks' hooks (`lit_memory.run_memory`);
-    by default the run's own `step` predicts (`lit_memory.memory.predict.run_hooks`), and advises from the
-    shipped recipes. ``gpu``: the `lit_memory.memory.device.Gpu` the run is for, whose bf16 support decides
+    by default the run's own `step` predicts (`lit_memory.memory.prediction.predict.run_hooks`), and advises from the
+    shipped recipes. ``gpu``: the `lit_memory.memory.hardware.gpus.Gpu` the run is for, whose bf16 support decides
     the precision (`lit_memory.precision.on_gpu`): by default the one it trains on, None for none
     (``estimate``/``plan`` give their target's).
 
@@ -282,9 +282,9 @@ class LitMemoryCLI(LightningCLI):
         return config[subcommand] if subcommand else config
 
     def step(self, target: Any = None) -> Any:
-        """This run's training step as the memory model describes it (`lit_memory.memory.step.Step`), built
+        """This run's training step as the memory model describes it (`lit_memory.memory.prediction.step.Step`), built
         from the resolved settings; ``target``: the device to predict for (default: the documented CUDA GPU)."""
-        from lit_memory.memory.step import Step
+        from lit_memory.memory.prediction.step import Step
 
         return Step.from_settings(self.settings.as_dict(), target)
 
@@ -322,8 +322,8 @@ class LitMemoryCLI(LightningCLI):
     def _prepare(self) -> None:
         """Before anything is instantiated: the seed, the recipe's allocator settings for a run on CUDA (before
         anything allocates there, and before the checkpointing plan, which predicts with them; a CPU run leaves
-        them alone), and ``auto`` checkpointing planned (`lit_memory.memory.recompute.plan_run`)."""
-        from lit_memory.memory.recompute import plan_run
+        them alone), and ``auto`` checkpointing planned (`lit_memory.memory.planning.recompute.plan_run`)."""
+        from lit_memory.memory.planning.recompute import plan_run
 
         self._set_seed()
         if not runs_on_cpu(self.settings.trainer.accelerator):
@@ -340,8 +340,8 @@ class LitMemoryCLI(LightningCLI):
 
     @staticmethod
     def read_card() -> Any:
-        """The run's card at start (`lit_memory.memory.device.read_card`): the seam a test replaces."""
-        from lit_memory.memory.device import read_card
+        """The run's card at start (`lit_memory.memory.hardware.gpus.read_card`): the seam a test replaces."""
+        from lit_memory.memory.hardware.gpus import read_card
 
         return read_card()
 
@@ -373,10 +373,10 @@ class LitMemoryCLI(LightningCLI):
 
     def _memory_hooks_for_run(self) -> dict[str, Any]:
         """The memory callbacks' hooks: those given, else, for training (predictions are for fit only), the run's
-        own step's (`lit_memory.memory.predict.run_hooks`), advising from the shipped recipes."""
+        own step's (`lit_memory.memory.prediction.predict.run_hooks`), advising from the shipped recipes."""
         hooks = dict(self._memory_hooks)
         if None in hooks.values() and self.subcommand in (None, "fit"):
-            from lit_memory.memory.predict import run_hooks
+            from lit_memory.memory.prediction.predict import run_hooks
 
             try:
                 defaults = dict(zip(("predict", "advise"), run_hooks(self.step(), recipes.shipped_settings)))

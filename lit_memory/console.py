@@ -32,8 +32,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 )
 
 from lit_memory.errors import UserError
-from lit_memory.memory.footprint import format_bytes
-from lit_memory.memory.tracker import ProcessPeak
+from lit_memory.memory.measure.footprint import format_bytes
+from lit_memory.memory.measure.tracker import ProcessPeak
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 

@@ -7,7 +7,7 @@ rendezvous and this process's place in it (``MASTER_ADDR``/``MASTER_PORT``, ``NO
 ``seed_everything`` the seed its dataloader workers and spawned processes read (``PL_GLOBAL_SEED``,
 ``PL_SEED_WORKERS``). Left behind, they change the next run in the same process: with ``LOCAL_RANK`` set, a
 launcher takes the process for one it started and starts no other. The allocator's and the trust decision's own
-variables are put back by their own scopes (`lit_memory.memory.allocator.recipe_settings`,
+variables are put back by their own scopes (`lit_memory.memory.hardware.allocator.recipe_settings`,
 `lit_memory.guard.enforced`).
 """
 

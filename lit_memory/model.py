@@ -110,7 +110,7 @@ class SequenceClassifier(L.LightningModule):
 
     # Arguments that change no matrix product or attention a training step computes: the optimizer's state layout
     # (``stable_embedding`` adds a LayerNorm: element-wise), where kept tensors wait, the schedule, the export. A FLOP
-    # count is keyed without them (`lit_memory.memory.recompute`); an argument not named here is counted (tests check
+    # count is keyed without them (`lit_memory.memory.planning.recompute`); an argument not named here is counted (tests check
     # that each named one leaves the count as it is).
     SAME_FLOPS = frozenset({"embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained"})
 

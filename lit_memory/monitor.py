@@ -1,7 +1,7 @@
 """Measure every run: memory (`MemoryMonitor`) and step times (`StepTimer`).
 
 `MemoryMonitor` measures and records, nothing else: the first optimizer steps tensor by tensor
-(`lit_memory.memory.tracker.Tracker`, per category and phase), on CUDA the three levels (the allocator's
+(`lit_memory.memory.measure.tracker.Tracker`, per category and phase), on CUDA the three levels (the allocator's
 allocated and reserved peaks, and the device total ``nvidia-smi`` shows for the process), the process's
 peak, on every rank; it writes ``memory.json``, with the predictions it is given. Beside it, each with one job
 and composed by the command line (`lit_memory.run_memory`): the budget's cap on CUDA, the predictions, the
@@ -26,11 +26,11 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory import files
 from lit_memory.errors import UserError
-from lit_memory.memory import records
-from lit_memory.memory.budget import MemorySettings
-from lit_memory.memory.device import process_memory_used
-from lit_memory.memory.footprint import Footprint
-from lit_memory.memory.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
+from lit_memory.memory.measure import records
+from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.hardware.gpus import process_memory_used
+from lit_memory.memory.measure.footprint import Footprint
+from lit_memory.memory.measure.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
 from lit_memory.optimizers import compiles_its_step
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class MemoryMonitor(L.Callback):
             only the micro-batches that differ: the first, the second and the last. 0 turns tensor tracking off;
             on CUDA the allocator's peaks (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read
             every step regardless.
-        memory: the run's memory settings (`lit_memory.memory.budget.MemorySettings`). Its budget is the limit
+        memory: the run's memory settings (`lit_memory.memory.hardware.budget.MemorySettings`). Its budget is the limit
             ``memory.json`` records; on a CPU the tracker holds the tracked tensors to it (CUDA's out-of-memory
             error beyond it), so every step is then tracked. (On CUDA the allocator is capped beside the
             monitor: `lit_memory.run_memory.BudgetCap`.)
@@ -342,7 +342,7 @@ class StepTimer(L.Callback):
 
 def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:
     """This process's memory on ``device`` as ``nvidia-smi`` shows it: NVML's per-process figure where
-    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`lit_memory.memory.nvml`), else
+    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`lit_memory.memory.measure.nvml`), else
     cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``: the whole device's, other processes included).
     (None, None) when neither answers."""
     used, source = process_memory_used(device)

@@ -326,7 +326,7 @@ def prepare(optimizer: Optimizer, unquantised: Sequence[torch.Tensor] = (), dtyp
 
 
 def compiles_its_step(optimizer: Optimizer) -> bool:
-    """For `lit_memory.memory.tracker.Tracker`: whether the optimizer's step runs compiled code."""
+    """For `lit_memory.memory.measure.tracker.Tracker`: whether the optimizer's step runs compiled code."""
     return library_of(optimizer).compiles_step
 
 

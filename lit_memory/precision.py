@@ -8,13 +8,13 @@ Recipes ask for bf16 because GPUs from compute capability 8.0 (Ampere) and recen
 - **A GPU below compute capability 8.0** (Pascal, Volta, Turing: P100, V100, T4, GTX 10xx/16xx, RTX 20xx) has
   no bf16 tensor cores; ``torch.cuda.is_bf16_supported()`` still answers True (emulation), so nothing would
   stop a bf16 run there, without tensor cores, and SDPA's fused attention kernels refuse bf16 below sm80, so
-  attention falls back to the math kernel (`lit_memory.memory.kernels`). `on_gpu`: bf16 autocast becomes
+  attention falls back to the math kernel (`lit_memory.memory.hardware.kernels`). `on_gpu`: bf16 autocast becomes
   fp16 autocast with dynamic loss scaling (``16-mixed``: torch's GradScaler, exact under the fused step,
   `lit_memory.fused.LossScaling`), with one warning line; bf16 weights without a master copy (``bf16-true``,
   the 2gb tier) have no fp16 counterpart that keeps quality, so they stop with one error line naming the tier
   that trains there (`NO_BF16_WEIGHTS`; docs/fused.md says why). A ``--trainer.precision`` the user typed is
   kept (the CLI asks `lit_memory.trust.typed_values`). The GPU is `training_gpu`'s (this machine's) for a run,
-  the ``--gpu`` target's for ``estimate``/``plan``: a `lit_memory.memory.device.Gpu`, so tests drive it with the
+  the ``--gpu`` target's for ``estimate``/``plan``: a `lit_memory.memory.hardware.gpus.Gpu`, so tests drive it with the
   catalogue's cards.
 
 Each function takes ``trainer.precision`` as configured (Lightning's aliases included: ``bf16`` is ``bf16-mixed``),
@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
-from lit_memory.memory.device import Gpu
+from lit_memory.memory.hardware.gpus import Gpu
 from lit_memory.settings import Precision
 
 FP16_MIXED = "16-mixed"
@@ -122,7 +122,7 @@ def training_gpu(accelerator: Any) -> Optional[Gpu]:
     trains on no CUDA GPU."""
     if runs_on_cpu(accelerator) or not torch.cuda.is_available():
         return None
-    from lit_memory.memory.device import target
+    from lit_memory.memory.hardware.gpus import target
 
     return target("cuda").gpu
 

@@ -18,7 +18,7 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 from lit_memory import bounds, files, resume, trust
 from lit_memory.errors import UserError
-from lit_memory.memory import records
+from lit_memory.memory.measure import records
 from lit_memory.settings import leaves
 
 PACKAGED = Path(__file__).resolve().parent / "assets" / "recipes"  # where the wheel puts `recipes/`

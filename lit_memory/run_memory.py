@@ -10,7 +10,7 @@
 
 `MemoryOptions` is the ``memory:`` block of every run's config; `memory_callbacks` composes the callbacks for it
 (the command line does: `lit_memory.cli`). Predictions and advice come in as hooks (``predict``, ``advise``: the
-command line hands those of `lit_memory.memory.predict`), so nothing here imports the memory model.
+command line hands those of `lit_memory.memory.prediction.predict`), so nothing here imports the memory model.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
-from lit_memory.memory.budget import MemorySettings
-from lit_memory.memory.device import CardReading, allocator_limit, read_card
-from lit_memory.memory.footprint import Footprint, breakdown_line, format_bytes
-from lit_memory.memory.margin import DEFAULT_MARGIN
-from lit_memory.memory.report import Levels, table
+from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
+from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
+from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
+from lit_memory.memory.measure.report import Levels, table
 from lit_memory.monitor import MemoryMonitor, batch_shape, padding
 
 # (trainer, module, simulate, shape) -> predicted footprints per method ("analytic", "simulated"), for batches of
@@ -50,7 +50,7 @@ class MemoryOptions:
         budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity). On CUDA it caps
             this process's device total for the run: the caching allocator
             (``torch.cuda.set_per_process_memory_fraction``) gets the budget less the CUDA context measured at
-            the start (`lit_memory.memory.device.allocator_limit`); on CPU the tracker raises CUDA's
+            the start (`lit_memory.memory.hardware.gpus.allocator_limit`); on CPU the tracker raises CUDA's
             out-of-memory error when the tracked tensors exceed it (every step is then tracked).
         simulate: also predict by simulation at the start of fit (one training step on fake tensors:
             seconds on the bundled model, about half a minute on BERT-large), when predictions are given.
@@ -60,9 +60,9 @@ class MemoryOptions:
         allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``),
             in ``PYTORCH_CUDA_ALLOC_CONF``'s form: a run on CUDA makes them its own for its length unless the
             environment names its own (either of torch's variables: that wins), and predictions use them
-            (`lit_memory.memory.allocator.recipe_settings`).
+            (`lit_memory.memory.hardware.allocator.recipe_settings`).
         margin: the share of a limit every "fits" decision keeps free for the memory model's own error
-            (`lit_memory.memory.margin`; default 0.08, from the published measurements' worst under-prediction).
+            (`lit_memory.memory.hardware.margin`; default 0.08, from the published measurements' worst under-prediction).
     """
 
     def __init__(
@@ -94,7 +94,7 @@ def memory_callbacks(options: MemoryOptions, predict: Optional[Predict] = None, 
 class BudgetCap(L.Callback):
     """``memory.budget`` as a cap on CUDA, for the length of a fit: the caching allocator
     (``torch.cuda.set_per_process_memory_fraction``) may reserve the budget less this process's CUDA context measured
-    at the start (`lit_memory.memory.device.allocator_limit`: the fraction limits the allocator only, pytorch#58466);
+    at the start (`lit_memory.memory.hardware.gpus.allocator_limit`: the fraction limits the allocator only, pytorch#58466);
     the process's own fraction again when the fit ends. On a CPU the monitor's tracker holds the budget."""
 
     def __init__(self, budget: Optional[int]) -> None:
@@ -118,7 +118,7 @@ class BudgetCap(L.Callback):
 
     @staticmethod
     def read_card(device: torch.device) -> CardReading:
-        """The run's card at the start (`lit_memory.memory.device.read_card`): the seam a test replaces."""
+        """The run's card at the start (`lit_memory.memory.hardware.gpus.read_card`): the seam a test replaces."""
         return read_card(device.index)
 
 
@@ -161,7 +161,7 @@ class MemoryPredictions(L.Callback):
 
 class MemoryTable(L.Callback):
     """The end-of-fit table on rank zero: what the monitor measured beside the predictions it was given, per category
-    and level (`lit_memory.memory.report.table`), with lines for the shapes measured, the process and the ranks, and
+    and level (`lit_memory.memory.measure.report.table`), with lines for the shapes measured, the process and the ranks, and
     whether the worst case fits ``memory.budget`` (else ``memory.tier``)."""
 
     def __init__(self, monitor: MemoryMonitor, memory: MemorySettings = MemorySettings()) -> None:

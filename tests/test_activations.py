@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lit_memory.anatomy import parameter_units
 from lit_memory.activations import CheckpointPlan, OffloadActivations, selective_policy
 from lit_memory.errors import UserError
-from lit_memory.memory.tracker import Tracker
+from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers
 
 # Dropout stays on (BERT's 0.1): recomputed dropout must draw the masks the forward pass drew.

@@ -27,9 +27,9 @@ from lit_memory.data import load_tokenizer
 from lit_memory.errors import UserError
 from lit_memory.fused import OptimizerInBackward, group_parameters
 from lit_memory.lora import LoRA, family_targets
-from lit_memory.memory.device import Target
-from lit_memory.memory.predict import simulate_or_decline
-from lit_memory.memory.step import OptimizerSpec, Step
+from lit_memory.memory.hardware.gpus import Target
+from lit_memory.memory.prediction.predict import simulate_or_decline
+from lit_memory.memory.prediction.step import OptimizerSpec, Step
 from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, freeze_modules, weight_decay_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on two shared cores
@@ -371,12 +371,12 @@ ACTIVATION_SHAPES = ((4, 32), (2, 64))
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_analytic_activation_model_holds_every_family_within_15_percent(folders, family):
-    """What each family's layers keep (`lit_memory.memory.layers.LayerSpec`: GQA, q/k norms, rotary, the
+    """What each family's layers keep (`lit_memory.memory.hardware.layers.LayerSpec`: GQA, q/k norms, rotary, the
     activation's saved tensors, pre-norm and sandwich norms, DeBERTa's relative terms) against the same step
     on real tensors, tracked (`measure`): the peak, and the activations at the forward phase's peak.
     docs/memory.md shows the ratios (examples/family_ratios.py)."""
-    from lit_memory.memory.analytic import analytic
-    from lit_memory.memory.simulate import measure
+    from lit_memory.memory.prediction.analytic import analytic
+    from lit_memory.memory.prediction.simulate import measure
 
     for batch, length in ACTIVATION_SHAPES:
         step = Step(
@@ -400,7 +400,7 @@ def recipe_settings(name: str) -> tuple[dict, dict]:
     model["optimizer"] = functools.partial(pkgutil.resolve_name(spec["class_path"]), **spec.get("init_args", {}))
     if model.get("lora") is not None:
         model["lora"] = LoRA(**model["lora"])
-    # `auto` is resolved by the command line for a budget (tests/memory/test_recompute.py); here a per-layer
+    # `auto` is resolved by the command line for a budget (tests/memory/planning/test_recompute.py); here a per-layer
     # plan stands in: the first layer fully checkpointed, the others whole (every layer, where offloading needs it)
     if model.get("offload_activations") == "auto":
         model["offload_activations"] = False

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-from pathlib import Path
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ import yaml
 
 from conftest import CONFIGS, FAST, RECIPES
 from lit_memory import recipes
-from lit_memory.memory import records
+from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 
@@ -208,7 +208,7 @@ def test_a_runs_switches_hold_for_the_run_only(tmp_path):
 
     from lit_memory import guard, trust
     from lit_memory.cli import resolve
-    from lit_memory.memory.allocator import AllocatorConfig, env_names, environment_conf
+    from lit_memory.memory.hardware.allocator import AllocatorConfig, env_names, environment_conf
 
     policy, environment = dict(jsonargparse._common.parsing_settings), dict(os.environ)
     runtime = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())

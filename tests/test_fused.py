@@ -247,7 +247,7 @@ def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(t
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lit_memory.memory.tracker import Tracker
+    from lit_memory.memory.measure.tracker import Tracker
 
     layers = {"num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -6,44 +6,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import lit_memory
 from conftest import REPO
 
 PACKAGE = REPO / "lit_memory"
-# Bottom to top. A module may import its own layer and the layers below.
-LAYERS = {
-    "errors": 0,  # and the one writer every file goes through (files), the box, the bounded readers and the typed settings
-    "measure": 1,  # memory accounting over plain torch objects: categories, tracker, records, report
-    "runtime": 2,  # what trains: model, data, fused step, strategies, the monitor that measures
-    "predict": 3,  # memory accounting that builds the configured model: setup, analytic model, simulation
-    "config": 4,  # from argv to a checked run: trust, the shipped recipes, the resolver
-    "tools": 5,  # estimate, plan, bench, peer, recipe commands, out-of-memory advice
-    "entry": 6,  # python -m lit_memory
-}
-PREDICT = {
-    "lit_memory.memory.step",
-    "lit_memory.memory.analytic",
-    "lit_memory.memory.simulate",
-    "lit_memory.memory.predict",
-    "lit_memory.memory.choose",
-    "lit_memory.memory.recompute",
-}
-CONFIG = {"lit_memory.trust", "lit_memory.recipes", "lit_memory.cli"}
 
 
 def layer(module: str) -> int:
-    if module in ("lit_memory.errors", "lit_memory.files", "lit_memory.box", "lit_memory.bounds", "lit_memory.settings"):
-        return LAYERS["errors"]
-    if module in PREDICT:
-        return LAYERS["predict"]
-    if module.startswith("lit_memory.memory"):
-        return LAYERS["measure"]
-    if module.startswith("lit_memory.tools"):
-        return LAYERS["tools"]
-    if module in CONFIG:
-        return LAYERS["config"]
-    if module in ("lit_memory.__main__", "lit_memory"):
-        return LAYERS["entry"]
-    return LAYERS["runtime"]
+    """The package's own map (`lit_memory.LAYERS`); the package root's lazy exports are the entry's."""
+    return len(lit_memory.LAYERS) - 1 if module == "lit_memory" else lit_memory.layer_of(module)
 
 
 def module_name(path: Path) -> str:
@@ -108,3 +79,21 @@ def test_no_import_cycles():
         if start not in done:
             visit(start, [start])
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_every_module_is_placed_where_the_map_and_the_docstrings_say():
+    """The map names real modules, each sub-package of memory/ says what it holds (its docstring names each of
+    its modules), and the memory packages sit where their docstring says: two below the runtime, two above."""
+    for _, names in lit_memory.LAYERS:
+        for name in names:
+            assert module_exists(name), name
+    runtime = lit_memory.layer_of("lit_memory.model")
+    for package in (PACKAGE / "memory").iterdir():
+        if not (package / "__init__.py").is_file():
+            continue
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
+        for module in package.glob("*.py"):
+            if module.stem != "__init__":
+                assert f"`{module.stem}`" in doc, f"{package.name}/__init__ does not name {module.stem}"
+        below = package.name in ("measure", "hardware")
+        assert (layer(f"lit_memory.memory.{package.name}") < runtime) == below, package.name

@@ -5,7 +5,7 @@ torchao compiles its per-parameter update once per signature (shape, state kind,
 about 11 s for the first on this 2-core CPU, 3 s for each next. The toy BERT here is 64 wide everywhere
 (hidden, FFN, vocabulary, positions), so its parameters have four signatures ((64, 64) quantised;
 (64,), (2, 64) and (2,) plain), compiled once per test process and shared by these tests (and by
-tests/memory/test_tracker.py); inductor's on-disk cache keeps them for the next process.
+tests/memory/measure/test_tracker.py); inductor's on-disk cache keeps them for the next process.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lit_memory.fused import OptimizerInBackward
 from lit_memory.optimizers import optimizer_tensors
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 from lit_memory.lowbit import keep_plain_state
-from lit_memory.memory.step import OptimizerSpec
+from lit_memory.memory.prediction.step import OptimizerSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 

@@ -12,10 +12,10 @@ import yaml
 from conftest import FAST, RECIPES
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
-from lit_memory.memory import nvml as nvml_module
-from lit_memory.memory import records
-from lit_memory.memory.footprint import CATEGORIES, PHASES, format_bytes
-from lit_memory.memory.budget import MemorySettings
+from lit_memory.memory.measure import nvml as nvml_module
+from lit_memory.memory.measure import records
+from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
+from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.monitor import MemoryMonitor, device_memory_used
 from lit_memory.run_memory import BudgetCap, MemoryPredictions, MemoryTable
 
@@ -193,7 +193,7 @@ def fake_cuda(monkeypatch, tmp_path):
 def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cuda, capsys):
     """The allocator gets the budget less this process's CUDA context measured at the start (the card read
     through the cap's seam), so the device total, context included, stays within the budget."""
-    from lit_memory.memory.device import GPUS, CardReading
+    from lit_memory.memory.hardware.gpus import GPUS, CardReading
 
     calls, trainer = fake_cuda
     cap = BudgetCap(MemorySettings.parse(budget="4GiB").budget.bytes)
@@ -232,7 +232,7 @@ def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
 
 
 def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predicted_levels(fake_cuda, capsys):
-    from lit_memory.memory.footprint import Footprint
+    from lit_memory.memory.measure.footprint import Footprint
 
     calls, trainer = fake_cuda
     trainer.world_size, trainer.datamodule = 1, SimpleNamespace(hparams={"batch_size": 4, "max_length": 8})
@@ -327,7 +327,7 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
     """Dynamic padding: the tracked batches are shorter than max_length. The predictions beside the measurements
     are for the longest tracked batch (and the batch that reached the tracked peak); the worst case is the fits
     line; memory.json holds them all."""
-    from lit_memory.memory.footprint import Footprint
+    from lit_memory.memory.measure.footprint import Footprint
 
     asked = []
 

@@ -15,11 +15,11 @@ from transformers import Adafactor
 from lit_memory import fused, optimizers, trust
 from lit_memory.checks import check_optimizer
 from lit_memory.errors import UserError
-from lit_memory.memory.analytic import analytic
-from lit_memory.memory.device import Target
-from lit_memory.memory.predict import simulate_or_decline
-from lit_memory.memory.simulate import measure
-from lit_memory.memory.step import OptimizerSpec, Step
+from lit_memory.memory.prediction.analytic import analytic
+from lit_memory.memory.hardware.gpus import Target
+from lit_memory.memory.prediction.predict import simulate_or_decline
+from lit_memory.memory.prediction.simulate import measure
+from lit_memory.memory.prediction.step import OptimizerSpec, Step
 from lit_memory.model import weight_decay_groups
 from lit_memory.optimizers import IMPORTABLE, Library, library_of, optimizer_tensors, prepare, unquantised_extra
 
@@ -261,7 +261,7 @@ def minilm(class_path: str, **init_args) -> Step:
 @pytest.mark.parametrize("class_path", [f"{__name__}.SignMomentum", "torch.optim.Adagrad", "torch.optim.RMSprop"])
 def test_a_new_optimizer_is_predicted_as_a_real_run_measures_it(custom_optimizers, class_path):
     """The predicted optimizer state and step of an optimizer added by naming it (nothing else changed) against the
-    same step on real tensors, tracked (`lit_memory.memory.simulate.measure`), on the bundled MiniLM; and the
+    same step on real tensors, tracked (`lit_memory.memory.prediction.simulate.measure`), on the bundled MiniLM; and the
     simulation on fake tensors runs it (Adagrad's step reads its counter, made before the fake mode, as a number)."""
     setup = minilm(class_path, lr=1e-3)
     predicted, tracked = analytic(setup), measure(setup)

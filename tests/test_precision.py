@@ -7,7 +7,7 @@ from lit_memory import precision
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.device import GPUS
+from lit_memory.memory.hardware.gpus import GPUS
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from lit_memory.__main__ import main
 from lit_memory.cli import resolve
 from lit_memory.data import FILE_FORMATS, load_tokenizer
 from lit_memory.errors import UserError
-from lit_memory.memory import records
+from lit_memory.memory.measure import records
 
 ROWS = [
     {"id": "a1", "text": "great hotel, friendly staff", "label": "positive"},

@@ -12,7 +12,7 @@ import yaml
 
 from conftest import RECIPES, REPO
 from lit_memory import recipes
-from lit_memory.memory import records
+from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
 from lit_memory.settings import leaves
 

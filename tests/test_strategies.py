@@ -27,8 +27,8 @@ from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
 from lit_memory.fabric import FusedFabricStrategy
 from lit_memory.fused import Bucketing
-from lit_memory.memory import records
-from lit_memory.memory.tracker import Tracker
+from lit_memory.memory.measure import records
+from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 from lit_memory.monitor import MemoryMonitor
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy

@@ -1,12 +1,20 @@
-"""Memory accounting, over plain torch objects (nothing here imports the training runtime):
+"""Memory accounting, in four sub-packages on two layers of the package (`lit_memory.LAYERS`):
 
-- `footprint`: the five categories, the phases of a training step, `Footprint`, byte units;
-- `tracker`: torch's MemTracker attributing every live tensor, and the process's own peak;
-- `analytic`: the analytic model of a training step's peak (bytes per parameter, an activation model);
-- `simulate`: one training step on fake tensors, attributed by the tracker;
-- `records`: the ``memory.json`` and ``bench.json`` files, read and written only here;
-- `report`: the one table that shows footprints side by side.
+Below the training runtime (plain torch objects; the runtime imports them, they import none of it):
 
-The runtime's `lit_memory.monitor` measures with `tracker` and writes with `records`; the tools
-(`lit_memory.tools`) build the configured model and ask `analytic` and `simulate` for predictions.
+- `measure`: what a run measures: the categories and phases (`footprint`), torch's tensors attributed as they
+  live (`tracker`), NVML's figure for this process (`nvml`), the ``memory.json``/``bench.json`` files
+  (`records`) and the one table that shows footprints side by side (`report`);
+- `hardware`: models of the device: the GPU catalogue and the target a prediction is for (`gpus`), the caching
+  allocator (`allocator`), the attention kernel (`kernels`), what one transformer layer keeps (`layers`), a step
+  as the allocator sees it (`program`), the margin every "fits" keeps (`margin`) and the memory settings of a
+  run (`budget`).
+
+Above the runtime (they build the configured model):
+
+- `prediction`: the one typed description of a step (`step`), the analytic model (`analytic`, with its
+  activation and optimizer-state sub-models), the simulation on fake tensors (`simulate`) and the one way in
+  (`predict`);
+- `planning`: choosing among setups (`choose`) and the per-layer checkpointing plan that fits a budget
+  (`recompute`).
 """

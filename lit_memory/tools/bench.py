@@ -33,8 +33,8 @@ import torch
 from lit_memory import box, files, recipes
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory import records
-from lit_memory.memory.footprint import format_bytes
+from lit_memory.memory.measure import records
+from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.monitor import StepTimer
 from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 
@@ -165,11 +165,11 @@ def prepare(
 
 def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
     """FLOPs of the step this run trains (its checkpointing plan as the run resolves it, on its device),
-    counted by torch's FLOP counter on fake tensors (`lit_memory.memory.recompute`): per optimizer step (all
+    counted by torch's FLOP counter on fake tensors (`lit_memory.memory.planning.recompute`): per optimizer step (all
     its micro-batches) and per sample. Device-independent: what a GPU computes, not how long it takes.
     Empty where the model's forward cannot run on fake tensors."""
-    from lit_memory.memory.device import target
-    from lit_memory.memory.recompute import count_or_decline, planned
+    from lit_memory.memory.hardware.gpus import target
+    from lit_memory.memory.planning.recompute import count_or_decline, planned
     from lit_memory.precision import runs_on_cpu
 
     settings = resolved.settings

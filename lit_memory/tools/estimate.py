@@ -1,6 +1,6 @@
 """``python -m lit_memory estimate``: a training step's memory before any run, at three levels (tensors,
 the CUDA caching allocator's reserve, the device as ``nvidia-smi`` shows it), predicted two ways: the
-analytic model and the simulated step (`lit_memory.memory.predict`), for the run ``fit`` would train with
+analytic model and the simulated step (`lit_memory.memory.prediction.predict`), for the run ``fit`` would train with
 the same arguments, on the GPU the options describe (this machine's when it has one).
 
 ``--published`` prints the table of published GPU measurements against these predictions
@@ -19,15 +19,15 @@ from lit_memory.anatomy import Anatomy, skeleton
 from lit_memory.cli import resolve
 from lit_memory.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
-from lit_memory.memory.allocator import AllocatorConfig
-from lit_memory.memory.analytic import file_gib
-from lit_memory.memory.device import ALIASES, DEFAULT_GPU, GPUS, Target, target
-from lit_memory.memory.footprint import Footprint, format_bytes, parse_bytes
-from lit_memory.memory.margin import Fit
-from lit_memory.memory.predict import predict
-from lit_memory.memory.recompute import Flops, count_or_decline, planned
-from lit_memory.memory.report import table
-from lit_memory.memory.step import DEVICES, LOOPS, Prediction, Step, build, loop
+from lit_memory.memory.hardware.allocator import AllocatorConfig
+from lit_memory.memory.prediction.analytic import file_gib
+from lit_memory.memory.hardware.gpus import ALIASES, DEFAULT_GPU, GPUS, Target, target
+from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
+from lit_memory.memory.hardware.margin import Fit
+from lit_memory.memory.prediction.predict import predict
+from lit_memory.memory.planning.recompute import Flops, count_or_decline, planned
+from lit_memory.memory.measure.report import table
+from lit_memory.memory.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
 from lit_memory.optimizers import unquantised_extra
 
 CUDA_NOTES = (
@@ -107,7 +107,7 @@ def embedding_state_notes(step: Step) -> list[str]:
 
 def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flops] = None) -> dict[str, Any]:
     """The --json object; ``predicted`` has the footprints as ``memory.json`` keeps them, and the step's counted
-    FLOPs (`lit_memory.memory.recompute`)."""
+    FLOPs (`lit_memory.memory.planning.recompute`)."""
     analytic_ = predictions["analytic"]
     simulated = predictions.get("simulated")
     params = analytic_.parameters
@@ -145,7 +145,7 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
         "device": {
             "analytic": step.device, "simulated": step.device, "target": step.target.describe(),
             "gpu": step.target.gpu.label if step.target.cuda_device else None,
-            # what torch reports as the target card's total memory (`lit_memory.memory.device.GPUS`)
+            # what torch reports as the target card's total memory (`lit_memory.memory.hardware.gpus.GPUS`)
             "capacity_bytes": step.target.gpu.memory if step.target.cuda_device else None,
         },
         "verdict": fit.to_dict() if (fit := verdict(step, analytic_.footprint)) else None,
@@ -159,10 +159,10 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
 
 
 def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
-    """Whether the step fits, with the margin kept (`lit_memory.memory.margin`): its predicted device total
+    """Whether the step fits, with the margin kept (`lit_memory.memory.hardware.margin`): its predicted device total
     against ``memory.budget`` (else ``memory.tier``) where one is set, else the target card's capacity; on a
     CPU target, the tensors against the budget (None without one)."""
-    from lit_memory.memory.predict import level
+    from lit_memory.memory.prediction.predict import level
 
     budget = step.memory.limit_bytes
     if step.target.cuda_device and (budget is None or step.target.gpu.memory < budget):

@@ -29,9 +29,9 @@ from transformers import TrainerCallback
 from lit_memory import files
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.step import is_fused
+from lit_memory.memory.prediction.step import is_fused
 from lit_memory.settings import Precision
-from lit_memory.memory.tracker import Tracker
+from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.activations import CheckpointPlan
 from lit_memory.monitor import clock
 from lit_memory.optimizers import compiles_its_step, library_of

@@ -6,10 +6,10 @@ with the configured effective batch split into micro-batches of every power of t
 predicted analytically (milliseconds); the fastest that fits is confirmed by the simulation and
 written as a recipe, with its predicted breakdown in the header.
 
-"Fastest" follows the rule stated in `lit_memory.memory.choose` (quality, no accumulation, the least
+"Fastest" follows the rule stated in `lit_memory.memory.planning.choose` (quality, no accumulation, the least
 recompute, the larger micro-batch, 16-bit compute on CUDA, more optimizer state, Lightning's step before
 the fused step). The budget is a device budget: what ``nvidia-smi`` would show for the process, the
-predicted tensors plus the caching allocator's reserve plus the CUDA context (`lit_memory.memory.predict`).
+predicted tensors plus the caching allocator's reserve plus the CUDA context (`lit_memory.memory.prediction.predict`).
 
 With ``--measure`` the measured time per optimizer step decides among the first candidates that fit.
 """
@@ -36,15 +36,15 @@ from lit_memory.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.optimizers import check_settings
-from lit_memory.memory.analytic import analytic
-from lit_memory.memory.choose import RULE, rank
-from lit_memory.memory.device import capacity, gpu_key, is_gpu_name
-from lit_memory.memory.footprint import CATEGORIES, format_bytes
-from lit_memory.memory.margin import Fit, usable
-from lit_memory.memory.predict import device_total, level
-from lit_memory.memory.report import breakdown
-from lit_memory.memory.simulate import simulate
-from lit_memory.memory.step import Prediction, Step
+from lit_memory.memory.prediction.analytic import analytic
+from lit_memory.memory.planning.choose import RULE, rank
+from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
+from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
+from lit_memory.memory.hardware.margin import Fit, usable
+from lit_memory.memory.prediction.predict import device_total, level
+from lit_memory.memory.measure.report import breakdown
+from lit_memory.memory.prediction.simulate import simulate
+from lit_memory.memory.prediction.step import Prediction, Step
 from lit_memory.monitor import StepTimer
 from lit_memory.recipes import recipes_dir
 from lit_memory.settings import key_of, leaves, locate, plain
@@ -212,8 +212,8 @@ OFFLOADING = "model.offload_activations"
 
 def refine(chosen: Candidate, budget: int) -> Candidate:
     """A chosen setup that recomputes, with the per-layer checkpointing plan of fewest counted FLOPs predicted
-    to fit ``budget`` (`lit_memory.memory.recompute.resolve`): as many layers left whole or selective as fit."""
-    from lit_memory.memory.recompute import resolve as plan_layers
+    to fit ``budget`` (`lit_memory.memory.planning.recompute.resolve`): as many layers left whole or selective as fit."""
+    from lit_memory.memory.planning.recompute import resolve as plan_layers
 
     if chosen.setup.checkpointing is None:
         return chosen
@@ -330,7 +330,7 @@ def recipe_text(
     card: Optional[str] = None,
 ) -> str:
     parent, _ = _parent(chosen.blocks, recipes)
-    from lit_memory.memory.recompute import planned
+    from lit_memory.memory.planning.recompute import planned
 
     blocks = _as_written(chosen, budget, card)
     changes = [
@@ -389,7 +389,7 @@ def choose(
     longest = max(c.setup.max_length for c in everything)
     ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
     overhead = base.target.context_bytes
-    room = usable(budget, base.margin)  # the margin kept free (`lit_memory.memory.margin`)
+    room = usable(budget, base.margin)  # the margin kept free (`lit_memory.memory.hardware.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
     wanted = MEASURED if measured else 1
     confirmed: list[tuple[Candidate, Optional[Prediction]]] = []

@@ -5,7 +5,7 @@ tokenizer files ship in ``lit_memory/assets/bert-large-uncased``, no weights are
 full 128-token rows, each recipe in a fresh process (`lit_memory.tools.bench`). A recipe whose ``memory.tier``
 names a card or a size runs under that as its ``memory.budget``: the 4 GB card of recipes/4gb.yaml
 (``rtx3050-4gb``) is emulated on whatever GPU runs the proof, its allocator capped at the card's capacity less
-the CUDA context measured at start (`lit_memory.memory.device.allocator_limit`), and ``auto`` planning for the
+the CUDA context measured at start (`lit_memory.memory.hardware.gpus.allocator_limit`), and ``auto`` planning for the
 smaller of that and what the GPU has free. Per recipe, ``docs/gpu/<gpu>.json`` gets the measured tensors
 (``max_memory_allocated``), reserved (``max_memory_reserved``) and device (NVML's figure for the process, what
 nvidia-smi shows; cudaMemGetInfo's without nvidia-ml-py) against the analytic prediction the run made for that
@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from lit_memory import box, files, recipes
 from lit_memory.errors import UserError
-from lit_memory.memory import records
+from lit_memory.memory.measure import records
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gpu"
 MODEL = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]  # configs/bert-large.yaml's
@@ -79,7 +79,7 @@ def budget_args(entry: str) -> list[str]:
 
 def gpu_name() -> str:
     """This machine's GPU as a file name: its catalogue key (``h100``), else torch's name made safe."""
-    from lit_memory.memory.device import target
+    from lit_memory.memory.hardware.gpus import target
 
     card = target("cuda").gpu
     return card.key or re.sub(r"[^a-z0-9.-]+", "-", card.name.lower()).strip("-")
@@ -88,7 +88,7 @@ def gpu_name() -> str:
 def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Optional[str]) -> dict[str, Any]:
     """One recipe's measured levels against its prediction (from its ``memory.json``), its speed and, under a
     budget, whether the device total stayed within it."""
-    from lit_memory.memory.device import capacity
+    from lit_memory.memory.hardware.gpus import capacity
 
     row: dict[str, Any] = {"recipe": recipe, "budget": budget, "error": bench_row.get("error")}
     try:

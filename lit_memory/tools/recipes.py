@@ -17,14 +17,14 @@ from jsonargparse import Namespace
 from lit_memory import bounds, files, guard
 from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory import records
-from lit_memory.memory.footprint import format_bytes
+from lit_memory.memory.measure import records
+from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
 from lit_memory.settings import leaves, locate
 from lit_memory.trust import HINT, TRUST_FLAG
 
 if TYPE_CHECKING:
-    from lit_memory.memory.step import Step
+    from lit_memory.memory.prediction.step import Step
 
 
 def list_recipes() -> None:
@@ -61,9 +61,9 @@ def header_step(path: Path) -> "Step":
 
 @functools.lru_cache(maxsize=32)
 def _header_step(path: str, text: str) -> "Step":  # the text keys the cache: a rewritten recipe is read again
-    from lit_memory.memory.device import Target, is_gpu_name, gpu
-    from lit_memory.memory.recompute import planned
-    from lit_memory.memory.step import Step
+    from lit_memory.memory.hardware.gpus import Target, is_gpu_name, gpu
+    from lit_memory.memory.planning.recompute import planned
+    from lit_memory.memory.prediction.step import Step
 
     # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
     model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
@@ -81,9 +81,9 @@ PLANNED = "# planned-for: "
 
 def planned_line(path: Path) -> Optional[str]:
     """The header line of a recipe with a ``memory.tier``: what it is planned for and what BERT-large at the
-    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.margin`); None without a tier."""
-    from lit_memory.memory.analytic import analytic
-    from lit_memory.memory.margin import Fit
+    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.hardware.margin`); None without a tier."""
+    from lit_memory.memory.prediction.analytic import analytic
+    from lit_memory.memory.hardware.margin import Fit
 
     step = header_step(path)
     budget = step.memory.limit_bytes
@@ -105,14 +105,14 @@ def planned_line(path: Path) -> Optional[str]:
 
 
 def gpu_key_of(value: str) -> str:
-    from lit_memory.memory.device import gpu_key, is_gpu_name
+    from lit_memory.memory.hardware.gpus import gpu_key, is_gpu_name
 
     return gpu_key(value) if is_gpu_name(value) else ""
 
 
 def flops_line(path: Path) -> str:
     """The header line a shipped recipe states its counted FLOPs per step in, against the bf16 recipe's."""
-    from lit_memory.memory.recompute import flops
+    from lit_memory.memory.planning.recompute import flops
 
     step = header_step(path)
     counted, reference = flops(step), flops(header_step(path.with_name(f"{FLOPS_REFERENCE}.yaml")))
@@ -133,7 +133,7 @@ def len_layers(step: "Step") -> int:
 def predicted_line(path: Path) -> str:
     """The header line a shipped recipe states its predicted memory in: BERT-large (``configs/bert-large.yaml``)
     with the recipe's own batch and length, analytic, at three levels, for the documented default GPU."""
-    from lit_memory.memory.analytic import analytic
+    from lit_memory.memory.prediction.analytic import analytic
 
     step = header_step(path)
     footprint = analytic(step).footprint
@@ -180,10 +180,10 @@ ARROW = " -> "
 def estimate_text(config: Path, args: list[str]) -> str:
     """The generated part of a config's estimate line: ``args`` (recipes, overrides) with the config, analytic,
     on the documented default GPU; `auto` checkpointing resolved as a run resolves it, or why it cannot be."""
-    from lit_memory.memory.analytic import analytic
-    from lit_memory.memory.device import Target
-    from lit_memory.memory.recompute import planned
-    from lit_memory.memory.step import Step
+    from lit_memory.memory.prediction.analytic import analytic
+    from lit_memory.memory.hardware.gpus import Target
+    from lit_memory.memory.planning.recompute import planned
+    from lit_memory.memory.prediction.step import Step
 
     run = resolve(["fit", *expand_args(args, config), "--config", str(config), "--cpu_bf16_fallback=false"], gpu=Target().gpu)
     step = Step.from_settings(run.settings.as_dict(), Target())

@@ -1,5 +1,5 @@
 """`python -m lit_memory estimate`: the run's settings read from recipes, the bars the recipes promise, the outputs.
-The memory model itself: tests/memory/test_analytic.py."""
+The memory model itself: tests/memory/prediction/test_analytic.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from conftest import CONFIGS, RECIPES
 
 from lit_memory.__main__ import main
-from lit_memory.memory.footprint import CATEGORIES
+from lit_memory.memory.measure.footprint import CATEGORIES
 
 GiB = 2**30
 

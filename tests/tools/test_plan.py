@@ -13,12 +13,12 @@ from conftest import CONFIGS, FAST, RECIPES
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory import records
-from lit_memory.memory.analytic import analytic
-from lit_memory.memory.choose import rank
-from lit_memory.memory.device import Target
-from lit_memory.memory.predict import device_total
-from lit_memory.memory.step import Step
+from lit_memory.memory.measure import records
+from lit_memory.memory.prediction.analytic import analytic
+from lit_memory.memory.planning.choose import rank
+from lit_memory.memory.hardware.gpus import Target
+from lit_memory.memory.prediction.predict import device_total
+from lit_memory.memory.prediction.step import Step
 from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes
 from test_recipes import flatten
 

@@ -9,9 +9,9 @@ import shlex
 
 from conftest import RECIPES
 from lit_memory.__main__ import main
-from lit_memory.memory import records
-from lit_memory.memory.device import GPUS
-from lit_memory.memory.footprint import Footprint
+from lit_memory.memory.measure import records
+from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.tools import proof
 
 GiB = 2**30

@@ -8,7 +8,7 @@ import re
 import yaml
 
 from conftest import RECIPES
-from lit_memory.memory.footprint import parse_bytes
+from lit_memory.memory.measure.footprint import parse_bytes
 from lit_memory.recipes import header
 from lit_memory.tools import recipes as commands
 
@@ -52,7 +52,7 @@ def test_the_memory_tiers_fit_their_cards_with_the_margin_to_spare():
     """The issue's bars: 4gb.yaml planned for rtx3050-4gb, BERT-large 32 x 128 fitting it with at least 8 % to spare
     at no more than 1.20x bf16.yaml's FLOPs; 2gb.yaml fitting 2 GiB with 8 % to spare (its header says what it
     gives up for that)."""
-    from lit_memory.memory.device import GPUS
+    from lit_memory.memory.hardware.gpus import GPUS
 
     planned = header(RECIPES / "4gb.yaml")["planned-for"]
     assert planned.startswith("rtx3050-4gb; BERT-large 32 x 128 fits rtx3050-4gb (GeForce RTX 3050 Laptop GPU 4GB, 3.81 GiB")
