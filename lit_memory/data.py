@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 from typing import Literal, Optional
+from unittest import mock
 
 import datasets
 import lightning as L
@@ -173,7 +174,10 @@ class TextClassificationData(L.LightningDataModule):
             # The bundled CSV mixes encodings; replacing the odd byte beats failing on it.
             kwargs = {**kwargs, "encoding_errors": "replace"}
         try:
-            raw = datasets.load_dataset(builder, data_files=str(self._local_file), **kwargs)
+            # A local file is nobody's download: datasets would otherwise report a "load" of its builder (a HEAD
+            # request to its S3 bucket, `datasets.load.increase_load_count`) from a run that needs no network.
+            with mock.patch.object(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False):
+                raw = datasets.load_dataset(builder, data_files=str(self._local_file), **kwargs)
         except Exception as err:
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw

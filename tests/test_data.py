@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import datasets
 import pytest
 
 from conftest import rows, write_csv, write_jsonl
@@ -132,3 +133,26 @@ def test_unsupported_file_type(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(UserError, match="unsupported data file"):
         make(path)
+
+
+def test_a_local_file_is_read_without_a_network_request(tmp_path, monkeypatch):
+    """datasets reports each load of a builder to its S3 bucket (a HEAD request) unless told not to: reading the
+    user's own file sends nothing (the box refused that lookup at the end of every untrusted fit)."""
+    import datasets.load
+
+    asked = []
+
+    class Session:
+        def head(self, url, **kwargs):
+            asked.append(url)
+
+    monkeypatch.setattr(datasets.load, "get_session", lambda: Session())
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    path = write_csv(tmp_path / "d.csv", rows(40))
+    dm = TextClassificationData(source=str(path), text_column="review", label_column="label")
+    dm.prepare_data()
+    dm.setup("fit")
+    assert asked == [] and datasets.config.HF_UPDATE_DOWNLOAD_COUNTS is True  # nothing sent; the switch put back
+    datasets.load.increase_load_count("csv")  # the same request outside the read: it would have been sent
+    assert asked and "csv" in asked[0]
