@@ -13,7 +13,6 @@ import logging
 import os
 from pathlib import Path
 from typing import Literal, Optional
-from unittest import mock
 
 import datasets
 import lightning as L
@@ -24,6 +23,7 @@ from transformers import AutoTokenizer, DataCollatorWithPadding
 from lit_memory import bundled, guard, predictions
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
+from lit_memory.local_data import load_local
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
 log = logging.getLogger(__name__)
@@ -174,10 +174,7 @@ class TextClassificationData(L.LightningDataModule):
             # The bundled CSV mixes encodings; replacing the odd byte beats failing on it.
             kwargs = {**kwargs, "encoding_errors": "replace"}
         try:
-            # A local file is nobody's download: datasets would otherwise report a "load" of its builder (a HEAD
-            # request to its S3 bucket, `datasets.load.increase_load_count`) from a run that needs no network.
-            with mock.patch.object(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False):
-                raw = datasets.load_dataset(builder, data_files=str(self._local_file), **kwargs)
+            raw = load_local(builder, self._local_file, **kwargs)
         except Exception as err:
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lit_memory import files, guard
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
+from lit_memory.local_data import load_local
 
 # Columns looked for, in this order, when data.text_column / label_column / id_column are not set.
 TEXT_COLUMNS = ("text", "sentence", "review", "content")
@@ -58,7 +59,7 @@ def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]]):
     else:  # JSON lines in blocks of 1 MB (datasets' default, 10 MB, is a lot to hold for the first batch)
         kwargs = {**kwargs, "chunksize": JSON_LINES_CHUNK}
     try:
-        return datasets.load_dataset(builder, data_files=str(path), streaming=True, split="train", **kwargs)
+        return load_local(builder, path, streaming=True, split="train", **kwargs)
     except Exception as err:
         raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from err
 

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-import datasets
 import pytest
 
 from conftest import rows, write_csv, write_jsonl
-from lit_memory.data import TextClassificationData
+from lit_memory.data import FILE_FORMATS, TextClassificationData
+from lit_memory.predictions import read_texts
 from lit_memory.errors import UserError
 
 
@@ -153,6 +153,8 @@ def test_a_local_file_is_read_without_a_network_request(tmp_path, monkeypatch):
     dm = TextClassificationData(source=str(path), text_column="review", label_column="label")
     dm.prepare_data()
     dm.setup("fit")
+    rows_ = list(read_texts(path, FILE_FORMATS))  # the texts to predict: the same read, streamed
+    assert len(rows_) == 40
     assert asked == [] and datasets.config.HF_UPDATE_DOWNLOAD_COUNTS is True  # nothing sent; the switch put back
     datasets.load.increase_load_count("csv")  # the same request outside the read: it would have been sent
     assert asked and "csv" in asked[0]
