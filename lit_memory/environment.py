@@ -17,10 +17,14 @@ import contextlib
 import os
 from typing import Iterable, Iterator, Optional
 
-RUN_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK",
-    "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
+# Where a process stands in a rendezvous (torchrun's, or Lightning's launchers'). Inherited by a process meant as a
+# new job, they make it join a rendezvous that never completes: with LOCAL_RANK set, Lightning takes it for a
+# process it started itself and starts no other rank (rank 0 then waits for the rest until its timeout), and
+# transformers.Trainer joins a process group and wraps the model in DDP.
+LAUNCHER_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
 )
+RUN_VARIABLES = (*LAUNCHER_VARIABLES, "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @contextlib.contextmanager
@@ -37,3 +41,10 @@ def restored(names: Iterable[str] = RUN_VARIABLES, environ: Optional[dict] = Non
                 environ.pop(name, None)
             else:
                 environ[name] = value
+
+
+def for_new_job(environ: Optional[dict] = None) -> dict[str, str]:
+    """This process's environment (or ``environ``) for a process that is a job of its own (a benchmarked run, a
+    test's launch): without a launcher's variables, whatever an earlier run in this process left behind."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k not in LAUNCHER_VARIABLES}

@@ -39,6 +39,21 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test leaves no launcher's variables behind (it checks, restores nothing): Lightning's launchers set them
+    in the process that builds a Trainer and leave them there, and a later test's 2-process run inheriting
+    ``LOCAL_RANK`` starts no second rank and waits for it (`lit_memory.environment`). A test that builds a
+    Trainer outside ``LitMemoryCLI.scope()`` holds ``environment.restored()``."""
+    from lit_memory.environment import LAUNCHER_VARIABLES
+
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    outcome = yield
+    left = {name: value for name in LAUNCHER_VARIABLES if (value := os.environ.get(name)) != before[name]}
+    if left and outcome.excinfo is None:
+        raise AssertionError(f"this test left {left} in the environment: hold lit_memory.environment.restored()")
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
 

@@ -5,7 +5,6 @@ on one device in this process, and on 2 CPU processes (FSDP2, FSDP1) in one laun
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch import nn
 
 from conftest import REPO, StepLog, assert_same
 from fused_worker import FP16_SCALER, RecordingScaler
+from lit_memory import environment
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
 from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, FSDP1_SCALER, SHARED, STALE_OPTIMIZER, UNOWNED
@@ -46,7 +46,7 @@ def run(script: Path, *args: str) -> None:
     """A script in new processes: Lightning's launcher re-executes ``sys.argv`` for the other rank."""
     result = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        env={**environment.for_new_job(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr[-4000:]
 

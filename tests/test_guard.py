@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from conftest import CONFIGS, FAST, RECIPES, REPO
+from lit_memory import environment
 from lit_memory import guard
 from lit_memory.errors import UserError
 
@@ -220,7 +221,7 @@ def fit(root: Path, *more: str) -> subprocess.CompletedProcess:
             '--model.config_overrides={"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}',
             *FAST, "--trainer.enable_checkpointing=true", "--model.save_pretrained=false", "--data.batch_size=4",
             "--data.max_length=16", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={root}", *more]
-    env = {**{k: v for k, v in os.environ.items() if k != guard.FORCE_WEIGHTS_ONLY}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**{k: v for k, v in environment.for_new_job().items() if k != guard.FORCE_WEIGHTS_ONLY}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "lit_memory", "fit", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
 

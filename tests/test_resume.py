@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
+from lit_memory import environment
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.resume import (
     EVERY_N_TRAIN_STEPS,
@@ -69,7 +70,7 @@ def fit(
         f"--trainer.default_root_dir={root}",
     ]
     command = [*launcher, "-m", "lit_memory", "fit", "--trust-recipe", *args, *more]  # trust: the test's killer
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env = {**environment.for_new_job(), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     if log is not None:
         with open(log, "w") as out:
             return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification
 
 import fused_worker as worker
 from conftest import CONFIGS, RECIPES, REPO, StepLog, assert_same
+from lit_memory import environment
 from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
@@ -49,7 +50,7 @@ def run_worker(out: Path, *args: str) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**environment.for_new_job(), "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -290,7 +291,7 @@ def test_4gb_recipe_trains_on_fsdp_and_resumes_resharded_onto_three_then_four_pr
         return subprocess.run(
             [sys.executable, "-m", "lit_memory", "fit", *args, f"--trainer.devices={devices}", *more], cwd=REPO,
             capture_output=True, text=True, timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+            env={**environment.for_new_job(), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
         )
 
     result = fit(2)
@@ -359,7 +360,7 @@ def test_lora_recipe_trains_on_fsdp_and_exports_the_merged_model(tmp_path):
     ]
     result = subprocess.run(
         [sys.executable, "-m", "lit_memory", "fit", *args], cwd=REPO, capture_output=True, text=True,
-        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600, env={**environment.for_new_job(), "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lightning_logs" / "version_0" / "hf_model")
@@ -413,9 +414,10 @@ ERRORS = {
 def test_what_fusion_cannot_do_fails_before_training(case, tmp_path):
     strategy, module, settings, message = ERRORS[case]
     module = module()
-    trainer = L.Trainer(strategy=strategy(), accelerator="cpu", max_steps=1, default_root_dir=tmp_path, **settings)
-    with pytest.raises(UserError) as error:
-        trainer.fit(module, DataLoader(worker.batches(8), batch_size=4))
+    with environment.restored():  # Lightning's launcher leaves its rendezvous variables in this process
+        trainer = L.Trainer(strategy=strategy(), accelerator="cpu", max_steps=1, default_root_dir=tmp_path, **settings)
+        with pytest.raises(UserError) as error:
+            trainer.fit(module, DataLoader(worker.batches(8), batch_size=4))
     assert str(error.value) == message and "\n" not in message
     assert trainer.global_step == 0
     if case != "two-optimizers":  # the optimizers exist only once the model does

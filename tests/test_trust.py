@@ -28,6 +28,7 @@ import yaml
 from conftest import REPO
 from jsonargparse import Namespace
 
+from lit_memory import environment
 from lit_memory import guard, trust
 from lit_memory.__main__ import main
 
@@ -53,7 +54,7 @@ def run_main(argv, capsys):
 def clean_environment(**more: str) -> dict[str, str]:
     """This process's environment for a command of its own: without torch's weights-only switch, which the
     environment running the tests may set (an untrusted run sets it only while it runs)."""
-    env = {k: v for k, v in os.environ.items() if k != guard.FORCE_WEIGHTS_ONLY}
+    env = {k: v for k, v in environment.for_new_job().items() if k != guard.FORCE_WEIGHTS_ONLY}
     return {**env, **more}
 
 

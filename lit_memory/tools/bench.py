@@ -32,6 +32,7 @@ import torch
 
 from lit_memory import box, files, recipes
 from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.environment import for_new_job
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
@@ -187,23 +188,10 @@ def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
 # -- running ------------------------------------------------------------------------------------
 
 
-# A process launcher's variables (torchrun's, or Lightning's own, which it sets in the launching process
-# and never removes) make transformers.Trainer join a process group and wrap the model in DDP, whose
-# gradient buckets add a copy of the gradients: each run is one fresh, single-process job.
-LAUNCHER_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"
-)
-
-
-def fresh_environment() -> dict[str, str]:
-    """This process's environment without process-launcher variables."""
-    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-
-
 def _run(command: list[str], log: Path) -> Optional[str]:
     """Run a command with its output in `log`; the error (its ``error:`` line, else its last line) or None."""
     with files.open_log(log) as f:
-        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=fresh_environment()).returncode
+        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=for_new_job()).returncode
     if code == 0:
         return None
     lines = [line.strip() for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
