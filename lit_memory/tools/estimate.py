@@ -4,7 +4,7 @@ analytic model and the simulated step (`lit_memory.memory.prediction.predict`), 
 the same arguments, on the GPU the options describe (this machine's when it has one).
 
 ``--published`` prints the table of published GPU measurements against these predictions
-(`lit_memory.memory.published`); ``--published --update-docs`` writes it into docs/memory.md.
+(`lit_memory.tools.published`); ``--published --update-docs`` writes it into docs/memory.md.
 """
 
 from __future__ import annotations

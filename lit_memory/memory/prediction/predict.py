@@ -68,7 +68,7 @@ def fits(step: Step, budget: int) -> bool:
 
 
 def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]]) -> tuple[Callable, Callable]:
-    """The memory monitor's hooks (`lit_memory.monitor.Predict`, `Advise`) for a fit of ``step``: its
+    """The memory callbacks' hooks (`lit_memory.run_memory.Predict`, `Advise`) for a fit of ``step``: its
     predictions for the device it runs on, and advice on running out of memory (the lightest of
     ``recipes()``, (path, dotted settings) pairs, predicted to fit)."""
     from lit_memory.memory.planning.choose import advise
