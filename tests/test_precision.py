@@ -74,12 +74,14 @@ def test_a_run_on_a_gpu_without_bf16_takes_fp16_unless_the_precision_was_typed(c
     t4 = GPUS["t4"]
     assert resolve(["fit", "--recipe", "4gb"], gpu=t4).settings.trainer.precision == "16-mixed"
     assert capsys.readouterr().err.count("has no bf16") == 1
-    typed = resolve(["fit", "--recipe", "4gb", "--trainer.precision", "bf16-mixed"], gpu=t4)
+    # The run itself is on this CPU: where it has no bf16, its own fallback (bf16 trains in fp32) is another rule.
+    own = ["--cpu_bf16_fallback=false"]
+    typed = resolve(["fit", "--recipe", "4gb", "--trainer.precision", "bf16-mixed", *own], gpu=t4)
     assert typed.settings.trainer.precision == "bf16-mixed"
     later = resolve(["fit", "--trainer.precision=32-true", "--recipe", "4gb"], gpu=t4)
     assert later.settings.trainer.precision == "16-mixed"  # the recipe after it set bf16 again: the recipe's
-    assert resolve(["fit", "--recipe", "4gb"], gpu=GPUS["a100-80gb"]).settings.trainer.precision == "bf16-mixed"
-    assert resolve(["fit", "--recipe", "4gb", "--trainer.accelerator=cpu"]).settings.trainer.precision == "bf16-mixed"
+    assert resolve(["fit", "--recipe", "4gb", *own], gpu=GPUS["a100-80gb"]).settings.trainer.precision == "bf16-mixed"
+    assert resolve(["fit", "--recipe", "4gb", "--trainer.accelerator=cpu", *own]).settings.trainer.precision == "bf16-mixed"
     assert capsys.readouterr().err.count("has no bf16") == 1  # the later recipe's
 
 
