@@ -128,15 +128,23 @@ def one_sync_per_step(optimizer: Optimizer, params: list[torch.Tensor]) -> Itera
     end of the step: one per fused bucket (~25 per BERT-large step with ``layer`` buckets), each draining the
     device's queue."""
     module = sys.modules["bitsandbytes.optim.optimizer"]
-    sync = module.sync_gpu
-    module.sync_gpu = _no_sync
+    own = _DEPTH[0] if _DEPTH else module.sync_gpu  # bitsandbytes' own sync, however deep the steps are nested
+    if not _DEPTH:  # the outermost step (an unfused step runs fused buckets' inside it): patched once
+        _DEPTH.append(own)
+        module.sync_gpu = _no_sync
+    else:
+        _DEPTH.append(None)
     try:
         yield
     finally:
-        module.sync_gpu = sync
+        if _DEPTH.pop() is not None:  # the outermost step ends: bitsandbytes' own function back
+            module.sync_gpu = own
     if optimizer.is_paged and params:
         param = params[0]
-        sync(param.to_local() if hasattr(param, "to_local") else param)
+        own(param.to_local() if hasattr(param, "to_local") else param)
+
+
+_DEPTH: list = []  # the steps inside `one_sync_per_step` now; the first entry is bitsandbytes' own sync_gpu
 
 
 def _no_sync(tensor: torch.Tensor) -> None:

@@ -100,10 +100,13 @@ def state_dict(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
     Nothing is copied but each absmax, padded (1/64 of a byte per value)."""
     names = {id(p): name for name, p in module.named_parameters()}
     params = _params(optimizer)
+    stepped = _stepped_anywhere(optimizer, params)
     state = {}
-    for param in params:
+    for param, anywhere in zip(params, stepped):
         saved = optimizer.state.get(param)
-        if saved:  # none before its first gradient, nor for an empty shard
+        if not saved and anywhere:  # an empty shard: never stepped here, while the ranks with rows hold state
+            saved = _empty_shard_state(optimizer, param)
+        if saved:  # none before its first gradient
             state[names[id(param)]] = {k: _sharded(k, v, param) for k, v in saved.items() if k not in SCRATCH}
     shards = shard_of(params[0])[0] if params else 1
     return {"state": state, "param_groups": _groups(optimizer, names), SHARDS: shards}
@@ -270,6 +273,54 @@ def _as_dtensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+def _stepped_anywhere(optimizer: Optimizer, params: list[torch.Tensor]) -> list[bool]:
+    """Whether each parameter has state on any rank: every rank must describe a saved DTensor, or torch's distributed
+    checkpoint cannot cover its volume. One all-reduce of a flag per parameter (saving is collective already)."""
+    import torch.distributed as dist
+
+    mine = [bool(optimizer.state.get(p)) for p in params]
+    if not params or not dist.is_available() or not dist.is_initialized():
+        return mine
+    local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+    flags = torch.tensor(mine, dtype=torch.int32, device=local.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(f) for f in flags.tolist()]
+
+
+def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor) -> dict[str, Any]:
+    """The state an empty shard of ``param`` stands for in a checkpoint: each tensor of its kind (8-bit codes or
+    32-bit moments, as bitsandbytes decides on the whole parameter: `lit_memory.eightbit.config_of`) with no rows,
+    no absmax blocks (saved as a row of zeros), the maps and the step count of a parameter of the same kind here."""
+    from lit_memory import eightbit
+
+    g, i = next((g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if p is param)
+    config = eightbit.config_of(optimizer, g, i)
+    bits = config.get("optim_bits", optimizer.args.optim_bits)
+    quantised = bits == 8 and param.numel() >= config.get("min_8bit_size", optimizer.args.min_8bit_size)
+    kind = torch.uint8 if quantised else torch.float32
+    template = next(
+        (optimizer.state[p] for group in optimizer.param_groups for p in group["params"]
+         if optimizer.state.get(p) and optimizer.state[p].get("state1") is not None
+         and optimizer.state[p]["state1"].dtype == kind),
+        None,
+    )
+    if template is None:
+        raise UserError(
+            f"bitsandbytes' state of a parameter of shape {tuple(param.shape)} is held by other ranks only, and this "
+            "rank holds no state of its kind to describe it by: save with fewer ranks than its rows"
+        )
+    local = param.to_local()
+    empty: dict[str, Any] = {}
+    for key, value in template.items():
+        if not isinstance(value, torch.Tensor) or key.startswith("qmap"):
+            empty[key] = value
+        elif key.startswith("absmax"):
+            empty[key] = value.new_zeros(0)
+        elif key not in SCRATCH:
+            empty[key] = torch.zeros(local.shape, dtype=value.dtype, device=local.device)
+    return empty
 
 
 def _params(optimizer: Optimizer) -> list[torch.Tensor]:

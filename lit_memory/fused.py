@@ -40,9 +40,9 @@ as each bucket steps; by global norm with a first backward that only measures th
 first backward: it unscales and checks every gradient, and an overflow skips the step exactly where
 GradScaler would.
 
-On a device with streams (CUDA), each bucket's step is ordered after its gradients whatever stream each runs on
-(`DeviceStreams`): FSDP2 and FSDP1 hand gradients over on their reduce-scatter / post-backward stream, and
-bitsandbytes launches its kernels on the legacy default stream (`lit_memory.optimizers.Library.launch_stream`).
+On a device with streams (CUDA), every bucket steps on the compute stream (the device's default stream), ordered
+after its gradients whatever stream made them (`DeviceStreams`): FSDP2 and FSDP1 hand gradients over on their
+reduce-scatter / post-backward stream, and bitsandbytes launches its kernels on the legacy default stream anyway.
 Empty shards (FSDP2 gives the last ranks none of a parameter with fewer rows than ranks) are left out of every
 optimizer's step and of the clipping norm.
 
@@ -463,10 +463,18 @@ class DeviceStreams:
       in bitsandbytes/backends/cuda/ops.py), so they run on the legacy default stream, which a non-blocking stream
       does not synchronise with (`lit_memory.optimizers.Library.launch_stream`).
 
-    ``BucketHooks`` makes the launch stream wait for an event recorded where the gradients were made when the bucket
-    completed, runs the whole step with the launch stream current (the library's torch ops, e.g. its zero-initialised
-    first-step state, go where its kernels go) and marks the gradients used there (``record_stream``), so their memory
-    is not reused before the step has read them. No host synchronisation."""
+    ``BucketHooks`` steps every bucket on the compute stream (the default stream): it waits for an event recorded
+    where the gradients were made when the bucket completed, runs the whole step with that stream current (the
+    library's torch ops, e.g. its zero-initialised first-step state, go where its kernels go) and marks the gradients
+    used there (``record_stream``), so their memory is not reused before the step has read them. No host
+    synchronisation.
+
+    Why the compute stream for torch's optimizers too, rather than the reduce-scatter stream their hook runs on: the
+    caching allocator keeps a pool per stream and reuses no block across them, so a step there would put its
+    temporaries and its first-step state in a second pool (reserved memory growing by a bucket's temporaries per
+    rank) that the memory model does not replay. On the compute stream every allocation is in the one pool the
+    model replays; the step runs one bucket late (as bitsandbytes' always did), so the reduce-scatter still
+    overlaps the next layer's backward."""
 
     def __init__(self, module: Any, device: torch.device) -> None:
         self.module, self.device = module, device
@@ -516,8 +524,8 @@ class BucketHooks:
     tidies up in ``after_step``.
 
     ``streams`` (`DeviceStreams`; by default `device_streams` of the parameters' device, None on the CPU) orders
-    each step after its gradients. A bucket whose optimizer launches on another stream than its gradients were
-    made on (bitsandbytes under FSDP2 or FSDP1) is stepped one bucket later: when the next such bucket completes, or
+    each step after its gradients. A bucket whose gradients were made on another stream than the compute stream
+    its step runs on (FSDP2's reduce-scatter, FSDP1's post-backward) is stepped one bucket later: when the next such bucket completes, or
     at the end of backward. By then the compute stream has been given the next layer's backward, so its wait for
     this reduce-scatter comes after that work and the reduce-scatter still overlaps it; stepped at once, the compute
     stream would wait for each layer's reduce-scatter before the next layer's backward. The cost: one more
@@ -630,7 +638,7 @@ class BucketHooks:
         if self.streams is None:
             self._run(bucket)
             return
-        target = self.streams.default() if bucket.launch == "default" else self.streams.current()
+        target = self.streams.default()  # the compute stream: one allocator pool (`DeviceStreams`)
         made = [stream for stream in bucket.streams if stream != target]
         if not made:  # made on the stream its optimizer launches on: in order already
             self._run(bucket)

@@ -356,6 +356,7 @@ class SequenceClassifier(L.LightningModule):
         from transformers import get_scheduler
 
         optimizer = self.build_optimizer()
+        optimizers.use_fused_kernels(optimizer, self.device)  # torch's Adam/AdamW on CUDA: one kernel per group
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,
@@ -366,7 +367,11 @@ class SequenceClassifier(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper around the user's optimizer
+        # What its library's step runs inside (bitsandbytes: no device sync after every parameter).
+        context = optimizers.library_of(inner).step_context(inner, [p for g in inner.param_groups for p in g["params"]])
+        with context if context is not None else contextlib.nullcontext():
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         # Free the gradients now, as the HF Trainer does: Lightning zeroes them only after the next
         # training_step, so they would sit through the next forward (4 B per trainable parameter).
         optimizer.zero_grad(set_to_none=True)

@@ -117,7 +117,7 @@ class MemoryMonitor(L.Callback):
             # run's peak is the highest reading, and its phase the one in which it last rose.
             self.cuda = {
                 "max_allocated_bytes": 0, "max_reserved_bytes": 0, "max_device_bytes": 0, "device_source": None,
-                "peak_phase": None,
+                "peak_phase": None, "device_bytes_by_step": [],  # the highest device reading in each optimizer step
             }
         self.longest_tracked = self.longest = self.peak_batch = None
         self._peak_batch_bytes = -1
@@ -139,19 +139,37 @@ class MemoryMonitor(L.Callback):
         if self.tracker is not None:
             self.tracker.enter_phase(phase)
 
+    # The device level is read at every phase of the first steps (kernels load on first use, the context grows),
+    # then only when the allocator's reserve has grown: the rest of the process's footprint is the context. An
+    # NVML query costs about half a millisecond of host time, three per micro-batch.
+    DEVICE_READ_STEPS = 3
+
     def _read_cuda(self, trainer: L.Trainer) -> None:
         if self.cuda is None or self._phase is None:
             return
         device = self._device(trainer)
-        allocated = torch.cuda.max_memory_allocated(device)
+        stats = torch.cuda.memory_stats(device)  # one call for both peaks (each reader calls it whole)
+        allocated = stats.get("allocated_bytes.all.peak", 0)
+        reserved = stats.get("reserved_bytes.all.peak", 0)
         if allocated > self.cuda["max_allocated_bytes"]:
             self.cuda.update(max_allocated_bytes=allocated, peak_phase=self._phase)
-        self.cuda["max_reserved_bytes"] = max(self.cuda["max_reserved_bytes"], torch.cuda.max_memory_reserved(device))
-        # The device level has no peak counter: read at every phase boundary. The allocator keeps what it
-        # reserved, so the process's footprint only grows, and the readings catch its peak.
+        grew = reserved > self.cuda["max_reserved_bytes"]
+        self.cuda["max_reserved_bytes"] = max(self.cuda["max_reserved_bytes"], reserved)
+        if grew or trainer.global_step < self.DEVICE_READ_STEPS:
+            self._read_device(trainer, device)
+
+    def _read_device(self, trainer: L.Trainer, device: torch.device) -> None:
+        # The device level has no peak counter: read at phase boundaries. The allocator keeps what it reserved,
+        # so the process's footprint only grows, and the readings catch its peak.
         used, source = device_memory_used(device)
-        if used is not None and used > self.cuda["max_device_bytes"]:
+        if used is None:
+            return
+        if used > self.cuda["max_device_bytes"]:
             self.cuda.update(max_device_bytes=used, device_source=source)
+        by_step = self.cuda.setdefault("device_bytes_by_step", [])
+        step = trainer.global_step
+        by_step.extend([0] * (step + 1 - len(by_step)))
+        by_step[step] = max(by_step[step], used)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx
@@ -212,6 +230,8 @@ class MemoryMonitor(L.Callback):
     # -- reporting -----------------------------------------------------------------------------
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.cuda is not None:  # the context may have grown since the last reading (a kernel first used late)
+            self._read_device(trainer, self._device(trainer))
         ranks = None
         if trainer.world_size > 1:  # every rank's numbers: each holds its own shard and activations
             gathered = [None] * trainer.world_size
@@ -281,19 +301,25 @@ class MemoryMonitor(L.Callback):
 
 
 class StepTimer(L.Callback):
-    """Wall time of each optimizer step (its micro-batches together), the first ``warmup`` steps apart.
+    """Time of each optimizer step (its micro-batches together), the first ``warmup`` steps apart.
+
+    On CUDA the step boundaries are CUDA events recorded on the current stream, read once at the end of
+    training: no device synchronisation per step, and the time is the GPU's timeline, idle gaps (a GPU
+    waiting on the host) included. On a CPU they are ``time.perf_counter`` readings.
 
     Args:
         warmup: optimizer steps timed but kept apart (first steps compile, allocate, fill caches).
+        steps: the timed steps after warm-up (None: all; later steps, a profiled one say, are left out).
         save: write ``step_times.json`` into the run folder at the end of training (bench reads it).
     """
 
     FILE = "step_times.json"
 
-    def __init__(self, warmup: int = 3, save: bool = False) -> None:
+    def __init__(self, warmup: int = 3, steps: Optional[int] = None, save: bool = False) -> None:
         self.warmup = warmup
+        self.steps = steps
         self.save = save
-        self.stamps: list[float] = []
+        self.stamps = Stamps(torch.device("cpu"))
         self._step = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -301,17 +327,18 @@ class StepTimer(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step = trainer.global_step
-        self.stamps = [clock(pl_module.device)]
+        self.stamps = Stamps(pl_module.device)
+        self.stamps.mark()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self._step:  # an optimizer step happened (not mid accumulation window)
             self._step = trainer.global_step
-            self.stamps.append(clock(pl_module.device))
+            self.stamps.mark()
 
     @property
     def step_times(self) -> list[float]:
         """Seconds of each optimizer step, warm-up included (``warmup_times``, ``timed_times``)."""
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        return self.stamps.intervals()
 
     @property
     def warmup_times(self) -> list[float]:
@@ -319,7 +346,7 @@ class StepTimer(L.Callback):
 
     @property
     def timed_times(self) -> list[float]:
-        return self.step_times[self.warmup :]
+        return self.step_times[self.warmup :][: self.steps]
 
     @property
     def seconds_per_step(self) -> float:
@@ -333,11 +360,38 @@ class StepTimer(L.Callback):
         batch_size = (batch_shape(trainer) or [None])[0]
         record = {
             "warmup": self.warmup,
+            "clock": self.stamps.kind,
             "warmup_step_times_s": self.warmup_times,
             "step_times_s": self.timed_times,
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
         }
         files.write_text(self.run_dir / self.FILE, json.dumps(record, indent=2) + "\n")
+
+
+class Stamps:
+    """Points in time on one device: CUDA events on a GPU (read after one synchronisation, when asked),
+    ``time.perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.kind = "cuda events" if self.cuda else "perf_counter"
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self._marks, self._marks[1:])]
+        if self._marks:
+            self._marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:])]
 
 
 def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:
@@ -381,10 +435,3 @@ def batch_shape(trainer: L.Trainer) -> Optional[list[int]]:
     if "batch_size" in hparams and "max_length" in hparams:
         return [hparams["batch_size"], hparams["max_length"]]
     return None
-
-
-def clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # kernels run asynchronously: wait until the step's work is done
-    return time.perf_counter()
-

@@ -88,8 +88,12 @@ class Library:
         """Whatever the optimizer needs once it is built, before it steps."""
 
     def step_context(self, optimizer: Optimizer, params: list[torch.Tensor]) -> Optional[ContextManager]:
-        """What a fused bucket's step runs inside (None: nothing)."""
+        """What a step runs inside, a fused bucket's or the whole unfused step's (None: nothing)."""
         return None
+
+    def fuses_by_default(self, optimizer: Optimizer, group: Mapping[str, Any], device: str) -> bool:
+        """Whether lit_memory gives this group its library's fused kernel on ``device`` (`use_fused_kernels`)."""
+        return False
 
     def carry_settings(
         self,
@@ -159,12 +163,24 @@ class Torch(Library):
     packages = ("torch",)
     importable = ("torch.optim",)
 
+    # One CUDA kernel over a whole group, no per-parameter host work (foreach AdamW reads each step counter with
+    # .item(): 786 host reads per BERT-large step), what the HF Trainer's default ``adamw_torch_fused`` runs.
+    FUSED_BY_DEFAULT = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
+
+    def fuses_by_default(self, optimizer: Optimizer, group: Mapping[str, Any], device: str) -> bool:
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        return (
+            device == "cuda" and kind in self.FUSED_BY_DEFAULT and group.get("fused") is None
+            and group.get("foreach") is None and not group.get("differentiable") and not group.get("capturable")
+        )
+
     def batches(self, optimizer: Optimizer, group: Mapping[str, Any], device: str) -> bool:
         foreach = group.get("foreach")
         if foreach is None:  # torch's default (`_default_to_fused_or_foreach`): foreach on CUDA, a loop on CPU
             return (
                 device == "cuda"
                 and not group.get("fused")
+                and not self.fuses_by_default(optimizer, group, device)
                 and not group.get("differentiable")
                 and type(optimizer).__module__.startswith("torch.optim")
             )
@@ -178,8 +194,26 @@ class Torch(Library):
     def on_device(self, group: Mapping[str, Any], tensor: torch.Tensor) -> bool:
         return bool(group.get("fused") or group.get("capturable")) or super().on_device(group, tensor)
 
+    @contextlib.contextmanager
+    def eager_step(self, optimizer: Optimizer) -> Iterator[None]:
+        # Fused Adam/AdamW on fake tensors would run the kernel's functional form, which allocates what the CUDA
+        # kernel updates in place: stood in for by nothing (the state is made by torch's own code before it).
+        if not any(g.get("fused") for g in optimizer.param_groups):
+            yield
+            return
+        kernels = torch._fused_adam_, torch._fused_adamw_
+        torch._fused_adam_ = torch._fused_adamw_ = _updates_in_place
+        try:
+            yield
+        finally:
+            torch._fused_adam_, torch._fused_adamw_ = kernels
+
     def stepped_in_place(self, group: Mapping[str, Any]) -> bool:
         return bool(group.get("fused"))
+
+
+def _updates_in_place(*tensors: Any, **settings: Any) -> None:
+    """torch's fused Adam/AdamW kernel in a simulated step: it updates its tensors in place and allocates nothing."""
 
 
 class Transformers(Library):
@@ -443,7 +477,7 @@ def optimizer_tensors(
         if not call:
             continue
         group = optimizer.param_groups[group_of[id(call[0])]]
-        if library.stepped_in_place(group):
+        if library.stepped_in_place(group) or library.fuses_by_default(optimizer, group, device):
             continue
         if library.batches(optimizer, group, device):
             temps += [batched] if (batched := [t for p in call for t in found.kept[id(p)].temps]) else []
@@ -553,6 +587,8 @@ def _probe(optimizer: Optimizer, device: str) -> Profile:
     shared: dict[int, tuple[int, str, bool]] = {}
     for kind, (tensors, temps) in measured.items():
         group = optimizer.param_groups[kinds[kind][0]]
+        if library.fuses_by_default(optimizer, group, device):  # as the run steps it: fused, counters on the device
+            group = {**group, "fused": True}
         own: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
         for t in tensors:
             key, entry, on_device = _storage_key(t), (t.untyped_storage().nbytes(), _dtype(t)), library.on_device(group, t)
@@ -733,12 +769,30 @@ class _AnsweringScalars(TorchDispatchMode):
             raise StepNotSimulated(f"{self.optimizer}'s step computes a shape from the data ({func})") from None
 
 
+def use_fused_kernels(optimizer: Optimizer, device: torch.device) -> list[int]:
+    """Give the groups whose config leaves ``fused`` and ``foreach`` unset their library's fused kernel where
+    lit_memory defaults to it (`Library.fuses_by_default`: torch's Adam and AdamW on CUDA), when every parameter of
+    the group is a plain tensor on ``device`` (DTensor shards keep torch's own default). Before the first step
+    (the step counters are made then, on the device for a fused group). Returns the groups changed."""
+    library = library_of(optimizer)
+    changed = []
+    for index, group in enumerate(optimizer.param_groups):
+        plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.device == device for p in group["params"])
+        if plain and group["params"] and library.fuses_by_default(optimizer, group, device.type):
+            group["fused"] = True
+            changed.append(index)
+    return changed
+
+
 def use_device_defaults(optimizer: Optimizer, device: str) -> None:
-    """Make ``optimizer`` run, on the CPU, the implementation ``device`` would (torch's foreach kernels on CUDA where
-    the config leaves ``foreach`` unset): its temporaries are a whole group's at once."""
+    """Make ``optimizer`` run, on the CPU, the implementation ``device`` would: the fused kernel lit_memory gives
+    torch's Adam/AdamW on CUDA (no temporaries), torch's foreach kernels elsewhere on CUDA where the config leaves
+    ``foreach`` unset (a whole group's temporaries at once)."""
     library = library_of(optimizer)
     for group in optimizer.param_groups:
-        if group.get("foreach", False) is None and library.batches(optimizer, group, device):
+        if library.fuses_by_default(optimizer, group, device):  # as `use_fused_kernels` gives the run
+            group["fused"] = True
+        elif group.get("foreach", False) is None and library.batches(optimizer, group, device):
             group["foreach"] = True
 
 

@@ -92,34 +92,98 @@ def memory_callbacks(options: MemoryOptions, predict: Optional[Predict] = None, 
 
 
 class BudgetCap(L.Callback):
-    """``memory.budget`` as a cap on CUDA, for the length of a fit: the caching allocator
-    (``torch.cuda.set_per_process_memory_fraction``) may reserve the budget less this process's CUDA context measured
-    at the start (`lit_memory.memory.hardware.gpus.allocator_limit`: the fraction limits the allocator only, pytorch#58466);
-    the process's own fraction again when the fit ends. On a CPU the monitor's tracker holds the budget."""
+    """``memory.budget`` as a cap on the device total, on CUDA, for the length of a fit: the caching allocator
+    (``torch.cuda.set_per_process_memory_fraction``, which limits the allocator only, pytorch#58466) may reserve
+    the budget less this process's CUDA context; the process's own fraction again when the fit ends. On a CPU
+    the monitor's tracker holds the budget.
 
-    def __init__(self, budget: Optional[int]) -> None:
+    The context grows after the start, outside the allocator: kernels load lazily on first use (cuBLAS's GEMMs,
+    the attention's; 518 MiB at start and about 750 at the peak on an H100 under CUDA 13, docs/gpu/h100.json). So
+    the common kernels are loaded before the context is measured (`load_kernels`), and the context is measured
+    again after each of the first ``recheck`` optimizer steps, the cap lowered by what it grew.
+    """
+
+    def __init__(self, budget: Optional[int], recheck: int = 3) -> None:
         self.budget = budget
+        self.recheck = recheck
         self._fraction: Optional[float] = None
+        self._context = 0
+        self._checked = -1
+        self.limit: Optional[int] = None  # the allocator's cap now, bytes
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
         if stage != "fit" or self.budget is None or device.type != "cuda":
             return
+        self.load_kernels(device, half_dtype(getattr(trainer, "precision", None)))
         card = self.read_card(device)
-        limit, line = allocator_limit(self.budget, card)
-        self._fraction = torch.cuda.get_per_process_memory_fraction(device)
-        torch.cuda.set_per_process_memory_fraction(min(limit / card.total, 1.0), device)
-        print(line, file=sys.stderr)  # every rank caps its own process
+        self._fraction = self.get_fraction(device)
+        self._cap(card, device)
+        print(self._line, file=sys.stderr)  # every rank caps its own process
+
+    def _cap(self, card: CardReading, device: torch.device) -> None:
+        self.limit, self._line = allocator_limit(self.budget, card)
+        self._context = card.context if card.context is not None else max(card.total - card.free, 0)
+        self.set_fraction(min(self.limit / card.total, 1.0), device)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self._fraction is None or step == self._checked or step > self.recheck:
+            return
+        self._checked = step
+        device = trainer.strategy.root_device
+        card = self.read_card(device)
+        if card.context is None or card.context <= self._context:
+            return
+        grown = card.context - self._context
+        self._cap(card, device)
+        print(
+            f"memory.budget: this process's CUDA context grew by {format_bytes(grown)} by optimizer step {step} "
+            f"(kernels loaded on first use), to {format_bytes(card.context)}: the caching allocator's cap is now "
+            f"{format_bytes(self.limit)}", file=sys.stderr,
+        )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._fraction is not None:  # the cap belongs to this run, not to the process
-            torch.cuda.set_per_process_memory_fraction(self._fraction, trainer.strategy.root_device)
+            self.set_fraction(self._fraction, trainer.strategy.root_device)
             self._fraction = None
+
+    # -- the seams a CPU test replaces ------------------------------------------------------------
 
     @staticmethod
     def read_card(device: torch.device) -> CardReading:
-        """The run's card at the start (`lit_memory.memory.hardware.gpus.read_card`): the seam a test replaces."""
+        """The run's card now (`lit_memory.memory.hardware.gpus.read_card`)."""
         return read_card(device.index)
+
+    @staticmethod
+    def get_fraction(device: torch.device) -> float:
+        return torch.cuda.get_per_process_memory_fraction(device)
+
+    @staticmethod
+    def set_fraction(fraction: float, device: torch.device) -> None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+    @staticmethod
+    def load_kernels(device: torch.device, half: Optional[torch.dtype]) -> None:
+        """Run, once, small versions of what every step runs (GEMMs in each layout, forward and backward, in
+        fp32 and the run's half dtype; attention; softmax, layer norm, GELU), so that their kernels (cuBLAS's and
+        cuBLASLt's above all) are in the context before it is measured. Larger shapes may pick other kernels:
+        the measurements after the first steps (`on_train_batch_end`) catch those."""
+        for dtype in (torch.float32, *([half] if half is not None else [])):
+            a = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+            b = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+            q = torch.randn(2, 4, 64, 64, device=device, dtype=dtype, requires_grad=True)
+            x = torch.nn.functional.layer_norm(a @ b + a.t() @ b.t(), (64,))
+            x = torch.nn.functional.gelu(x).softmax(-1)
+            y = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            (x.sum() + y.float().sum()).backward()
+        torch.cuda.synchronize(device)
+
+
+def half_dtype(precision: Any) -> Optional[torch.dtype]:
+    """The 16-bit dtype a Lightning precision computes in (``bf16-mixed`` -> bfloat16), else None."""
+    text = str(precision or "")
+    return torch.bfloat16 if "bf16" in text else torch.float16 if text.startswith("16") else None
 
 
 class MemoryPredictions(L.Callback):

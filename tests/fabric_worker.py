@@ -257,8 +257,9 @@ def fsdp1(fused: bool) -> dict:
     post_backward = model._forward_module._post_backward_stream  # made at the first forward
     shards = {n: p.detach().clone() for n, p in model.named_parameters()}
     trained = any(not torch.equal(shards[n], start[n]) for n in shards)
-    # torch's AdamW runs where FSDP1 hands the gradient over, its post-backward stream: nothing to wait for
-    steps = [(s["on"] is post_backward, s["waited"]) for s in recording.steps()]
+    # torch's AdamW steps on the compute (default) stream after FSDP1's post-backward stream, where it hands the
+    # gradient over: (stepped on the post-backward stream, whether it waited for it)
+    steps = [(s["on"] is post_backward, [w is post_backward for w in s["waited"]]) for s in recording.steps()]
     return {
         "shards": shards, "trained": trained, "held": held, "flat_gradients_held": flat, "refusals": refusals,
         "steps": steps,

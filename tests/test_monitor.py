@@ -176,16 +176,21 @@ def test_4gb_is_a_third_of_baseline_and_each_switch_shrinks_its_category(tmp_pat
 @pytest.fixture
 def fake_cuda(monkeypatch, tmp_path):
     """A CUDA device the monitor reads from: 16 GiB, an allocator whose peak readings we set."""
-    calls = SimpleNamespace(fractions=[], allocated=0, reserved=0, free=16 * 2**30)
+    calls = SimpleNamespace(fractions=[], allocated=0, reserved=0, free=16 * 2**30, loaded=[])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=16 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.9)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.fractions.append(f))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: calls.reserved)
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats",
+        lambda device: {"allocated_bytes.all.peak": calls.allocated, "reserved_bytes.all.peak": calls.reserved},
+    )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (calls.free, 16 * 2**30))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("a user's peak readings were reset"))
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), log_dir=str(tmp_path), default_root_dir=str(tmp_path)
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), log_dir=str(tmp_path), default_root_dir=str(tmp_path),
+        global_step=0,
     )
     return calls, trainer
 
@@ -198,7 +203,10 @@ def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cud
     calls, trainer = fake_cuda
     cap = BudgetCap(MemorySettings.parse(budget="4GiB").budget.bytes)
     cap.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
+    cap.load_kernels = lambda device, half: calls.loaded.append(half)
+    trainer.precision = "bf16-mixed"
     cap.setup(trainer, None, "fit")
+    assert calls.loaded == [torch.bfloat16]  # the step's kernels were loaded before the context was measured
     assert calls.fractions == [(4 * 2**30 - 512 * 2**20) / (16 * 2**30)]
     assert "the caching allocator is capped at 3.50 GiB on fake" in capsys.readouterr().err
     cap.teardown(trainer, None, "fit")
@@ -209,6 +217,38 @@ def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cud
     settings = MemorySettings.parse(budget="rtx3050-4gb", tier="t4")
     assert settings.budget.bytes == settings.limit_bytes == GPUS["rtx3050-4gb"].memory
     assert settings.limit_words == "memory.budget rtx3050-4gb (3.81 GiB)"
+
+
+def test_the_cap_follows_the_context_as_kernels_load_in_the_first_steps(fake_cuda, capsys):
+    """The CUDA context grows after the start (kernels loaded on first use, outside the allocator): measured again
+    after each of the first optimizer steps, the allocator's cap is lowered by what it grew, so that the device
+    total (context + reserved) stays within the budget; it is never raised, and not read after `recheck` steps."""
+    from lit_memory.memory.hardware.gpus import CardReading
+
+    calls, trainer = fake_cuda
+    budget, total, mib = 4 * 2**30, 16 * 2**30, 2**20
+    contexts = iter([518 * mib, 700 * mib, 690 * mib, 760 * mib, 900 * mib])
+    reads = []
+
+    def read(device):
+        reads.append(trainer.global_step)
+        return CardReading("fake", total, 12 * 2**30, next(contexts), "nvml (this process)")
+
+    cap = BudgetCap(budget, recheck=3)
+    cap.read_card, cap.load_kernels = read, lambda device, half: None
+    trainer.precision = "32-true"
+    trainer.global_step = 0
+    cap.setup(trainer, None, "fit")
+    capsys.readouterr()
+    for step in (1, 1, 2, 3, 4, 5):  # a batch ends after each optimizer step; the repeated 1: mid accumulation
+        trainer.global_step = step
+        cap.on_train_batch_end(trainer, None, None, None, 0)
+    assert reads == [0, 1, 2, 3]  # at the start, then once after each of the first 3 steps
+    limits = [f * total for f in calls.fractions]
+    assert limits == [budget - 518 * mib, budget - 700 * mib, budget - 760 * mib]  # 690 after step 2: not raised
+    assert all(limit + context <= budget for limit, context in zip(limits, (518 * mib, 700 * mib, 760 * mib)))
+    err = capsys.readouterr().err
+    assert "context grew by 182.00 MiB by optimizer step 1" in err and "cap is now 3.26 GiB" in err
 
 
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
@@ -228,6 +268,7 @@ def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
     assert monitor.cuda == {
         "max_allocated_bytes": 7, "max_reserved_bytes": 8, "max_device_bytes": 107,
         "device_source": "cudaMemGetInfo (whole device)", "peak_phase": "backward",
+        "device_bytes_by_step": [107],  # every reading was in optimizer step 0
     }
 
 

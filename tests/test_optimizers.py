@@ -283,3 +283,26 @@ def test_an_optimizer_step_the_simulation_cannot_run_is_declined_in_its_own_name
     assert simulated is None
     assert declined.startswith("not simulated: NonzeroSGD's step computes a shape from the data")
     assert "forward" not in declined
+
+
+def test_torchs_adam_runs_its_fused_kernel_on_cuda_unless_the_config_chose_one():
+    """On CUDA lit_memory gives torch's Adam and AdamW their fused kernel (one launch per group, no per-parameter
+    host read of the step counter) where the config leaves ``fused`` and ``foreach`` unset; its step then makes no
+    temporaries to predict. A setting of the user's, another optimizer, a CPU run or a loop that keeps torch's own
+    default (the HF Trainer's) stays as it is."""
+    from lit_memory.optimizers import use_fused_kernels
+
+    _, default = built("meta", torch.optim.AdamW, {})
+    library = library_of(default)
+    group = default.param_groups[0]
+    assert library.fuses_by_default(default, group, "cuda") and not library.fuses_by_default(default, group, "cpu")
+    assert optimizer_tensors(default, "cuda").temps == []  # fused: updated in place
+    for chosen in ({"foreach": True}, {"fused": False}):
+        _, optimizer = built("meta", torch.optim.AdamW, chosen)
+        assert not library.fuses_by_default(optimizer, optimizer.param_groups[0], "cuda")
+        assert optimizer_tensors(optimizer, "cuda").temps  # foreach: a group's temporaries at once
+    _, adagrad = built("meta", torch.optim.Adagrad, {})
+    assert not library.fuses_by_default(adagrad, adagrad.param_groups[0], "cuda")
+    # at run time: only groups of plain tensors on the run's device (here the meta device stands for it)
+    assert use_fused_kernels(default, torch.device("meta")) == []  # not CUDA: unchanged
+    assert all(g["fused"] is None for g in default.param_groups)

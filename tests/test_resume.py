@@ -179,6 +179,28 @@ def test_4gb_on_fsdp_killed_mid_epoch_on_two_torchrun_nodes_resumes_exactly(revi
     assert_log_goes_on(run(tmp_path / "full"), run(interrupted, 1))
 
 
+def test_8bit_state_on_three_fsdp_ranks_saves_with_an_empty_shard_and_resumes_exactly(reviews, tmp_path):
+    """Every parameter on 8-bit state (``min_8bit_size 0``) over 3 FSDP2 ranks: the 2-label head's 2 rows leave the
+    third rank an empty shard, which never steps and so holds no state for it. Its checkpoint still describes the
+    whole state (an empty shard's rows: none, its absmax row: zeros), so torch's distributed checkpoint plans the
+    save (it refused it: "Failed to validate global plan"), and the run resumes to the uninterrupted weights."""
+    three = ["--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=3",
+             "--data.batch_size=2", "--model.optimizer.init_args.min_8bit_size=0"]
+    done = fit(tmp_path / "full", "4gb", reviews, *three)
+    assert done.returncode == 0, done.stderr[-4000:]
+    interrupted = tmp_path / "interrupted"
+    killed = fit(interrupted, "4gb", reviews, *three, "--trainer.callbacks+=interrupt.KillAfterStep",
+                 f"--trainer.callbacks.step={KILL_AFTER}")
+    assert killed.returncode != 0, killed.stderr[-4000:]
+    checkpoint = run(interrupted) / "checkpoints" / "last.ckpt"
+    saved = FileSystemReader(checkpoint.resolve()).read_metadata().state_dict_metadata
+    head = [k for k in saved if k.startswith("optimizer_0.state.") and "classifier.weight.absmax" in k]
+    assert head and saved[head[0]].size == torch.Size([3, 1])  # a row per shard, the empty one's included
+    resumed = fit(interrupted, "4gb", reviews, *three, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert max_weight_difference(run(tmp_path / "full"), run(interrupted, 1)) <= 1e-6
+
+
 # -- the parts ----------------------------------------------------------------------------------
 
 

@@ -61,6 +61,10 @@ class BenchRun:
     peer_note: Optional[str]  # why the peer cannot run this recipe (None: it can)
     run_dir: Path
     flops: dict[str, Any] = field(default_factory=dict)  # counted FLOPs of its step (`counted_flops`)
+    warmup: int = MIN_WARMUP  # untimed optimizer steps, then `steps` timed ones (ours and the peer's)
+    steps: int = 1
+    precision: str = ""  # as resolved (``bf16-mixed``): which peak a GPU's utilisation is measured against
+    error: Optional[str] = None  # refused before running (``prepare(..., keep_going=True)``): its row says why
 
 
 def ordered(names: str) -> list[str]:
@@ -104,7 +108,7 @@ def bench_overrides(
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
     }
-    timer = {"class_path": "lit_memory.monitor.StepTimer", "init_args": {"warmup": warmup, "save": True}}
+    timer = {"class_path": "lit_memory.monitor.StepTimer", "init_args": {"warmup": warmup, "steps": steps, "save": True}}
     args = [
         f"--trainer.max_steps={warmup + steps}",
         "--trainer.max_epochs=-1",  # the step budget decides, however small the data
@@ -140,26 +144,50 @@ def _resolved(recipe: str, args: list[str]) -> LitMemoryCLI:
 def prepare(
     names: list[str], user_args: list[str], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str],
     extra: Callable[[str], list[str]] = lambda name: [], simulate: bool = True, count_flops: bool = True,
+    steps_for: Optional[Callable[[LitMemoryCLI], int]] = None, tail: Callable[[str], list[str]] = lambda name: [],
+    recipe_of: Callable[[str], str] = lambda entry: entry, keep_going: bool = False,
 ) -> list[BenchRun]:
     """Resolve every recipe with the user's arguments (and ``extra(name)``'s, per recipe) before anything runs:
-    bad input fails here."""
+    bad input fails here. ``steps_for(resolved)`` gives a run its own number of timed steps; ``tail(name)``'s
+    arguments come after the bench's own; ``recipe_of(entry)`` is the recipe an entry runs (a named variant);
+    ``keep_going``: a run refused here becomes a row with its error, the others still run (the GPU proof)."""
     runs = []
     for entry in names:
         name = Path(entry).stem
         # Fixed-length batches, as the reference post had them: every step the same work, the predicted worst case.
-        base = ["--config", str(recipe_file(entry)), *user_args, *extra(name), "--data.padding=max_length"]
+        base = ["--config", str(recipe_file(recipe_of(entry))), *user_args, *extra(name), "--data.padding=max_length"]
         run_dir = (out / "runs" / name).resolve()
-        resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None, simulate))
-        validate_after = (warmup + steps) * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
+        try:
+            resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps, None, simulate) + tail(name))
+        except UserError as err:
+            if not keep_going:
+                raise
+            runs.append(BenchRun(name, base, base, None, run_dir, warmup=warmup, steps=steps, error=str(err)))
+            continue
+        if steps_for is not None:
+            steps_ = steps_for(resolved)
+            if steps_ != steps:
+                resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps_, None, simulate) + tail(name))
+        else:
+            steps_ = steps
+        validate_after = (warmup + steps_) * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
         note = None
         if peer is not None:
             try:
                 trainer_arguments(resolved)
             except NoTrainerEquivalent as err:
                 note = str(err)
+        try:
+            flops = counted_flops(resolved) if count_flops else {}
+        except UserError as err:  # the plan it counts is refused (no plan fits the budget)
+            if not keep_going:
+                raise
+            runs.append(BenchRun(name, base, base, None, run_dir, warmup=warmup, steps=steps, error=str(err)))
+            continue
         runs.append(
-            BenchRun(name, base + bench_overrides(run_dir, warmup, steps, validate_after, simulate), base, note, run_dir,
-                     counted_flops(resolved) if count_flops else {})
+            BenchRun(name, base + bench_overrides(run_dir, warmup, steps_, validate_after, simulate) + tail(name), base,
+                     note, run_dir, flops, warmup, steps_,
+                     str(resolved.settings.trainer.precision))
         )
     return runs
 
@@ -205,7 +233,14 @@ def _speed(record: dict[str, Any]) -> dict[str, Optional[float]]:
     if not times:
         return {"step_time_s": None, "samples_per_s": None}
     step = statistics.median(times)  # robust to a step slowed by something else on the machine
-    return {"step_time_s": step, "samples_per_s": samples / step if samples else None}
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [step, step, step]
+    return {
+        "step_time_s": step, "samples_per_s": samples / step if samples else None,
+        # the spread: fastest, slowest, and the middle half (quartiles) of the timed steps
+        "step_time_min_s": min(times), "step_time_max_s": max(times),
+        "step_time_iqr_s": [quartiles[0], quartiles[2]], "timed_steps": len(times),
+        "clock": record.get("clock"),
+    }
 
 
 def _val_f1(run_dir: Path) -> Optional[float]:
@@ -279,7 +314,13 @@ def bench(
         for p in runs:
             bar.set_postfix_str(p.recipe)
             shutil.rmtree(p.run_dir, ignore_errors=True)
-            row: dict[str, Any] = {"recipe": p.recipe, **p.flops}
+            row: dict[str, Any] = {"recipe": p.recipe, "precision": p.precision, **p.flops}
+            if p.error is not None:
+                row["error"] = f"refused before training: {p.error}"
+                rows.append(row)
+                bar.update(1 + (peer is not None and p.peer_note is None))
+                done(rows)
+                continue
             error = _run([sys.executable, "-m", "lit_memory", "fit", *p.fit_args], logs / f"{p.recipe}.log")
             try:
                 row.update(read_run(p.run_dir, evaluate) if error is None else {"error": error})
@@ -289,7 +330,7 @@ def bench(
             if peer:
                 if p.peer_note is None:
                     bar.set_postfix_str(f"{p.recipe} ({peer})")
-                    row.update(run_peer(p, out, logs / f"{p.recipe}.peer.log", warmup, steps))
+                    row.update(run_peer(p, out, logs / f"{p.recipe}.peer.log", p.warmup, p.steps))
                     bar.update()
                 else:
                     row["peer_note"] = p.peer_note

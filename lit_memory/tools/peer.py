@@ -33,7 +33,7 @@ from lit_memory.memory.prediction.step import is_fused
 from lit_memory.settings import Precision
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.activations import CheckpointPlan
-from lit_memory.monitor import clock
+from lit_memory.monitor import Stamps
 from lit_memory.optimizers import compiles_its_step, library_of
 
 PEER_JSON = "peer.json"
@@ -114,7 +114,7 @@ class PeerMeter(TrainerCallback):
 
     def __init__(self, warmup: int, track_steps: int, cuda: bool) -> None:
         self.warmup, self.track_steps, self.cuda = warmup, track_steps, cuda
-        self.stamps: list[float] = []
+        self.stamps = Stamps(torch.device("cuda" if cuda else "cpu"))  # as our StepTimer times
         self.peak = 0
         self.tracker = None
         self.micro_batch = 0
@@ -153,13 +153,14 @@ class PeerMeter(TrainerCallback):
         if self.tracker is not None:
             self._stop_tracking()
         if state.global_step >= self.warmup:
-            self.stamps.append(clock(torch.device("cuda" if self.cuda else "cpu")))
+            self.stamps.mark()
 
     def record(self, samples_per_step: int) -> dict[str, Any]:
         return {
             "peak_bytes": torch.cuda.max_memory_allocated() if self.cuda else self.peak,
             "reserved_bytes": torch.cuda.max_memory_reserved() if self.cuda else None,
-            "step_times_s": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
+            "step_times_s": self.stamps.intervals(),
+            "clock": self.stamps.kind,
             "samples_per_step": samples_per_step,
             "device": torch.cuda.get_device_name() if self.cuda else "cpu",
         }

@@ -197,12 +197,18 @@ PROOF_LEVELS = {"device": "NVML's figure for the process (what nvidia-smi lists)
 
 
 def proof_rows(folder: Path = PROOFS) -> tuple[Row, ...]:
+    from lit_memory.memory.hardware.gpus import match
     from lit_memory.tools.proof import MODEL
 
     rows: list[Row] = []
     for path in sorted(folder.glob("*.json")):
         record = json.loads(path.read_text(encoding="utf-8"))
         machine = record["machine"]
+        card = GPUS[match(machine["device"], (0, 0), 0).key]  # the catalogue's card the record's GPU matched
+        variants = record.get("variants") or {}
+        # Records made before torch's Adam/AdamW ran their fused CUDA kernel by default ran torch's own default
+        # (foreach, whose step temporaries are a whole group's): predicted with that kernel.
+        then = [] if record.get("optimizer_kernels") == "fused" else ["--model.optimizer.init_args.fused=false"]
         version, _, build = machine["torch"].partition("+cu")
         cuda = f"{build[:-1]}.{build[-1]}" if build else "12.4"  # 2.11.0+cu130: CUDA 13.0
         for level, how in PROOF_LEVELS.items():
@@ -211,16 +217,30 @@ def proof_rows(folder: Path = PROOFS) -> tuple[Row, ...]:
                 f"{machine['device']}, PyTorch {machine['torch']}, Lightning {machine['lightning']}, transformers "
                 f"{machine['transformers']}: `{record['command']}`; {record['note']}",
                 f"{how}, over 5 optimizer steps", level,
-                Target(gpu=GPUS[path.stem], cuda=cuda, torch=".".join(version.split(".")[:2])), LOOPS["lightning"],
+                Target(gpu=card, cuda=cuda, torch=".".join(version.split(".")[:2])), LOOPS["lightning"],
             )
             for row in record["recipes"]:
                 measured = (row.get("measured_bytes") or {}).get(level)
                 if not measured:
                     continue  # refused before training (the row's error says why): nothing measured to hold
+                variant = variants.get(row["recipe"])  # a recipe run with other settings (`proof.VARIANTS`)
+                recipe = variant["recipe"] if variant else row["recipe"]
+                extra = [a for a in (variant or {}).get("args", ()) if not a.startswith("--memory.budget=")]
                 budget = [f"--memory.budget={row['budget']}"] if row.get("budget") else []
-                args = ("--config", f"recipes/{row['recipe']}.yaml", *MODEL, *budget, "--data.padding=max_length")
-                rows.append(Row(source, f"{row['recipe']}.yaml", args, measured, f"{measured / GiB:.2f} G", bound=0.08))
+                kernels = then if _torch_adam(recipe) else []
+                args = ("--config", f"recipes/{recipe}.yaml", *MODEL, *budget, *extra, *kernels, "--data.padding=max_length")
+                name = f"{recipe}.yaml" + (f" ({row['recipe']})" if variant else "")
+                rows.append(Row(source, name, args, measured, f"{measured / GiB:.2f} G", bound=0.08))
     return tuple(rows)
+
+
+def _torch_adam(recipe: str) -> bool:
+    """Whether a shipped recipe trains with torch's Adam or AdamW (the optimizers with a fused CUDA kernel)."""
+    from lit_memory.bounds import read_yaml
+    from lit_memory.recipes import recipe_path
+
+    optimizer = ((read_yaml(recipe_path(recipe)).get("model") or {}).get("optimizer") or {}).get("class_path", "")
+    return optimizer in ("torch.optim.Adam", "torch.optim.AdamW")
 
 
 ROWS += proof_rows()

@@ -21,13 +21,21 @@ def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(t
     main(["bench", "--gpu-proof", "--dry-run", "--out", str(tmp_path)])
     assert "nothing trained" in capsys.readouterr().out
     runs = {r["recipe"]: shlex.split(r["fit"]) for r in json.loads((tmp_path / "gpu-proof-runs.json").read_text())["runs"]}
-    assert set(runs) == {p.stem for p in RECIPES.glob("*.yaml")}
+    assert set(runs) == {p.stem for p in RECIPES.glob("*.yaml")} | set(proof.VARIANTS)
     for name, args in runs.items():
         assert "--model.model_name_or_path=bundled:bert-large" in args and "--model.pretrained=false" in args, name
         assert "--trainer.accelerator=cuda" in args and "--memory.simulate=false" in args and "--memory.track_steps=0" in args
         assert "--data.padding=max_length" in args
     assert "--memory.budget=rtx3050-4gb" in runs["4gb"] and "--memory.budget=2GiB" in runs["2gb"]
     assert not any(a.startswith("--memory.budget") for a in runs["baseline"])
+    # a variant: its recipe, then its own settings after the tier's budget (the last budget is the one that applies)
+    assert proof.budget_of(runs["4gb-fp16"]) == "gtx1650" and "--trainer.precision=16-mixed" in runs["4gb-fp16"]
+    configs = [runs["fsdp"][i + 1] for i, a in enumerate(runs["fsdp"]) if a == "--config"]
+    assert proof.budget_of(runs["fsdp"]) == "null" and configs[-1].endswith("configs/fsdp.yaml")
+    # 20 timed steps after 3 warm-up ones, 3 for the seed's accumulating tiers; bf16 and 4gb profile one more
+    assert "--trainer.max_steps=24" in runs["bf16"] and "--trainer.max_steps=23" in runs["baseline"]
+    assert "--trainer.max_steps=6" in runs["accumulate"]
+    assert any("StepProfiler" in a for a in runs["4gb"]) and not any("StepProfiler" in a for a in runs["fused"])
     with open(tmp_path / "synthetic.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == proof.ROWS and {r["label"] for r in rows} == {"0", "1"}

@@ -34,6 +34,7 @@ class Gpu:
     capability: tuple[int, int]  # compute capability (major, minor)
     memory: int  # bytes torch reports as total_memory (the capacity a plan must fit)
     tflops: float = 100.0
+    fp32_tflops: Optional[float] = None  # the datasheet's plain fp32 (no TF32) peak, where known: fp32 recipes' MFU
     host_gbps: float = 25.0
     link: str = "PCIe 4.0 x16"
     key: str = ""  # its catalogue key (`GPUS`); empty for a card the catalogue does not know
@@ -51,9 +52,10 @@ class Gpu:
         return self.key or self.name
 
 
-def _card(key: str, name: str, capability: tuple[int, int], mib: float, tflops: float, link: str, pattern: str) -> Gpu:
+def _card(key: str, name: str, capability: tuple[int, int], mib: float, tflops: float, link: str, pattern: str,
+          fp32_tflops: Optional[float] = None) -> Gpu:
     return Gpu(name, capability, int(mib * MiB), tflops=tflops, host_gbps=HOST_GBPS[link], link=link, key=key,
-               pattern=pattern)
+               pattern=pattern, fp32_tflops=fp32_tflops)
 
 
 # Pinned host-to-device bandwidth, one way, by link: PCIe 3.0 x16 ~12 GB/s, 4.0 x16 ~25 GB/s (bandwidthTest
@@ -116,14 +118,18 @@ GPUS = {
         _card("v100-32gb", "Tesla V100 32GB", (7, 0), 32510, 125, "PCIe 3.0 x16", r"V100.*32\s?GB"),
         # A100 40GB (sm80): deviceQuery 40339 MiB (42298834944 B, driver 12.2;
         # https://github.com/bottlerocket-os/bottlerocket/pull/3873); 312 TFLOP/s bf16 dense.
-        _card("a100-40gb", "A100 40GB", (8, 0), 40339, 312, "PCIe 4.0 x16", r"A100.*40\s?GB"),
+        _card("a100-40gb", "A100 40GB", (8, 0), 40339, 312, "PCIe 4.0 x16", r"A100.*40\s?GB", fp32_tflops=19.5),
         # A100 80GB (sm80): deviceQuery 81158 MiB (85100068864 B, driver 12.5; 81051 MiB with driver 12.2).
-        _card("a100-80gb", "A100 80GB", (8, 0), 81158, 312, "PCIe 4.0 x16", r"A100.*80\s?GB"),
+        _card("a100-80gb", "A100 80GB", (8, 0), 81158, 312, "PCIe 4.0 x16", r"A100.*80\s?GB", fp32_tflops=19.5),
         # H100 80GB HBM3 (sm90): deviceQuery 81079 MiB (85017755648 B) with a CUDA 13.0 driver, as on this
         # project's lent machines (driver 580); nvidia-smi shows 81559 MiB there, 551 MiB of it reserved by the
         # driver; older drivers' torch said "79.11 GiB total capacity"
-        # (https://github.com/vllm-project/vllm/issues/27508). 989 TFLOP/s bf16 dense (SXM), PCIe 5.0.
-        _card("h100", "H100 80GB HBM3", (9, 0), 81079, 989, "PCIe 5.0 x16", r"H100"),
+        # (https://github.com/vllm-project/vllm/issues/27508). 989 TFLOP/s bf16 dense, 67 fp32 (SXM datasheet), PCIe 5.0.
+        _card("h100", "H100 80GB HBM3", (9, 0), 81079, 989, "PCIe 5.0 x16", r"H100", fp32_tflops=67),
+        # H200 (sm90, 141 GB HBM3e): total_memory=150109880320 B (143156 MiB) with torch 2.11+cu130 and driver 580 on
+        # this project's lent machine, where nvidia-smi shows 143771 MiB (docs/gpu/h200.json's call). The H100's
+        # compute: 989 TFLOP/s bf16 dense, 67 fp32 (H200 SXM datasheet), PCIe 5.0.
+        _card("h200", "H200", (9, 0), 143156, 989, "PCIe 5.0 x16", r"H200", fp32_tflops=67),
     )
 }
 

@@ -252,10 +252,12 @@ def resolve(step: Step, budget: int, where: str = "") -> Resolved:
     cuda = step.device == "cuda"
     offloads = [True] if setting is True else ([False, True] if setting == "auto" and cuda and costs.base else [False])
     context = step.target.context_bytes if cuda else 0
+    # Selective layers refuse a second backward, and a fused step that measures first runs two (`check_twice`).
+    most_selective = 0 if step.measures else n
     plans: list[Optional[CheckpointPlan]] = [
         (CheckpointPlan(full=full, selective=selective) if full + selective else None)
         for full in range(n + 1)
-        for selective in range(n + 1 - full)
+        for selective in range(min(n - full, most_selective) + 1)
     ]
 
     def activations(plan: Optional[CheckpointPlan], offload: bool) -> int:
@@ -336,6 +338,8 @@ def plan_run(
     model = settings.model
     if not training and is_auto(model.gradient_checkpointing):
         model.gradient_checkpointing = False  # no backward to plan for: nothing is recomputed
+    if training:
+        check_twice(settings)
     if not is_auto(model.gradient_checkpointing):
         if is_auto(model.offload_activations):
             model.offload_activations = False
@@ -353,6 +357,33 @@ def plan_run(
     model.gradient_checkpointing = step.model["gradient_checkpointing"]
     model.offload_activations = step.model["offload_activations"]
     say(step.planned)
+
+
+def check_twice(settings: Any) -> None:
+    """One error line for selective checkpointing under a fused step that measures first: clipping by norm or fp16
+    loss scaling runs a backward that only measures (the norm, an overflow) and then the one that steps, and torch's
+    selective checkpointing allows one backward through a layer ("Trying to backward an extra time"; found on an
+    H200 in 4gb.yaml's fp16 run, docs/gpu/h200.json). ``auto`` plans full or no checkpointing there instead."""
+    from lit_memory.activations import CheckpointPlan, is_auto
+    from lit_memory.memory.prediction.step import clips_by_norm, is_fused
+    from lit_memory.settings import Precision
+
+    trainer, value = settings.trainer, settings.model.gradient_checkpointing
+    if is_auto(value) or not is_fused(trainer.strategy):
+        return
+    plan = CheckpointPlan.parse(value)
+    if plan is None or not (plan.selective or plan.rest == "selective"):
+        return
+    why = [w for w, on in (
+        ("clipping by norm (trainer.gradient_clip_val)", clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)),
+        (f"fp16 loss scaling (trainer.precision {trainer.precision})", Precision.of(trainer.precision).scaled),
+    ) if on]
+    if why:
+        raise UserError(
+            f"model.gradient_checkpointing {plan.describe()}: selective layers can be back-propagated once, and "
+            f"{' and '.join(why)} makes the fused step run a measuring backward first: checkpoint those layers in "
+            "full (or use auto, which plans so)"
+        )
 
 
 def _card(strategy: Any, read_card: Callable[[], Any]) -> Any:

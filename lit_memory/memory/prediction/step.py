@@ -117,6 +117,9 @@ class Loop:
     name: str = "lightning"
     autocast_cache: bool = False
     gradients: str = "after_step"  # "after_step" | "before_backward" | "zeroed"
+    # lit_memory's fit gives torch's Adam/AdamW their fused CUDA kernel where the config leaves it unset
+    # (`lit_memory.optimizers.use_fused_kernels`); other loops keep torch's default (foreach on CUDA).
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.gradients not in ("after_step", "before_backward", "zeroed"):
@@ -125,10 +128,10 @@ class Loop:
 
 LOOPS = {
     "lightning": Loop(),
-    "fabric": Loop("fabric", autocast_cache=True),
-    "hf-trainer": Loop("hf-trainer", autocast_cache=True),
+    "fabric": Loop("fabric", autocast_cache=True, fused_kernels=False),
+    "hf-trainer": Loop("hf-trainer", autocast_cache=True, fused_kernels=False),
     # transformers' Trainer with torch 1.x: model.zero_grad() zeroed in place (set_to_none=False then).
-    "hf-trainer-torch1": Loop("hf-trainer-torch1", autocast_cache=True, gradients="zeroed"),
+    "hf-trainer-torch1": Loop("hf-trainer-torch1", autocast_cache=True, gradients="zeroed", fused_kernels=False),
 }
 
 
@@ -342,7 +345,8 @@ class Step:
     def build_key(self) -> str:
         """`cache_key` without the checkpointing plan: what the module's parameters and optimizer depend on."""
         model = {k: v for k, v in self.model.items() if k != "gradient_checkpointing"}
-        return self.key("model", "optimizer", "precision", model=model)
+        kernels = "" if self.loop.fused_kernels else "|torch's default optimizer kernels"  # `build` sets them
+        return self.key("model", "optimizer", "precision", model=model) + kernels
 
 
 _COMPARED = tuple(f.name for f in fields(Step) if f.compare)
@@ -464,6 +468,10 @@ def build(step: Step, context: contextlib.AbstractContextManager) -> tuple[Seque
         adopt(module.model, context)
     # Outside the context: optimizers may build small lookup tensors from data (bitsandbytes' quantile maps).
     optimizer = module.build_optimizer()
+    if not step.loop.fused_kernels:  # a loop that leaves torch's choice of kernel as it is
+        for group in optimizer.param_groups:
+            if group.get("fused", False) is None:
+                group["fused"] = False
     return module, optimizer
 
 

@@ -181,3 +181,25 @@ def test_the_module_arguments_a_count_is_keyed_without_change_no_count():
         assert changed.key("model") != base.key("model")
         recompute._COUNTS.clear()
         assert flops(changed) == counted, name
+
+
+def test_a_fused_step_that_measures_first_plans_and_allows_no_selective_layer(capsys):
+    """Clipping by norm and fp16 loss scaling make the fused step run a measuring backward, then the one that steps;
+    torch's selective checkpointing allows one backward through a layer (found on an H200: docs/gpu/h200.json,
+    4gb-fp16). `auto` then plans full or no checkpointing, and an explicit selective plan is one error line."""
+    none = device_total(tiny("cuda"))
+    full = device_total(tiny("cuda", gradient_checkpointing=True))
+    budget = int(full + 0.5 * (none - full))
+    bare = replace(tiny("cuda"), margin=0.0)
+    assert plan_for(bare, budget).plan.selective  # unclipped: the cheapest plan has selective layers
+    measuring = replace(bare, clip_norm=True)
+    assert measuring.measures
+    found = plan_for(measuring, budget)
+    assert found.plan is not None and not found.plan.selective and found.total <= budget
+    args = ["fit", "--model.model_name_or_path=bundled:bert-large", f"--model.config_overrides={TINY}",
+            "--model.pretrained=false", "--model.gradient_checkpointing={full: 1, selective: 2}",
+            "--trainer.strategy=lit_memory.FusedSingleDeviceStrategy", "--trainer.accelerator=cpu"]
+    resolve(args).build(trainer=False)  # no measuring backward: selective layers are fine
+    with pytest.raises(UserError, match=r"^model.gradient_checkpointing checkpointing 1 full, 2 selective: selective "
+                                        r"layers can be back-propagated once, and clipping by norm"):
+        resolve([*args, "--trainer.gradient_clip_val=1.0"]).build(trainer=False)

@@ -174,9 +174,13 @@ CUDA_CASES = {
 }
 
 
+# torch's own kernel choice (foreach) in these cases: they are about attention, precision, loops and the fused step.
+FOREACH_ADAMW = spec("torch.optim.AdamW", lr=2e-5, weight_decay=0.01, fused=False)
+
+
 @pytest.mark.parametrize("case", CUDA_CASES)
 def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(case):
-    setup = minilm(**{"batch_size": 8, "max_length": 64, "device": "cuda", **CUDA_CASES[case]})
+    setup = minilm(**{"batch_size": 8, "max_length": 64, "device": "cuda", "optimizer": FOREACH_ADAMW, **CUDA_CASES[case]})
     predicted, simulated = analytic(setup), simulate(setup)
     assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.05)
     for phase in simulated.footprint.phases:
@@ -259,8 +263,24 @@ def test_recompute_settings_order_bert_large_activations():
     assert activations(gradient_checkpointing="selective", offload_activations=True) < selective
 
 
+def test_cuda_target_runs_the_fused_adamw_lit_memory_gives_it_and_both_methods_agree():
+    """On CUDA torch's AdamW runs its fused kernel where the config chooses none (`use_fused_kernels`): no step
+    temporaries in either method, the tensors the same every phase. The reserved level replays allocations in a
+    slightly other order in each (within 6 % here); measured on an H200 the analytic one held within 2 %
+    (docs/gpu/h200.json: bf16 1.000, baseline 1.009, fused 1.019)."""
+    setup = minilm(batch_size=8, max_length=64, device="cuda")
+    predicted, simulated = analytic(setup), simulate(setup)
+    for p in (predicted, simulated):
+        phases = p.footprint.phases
+        assert phases["step"]["optimizer"] == phases["forward"]["optimizer"]  # updated in place
+    for phase in simulated.footprint.phases:
+        assert sum(predicted.footprint.phases[phase].values()) == pytest.approx(
+            sum(simulated.footprint.phases[phase].values()), rel=0.01), phase
+    assert predicted.footprint.reserved == pytest.approx(simulated.footprint.reserved, rel=0.06)
+
+
 def test_cuda_target_runs_the_foreach_optimizer_and_both_methods_count_its_temporaries():
-    setup = minilm(batch_size=1, max_length=32, device="cuda")
+    setup = minilm(batch_size=1, max_length=32, device="cuda", optimizer=FOREACH_ADAMW)
     predicted, simulated = analytic(setup), simulate(setup)
     step = {
         name: p.footprint.phases["step"]["optimizer"] - p.footprint.phases["forward"]["optimizer"]
