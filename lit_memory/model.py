@@ -21,10 +21,12 @@ from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
-from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled, files, guard, optimizers
+from lit_memory import bundled, evaluation, files, guard, optimizers
+from lit_memory import task as task_
+from lit_memory.best import restore_best
+from lit_memory.console import say
 from lit_memory.activations import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.data import label_names_or_default, load_tokenizer, pad_token_id
@@ -57,7 +59,13 @@ class SequenceClassifier(L.LightningModule):
 
     Args:
         model_name_or_path: hub name, local folder, or ``bundled:minilm`` / ``bundled:bert-large``.
-        num_labels: number of classes (linked to the data module by the CLI).
+        num_labels: number of classes, 1 for regression (linked to the data module by the CLI); null: what the
+            training data's labels show (``fit`` reads them first), else the model config's own.
+        problem_type: Hugging Face's ``single_label_classification`` (cross-entropy), ``multi_label_classification``
+            (BCE with logits, a 0/1 per label) or ``regression`` (MSE on one value); null: what the labels show, else
+            the model config's own. Saved in ``hf_model/config.json``, so ``from_pretrained`` and ``pipeline``
+            treat the model right.
+        threshold: multi-label: a label is predicted where its probability is at least this (metrics, predict).
         pretrained: load the checkpoint's weights; ``false`` builds the architecture from its
             config with random weights (memory and speed work without downloading weights).
         config_overrides: keyword overrides for the Hugging Face config (e.g. ``num_hidden_layers``).
@@ -117,7 +125,9 @@ class SequenceClassifier(L.LightningModule):
     def __init__(
         self,
         model_name_or_path: str = "bundled:minilm",
-        num_labels: int = 2,
+        num_labels: Optional[int] = None,
+        problem_type: Optional[task_.ProblemType] = None,
+        threshold: float = 0.5,
         pretrained: bool = True,
         config_overrides: Optional[dict[str, Any]] = None,
         tokenizer_name_or_path: Optional[str] = None,
@@ -134,6 +144,14 @@ class SequenceClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
+        if num_labels is not None and (isinstance(num_labels, bool) or num_labels < 1):
+            raise UserError(f"model.num_labels must be at least 1 (1: regression), got {num_labels}")
+        if problem_type is not None and problem_type not in task_.PROBLEM_TYPES:
+            raise UserError(f"model.problem_type {problem_type!r} is not one of: {', '.join(task_.PROBLEM_TYPES)}")
+        if problem_type == task_.REGRESSION and num_labels not in (None, 1):
+            raise UserError(f"model.num_labels {num_labels} with problem_type regression: it predicts one value (1)")
+        if not 0.0 < threshold < 1.0:
+            raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
         if lr_scheduler_type not in SCHEDULES:
             raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
         if not 0.0 <= warmup_ratio < 1.0:
@@ -162,7 +180,10 @@ class SequenceClassifier(L.LightningModule):
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
         if self.lora is not None:
             self.lora.check()
-        self.hf_config = load_config(model_name_or_path, num_labels, config_overrides)
+        self.hf_config = load_config(model_name_or_path, num_labels, config_overrides, problem_type)
+        # Resolved: what checkpoints and the saved hyper-parameters hold (the config's own where none was given).
+        num_labels, problem_type = self.hf_config.num_labels, self.hf_config.problem_type
+        self.hparams.update(num_labels=num_labels, problem_type=problem_type)
         _check_freeze(freeze, self.hf_config.num_hidden_layers)
         if plan is not None:
             modes = plan.modes(self.hf_config.num_hidden_layers)  # counts beyond the model's layers: one error line
@@ -181,14 +202,13 @@ class SequenceClassifier(L.LightningModule):
             if embedding_optimizer_state == "stable_embedding":
                 check_stable_embedding(parts.word_embeddings)
         self.model: Optional[PreTrainedModel] = None
-        metrics = {
-            "acc": MulticlassAccuracy(num_labels, average="micro"),
-            "f1_macro": MulticlassF1Score(num_labels, average="macro"),
-        }
-        if num_labels == 2:
-            metrics["f1"] = BinaryF1Score()  # F1 of the positive class: the seed's `f1`
-        self.val_metrics = MetricCollection(metrics, prefix="val_")
+        # Metrics of the problem type (`lit_memory.evaluation`); per-label F1 and the confusion counts beside them.
+        self.val_metrics = evaluation.task_metrics(problem_type, num_labels, threshold).clone(prefix="val_")
         self.test_metrics = self.val_metrics.clone(prefix="test_")
+        self.per_label_f1 = evaluation.per_label_f1(num_labels, threshold) if problem_type == task_.MULTI else None
+        self.class_counts = (
+            evaluation.ClassCounts(problem_type, num_labels, threshold) if problem_type != task_.REGRESSION else None
+        )
         self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
         self.predict_loss: Optional[MeanMetric] = None
         self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
@@ -295,9 +315,24 @@ class SequenceClassifier(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0])
         return loss
 
+    @property
+    def problem_type(self) -> str:
+        return self.hparams.problem_type
+
+    @property
+    def main_metric(self) -> str:
+        """The validation metric the best checkpoint is kept by (`lit_memory.task.MAIN_METRIC`)."""
+        return task_.MAIN_METRIC[self.problem_type]
+
     def _eval_step(self, batch: dict[str, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
         out = self.model(**batch)
-        metrics.update(out.logits.argmax(-1), batch["labels"])
+        predicted = evaluation.outputs(out.logits, self.problem_type)
+        labels = evaluation.targets(batch["labels"], self.problem_type)
+        metrics.update(predicted, labels)
+        if self.per_label_f1 is not None:
+            self.per_label_f1.update(predicted, labels)
+        if self.class_counts is not None:
+            self.class_counts.update(predicted, labels)
         # Averaged over the ranks at the epoch's end (the metric objects synchronise themselves).
         self.log(f"{stage}_loss", out.loss, prog_bar=True, batch_size=batch["labels"].shape[0], sync_dist=True)
         self.log_dict(metrics, prog_bar=True)
@@ -308,21 +343,55 @@ class SequenceClassifier(L.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.test_metrics, "test")
 
+    def on_validation_epoch_end(self) -> None:
+        self._end_of_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._end_of_evaluation("test")
+
+    def _end_of_evaluation(self, stage: str) -> None:
+        """Per-label F1 logged (multi-label); at the end of ``validate`` and ``test``, the per-class report and the
+        confusion matrix (printed, and a PNG in the run folder)."""
+        if self.per_label_f1 is not None:
+            scores = self.per_label_f1.compute()
+            self.per_label_f1.reset()
+            for name, score in zip(self.label_names, scores.tolist()):
+                self.log(f"{stage}_f1_{evaluation.metric_name(name)}", score)
+        if self.class_counts is None:
+            return
+        counts = self.class_counts.compute()  # a collective under several processes: every rank computes
+        self.class_counts.reset()
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
+            return
+        if trainer.is_global_zero:
+            print(evaluation.report(stage, counts, self.label_names, self.problem_type))
+            run_dir = trainer.log_dir or trainer.default_root_dir
+            if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
+                path = Path(run_dir) / f"confusion_matrix_{stage}.png"
+                drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}: confusion matrix")
+                print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
-        """Class probabilities (and the predicted ids) of a batch; where it has ``labels``, the metrics are
-        accumulated too (rows labelled `lit_memory.predictions.IGNORE` left out), for `on_predict_epoch_end`."""
-        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+        """A batch's predictions (``outputs``: class probabilities, the value, or each label's probability); where
+        it has ``labels``, the metrics of the rows the model can score (``known``) are accumulated too, for
+        `on_predict_epoch_end`."""
+        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known")}
         logits = self.model(**inputs).logits.float()
-        probs = logits.softmax(-1)
-        preds = probs.argmax(-1)
+        problem = self.problem_type
+        shown = logits.softmax(-1) if problem == task_.SINGLE else evaluation.outputs(logits, problem)
         labels = batch.get("labels")
         if labels is not None and self.predict_metrics is not None:  # (made by Lightning's predict loop)
-            known = labels >= 0
+            known = batch["known"] if "known" in batch else labels >= 0
             self._labelled = True
             if known.any():
-                self.predict_metrics.update(preds[known], labels[known])
-                self.predict_loss.update(torch.nn.functional.cross_entropy(logits[known], labels[known], reduction="none"))
-        return {"preds": preds, "probs": probs}
+                predicted = evaluation.outputs(logits[known], problem)
+                targets = labels[known]
+                self.predict_metrics.update(predicted, evaluation.targets(targets, problem))
+                self.predict_loss.update(task_loss(logits[known], targets, problem))
+        if problem == task_.REGRESSION:
+            shown = shown.unsqueeze(-1)
+        return {"outputs": shown}
 
     def on_predict_epoch_start(self) -> None:
         self._labelled = False
@@ -381,7 +450,10 @@ class SequenceClassifier(L.LightningModule):
     def on_fit_end(self) -> None:
         if self.hparams.save_pretrained:
             run_dir = self.trainer.log_dir or self.trainer.default_root_dir
-            self.export_pretrained(Path(run_dir) / "hf_model")
+            which = restore_best(self.trainer)  # the best validated weights, as HF's load_best_model_at_end
+            path = Path(run_dir) / "hf_model"
+            self.export_pretrained(path)
+            say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved to {path}")
 
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
@@ -413,15 +485,36 @@ class SequenceClassifier(L.LightningModule):
 # -- helpers shared with other modules ---------------------------------------------------------
 
 
-def load_config(name_or_path: str, num_labels: int, overrides: Optional[dict[str, Any]] = None):
+def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
+    """Per-row loss as Hugging Face's heads compute it for their problem type (cross-entropy, MSE, BCE)."""
+    if problem_type == task_.REGRESSION:
+        return torch.nn.functional.mse_loss(logits.squeeze(-1), labels.float(), reduction="none")
+    if problem_type == task_.MULTI:
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+
+
+def load_config(
+    name_or_path: str, num_labels: Optional[int], overrides: Optional[dict[str, Any]] = None,
+    problem_type: Optional[str] = None,
+):
+    """The Hugging Face config with the head's size and problem type: those given, else the config's own (a
+    fine-tuned folder's), else transformers' rule (one output: regression; else single-label)."""
     path = bundled.resolve_model(name_or_path)
     if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
         guard.check_model_folder(path, f"model {name_or_path!r}")
+    given = {"num_labels": num_labels} if num_labels is not None else {}
+    if problem_type == task_.REGRESSION:
+        given["num_labels"] = 1
     try:
-        config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, num_labels=num_labels, **(overrides or {}))
+        config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, **given, **(overrides or {}))
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
     guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build
+    own = getattr(config, "problem_type", None)
+    if problem_type is None and own is not None and (own == task_.REGRESSION) != (config.num_labels == 1):
+        own = None  # a head resized from the config's own: its problem type no longer applies
+    config.problem_type = problem_type or own or (task_.REGRESSION if config.num_labels == 1 else task_.SINGLE)
     return config
 
 

@@ -32,10 +32,6 @@ from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
 
-# Columns looked for, in this order, when data.text_column / label_column / id_column are not set.
-TEXT_COLUMNS = ("text", "sentence", "review", "content")
-LABEL_COLUMNS = ("label", "labels")
-ID_COLUMNS = ("id",)
 IGNORE = -100  # a row without a label the model knows (and padding rows): not in the metrics
 FORMATS = {"csv": ",", "tsv": "\t", "jsonl": None}
 JSON_CHUNK = 1 << 16  # characters read at a time from a JSON array
@@ -113,28 +109,6 @@ def json_array_rows(path: str) -> Iterator[dict[str, Any]]:
             yield item if isinstance(item, dict) else {"text": item}
 
 
-def pick_columns(
-    columns: Sequence[str], text: Optional[str], label: Optional[str], id_: Optional[str], where: str,
-    defaults: tuple[Optional[str], Optional[str]] = (None, None),
-) -> tuple[str, Optional[str], Optional[str]]:
-    """(text, label or None, id or None) columns of a file with ``columns``: the ones set, else the first found of
-    the training data's (``defaults``: the bundled tweets' ``sentiment``) and the usual names. Only the text column
-    is required."""
-
-    def first(given: Optional[str], usual: Sequence[str]) -> Optional[str]:
-        if given is not None:
-            return given if given in columns else None
-        return next((c for c in usual if c in columns), None)
-
-    found = first(text, (*filter(None, defaults[:1]), *TEXT_COLUMNS))
-    if found is None:
-        wanted = f"column {text!r}" if text is not None else "text column (" + ", ".join(TEXT_COLUMNS) + ")"
-        raise UserError(f"{where} has no {wanted}; its columns are {list(columns)} (set data.text_column)")
-    if id_ is not None and id_ not in columns:
-        raise UserError(f"{where} has no column {id_!r}; its columns are {list(columns)} (set data.id_column)")
-    return found, first(label, (*filter(None, defaults[1:]), *LABEL_COLUMNS)), first(id_, ID_COLUMNS)
-
-
 class Rows(torch.utils.data.IterableDataset):
     """``(index, row)`` for every row of ``source`` this rank predicts: every ``world_size``-th from ``rank``. Each
     rank reads the whole stream and ends with padding rows (index -1) up to ``ceil(rows / world_size)``, so
@@ -162,18 +136,21 @@ class Rows(torch.utils.data.IterableDataset):
 
 
 class Collate:
-    """A batch of `Rows` items: the tokenised texts, ``labels`` (ids; `IGNORE` where the row's label is not one
-    the model knows) where the file has a label column, and ``rows``: each row's index, key (id or text) and
-    given label, for the writer."""
+    """A batch of `Rows` items: the tokenised texts (a pair from two columns), ``labels`` where the input has them
+    (as the model's problem type takes them: a class id, a value, one 0/1 per label) with ``known`` marking the rows
+    whose label the model can score (a class it knows, a number, names it knows), and ``rows``: each row's index,
+    key (id or text) and given label, for the writer. ``encoded``: the labels are the data module's already (its
+    test split)."""
 
     def __init__(
-        self, tokenizer: Any, max_length: int, padding: str, text: str, label: Optional[str], id_: Optional[str],
-        label_names: Sequence[str],
+        self, tokenizer: Any, max_length: int, padding: str, columns: Any, id_: Optional[str],
+        label_names: Sequence[str], problem_type: str = "single_label_classification", encoded: bool = False,
     ) -> None:
         self.tokenizer, self.max_length, self.padding = tokenizer, max_length, padding
-        self.text, self.label, self.id = text, label, id_
+        self.texts, self.labels, self.id = tuple(columns.text), tuple(columns.label), id_
         self.label_names = list(label_names)
         self.ids = {name: i for i, name in enumerate(self.label_names)}
+        self.problem_type, self.encoded = problem_type, encoded
 
     def label_id(self, value: Any) -> int:
         """A given label as the model's id: its name, or an id in range (as an int or its digits)."""
@@ -187,27 +164,67 @@ class Collate:
             value = int(value)
         return value if isinstance(value, int) and 0 <= value < len(self.label_names) else IGNORE
 
+    def target(self, row: dict[str, Any]) -> tuple[Any, bool, Any]:
+        """(the label as the model takes it, whether it can be scored, the label as given) of one row."""
+        if self.encoded:
+            value = row["labels"]
+            value = value.tolist() if isinstance(value, torch.Tensor) else value
+            shown = self.label_names[value] if self.problem_type == "single_label_classification" else value
+            return value, True, shown
+        raw = [row.get(c) for c in self.labels]
+        if any(v is None or v == "" for v in raw):
+            return self.empty(), False, None
+        if self.problem_type == "regression":
+            try:
+                return float(raw[0]), True, raw[0]
+            except (TypeError, ValueError):
+                return self.empty(), False, raw[0]
+        if self.problem_type == "multi_label_classification":
+            if len(raw) > 1:  # one 0/1 column per label
+                return [float(v) for v in raw], all(v in (0, 1, True, False, "0", "1") for v in raw), raw
+            names = raw[0] if isinstance(raw[0], (list, tuple)) else [raw[0]]
+            hot, known = [0.0] * len(self.label_names), True
+            for name in names:
+                index = self.label_id(name)
+                known = known and index != IGNORE
+                if index != IGNORE:
+                    hot[index] = 1.0
+            return hot, known, list(names)
+        index = self.label_id(raw[0])
+        return index, index != IGNORE, raw[0]
+
+    def empty(self) -> Any:
+        return [0.0] * len(self.label_names) if self.problem_type == "multi_label_classification" else (
+            0.0 if self.problem_type == "regression" else IGNORE)
+
     def __call__(self, items: list[tuple[int, Optional[dict[str, Any]]]]) -> dict[str, Any]:
-        texts, labels, keys, given = [], [], [], []
+        columns: list[list[str]] = [[] for _ in self.texts]
+        labels, known, keys, given = [], [], [], []
         for _, row in items:
             row = row or {}
-            value = row.get(self.text)
-            texts.append("" if value is None else str(value))
-            key = row.get(self.id) if self.id else value
+            values = ["" if row.get(c) is None else str(row.get(c)) for c in self.texts]
+            for column, value in zip(columns, values):
+                column.append(value)
+            key = row.get(self.id) if self.id else " | ".join(values)
             keys.append("" if key is None else key)
-            if self.label:
-                raw = row.get(self.label)
-                missing = raw is None or raw == ""
-                labels.append(IGNORE if missing else self.label_id(raw))
-                given.append(None if missing else raw)
+            if self.labels:
+                value, scored, shown = self.target(row)
+                labels.append(value)
+                known.append(scored and row is not None and bool(row))
+                given.append(shown)
         if guard.restricted():  # as the training data: a huge row costs no more than max_length tokens' text
             cap = self.max_length * CHARS_PER_TOKEN
-            texts = [t[:cap] for t in texts]
+            columns = [[t[:cap] for t in column] for column in columns]
         padding = "max_length" if self.padding == "max_length" else "longest"
-        batch = dict(self.tokenizer(texts, truncation=True, max_length=self.max_length, padding=padding, return_tensors="pt"))
-        if self.label:
-            batch["labels"] = torch.tensor(labels, dtype=torch.long)
-        batch["rows"] = {"index": [index for index, _ in items], "key": keys, "given": given or None, "id_column": self.id}
+        truncation = "longest_first" if len(columns) == 2 else True
+        batch = dict(self.tokenizer(*columns, truncation=truncation, max_length=self.max_length, padding=padding,
+                                    return_tensors="pt"))
+        if self.labels:
+            dtype = torch.long if self.problem_type == "single_label_classification" else torch.float32
+            batch["labels"] = torch.tensor(labels, dtype=dtype)
+            batch["known"] = torch.tensor(known, dtype=torch.bool)
+        batch["rows"] = {"index": [index for index, _ in items], "key": keys, "given": given or None,
+                         "id_column": self.id, "text_columns": self.texts}
         return batch
 
 
@@ -249,13 +266,13 @@ class PredictionWriter(BasePredictionWriter):
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx) -> None:
         rows = batch["rows"]
-        probs = prediction["probs"].float().cpu().tolist()
-        labels = batch.get("labels")
-        labels = labels.tolist() if labels is not None else [None] * len(probs)
-        given = rows["given"] or [None] * len(probs)
+        outputs = prediction["outputs"].float().cpu().tolist()
+        known = batch.get("known")
+        known = known.tolist() if known is not None else [None] * len(outputs)
+        given = rows["given"] or [None] * len(outputs)
         mine = [
-            (index, key, p, label, raw)
-            for index, key, p, label, raw in zip(rows["index"], rows["key"], probs, labels, given)
+            (index, key, out, scored, raw)
+            for index, key, out, scored, raw in zip(rows["index"], rows["key"], outputs, known, given)
             if index >= 0  # not padding
         ]
         if trainer.world_size > 1:  # every rank's rows of this batch, to rank 0, in input order
@@ -263,24 +280,41 @@ class PredictionWriter(BasePredictionWriter):
             torch.distributed.all_gather_object(gathered, mine)
             mine = sorted((row for part in gathered for row in part), key=lambda row: row[0])
         if trainer.is_global_zero:
-            self._write(mine, pl_module.label_names, id_column=batch["rows"].get("id_column"),
-                        labelled=batch.get("labels") is not None)
+            self._write(mine, pl_module, rows, labelled=batch.get("labels") is not None)
 
-    def _write(self, rows: list, names: Sequence[str], id_column: Optional[str], labelled: bool) -> None:
+    def _header_of(self, pl_module: Any, rows: dict[str, Any], labelled: bool) -> list[str]:
+        names = pl_module.label_names
+        key = [rows.get("id_column") or ("text" if len(rows.get("text_columns") or ()) < 2 else "pair")]
+        problem = pl_module.problem_type
+        if problem == "regression":
+            out = ["value"]
+        elif problem == "multi_label_classification":
+            out = ["labels", *(f"prob_{n}" for n in names)]
+        else:
+            out = ["label", *(f"prob_{n}" for n in names)]
+        return key + out + (["given_label"] if labelled else [])
+
+    def _write(self, rows: list, pl_module: Any, batch_rows: dict[str, Any], labelled: bool) -> None:
+        names, problem = pl_module.label_names, pl_module.problem_type
         if self._header is None:
-            self._header = [id_column or "text", "label", *(f"prob_{n}" for n in names)]
-            if labelled:
-                self._header.append("given_label")
+            self._header = self._header_of(pl_module, batch_rows, labelled)
             if self._csv is not None:
                 self._csv.writerow(self._header)
-        for _, key, probs, label, raw in rows:
-            values = [key, names[max(range(len(probs)), key=probs.__getitem__)], *(round(p, 6) for p in probs)]
+        for _, key, out, scored, raw in rows:
+            if problem == "regression":
+                values = [key, round(out[0], 6)]
+            elif problem == "multi_label_classification":
+                chosen = [n for n, p in zip(names, out) if p >= pl_module.hparams.threshold]
+                values = [key, chosen if self._csv is None else "|".join(chosen), *(round(p, 6) for p in out)]
+            else:
+                values = [key, names[max(range(len(out)), key=out.__getitem__)], *(round(p, 6) for p in out)]
             if labelled:
-                if label is None or label < 0:
-                    self.unknown += raw is not None
-                    values.append("" if raw is None else raw)
-                else:
-                    values.append(names[label])
+                if raw is not None and not scored:
+                    self.unknown += 1
+                shown = "" if raw is None else raw
+                if isinstance(shown, (list, tuple)) and self._csv is not None:
+                    shown = "|".join(str(v) for v in shown)
+                values.append(shown)
             if self._csv is not None:
                 self._csv.writerow(values)
             else:

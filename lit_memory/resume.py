@@ -263,12 +263,18 @@ class ResumeCheckpoint(ModelCheckpoint):
 
 def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Optional[bool]) -> list[Callback]:
     """The configured callbacks plus what exact resume needs: `ExactResume`, and `ResumeCheckpoint`
-    unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured."""
+    unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured; and the
+    best validated checkpoint (`lit_memory.best.BestCheckpoint`) unless checkpointing is off or one is configured."""
+    from lit_memory.best import BestCheckpoint
+
     callbacks = list(callbacks or [])
     if not any(isinstance(c, ExactResume) for c in callbacks):
         callbacks.append(ExactResume())
-    if enable_checkpointing is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(ResumeCheckpoint())
+    if enable_checkpointing is not False:
+        if not any(isinstance(c, ModelCheckpoint) and not isinstance(c, BestCheckpoint) for c in callbacks):
+            callbacks.append(ResumeCheckpoint())
+        if not any(isinstance(c, BestCheckpoint) for c in callbacks):
+            callbacks.append(BestCheckpoint())  # the best validated weights, which hf_model/ is exported from
     return callbacks
 
 
@@ -277,10 +283,11 @@ def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Opt
 # Settings that decide what a checkpoint's state means: resuming with other values is refused.
 # Strategy is not among them (fused and unfused state have one format); how long to train is not either.
 RESUME_KEYS = (
-    "model.model_name_or_path", "model.num_labels", "model.pretrained", "model.config_overrides",
+    "model.model_name_or_path", "model.num_labels", "model.problem_type", "model.pretrained", "model.config_overrides",
     "model.freeze", "model.lora", "model.embedding_optimizer_state", "model.optimizer.class_path",
     "trainer.precision", "trainer.accumulate_grad_batches",
-    "data.source", "data.text_column", "data.label_column", "data.label_names", "data.max_length",
+    "data.source", "data.subset", "data.train_split", "data.text_column", "data.label_column", "data.label_names",
+    "data.max_length",
     "data.batch_size", "data.limit_train_samples", "data.seed",
 )
 RESUME_STATE = "lit_memory_settings"  # the checkpoint key holding them
@@ -314,6 +321,10 @@ def check_resume(settings: Namespace, compare: bool = True) -> None:
     if saved is None or not compare:
         return  # a checkpoint from elsewhere, without our record: Lightning checks what it can
     mine = resume_settings(settings)
+    for key in INFERRED:  # left to the data here: the checkpoint's are what its data showed, and are taken
+        if mine.get(key) is None and saved.get(key) is not None:
+            _set(settings, key, saved[key])
+            mine[key] = saved[key]
     differ = [k for k in RESUME_KEYS if k in saved and _canonical(k, saved[k]) != _canonical(k, mine[k])]
     if differ:
         details = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {mine[k]!r} here" for k in differ)
@@ -321,6 +332,18 @@ def check_resume(settings: Namespace, compare: bool = True) -> None:
             f"checkpoint {ckpt_path} was made with other settings ({details}): resume with the settings it was "
             "made with (its run folder's recipe.yaml) or start a new run without ckpt_path"
         )
+
+
+# Settings a fit reads from the data's labels where they are not set (`lit_memory.cli.LitMemoryCLI._resolve_task`).
+INFERRED = ("model.num_labels", "model.problem_type", "data.label_names")
+
+
+def _set(settings: Namespace, key: str, value: Any) -> None:
+    settings[key] = value
+    if key.startswith("model."):  # the data module follows the model (linked)
+        linked = "data." + key.split(".", 1)[1]
+        if linked in settings:
+            settings[linked] = value
 
 
 def saved_settings(path: Path) -> Optional[dict[str, Any]]:

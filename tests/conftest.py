@@ -33,7 +33,7 @@ CONFIGS = REPO / "configs"
 # starts each worker on one of them and fills in with the short files: with the long files last, one worker
 # ran them alone for the last half of the run. (xdist's own reordering sorts files by how many tests they hold.)
 LONGEST_FIRST = (
-    "test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "test_resume.py", "test_trust.py",
+    "test_task.py", "test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "test_resume.py", "test_trust.py",
     "test_lowbit.py", "tools/test_recipe_headers.py", "test_guard.py", "test_fabric.py", "tools/test_bench.py",
     "test_anatomy.py", "memory/prediction/test_analytic.py", "test_activations.py", "tools/test_estimate.py",
 )

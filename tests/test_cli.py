@@ -68,11 +68,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
 
 def test_data_errors_stop_before_the_run_folder_exists(tmp_path, capsys):
     csv = tmp_path / "d.csv"
-    csv.write_text("text,label\nhello,0\nworld,1\n")
+    csv.write_text("body,label\nhello,0\nworld,1\n")
     root = tmp_path / "runs"
     with pytest.raises(SystemExit):
         main(["fit", f"--data.source={csv}", f"--trainer.default_root_dir={root}"])
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: column 'review' not found in")
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: no text column in {csv}: its columns")
     assert not root.exists()
 
 

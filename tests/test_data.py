@@ -86,22 +86,30 @@ def test_missing_file():
 
 
 def test_missing_column(tmp_path):
-    dm = make(write_csv(tmp_path / "d.csv", rows(20, text="comment")))
-    with pytest.raises(UserError, match=r"column 'review' not found in .*d\.csv; columns are \['comment', 'label'\]"):
-        dm.prepare_data()
+    data = write_csv(tmp_path / "d.csv", rows(20, text="body"))
+    with pytest.raises(UserError, match=r"^no text column in .*d\.csv: its columns are \['body', 'label'\]; looked for text"):
+        make(data).prepare_data()
+    with pytest.raises(UserError, match=r"^column 'review' not found in .*d\.csv; its columns are \['body', 'label'\]"):
+        make(data, text_column="review").prepare_data()
+    pairs = write_csv(tmp_path / "p.csv", [{"premise": "a b", "label": 0}, {"premise": "c d", "label": 1}] * 5)
+    with pytest.raises(UserError, match=r"^column 'hypothesis' not found in .*p\.csv; its columns are \['premise', 'label'\]"):
+        make(pairs, text_column=["premise", "hypothesis"]).prepare_data()
 
 
 def test_labels_outside_num_labels(tmp_path):
     data = rows(20)
     data[3]["label"] = 5
-    dm = make(write_csv(tmp_path / "d.csv", data))
-    with pytest.raises(UserError, match=r"label 5 in column 'label' of the train split is outside num_labels=2"):
+    dm = make(write_csv(tmp_path / "d.csv", data), num_labels=2)
+    with pytest.raises(UserError, match=r"label 5 in column 'label' of .*d\.csv is outside num_labels=2"):
         dm.prepare_data()
+    dm = make(write_csv(tmp_path / "d.csv", data))  # num_labels not set: the labels say 6 classes
+    dm.prepare_data()
+    assert dm.task.num_labels == 6 and dm.task.problem_type == "single_label_classification"
 
 
 def test_too_many_string_labels(tmp_path):
     data = [{"review": f"text {i}", "label": f"c{i % 3}"} for i in range(30)]
-    dm = make(write_csv(tmp_path / "d.csv", data))
+    dm = make(write_csv(tmp_path / "d.csv", data), num_labels=2)
     with pytest.raises(UserError, match=r"3 label names .* but num_labels=2"):
         dm.prepare_data()
 
@@ -158,3 +166,57 @@ def test_a_local_file_is_read_without_a_network_request(tmp_path, monkeypatch):
     assert asked == [] and datasets.config.HF_UPDATE_DOWNLOAD_COUNTS is True  # nothing sent; the switch put back
     datasets.load.increase_load_count("csv")  # the same request outside the read: it would have been sent
     assert asked and "csv" in asked[0]
+
+
+def test_a_users_file_trains_on_all_its_rows_and_the_line_says_where_they_went(tmp_path):
+    """No demo limit on a user's data (the bundled tweets keep their CPU-sized subset, and say so); one line gives
+    each split's size, where it came from, what was dropped, and the share of texts cut at max_length."""
+    data = rows(100)
+    data[5]["review"] = ""  # an empty text: dropped, counted
+    data[7]["review"] = " ".join(["word"] * 50)  # longer than max_length 16: truncated, counted
+    dm = make(write_csv(tmp_path / "mine.csv", data), limit_train_samples="auto", max_length=16)
+    dm.prepare_data()
+    assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [79, 10, 10]  # 99 usable rows, 80/10/10
+    assert dm.summary.startswith(f"data: train 79 · validation 10 · test 10 rows of {tmp_path / 'mine.csv'}; validation "
+                                 "and test carved out of train 10 % / 10 %; 1 rows dropped")
+    share = 100 * sum(1 for r in data if len(r["review"].split()) > 10) / 79  # in train or not: at most this share
+    assert dm.summary.endswith("of training texts truncated at max_length 16") and float(dm.summary.split("; ")[-1].split()[0]) <= share
+    demo = TextClassificationData(limit_eval_samples=20)  # `auto`: the bundled demo keeps 4,000
+    demo.prepare_data()
+    assert len(demo.splits["train"]) == 4000
+    assert "training on data.limit_train_samples=4000 (the bundled demo's CPU-sized subset); null trains on all" in demo.summary
+
+
+def test_a_hub_dataset_is_named_with_its_configuration_and_its_own_splits(tmp_path, monkeypatch):
+    """``--data.source nyu-mll/glue --data.subset mnli --data.validation_split validation_matched``: the configuration
+    reaches the loader (the one place that downloads: replaced here by local files), the splits are taken by their
+    names, the ClassLabel names become the classes, and a test split without labels (GLUE's -1) is replaced by
+    validation. A split the dataset lacks is one line."""
+    import datasets
+
+    names = ["entailment", "neutral", "contradiction"]
+    features = datasets.Features({"premise": datasets.Value("string"), "hypothesis": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=names)})
+
+    def split(n, labelled=True):
+        return datasets.Dataset.from_list(
+            [{"premise": f"a {i}", "hypothesis": f"b {i}", "label": i % 3 if labelled else -1} for i in range(n)],
+            features=features)
+
+    asked = []
+
+    def load(name, subset):
+        asked.append((name, subset))
+        return datasets.DatasetDict(train=split(30), validation_matched=split(9), validation_mismatched=split(6),
+                                    test_matched=split(5, labelled=False))
+
+    monkeypatch.setattr("lit_memory.data.load_hub_dataset", load)
+    dm = make("nyu-mll/glue", subset="mnli", validation_split="validation_matched", test_split="test_matched")
+    dm.prepare_data()
+    assert asked == [("nyu-mll/glue", "mnli")]
+    assert dm.task.columns.text == ("premise", "hypothesis") and dm.task.label_names == tuple(names)
+    assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [30, 9, 9]
+    assert "rows of nyu-mll/glue (mnli); its test split has no labels: testing on validation" in dm.summary
+    with pytest.raises(UserError, match=r"^split 'validation' not found in nyu-mll/glue \(mnli\); its splits are "
+                                        r"\['test_matched', 'train', 'validation_matched', 'validation_mismatched'\] \(data.validation_split\)"):
+        make("nyu-mll/glue", subset="mnli", validation_split="validation").prepare_data()

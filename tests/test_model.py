@@ -125,7 +125,8 @@ def test_metrics_on_known_predictions():
     got = {k: float(v) for k, v in module.val_metrics.compute().items()}
     # TP=3 FP=2 FN=1 TN=2 for the positive class; negative class: TP=2 FP=1 FN=2.
     f1_pos, f1_neg = 2 * 3 / (2 * 3 + 2 + 1), 2 * 2 / (2 * 2 + 1 + 2)
-    assert got == pytest.approx({"val_acc": 5 / 8, "val_f1": f1_pos, "val_f1_macro": (f1_pos + f1_neg) / 2})
+    mcc = (3 * 2 - 2 * 1) / ((3 + 2) * (3 + 1) * (2 + 2) * (2 + 1)) ** 0.5  # Matthews: (TP.TN - FP.FN) / sqrt(...)
+    assert got == pytest.approx({"val_acc": 5 / 8, "val_f1": f1_pos, "val_f1_macro": (f1_pos + f1_neg) / 2, "val_mcc": mcc})
 
 
 def test_export_reloads_with_plain_transformers_and_same_logits(tmp_path):

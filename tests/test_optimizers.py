@@ -196,11 +196,14 @@ def test_the_state_measured_on_meta_tensors_is_the_state_a_real_step_makes(case)
 
 def test_adagrad_and_rmsprop_keep_one_value_per_parameter_adam_two():
     values = sum(torch.Size(s).numel() for s in SHAPES)
-    per_value = {
-        name: optimizer_tensors(built("meta", cls, {})[1], "cuda").state_bytes / values
-        for name, cls in (("AdamW", torch.optim.AdamW), ("Adagrad", torch.optim.Adagrad), ("RMSprop", torch.optim.RMSprop))
+    per_value = {  # torch's own kernels (foreach): step counters on the host on CUDA
+        name: optimizer_tensors(built("meta", cls, kwargs)[1], "cuda").state_bytes / values
+        for name, cls, kwargs in (("AdamW", torch.optim.AdamW, {"fused": False}), ("Adagrad", torch.optim.Adagrad, {}),
+                                  ("RMSprop", torch.optim.RMSprop, {}))
     }
-    assert per_value == {"AdamW": 8.0, "Adagrad": 4.0, "RMSprop": 4.0}  # step counters on the host on CUDA
+    assert per_value == {"AdamW": 8.0, "Adagrad": 4.0, "RMSprop": 4.0}
+    fused = optimizer_tensors(built("meta", torch.optim.AdamW, {})[1], "cuda")  # lit_memory's default on CUDA
+    assert fused.state_bytes == 8 * values + 4 * len(SHAPES)  # its step counters on the device, one per parameter
 
 
 def test_temporaries_are_a_whole_group_at_once_where_the_target_runs_foreach():

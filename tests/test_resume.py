@@ -350,11 +350,14 @@ def test_last_is_the_newest_last_ckpt_of_the_earlier_runs(tmp_path):
 
 
 def test_fit_checkpoints_every_few_hundred_steps_unless_configured_otherwise():
+    from lit_memory.best import BestCheckpoint
+
     default = fit_callbacks(None, None)
-    assert [type(c) for c in default] == [ExactResume, ResumeCheckpoint]
+    assert [type(c) for c in default] == [ExactResume, ResumeCheckpoint, BestCheckpoint]
     assert default[1]._every_n_train_steps == EVERY_N_TRAIN_STEPS and default[1].save_last == "link"
     own = ModelCheckpoint(monitor="val_f1", mode="max")
-    assert fit_callbacks([own], None)[0] is own and len(fit_callbacks([own], None)) == 2  # the user's is kept alone
+    kept = fit_callbacks([own], None)  # the user's replaces the resume checkpoint; the best validated one stays
+    assert kept[0] is own and [type(c) for c in kept[1:]] == [ExactResume, BestCheckpoint]
     assert [type(c) for c in fit_callbacks(None, False)] == [ExactResume]  # --trainer.enable_checkpointing=false
 
 

@@ -271,6 +271,8 @@ def read_run(run_dir: Path, evaluate: bool) -> dict[str, Any]:
         "process_growth_bytes": process["growth_bytes"] if process and not cuda else None,
         "peak_predicted_bytes": predicted,
         "predicted_by": predicted_by,
+        # where in the step the peak is (forward, backward, step): what a recipe's change must act on to lower it
+        "peak_phase": (cuda or {}).get("peak_phase") or (measured.get("tracked") or {}).get("peak_phase"),
         **_speed(json.loads((run_dir / StepTimer.FILE).read_text(encoding="utf-8"))),
     }
     if evaluate:
@@ -387,6 +389,7 @@ def columns(rows: list[dict], evaluate: bool, peer: Optional[str]) -> list[Colum
         Column("recipe", "recipe", lambda v: f"`{v}`"),
         Column("peak_measured_bytes", "peak allocated" if cuda else "tracked tensors", _gib),
         Column("peak_predicted_bytes", "peak predicted", _gib),
+        Column("peak_phase", "peak in", lambda v: v or "-"),
     ]
     if cuda:
         cols.append(Column("reserved_bytes", "reserved", _gib))

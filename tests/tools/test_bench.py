@@ -86,7 +86,7 @@ def test_bench_writes_table_csv_json_and_chart_with_numbers_per_recipe(run, ship
     table = table_rows((out / "bench.md").read_text())
     assert list(table) == ["baseline", "fused"]
     assert format_bytes(int(rows["baseline"]["peak_measured_bytes"])) in table["baseline"]
-    assert "| recipe | tracked tensors | peak predicted | process RSS growth |" in (out / "bench.md").read_text()
+    assert "| recipe | tracked tensors | peak predicted | peak in | process RSS growth |" in (out / "bench.md").read_text()
 
     record = json.loads((out / "bench.json").read_text())
     assert [r["recipe"] for r in record["rows"]] == ["baseline", "fused"]

@@ -46,10 +46,17 @@ from lit_memory.optimizers import library_of, simulated_step, use_device_default
 def _fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
     # The worst case a run can see: every micro-batch full and padded to max_length.
     shape = (step.batch_size, step.max_length)
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression":  # labels as the head's loss takes them: a value, one 0/1 per label, a class id
+        labels = torch.zeros(step.batch_size)
+    elif problem == "multi_label_classification":
+        labels = torch.zeros(step.batch_size, config.num_labels)
+    else:
+        labels = torch.zeros(step.batch_size, dtype=torch.long)
     batch = {
         "input_ids": torch.randint(0, config.vocab_size, shape),
         "attention_mask": torch.ones(shape, dtype=torch.long),
-        "labels": torch.zeros(step.batch_size, dtype=torch.long),
+        "labels": labels,
     }
     if getattr(config, "type_vocab_size", 0):
         batch["token_type_ids"] = torch.zeros(shape, dtype=torch.long)

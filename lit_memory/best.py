@@ -1,0 +1,112 @@
+"""The best validated model, kept and exported: Hugging Face's ``load_best_model_at_end`` for Lightning.
+
+`BestCheckpoint` is Lightning's `ModelCheckpoint` keeping the one checkpoint (weights only) that scores best on
+validation: by default the problem type's main metric (single-label ``val_f1_macro``, regression ``val_pearson``,
+multi-label ``val_f1_micro``), or ``monitor`` as Lightning takes it. Its state (the best path and score) travels in
+the run's checkpoints, so a resumed run keeps the best of before. At the end of ``fit`` the module exports
+``hf_model/`` from it (`restore_best`), and the log names the step and the score.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+# Metrics where less is better; anything else is taken as more is better.
+LOWER_IS_BETTER = re.compile(r"(^|_)(loss|mse|mae|rmse|error)($|_)")
+
+
+def mode_of(monitor: str) -> Literal["min", "max"]:
+    return "min" if LOWER_IS_BETTER.search(monitor) else "max"
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Keep the checkpoint that scores best on validation (weights only), for ``hf_model/``.
+
+    Args:
+        monitor: the logged metric (``val_acc``, ``val_mcc``, ``val_loss``); null: the problem type's main metric.
+        mode: ``max`` or ``min``; null: ``min`` for losses and errors (``val_loss``, ``val_mse``), else ``max``.
+        filename: the file's name in the run's ``checkpoints/`` folder (Lightning's format fields).
+    """
+
+    def __init__(
+        self, monitor: Optional[str] = None, mode: Optional[Literal["max", "min"]] = None,
+        filename: str = "best-step={step}", **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            monitor=monitor or "val_best_placeholder", mode=mode or (mode_of(monitor) if monitor else "max"),
+            filename=filename, save_top_k=1, save_weights_only=True, save_last=False, auto_insert_metric_name=False,
+            **kwargs,
+        )
+        self._monitor_given, self._mode_given = monitor, mode
+
+    @property
+    def state_key(self) -> str:  # one of its kind beside the run's other checkpoint callbacks, whatever it monitors
+        return "BestCheckpoint"
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning warns that the folder changed and restores the path alone: `load_state_dict` takes the rest.
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._monitor_given is None:
+            self.monitor = f"val_{getattr(pl_module, 'main_metric', 'loss')}"
+            mode = self._mode_given or mode_of(self.monitor)
+            if mode != self.mode:
+                self.mode = mode
+                self._ModelCheckpoint__init_monitor_mode(mode)  # Lightning's own start for a mode (private, read in 2.6)
+        if not trainer.limit_val_batches or trainer.val_check_batch == float("inf"):
+            self.save_top_k = 0  # nothing is validated: nothing to keep (the last weights are exported)
+        super().setup(trainer, pl_module, stage)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resumed run (a new run folder) keeps the best of before, wherever its file is: Lightning restores only
+        the path when the folder changed, and the resumed run would then export the best of after the resume."""
+        super().load_state_dict(state_dict)
+        for key in ("best_model_score", "kth_best_model_path", "kth_value", "best_k_models"):
+            if key in state_dict:
+                setattr(self, key, state_dict[key])
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        # A better model replaces the best of before, whose file may be in an earlier run's folder: left there.
+        if self.dirpath and Path(filepath).resolve().parent == Path(self.dirpath).resolve():
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        if self.monitor not in monitor_candidates:
+            return  # no validation yet (a step-triggered save): kept at the next validation
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def best_step(self) -> Optional[int]:
+        found = re.search(r"step=(\d+)", Path(self.best_model_path).name) if self.best_model_path else None
+        return int(found[1]) if found else None
+
+
+def best_of(trainer: L.Trainer) -> Optional[BestCheckpoint]:
+    """The run's `BestCheckpoint` holding a checkpoint, if any."""
+    found = [c for c in trainer.callbacks if isinstance(c, BestCheckpoint) and c.best_model_path]
+    return found[0] if found else None
+
+
+def restore_best(trainer: L.Trainer) -> Optional[str]:
+    """Load the best checkpoint's weights into the trained module (through the strategy: sharded checkpoints
+    included); returns one line saying which weights these are, or None where there is no best checkpoint."""
+    best = best_of(trainer)
+    if best is None:
+        return None
+    path = Path(best.best_model_path)
+    if path.is_dir():  # a sharded checkpoint (FSDP2): each rank loads its shards into the module in place
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        _load_checkpoint(path, {"state_dict": trainer.strategy.model}, strict=True, weights_only=True)
+    else:
+        checkpoint = trainer.strategy.checkpoint_io.load_checkpoint(path, weights_only=True)
+        trainer.strategy.load_model_state_dict(checkpoint, strict=True)
+    score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+    return f"the best validated weights: step {best.best_step()}, {best.monitor}={score:.4f}"

@@ -1,0 +1,152 @@
+"""Metrics by problem type (torchmetrics), the per-class report and the confusion matrix.
+
+- single-label: ``acc``, ``f1_macro``, ``mcc`` (Matthews, CoLA's metric), and ``f1`` (of class 1, binary);
+- regression: ``mse``, ``pearson``, ``spearman`` (STS-B's);
+- multi-label: ``f1_micro``, ``f1_macro`` and ``f1_<label>`` for each label, at the model's threshold.
+
+`ClassCounts` keeps the confusion counts of an evaluation (torchmetrics' confusion matrices, synchronised over the
+ranks) for `report` (precision, recall, F1 and support per class) and `draw_confusion` (a PNG; matplotlib is
+optional: without it, no picture and one line saying so).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torchmetrics import MeanSquaredError, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
+from torchmetrics.classification import (
+    BinaryF1Score,
+    MulticlassAccuracy,
+    MulticlassConfusionMatrix,
+    MulticlassF1Score,
+    MulticlassMatthewsCorrCoef,
+    MultilabelConfusionMatrix,
+    MultilabelF1Score,
+)
+
+from lit_memory import files
+from lit_memory.task import MULTI, REGRESSION, SINGLE
+
+
+def metric_name(label: str) -> str:
+    """A label as part of a logged metric's name (``f1_<label>``): letters, digits and underscores."""
+    return re.sub(r"\W+", "_", str(label)).strip("_") or "label"
+
+
+def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5) -> MetricCollection:
+    """The metrics `outputs` feed for a problem type (module docstring); the per-label F1 is `per_label_f1`."""
+    if problem_type == REGRESSION:
+        return MetricCollection({"mse": MeanSquaredError(), "pearson": PearsonCorrCoef(), "spearman": SpearmanCorrCoef()})
+    if problem_type == MULTI:
+        return MetricCollection({
+            "f1_micro": MultilabelF1Score(num_labels, threshold=threshold, average="micro"),
+            "f1_macro": MultilabelF1Score(num_labels, threshold=threshold, average="macro"),
+        })
+    metrics = {
+        "acc": MulticlassAccuracy(num_labels, average="micro"),
+        "f1_macro": MulticlassF1Score(num_labels, average="macro"),
+        "mcc": MulticlassMatthewsCorrCoef(num_labels),
+    }
+    if num_labels == 2:
+        metrics["f1"] = BinaryF1Score()  # F1 of the positive class: the seed's `f1`
+    return MetricCollection(metrics)
+
+
+def per_label_f1(num_labels: int, threshold: float = 0.5) -> MultilabelF1Score:
+    return MultilabelF1Score(num_labels, threshold=threshold, average="none")
+
+
+def outputs(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
+    """What a batch's logits predict: class ids, values, or each label's probability."""
+    logits = logits.float()
+    if problem_type == REGRESSION:
+        return logits.squeeze(-1)
+    if problem_type == MULTI:
+        return logits.sigmoid()
+    return logits.argmax(-1)
+
+
+def targets(labels: torch.Tensor, problem_type: str) -> torch.Tensor:
+    """Labels as the metrics take them (0/1 integers for multi-label)."""
+    return labels.round().long() if problem_type == MULTI else labels
+
+
+class ClassCounts(torch.nn.Module):
+    """Confusion counts over an evaluation: a class x class matrix (single-label), a 2 x 2 per label (multi-label)."""
+
+    def __init__(self, problem_type: str, num_labels: int, threshold: float = 0.5) -> None:
+        super().__init__()
+        self.problem_type = problem_type
+        if problem_type == MULTI:
+            self.matrix = MultilabelConfusionMatrix(num_labels, threshold=threshold)
+        else:
+            self.matrix = MulticlassConfusionMatrix(num_labels)
+
+    def update(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
+        self.matrix.update(predicted, labels)
+
+    def compute(self) -> torch.Tensor:
+        return self.matrix.compute().cpu()
+
+    def reset(self) -> None:
+        self.matrix.reset()
+
+
+def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str) -> str:
+    """Precision, recall, F1 and support per class (or label), and for single-label the confusion matrix."""
+    rows = []
+    if problem_type == MULTI:  # counts: (labels, 2, 2) as [[tn, fp], [fn, tp]]
+        for name, matrix in zip(names, counts.tolist()):
+            (_, fp), (fn, tp) = matrix
+            rows.append((name, tp, fp, fn))
+    else:
+        for i, name in enumerate(names):
+            tp = counts[i, i].item()
+            rows.append((name, tp, counts[:, i].sum().item() - tp, counts[i, :].sum().item() - tp))
+    width = max(12, *(len(str(r[0])) for r in rows)) + 2
+    lines = [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
+             + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}"]
+    for name, tp, fp, fn in rows:
+        precision = tp / (tp + fp) if tp + fp else 0.0
+        recall = tp / (tp + fn) if tp + fn else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        lines.append(f"  {str(name)[: width - 3]}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}")
+    if problem_type != MULTI:
+        lines.append("confusion matrix (rows: true class, columns: predicted):")
+        cell = max(8, *(len(str(n)) + 1 for n in names))
+        lines.append(" " * width + "".join(f"{str(n)[: cell - 1]:>{cell}}" for n in names))
+        for name, row in zip(names, counts.tolist()):
+            lines.append(f"  {str(name)[: width - 3]}".ljust(width) + "".join(f"{v:>{cell}}" for v in row))
+    return "\n".join(lines)
+
+
+def draw_confusion(counts: torch.Tensor, names: Sequence[str], path: Path, title: str) -> Optional[Path]:
+    """The confusion matrix as a PNG (counts in the cells, each row shaded by its share): None without matplotlib."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    except ImportError:
+        return None
+    n = len(names)
+    size = min(2 + 0.6 * n, 16)
+    fig = Figure(figsize=(size + 1.5, size), layout="constrained")
+    ax = fig.subplots()
+    totals = counts.sum(1, keepdim=True).clamp(min=1)
+    image = ax.imshow((counts / totals).numpy(), cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, label="share of the true class")
+    ax.set_xticks(range(n), [str(x) for x in names], rotation=45 if n > 4 else 0, ha="right" if n > 4 else "center")
+    ax.set_yticks(range(n), [str(x) for x in names])
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title, fontsize=10)
+    if n <= 30:
+        for i in range(n):
+            for j in range(n):
+                share = counts[i, j] / totals[i, 0]
+                ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=8,
+                        color="white" if share > 0.5 else "black")
+    with files.replacing(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+    return path
