@@ -16,10 +16,10 @@ import importlib  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 
-if os.environ.get("LIT_MEMORY_BOX"):  # started by an untrusted run: boxed the same way (lit_memory.box)
-    from lit_memory import box as _box
+if os.environ.get("LIT_MEMORY_SANDBOX"):  # an untrusted run's child: confined by the kernel before anything else
+    from lit_memory.sandbox.child import enter_from_env as _enter
 
-    _box.inherit()
+    _enter()
 
 __version__ = "0.1.0"
 
@@ -34,12 +34,12 @@ for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 # function-level imports included (tests/test_layers.py checks every import). Each layer names its modules and
 # packages; a module falls in the layer of the longest name that holds it, and the runtime holds the rest.
 LAYERS = (
-    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.box", "lit_memory.bounds", "lit_memory.settings")),
+    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.sandbox", "lit_memory.bounds", "lit_memory.settings")),
     ("memory below the runtime", ("lit_memory.memory", "lit_memory.memory.measure", "lit_memory.memory.hardware")),
     ("runtime", ("lit_memory",)),  # model, data, fused step, optimizers, strategies, Fabric, the monitor that measures
     ("memory above the runtime", ("lit_memory.memory.prediction", "lit_memory.memory.planning")),
     ("config", ("lit_memory.trust", "lit_memory.recipes", "lit_memory.cli")),  # from argv to a checked run
-    ("tools", ("lit_memory.tools",)),  # estimate, plan, bench, peer, recipe commands, the GPU proof
+    ("tools", ("lit_memory.tools", "lit_memory.sandbox.launch")),  # the tools; a sent recipe's run, confined
     ("entry", ("lit_memory.__main__",)),  # python -m lit_memory
 )
 

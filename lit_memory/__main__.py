@@ -4,7 +4,8 @@ all listed by ``python -m lit_memory --help``.
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
 the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.prediction.predict`,
 which the CLI hands to the run's memory callbacks itself. A command's trust decision holds from its first line
-to its last, and an untrusted command (no ``--trust-recipe``) runs inside a box (`lit_memory.box`) as long.
+to its last, and an untrusted training or evaluation (no ``--trust-recipe``) runs in a child process the kernel
+confines (`lit_memory.sandbox`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 # `python -m lit_memory` imports lit_memory/__init__.py first, which drops the working folder from sys.path
 # before anything else is imported: this module then imports the installed packages, as the console script does.
 import contextlib
+import os
 import sys
 from typing import Iterator, Optional
 
 import torch
 
-from lit_memory import box, cli, trust
+from lit_memory import cli, trust
+from lit_memory.sandbox import launch
+from lit_memory.sandbox.rules import ENV as CONFINED
 from lit_memory.errors import UserError
 from lit_memory.tools import bench, estimate, plan, proof, recipes
 
@@ -62,28 +66,19 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def boxed(args: list[str]) -> bool:
-    """Whether a command runs in the box: every command that reads files someone may have sent (runs,
-    estimate, plan, bench, ``recipes check``), unless ``--trust-recipe`` is given. ``recipes``
-    list/show/headers read only the shipped recipes."""
-    if trust.TRUST_FLAG in args:
-        return False
-    return not (args[:1] == ["recipes"] and args[1:2] != ["check"])
+def confined(args: list[str]) -> bool:
+    """Whether the command runs in a confined child: a training or evaluation (``fit``, ``validate``, ``test``,
+    ``predict``) without ``--trust-recipe``, not already inside one."""
+    return trust.TRUST_FLAG not in args and args[:1] != [] and args[0] in LIGHTNING_COMMANDS and not os.environ.get(CONFINED)
 
 
 @contextlib.contextmanager
-def session(args: list[str]) -> Iterator[Optional[box.Box]]:
-    """One command's switches, from its first line to its last: its trust decision (`lit_memory.trust.Decision`:
-    every run and tool inside it is judged by it; untrusted unless ``--trust-recipe`` is given) and the box, or
-    nothing when it is trusted. Files typed on the command line are the user's: read even when they are not
-    regular files (``--config <(...)``)."""
-    typed = cli.named_files(args)
-    with trust.Decision(trusted=trust.TRUST_FLAG in args).applied(typed):
-        if not boxed(args):
-            yield None
-            return
-        with box.confine(box.run_box(typed)) as held:
-            yield held
+def session(args: list[str]) -> Iterator[trust.Decision]:
+    """One command's trust decision (`lit_memory.trust.Decision`: every run and tool inside it is judged by it;
+    untrusted unless ``--trust-recipe`` is given), from its first line to its last. Files typed on the command line
+    are the user's: read even when they are not regular files (``--config <(...)``)."""
+    with trust.Decision(trusted=trust.TRUST_FLAG in args).applied(cli.named_files(args)) as decision:
+        yield decision
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -95,39 +90,35 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         sys.exit(0 if args else 2)
-    held: Optional[box.Box] = None
+    code = 0
     try:
-        with session(args) as held:
+        with session(args):
             if args and args[0] in TOOLS:
                 TOOLS[args[0]](args[1:])
+            elif confined(args):  # judged here, run in a child the kernel confines
+                code = launch.run(args, cli.resolve(args))
             else:
                 cli.resolve(args).launch()
     except UserError as err:
         _fail(str(err))
     except RecursionError:
-        _fail(_refused_or(held, "refusing an input nested too deeply to read (a recipe, config or checkpoint value)"))
+        _fail("refusing an input nested too deeply to read (a recipe, config or checkpoint value)")
     except torch.OutOfMemoryError as err:
         # The memory monitor has printed the breakdown at the failure and a recipe that fits.
         print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
     except (SystemExit, KeyboardInterrupt):
         raise
+    except PermissionError as err:
+        if os.environ.get(CONFINED):  # the kernel refused what a sent recipe's run tried (`lit_memory.sandbox`)
+            _fail(f"refused by the sandbox: {err}; pass --trust-recipe only if you trust the recipe's source")
+        raise
     except BaseException as err:  # torch's distributed checkpoint wraps errors in a BaseException of its own
-        if held is not None and held.refused:  # a refusal some library turned into an error of its own: the cause
-            _fail(str(held.refused[0]))
         if (masked := _user_error_behind(err)) is not None:  # a library's cleanup failed while handling ours
             _fail(str(masked))
         raise
-    if held is not None:
-        _report(held)
-
-
-def _report(held: box.Box) -> None:
-    """The refusals some library caught and went on without (matplotlib falls back to a temporary cache when it
-    cannot make its own, `platform` answers without the program it asks): nothing happened, the run did without
-    it; said once each, as warnings."""
-    for message in dict.fromkeys(str(r) for r in held.refused):
-        print(f"warning: {message}", file=sys.stderr)
+    if code:
+        sys.exit(code)
 
 
 def _user_error_behind(err: BaseException) -> Optional[UserError]:
@@ -140,10 +131,6 @@ def _user_error_behind(err: BaseException) -> Optional[UserError]:
             return err
         err = err.__cause__ or err.__context__
     return None
-
-
-def _refused_or(held: Optional[box.Box], message: str) -> str:
-    return str(held.refused[0]) if held is not None and held.refused else message
 
 
 def _fail(message: str) -> None:

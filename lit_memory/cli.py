@@ -33,7 +33,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
-from lit_memory.best import BestCheckpoint
 from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
@@ -131,7 +130,7 @@ class LitMemoryCLI(LightningCLI):
         quiet_known_noise()
         self._deferred = defer
         self._collect = collect
-        self._memory_hooks = {"predict": predict, "advise": advise}
+        self._memory_hooks = {"predict": predict, "advise": advise, "timeline": None}
         self.memory: Optional[MemoryOptions] = None  # the `memory:` block, parsed
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
@@ -190,7 +189,7 @@ class LitMemoryCLI(LightningCLI):
         self._check_values()
         self._problem(self._parse_memory)
         self._problem(self._follow_device)  # before resuming compares the precision a checkpoint was made with
-        self.decision.confine(self.settings)  # where the box lets this run write
+        self.decision.confine(self.settings)  # the settings the user typed, for the guard
         if subcommand:
             # before LightningCLI merges the checkpoint's hyper-parameters into these settings
             if not self._problem(resume.check_resume, self.settings_of(self.config), compare=subcommand == "fit"):
@@ -398,7 +397,7 @@ class LitMemoryCLI(LightningCLI):
             from lit_memory.memory.prediction.predict import run_hooks
 
             try:
-                defaults = dict(zip(("predict", "advise"), run_hooks(self.step(), recipes.shipped_settings)))
+                defaults = dict(zip(("predict", "advise", "timeline"), run_hooks(self.step(), recipes.shipped_settings)))
             except UserError as err:  # settings the memory model does not cover: measure only
                 say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
@@ -409,11 +408,6 @@ class LitMemoryCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
-            if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
-                typed = self.decision.typed_callbacks(self.settings, trainer.get("callbacks") or [])
-                # lit_memory's own best checkpoint keeps one file, written at the validation cadence: not a recipe's
-                ours = {id(c) for c in kwargs["callbacks"] if isinstance(c, BestCheckpoint)}
-                kwargs["callbacks"].append(guard.RunBounds(typed=lambda c: id(c) in typed or id(c) in ours))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)

@@ -26,6 +26,7 @@ from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
+from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
 
@@ -48,7 +49,11 @@ DEMO_TRAIN_SAMPLES = 4000  # the bundled demo's training subset: every recipe un
 
 def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
     """A hub dataset (its configuration ``subset``, if named) with all its splits: the one call that downloads data
-    (users have the hub; nothing here downloads in tests, which replace this function)."""
+    (users have the hub; nothing here downloads in tests, which replace this function). A confined run reads the
+    copy its parent fetched (`lit_memory.sandbox.launch`)."""
+    staged = os.environ.get("LIT_MEMORY_STAGED_DATASET")
+    if staged:
+        return datasets.load_from_disk(staged)
     return datasets.load_dataset(name, subset)
 
 
@@ -197,7 +202,7 @@ class TextClassificationData(L.LightningDataModule):
             eval_batch_size=eval_batch_size or batch_size,
             limit_train_samples=limit_train_samples,
         )
-        self._local_file = self._check_local_file(source)
+        self._local_file = self.local_file(source)
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
@@ -219,7 +224,7 @@ class TextClassificationData(L.LightningDataModule):
     # -- loading and checking ------------------------------------------------------------------
 
     @staticmethod
-    def _check_local_file(source: str) -> Optional[Path]:
+    def local_file(source: str) -> Optional[Path]:
         """A source with a known file suffix (or an existing path) is a local file: check it now."""
         if source == BUNDLED:
             return bundled.tweets_csv()
@@ -435,7 +440,10 @@ class TextClassificationData(L.LightningDataModule):
         if self._predicting():
             self._prepare_predict()
         elif self.splits is None:
-            self._tokenize(self.load_splits())
+            phase("preparing: reading the data")
+            splits = self.load_splits()
+            phase("preparing: tokenising")
+            self._tokenize(splits)
             say(self.summary)  # before training: every split's rows, where they came from, what was cut
 
     def setup(self, stage: Optional[str] = None) -> None:

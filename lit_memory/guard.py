@@ -1,4 +1,4 @@
-"""The trust guard at the sinks: where a run unpickles, imports model code, picks a checkpoint or writes.
+"""The trust guard at the sinks: where a run unpickles, imports model code or picks a checkpoint.
 
 `lit_memory.trust` decides, once per run, whether the files a run was given (recipes, configs,
 checkpoints, model folders, run folders) are trusted (``--trust-recipe``), and the run holds `enforced` for its
@@ -14,20 +14,18 @@ hold where the loading happens:
   reads ``.metadata`` and rank-local ``__N.metadata`` with plain `pickle.load`, and Lightning's FSDP
   strategy reads single-file checkpoints with an unpickler of its own (`harden`);
 - every strategy's checkpoint IO (Lightning's built-in ones a recipe may name included) goes through
-  `GuardedCheckpointIO`: local paths only, weights-only loads, saves that never follow a link, and
-  removals only of checkpoints the run saved itself;
+  `GuardedCheckpointIO`: local paths only, weights-only loads, saves that never follow a link;
 - before a run starts, `preflight` refuses a checkpoint Lightning would pick by itself (SLURM's
-  ``hpc_ckpt_N.ckpt``, an ``OnExceptionCheckpoint``'s file), checks the one it will load with the
-  restricted readers, and refuses links planted in the folders the run writes into, so a refusal
-  leaves nothing written;
+  ``hpc_ckpt_N.ckpt``, an ``OnExceptionCheckpoint``'s file) and checks the one it will load with the
+  restricted readers;
 - Hugging Face loaders get ``trust_remote_code=False`` unless the user typed otherwise
   (`pretrained_kwargs`); a local model folder is checked before transformers reads it (files within
   their bounds, no Hub kernel or quantizer in its config.json, a tokenizer that does not multiply
   texts: `check_model_folder`), and the loaded config and tokenizer again whatever their source
-  (`check_config`, `check_normalizer`);
-- the bounds that must hold for the whole run, not only when the settings are parsed: checkpoint
-  cadence and count over every callback (`RunBounds`, `checkpoint_load`) and at every save
-  (`save_budget`).
+  (`check_config`, `check_normalizer`).
+
+Where an untrusted run reads and writes, what it reaches and how much memory, disk and time it takes, the kernel
+and the sandbox's watchdog enforce (`lit_memory.sandbox`): nothing here judges a path the run writes.
 
 Checkpoints are read within bounds (`lit_memory.bounds`): metadata files are regular and of bounded
 size, zip records do not expand past a ratio, before anything is unpickled or inflated.
@@ -50,9 +48,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import Callback
 
-from lit_memory import bounds, box, files
+from lit_memory import bounds, files
 from lit_memory.errors import UserError
 
 TRUST_FLAG = "--trust-recipe"
@@ -63,7 +60,6 @@ NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 SPECIAL_CKPT = ("last", "best", "hpc")
 
 _trusted: Optional[bool] = None  # None: no run's decision holds now (library use)
-_written: set[str] = set()  # checkpoints this process saved: the only ones it removes while `restricted`
 _own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
 
 
@@ -72,11 +68,10 @@ def enforced(trusted: bool) -> Iterator[None]:
     """Apply a run's trust decision to every sink in this process for the length of the block (`lit_memory.trust`
     makes sure a trusted decision never lifts an untrusted one inside it). Untrusted, torch's weights-only switch
     is set for every ``torch.load`` (children started meanwhile inherit it); at the end the switch, the decision
-    and what the run recorded here (the checkpoints it saved, the folders and settings the user typed) are as
-    they were before it."""
+    and what the run recorded here (the folders and settings the user typed) are as they were before it."""
     global _trusted, _typed
     harden()
-    saved = (_trusted, set(_written), list(_own_folders), _typed)
+    saved = (_trusted, list(_own_folders), _typed)
     switches = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
     _trusted = trusted
     if not trusted:
@@ -85,9 +80,7 @@ def enforced(trusted: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        _trusted, written, own, _typed = saved
-        _written.clear()
-        _written.update(written)
+        _trusted, own, _typed = saved
         _own_folders[:] = own
         for name, value in switches.items():
             if value is None:
@@ -292,10 +285,8 @@ def _weights_only_globals() -> set[str]:
 
 class GuardedCheckpointIO(CheckpointIO):
     """Any strategy's checkpoint IO under the guard. Always: a save never writes through a link
-    (`lit_memory.files`). While `restricted`: loads of local paths only, weights-only; removals (of the
-    checkpoints a `ModelCheckpoint` keeps no longer, whose paths a resumed checkpoint's callback state
-    can name, or an `OnExceptionCheckpoint`'s file, which it removes at every teardown) only of what this
-    process saved, and never through a link."""
+    (`lit_memory.files`). While `restricted`: loads of local paths only, weights-only. (Where an untrusted run
+    writes is the kernel's to enforce: `lit_memory.sandbox`.)"""
 
     def __init__(self, inner: CheckpointIO) -> None:
         self.inner = inner
@@ -319,23 +310,14 @@ class GuardedCheckpointIO(CheckpointIO):
         return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        if restricted():
-            if os.path.islink(path):
-                os.unlink(path)  # the link, not what it points at
-                return
-            if _key(path) not in _written:
-                warnings.warn(f"left {path} in place: this run did not write it")
-                return
+        if os.path.islink(path):
+            os.unlink(path)  # the link, not what it points at
+            return
         self.inner.remove_checkpoint(path)
-        _written.discard(_key(path))
 
     def teardown(self) -> None:
         self.inner.teardown()
 
-
-def _key(path: Any) -> str:
-    """A path as this process names it, its own last component not followed (it may be a link)."""
-    return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
 
 
 def install(trainer: Any) -> None:
@@ -345,21 +327,6 @@ def install(trainer: Any) -> None:
     strategy = trainer.strategy
     if not isinstance(strategy.checkpoint_io, GuardedCheckpointIO):
         strategy.checkpoint_io = GuardedCheckpointIO(strategy.checkpoint_io)
-        save = strategy.save_checkpoint  # some strategies save without their checkpoint IO (sharded folders)
-        saves: list[int] = []
-
-        def recorded_save(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> None:
-            if restricted():  # the cadence bound, counted at the saves themselves: whatever callback asks
-                saves.append(trainer.global_step)
-                if len(saves) > save_budget(trainer):
-                    raise UserError(
-                        f"refusing to save {filepath}: checkpoint {len(saves)} by step {trainer.global_step}, more than "
-                        f"one per {MIN_CHECKPOINT_STEPS} optimizer steps over all callbacks; {HINT}"
-                    )
-            save(checkpoint, filepath, *args, **kwargs)
-            _written.add(_key(filepath))
-
-        strategy.save_checkpoint = recorded_save
     connector = trainer._checkpoint_connector
     if getattr(connector, "_lit_memory_guarded", False):
         return
@@ -381,12 +348,10 @@ def install(trainer: Any) -> None:
 def preflight(
     trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folders: tuple[Any, ...] = (), model: Any = None
 ) -> None:
-    """Untrusted: refuse, before anything is written, what the run would load or write unsafely: the
-    checkpoint Lightning will pick (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s
-    check), links planted in the folders it writes into, and a fit's export folder (``model.save_pretrained``:
-    ``hf_model`` in the run folder) the box would not let it replace. ``own_folders``: folders the user typed
-    (``--trainer.default_root_dir``, a callback's ``dirpath``): a checkpoint Lightning picks by itself
-    there (SLURM's requeued job resuming) is theirs, and still read with the restricted readers."""
+    """Untrusted: refuse, before anything is read, the checkpoint Lightning will pick when the run would load it
+    unsafely (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s check). ``own_folders``:
+    folders the user typed (``--trainer.default_root_dir``, a callback's ``dirpath``): a checkpoint Lightning picks
+    by itself there (SLURM's requeued job resuming) is theirs, and still read with the restricted readers."""
     if not restricted():
         return
     _own_folders[:] = [Path(os.path.realpath(f)) for f in own_folders if f and not is_remote(str(f))]
@@ -402,10 +367,6 @@ def preflight(
         pass  # e.g. "best" without a checkpoint callback: Lightning says so when it runs
     finally:
         state.fn = fn
-    check_write_folders(trainer)
-    if subcommand == "fit" and getattr(model, "hparams", {}).get("save_pretrained"):
-        run_dir = trainer.log_dir or trainer.default_root_dir  # where `SequenceClassifier.on_fit_end` exports
-        check_replace(Path(run_dir) / "hf_model", "model.save_pretrained")
 
 
 def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
@@ -432,175 +393,8 @@ def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
         raise UserError(f"refusing ckpt_path={str(found)!r}: {problem}; {HINT}")
 
 
-# Settings (and the attributes of Lightning's objects) that name where a run writes.
+# Settings that name where a run writes (the user's own when typed: `lit_memory.trust.Decision`).
 WRITE_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir", "exclude_batches_path", "output_dir")
-LINK_DEPTH = 4  # how deep below a write folder links are looked for before a run (the box sees any depth)
-# The files of fixed names a run writes into its run folder (Lightning's and lit_memory's own).
-RUN_FILES = ("config.yaml", "recipe.yaml", "hparams.yaml", "metrics.csv", "memory.json", "step_times.json")
-
-
-def write_folders(trainer: Any) -> list[Path]:
-    """The local folders a run writes into: its run folder, its loggers', checkpoint and profiler folders."""
-    folders = [trainer.log_dir or trainer.default_root_dir]
-    folders += [logger.log_dir for logger in trainer.loggers if getattr(logger, "log_dir", None)]
-    folders += [getattr(c, "dirpath", None) for c in trainer.callbacks]
-    folders.append(getattr(trainer.profiler, "dirpath", None))
-    out: list[Path] = []
-    for folder in folders:
-        if folder and not is_remote(str(folder)) and Path(folder) not in out:
-            out.append(Path(folder))
-    return out
-
-
-def write_paths(trainer: Any) -> list[tuple[Path, bool, str]]:
-    """(path, is a folder, whose attribute) of every place the run's Lightning objects name for writing:
-    `write_folders`, and any attribute of a callback, logger or profiler named like one (``dirpath``,
-    ``save_dir``, ``exclude_batches_path``, ``*_dir``, ``*_path``): what a class the checks have never seen
-    would write."""
-    found = [(folder, True, "the run's folders") for folder in write_folders(trainer)]
-    for obj in [*trainer.callbacks, *trainer.loggers, trainer.profiler]:
-        for name, value in vars(obj).items() if obj is not None else ():
-            name = name.lstrip("_")
-            if not (name in WRITE_KEYS or name.endswith(("_dir", "_path", "dirpath", "filepath"))):
-                continue
-            if not isinstance(value, (str, os.PathLike)) or not str(value) or is_remote(str(value)):
-                continue
-            if name.endswith(("model_path", "best_k_models")):  # ModelCheckpoint's record of what it saved
-                continue
-            folder = name.endswith(("dir", "dirpath")) or os.path.isdir(value)
-            if name == "exclude_batches_path" and not str(value).endswith(".json"):
-                folder = True  # SpikeDetection writes skip_batches.json into it
-            if all(Path(value) != p for p, _, _ in found):
-                found.append((Path(value), folder, f"{type(obj).__name__}.{name}"))
-    return found
-
-
-def check_write_folders(trainer: Any) -> None:
-    """Refuse symbolic links and hard-linked files planted in the folders a run writes into: Lightning's
-    writers (config, hyper-parameters, metrics, checkpoints) open files by name and would write through
-    them. Lightning's own ``last.ckpt`` link to a checkpoint beside it is not planted. In the box
-    (`lit_memory.box`), also every place the run's objects name for writing that the box would refuse:
-    outside the run's folders, or a file there the run did not make (said now, before anything is written)."""
-    for folder in write_folders(trainer):
-        planted = [p for p in files.planted_links(folder, depth=LINK_DEPTH) if not own_checkpoint_link(p)]
-        if planted:
-            raise UserError(
-                f"refusing to write into {folder}: {planted[0]} is a link (a shared folder can plant one where a "
-                f"run writes, pointing at a file of yours); use a new run folder, or pass {TRUST_FLAG} only if you "
-                "trust its source"
-            )
-    held = box.active()
-    if held is None:
-        return
-    run_dir = Path(trainer.log_dir or trainer.default_root_dir)
-    for name in RUN_FILES:  # in a run folder a recipe chose, the files of another run are not replaced
-        if os.path.lexists(run_dir / name) and (problem := held.would_refuse(run_dir / name, "remove", "replace")):
-            raise UserError(problem)
-    for path, folder, whose in write_paths(trainer):
-        if problem := held.would_refuse(path, "into" if folder else "write", asker=whose):
-            raise UserError(problem)
-    for callback in trainer.checkpoint_callbacks:  # save_last without a version counter replaces (rmtree) last.ckpt
-        dirpath = getattr(callback, "dirpath", None)
-        if dirpath and callback.save_last and not getattr(callback, "_enable_version_counter", True):
-            last = Path(dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-            if os.path.lexists(last) and (problem := held.would_refuse(last, "remove", "replace")):
-                raise UserError(problem)
-
-
-def check_replace(path: Path, key: str) -> None:
-    """Refuse, before a run starts, a folder it would replace at its end (``save_pretrained``'s export)
-    that the box would not let it replace."""
-    held = box.active()
-    if held is not None and os.path.lexists(path) and (problem := held.would_refuse(path, "remove", "replace", f"={key}")):
-        raise UserError(problem)
-
-
-# -- checkpoint cadence and count over all callbacks ------------------------------------------------
-
-MIN_CHECKPOINT_STEPS = 50  # on average, over every callback: at most one checkpoint per this many optimizer steps
-MAX_KEPT_CHECKPOINTS = 10  # kept at once, over every callback
-
-
-def checkpoint_load(trainer: Any, typed: Callable[[Any], bool] = lambda c: False) -> Optional[str]:
-    """Why the run's checkpoint callbacks, together, would save too often or keep too many, or None.
-    Each callback's interval in optimizer steps (``every_n_train_steps``, or ``every_n_epochs`` times the
-    optimizer steps of an epoch, known once the training data is loaded); the saves over the run
-    (``max_steps``, else ``max_epochs`` epochs) may exceed one per callback by at most one per
-    `MIN_CHECKPOINT_STEPS` steps. Callbacks the user typed are theirs."""
-    callbacks = [c for c in trainer.checkpoint_callbacks if not typed(c)]
-    if not callbacks:
-        return None
-    batches = trainer.num_training_batches
-    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if batches not in (None, float("inf")) else None
-    if trainer.max_steps and trainer.max_steps > 0:
-        total = trainer.max_steps
-    elif per_epoch is not None and trainer.max_epochs is not None and trainer.max_epochs >= 0:
-        total = per_epoch * trainer.max_epochs
-    else:
-        total = None  # endless: every cadence counts
-    saves, kept, rate = 0.0, 0, 0.0
-    for c in callbacks:
-        steps = getattr(c, "_every_n_train_steps", 0) or 0
-        epochs = getattr(c, "_every_n_epochs", 0) or 0
-        interval = steps if steps > 0 else (epochs * per_epoch if epochs > 0 and per_epoch else None)
-        copies = 2 if c.save_last is True else 1  # last.ckpt written again beside each save (a link costs nothing)
-        if interval:
-            rate += copies / interval
-            saves += copies * (total // interval if total is not None else float("inf"))
-        top_k = c.save_top_k if c.monitor is not None else min(c.save_top_k, 1)
-        kept += (top_k if top_k >= 0 else MAX_KEPT_CHECKPOINTS + 1) + (1 if c.save_last is True else 0)
-    if kept > MAX_KEPT_CHECKPOINTS:
-        return (f"the checkpoint callbacks together keep {kept} checkpoints, more than {MAX_KEPT_CHECKPOINTS} "
-                "(save_top_k and save_last summed over trainer.callbacks)")
-    allowed = len(callbacks) + (total // MIN_CHECKPOINT_STEPS if total is not None else 0)
-    if rate * MIN_CHECKPOINT_STEPS > 1 and saves > allowed:
-        return (f"the checkpoint callbacks together save a checkpoint every {1 / rate:.1f} optimizer steps "
-                f"({'endlessly' if total is None else f'{saves:.0f} times in {total} steps'}), more often than every "
-                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over trainer.callbacks)")
-    return None
-
-
-def save_budget(trainer: Any) -> float:
-    """How many checkpoints a run may have saved by now: two per callback (a save and last.ckpt's copy) and
-    two more (a batch-size finder's, an exception's), plus two per `MIN_CHECKPOINT_STEPS` steps, plus what
-    the callbacks the user typed save at their own cadence (`RunBounds`)."""
-    step = trainer.global_step
-    typed = getattr(trainer, "_lit_memory_typed_rate", 0.0)
-    return 2 * len(trainer.checkpoint_callbacks) + 2 + 2 * (step // MIN_CHECKPOINT_STEPS) + typed * (step + 1)
-
-
-class RunBounds(Callback):
-    """The bounds that hold for the whole run, checked once the training data is loaded (an epoch's length
-    decides an every-N-epochs cadence) and again at each save: checkpoints, counted over all callbacks."""
-
-    def __init__(self, typed: Callable[[Any], bool] = lambda c: False) -> None:
-        self.typed = typed
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if not restricted():
-            return
-        if problem := checkpoint_load(trainer, self.typed):
-            raise UserError(f"refusing {problem}; {HINT}")
-        rate = 0.0
-        for c in trainer.checkpoint_callbacks:
-            steps = getattr(c, "_every_n_train_steps", 0) or 0
-            if self.typed(c) and steps > 0:
-                rate += 2 / steps
-            elif self.typed(c):
-                rate += 2.0  # an every-N-epochs or timed cadence the user chose: not counted against them
-        trainer._lit_memory_typed_rate = rate
-
-
-def own_checkpoint_link(path: Path) -> bool:
-    """ModelCheckpoint's ``save_last="link"``: a ``.ckpt`` symlink to a name in its own folder (Lightning
-    removes it before linking anew, and never writes through it)."""
-    if not (path.is_symlink() and path.suffix == ".ckpt"):
-        return False
-    target = Path(os.readlink(path))
-    return len(target.parts) == 1 and target.suffix == ".ckpt"
-
-
-# -- Hugging Face -----------------------------------------------------------------------------
 
 
 def pretrained_kwargs(**kwargs: Any) -> dict[str, Any]:

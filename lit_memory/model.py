@@ -27,6 +27,7 @@ from lit_memory import bundled, evaluation, files, guard, optimizers
 from lit_memory import task as task_
 from lit_memory.best import restore_best
 from lit_memory.console import say
+from lit_memory.sandbox.rules import phase
 from lit_memory.activations import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.data import label_names_or_default, load_tokenizer, pad_token_id
@@ -447,13 +448,17 @@ class SequenceClassifier(L.LightningModule):
 
     # -- export --------------------------------------------------------------------------------
 
+    def on_train_start(self) -> None:
+        phase("training")  # a confined run's preparation is over (`lit_memory.sandbox.launch`'s time bound)
+
     def on_fit_end(self) -> None:
         if self.hparams.save_pretrained:
             run_dir = self.trainer.log_dir or self.trainer.default_root_dir
             which = restore_best(self.trainer)  # the best validated weights, as HF's load_best_model_at_end
             path = Path(run_dir) / "hf_model"
             self.export_pretrained(path)
-            say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved to {path}")
+            say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved to {path} (loads with "
+                "AutoModelForSequenceClassification.from_pretrained)")
 
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
@@ -478,8 +483,11 @@ class SequenceClassifier(L.LightningModule):
             self._name_classes(model.config)
         with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
             model.save_pretrained(folder, state_dict=state)
-            load_tokenizer(self.tokenizer_name_or_path).save_pretrained(folder)
-        rank_zero_info(f"saved the fine-tuned model to {path} (loads with AutoModelForSequenceClassification.from_pretrained)")
+            tokenizer = load_tokenizer(self.tokenizer_name_or_path)
+            # Written from the tokenizer the run uses, nothing more: a classifier has no use for a chat template, and a
+            # sent folder's (a link to a private file, once) is not copied into what the user shares.
+            tokenizer.chat_template = None
+            tokenizer.save_pretrained(folder)
 
 
 # -- helpers shared with other modules ---------------------------------------------------------

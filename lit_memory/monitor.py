@@ -79,6 +79,11 @@ class MemoryMonitor(L.Callback):
         self.tracked_batches = 0
         self.ranks: Optional[list[dict[str, Any]]] = None  # every rank's measurements, after a distributed fit
         self.oom: Optional[dict[str, Any]] = None  # the out-of-memory error's breakdown, when the run raised one
+        self.timeline: Optional[list[dict]] = None  # the last tracked micro-batch, point by point
+        self.timeline_shape: Optional[tuple[int, int]] = None  # its (rows, tokens)
+        self.timeline_what = "the last micro-batch tracked"
+        # (shape, points): the analytic step point by point at that shape, handed in (`run_memory.MemoryPredictions`)
+        self.predicted_timeline: Optional[tuple[Optional[tuple[int, int]], Optional[list[dict]]]] = None
         self._phase: Optional[str] = None
         self._batch_idx = 0
 
@@ -181,6 +186,7 @@ class MemoryMonitor(L.Callback):
                 self._device(trainer), None if self._on_cuda(trainer) else self.budget, compiled_steps=compiles_its_step
             )
             tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
+            tracker.watch_layers(_layers(pl_module))  # the step point by point, for its picture (memory.png)
             self.tracker = tracker.__enter__()
         self._enter_phase(trainer, "forward")
 
@@ -205,6 +211,8 @@ class MemoryMonitor(L.Callback):
         tracker, self.tracker = self.tracker, None
         tracker.__exit__(None, None, None)
         self.measured.merge(tracker.footprint)
+        if tracker.timeline:
+            self.timeline, self.timeline_shape = tracker.timeline, self._shape  # the last tracked: the steady state
         if tracker.footprint.peak > self._peak_batch_bytes:
             self.peak_batch, self._peak_batch_bytes = self._shape, tracker.footprint.peak
 
@@ -247,6 +255,8 @@ class MemoryMonitor(L.Callback):
             oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
         if self.tracker is not None:
             self._stop_tracker()
+            if oom is not None:  # the measured points are the failing micro-batch's, to the failure
+                self.timeline_what = "the micro-batch that ran out of memory, to the failure"
         self.oom = oom
         if oom is not None or self.batches:  # not for bad input caught before training
             self._write(trainer, oom=oom)
@@ -291,7 +301,24 @@ class MemoryMonitor(L.Callback):
             measured=self.measurements(),
             ranks=ranks,
             oom=oom,
+            timeline=self.timeline_record(),
         )
+
+    def timeline_record(self) -> Optional[dict[str, Any]]:
+        """The step point by point, as memory.json keeps it for its picture: the analytic model's (at the shape the
+        tracker measured, else the worst case's) and the last tracked micro-batch's, each with its batch shape."""
+        shape, predicted = self.predicted_timeline or (None, None)
+        if not self.timeline and not predicted:
+            return None
+        measured = self.timeline or None
+        return {
+            "predicted": {"batch_shape": list(shape) if shape else None, "points": predicted} if predicted else None,
+            "measured": {
+                "batch_shape": list(self.timeline_shape) if self.timeline_shape else None,
+                "what": self.timeline_what,
+                "points": measured,
+            } if measured else None,
+        }
 
     @rank_zero_only
     def _write(self, trainer: L.Trainer, ranks: Optional[list] = None, oom: Optional[dict] = None) -> None:
@@ -407,6 +434,16 @@ def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[st
     except Exception:
         return None, None
     return int(total - free), "cudaMemGetInfo (whole device)"
+
+
+def _layers(module: L.LightningModule) -> list:
+    """The transformer layers of the module's model (`lit_memory.anatomy.find_layers`), or none."""
+    from lit_memory.anatomy import find_layers
+
+    try:
+        return list(find_layers(getattr(module, "model", module)))
+    except Exception:  # noqa: BLE001  a model whose layers cannot be found: phases only
+        return []
 
 
 def batch_tokens(batch: Any) -> Optional[tuple[int, int]]:

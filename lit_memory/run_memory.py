@@ -6,15 +6,20 @@
 - `MemoryPredictions`: the run's predictions (worst case at the start, the shapes the run saw at the end), handed
   to the monitor for its record;
 - `MemoryTable`: the end-of-fit table, predicted beside measured;
-- `OutOfMemoryReport`: on an out-of-memory error, the breakdown at the failure and what to run instead.
+- `MemoryPicture`: ``memory.png``, the step point by point, predicted beside measured (`lit_memory.memory.measure.picture`);
+- `MemorySnapshot`: ``memory.snapshot``, torch's CUDA memory history for the first steps (pytorch.org/memory_viz);
+- `OutOfMemoryReport`: on an out-of-memory error, the breakdown at the failure, the predicted step's picture with where
+  it crosses the limit, and what to run instead.
 
 `MemoryOptions` is the ``memory:`` block of every run's config; `memory_callbacks` composes the callbacks for it
-(the command line does: `lit_memory.cli`). Predictions and advice come in as hooks (``predict``, ``advise``: the
+(the command line does: `lit_memory.cli`). Predictions and advice come in as hooks (``predict``, ``advise``,
+``timeline``: the
 command line hands those of `lit_memory.memory.prediction.predict`), so nothing here imports the memory model.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -27,6 +32,7 @@ from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
 from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
+from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.report import Levels, table
 from lit_memory.monitor import MemoryMonitor, batch_shape, padding
 
@@ -35,6 +41,8 @@ from lit_memory.monitor import MemoryMonitor, batch_shape, padding
 Predict = Callable[[L.Trainer, L.LightningModule, bool, Optional[tuple[int, int]]], dict[str, Footprint]]
 # (trainer, limit in bytes) -> one line: what to run instead
 Advise = Callable[[L.Trainer, int], str]
+# (trainer, shape) -> the analytic step point by point (`lit_memory.memory.hardware.program.timeline`), or None
+Timeline = Callable[[L.Trainer, Optional[tuple[int, int]]], Optional[list[dict]]]
 
 
 class MemoryOptions:
@@ -63,6 +71,12 @@ class MemoryOptions:
             (`lit_memory.memory.hardware.allocator.recipe_settings`).
         margin: the share of a limit every "fits" decision keeps free for the memory model's own error
             (`lit_memory.memory.hardware.margin`; default 0.08, from the published measurements' worst under-prediction).
+        snapshot: on CUDA, a file for torch's memory snapshot: the caching allocator's history (every allocation
+            with its stack) over the first ``snapshot_steps`` optimizer steps, which https://pytorch.org/memory_viz
+            draws. A relative path is in the run folder. On a CPU it is an error: the history is CUDA's allocator's.
+        snapshot_steps: the optimizer steps the snapshot records (the first creates the optimizer state, the second
+            is the steady state).
+        picture: draw ``memory.png`` in the run folder at the end of fit (needs matplotlib).
     """
 
     def __init__(
@@ -73,22 +87,41 @@ class MemoryOptions:
         tier: Optional[str] = None,
         allocator: Optional[str] = None,
         margin: float = DEFAULT_MARGIN,
+        snapshot: Optional[str] = None,
+        snapshot_steps: int = 2,
+        picture: bool = True,
     ) -> None:
         if track_steps < 0:
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
+        if snapshot_steps < 1:
+            raise UserError(f"memory.snapshot_steps must be >= 1, got {snapshot_steps}")
+        if snapshot is not None and not str(snapshot).strip():
+            raise UserError("memory.snapshot must be a file name, e.g. memory_snapshot.pickle")
         self.track_steps = track_steps
+        self.snapshot = snapshot
+        self.snapshot_steps = snapshot_steps
+        self.picture = picture
         self.simulate = simulate
         self.settings = MemorySettings.parse(budget=budget, tier=tier, margin=margin, allocator=allocator)
 
 
-def memory_callbacks(options: MemoryOptions, predict: Optional[Predict] = None, advise: Optional[Advise] = None) -> list[L.Callback]:
+def memory_callbacks(
+    options: MemoryOptions, predict: Optional[Predict] = None, advise: Optional[Advise] = None,
+    timeline: Optional[Timeline] = None,
+) -> list[L.Callback]:
     """The callbacks a run's ``memory:`` block makes, in the order their hooks must run: the predictions before the
-    monitor (it records them when the fit ends), the table and the report after it (they show what it measured)."""
+    monitor (it records them when the fit ends), the table, the picture and the report after it (they show what it
+    measured)."""
     monitor = MemoryMonitor(options.track_steps, options.settings)
     units: list[L.Callback] = [BudgetCap(options.settings.budget.bytes if options.settings.budget else None)]
+    if options.snapshot is not None:
+        units.append(MemorySnapshot(options.snapshot, options.snapshot_steps))
     if predict is not None:
-        units.append(MemoryPredictions(monitor, predict, options.simulate))
-    return [*units, monitor, MemoryTable(monitor, options.settings), OutOfMemoryReport(monitor, advise)]
+        units.append(MemoryPredictions(monitor, predict, options.simulate, timeline))
+    shown: list[L.Callback] = [MemoryTable(monitor, options.settings)]
+    if options.picture:
+        shown.append(MemoryPicture(monitor, options.settings))
+    return [*units, monitor, *shown, OutOfMemoryReport(monitor, advise, options.settings if options.picture else None)]
 
 
 class BudgetCap(L.Callback):
@@ -193,12 +226,15 @@ class MemoryPredictions(L.Callback):
     padding), and for the batch that reached the tracked peak. The simulation, where asked, for the tracked shape
     only: that is what it is compared with. On the global-zero rank only, at the end."""
 
-    def __init__(self, monitor: MemoryMonitor, predict: Predict, simulate: bool = False) -> None:
-        self.monitor, self.predict, self.simulate = monitor, predict, simulate
+    def __init__(self, monitor: MemoryMonitor, predict: Predict, simulate: bool = False, timeline: Optional[Timeline] = None) -> None:
+        self.monitor, self.predict, self.simulate, self.timeline = monitor, predict, simulate, timeline
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.monitor.predictions = self.predict(trainer, pl_module, self.simulate, None)
         self.monitor.shape_predictions = {}
+        if self.timeline is not None and trainer.is_global_zero:  # the worst case's: what an out-of-memory report draws
+            shape = batch_shape(trainer)
+            self.monitor.predicted_timeline = (tuple(shape) if shape else None, self.timeline(trainer, None))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -221,6 +257,10 @@ class MemoryPredictions(L.Callback):
                 found[key] = found.get("tracked", {})
             else:
                 found[key] = self.predict(trainer, pl_module, self.simulate and key == "tracked", shape)
+        # the picture's prediction: at the shape measured point by point (the last tracked micro-batch's)
+        shape = monitor.timeline_shape
+        if self.timeline is not None and shape is not None and (monitor.predicted_timeline or (None,))[0] != tuple(shape):
+            monitor.predicted_timeline = (tuple(shape), self.timeline(trainer, tuple(shape)))
 
 
 class MemoryTable(L.Callback):
@@ -318,13 +358,104 @@ class MemoryTable(L.Callback):
         return lines
 
 
+class MemoryPicture(L.Callback):
+    """``memory.png`` in the run folder at the end of fit, on rank zero: the step point by point, predicted beside
+    measured, as memory.json records it (`lit_memory.memory.measure.picture`); the log prints its path."""
+
+    def __init__(self, monitor: MemoryMonitor, memory: MemorySettings = MemorySettings()) -> None:
+        self.monitor, self.memory = monitor, memory
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        run_dir = getattr(self.monitor, "run_dir", None)
+        if run_dir is None or not run_dir.is_dir():
+            return
+        record = self.monitor.record(trainer, self.monitor.ranks)
+        shape = ((record.get("timeline") or {}).get("measured") or {}).get("batch_shape")
+        panel = picture.of_record(record, _title(trainer, pl_module, shape), self._budget(), self.memory.margin)
+        if panel is None:
+            print("memory picture: none (no step was tracked: memory.track_steps is 0)")
+            return
+        drawn = picture.draw([panel], run_dir / picture.FILE)
+        print(f"memory picture: {drawn}" if drawn else
+              "memory picture: none (matplotlib is not installed: pip install 'lit-memory[plot]')")
+
+    def _budget(self) -> Optional[int]:
+        return self.memory.budget.bytes if self.memory.budget else None
+
+
+class MemorySnapshot(L.Callback):
+    """``memory.snapshot``: torch's record of the CUDA caching allocator's history (each allocation and free, with
+    its stack) over the first ``steps`` optimizer steps, dumped to ``path`` for https://pytorch.org/memory_viz
+    (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`). CUDA only: on another device it is one error
+    before training."""
+
+    ENTRIES = 200_000  # the history kept: a BERT-large step allocates some tens of thousands of blocks
+
+    def __init__(self, path: str, steps: int = 2) -> None:
+        self.path, self.steps = path, steps
+        self._file: Optional[Any] = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        device = trainer.strategy.root_device
+        if device.type != "cuda":
+            raise UserError(
+                f"memory.snapshot records the CUDA caching allocator's history (what pytorch.org/memory_viz draws); "
+                f"this run is on {device.type}: drop memory.snapshot, or see memory.png and memory.json for the step"
+            )
+        from pathlib import Path
+
+        path = Path(os.path.expanduser(self.path))
+        if not path.is_absolute():  # beside the run's memory.json
+            path = Path(trainer.log_dir or trainer.default_root_dir) / path
+        if trainer.world_size > 1:  # one file per rank
+            path = path.with_name(f"{path.stem}.rank{trainer.global_rank}{path.suffix}")
+        self._file = path
+        self.record_history(True)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if self._file is not None and trainer.global_step >= self.steps:
+            self._dump(trainer)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._file is not None:  # fewer steps than asked for
+            self._dump(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._file is not None:  # the history up to the failure: what an out-of-memory error needs most
+            self._dump(trainer)
+
+    def _dump(self, trainer: L.Trainer) -> None:
+        path, self._file = self._file, None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.dump(path)
+        self.record_history(False)
+        print(
+            f"memory snapshot ({min(trainer.global_step, self.steps)} optimizer steps): {path}; view it by dropping "
+            "the file on https://pytorch.org/memory_viz, or offline: python -m torch.cuda._memory_viz trace_plot "
+            f"{path} -o {path.with_suffix('.html')}", file=sys.stderr,
+        )
+
+    # -- the seams a CPU test replaces ------------------------------------------------------------
+
+    def record_history(self, on: bool) -> None:
+        torch.cuda.memory._record_memory_history("all" if on else None, max_entries=self.ENTRIES)
+
+    @staticmethod
+    def dump(path: Any) -> None:
+        torch.cuda.memory._dump_snapshot(str(path))
+
+
 class OutOfMemoryReport(L.Callback):
     """On an out-of-memory error, on rank zero: the breakdown the monitor recorded at the failure (phase, batch, live
-    bytes per category, the limit) and one line saying what to run instead (``advise``: the lightest shipped recipe
-    predicted to fit; without it, the command that plans one)."""
+    bytes per category, the limit), the picture of the predicted step with the point where it crosses the limit
+    (``memory.png`` in the run folder, where ``memory`` settings are given), and one line saying what to run instead
+    (``advise``: the lightest shipped recipe predicted to fit; without it, the command that plans one)."""
 
-    def __init__(self, monitor: MemoryMonitor, advise: Optional[Advise] = None) -> None:
-        self.monitor, self.advise = monitor, advise
+    def __init__(self, monitor: MemoryMonitor, advise: Optional[Advise] = None, memory: Optional[MemorySettings] = None) -> None:
+        self.monitor, self.advise, self.memory = monitor, advise, memory
 
     @rank_zero_only
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -338,11 +469,43 @@ class OutOfMemoryReport(L.Callback):
             f"(limit {format_bytes(limit)})",
             file=sys.stderr,
         )
+        if self.memory is not None and limit is not None:
+            line = self._picture(trainer, pl_module, limit)
+            if line:
+                print(line, file=sys.stderr)
         if self.advise is not None and limit is not None:
             print(self.advise(trainer, limit), file=sys.stderr)
         else:
             print("run `python -m lit_memory plan --budget <your GPU memory> <your configs>` for a recipe that fits",
                   file=sys.stderr)
+
+
+    def _picture(self, trainer: L.Trainer, pl_module: L.LightningModule, limit: int) -> str:
+        """The predicted step (the worst case's) drawn against the limit the run crossed, and one line: where."""
+        shape, points = self.monitor.predicted_timeline or (None, None)
+        run_dir = getattr(self.monitor, "run_dir", None)
+        if not points or run_dir is None or not run_dir.is_dir():
+            return ""
+        crossed = picture.crossing(points, limit)
+        record = self.monitor.record(trainer, None, self.monitor.oom)
+        panel = picture.of_record(record, _title(trainer, pl_module), None, self.memory.margin)
+        panel.limit = (limit, "the limit crossed")
+        panel.notes.append(f"out of memory in the {self.monitor.oom['phase']} phase of batch {self.monitor.oom['batch']}")
+        drawn = picture.draw([panel], run_dir / picture.FILE)
+        where = (f"the predicted step crosses the limit {picture.where(crossed)}" if crossed else
+                 "the predicted step stays under the limit: the run needed more than predicted")
+        if drawn is None:
+            return f"{where} (no picture: matplotlib is not installed)"
+        return f"{where}: see the picture of the step, {drawn}"
+
+
+def _title(trainer: L.Trainer, module: L.LightningModule, shape: Any = None) -> str:
+    """The picture's title: the model, the batch (``shape``, else the configured one), the precision, the device."""
+    name = getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("model_name_or_path") or type(module).__name__
+    shape = shape or batch_shape(trainer)
+    batch = f", batch {shape_text(shape)} tokens" if shape else ""
+    per = f", per rank of {trainer.world_size}" if trainer.world_size > 1 else ""
+    return f"one training step: {name}{batch}, {trainer.precision} on {trainer.strategy.root_device.type}{per}"
 
 
 def level(footprint: Footprint) -> int:

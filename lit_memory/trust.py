@@ -24,8 +24,8 @@ user passed ``--trust-recipe``; it is applied where things happen, in three plac
   bound and its YAML's aliases and nesting are bounded before it is built (`bounded_config_reading`,
   `lit_memory.bounds`).
 
-Beyond all of these, ``python -m lit_memory`` holds the box (`lit_memory.box`) for an untrusted command:
-the process itself writes, reads, starts and reaches only what the box allows, whatever class asks.
+Beyond all of these, ``python -m lit_memory`` runs an untrusted training or evaluation in a child process the
+kernel confines (`lit_memory.sandbox`): what it reads, writes and reaches, whatever code asks.
 
 ``--trust-recipe`` lifts all of it. The decision holds for one run (`Decision.applied`: ``python -m lit_memory``
 holds it from the command's first line to its last, the command line's run for each of its phases): jsonargparse's
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from jsonargparse import Namespace
 
-from lit_memory import bounds, box, guard
+from lit_memory import bounds, guard
 from lit_memory.optimizers import IMPORTABLE
 from lit_memory.errors import UserError
 from lit_memory.settings import assign, leaves
@@ -149,6 +149,8 @@ def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
         else:
             text = read_text(self)
         _reading = (str(self._absolute), text)  # the YAML loader names the file it refuses
+        if local:
+            _files_read.add(str(self._absolute))
         return text
 
     bounded = getattr(load, "bounded", False)  # an enclosing untrusted run's: it holds already
@@ -164,6 +166,14 @@ def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
             ConfigPath.read_text = read_text
         _typed_files.clear()
         _typed_files.update(saved_typed)
+
+
+_files_read: set[str] = set()  # every local config file read so far (a confined child reads them again)
+
+
+def files_read() -> set[str]:
+    """The local config files this process's parses read (`lit_memory.sandbox.launch`: what a confined run may read)."""
+    return set(_files_read)
 
 
 def _check(fn: Callable[..., Any], *args: Any) -> Any:
@@ -265,8 +275,8 @@ HF_LOADING_OPTIONS = frozenset({
     "trust_remote_code", "cache_dir", "proxies", "token", "use_auth_token", "revision", "code_revision",
     "subfolder", "force_download", "local_files_only", "gguf_file", "user_agent",
 })
-MIN_CHECKPOINT_STEPS = guard.MIN_CHECKPOINT_STEPS  # a checkpoint every step of a large model fills a disk and starves training
-MAX_KEPT_CHECKPOINTS = guard.MAX_KEPT_CHECKPOINTS
+MIN_CHECKPOINT_STEPS = 50  # a checkpoint every step of a large model fills a disk and starves training
+MAX_KEPT_CHECKPOINTS = 10
 MIN_CHECKPOINT_SECONDS = 60
 MAX_LENGTH = 131072  # tokens: the longest context of the families lit_memory knows
 
@@ -424,6 +434,7 @@ class Decision:
                 "a process of its own"
             )
         with contextlib.ExitStack() as held:
+            _files_read.clear()  # this command's configs from here on
             if not self.trusted:
                 held.enter_context(import_policy())
                 held.enter_context(bounded_config_reading(typed_files))
@@ -432,26 +443,9 @@ class Decision:
             yield self
 
     def confine(self, settings: Namespace) -> None:
-        """Tell this process's box (`lit_memory.box`, held by ``python -m lit_memory`` for an untrusted command)
-        where this run writes: its run folder (``trainer.default_root_dir``, the working folder by default:
-        create-only, since its parent chose it or nobody did; the user's own when typed), the folders the user
-        typed, and which setting names which path (for the refusal lines). The guard is told the typed settings."""
-        typed = dict(leaves(self.typed))
-        guard.set_typed(typed)
-        held = box.active()
-        if held is None or self.trusted:
-            return
-        root = settings.get("trainer.default_root_dir")
-        own = root is not None and self.is_typed("trainer.default_root_dir", root)
-        label = "trainer.default_root_dir" if root else "the working folder: trainer.default_root_dir's default"
-        held.allow(os.path.expanduser(str(root)) if root else os.getcwd(), label, owned=own)
-        for key, value in typed.items():
-            if key.rsplit(".", 1)[-1] in guard.WRITE_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
-                held.allow(value, key, owned=True)
-        held.name_settings(leaves(settings))
-        workers = settings.get("data.num_workers")
-        held.max_children = 2 * max(os.cpu_count() or 1, workers if isinstance(workers, int) else 0) + 4
-        box.publish()
+        """Tell the guard which settings the user typed (theirs: a checkpoint Lightning finds in a folder they
+        typed is theirs too)."""
+        guard.set_typed(dict(leaves(self.typed)))
 
     def typed_callbacks(self, settings: Namespace, callbacks: list[Any]) -> set[int]:
         """Ids of ``callbacks`` (built from ``settings``' ``trainer.callbacks``) whose class spec the user typed on
@@ -508,13 +502,43 @@ def command_line_only(argv: list[str]) -> list[str]:
 
 def typed_values(argv: list[str], parse: Callable[[list[str]], Namespace], subcommand: Optional[str]) -> Namespace:
     """What a parse of the command line alone produces (`command_line_only`), for one subcommand: the
-    user's own values. Empty when it does not parse alone (an override of a callback only a file
-    names, for instance): then nothing is exempt."""
+    user's own values. Where the whole line does not parse alone (an override of a strategy or callback whose
+    class only a file names), each option is parsed on its own and those that parse count: the others are
+    exempt from nothing."""
+    line = command_line_only(argv)
     try:
-        parsed = parse(command_line_only(argv))
-    except Exception:  # noqa: BLE001  any failure: nothing typed is trusted
+        return _of(parse(line), subcommand)
+    except Exception:  # noqa: BLE001  parsed option by option below
+        pass
+    try:
+        base = _of(parse(line[:1]), subcommand)
+    except Exception:  # noqa: BLE001  not even the subcommand alone: nothing typed is trusted
         return Namespace()
+    merged, defaults = base.clone(), dict(base.items(branches=False))
+    for option in _options(line[1:]):
+        try:
+            alone = _of(parse([*line[:1], *option]), subcommand)
+        except Exception:  # noqa: BLE001  this option needs what a file names
+            continue
+        for key, value in alone.items(branches=False):  # jsonargparse's leaves: a dict value is one
+            if not _same(defaults.get(key), value):
+                merged[key] = value
+    return merged
+
+
+def _of(parsed: Namespace, subcommand: Optional[str]) -> Namespace:
     return parsed.get(subcommand, Namespace()) if subcommand else parsed
+
+
+def _options(tokens: list[str]) -> list[list[str]]:
+    """``--key=value`` / ``--key value`` / ``--flag`` tokens, one list per option."""
+    options: list[list[str]] = []
+    for token in tokens:
+        if token.startswith("-") or not options:
+            options.append([token])
+        else:
+            options[-1].append(token)
+    return options
 
 
 def _is_file(value: str) -> bool:

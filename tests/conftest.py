@@ -149,3 +149,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def the_error(stderr: str) -> str:
+    """A refused command's one ``error:`` line, its last: a run confined in a child (`lit_memory.sandbox`) relays
+    the lines Lightning logs before the refusal (``Seed set to 42``, the accelerators), which an in-process run
+    also prints, to its logging handler."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines
+    assert not any(line.startswith("Traceback") for line in lines), lines
+    return errors[0]

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import families as fam
-from conftest import FAST, RECIPES
+from conftest import FAST, RECIPES, the_error
 from lit_memory import eightbit
 from lit_memory.__main__ import main
 from lit_memory.anatomy import Anatomy, parameter_units, skeleton
@@ -256,8 +256,7 @@ def test_lora_that_matches_nothing_stops_before_the_run_folder_exists(tmp_path, 
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--model.lora.target_modules=[nope]", f"--trainer.default_root_dir={root}"])
     assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: model.lora.target_modules (nope) match no layer of")
+    assert the_error(capsys.readouterr().err).startswith("error: model.lora.target_modules (nope) match no layer of")
     assert not root.exists()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, FAST, RECIPES
+from conftest import CONFIGS, FAST, RECIPES, the_error
 from lit_memory import recipes
 from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
@@ -184,7 +184,7 @@ def test_a_last_checkpoint_is_found_by_lightnings_rules_and_checked_before_anyth
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
+    line = the_error(capsys.readouterr().err)
     assert line.startswith(f"error: refusing ckpt_path={str(folder)!r}: its .metadata names code to run when unpickled")
     assert not marker.exists() and not (tmp_path / "runs").exists()
 

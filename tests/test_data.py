@@ -177,7 +177,8 @@ def test_a_users_file_trains_on_all_its_rows_and_the_line_says_where_they_went(t
     dm = make(write_csv(tmp_path / "mine.csv", data), limit_train_samples="auto", max_length=16)
     dm.prepare_data()
     assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [79, 10, 10]  # 99 usable rows, 80/10/10
-    assert dm.summary.startswith(f"data: train 79 · validation 10 · test 10 rows of {tmp_path / 'mine.csv'}; validation "
+    assert dm.summary.startswith(f"data: train 79 · validation 10 · test 10 rows of {tmp_path / 'mine.csv'} "
+                                 "(single_label_classification: 2 classes; text review, label label); validation "
                                  "and test carved out of train 10 % / 10 %; 1 rows dropped")
     share = 100 * sum(1 for r in data if len(r["review"].split()) > 10) / 79  # in train or not: at most this share
     assert dm.summary.endswith("of training texts truncated at max_length 16") and float(dm.summary.split("; ")[-1].split()[0]) <= share
@@ -216,7 +217,9 @@ def test_a_hub_dataset_is_named_with_its_configuration_and_its_own_splits(tmp_pa
     assert asked == [("nyu-mll/glue", "mnli")]
     assert dm.task.columns.text == ("premise", "hypothesis") and dm.task.label_names == tuple(names)
     assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [30, 9, 9]
-    assert "rows of nyu-mll/glue (mnli); its test split has no labels: testing on validation" in dm.summary
+    assert ("rows of nyu-mll/glue (mnli) (single_label_classification: 3 classes (entailment, neutral, contradiction); "
+            "text premise + hypothesis (a pair), label label); its test split has no labels: testing on validation"
+            in dm.summary)
     with pytest.raises(UserError, match=r"^split 'validation' not found in nyu-mll/glue \(mnli\); its splits are "
                                         r"\['test_matched', 'train', 'validation_matched', 'validation_mismatched'\] \(data.validation_split\)"):
         make("nyu-mll/glue", subset="mnli", validation_split="validation").prepare_data()

@@ -145,29 +145,6 @@ def test_the_checkpoint_io_of_any_strategy(decision, tmp_path):
     assert torch.equal(torch.load(tmp_path / "sub" / "ok.ckpt")["w"], torch.ones(1))
 
 
-def test_a_run_removes_only_checkpoints_it_saved(tmp_path, monkeypatch):
-    """A resumed checkpoint's callback state names the checkpoints a ModelCheckpoint removes later, and an
-    OnExceptionCheckpoint removes its file at every teardown, whoever wrote it."""
-    from lightning.pytorch import Trainer
-
-    monkeypatch.setattr(guard, "_trusted", False)
-    monkeypatch.setattr(guard, "_written", set())
-    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
-    guard.install(trainer)
-    yours = tmp_path / "important"
-    yours.mkdir()
-    (yours / "thesis.tex").write_text("years")
-    with pytest.warns(UserWarning, match="this run did not write it"):
-        trainer.strategy.remove_checkpoint(yours)
-    assert (yours / "thesis.tex").exists()
-    (tmp_path / "link.ckpt").symlink_to(yours)
-    trainer.strategy.remove_checkpoint(tmp_path / "link.ckpt")  # the link goes, not what it points at
-    assert not (tmp_path / "link.ckpt").is_symlink() and (yours / "thesis.tex").exists()
-    trainer.strategy.save_checkpoint({"w": torch.ones(1)}, tmp_path / "mine.ckpt")
-    trainer.strategy.remove_checkpoint(tmp_path / "mine.ckpt")
-    assert not (tmp_path / "mine.ckpt").exists()
-
-
 def test_a_checkpoint_lightning_picks_by_itself_is_the_users_only_in_a_folder_they_typed(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

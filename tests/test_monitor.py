@@ -94,6 +94,7 @@ def test_memory_is_measured_by_default_and_configurable(capsys):
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["memory"] == {
         "track_steps": 2, "budget": None, "simulate": False, "tier": None, "allocator": None, "margin": 0.08,
+        "snapshot": None, "snapshot_steps": 2, "picture": True,
     }
 
 
@@ -113,8 +114,13 @@ def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, cap
         )
     assert exit_.value.code == 1
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith(("/", " "))]
-    report, suggestion, error = err[-3:]
+    report, drawn, suggestion, error = err[-4:]
     assert report.startswith("out of memory in the forward phase of batch 0: ")
+    # the predicted step drawn against the limit: where it crosses it, in the run folder
+    run_dir = next(tmp_path.rglob("memory.json")).parent
+    assert drawn.startswith("the predicted step crosses the limit ")
+    assert drawn.endswith(f": see the picture of the step, {run_dir / 'memory.png'}")
+    assert (run_dir / "memory.png").read_bytes()[:4] == b"\x89PNG"
     assert all(name in report for name in CATEGORIES) and report.endswith("(limit 600.00 MiB)")
     assert suggestion.startswith("lightest shipped recipe predicted to fit 600.00 MiB: --config recipes/")
     suggested = suggestion.split("--config ")[1].split()[0]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_memory import box, files, recipes
+from lit_memory import files, recipes
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.environment import for_new_job
 from lit_memory.errors import UserError
@@ -551,10 +551,6 @@ def main(argv: list[str]) -> None:
         f"recipes/{recipes.MEASURED}, which `recipes list` reads",
     )
     args, user_args = parser.parse_known_args(argv)
-    box.allow_output(args.out, "--out")
-    if args.update_readme:  # the checkout's tables, which this option asks to rewrite
-        box.allow_output(recipes.recipes_dir(), "--update-readme")
-        box.allow_output(recipes.recipes_dir().parent / "README.md", "--update-readme", file=True)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.warmup < MIN_WARMUP:

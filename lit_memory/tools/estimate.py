@@ -3,6 +3,10 @@ the CUDA caching allocator's reserve, the device as ``nvidia-smi`` shows it), pr
 analytic model and the simulated step (`lit_memory.memory.prediction.predict`), for the run ``fit`` would train with
 the same arguments, on the GPU the options describe (this machine's when it has one).
 
+``--plot FILE`` draws the predicted step point by point (`lit_memory.memory.measure.picture`: the predicted half of a
+fit's ``memory.png``); ``--vs`` separates the arguments of further runs drawn beside it (each inherits the options
+before it), e.g. ``estimate --gpu rtx3050-4gb --plot cmp.png --config recipes/bf16.yaml --vs --config recipes/4gb.yaml``.
+
 ``--published`` prints the table of published GPU measurements against these predictions
 (`lit_memory.tools.published`); ``--published --update-docs`` writes it into docs/memory.md.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any, Optional
 
 import torch
@@ -247,7 +252,23 @@ def main(argv: list[str]) -> None:
         help="print published GPU measurements beside lit_memory's predictions (docs/memory.md's table)",
     )
     parser.add_argument("--update-docs", action="store_true", help="with --published: write the table into docs/memory.md")
-    ours, rest = parser.parse_known_args(argv)
+    parser.add_argument(
+        "--plot", metavar="FILE", default=None,
+        help="draw the predicted step into the PNG FILE: each category's bytes layer by layer through forward, "
+        "backward and the optimizer step, against the card and the budget (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--vs", action="store_true",
+        help="what follows is another run, drawn beside the first with --plot (it inherits the options before it, "
+        "e.g. --gpu; give it its own --config)",
+    )
+    segments = split_runs(argv)
+    ours, rest = parser.parse_known_args(segments[0])
+    if len(segments) > 1 and ours.plot is None:
+        raise UserError("--vs compares runs in a picture: give --plot FILE")
+    if ours.plot is not None:
+        plot(parser, ours, rest, segments[1:])
+        return
     if ours.published:
         from lit_memory.tools.published import main as published
 
@@ -263,6 +284,74 @@ def main(argv: list[str]) -> None:
         predictions["analytic"].notes.append(declined)
     data = report(step, predictions, counted)
     print(json.dumps(data, indent=2) if ours.json else format_report(data))
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+    """The arguments of each run ``--vs`` separates."""
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--vs":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    if any(not run for run in runs[1:]):
+        raise UserError("--vs needs the arguments of the run to compare after it, e.g. --vs --config recipes/4gb.yaml")
+    return runs
+
+
+def plot(parser: argparse.ArgumentParser, ours: argparse.Namespace, rest: list[str], others: list[list[str]]) -> None:
+    """Each run's report and its predicted step, drawn side by side into ``ours.plot``."""
+    from lit_memory.memory.measure import picture
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("--plot draws with matplotlib, which is not installed: pip install 'lit-memory[plot]'") from None
+    runs = [(ours, rest)]
+    for argv in others:  # each inherits the options before it
+        runs.append(parser.parse_known_args(argv, namespace=argparse.Namespace(**vars(runs[-1][0]))))
+    panels = []
+    for i, (options, fit_args) in enumerate(runs):
+        step = step_of(fit_args, options)
+        predictions = predict(step, simulated=False)
+        data = report(step, predictions)
+        print(("\n" if i else "") + (json.dumps(data) if ours.json else format_report(data)))
+        panels.append(panel(step, predictions["analytic"], run_title(fit_args, step)))
+    drawn = picture.draw(panels, ours.plot, "one training step, predicted (python -m lit_memory estimate --plot)")
+    print(f"memory picture: {drawn}")
+
+
+def panel(step: Step, prediction: Prediction, title: str) -> Any:
+    """The picture of a step not yet run: the analytic model's step point by point (`Prediction.timeline`)."""
+    from lit_memory.memory.measure.picture import Panel
+    from lit_memory.memory.prediction.analytic import analytic
+
+    points = analytic(step, levels=False, timeline=True).timeline
+    fit = verdict(step, prediction.footprint)
+    gpu = step.target.gpu if step.target.cuda_device else None
+    return Panel(
+        title=title,
+        predicted=points,
+        device=prediction.footprint.device,
+        budget=step.memory.budget.bytes if step.memory.budget else None,
+        capacity=gpu.memory if gpu else None,
+        margin=step.margin,
+        notes=[f"verdict: {fit.line()}"] if fit else [],
+    )
+
+
+def run_title(fit_args: list[str], step: Step) -> str:
+    """A run in words: its configs and overrides, the batch, the card."""
+    shown, it = [], iter(fit_args)
+    for arg in it:
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else next(it, "")
+            relative = os.path.relpath(path) if os.path.isabs(path) else path
+            shown.append(relative if not relative.startswith("..") else os.path.basename(path))
+        elif arg.startswith("--"):
+            shown.append(arg[2:])
+    where = step.target.gpu.label if step.target.cuda_device else step.device
+    return f"{' + '.join(shown) or 'the defaults'}: batch {step.batch_size} x {step.max_length}, {step.precision.name}, on {where}"
 
 
 def device_line(footprint: Optional[Footprint]) -> str:

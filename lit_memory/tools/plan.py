@@ -31,7 +31,7 @@ import torch
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from lit_memory import box, files
+from lit_memory import files, guard
 from lit_memory.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
@@ -461,7 +461,12 @@ def main(argv: list[str]) -> None:
         "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
     )
     ours, rest = parser.parse_known_args(argv)
-    box.allow_output(ours.output, "--output", file=True)
+    if ours.measure and guard.restricted():
+        raise UserError(
+            "plan --measure trains each candidate in this process, which an untrusted command's training never does "
+            "(it runs confined: docs/sharing.md); pass --trust-recipe only if you trust the configs' source, or plan "
+            "without --measure"
+        )
     budget = capacity(ours.budget)
     card = gpu_key(ours.budget) if is_gpu_name(ours.budget) else None
     base = step_of(rest, ours)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_memory import box, files, recipes
+from lit_memory import files, recipes
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 
@@ -270,7 +270,6 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere)")
     if recipes.recipes_dir() != recipes.CHECKOUT:
         raise UserError("--gpu-proof writes docs/gpu/ of a checkout: run it from a clone of the repository")
-    box.allow_output(out, "--out")  # the runs, logs and data go where the user said (default bench/)
     entries = entries_of(names)
     data = synthetic_csv(out / "synthetic.csv")
     extras = {e: extra_args(e) for e in entries}
@@ -293,7 +292,6 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
     target = DOCS / f"{gpu_name()}.json"
     if not target.parent.is_dir():  # a checkout has it (docs/gpu/README.md); a copy without it gets it back
         target.parent.mkdir(parents=True)
-    box.allow_output(target, "--gpu-proof", file=True)  # the checkout's docs/gpu/<gpu>.json, which this command writes
     info: dict[str, Any] = {
         "command": command,
         "note": "BERT-large from its config (random weights), batch as each recipe states, synthetic 128-token rows; "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lit_memory import box, files
+from lit_memory import files
 from lit_memory.cli import resolve
 from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.hardware.gpus import GPUS, MiB, Target
@@ -346,7 +346,6 @@ def update_docs(text: str, path: Path = DOCS) -> None:
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if not pattern.search(content):
         raise ValueError(f"{path} has no published-table markers")
-    box.allow_output(path, "--update-docs", file=True)  # the checkout's docs, which this option asks to rewrite
     files.write_text(path, pattern.sub(lambda _: f"{start}\n{text}\n{end}", content))
 
 

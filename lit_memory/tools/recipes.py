@@ -318,12 +318,15 @@ BOUNDED_DURING_RUN = ("num_workers", "max_length")
 
 
 def later_refusals(settings: Namespace) -> list[str]:
-    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`),
-    found from the settings alone: a checkpoint Lightning would resume from by itself (an
-    OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model
-    folder that cannot load without running its code or unpickling more than weights, and links planted
-    in an existing folder the settings name for writing."""
+    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`)
+    or before its confined child starts (`lit_memory.sandbox.rules`), found from the settings alone: a checkpoint
+    Lightning would resume from by itself (an OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's
+    root folder), a local model folder that cannot load without running its code or unpickling more than weights,
+    a run folder the recipe chooses that is not new under the working folder, a template walking Python's objects,
+    free-form keyword dictionaries."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from lit_memory.sandbox import rules
 
     found = []
     for key, callback in leaves_of_class(settings, OnExceptionCheckpoint):
@@ -338,92 +341,18 @@ def later_refusals(settings: Namespace) -> list[str]:
         value = settings.get(key)
         if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
             found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
-    run_folder = Path(os.path.expanduser(str(settings.get("trainer.default_root_dir") or "."))).absolute()
-    for key, value in leaves(settings):
-        if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and value and not guard.is_remote(value):
-            planted = [p for p in files.planted_links(value, depth=guard.LINK_DEPTH) if not guard.own_checkpoint_link(p)]
-            if planted:
-                found.append(f"{key}: {planted[0]} is a link in a folder a run writes into (it would write through it)")
-            place = Path(os.path.expanduser(value)).absolute()
-            if not (place == run_folder or run_folder in place.parents):
-                found.append(f"{key}: {value} is outside the run folder {run_folder} (an untrusted run writes only there)")
-    found += _kept_checkpoints(settings) + _replaced(settings, run_folder) + _replaced_last(settings)
+    chosen = [(key, value) for key, value in leaves(settings)
+              if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and value]
+    plain = settings.as_dict()
+    for check in (lambda: rules.check_roots(chosen, os.getcwd(), rules.owned_folders()),
+                  lambda: rules.check_templates(plain), lambda: rules.check_free_kwargs(plain)):
+        try:
+            check()
+        except UserError as err:
+            found.append(str(err).split("; pass --trust-recipe")[0].removeprefix("refusing "))
     for key, value in leaves(settings):
         if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN:
             found.append(f"{key}: {value!r} would be scaled during the run past the bound that holds for data.{value}")
-    return found
-
-
-def _kept_checkpoints(settings: Namespace) -> list[str]:
-    """What the run's check over all checkpoint callbacks (`lit_memory.guard.checkpoint_load`) will refuse once
-    its data is loaded, judged from the settings: how many are kept, and how often they save where the epoch's
-    length is known here (an integer ``trainer.limit_train_batches``)."""
-    from types import SimpleNamespace
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    callbacks = []
-    for _, spec in leaves_of_class(settings, ModelCheckpoint):
-        init = spec.get("init_args") or Namespace()
-        steps, epochs = init.get("every_n_train_steps"), init.get("every_n_epochs")
-        if steps is None and epochs is None and init.get("train_time_interval") is None:
-            epochs = 1  # Lightning's default: every epoch
-        callbacks.append(SimpleNamespace(
-            _every_n_train_steps=steps or 0, _every_n_epochs=epochs or 0, save_last=init.get("save_last"),
-            save_top_k=init.get("save_top_k", 1) if isinstance(init.get("save_top_k", 1), int) else 1,
-            monitor=init.get("monitor"),
-        ))
-    batches = settings.get("trainer.limit_train_batches")
-    accumulate = settings.get("trainer.accumulate_grad_batches")
-    trainer = SimpleNamespace(
-        checkpoint_callbacks=callbacks,
-        num_training_batches=batches if isinstance(batches, int) and not isinstance(batches, bool) else float("inf"),
-        accumulate_grad_batches=accumulate if isinstance(accumulate, int) else 1,
-        max_steps=settings.get("trainer.max_steps") or -1, max_epochs=settings.get("trainer.max_epochs"),
-    )
-    problem = guard.checkpoint_load(trainer)
-    return [f"trainer.callbacks: {problem}"] if problem else []
-
-
-def _replaced(settings: Namespace, run_folder: Path) -> list[str]:
-    """What a run would replace without having made it, in a folder the recipe chose that the run writes
-    straight into (no logger, or a logger with no name and version folders): its files of fixed names
-    (`lit_memory.guard.RUN_FILES`) and ``save_pretrained``'s ``hf_model``."""
-    found, folders = [], []
-    if settings.get("trainer.logger") is False:
-        folders.append(("trainer.default_root_dir", run_folder))
-    for key, spec in _specs(settings.get("trainer.logger")):
-        init = spec.get("init_args") or Namespace()
-        if init.get("save_dir") and init.get("name") == "" and init.get("version") == "":
-            folders.append((f"trainer.logger{key}.init_args.save_dir", Path(os.path.expanduser(str(init.get("save_dir"))))))
-    for key, folder in folders:
-        names = [*guard.RUN_FILES, *(["hf_model"] if settings.get("model.save_pretrained") and key == "trainer.default_root_dir" else [])]
-        for name in names:
-            if os.path.lexists(folder / name):
-                found.append(f"{key}: the run would replace {folder / name}, which it did not make")
-    return found
-
-
-def _specs(value: Any) -> list[tuple[str, Namespace]]:
-    """(index suffix, spec) of a class spec or a list of them."""
-    if isinstance(value, Namespace) and "class_path" in value:
-        return [("", value)]
-    if isinstance(value, list):
-        return [(f".{i}", v) for i, v in enumerate(value) if isinstance(v, Namespace) and "class_path" in v]
-    return []
-
-
-def _replaced_last(settings: Namespace) -> list[str]:
-    """A ``last.ckpt`` that ``save_last`` without a version counter would replace (a folder: removed whole)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    found = []
-    for key, spec in leaves_of_class(settings, ModelCheckpoint):
-        init = spec.get("init_args") or Namespace()
-        if init.get("dirpath") and init.get("save_last") and init.get("enable_version_counter") is False:
-            last = Path(os.path.expanduser(str(init.get("dirpath")))) / "last.ckpt"
-            if os.path.lexists(last):
-                found.append(f"{key}: save_last would replace {last}, which the run did not make")
     return found
 
 

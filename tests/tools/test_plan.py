@@ -124,9 +124,21 @@ def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
     assert records.measured_peak(memory) <= 60 * MiB
 
 
+def test_measure_is_refused_untrusted_in_one_line_and_writes_nothing(tmp_path, capsys):
+    """``--measure`` trains each candidate in this process: an untrusted command's training runs only confined."""
+    out = tmp_path / "planned.yaml"
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--budget", "8GiB", "--device", "cpu", "--measure", "--output", str(out), *TINY])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: plan --measure trains each candidate in this process") and "--trust-recipe" in line
+    assert not out.exists()
+
+
 def test_measure_times_the_best_candidates(tmp_path, capsys):
     out = tmp_path / "planned.yaml"
-    main(["plan", "--budget", "8GiB", "--device", "cpu", "--measure", "--no-simulate", "--output", str(out), *TINY])
+    main(["plan", "--budget", "8GiB", "--device", "cpu", "--measure", "--no-simulate", "--output", str(out), *TINY,
+          "--trust-recipe"])
     assert capsys.readouterr().out.count("s per optimizer step") == 3
     recipe = yaml.safe_load(out.read_text())
     # Everything fits 8 GiB: the measured choice is among the rule's three best, all unaccumulated.

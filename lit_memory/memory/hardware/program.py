@@ -73,16 +73,27 @@ class StepModel:
 
 
 class _Trace:
+    """The events, and for the picture of a step (`timeline`) each allocation's category and the marks that name
+    where in the step the events are (``marking``: the steady-state step only)."""
+
     def __init__(self) -> None:
         self.events: list[Event] = []
         self._next = 0
+        self.kinds: dict[int, str] = {}  # key -> category (weights, gradients, optimizer, activations, other)
+        self.marks: list[tuple[int, str]] = []  # (events so far, label)
+        self.marking = False
 
-    def alloc(self, size: int) -> Optional[int]:
+    def alloc(self, size: int, kind: str = "other") -> Optional[int]:
         if size <= 0:
             return None
         self._next += 1
         self.events.append(("+", self._next, int(size)))
+        self.kinds[self._next] = kind
         return self._next
+
+    def mark(self, label: str) -> None:
+        if self.marking:
+            self.marks.append((len(self.events), label))
 
     def free(self, *keys: Optional[int]) -> None:
         for key in keys:
@@ -94,12 +105,47 @@ class _Trace:
 
 
 def events(m: StepModel) -> list[Event]:
+    return trace(m).events
+
+
+def timeline(m: StepModel) -> list[dict]:
+    """The steady-state step as points a picture draws (`lit_memory.memory.measure.picture`): at each mark (each
+    layer's forward, each layer's backward, each fused bucket's step or the optimizer step), and at the highest
+    point between two marks, the bytes alive per category. What the allocator reserves is not in it."""
+    t = trace(m)
+    live = dict.fromkeys(("weights", "gradients", "optimizer", "activations", "other"), 0)
+    sizes: dict[int, int] = {}
+    points: list[dict] = []
+    marks = iter(t.marks)
+    mark = next(marks, None)
+    started = False  # from the first mark on (the steady state's micro-batch)
+    peak, peak_live = -1, dict(live)
+    for index, event in enumerate(t.events, start=1):
+        if event[0] == "+":
+            sizes[event[1]] = event[2]
+            live[t.kinds[event[1]]] += event[2]
+        elif event[0] == "-":
+            live[t.kinds[event[1]]] -= sizes.pop(event[1], 0)
+        total = sum(live.values())
+        if started and total > peak:
+            peak, peak_live = total, dict(live)
+        while mark is not None and mark[0] == index:
+            if started and peak > total:  # the highest point since the last mark, where it was above this one
+                points.append({"label": f"{mark[1]} (peak)", "categories": peak_live, "between": True})
+            points.append({"label": mark[1], "categories": dict(live)})
+            mark = next(marks, None)
+            started = True
+            peak, peak_live = -1, dict(live)
+    return points
+
+
+def trace(m: StepModel) -> _Trace:
     t = _Trace()
     t.phase("setup")
     n = m.shards
     for p in m.params:  # the model moved to the device, parameter by parameter (never freed)
-        t.alloc(-(-p.bytes // n))
-    t.alloc(m.buffers)
+        t.alloc(-(-p.bytes // n), "weights")
+    t.alloc(m.buffers, "weights")
     grads: dict[int, Optional[int]] = {}
     states: dict[int, list[Optional[int]]] = {}
     workspaces: list[Optional[int]] = []
@@ -112,9 +158,9 @@ def events(m: StepModel) -> list[Event]:
         into the existing one (accumulating, or zeroed in place) through a temporary."""
         size = -(-m.params[i].bytes // n)
         if grads.get(i) is None:
-            grads[i] = t.alloc(size)
+            grads[i] = t.alloc(size, "gradients")
         else:
-            t.free(t.alloc(size))
+            t.free(t.alloc(size, "other"))
 
     def free_grads(indices) -> None:
         for i in indices:
@@ -123,15 +169,15 @@ def events(m: StepModel) -> list[Event]:
     def step_optimizer(indices, temps) -> None:
         for i in indices:
             if i not in states:
-                states[i] = [t.alloc(-(-s // n)) for s in m.states[i]]
+                states[i] = [t.alloc(-(-s // n), "optimizer") for s in m.states[i]]
         for group in temps:
-            t.free(*[t.alloc(-(-s // n)) for s in group])
+            t.free(*[t.alloc(-(-s // n), "optimizer") for s in group])
 
     def micro_batch(accumulating: bool) -> None:
         t.phase("forward")
         if not workspaces:
-            workspaces.append(t.alloc(m.workspace))
-        batch = t.alloc(m.batch)
+            workspaces.append(t.alloc(m.workspace, "other"))
+        batch = t.alloc(m.batch, "other")
         forward_keys = _forward(t, m, layer_params)
         if m.gradients == "before_backward" and not accumulating:
             free_grads(list(grads))
@@ -149,20 +195,28 @@ def events(m: StepModel) -> list[Event]:
                 for b, bucket in enumerate(m.buckets):
                     if i in bucket and all(j in done for j in bucket):
                         step_optimizer(bucket, m.bucket_temps[b] if b < len(m.bucket_temps) else [])
+                        t.mark(f"step: bucket {b + 1} of {len(m.buckets)}")
                         free_grads(bucket)
 
         _backward(t, m, forward_keys, layer_params, arrived, keep=False)
         t.free(batch)
 
-    for _ in range(2):  # the first step creates the optimizer state; the second is the steady state
-        for micro in range(2 if m.accumulate > 1 else 1):
+    for step in range(2):  # the first step creates the optimizer state; the second is the steady state
+        micros = 2 if m.accumulate > 1 else 1
+        for micro in range(micros):
+            t.marking = step == 1 and micro == micros - 1  # the picture: the steady state's last micro-batch
+            if t.marking:
+                t.mark("start")
             micro_batch(accumulating=micro > 0)
         t.phase("step")
         if not m.fused:
             step_optimizer([i for i, p in enumerate(m.params) if p.trainable], m.step_temps)
+            t.mark("optimizer step")
             if m.gradients == "after_step":
                 free_grads(list(grads))
-    return t.events
+                t.mark("gradients freed")
+        t.marking = False
+    return t
 
 
 # Tensors a layer keeps that have no gradient: masks, statistics, the kernel's bias and log-sum-exp.
@@ -175,7 +229,7 @@ def _run_layer(t: _Trace, layer: LayerRun, tokens: int) -> list[tuple[str, Optio
     for tensor in layer.tensors:
         if tensor.name == "input":
             continue  # the previous layer's output
-        key = t.alloc(tensor.bytes * tokens)
+        key = t.alloc(tensor.bytes * tokens, "activations")
         if tensor.kept:
             kept.append((tensor.name, key))
         else:
@@ -191,7 +245,7 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
     cache: list[Optional[int]] = []  # autocast's weight cache: alive to the end of the forward pass
 
     def copies(layer_key, trains: bool) -> list[Optional[int]]:
-        made = [t.alloc(m.params[i].copy) for i in layer_params.get(layer_key, []) if m.params[i].copy]
+        made = [t.alloc(m.params[i].copy, "other") for i in layer_params.get(layer_key, []) if m.params[i].copy]
         if m.autocast_cache and any(m.params[i].trainable for i in layer_params.get(layer_key, [])):
             cache.extend(made)
             return []
@@ -202,20 +256,21 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
 
     if gather:  # the root unit (embeddings, head) is gathered from its forward to the end of backward
         root = layer_params.get(None, []) + layer_params.get("head", [])
-        keys["gathered"]["root"] = t.alloc(sum(m.params[i].bytes for i in root))
-    emb = [t.alloc(x.bytes * tokens) for x in m.embeddings]
+        keys["gathered"]["root"] = t.alloc(sum(m.params[i].bytes for i in root), "weights")
+    emb = [t.alloc(x.bytes * tokens, "activations") for x in m.embeddings]
     keys["embeddings"] = [k for k, x in zip(emb, m.embeddings) if x.kept]
     t.free(*[k for k, x in zip(emb, m.embeddings) if not x.kept])
-    previous = t.alloc(m.hidden_bytes * tokens)  # the embeddings' output: the first layer's input
+    previous = t.alloc(m.hidden_bytes * tokens, "activations")  # the embeddings' output: the first layer's input
+    t.mark("forward: embeddings")
     for index, layer in enumerate(m.layers):
         if gather:
-            keys["gathered"][index] = t.alloc(sum(m.params[i].bytes for i in layer_params.get(index, [])))
+            keys["gathered"][index] = t.alloc(sum(m.params[i].bytes for i in layer_params.get(index, [])), "weights")
         layer_copies = copies(index, layer.trains)
         kept = _run_layer(t, layer, tokens)
         if not layer.trains:
             t.free(*[key for _, key in kept])
             kept = []
-        output = t.alloc(m.hidden_bytes * tokens)
+        output = t.alloc(m.hidden_bytes * tokens, "activations")
         if layer.input_kept and layer.trains:
             kept.insert(0, ("input", previous))
         else:
@@ -223,16 +278,18 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
         if layer.checkpoint and layer.trains:
             # only the layer's input (and selective's matmul outputs) stays; backward recomputes the rest
             t.free(*[key for _, key in kept], *layer_copies)
-            kept = [("checkpoint_input", None if m.offload else t.alloc(m.hidden_bytes * tokens))]
+            kept = [("checkpoint_input", None if m.offload else t.alloc(m.hidden_bytes * tokens, "activations"))]
             if layer.checkpoint == "selective":
-                kept.append(("selective", t.alloc(m.selective * tokens)))
+                kept.append(("selective", t.alloc(m.selective * tokens, "activations")))
             layer_copies = []
         keys["layers"][index] = kept
         keys["copies"][index] = layer_copies
         if gather:
             t.free(keys["gathered"].pop(index))
         previous = output
-    keys["head"] = [t.alloc(size) for size in m.head]
+        t.mark(f"forward: layer {index + 1}")
+    keys["head"] = [t.alloc(size, "activations") for size in m.head]
+    t.mark("forward: head and loss")
     keys["last"] = previous  # the last hidden state (the pooler's input)
     t.free(*cache)  # autocast's context ends with the forward pass
     return keys
@@ -249,22 +306,22 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
             arrived(i)
     if not keep:
         t.free(*keys["head"], keys["last"])
-    incoming = t.alloc(m.hidden_bytes * tokens)  # the gradient of the residual stream
+    incoming = t.alloc(m.hidden_bytes * tokens, "other")  # the gradient of the residual stream
     for index in reversed(range(len(m.layers))):
         layer = m.layers[index]
         if not layer.trains:
             break
         if gather:
-            gathered = t.alloc(sum(m.params[i].bytes for i in layer_params.get(index, [])))
+            gathered = t.alloc(sum(m.params[i].bytes for i in layer_params.get(index, [])), "weights")
         saved = list(keys["layers"].get(index, []))
         recomputed: list[tuple[str, Optional[int]]] = []
         copies: list[Optional[int]] = []
         if layer.checkpoint:
             if m.offload:
-                recomputed.append(("input", t.alloc(m.hidden_bytes * tokens)))  # back from the host
-            copies = [t.alloc(m.params[i].copy) for i in layer_params.get(index, []) if m.params[i].copy]
+                recomputed.append(("input", t.alloc(m.hidden_bytes * tokens, "activations")))  # back from the host
+            copies = [t.alloc(m.params[i].copy, "other") for i in layer_params.get(index, []) if m.params[i].copy]
             recomputed += _run_layer(t, layer, tokens)
-        unsharded = [t.alloc(m.params[i].bytes) for i in layer_params.get(index, []) if m.params[i].trainable] if gather else []
+        unsharded = [t.alloc(m.params[i].bytes, "gradients") for i in layer_params.get(index, []) if m.params[i].trainable] if gather else []
         # what this layer's backward releases: the recomputed tensors, or (unless the graph is kept) the saved ones
         live = dict(recomputed) if layer.checkpoint else ({} if keep else dict(saved))
         trained = [i for i in layer_params.get(index, []) if m.params[i].trainable]
@@ -274,7 +331,7 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
         gradient = None
         for tensor in reversed(layer.tensors):
             if not any(word in tensor.name for word in NO_GRADIENT):
-                made = t.alloc(tensor.bytes * tokens)
+                made = t.alloc(tensor.bytes * tokens, "other")
                 t.free(gradient)
                 gradient = made
             if tensor.name == "ffn_in":
@@ -289,11 +346,13 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
         t.free(*[key for _, key in live.items()], *copies)
         if not keep:
             t.free(*[key for name, key in saved if layer.checkpoint], *keys["copies"].get(index, []))
-        outgoing = t.alloc(m.hidden_bytes * tokens)
+        outgoing = t.alloc(m.hidden_bytes * tokens, "other")
         t.free(incoming)
         incoming = outgoing
         if gather:
             t.free(gathered)
+        if not keep:
+            t.mark(f"backward: layer {index + 1}")
     for i in layer_params.get(None, []):
         if m.params[i].trainable:
             arrived(i)
@@ -302,3 +361,5 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
         if gather:
             t.free(keys["gathered"].pop("root", None))
     t.free(incoming)
+    if not keep:
+        t.mark("backward: embeddings")

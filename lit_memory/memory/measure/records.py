@@ -36,11 +36,13 @@ def memory_record(
     measured: dict[str, Any],
     ranks: Optional[list[dict[str, Any]]] = None,
     oom: Optional[dict[str, Any]] = None,
+    timeline: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The content of ``memory.json``. Every number is for one rank (one device); ``measured`` is
     rank 0's and ``ranks`` has every rank's when there are several. ``predicted`` is for ``batch_shape`` (the
     worst case: every batch padded to max_length); ``predicted_at_longest`` for the longest batch the tracked
-    steps (``tracked``) and all steps (``all``, on CUDA) saw, ``longest_batch``, where padding made it shorter."""
+    steps (``tracked``) and all steps (``all``, on CUDA) saw, ``longest_batch``, where padding made it shorter;
+    ``timeline`` the step point by point, predicted and measured (what ``memory.png`` draws)."""
     tracked = measured.get("tracked")
     return {
         "schema": MEMORY_SCHEMA,
@@ -65,6 +67,7 @@ def memory_record(
         },
         "ranks": ranks,
         "oom": oom,
+        "timeline": timeline,
     }
 
 

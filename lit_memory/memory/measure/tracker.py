@@ -84,6 +84,31 @@ class Tracker(MemTracker):
         self._paused = False
         self._mod_tracker = _ForwardCalls()
         self._seen_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        # The step point by point, for the picture of a step (`watch_layers`): each layer's forward and backward,
+        # the phases' edges, as the analytic model's timeline names them (`lit_memory.memory.hardware.program`).
+        self.timeline: Optional[list[dict]] = None
+        self._layer_index: dict[int, int] = {}
+        self._layer_of_param: dict[int, int] = {}
+        self._waiting: dict[int, int] = {}  # layer -> gradients not arrived in this backward
+        self._layer_sizes: dict[int, int] = {}
+
+    def watch_layers(self, layers: list[torch.nn.Module]) -> None:
+        """Record the step's points (`timeline`): the tracked tensors per category after each of ``layers``' forward
+        and after its last gradient arrives in backward, and at the phases' edges."""
+        self.timeline = []
+        self._layer_index = {id(m): i for i, m in enumerate(layers)}
+        self._layer_of_param = {id(p): i for i, m in enumerate(layers) for p in m.parameters() if p.requires_grad}
+        self._layer_sizes = {}
+        for i in self._layer_of_param.values():
+            self._layer_sizes[i] = self._layer_sizes.get(i, 0) + 1
+        self._waiting = dict(self._layer_sizes)
+
+    def point(self, label: str) -> None:
+        if self.timeline is not None:
+            point = {"label": label, "categories": self.categories()}
+            if self.device.type == "cuda":
+                point["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            self.timeline.append(point)
 
     # -- module hooks: only what the categories need ---------------------------------------------
 
@@ -102,6 +127,8 @@ class Tracker(MemTracker):
         if self._ac_mod is not None and self._ac_mod() is module:
             self._ac_mod = None
             self._in_ac = False
+        if id(module) in self._layer_index and not self._mod_tracker.is_bw and self.phase == "forward":
+            self.point(f"forward: layer {self._layer_index[id(module)] + 1}")
 
     def _pre_bw_hook(self, module: Optional[torch.nn.Module], args: Any) -> None:
         pass  # never called: `_ForwardCalls` installs no backward hooks
@@ -120,9 +147,17 @@ class Tracker(MemTracker):
                 if param.requires_grad and param not in self._param_to_grad_hook_handles:
                     self._param_to_grad_hook_handles[param] = (
                         param.register_hook(self._label_gradient),
-                        param.register_post_accumulate_grad_hook(lambda p: self._label_gradient(p.grad)),
+                        param.register_post_accumulate_grad_hook(self._gradient_arrived),
                     )
         return sizes
+
+    def _gradient_arrived(self, param: torch.Tensor) -> None:
+        self._label_gradient(param.grad)
+        layer = self._layer_of_param.get(id(param))
+        if layer is not None and self.timeline is not None and self.phase == "backward":
+            self._waiting[layer] -= 1
+            if self._waiting[layer] == 0:  # the layer's backward is done (and under the fused step, its bucket stepped)
+                self.point(f"backward: layer {layer + 1}")
 
     def _label_gradient(self, grad: Optional[torch.Tensor]) -> None:
         if grad is not None:
@@ -219,7 +254,12 @@ class Tracker(MemTracker):
         return sum(snap["Total"] for dev, snap in self._curr_mem_snap.items() if self._counts(dev))
 
     def enter_phase(self, phase: str) -> None:
+        if phase == "backward":
+            self.point("forward: head and loss")
+            self._waiting = dict(self._layer_sizes)
         self._close_phase()
+        if phase == "forward":
+            self.point("start")
         # Restart the peak from what is live now, exactly as MemTracker.__enter__ initialises it.
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
@@ -231,6 +271,8 @@ class Tracker(MemTracker):
     def _close_phase(self) -> None:
         if self.phase is not None:
             self.footprint.add(self.phase, self.categories("peak"))
+            if self.phase == "step":
+                self.point("optimizer step")
         self.phase = None
 
     def __exit__(self, *args: Any) -> None:

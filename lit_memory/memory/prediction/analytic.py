@@ -68,9 +68,10 @@ def reference_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optim
     }
 
 
-def analytic(step: Step, levels: bool = True) -> Prediction:
+def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Prediction:
     """The analytic prediction of ``step``; ``levels=False`` skips the allocator's replay (the tensors alone,
-    milliseconds: what a search ranks hundreds of setups by)."""
+    milliseconds: what a search ranks hundreds of setups by); ``timeline``: also the step point by point
+    (`Prediction.timeline`, what the picture of a step draws)."""
     start = time.perf_counter()
     module, optimizer = _meta_build(step)
     model = module.model
@@ -168,6 +169,8 @@ def analytic(step: Step, levels: bool = True) -> Prediction:
         notes=notes,
         attention=f"{spec.implementation} attention, {k.reason}",
     )
+    if timeline:
+        prediction.timeline = program.timeline(_step_model(module, optimizer, opt, buckets, spec, shape, k, step, act))
     if step.device == "cuda" and levels:
         model_ = _step_model(module, optimizer, opt, buckets, spec, shape, k, step, act)
         # the allocator's reserve beyond what it holds, over the tensors' peak (its replay, not the model's sum)

@@ -6,7 +6,7 @@ the out-of-memory advice, the published-measurement table): a `Step` (`lit_memor
   it cannot run for this model: `simulate_or_decline`);
 - `device_total(step)`: the analytic device total alone, cached: what a search over many setups asks;
 - `fits(step, budget)`: whether that total is within a budget (budgets are device budgets);
-- `run_hooks(step)`: the memory monitor's ``predict`` and ``advise`` hooks for a fit of this step.
+- `run_hooks(step)`: the memory monitor's ``predict``, ``advise`` and ``timeline`` hooks for a fit of this step.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def fits(step: Step, budget: int) -> bool:
     return device_total(step) <= budget
 
 
-def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]]) -> tuple[Callable, Callable]:
-    """The memory callbacks' hooks (`lit_memory.run_memory.Predict`, `Advise`) for a fit of ``step``: its
-    predictions for the device it runs on, and advice on running out of memory (the lightest of
-    ``recipes()``, (path, dotted settings) pairs, predicted to fit)."""
+def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]]) -> tuple[Callable, Callable, Callable]:
+    """The memory callbacks' hooks (`lit_memory.run_memory.Predict`, `Advise`, `Timeline`) for a fit of ``step``:
+    its predictions for the device it runs on, advice on running out of memory (the lightest of ``recipes()``,
+    (path, dotted settings) pairs, predicted to fit), and the analytic step point by point (the picture's)."""
     from lit_memory.memory.planning.choose import advise
 
     def on(trainer: Any) -> Step:
@@ -106,4 +106,14 @@ def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]
     def advise_hook(trainer: Any, limit: int) -> str:
         return advise(on(trainer), limit, recipes())
 
-    return predict_hook, advise_hook
+    def timeline_hook(trainer: Any, shape: Optional[tuple[int, int]] = None) -> Optional[list[dict]]:
+        try:
+            run = on(trainer)
+            if shape is not None:
+                run = replace(run, batch_size=int(shape[0]), max_length=int(shape[1]))
+            return analytic(run, levels=False, timeline=True).timeline
+        except Exception as err:  # noqa: BLE001  as above: no picture's prediction, the run goes on
+            print(f"warning: no predicted timeline for the memory picture: {type(err).__name__}: {err}")
+            return None
+
+    return predict_hook, advise_hook, timeline_hook

@@ -386,6 +386,8 @@ class Prediction:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     attention: str = ""  # the attention kernel, in words
+    # The steady-state step point by point (`lit_memory.memory.hardware.program.timeline`), where asked for.
+    timeline: Optional[list[dict]] = None
 
 
 # -- reading settings ------------------------------------------------------------------------------

@@ -1,0 +1,251 @@
+"""What a confined run may read, write and reach, and the values a sent recipe may not choose.
+
+`Spec` is the confinement one run gets: read roots (the Python installation and its packages, system libraries
+and the few files in ``/etc`` they read, ``/proc``, ``/sys`` and the GPU's device files, the caches, the recipe's
+checked inputs), write roots (the run's folders, its private temporary folder and caches), TCP ports (none but a
+distributed launch's own), and bounds (memory, processes, file size, disk, preparation time). The parent makes it
+(`lit_memory.sandbox.launch`); the child applies it to itself (`enter`), before anything of the run is imported.
+
+The value rules judge what the kernel cannot: a run folder a recipe chooses (`check_roots`), templates that
+Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import site
+import string
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from lit_memory.errors import UserError
+
+ENV = "LIT_MEMORY_SANDBOX"  # the child's Spec, as JSON
+GiB = 2**30
+HINT = "pass --trust-recipe only if you trust its source"
+# Files of /etc the runtime reads: the dynamic linker's cache, users and groups (getpass), time zone, name service.
+ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
+       "/etc/localtime", "/etc/timezone", "/etc/os-release", "/etc/mime.types", "/etc/hosts", "/etc/host.conf",
+       "/etc/gai.conf", "/etc/ssl", "/etc/pki", "/etc/alternatives", "/etc/fonts", "/etc/matplotlibrc")
+SYSTEM = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/opt", "/sys", "/usr/local/cuda")
+# Of /proc, what the runtime reads: the machine's files and the confined process's own folder. Not /proc as a
+# whole: another process's environ (the shell that started the run holds its tokens) would be readable there.
+PROC = ("/proc/self", "/proc/thread-self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg",
+        "/proc/uptime", "/proc/version", "/proc/filesystems", "/proc/sys", "/proc/driver", "/proc/pressure")
+DEVICES_READ = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/nvidiactl", "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/dri", "/dev/nvidia-caps")
+DEVICES_WRITE = ("/dev/null", "/dev/shm", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+@dataclass
+class Spec:
+    """One confined run: what it may read and write, the ports it may use, its bounds."""
+
+    read: list[str] = field(default_factory=list)
+    write: list[str] = field(default_factory=list)
+    connect: list[list[int]] = field(default_factory=list)  # port ranges [first, last], both included
+    bind: list[list[int]] = field(default_factory=list)
+    nproc: int = 0  # RLIMIT_NPROC (0: not set)
+    fsize: int = 0  # RLIMIT_FSIZE, bytes (0: not set)
+    status: str = ""  # the file the child writes its phases into (`phase`)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, text: str) -> "Spec":
+        return cls(**json.loads(text))
+
+
+def python_roots() -> list[str]:
+    """The Python installation, its packages and lit_memory itself: read (and run) only."""
+    roots = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    roots += [p for p in sys.path if p and os.path.isdir(p)]
+    roots += site.getsitepackages() if hasattr(site, "getsitepackages") else []
+    roots.append(str(Path(__file__).resolve().parents[2]))  # this checkout or installed package
+    return [os.path.realpath(r) for r in roots if r]
+
+
+def system_roots() -> list[str]:
+    devices = [f"/dev/{name}" for name in _listdir("/dev") if re.fullmatch(r"nvidia\d+", name)]
+    return [*SYSTEM, *ETC, *PROC, *DEVICES_READ, *devices]
+
+
+def device_write_roots() -> list[str]:
+    return [*DEVICES_WRITE, *(f"/dev/{n}" for n in _listdir("/dev") if re.fullmatch(r"nvidia\d+", n))]
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+# -- the child: the confinement applied to itself ---------------------------------------------------------
+
+
+def enter(spec: Spec) -> None:
+    """Apply ``spec`` to this process: resource limits, then Landlock. Called first thing in a confined child
+    (`lit_memory.sandbox.child`); nothing can lift it afterwards."""
+    from lit_memory.sandbox.landlock import Ruleset
+
+    if spec.nproc:
+        _limit(resource.RLIMIT_NPROC, spec.nproc)
+    if spec.fsize:
+        _limit(resource.RLIMIT_FSIZE, spec.fsize)
+    def ports(ranges: list[list[int]]) -> list[int]:
+        return [port for first, last in ranges for port in range(first, last + 1)]
+
+    Ruleset(read=spec.read, write=spec.write, connect=ports(spec.connect), bind=ports(spec.bind)).enforce()
+
+
+def _limit(which: int, value: int) -> None:
+    soft, hard = resource.getrlimit(which)
+    cap = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(which, (cap, hard))
+
+
+def phase(name: str) -> None:
+    """Tell the parent what the confined run is doing (its watchdog bounds preparation's wall-clock time): one line
+    in the status file. Nothing outside a confined run."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    path = json.loads(spec).get("status")
+    if path:  # a line appended to the run's status file (in its private folder), not a file written whole
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        try:
+            os.write(fd, (name + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+# -- what a recipe may choose ---------------------------------------------------------------------------
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def check_roots(chosen: Iterable[tuple[str, str]], work: str, owned: Iterable[str]) -> None:
+    """Run folders a recipe chose (``(setting, path)``): each a new or empty folder under the working folder
+    ``work``, neither holding nor inside a folder the user owns (``owned``: the caches, the home folder's
+    configuration), nor holding another run folder. One error line naming the setting otherwise."""
+    chosen = [(key, os.path.realpath(os.path.expanduser(str(path)))) for key, path in chosen]
+    owned = [os.path.realpath(os.path.expanduser(p)) for p in owned]
+    work = os.path.realpath(work)
+    for key, path in chosen:
+        where = f"{key}={path}"
+        if not _under(path, work) or path == work:
+            raise UserError(f"refusing {where}: a run folder a recipe chooses must be a new folder under the working "
+                            f"folder {work}; {HINT}")
+        for folder in owned:
+            if _under(path, folder) or _under(folder, path):
+                raise UserError(f"refusing {where}: it {'is inside' if _under(path, folder) else 'holds'} {folder}, "
+                                f"a folder of yours a run does not write; {HINT}")
+        if os.path.lexists(path) and (not os.path.isdir(path) or os.path.islink(path) or os.listdir(path)):
+            raise UserError(f"refusing {where}: a run folder a recipe chooses must be new or empty, and it holds "
+                            f"files; {HINT}")
+    for key, path in chosen:
+        for other_key, other in chosen:
+            if other != path and _under(other, path) and key != other_key and os.path.lexists(other):
+                raise UserError(f"refusing {key}={path}: it holds {other_key}'s folder; {HINT}")
+
+
+# Settings naming a folder a run writes into (its roots), and any other setting that names a place to write.
+ROOT_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "output_dir", "root_dir")
+WRITE_PATH = re.compile(r"(_dir|_path|filepath|dirpath|snapshot)$")
+IN_RUN = ("memory.snapshot",)  # a relative value is in the run's own folder
+READ_KEYS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path",
+             "tokenizer_name_or_path")
+
+
+def check_write_paths(chosen: dict[str, Any], roots: list[str]) -> None:
+    """Places a recipe names for writing that are not a run root (a callback's ``exclude_batches_path``, a
+    profiler's file): each must lie below the run's folders, which are all a confined run may write; said before
+    the run starts, not when the kernel refuses the write mid-run."""
+    real = [os.path.realpath(r) for r in roots]
+    for key, value in chosen.items():
+        name = key.rsplit(".", 1)[-1]
+        if name in ROOT_KEYS or name == "class_path" or key in READ_KEYS or name in READ_KEYS or not WRITE_PATH.search(name):
+            continue
+        if not isinstance(value, str) or not value or "://" in value:
+            continue
+        if key in IN_RUN and not os.path.isabs(os.path.expanduser(value)):
+            if os.path.normpath(value).split(os.sep)[0] != os.pardir:
+                continue
+        path = os.path.realpath(os.path.expanduser(value))
+        if not any(_under(path, r) for r in real):
+            raise UserError(f"refusing {key}={value}: it is outside the run's folders ({', '.join(real)}), where a "
+                            f"sent recipe's run writes; {HINT}")
+
+
+TEMPLATE_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_/-]{0,63}")
+TEMPLATE_SPEC = re.compile(r"[<>^=]?[+ -]?0?\d{0,2}(\.\d{1,2})?[dfegs%]?")
+
+
+def check_template(key: str, value: str) -> None:
+    """A value Python formats with the run's metrics (a checkpoint's ``filename``): plain ``{metric}`` or
+    ``{metric:spec}`` fields with bounded widths; no attribute or item walk (``{epoch.__class__...}``)."""
+    try:
+        parts = list(string.Formatter().parse(value))
+    except ValueError as err:
+        raise UserError(f"refusing {key}={value!r}: it is not a plain {{metric}} or {{metric:spec}} template ({err}); "
+                        f"{HINT}") from None
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if not TEMPLATE_FIELD.fullmatch(name) or conversion or not TEMPLATE_SPEC.fullmatch(spec or ""):
+            raise UserError(
+                f"refusing {key}={value!r}: its field {{{name}{'!' + conversion if conversion else ''}"
+                f"{':' + spec if spec else ''}}} is not a plain {{metric}} or {{metric:spec}}; {HINT}"
+            )
+
+
+TEMPLATE_KEYS = ("filename", "name", "version", "sub_dir", "prefix", "log_model_name")
+
+
+def leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from leaves(value, f"{prefix}[{i}]")
+    else:
+        yield prefix, tree
+
+
+def check_templates(settings: dict[str, Any]) -> None:
+    for key, value in leaves(settings):
+        if isinstance(value, str) and "{" in value and key.rsplit(".", 1)[-1] in TEMPLATE_KEYS:
+            check_template(key, value)
+
+
+FREE_KWARGS = re.compile(r"(^|\.)(dict_kwargs|kwargs|\w+_kwargs)(\.|\[|$)")
+
+
+def check_free_kwargs(settings: dict[str, Any]) -> None:
+    """Free-form keyword dictionaries of allowlisted classes (jsonargparse's ``dict_kwargs``, a profiler's
+    ``**kwargs``): refused from a sent recipe, whose values they pass on unchecked."""
+    for key, value in leaves(settings):
+        if FREE_KWARGS.search(key) and value not in (None, {}, []):
+            raise UserError(f"refusing {key.split('.dict_kwargs')[0]}.dict_kwargs: free-form keyword arguments from a "
+                            f"recipe reach the class unchecked ({key}={value!r}); {HINT}")
+
+
+def owned_folders() -> list[str]:
+    """The user's folders no run folder may hold or sit in: the caches and the home folder's configuration."""
+    home = os.path.expanduser("~")
+    found = [os.path.join(home, name) for name in (".cache", ".config", ".local", ".ssh", ".bashrc.d", ".gnupg")]
+    for variable in ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME",
+                     "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        if os.environ.get(variable):
+            found.append(os.environ[variable])
+    return found
