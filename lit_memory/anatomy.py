@@ -205,6 +205,12 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
     for found in lists:
         if len(found) == n:
             return found
+    if n and any(len(m) < n for m in lists):  # ALBERT: one layer module run num_hidden_layers times
+        raise UserError(
+            f"{type(model).__name__} shares its layers ({n} layers run fewer layer modules), which lit_memory does not "
+            "support: its memory model, checkpointing plans and fused buckets are per layer module (docs/guide.md, "
+            "Models)"
+        )
     raise UserError(f"cannot find the transformer layers of {type(model).__name__}: no stack of {n} layers in it")
 
 

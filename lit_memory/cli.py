@@ -40,7 +40,7 @@ from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
-from lit_memory.predictions import PredictionWriter
+from lit_memory.predict_file import PredictionWriter
 from lit_memory.run_memory import Advise, MemoryOptions, Predict, memory_callbacks
 from lit_memory.settings import leaves
 

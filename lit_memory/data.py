@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-from lit_memory import bundled, guard, predictions
+from lit_memory import bundled, guard, predict_file
 from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
@@ -476,7 +476,7 @@ class TextClassificationData(L.LightningDataModule):
                 if self._predict_file.stat().st_size == 0:
                     raise UserError(f"data.predict_path: {self._predict_file} has no rows")
                 try:
-                    first = next(iter(predictions.read_texts(self._predict_file, FILE_FORMATS)), None)
+                    first = next(iter(predict_file.read_texts(self._predict_file, FILE_FORMATS)), None)
                 except UserError:
                     raise
                 except Exception as err:
@@ -496,14 +496,14 @@ class TextClassificationData(L.LightningDataModule):
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
 
-    def predict_rows(self, rank: int = 0, world_size: int = 1) -> predictions.Rows:
+    def predict_rows(self, rank: int = 0, world_size: int = 1) -> predict_file.Rows:
         """This rank's share of the rows to predict, read as they are consumed."""
         self._prepare_predict()
         if self._predict_file is not None:
-            source, where = predictions.read_texts(self._predict_file, FILE_FORMATS), str(self._predict_file)
+            source, where = predict_file.read_texts(self._predict_file, FILE_FORMATS), str(self._predict_file)
         else:
             source, where = self._predict_rows, f"the test split of {self.hparams.source}"
-        return predictions.Rows(source, rank, world_size, where)
+        return predict_file.Rows(source, rank, world_size, where)
     def check_bounds(self) -> None:
         """Untrusted: the settings that multiply processes or memory are still within what the run started
         with (`lit_memory.guard`): a callback can change them mid-run."""
@@ -580,7 +580,7 @@ class TextClassificationData(L.LightningDataModule):
         problem = getattr(module, "problem_type", None) or task_.SINGLE
         rows = self.predict_rows(rank, world_size)
         columns, id_, encoded = self._predict_columns
-        collate = predictions.Collate(
+        collate = predict_file.Collate(
             self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)

@@ -28,7 +28,7 @@ from lit_memory import task as task_
 from lit_memory.best import restore_best
 from lit_memory.console import say
 from lit_memory.sandbox.rules import phase
-from lit_memory.activations import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
+from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.data import label_names_or_default, load_tokenizer, pad_token_id
 from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
@@ -42,11 +42,16 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 # true is "full" (every layer's forward recomputed in backward), as it always was; counts are a per-layer plan
-# (`lit_memory.activations.CheckpointPlan`); auto is resolved for a device budget before the module is built.
+# (`lit_memory.checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is built.
 Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
 
 
 # The reference post's optimizer (lr 2e-5, weight decay 0.01): the module's default, and the CLI's.
+CLOSURE_NOT_CALLED = (
+    "the optimizer {name} did not call the closure its step is given: Lightning runs the forward and backward inside "
+    "it, so a torch-style optimizer's step(closure) must call it (with torch.enable_grad(): loss = closure()) before "
+    "it updates the parameters (docs/memory.md, Adding an optimizer)"
+)
 DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-5, "weight_decay": 0.01}}
 
 
@@ -426,7 +431,7 @@ class SequenceClassifier(L.LightningModule):
         from transformers import get_scheduler
 
         optimizer = self.build_optimizer()
-        optimizers.use_fused_kernels(optimizer, self.device)  # torch's Adam/AdamW on CUDA: one kernel per group
+        optimizers.use_fused_kernels(optimizer, self.device)  # torch's Adam/AdamW: one kernel per group
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,
@@ -440,8 +445,19 @@ class SequenceClassifier(L.LightningModule):
         inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper around the user's optimizer
         # What its library's step runs inside (bitsandbytes: no device sync after every parameter).
         context = optimizers.library_of(inner).step_context(inner, [p for g in inner.param_groups for p in g["params"]])
+        called = optimizer_closure is None
+        if optimizer_closure is not None:
+            closure = optimizer_closure
+
+            def optimizer_closure() -> Any:
+                nonlocal called
+                called = True
+                return closure()
+
         with context if context is not None else contextlib.nullcontext():
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if not called:  # Lightning's own message is a traceback about its loop
+            raise UserError(CLOSURE_NOT_CALLED.format(name=f"{type(inner).__module__}.{type(inner).__qualname__}"))
         # Free the gradients now, as the HF Trainer does: Lightning zeroes them only after the next
         # training_step, so they would sit through the next forward (4 B per trainable parameter).
         optimizer.zero_grad(set_to_none=True)

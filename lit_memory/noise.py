@@ -16,7 +16,7 @@ NOISE = (
     # Lightning's advice to log more often than a short run has batches: the progress lines carry the loss.
     r"The number of training batches \(\d+\) is smaller than the logging interval",
     # Lightning's prediction writer would like batch indices, which a streamed file has no sampler for: every
-    # row carries its own (`lit_memory.predictions`).
+    # row carries its own (`lit_memory.predict_file`).
     r"Couldn't infer the batch indices fetched from your dataloader",
 )
 # Outside fit: a checkpoint holds the state of the callbacks that resume a fit exactly (`lit_memory.resume`), which

@@ -163,14 +163,16 @@ class Torch(Library):
     packages = ("torch",)
     importable = ("torch.optim",)
 
-    # One CUDA kernel over a whole group, no per-parameter host work (foreach AdamW reads each step counter with
-    # .item(): 786 host reads per BERT-large step), what the HF Trainer's default ``adamw_torch_fused`` runs.
+    # One kernel over a whole group, no per-parameter host work (foreach AdamW reads each step counter with
+    # .item(): 786 host reads per BERT-large step on CUDA; the CPU's default is a Python loop over the parameters),
+    # what the HF Trainer's default ``adamw_torch_fused`` runs on both.
     FUSED_BY_DEFAULT = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
+    FUSED_DEVICES = ("cuda", "cpu")
 
     def fuses_by_default(self, optimizer: Optimizer, group: Mapping[str, Any], device: str) -> bool:
         kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         return (
-            device == "cuda" and kind in self.FUSED_BY_DEFAULT and group.get("fused") is None
+            device in self.FUSED_DEVICES and kind in self.FUSED_BY_DEFAULT and group.get("fused") is None
             and group.get("foreach") is None and not group.get("differentiable") and not group.get("capturable")
         )
 
@@ -771,7 +773,7 @@ class _AnsweringScalars(TorchDispatchMode):
 
 def use_fused_kernels(optimizer: Optimizer, device: torch.device) -> list[int]:
     """Give the groups whose config leaves ``fused`` and ``foreach`` unset their library's fused kernel where
-    lit_memory defaults to it (`Library.fuses_by_default`: torch's Adam and AdamW on CUDA), when every parameter of
+    lit_memory defaults to it (`Library.fuses_by_default`: torch's Adam and AdamW on CUDA and the CPU), when every parameter of
     the group is a plain tensor on ``device`` (DTensor shards keep torch's own default). Before the first step
     (the step counters are made then, on the device for a fused group). Returns the groups changed."""
     library = library_of(optimizer)

@@ -35,7 +35,7 @@ CONFIGS = REPO / "configs"
 LONGEST_FIRST = (
     "test_task.py", "test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "test_resume.py", "test_trust.py",
     "test_lowbit.py", "tools/test_recipe_headers.py", "test_guard.py", "test_fabric.py", "tools/test_bench.py",
-    "test_anatomy.py", "memory/prediction/test_analytic.py", "test_activations.py", "tools/test_estimate.py",
+    "test_anatomy.py", "memory/prediction/test_analytic.py", "test_checkpointing.py", "tools/test_estimate.py",
 )
 
 

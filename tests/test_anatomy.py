@@ -457,3 +457,18 @@ def test_a_fit_saves_a_model_that_loads_with_plain_transformers(folders, family,
     with torch.no_grad():
         assert torch.isfinite(model(**batch).logits).all()
     assert not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_a_model_that_shares_its_layers_is_named_unsupported_in_one_line():
+    """ALBERT runs one layer module num_hidden_layers times: nothing per layer (plans, buckets) applies."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    from lit_memory.anatomy import find_layers
+
+    config = AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=32)
+    with pytest.raises(UserError) as error:
+        find_layers(AlbertForSequenceClassification(config))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("AlbertForSequenceClassification shares its layers")
+    assert "does not support" in message

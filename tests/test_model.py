@@ -162,3 +162,25 @@ def test_gradients_are_freed_after_each_optimizer_step_not_after_the_next_forwar
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch() for _ in range(3)], batch_size=None))
     assert trainer.global_step == 3 and probe.alive == [0, 0, 0]  # Lightning alone: [0, n, n]
+
+
+def test_an_optimizer_that_ignores_the_closure_is_one_line(tmp_path):
+    """A torch-style optimizer must call the closure it is given (Lightning's forward and backward run in it); one
+    that ignores it stops with the rule, not Lightning's traceback about its loop."""
+    import lightning as L
+
+    class IgnoresClosure(torch.optim.SGD):
+        def step(self, closure=None):  # updates from gradients that were never computed
+            return None
+
+    module = SequenceClassifier(
+        model_name_or_path="bundled:bert-large", pretrained=False, config_overrides=TINY_BERT,
+        optimizer=lambda params: IgnoresClosure(params, lr=1e-3),
+    )
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+    with pytest.raises(UserError) as error:
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch()], batch_size=None))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"the optimizer {IgnoresClosure.__module__}.")
+    assert "must call it" in message

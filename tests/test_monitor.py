@@ -285,7 +285,8 @@ def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predic
     trainer.world_size, trainer.datamodule = 1, SimpleNamespace(hparams={"batch_size": 4, "max_length": 8})
     monitor = MemoryMonitor(track_steps=0)
     categories = {"weights": 2 * 2**30, "gradients": 0, "optimizer": 2**30, "activations": 2**29, "other": 0}
-    monitor.predictions = {"analytic": Footprint({"backward": categories}, reserved=int(3.6 * 2**30), context=600 * 2**20)}
+    monitor.predictions = {"analytic": Footprint({"backward": categories}, reserved=int(3.6 * 2**30), context=600 * 2**20,
+                                                 workspaces=64 * 2**20)}
     monitor.cuda = {
         "max_allocated_bytes": int(3.5 * 2**30), "max_reserved_bytes": int(3.75 * 2**30),
         "max_device_bytes": int(4.4 * 2**30), "device_source": "nvml (this process)", "peak_phase": "backward",
@@ -296,6 +297,7 @@ def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predic
     assert out[0].split()[-3:] == ["analytic", "cuda", "(measured)"]
     rows = {line[:28].strip(): line[28:].split() for line in out[1:]}
     assert rows["peak (tensors)"] == ["3.50", "GiB", "3.50", "GiB"]
+    assert rows["allocated (+cuBLAS)"] == ["3.56", "GiB", "3.50", "GiB"]  # max_memory_allocated counts the workspaces
     assert rows["reserved (allocator)"] == ["3.60", "GiB", "3.75", "GiB"]
     assert rows["device (nvidia-smi)"] == ["4.19", "GiB", "4.40", "GiB"]
     assert rows["weights"] == ["2.00", "GiB", "-"]

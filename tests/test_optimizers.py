@@ -288,17 +288,18 @@ def test_an_optimizer_step_the_simulation_cannot_run_is_declined_in_its_own_name
     assert "forward" not in declined
 
 
-def test_torchs_adam_runs_its_fused_kernel_on_cuda_unless_the_config_chose_one():
-    """On CUDA lit_memory gives torch's Adam and AdamW their fused kernel (one launch per group, no per-parameter
-    host read of the step counter) where the config leaves ``fused`` and ``foreach`` unset; its step then makes no
-    temporaries to predict. A setting of the user's, another optimizer, a CPU run or a loop that keeps torch's own
-    default (the HF Trainer's) stays as it is."""
+def test_torchs_adam_runs_its_fused_kernel_on_cuda_and_cpu_unless_the_config_chose_one():
+    """On CUDA and the CPU lit_memory gives torch's Adam and AdamW their fused kernel (one call per group: no
+    per-parameter host read of the step counter on CUDA, no per-parameter Python loop on the CPU) where the config
+    leaves ``fused`` and ``foreach`` unset; its step then makes no temporaries to predict. A setting of the
+    user's, another optimizer, another device or a loop that keeps torch's own default stays as it is."""
     from lit_memory.optimizers import use_fused_kernels
 
     _, default = built("meta", torch.optim.AdamW, {})
     library = library_of(default)
     group = default.param_groups[0]
-    assert library.fuses_by_default(default, group, "cuda") and not library.fuses_by_default(default, group, "cpu")
+    assert library.fuses_by_default(default, group, "cuda") and library.fuses_by_default(default, group, "cpu")
+    assert not library.fuses_by_default(default, group, "mps")
     assert optimizer_tensors(default, "cuda").temps == []  # fused: updated in place
     for chosen in ({"foreach": True}, {"fused": False}):
         _, optimizer = built("meta", torch.optim.AdamW, chosen)
@@ -307,5 +308,5 @@ def test_torchs_adam_runs_its_fused_kernel_on_cuda_unless_the_config_chose_one()
     _, adagrad = built("meta", torch.optim.Adagrad, {})
     assert not library.fuses_by_default(adagrad, adagrad.param_groups[0], "cuda")
     # at run time: only groups of plain tensors on the run's device (here the meta device stands for it)
-    assert use_fused_kernels(default, torch.device("meta")) == []  # not CUDA: unchanged
+    assert use_fused_kernels(default, torch.device("meta")) == []  # neither CUDA nor the CPU: unchanged
     assert all(g["fused"] is None for g in default.param_groups)

@@ -32,7 +32,7 @@ from lit_memory.errors import UserError
 from lit_memory.memory.prediction.step import is_fused
 from lit_memory.settings import Precision
 from lit_memory.memory.measure.tracker import Tracker
-from lit_memory.activations import CheckpointPlan
+from lit_memory.checkpointing import CheckpointPlan
 from lit_memory.monitor import Stamps
 from lit_memory.optimizers import compiles_its_step, library_of
 
@@ -74,6 +74,9 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         raise NoTrainerEquivalent(f"no Trainer equivalent (optimizer {optimizer.class_path})")
     init = optimizer.init_args
     optim_args = {}
+    optim = OPTIM[optimizer.class_path]
+    if optim == "adamw_torch" and getattr(init, "fused", None) is not False and getattr(init, "foreach", None) is None:
+        optim = "adamw_torch_fused"  # the Trainer's default, and the kernel our run gives AdamW (`use_fused_kernels`)
     if library_of(optimizer.class_path).name == "torchao":
         if init.block_size != TRAINER_TORCHAO_BLOCK:
             raise NoTrainerEquivalent(
@@ -96,7 +99,7 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         "per_device_train_batch_size": config.data.batch_size,
         "gradient_accumulation_steps": config.trainer.accumulate_grad_batches,
         "gradient_checkpointing": checkpointing is not None,
-        "optim": OPTIM[optimizer.class_path],
+        "optim": optim,
         **optim_args,
         "learning_rate": init.lr,
         "weight_decay": init.weight_decay,

@@ -277,7 +277,7 @@ def step_of(row: Row) -> Step:
 
 def predict_row(row: Row) -> Result:
     footprint = analytic(step_of(row)).footprint
-    level = {"device": footprint.device, "reserved": footprint.reserved, "tensors": footprint.peak}[row.source.level]
+    level = {"device": footprint.device, "reserved": footprint.reserved, "tensors": footprint.allocated}[row.source.level]
     return Result(row, level, footprint)
 
 

@@ -274,6 +274,7 @@ def add_levels(footprint: Any, reserved: int, phase: str, target: Target) -> Non
     footprint.reserved = -(-(reserved + workspaces) // MiB) * MiB
     footprint.reserved_phase = phase if phase in footprint.phases else footprint.peak_phase
     footprint.context = target.context_bytes
+    footprint.workspaces = workspaces  # allocated too: max_memory_allocated counts them (`Footprint.allocated`)
 
 
 def cuda_tuple(version: str) -> tuple[int, int]:

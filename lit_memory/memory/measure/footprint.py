@@ -64,6 +64,12 @@ class Footprint:
     reserved: Optional[int] = None
     reserved_phase: Optional[str] = None
     context: Optional[int] = None  # CUDA context and loaded kernels (device = reserved + context)
+    workspaces: Optional[int] = None  # cuBLAS workspaces: allocated through the allocator, not tensors of the step
+
+    @property
+    def allocated(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` counts at the peak: the tensors and the library workspaces."""
+        return self.peak + (self.workspaces or 0)
 
     @property
     def device(self) -> Optional[int]:
@@ -94,7 +100,8 @@ class Footprint:
         levels = {"reserved_bytes": self.reserved, "device_bytes": self.device}
         out: dict[str, Any] = {"peak_bytes": self.peak}
         if self.reserved is not None:
-            out.update(levels, reserved_phase=self.reserved_phase, context_bytes=self.context)
+            out.update(levels, reserved_phase=self.reserved_phase, context_bytes=self.context,
+                       workspace_bytes=self.workspaces, allocated_bytes=self.allocated)
         out.update(peak_phase=self.peak_phase, categories=self.categories)
         out["phases"] = {
             p: {"peak_bytes": sum(c.values()), **(levels if self.reserved is not None else {}), "categories": c}
@@ -109,4 +116,5 @@ class Footprint:
             reserved=data.get("reserved_bytes"),
             reserved_phase=data.get("reserved_phase"),
             context=data.get("context_bytes"),
+            workspaces=data.get("workspace_bytes"),
         )

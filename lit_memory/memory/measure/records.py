@@ -103,7 +103,8 @@ def predicted_peak(record: dict[str, Any]) -> tuple[Optional[int], Optional[str]
     for method in reversed(METHODS):
         footprint = record["predicted"].get(method)
         if footprint:
-            return footprint["peak_bytes"], method
+            # on CUDA what max_memory_allocated counts: the tensors and the cuBLAS workspaces
+            return footprint.get("allocated_bytes") or footprint["peak_bytes"], method
     return None, None
 
 

@@ -38,6 +38,8 @@ def table(title: str, columns: dict[str, Optional[Column]], extra: Optional[dict
     lines.append(row("peak (tensors)", [format_bytes(f.peak if isinstance(f, Footprint) else f.allocated) for f in shown.values()]))
     lines.append(row("(phase)", [str(f.peak_phase if isinstance(f, Footprint) else f.phase) for f in shown.values()]))
     if any(f.reserved is not None for f in shown.values()):
+        # what max_memory_allocated counts: the tensors and the cuBLAS workspaces the allocator holds for cuBLAS
+        lines.append(row("allocated (+cuBLAS)", [format_bytes(f.allocated) for f in shown.values()]))
         lines.append(row("reserved (allocator)", [format_bytes(f.reserved) for f in shown.values()]))
         lines.append(row("device (nvidia-smi)", [format_bytes(f.device) for f in shown.values()]))
     for name, cells in (extra or {}).items():

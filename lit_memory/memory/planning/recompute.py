@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_memory.activations import CheckpointPlan
+from lit_memory.checkpointing import CheckpointPlan
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Fit, usable
@@ -307,7 +307,7 @@ def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
     (default: the run's, `lit_memory.memory.hardware.budget.MemorySettings`): the plan with the fewest FLOPs predicted to
     fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
-    from lit_memory.activations import is_auto
+    from lit_memory.checkpointing import is_auto
 
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
@@ -329,7 +329,7 @@ def plan_run(
     `lit_memory.memory.hardware.budget.MemorySettings`) and what the run's card has free at start (``read_card()``, matched
     to the catalogue by name for its speeds; `lit_memory.memory.hardware.gpus.planning_limit`); one line says which
     applied, one what was chosen. ``step_for(target)``: the run's step for a target device."""
-    from lit_memory.activations import is_auto
+    from lit_memory.checkpointing import is_auto
     from lit_memory.console import say
     from lit_memory.data import check_shape
     from lit_memory.memory.hardware.gpus import planning_limit, target
@@ -364,7 +364,7 @@ def check_twice(settings: Any) -> None:
     loss scaling runs a backward that only measures (the norm, an overflow) and then the one that steps, and torch's
     selective checkpointing allows one backward through a layer ("Trying to backward an extra time"; found on an
     H200 in 4gb.yaml's fp16 run, docs/gpu/h200.json). ``auto`` plans full or no checkpointing there instead."""
-    from lit_memory.activations import CheckpointPlan, is_auto
+    from lit_memory.checkpointing import CheckpointPlan, is_auto
     from lit_memory.memory.prediction.step import clips_by_norm, is_fused
     from lit_memory.settings import Precision
 

@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 
-from lit_memory.activations import OffloadActivations
+from lit_memory.checkpointing import OffloadActivations
 from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.memory.hardware.allocator import replay

@@ -36,7 +36,7 @@ from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
-from lit_memory.activations import CheckpointPlan, is_auto
+from lit_memory.checkpointing import CheckpointPlan, is_auto
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.optimizers import Library, library_of
 from lit_memory.precision import trains_on

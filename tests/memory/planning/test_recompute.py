@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from lit_memory.activations import CheckpointPlan
+from lit_memory.checkpointing import CheckpointPlan
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.prediction.analytic import analytic, device_total
@@ -47,7 +47,7 @@ def test_full_checkpointing_recomputes_every_layers_forward_and_selective_only_a
     none, full, selective = (flops(tiny(gradient_checkpointing=g)) for g in (False, True, "selective"))
     layers_forward = none.forward - 2 * BATCH * (H * H + H * 2)  # all but the pooler and classifier
     assert full.recompute == layers_forward and full.forward == none.forward
-    attention = L * 2 * 2 * BATCH * LENGTH * LENGTH * H  # dropout on: the policy recomputes it (see activations.py)
+    attention = L * 2 * 2 * BATCH * LENGTH * LENGTH * H  # dropout on: the policy recomputes it (see checkpointing.py)
     assert selective.recompute == attention
     assert 0 < selective.recompute_share < full.recompute_share < 0.3
 

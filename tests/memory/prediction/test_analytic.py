@@ -143,7 +143,7 @@ def test_clipping_by_norm_measures_without_holding_a_set_of_gradients():
     largest = 4 * 30522 * 384
     assert 0 < clipped.footprint.peak - fused.footprint.peak <= 1.05 * largest
     assert max(phase["gradients"] for phase in clipped.footprint.phases.values()) <= largest
-    assert unfused.footprint.categories["gradients"] > 1.9 * largest  # all of them: 90.9 MB
+    assert max(phase["gradients"] for phase in unfused.footprint.phases.values()) > 1.9 * largest  # all: 90.9 MB
     predicted = analytic(minilm(**settings, clip_norm=True))
     assert predicted.footprint.peak == pytest.approx(clipped.footprint.peak, rel=0.05)
 
@@ -332,13 +332,15 @@ def test_4gb_settings_fit_in_4_gib_and_the_fused_step_frees_the_gradients():
 
 @pytest.mark.parametrize("bucket", ["layer", "512 MiB"])
 def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportions(bucket):
-    """At batch 1 x 8 a bucket's step, not the activations, is the fused backward's peak: the gradients
-    alive there are a bucket's. ``layer``: the largest bucket is the word embeddings' (119 MiB; a layer
-    is 12.6 M parameters, 48 MiB); ``512 MiB``: ten layers' gradients at once."""
+    """At batch 1 x 8 with torch's per-parameter AdamW loop (its temporaries make a bucket's step, not the
+    activations, the fused backward's peak) the gradients alive there are a bucket's. ``layer``: the largest
+    bucket is the word embeddings' (119 MiB; a layer is 12.6 M parameters, 48 MiB); ``512 MiB``: ten layers'
+    gradients at once. (The fused kernel, the CPU's default, makes no temporaries: there the peak is elsewhere.)"""
     from lit_memory.fused import group_parameters
     from lit_memory.anatomy import parameter_units
 
-    setup = bert_large(fused=True, bucket=bucket, batch_size=1, max_length=8, device="cpu")
+    loop = spec("torch.optim.AdamW", lr=2e-5, weight_decay=0.01, fused=False)
+    setup = bert_large(fused=True, bucket=bucket, batch_size=1, max_length=8, device="cpu", optimizer=loop)
     predicted, simulated = analytic(setup), simulate(setup)
     model = build(setup, torch.device("meta"))[0].model
     buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), parameter_units(model), bucket)]

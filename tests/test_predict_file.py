@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import FAST, write_csv, write_jsonl
-from lit_memory import predictions
+from lit_memory import predict_file as predictions
 from lit_memory.__main__ import main
 from lit_memory.cli import resolve
 from lit_memory.data import FILE_FORMATS, load_tokenizer

@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lit_memory.anatomy import parameter_units
-from lit_memory.activations import CheckpointPlan, OffloadActivations, selective_policy
+from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, selective_policy
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers
