@@ -46,12 +46,12 @@ Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
 
 
-# The reference post's optimizer (lr 2e-5, weight decay 0.01): the module's default, and the CLI's.
 CLOSURE_NOT_CALLED = (
     "the optimizer {name} did not call the closure its step is given: Lightning runs the forward and backward inside "
     "it, so a torch-style optimizer's step(closure) must call it (with torch.enable_grad(): loss = closure()) before "
     "it updates the parameters (docs/memory.md, Adding an optimizer)"
 )
+# The reference post's optimizer (lr 2e-5, weight decay 0.01): the module's default, and the CLI's.
 DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-5, "weight_decay": 0.01}}
 
 
@@ -445,18 +445,15 @@ class SequenceClassifier(L.LightningModule):
         inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper around the user's optimizer
         # What its library's step runs inside (bitsandbytes: no device sync after every parameter).
         context = optimizers.library_of(inner).step_context(inner, [p for g in inner.param_groups for p in g["params"]])
-        called = optimizer_closure is None
-        if optimizer_closure is not None:
-            closure = optimizer_closure
+        ran: list[bool] = []
 
-            def optimizer_closure() -> Any:
-                nonlocal called
-                called = True
-                return closure()
+        def closure() -> Any:
+            ran.append(True)
+            return optimizer_closure()
 
         with context if context is not None else contextlib.nullcontext():
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if not called:  # Lightning's own message is a traceback about its loop
+            super().optimizer_step(epoch, batch_idx, optimizer, None if optimizer_closure is None else closure)
+        if optimizer_closure is not None and not ran:  # Lightning's own message is a traceback about its loop
             raise UserError(CLOSURE_NOT_CALLED.format(name=f"{type(inner).__module__}.{type(inner).__qualname__}"))
         # Free the gradients now, as the HF Trainer does: Lightning zeroes them only after the next
         # training_step, so they would sit through the next forward (4 B per trainable parameter).
