@@ -1,5 +1,6 @@
 """lit_memory: fine-tune Transformer sequence classifiers in as little GPU memory as possible."""
 
+import os
 import sys
 
 # `python -m lit_memory` puts the working folder first on sys.path (what `python -P` does not): a folder
@@ -7,14 +8,11 @@ import sys
 # anything else is imported, so the console script and `python -m` import the same code. (A `lit_memory/`
 # folder there is found before this file runs: `python -P -m lit_memory` or the `lit-memory` script avoid it.)
 if sys.argv[:1] == ["-m"] and not sys.flags.safe_path and sys.path:
-    import os
-
     if os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
         del sys.path[0]
 
 import importlib  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 
 if os.environ.get("LIT_MEMORY_SANDBOX"):  # an untrusted run's child: confined by the kernel before anything else
     from lit_memory.sandbox.child import enter_from_env as _enter

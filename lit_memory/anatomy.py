@@ -34,18 +34,18 @@ NormKind = Literal["layernorm", "rmsnorm"]
 Pooling = Literal["first", "last"]
 
 # Config names each quantity goes by, first match wins (families name the same thing differently).
-_FFN = ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim")
-_ACTIVATION = ("hidden_act", "hidden_activation", "activation_function", "activation")
-_HIDDEN_DROPOUT = ("hidden_dropout_prob", "resid_pdrop", "mlp_dropout", "hidden_dropout", "dropout")
-_ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
-_EMBEDDING_DROPOUT = ("embd_pdrop", "embedding_dropout")
-_CLASSIFIER_DROPOUT = ("classifier_dropout", "cls_dropout", "seq_classif_dropout")
+FFN_NAMES = ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim")
+ACTIVATION_NAMES = ("hidden_act", "hidden_activation", "activation_function", "activation")
+HIDDEN_DROPOUT_NAMES = ("hidden_dropout_prob", "resid_pdrop", "mlp_dropout", "hidden_dropout", "dropout")
+ATTENTION_DROPOUT_NAMES = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+EMBEDDING_DROPOUT_NAMES = ("embd_pdrop", "embedding_dropout")
+CLASSIFIER_DROPOUT_NAMES = ("classifier_dropout", "cls_dropout", "seq_classif_dropout")
 
 
 def linear_types() -> tuple[type, ...]:
     """The module types that are a layer's matrices: `nn.Linear`, and GPT-2's transformers `Conv1D`
     (a linear layer with its weight transposed), which peft adapts too."""
-    try:
+    try:  # deferred: heavy; this module works on any nn.Module
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - every supported transformers has it
         return (nn.Linear,)
@@ -147,7 +147,7 @@ class Anatomy:
             attention=kind,
             pooling="last" if kind == "causal" else "first",
             shapes=tuple(_layer_shape(layer, i, config, kind) for i, layer in enumerate(layers)),
-            dropout=_dropout(config, head_dropout=kind != "causal"),  # a decoder's score reads the last state as it is
+            dropout=config_dropouts(config, head_dropout=kind != "causal"),  # a decoder's score reads the last state as it is
             vocab_size=int(config.vocab_size),
             pad_token_id=getattr(config, "pad_token_id", None),
         )
@@ -168,7 +168,7 @@ class Anatomy:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a peft wrapper (``get_base_model``), else the model."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # deferred: heavy; this module works on any nn.Module
 
     if isinstance(model, PreTrainedModel) or not callable(getattr(model, "get_base_model", None)):
         return model
@@ -178,7 +178,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def hugging_face_models(module: nn.Module) -> list[nn.Module]:
     """The outermost Hugging Face models in ``module`` (itself, or ones it holds: a LightningModule's,
     a peft wrapper's)."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # deferred: heavy; this module works on any nn.Module
 
     models: list[nn.Module] = []
     inside: set[int] = set()
@@ -192,7 +192,7 @@ def hugging_face_models(module: nn.Module) -> list[nn.Module]:
 def find_layers(model: nn.Module) -> nn.ModuleList:
     """The stack of transformer blocks: the longest ``ModuleList`` of transformers'
     `GradientCheckpointingLayer` blocks, else the one as long as ``num_hidden_layers``."""
-    try:
+    try:  # deferred: heavy; this module works on any nn.Module
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # transformers before 4.52: no common base class for layers
         GradientCheckpointingLayer = None
@@ -264,7 +264,8 @@ def _linear_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _first(config, names: tuple[str, ...], default=None):
+def config_value(config, names: tuple[str, ...], default=None):
+    """The value of the first of ``names`` the config sets (families name one quantity differently), else ``default``."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -285,7 +286,7 @@ def _attention_kind(layer: nn.Module, config) -> AttentionKind:
 def _layer_shape(layer: nn.Module, index: int, config, kind: AttentionKind) -> LayerShape:
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
-    ffn = int(_first(config, _FFN, 4 * hidden))
+    ffn = int(config_value(config, FFN_NAMES, 4 * hidden))
     layer_types = getattr(config, "layer_types", None) or ()
     sliding = index < len(layer_types) and layer_types[index] == "sliding_attention"
     return LayerShape(
@@ -294,15 +295,15 @@ def _layer_shape(layer: nn.Module, index: int, config, kind: AttentionKind) -> L
         heads=heads,
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
-        mlp=_mlp_kind(layer, hidden, ffn),
-        activation=str(_first(config, _ACTIVATION, "gelu")),
+        mlp=mlp_kind(layer, hidden, ffn),
+        activation=str(config_value(config, ACTIVATION_NAMES, "gelu")),
         norm="rmsnorm" if any("rmsnorm" in type(m).__name__.lower() for m in layer.modules()) else "layernorm",
         attention=kind,
         window=getattr(config, "sliding_window", None) if sliding else None,
     )
 
 
-def _mlp_kind(layer: nn.Module, hidden: int, ffn: int) -> MlpKind:
+def mlp_kind(layer: nn.Module, hidden: int, ffn: int) -> MlpKind:
     """Gated when the layer projects the hidden state up twice (gate and up), or once to twice the
     inner width (a fused gate+up, ModernBERT's Wi); a dense MLP projects up once."""
     ups = [in_out(m) for m in layer.modules() if isinstance(m, linear_types())]
@@ -311,13 +312,14 @@ def _mlp_kind(layer: nn.Module, hidden: int, ffn: int) -> MlpKind:
     return "gated" if up >= 2 or fused else "dense"
 
 
-def _dropout(config, head_dropout: bool) -> Dropout:
-    hidden = float(_first(config, _HIDDEN_DROPOUT, 0.0))
+def config_dropouts(config, head_dropout: bool) -> Dropout:
+    """The dropout probabilities the config sets, under each family's names; the classifier's only with ``head_dropout``."""
+    hidden = float(config_value(config, HIDDEN_DROPOUT_NAMES, 0.0))
     return Dropout(
         hidden=hidden,
-        attention=float(_first(config, _ATTENTION_DROPOUT, 0.0)),
-        embedding=float(_first(config, _EMBEDDING_DROPOUT, hidden)),
-        classifier=float(_first(config, _CLASSIFIER_DROPOUT, hidden)) if head_dropout else 0.0,
+        attention=float(config_value(config, ATTENTION_DROPOUT_NAMES, 0.0)),
+        embedding=float(config_value(config, EMBEDDING_DROPOUT_NAMES, hidden)),
+        classifier=float(config_value(config, CLASSIFIER_DROPOUT_NAMES, hidden)) if head_dropout else 0.0,
     )
 
 
@@ -325,7 +327,7 @@ def skeleton(config) -> Anatomy:
     """The anatomy of the sequence classifier ``config`` describes, built on the ``meta`` device
     (no memory, no weights: tens of milliseconds), to check settings against the model's parts
     before anything is built or written."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # deferred: heavy; this module works on any nn.Module
 
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)

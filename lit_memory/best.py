@@ -10,10 +10,12 @@ the run's checkpoints, so a resumed run keeps the best of before. At the end of 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import lightning as L
+from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 # Metrics where less is better; anything else is taken as more is better.
@@ -50,8 +52,6 @@ class BestCheckpoint(ModelCheckpoint):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         # Lightning warns that the folder changed and restores the path alone: `load_state_dict` takes the rest.
-        import warnings
-
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -102,8 +102,6 @@ def restore_best(trainer: L.Trainer) -> Optional[str]:
         return None
     path = Path(best.best_model_path)
     if path.is_dir():  # a sharded checkpoint (FSDP2): each rank loads its shards into the module in place
-        from lightning.fabric.strategies.model_parallel import _load_checkpoint
-
         _load_checkpoint(path, {"state_dict": trainer.strategy.model}, strict=True, weights_only=True)
     else:
         checkpoint = trainer.strategy.checkpoint_io.load_checkpoint(path, weights_only=True)

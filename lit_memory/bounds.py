@@ -16,6 +16,10 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError as RoundTripYAMLError
+
 from lit_memory.errors import UserError
 
 MiB = 1 << 20
@@ -95,8 +99,6 @@ def check_yaml(text: str, where: str = "YAML") -> None:
     reference anchors grow exponentially: a 600-byte "billion laughs"), or nesting deeper than
     `YAML_DEPTH`. PyYAML's event parser is iterative, so this reads the events without building
     anything (a 100,000-deep list would overflow the recursive constructor)."""
-    import yaml
-
     if len(text) > CONFIG_BYTES or len(text.encode("utf-8", "surrogatepass")) > CONFIG_BYTES:
         raise BoundExceeded(f"refusing {where}: more than the {CONFIG_BYTES // MiB} MiB bound for a recipe or config")
     sizes: dict[str, int] = {}
@@ -134,19 +136,13 @@ def read_yaml(path: Any, what: str = "recipe", round_trip: bool = False) -> Any:
     `UserError` line. The one way lit_memory reads a YAML file itself (the CLI's configs are jsonargparse's)."""
     text = read_text(path, CONFIG_BYTES, what)
     check_yaml(text, str(path))
-    if round_trip:
-        from ruamel.yaml import YAML
-        from ruamel.yaml.error import YAMLError
-
-        load = YAML().load  # round-trip: plain YAML 1.2 with comments kept; no Python objects are made
+    if round_trip:  # plain YAML 1.2 with comments kept; no Python objects are made
+        load, invalid = YAML().load, RoundTripYAMLError
     else:
-        import yaml
-        from yaml import YAMLError
-
-        load = yaml.safe_load
+        load, invalid = yaml.safe_load, yaml.YAMLError
     try:
         return load(text) or {}
-    except YAMLError as err:
+    except invalid as err:
         raise UserError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
 
 
@@ -174,7 +170,7 @@ def zip_problem(path: Any) -> Optional[str]:
 def unsafe_globals(path: Any) -> list[str]:
     """torch's static scan of a checkpoint's pickle for what weights-only loading would refuse
     (`torch.serialization.get_unsafe_globals_in_checkpoint`), after `zip_problem`'s bounds."""
-    import torch
+    import torch  # deferred: torch takes seconds to import; this base module otherwise needs only YAML
 
     if problem := zip_problem(path):
         raise BoundExceeded(problem)

@@ -102,6 +102,7 @@ def write_byte_tokenizer(
     tokens take the ids from ``first_byte`` (default: after the specials below 1000). How the shipped
     `FAMILY_ASSETS` tokenizers were made: a stand-in for the real vocabulary, not its tokens.
     """
+    # deferred: tokenizers and transformers are heavy; resolving a bundled name (`resolve_model`) needs neither
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -1,5 +1,6 @@
 """Cheaper ways to keep activations than re-running every layer's forward: selective activation
-checkpointing and activation offloading to host memory.
+checkpointing and activation offloading to host memory; and the per-layer plan switched on in a
+Hugging Face model (`enable_gradient_checkpointing`).
 
 * **Selective checkpointing** (`selective_policy`): inside each checkpointed transformer layer the
   outputs of the matrix multiplications (the linear layers) and of the fused attention kernels are
@@ -24,9 +25,11 @@ from functools import partial
 from typing import Any, Mapping, Optional, Union
 
 import torch
+from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lit_memory.anatomy import find_layers
 from lit_memory.errors import UserError
 
 aten = torch.ops.aten
@@ -180,6 +183,33 @@ def checkpoint_kwargs(policy: str) -> dict[str, Any]:
     if policy == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, selective_policy)
     return kwargs
+
+
+def enable_gradient_checkpointing(
+    model: nn.Module, plan: CheckpointPlan = CheckpointPlan(rest="full"), layers: Optional[nn.ModuleList] = None
+) -> None:
+    """Recompute ``layers`` of a Hugging Face model (default: its own, `lit_memory.anatomy.find_layers`) in
+    backward as ``plan`` says, layer by layer."""
+    layers = find_layers(model) if layers is None else layers
+    modes = plan.modes(len(layers))
+    # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
+    # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).
+    kwargs = checkpoint_kwargs(next(mode for mode in modes if mode))
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers switches every layer the same way; the plan is per layer. Its GradientCheckpointingLayer
+    # reads both attributes at every call, so each layer gets its own flag and checkpoint function.
+    for layer, mode in zip(layers, modes):
+        if hasattr(layer, "gradient_checkpointing"):
+            layer.gradient_checkpointing = mode is not None
+            if mode is not None:
+                layer._gradient_checkpointing_func = checkpoint_function(mode)
+    # transformers also makes the embeddings' output require grad, which only reentrant checkpointing
+    # needs; with it a frozen encoder would still run (and keep memory for) a backward of its own.
+    model.disable_input_require_grads()
+    model.config.use_cache = False  # nothing to cache in training; transformers warns at every forward otherwise
 
 
 class OffloadActivations(saved_tensors_hooks):

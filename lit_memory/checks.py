@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lit_memory.errors import UserError
+from lit_memory.fused import parse_bucket
 from lit_memory.optimizers import library_of
 
 # The ranges every optimizer shares; a library's own arguments' are its (`lit_memory.optimizers.Library.positive`).
@@ -133,6 +134,4 @@ def check_trainer(trainer: Any) -> None:
     strategy = get("strategy", None)
     bucket = getattr(getattr(strategy, "init_args", None), "bucket", None)
     if bucket is not None:
-        from lit_memory.fused import parse_bucket
-
         parse_bucket(bucket)

@@ -1,20 +1,9 @@
 """From a command line to one checked run: `resolve` and the LightningCLI it drives.
 
-Every entry point (``fit``/``validate``/``test``/``predict``, ``estimate``, ``plan``, ``bench``,
-the peer, ``recipes check``) turns its arguments into a run the same way: `resolve(argv)` expands
-``--recipe NAME`` (`lit_memory.recipes`), makes the run's trust decision (`lit_memory.trust`), parses
-the layered configs, dotted overrides and a resumed checkpoint's hyper-parameters with LightningCLI,
-and checks the result (the trust decision's refusals, `lit_memory.resume.check_resume`) before anything
-is built, loaded or written. The returned `LitMemoryCLI` holds the settings (`settings`); `build()`
-instantiates the module, data (and Trainer, its checkpoint IO under `lit_memory.guard`), `launch()`
-runs the subcommand after the guard's `preflight`.
-
-The command line parses and composes; the modules that own each concern decide: the trust decision
-(`lit_memory.trust`), the resume check (`lit_memory.resume`), precision following the device
-(`lit_memory.precision`), ``auto`` checkpointing (`lit_memory.memory.planning.recompute.plan_run`), the recipe's allocator
-settings (`lit_memory.memory.hardware.allocator.recipe_settings`), the memory callbacks (`lit_memory.run_memory`), the
-progress, summary and metric lines (`lit_memory.console`), the checks before a run (`lit_memory.guard.preflight`).
-Everything a run switches in this process holds for the run only (`LitMemoryCLI.scope`).
+`resolve(argv)` expands ``--recipe NAME``, makes the run's trust decision, parses the configs and overrides with
+LightningCLI and checks the result before anything is built, loaded or written. The `LitMemoryCLI` it returns holds
+the settings; `build()` instantiates, `launch()` runs the subcommand. The command line parses and composes; each
+concern's own module decides (trust, resume, precision, checkpointing plan, memory callbacks, console lines).
 """
 
 from __future__ import annotations
@@ -34,14 +23,19 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
 from lit_memory.console import LogProgress, say
-from lit_memory.data import TextClassificationData
+from lit_memory.data import TextClassificationData, resolve_task
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
+from lit_memory.memory.hardware import gpus
+from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.planning.hooks import run_hooks
+from lit_memory.memory.planning.recompute import plan_run
+from lit_memory.memory.prediction.step import Step
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predict_file import PredictionWriter
-from lit_memory.run_memory import Advise, MemoryOptions, Predict, memory_callbacks
+from lit_memory.run_memory import Advise, Predict, memory_callbacks
 from lit_memory.settings import leaves
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
@@ -92,17 +86,12 @@ class ImportRefused(UserError):
 
 
 class LitMemoryCLI(LightningCLI):
-    """LightningCLI for the project's module and data, with ``--recipe NAME``, the trust decision and
-    the memory callbacks. ``defer=True`` stops after parsing and checking (see `resolve`);
-    ``collect=True`` keeps refused values in ``refusals`` and other problems in ``problems``
-    (``recipes check``). ``predict`` and ``advise`` are the memory callbacks' hooks (`lit_memory.run_memory`);
-    by default the run's own `step` predicts (`lit_memory.memory.prediction.predict.run_hooks`), and advises from the
-    shipped recipes. ``gpu``: the `lit_memory.memory.hardware.gpus.Gpu` the run is for, whose bf16 support decides
-    the precision (`lit_memory.precision.on_gpu`): by default the one it trains on, None for none
-    (``estimate``/``plan`` give their target's).
+    """LightningCLI for the project's module and data, with ``--recipe NAME``, the trust decision and the memory
+    callbacks.
 
-    Each phase (parsing, `build`, `launch`) runs inside the run's `scope`; a caller that builds and then trains
-    itself holds the scope around both."""
+    ``defer``: stop after parsing and checking; ``collect``: keep refusals and problems instead of raising;
+    ``predict``/``advise``: the memory callbacks' hooks (default: the run's own step's); ``gpu``: the GPU whose bf16
+    support decides the precision (default: the one it trains on; None: none). Each phase runs inside `scope`."""
 
     def __init__(
         self,
@@ -131,7 +120,7 @@ class LitMemoryCLI(LightningCLI):
         self._deferred = defer
         self._collect = collect
         self._memory_hooks = {"predict": predict, "advise": advise, "timeline": None}
-        self.memory: Optional[MemoryOptions] = None  # the `memory:` block, parsed
+        self.memory: Optional[MemorySettings] = None  # the `memory:` block, built once (`_parse_memory`)
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
@@ -153,11 +142,8 @@ class LitMemoryCLI(LightningCLI):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["LitMemoryCLI"]:
-        """What this run switches in the process, for the length of the block, and put back after it: the trust
-        decision (`lit_memory.trust.Decision.applied`: jsonargparse's import policy and config reading, torch's
-        weights-only switch, the guard's sinks), the environment variables Lightning sets for a run
-        (`lit_memory.environment.restored`), the recipe's allocator settings on CUDA (entered when the run is
-        built). Re-entrant: inside it, further entries add nothing."""
+        """What this run switches in the process (the trust decision, Lightning's environment variables, the
+        recipe's allocator settings), put back after the block. Re-entrant."""
         if self._held is not None:
             yield self
             return
@@ -207,8 +193,8 @@ class LitMemoryCLI(LightningCLI):
         return True
 
     def _parse_memory(self) -> None:
-        """The ``memory:`` block as typed values (`lit_memory.run_memory.MemoryOptions`), once, here."""
-        self.memory = MemoryOptions(**self.settings.memory.as_dict())
+        """The ``memory:`` block as one typed value, built once, here."""
+        self.memory = MemorySettings(**self.settings.memory.as_dict())
 
     def _follow_device(self) -> None:
         """A recipe's bf16 on a GPU without bf16 (`lit_memory.precision.follow_device`), unless the user typed it."""
@@ -258,7 +244,7 @@ class LitMemoryCLI(LightningCLI):
         parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
         # Memory is measured in every run: its `memory:` block, whose callbacks every run gets (`_instantiate_trainer`;
         # unlike a default in `trainer.callbacks`, a user's list does not replace them).
-        parser.add_class_arguments(MemoryOptions, "memory", fail_untyped=False, instantiate=False, sub_configs=True)
+        parser.add_class_arguments(MemorySettings, "memory", fail_untyped=False, instantiate=False, sub_configs=True)
         # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
         # `_instantiate_trainer`). Its `progress:` block sets how often.
         parser.add_lightning_class_args(LogProgress, "progress")
@@ -283,11 +269,8 @@ class LitMemoryCLI(LightningCLI):
         return config[subcommand] if subcommand else config
 
     def step(self, target: Any = None) -> Any:
-        """This run's training step as the memory model describes it (`lit_memory.memory.prediction.step.Step`), built
-        from the resolved settings; ``target``: the device to predict for (default: the documented CUDA GPU)."""
-        from lit_memory.memory.prediction.step import Step
-
-        return Step.from_settings(self.settings.as_dict(), target)
+        """This run's training step as the memory model describes it, for ``target`` (default: the documented GPU)."""
+        return Step.from_settings(self.settings.as_dict(), target, memory=self.memory)
 
     @property
     def settings(self) -> Namespace:
@@ -321,27 +304,22 @@ class LitMemoryCLI(LightningCLI):
         super()._set_seed()
 
     def _prepare(self) -> None:
-        """Before anything is instantiated: the seed, the recipe's allocator settings for a run on CUDA (before
-        anything allocates there, and before the checkpointing plan, which predicts with them; a CPU run leaves
-        them alone), and ``auto`` checkpointing planned (`lit_memory.memory.planning.recompute.plan_run`)."""
-        from lit_memory.memory.planning.recompute import plan_run
-
+        """Before anything is instantiated: the seed, the recipe's allocator settings on CUDA (before anything
+        allocates, and before the checkpointing plan predicts with them), the task, and ``auto`` planned."""
         self._set_seed()
         if not runs_on_cpu(self.settings.trainer.accelerator):
-            warning = self._held.enter_context(recipe_settings(self.memory.settings.allocator))
+            warning = self._held.enter_context(recipe_settings(self.memory.allocator))
             if warning:
                 say(warning)
         training = self.config.get("subcommand") in (None, "fit")
         if training:
             self._resolve_task()
-        plan_run(self.settings, self.memory.settings, training, self.step, lambda: self.read_card())
+        for key, value in plan_run(self.settings, self.memory, training, self.step, lambda: self.read_card()).items():
+            self.settings[key] = value  # the plan in place of auto, so the saved config and checkpoints hold it
 
     def _resolve_task(self) -> None:
-        """``fit`` with ``model.num_labels`` or ``model.problem_type`` unset: what the training data's labels show
-        (`lit_memory.data.resolve_task`), written into the run's settings before the module is built, so that the
-        saved config and every checkpoint hold it. Other subcommands take the checkpoint's or the model's own."""
-        from lit_memory.data import resolve_task
-
+        """``fit`` with ``model.num_labels`` or ``model.problem_type`` unset: what the training labels show, written
+        into the settings so that the saved config and every checkpoint hold it."""
         model, data = self.settings.model, self.settings.data
         if model.num_labels is not None and model.problem_type is not None:
             return
@@ -359,9 +337,7 @@ class LitMemoryCLI(LightningCLI):
     @staticmethod
     def read_card() -> Any:
         """The run's card at start (`lit_memory.memory.hardware.gpus.read_card`): the seam a test replaces."""
-        from lit_memory.memory.hardware.gpus import read_card
-
-        return read_card()
+        return gpus.read_card()
 
     def _run_subcommand(self, subcommand: str) -> None:
         if not self._deferred:
@@ -390,12 +366,10 @@ class LitMemoryCLI(LightningCLI):
                 self._run_subcommand(self.subcommand)
 
     def _memory_hooks_for_run(self) -> dict[str, Any]:
-        """The memory callbacks' hooks: those given, else, for training (predictions are for fit only), the run's
-        own step's (`lit_memory.memory.prediction.predict.run_hooks`), advising from the shipped recipes."""
+        """The memory callbacks' hooks: those given, else, for fit, the run's own step's, advising from the shipped
+        recipes."""
         hooks = dict(self._memory_hooks)
         if None in hooks.values() and self.subcommand in (None, "fit"):
-            from lit_memory.memory.prediction.predict import run_hooks
-
             try:
                 defaults = dict(zip(("predict", "advise", "timeline"), run_hooks(self.step(), recipes.shipped_settings)))
             except UserError as err:  # settings the memory model does not cover: measure only
@@ -419,9 +393,7 @@ class LitMemoryCLI(LightningCLI):
         return trainer
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
-        """The Trainer with every run's callbacks: those of its ``memory:`` block
-        (`lit_memory.run_memory.memory_callbacks`), and the progress lines and model summary where they apply
-        (`lit_memory.console.forced_callbacks`)."""
+        """The Trainer with every run's callbacks: its ``memory:`` block's, progress lines and model summary."""
         callbacks = [*callbacks, *memory_callbacks(self.memory, **self._memory_hooks_for_run())]
         return super()._instantiate_trainer(config, console.forced_callbacks(config, callbacks))
 

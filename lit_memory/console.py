@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_summary.model_summary import (
     _format_summary_table,
     get_formatted_model_size,
@@ -43,7 +44,7 @@ DEFAULT_INTERVAL = 30.0  # seconds: a few lines a minute in a log, even for a 5-
 def interactive(stream: Any = None) -> bool:
     """Whether the output is a terminal a progress bar can redraw (or a notebook): what rich decides for
     Lightning's bar (``TTY_COMPATIBLE``/``FORCE_COLOR`` included), else whether stdout is a TTY."""
-    try:
+    try:  # deferred: rich is optional (Lightning's progress-bar extra); without it, stdout's TTY flag decides
         from rich.console import Console
     except ImportError:
         stream = stream or sys.stdout
@@ -247,6 +248,7 @@ class ModelSummary(LightningModelSummary):
         if total_flops:
             totals.append(("Total FLOPs", get_human_readable_count(total_flops)))
         if interactive():
+            # deferred: rich is optional (Lightning's progress-bar extra); only a terminal's table needs it
             from rich import get_console
             from rich.table import Table
 
@@ -307,7 +309,5 @@ def print_predict_metrics(trainer: Any, module: Any) -> None:
 def say(line: str) -> None:
     """A line on stderr from the process of global rank 0 only: Lightning's launcher runs a command again for every
     other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
-    from lightning.pytorch.utilities import rank_zero_only
-
     if rank_zero_only.rank == 0:
         print(line, file=sys.stderr)

@@ -1,9 +1,8 @@
 """Text-classification data: the bundled tweets, local CSV/TSV/JSON/JSONL files, or a hub dataset.
 
-Loading, splitting and tokenising go through Hugging Face `datasets`; batches are padded by
-transformers' `DataCollatorWithPadding`. Every check on the user's data runs in `prepare_data`,
-which Lightning calls before it creates a run folder, so bad input fails with one line and
-leaves nothing behind.
+Loading, splitting and tokenising go through Hugging Face `datasets`; transformers' `DataCollatorWithPadding`
+pads the batches. Every check on the user's data runs in `prepare_data`, before Lightning creates a run folder:
+bad input fails with one line and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -18,17 +17,19 @@ import datasets
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, DataCollatorWithPadding
+from transformers import DataCollatorWithPadding
 
 from lit_memory import bundled, guard, predict_file
 from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
 from lit_memory.errors import UserError
+from lit_memory.hf_loading import label_names_or_default
 from lit_memory.local_data import load_local
 from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType
 from lit_memory.resume import ResumableDataLoader, ResumableSampler
+from lit_memory.tokenizing import encode_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ DEMO_TRAIN_SAMPLES = 4000  # the bundled demo's training subset: every recipe un
 
 def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
     """A hub dataset (its configuration ``subset``, if named) with all its splits: the one call that downloads data
-    (users have the hub; nothing here downloads in tests, which replace this function). A confined run reads the
-    copy its parent fetched (`lit_memory.sandbox.launch`)."""
+    (tests replace it). A confined run reads the copy its parent fetched (`lit_memory.sandbox.launch`)."""
     staged = os.environ.get("LIT_MEMORY_STAGED_DATASET")
     if staged:
         return datasets.load_from_disk(staged)
@@ -99,9 +99,8 @@ class TextClassificationData(L.LightningDataModule):
             `lit_memory.task.PAIR_COLUMNS` (``sentence1``/``sentence2``, ...), else of ``text``, ``sentence``,
             ``review``, ``content``, ... (`lit_memory.task.TEXT_COLUMNS`); ``text`` for the bundled tweets.
         label_column: the label column (class names or ids, numbers for regression, a list of names per row for
-            multi-label), or several 0/1 columns for multi-label (``[toxic, obscene, insult]``); default: the first
-            found of ``label``, ``labels``, ``score``, ... (`lit_memory.task.LABEL_COLUMNS`); ``sentiment`` for the
-            bundled tweets.
+            multi-label), or several 0/1 columns (``[toxic, obscene, insult]``); default: the first found of ``label``,
+            ``labels``, ``score``, ... (`lit_memory.task.LABEL_COLUMNS`); ``sentiment`` for the bundled tweets.
         label_names: class names in id order. Rows whose label is not listed are dropped (that is how the bundled
             tweets become positive vs negative). Default: the dataset's own (a hub dataset's ClassLabel names),
             else the sorted distinct labels; for the bundled tweets their order.
@@ -110,9 +109,8 @@ class TextClassificationData(L.LightningDataModule):
             ``regression``; linked from ``model.problem_type``; null: from the labels (`lit_memory.task.infer`).
         subset: a hub dataset's configuration (``mrpc`` of ``nyu-mll/glue``).
         train_split, validation_split, test_split: the source's own split names (MNLI's ``validation_matched``).
-            Default: ``train``, and ``validation``/``test`` where the source has them; a missing one is carved out
-            of train (``val_fraction``/``test_fraction``); a test split without labels (GLUE's) is replaced by the
-            validation split.
+            Default: ``train``, and ``validation``/``test`` where the source has them, else carved out of train
+            (``val_fraction``/``test_fraction``); a test split without labels (GLUE's) is replaced by validation.
         tokenizer_name_or_path: linked from the model by the CLI.
         max_length: longest sequence after truncation (a pair: both texts together, ``longest_first``).
         padding: ``longest`` pads each batch to its longest sequence; ``max_length`` pads every
@@ -126,10 +124,9 @@ class TextClassificationData(L.LightningDataModule):
         seed: seed for splitting, sub-sampling and the training order (a function of the seed and
             the epoch only, so a resumed run sees the batches the interrupted one would have).
         num_workers: DataLoader workers.
-        predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict`` (labels optional), streamed:
-            never held whole in memory. Its columns are found as the training data's (`lit_memory.task.find_columns`,
-            the training data's own names first); where it has labels, they give metrics. Without it, ``predict``
-            predicts the test split.
+        predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict``, streamed (never whole in memory);
+            its columns found as the training data's (`lit_memory.task.find_columns`, their names first); its labels,
+            if any, give metrics. Without it, ``predict`` predicts the test split.
         id_column: the column that names each row in the predictions (default ``id`` or ``idx`` where the file has
             one; else each row is named by its text).
     """
@@ -504,6 +501,7 @@ class TextClassificationData(L.LightningDataModule):
         else:
             source, where = self._predict_rows, f"the test split of {self.hparams.source}"
         return predict_file.Rows(source, rank, world_size, where)
+
     def check_bounds(self) -> None:
         """Untrusted: the settings that multiply processes or memory are still within what the run started
         with (`lit_memory.guard`): a callback can change them mid-run."""
@@ -586,17 +584,6 @@ class TextClassificationData(L.LightningDataModule):
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
 
 
-def encode_texts(rows: dict, tokenizer: Any, texts: tuple[str, ...], max_length: int, cap: Optional[int]) -> dict:
-    """A batch of rows tokenised, truncated to ``max_length`` (a pair: the longer text first, ``longest_first``),
-    and whether each lost tokens to it."""
-    columns = [[t[:cap] if isinstance(t, str) and cap is not None else t for t in rows[c]] for c in texts]
-    encoded = tokenizer(*columns, truncation="longest_first" if len(columns) == 2 else True, max_length=max_length)
-    full = tokenizer(*columns, truncation=False, return_attention_mask=False, return_token_type_ids=False,
-                     verbose=False)["input_ids"]
-    encoded["truncated"] = [len(ids) > max_length for ids in full]
-    return encoded
-
-
 def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: Optional[int]) -> datasets.DatasetDict:
     """Stratified on the label so small classes land in every split (single-label); plain when a class is too rare,
     and for regression and multi-label."""
@@ -609,39 +596,3 @@ def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_
         return split.train_test_split(test_size=test_size, seed=seed, stratify_by_column="labels")
     except ValueError:
         return split.train_test_split(test_size=test_size, seed=seed)
-
-
-def label_names_or_default(names: Optional[list[str]], num_labels: int) -> list[str]:
-    """One name per class id: the given names, then transformers' default (``LABEL_<id>``) for ids beyond them."""
-    names = list(names or [])
-    return names + [f"LABEL_{i}" for i in range(len(names), num_labels)]
-
-
-def load_tokenizer(name_or_path: str):
-    """The tokenizer, padding on the right with its EOS token where it has no pad token (GPT-2's, Llama's):
-    the one place that decides what batches are padded with (the model's config follows it: `pad_token_id`)."""
-    path = bundled.resolve_model(name_or_path)
-    if not str(name_or_path).startswith("bundled:"):
-        guard.check_model_folder(path, f"tokenizer {name_or_path!r}")
-    try:
-        tokenizer = guard.call(AutoTokenizer.from_pretrained, f"tokenizer {name_or_path!r}", path)
-    except OSError as err:
-        raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(err).splitlines()[0]}") from err
-    guard.check_normalizer(tokenizer, f"tokenizer {name_or_path!r}")  # untrusted: no normalizer that multiplies texts
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise UserError(
-                f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token to pad batches with: "
-                "give it one (its tokenizer_config.json: pad_token) or use model.tokenizer_name_or_path"
-            )
-        tokenizer.pad_token = tokenizer.eos_token
-    # Right: every family's classifier reads the right token either way (a decoder's, the last that is not
-    # padding), but left padding would shift absolute position embeddings (GPT-2's) without position ids.
-    tokenizer.padding_side = "right"
-    return tokenizer
-
-
-@functools.lru_cache(maxsize=32)
-def pad_token_id(name_or_path: str) -> int:
-    """The id `load_tokenizer` pads with (cached: every module built for the same tokenizer asks)."""
-    return load_tokenizer(name_or_path).pad_token_id

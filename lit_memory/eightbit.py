@@ -98,7 +98,7 @@ def overrides_for_copy(
     steps with ``min_8bit_size``): the same on every number of ranks, so a checkpoint reshards without changing
     its kind (`lit_memory.eightbit_shards`), and as the memory model counts it.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: ~1 s to import; the optimizers import this module
 
     view = copy.copy(manager)
     view.index2config, view.pid2config, view.module_weight_config_triple = {}, {}, []
@@ -166,7 +166,7 @@ def swap_stable_embedding(model: nn.Module) -> None:
     """Replace the input (token) embeddings with `bitsandbytes.nn.StableEmbedding`, keeping the
     pretrained vectors. StableEmbedding adds a LayerNorm after the lookup (initialised to identity
     scale, but it does renormalise the vectors) and registers its weight for 32-bit state."""
-    from bitsandbytes.nn import StableEmbedding
+    from bitsandbytes.nn import StableEmbedding  # deferred: bitsandbytes is heavy; only this option uses it here
 
     old = model.get_input_embeddings()
     check_stable_embedding(old)

@@ -33,9 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lit_memory import eightbit
 from lit_memory.errors import UserError
 
 BLOCK = 256  # bitsandbytes' block size for optimizer state (`Optimizer2State.init_state`)
@@ -116,9 +121,6 @@ def load_state_dict(optimizer: Optimizer, module: nn.Module, path: Path, key: st
     """Load ``optimizer``'s state saved by `state_dict` under ``key`` of the distributed checkpoint at ``path``
     into its existing state (made first by `lit_memory.fused.OptimizerInBackward.initialize_state`), exactly on as
     many shards, requantised on another number (module docstring). Returns whether it was resharded."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
     path = Path(path)
     if not path.is_dir():
         raise UserError(NOT_SHARDED.format(path=path))
@@ -193,8 +195,6 @@ class _Target:
                     )
 
     def restore(self, loaded: dict[str, Any]) -> None:
-        from torch.distributed.tensor import DTensor
-
         for name, value in loaded.items():
             if not isinstance(value, (torch.Tensor, DTensor)):
                 self.state[name] = value
@@ -236,7 +236,7 @@ def dequantise(
 
 def requantise(values: torch.Tensor, qmap: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """``values`` quantised in bitsandbytes' blocks of this shard into ``codes`` and ``absmax``, in place."""
-    import bitsandbytes.functional as F
+    import bitsandbytes.functional as F  # deferred: heavy (loads its native library); only resharding uses it
 
     quantised, quant_state = F.quantize_blockwise(values.reshape(-1), code=qmap, blocksize=BLOCK)
     codes.copy_(quantised.view(codes.shape))
@@ -245,8 +245,6 @@ def requantise(values: torch.Tensor, qmap: torch.Tensor, codes: torch.Tensor, ab
 
 def _sharded(name: str, value: Any, param: torch.Tensor) -> Any:
     """One entry of a shard's bitsandbytes state as torch's distributed checkpoint should save it."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(value, torch.Tensor) or name.startswith("qmap"):
         return value  # the step count; bitsandbytes' quantisation maps (the same on every rank)
     if name.startswith("absmax"):
@@ -268,8 +266,6 @@ def _sharded(name: str, value: Any, param: torch.Tensor) -> Any:
 
 def _as_dtensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``local`` (of the shard's shape) as a DTensor placed like ``param``, sharing its memory."""
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
@@ -278,8 +274,6 @@ def _as_dtensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _stepped_anywhere(optimizer: Optimizer, params: list[torch.Tensor]) -> list[bool]:
     """Whether each parameter has state on any rank: every rank must describe a saved DTensor, or torch's distributed
     checkpoint cannot cover its volume. One all-reduce of a flag per parameter (saving is collective already)."""
-    import torch.distributed as dist
-
     mine = [bool(optimizer.state.get(p)) for p in params]
     if not params or not dist.is_available() or not dist.is_initialized():
         return mine
@@ -293,8 +287,6 @@ def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor) -> dict[str, A
     """The state an empty shard of ``param`` stands for in a checkpoint: each tensor of its kind (8-bit codes or
     32-bit moments, as bitsandbytes decides on the whole parameter: `lit_memory.eightbit.config_of`) with no rows,
     no absmax blocks (saved as a row of zeros), the maps and the step count of a parameter of the same kind here."""
-    from lit_memory import eightbit
-
     g, i = next((g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if p is param)
     config = eightbit.config_of(optimizer, g, i)
     bits = config.get("optim_bits", optimizer.args.optim_bits)

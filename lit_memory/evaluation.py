@@ -28,7 +28,7 @@ from torchmetrics.classification import (
 )
 
 from lit_memory import files
-from lit_memory.task import MULTI, REGRESSION, SINGLE
+from lit_memory.task import MULTI, REGRESSION
 
 
 def metric_name(label: str) -> str:
@@ -126,7 +126,7 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
 def draw_confusion(counts: torch.Tensor, names: Sequence[str], path: Path, title: str) -> Optional[Path]:
     """The confusion matrix as a PNG (counts in the cells, each row shaded by its share): None without matplotlib."""
     try:
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+        from matplotlib.figure import Figure  # deferred: optional, heavy; no pyplot: no GUI backend, no global state
     except ImportError:
         return None
     n = len(names)

@@ -27,14 +27,19 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy, SingleDeviceStrategy
-from lightning.fabric.utilities.types import _DEVICE
+from lightning.fabric.strategies.fsdp import _METADATA_FILENAME, _distributed_checkpoint_save
+from lightning.fabric.utilities.types import _DEVICE, _Stateful
+from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lit_memory import eightbit_shards, fused
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling
-from lit_memory.strategies import FusedStep, _AcceleratorDevice, hugging_face_models, shard
+from lit_memory.strategies import AcceleratorDevice, FusedStep, hugging_face_models, shard
 UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
     "add it to one, or set its requires_grad to False"
@@ -125,8 +130,6 @@ class _Route:
     def __init__(
         self, optimizers: Union[Optimizer, Iterable[Optimizer]], fabric_module: nn.Module, clipping: Optional[Clipping]
     ) -> None:
-        from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
-
         wrapped = isinstance(fabric_module, _FabricModule)
         self.module = fabric_module.module if wrapped else fabric_module
         forward_module = fabric_module._forward_module if wrapped else fabric_module
@@ -172,9 +175,6 @@ class _Route:
         attributes are then other tensors than the sharded parameters the optimizers hold, and are
         checked only after backward, when FSDP2 has put the sharded ones back.
         """
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-
         fsdp2 = not after_backward and any(isinstance(m, FSDPModule) for m in self.module.modules())
         for name, p in self.module.named_parameters():
             if p.requires_grad and id(p) not in self.owned and not (fsdp2 and not isinstance(p, DTensor)):
@@ -221,13 +221,9 @@ class _FSDP1:
 
     @staticmethod
     def applies(module: nn.Module) -> bool:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
 
     def __init__(self, module: nn.Module) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         self.states = [(s, s._handle) for s in FullyShardedDataParallel.fsdp_modules(module) if s._handle is not None]
         if any(not handle._use_orig_params for _, handle in self.states):
             raise UserError(FSDP1_FLAT)
@@ -323,7 +319,7 @@ class _FusedFabricStep(FusedStep):
         super().teardown()
 
 
-class FusedFabricStrategy(_FusedFabricStep, _AcceleratorDevice, SingleDeviceStrategy):
+class FusedFabricStrategy(_FusedFabricStep, AcceleratorDevice, SingleDeviceStrategy):
     """Fabric on one device with the fused step: ``fabric.backward(loss)`` updates the parameters.
 
     ``optimizer.step()`` after it is harmless (it finds no gradient left), so existing loops keep
@@ -418,10 +414,6 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
             return super().save_checkpoint(path, state, *args, **kwargs)
         # Lightning's saver, with bitsandbytes' state as DTensors where it puts torch's optimizer state dict (it
         # would send any other object to rank 0's meta.pt).
-        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME, _distributed_checkpoint_save
-        from lightning.fabric.utilities.types import _Stateful
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         path = Path(self.broadcast(path))
         if path.is_file():
             path.unlink()

@@ -39,15 +39,23 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities import load as lightning_load
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import _weights_only_unpickler as unpickler
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from transformers import CONFIG_MAPPING
 
 from lit_memory import bounds, files
 from lit_memory.errors import UserError
@@ -156,8 +164,6 @@ def load_error(err: Exception) -> str:
 def _folder_problem(path: Path) -> Optional[str]:
     """A distributed checkpoint: every metadata file (global and rank-local), every non-tensor item
     they point at, and Lightning's ``meta.pt``."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     metadata_files = sorted(p for p in path.iterdir() if p.name == ".metadata" or re.fullmatch(r"__\d+\.metadata", p.name))
     for file in metadata_files:
         try:  # a regular file within its bound: a link to /dev/zero or a FIFO would never end
@@ -191,10 +197,8 @@ def _folder_problem(path: Path) -> Optional[str]:
 
 
 def _metadata_globals() -> set[tuple[str, str]]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
     allowed = {
-        (metadata.__name__, name)
+        (dcp_metadata.__name__, name)
         for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
                      "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
     }
@@ -241,10 +245,6 @@ def harden() -> None:
     global _hardened
     if _hardened:
         return
-    from lightning.fabric.utilities import load as lightning_load
-    from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
     read_metadata = filesystem.FileSystemReader.read_metadata
 
     def guarded_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -275,8 +275,6 @@ def harden() -> None:
 
 def _weights_only_globals() -> set[str]:
     """What torch's weights-only unpickler allows: its defaults plus `torch.serialization.add_safe_globals`."""
-    from torch import _weights_only_unpickler as unpickler
-
     return set(unpickler._get_allowed_globals()) | set(unpickler._get_user_allowed_globals())
 
 
@@ -292,8 +290,6 @@ class GuardedCheckpointIO(CheckpointIO):
         self.inner = inner
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        from lightning.fabric.plugins import TorchCheckpointIO
-
         if type(self.inner) is not TorchCheckpointIO or is_remote(str(path)) or storage_options is not None:
             files.refuse_link(path)
             return self.inner.save_checkpoint(checkpoint, path, storage_options)
@@ -355,8 +351,6 @@ def preflight(
     if not restricted():
         return
     _own_folders[:] = [Path(os.path.realpath(f)) for f in own_folders if f and not is_remote(str(f))]
-    from lightning.pytorch.trainer.states import TrainerFn
-
     state = trainer.state
     fn, state.fn = state.fn, TrainerFn(subcommand)  # Lightning resumes by itself only while fitting
     try:
@@ -373,8 +367,6 @@ def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
     """Refuse a checkpoint Lightning picked by itself (``ckpt_path`` unset: SLURM's ``hpc_ckpt_N.ckpt`` in
     the run's root folder, an ``OnExceptionCheckpoint``'s file), a remote one, or one the restricted
     readers cannot read."""
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-
     if found is None:
         return
     if ckpt_path is None and Path(os.path.realpath(os.path.dirname(os.path.abspath(found)))) not in _own_folders:
@@ -496,8 +488,6 @@ def check_normalizer(tokenizer: Any, what: str) -> None:
     normalizer = getattr(backend, "normalizer", None)
     if normalizer is None:
         return
-    import json
-
     if problem := bounds.normalizer_problem(json.loads(normalizer.__getstate__())):
         raise UserError(f"refusing {what}: {problem}; {HINT}")
 
@@ -515,8 +505,6 @@ def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str
     weights-only loading refuses (torch's static scan of the pickle,
     `torch.serialization.get_unsafe_globals_in_checkpoint`). ``loaders_refuse=False`` leaves out what the
     loaders refuse by themselves when they get there (``auto_map`` code, pickles: `call`, weights-only loads)."""
-    from transformers import CONFIG_MAPPING
-
     problems = []
     entries = sorted(folder.iterdir())
     for entry in entries:

@@ -58,6 +58,7 @@ class LoRA:
 def family_targets(anatomy: Anatomy) -> Union[list[str], str]:
     """peft's default targets for the family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, by
     ``model_type``), else every linear layer inside the first transformer layer's attention block."""
+    # deferred: peft is heavy (~1.5 s); only LoRA runs need it
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     known = PEFT_DEFAULTS.get(anatomy.family)
@@ -95,7 +96,7 @@ def lora_targets(anatomy: Anatomy, lora: LoRA) -> Union[list[str], str]:
 def apply_lora(model: nn.Module, lora: LoRA) -> nn.Module:
     """``model`` with LoRA adapters on `lora_targets`; the head parts a fine-tune initialises
     (`Anatomy.head`: classifier, DeBERTa's pooler, a decoder's score) train in full."""
-    from peft import LoraConfig, TaskType, get_peft_model
+    from peft import LoraConfig, TaskType, get_peft_model  # deferred: peft is heavy; only LoRA runs need it
 
     anatomy = Anatomy.of(model)
     config = LoraConfig(
@@ -110,6 +111,6 @@ def apply_lora(model: nn.Module, lora: LoRA) -> nn.Module:
 
 
 def is_lora(model: nn.Module) -> bool:
-    from peft import PeftModel
+    from peft import PeftModel  # deferred: peft is heavy; only LoRA runs need it
 
     return isinstance(model, PeftModel)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch._functorch.config
 
 from lit_memory.errors import UserError
 from lit_memory.settings import Precision
@@ -38,7 +39,7 @@ def keep_plain_state(
     torchao creates each state tensor; fused-step bucket copies share the instance's attributes, so theirs too.
     The ids and the dtype (None: the parameter's) are kept on the optimizer (``plain_state``): copies that step
     other tensors in their place (the memory model's probes) carry them over (`lit_memory.optimizers.TorchAO`)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: ~1 s to import; the optimizers import this module
 
     plain = {id(p): dtype for p in params}
     quantised = optimizer._new_buffer
@@ -67,11 +68,9 @@ def compile_steps_without_the_dtensor_cache_collision(optimizer: torch.optim.Opt
     code in the cache (``$TMPDIR/torchinductor_$USER``, shared by every run of the user) and fails inside it:
     "'Tensor' object has no attribute 'codes'". Turned off by torch's own switch (process-wide; inductor's
     graph cache, keyed by the flattened tensors, still serves); unsharded state hashes its inner tensors."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: ~1 s to import; the optimizers import this module
 
     if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
-        import torch._functorch.config
-
         torch._functorch.config.enable_autograd_cache = False
 
 

@@ -18,19 +18,22 @@ from typing import Any, Literal, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from lit_memory import bundled, evaluation, files, guard, optimizers
 from lit_memory import task as task_
 from lit_memory.best import restore_best
 from lit_memory.console import say
 from lit_memory.sandbox.rules import phase
-from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, checkpoint_function, checkpoint_kwargs
+from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
-from lit_memory.data import label_names_or_default, load_tokenizer, pad_token_id
+from lit_memory.hf_loading import (
+    config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, set_pad_token,
+)
+from lit_memory.tokenizing import load_tokenizer
 from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
@@ -76,14 +79,12 @@ class SequenceClassifier(L.LightningModule):
             config with random weights (memory and speed work without downloading weights).
         config_overrides: keyword overrides for the Hugging Face config (e.g. ``num_hidden_layers``).
         tokenizer_name_or_path: defaults to ``model_name_or_path``.
-        gradient_checkpointing: recompute activations in backward (non-reentrant), per layer: layer counts
-            ``{full: F, selective: S}`` (from the input side; the layers after them recompute nothing), or one
-            mode for every layer; ``auto`` (resolved by ``fit``/``estimate`` before the model is built): the plan
-            with the fewest FLOPs predicted to fit the run's device budget (``memory.budget``, else the
-            recipe's ``memory.tier``). ``true``/``full``
-            keeps each transformer layer's input and re-runs its whole forward; ``selective`` also
-            keeps its matmul and fused-attention outputs and recomputes only the cheap ops (GELU,
-            dropout, LayerNorm, adds); ``false`` keeps everything.
+        gradient_checkpointing: recompute activations in backward (non-reentrant), per layer. ``true``/``full``: each
+            layer keeps its input and re-runs its forward; ``selective``: also keeps its matmul and fused-attention
+            outputs, recomputing only cheap ops (GELU, dropout, LayerNorm, adds); counts ``{full: F, selective: S}``
+            from the input side (the layers after them recompute nothing); ``auto`` (resolved by ``fit``/``estimate``):
+            the plan with the fewest FLOPs predicted to fit ``memory.budget``, else the recipe's ``memory.tier``;
+            ``false`` keeps everything.
         offload_activations: move the tensors autograd saves in the forward pass (with
             checkpointing: each layer's input) to pinned host memory, and back for backward. Needs
             every layer checkpointed; a no-op on CPU. ``auto`` (with ``gradient_checkpointing: auto``): where
@@ -94,18 +95,13 @@ class SequenceClassifier(L.LightningModule):
             weight decay 0.01, by default: `DEFAULT_OPTIMIZER`, in Python and on the command line alike;
             bitsandbytes' 8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
             weights are put in a group without weight decay.
-        embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) treats the
-            embedding matrices (`lit_memory.eightbit.unquantised`): ``32bit`` keeps their state unquantised
-            in fp32 (bitsandbytes' per-parameter override; `lit_memory.lowbit.keep_plain_state` for torchao;
-            `lit_memory.optimizers.Library.keep_unquantised`),
-            ``unquantized`` in the parameters' own dtype (torchao: bf16 state for bf16 weights, as its own
-            pure-bf16 training has it; bitsandbytes: as ``32bit``), ``auto`` (the default) as ``32bit`` for
-            matrices up to `lit_memory.eightbit.AUTO_32BIT_VALUES` values (BERT's, ModernBERT's word
-            embeddings) and quantises larger ones (128k-250k-token vocabularies, where 32-bit state would
-            cost 0.7-1.4 GiB more), ``stable_embedding`` swaps the input embeddings for
-            ``bitsandbytes.nn.StableEmbedding`` (pretrained vectors kept, a LayerNorm added, 32-bit state;
-            refused for a family's own embedding class, e.g. Gemma3's scaled one), ``8bit`` quantises them
-            like the rest (torchao: at its own bits). Other optimizers ignore it (``stable_embedding`` still swaps).
+        embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) keeps the embedding matrices'
+            state (`lit_memory.eightbit.unquantised`): ``32bit`` in fp32; ``unquantized`` in the parameters' own dtype
+            (bitsandbytes: as ``32bit``); ``auto`` (default) as ``32bit`` up to `lit_memory.eightbit.AUTO_32BIT_VALUES`
+            values (BERT's word embeddings), quantised above (128k-250k-token vocabularies: 32-bit state would cost
+            0.7-1.4 GiB more); ``stable_embedding`` swaps in ``bitsandbytes.nn.StableEmbedding`` (a LayerNorm added,
+            32-bit state; refused for a family's own embedding class, e.g. Gemma3's scaled one); ``8bit`` quantises
+            them like the rest. Other optimizers ignore it (``stable_embedding`` still swaps).
         lora: LoRA adapters (peft); the rest of the model is frozen, the head parts a fine-tune
             initialises (classifier, pooler, score: `lit_memory.anatomy.Anatomy.head`) train in full,
             and the adapters are merged before export. Its ``target_modules`` default to the family's
@@ -167,7 +163,9 @@ class SequenceClassifier(L.LightningModule):
                 "model.offload_activations: auto is decided with gradient_checkpointing auto, before the model is "
                 "built (`python -m lit_memory fit/estimate` do it)"
             )
-        plan = CheckpointPlan.parse(gradient_checkpointing)
+        # Parsed once: what `build_model` switches on (the hyper-parameter keeps the setting as given).
+        self.checkpoint_plan: Optional[CheckpointPlan] = CheckpointPlan.parse(gradient_checkpointing)
+        plan = self.checkpoint_plan
         if offload_activations and plan is None:
             raise UserError(
                 "model.offload_activations needs model.gradient_checkpointing (full or selective): without it every "
@@ -296,9 +294,8 @@ class SequenceClassifier(L.LightningModule):
         freeze_modules(model, self.hparams.freeze, anatomy)
         if self.hparams.embedding_optimizer_state == "stable_embedding":
             swap_stable_embedding(model)
-        plan = CheckpointPlan.parse(self.hparams.gradient_checkpointing)
-        if plan is not None:
-            enable_gradient_checkpointing(model, plan, anatomy.layers)
+        if self.checkpoint_plan is not None:
+            enable_gradient_checkpointing(model, self.checkpoint_plan, anatomy.layers)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         if self._label_names:
@@ -427,7 +424,7 @@ class SequenceClassifier(L.LightningModule):
         return optimizer
 
     def configure_optimizers(self):
-        # Imported here: transformers.optimization pulls in peft and bitsandbytes (1.5 s at start-up).
+        # deferred: transformers.optimization pulls in peft and bitsandbytes (1.5 s at start-up)
         from transformers import get_scheduler
 
         optimizer = self.build_optimizer()
@@ -515,117 +512,6 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> 
     return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
 
 
-def load_config(
-    name_or_path: str, num_labels: Optional[int], overrides: Optional[dict[str, Any]] = None,
-    problem_type: Optional[str] = None,
-):
-    """The Hugging Face config with the head's size and problem type: those given, else the config's own (a
-    fine-tuned folder's), else transformers' rule (one output: regression; else single-label)."""
-    path = bundled.resolve_model(name_or_path)
-    if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
-        guard.check_model_folder(path, f"model {name_or_path!r}")
-    given = {"num_labels": num_labels} if num_labels is not None else {}
-    if problem_type == task_.REGRESSION:
-        given["num_labels"] = 1
-    try:
-        config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, **given, **(overrides or {}))
-    except OSError as err:
-        raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
-    guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build
-    own = getattr(config, "problem_type", None)
-    if problem_type is None and own is not None and (own == task_.REGRESSION) != (config.num_labels == 1):
-        own = None  # a head resized from the config's own: its problem type no longer applies
-    config.problem_type = problem_type or own or (task_.REGRESSION if config.num_labels == 1 else task_.SINGLE)
-    return config
-
-
-def config_label_names(config) -> Optional[list[str]]:
-    """The class names a Hugging Face config holds (a fine-tuned folder's id2label), or None where it holds
-    transformers' defaults (``LABEL_<id>``) or another number of classes."""
-    id2label = {int(i): str(name) for i, name in (getattr(config, "id2label", None) or {}).items()}
-    names = [id2label.get(i) for i in range(config.num_labels)]
-    if None in names or all(name == f"LABEL_{i}" for i, name in enumerate(names)):
-        return None
-    return names
-
-
-def set_pad_token(config, tokenizer_name_or_path: str) -> None:
-    """A model without a pad token (most decoders: GPT-2, Llama, Qwen3) gets the tokenizer's, which is
-    its EOS where it has none either (`lit_memory.data.load_tokenizer`): the data is padded with it,
-    and a decoder's classifier finds each sequence's last token as the last one that is not it."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "pad_token_id", None) is not None:
-        return
-    try:
-        pad = pad_token_id(tokenizer_name_or_path)
-    except UserError:  # no tokenizer (a config-only folder): the data module says so when it needs one
-        return
-    for part in {id(config): config, id(text): text}.values():
-        part.pad_token_id = pad
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' loading/saving reports and progress bars off, for calls whose outcome we report ourselves."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def report_loading(model: PreTrainedModel, loading: dict[str, Any], new_head_line: bool = True) -> None:
-    """One line for what every fine-tune expects (a new classification head; not where a checkpoint loaded next
-    replaces it), a warning for anything else."""
-    head = {name for name, _ in model.named_children() if name != model.base_model_prefix}
-    missing = sorted(loading["missing_keys"])
-    new_head = [key for key in missing if key.split(".")[0] in head]
-    if new_head and new_head_line:
-        rank_zero_info(f"classifier head initialised: {model.config.num_labels} labels ({', '.join(new_head)})")
-    surprises = {
-        "not in the checkpoint, initialised at random": sorted(set(missing) - set(new_head)),
-        "in the checkpoint but not in the model, ignored": sorted(loading["unexpected_keys"]),
-        "of another shape in the checkpoint, initialised at random": sorted(map(str, loading["mismatched_keys"])),
-    }
-    for what, keys in surprises.items():
-        if keys:
-            rank_zero_warn(f"{len(keys)} weight(s) {what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
-
-
-def enable_gradient_checkpointing(
-    model: PreTrainedModel, plan: Union[CheckpointPlan, str] = "full", layers: Optional[nn.ModuleList] = None
-) -> None:
-    """Recompute ``layers`` (default: the model's, `lit_memory.anatomy.find_layers`) in backward as ``plan``
-    says, layer by layer."""
-    plan = CheckpointPlan.parse(plan)
-    layers = find_layers(model) if layers is None else layers
-    modes = plan.modes(len(layers))
-    # transformers >= 5.2x renamed the switch; older releases (e.g. on the GPU image) only have the old name.
-    # Both hand these kwargs to torch.utils.checkpoint.checkpoint (selective: its context_fn).
-    kwargs = checkpoint_kwargs(next(mode for mode in modes if mode))
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    # transformers switches every layer the same way; the plan is per layer. Its GradientCheckpointingLayer
-    # reads both attributes at every call, so each layer gets its own flag and checkpoint function.
-    for layer, mode in zip(layers, modes):
-        if hasattr(layer, "gradient_checkpointing"):
-            layer.gradient_checkpointing = mode is not None
-            if mode is not None:
-                layer._gradient_checkpointing_func = checkpoint_function(mode)
-    # transformers also makes the embeddings' output require grad, which only reentrant checkpointing
-    # needs; with it a frozen encoder would still run (and keep memory for) a backward of its own.
-    model.disable_input_require_grads()
-    model.config.use_cache = False  # nothing to cache in training; transformers warns at every forward otherwise
-
-
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
     """The stack of transformer blocks of a Hugging Face model (or the one a peft model wraps)."""
     return find_layers(unwrap(model))
@@ -665,7 +551,7 @@ def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 has sharded the model (its parameters are DTensors)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: about 1 s to import; only sharded runs have them
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -673,6 +559,7 @@ def is_sharded(model: nn.Module) -> bool:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state on CPU, gathering shards when parameters are DTensors (FSDP2)."""
     if is_sharded(model):
+        # deferred: torch's distributed checkpointing, for sharded models only
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

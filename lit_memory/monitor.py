@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory import files
+from lit_memory.anatomy import find_layers
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.hardware.budget import MemorySettings
@@ -438,8 +439,6 @@ def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[st
 
 def _layers(module: L.LightningModule) -> list:
     """The transformer layers of the module's model (`lit_memory.anatomy.find_layers`), or none."""
-    from lit_memory.anatomy import find_layers
-
     try:
         return list(find_layers(getattr(module, "model", module)))
     except Exception:  # noqa: BLE001  a model whose layers cannot be found: phases only

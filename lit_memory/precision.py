@@ -27,10 +27,12 @@ import sys
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.gpus import Gpu
+from lit_memory.memory.hardware.gpus import Gpu, target
 from lit_memory.settings import Precision
 
 FP16_MIXED = "16-mixed"
@@ -122,8 +124,6 @@ def training_gpu(accelerator: Any) -> Optional[Gpu]:
     trains on no CUDA GPU."""
     if runs_on_cpu(accelerator) or not torch.cuda.is_available():
         return None
-    from lit_memory.memory.hardware.gpus import target
-
     return target("cuda").gpu
 
 
@@ -139,9 +139,6 @@ def fp16_under_fsdp2(trainer: dict[str, Any]) -> dict[str, Any]:
     precision flag with ModelParallelStrategy (`lit_memory.FSDP2Strategy` is one), yet GradScaler works there: its
     unscale of the sharded gradients reduces the overflow flag over the ranks (torch's DTensor), and the fused step
     reduces its own. So the same precision comes as a plugin."""
-    from lightning.pytorch.plugins import MixedPrecision
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     precision = Precision.known(trainer.get("precision"))  # Lightning's aliases too (16, "16")
     if precision is None or not precision.scaled or not isinstance(trainer.get("strategy"), ModelParallelStrategy):
         return {}

@@ -10,12 +10,18 @@ inspects one (`lit_memory.trust` says what is refused).
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 from pathlib import Path
 from typing import Any
 
+import lightning
+import torch
+import transformers
 from lightning.pytorch.cli import SaveConfigCallback
 
+import lit_memory
 from lit_memory import bounds, files, resume, trust
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
@@ -167,15 +173,8 @@ class SaveRecipe(SaveConfigCallback):
         files.write_text(self.run_dir / SHARED_RECIPE, text)
 
 
-
 def shared_recipe(config_yaml: str, command: str, machine: str, run_dir: Path) -> str:
     """The run's resolved settings, under a header saying what they are, what made them and where."""
-    import lightning
-    import torch
-    import transformers
-
-    import lit_memory
-
     versions = (
         f"lit_memory {lit_memory.__version__}, torch {torch.__version__}, "
         f"lightning {lightning.__version__}, transformers {transformers.__version__}"
@@ -195,11 +194,6 @@ def shared_recipe(config_yaml: str, command: str, machine: str, run_dir: Path) -
 
 def describe_machine(trainer: Any) -> str:
     """Nodes x devices (GPU name), OS and CPU cores; no host name, since the file is shared."""
-    import os
-    import platform
-
-    import torch
-
     device = trainer.strategy.root_device
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     return (

@@ -42,6 +42,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit_memory import guard
+from lit_memory.best import BestCheckpoint
 from lit_memory.errors import UserError
 from lit_memory.precision import trains_with
 from lit_memory.settings import Precision, key_of
@@ -265,8 +266,6 @@ def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Opt
     """The configured callbacks plus what exact resume needs: `ExactResume`, and `ResumeCheckpoint`
     unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured; and the
     best validated checkpoint (`lit_memory.best.BestCheckpoint`) unless checkpointing is off or one is configured."""
-    from lit_memory.best import BestCheckpoint
-
     callbacks = list(callbacks or [])
     if not any(isinstance(c, ExactResume) for c in callbacks):
         callbacks.append(ExactResume())

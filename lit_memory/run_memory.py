@@ -11,16 +11,16 @@
 - `OutOfMemoryReport`: on an out-of-memory error, the breakdown at the failure, the predicted step's picture with where
   it crosses the limit, and what to run instead.
 
-`MemoryOptions` is the ``memory:`` block of every run's config; `memory_callbacks` composes the callbacks for it
-(the command line does: `lit_memory.cli`). Predictions and advice come in as hooks (``predict``, ``advise``,
-``timeline``: the
-command line hands those of `lit_memory.memory.prediction.predict`), so nothing here imports the memory model.
+`memory_callbacks` composes them for a run's ``memory:`` block (`lit_memory.memory.hardware.budget.MemorySettings`).
+Predictions and advice come in as hooks (``predict``, ``advise``, ``timeline``), so nothing here imports the memory
+model.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -31,7 +31,6 @@ from lit_memory.errors import UserError
 from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
 from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.report import Levels, table
 from lit_memory.monitor import MemoryMonitor, batch_shape, padding
@@ -45,83 +44,23 @@ Advise = Callable[[L.Trainer, int], str]
 Timeline = Callable[[L.Trainer, Optional[tuple[int, int]]], Optional[list[dict]]]
 
 
-class MemoryOptions:
-    """Memory in every run: measured, predicted, bounded. The ``memory:`` block of a config.
-
-    Args:
-        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker (per category
-            and per phase). Its Python dispatch slows the tracked micro-batches, so only the first
-            steps are tracked (the first creates the optimizer state, the second is the steady state),
-            and of an accumulation window only the micro-batches that differ: the first, the second
-            and the last. 0 turns tensor tracking off; on CUDA the allocator's peaks
-            (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read every step regardless.
-        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity). On CUDA it caps
-            this process's device total for the run: the caching allocator
-            (``torch.cuda.set_per_process_memory_fraction``) gets the budget less the CUDA context measured at
-            the start (`lit_memory.memory.hardware.gpus.allocator_limit`); on CPU the tracker raises CUDA's
-            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
-        simulate: also predict by simulation at the start of fit (one training step on fake tensors:
-            seconds on the bundled model, about half a minute on BERT-large), when predictions are given.
-        tier: the device memory the run's recipe is made for, a card (``rtx3050-4gb`` for recipes/4gb.yaml)
-            or a size: what ``model.gradient_checkpointing: auto`` plans for when no ``budget`` is given (and
-            the run's card has that much free). Nothing is enforced.
-        allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``),
-            in ``PYTORCH_CUDA_ALLOC_CONF``'s form: a run on CUDA makes them its own for its length unless the
-            environment names its own (either of torch's variables: that wins), and predictions use them
-            (`lit_memory.memory.hardware.allocator.recipe_settings`).
-        margin: the share of a limit every "fits" decision keeps free for the memory model's own error
-            (`lit_memory.memory.hardware.margin`; default 0.08, from the published measurements' worst under-prediction).
-        snapshot: on CUDA, a file for torch's memory snapshot: the caching allocator's history (every allocation
-            with its stack) over the first ``snapshot_steps`` optimizer steps, which https://pytorch.org/memory_viz
-            draws. A relative path is in the run folder. On a CPU it is an error: the history is CUDA's allocator's.
-        snapshot_steps: the optimizer steps the snapshot records (the first creates the optimizer state, the second
-            is the steady state).
-        picture: draw ``memory.png`` in the run folder at the end of fit (needs matplotlib).
-    """
-
-    def __init__(
-        self,
-        track_steps: int = 2,
-        budget: Optional[str] = None,
-        simulate: bool = False,
-        tier: Optional[str] = None,
-        allocator: Optional[str] = None,
-        margin: float = DEFAULT_MARGIN,
-        snapshot: Optional[str] = None,
-        snapshot_steps: int = 2,
-        picture: bool = True,
-    ) -> None:
-        if track_steps < 0:
-            raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
-        if snapshot_steps < 1:
-            raise UserError(f"memory.snapshot_steps must be >= 1, got {snapshot_steps}")
-        if snapshot is not None and not str(snapshot).strip():
-            raise UserError("memory.snapshot must be a file name, e.g. memory_snapshot.pickle")
-        self.track_steps = track_steps
-        self.snapshot = snapshot
-        self.snapshot_steps = snapshot_steps
-        self.picture = picture
-        self.simulate = simulate
-        self.settings = MemorySettings.parse(budget=budget, tier=tier, margin=margin, allocator=allocator)
-
-
 def memory_callbacks(
-    options: MemoryOptions, predict: Optional[Predict] = None, advise: Optional[Advise] = None,
+    memory: MemorySettings, predict: Optional[Predict] = None, advise: Optional[Advise] = None,
     timeline: Optional[Timeline] = None,
 ) -> list[L.Callback]:
     """The callbacks a run's ``memory:`` block makes, in the order their hooks must run: the predictions before the
     monitor (it records them when the fit ends), the table, the picture and the report after it (they show what it
     measured)."""
-    monitor = MemoryMonitor(options.track_steps, options.settings)
-    units: list[L.Callback] = [BudgetCap(options.settings.budget.bytes if options.settings.budget else None)]
-    if options.snapshot is not None:
-        units.append(MemorySnapshot(options.snapshot, options.snapshot_steps))
+    monitor = MemoryMonitor(memory.track_steps, memory)
+    units: list[L.Callback] = [BudgetCap(memory.budget.bytes if memory.budget else None)]
+    if memory.snapshot is not None:
+        units.append(MemorySnapshot(memory.snapshot, memory.snapshot_steps))
     if predict is not None:
-        units.append(MemoryPredictions(monitor, predict, options.simulate, timeline))
-    shown: list[L.Callback] = [MemoryTable(monitor, options.settings)]
-    if options.picture:
-        shown.append(MemoryPicture(monitor, options.settings))
-    return [*units, monitor, *shown, OutOfMemoryReport(monitor, advise, options.settings if options.picture else None)]
+        units.append(MemoryPredictions(monitor, predict, memory.simulate, timeline))
+    shown: list[L.Callback] = [MemoryTable(monitor, memory)]
+    if memory.picture:
+        shown.append(MemoryPicture(monitor, memory))
+    return [*units, monitor, *shown, OutOfMemoryReport(monitor, advise, memory if memory.picture else None)]
 
 
 class BudgetCap(L.Callback):
@@ -405,8 +344,6 @@ class MemorySnapshot(L.Callback):
                 f"memory.snapshot records the CUDA caching allocator's history (what pytorch.org/memory_viz draws); "
                 f"this run is on {device.type}: drop memory.snapshot, or see memory.png and memory.json for the step"
             )
-        from pathlib import Path
-
         path = Path(os.path.expanduser(self.path))
         if not path.is_absolute():  # beside the run's memory.json
             path = Path(trainer.log_dir or trainer.default_root_dir) / path

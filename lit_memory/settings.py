@@ -95,7 +95,7 @@ PRECISIONS = {
 def _unified(value: Any) -> str:
     """Lightning's own reading of a precision value (``16`` and ``"16"`` are ``16-mixed``, ``"bf16"`` is
     ``bf16-mixed``); what it refuses comes back as written."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args
+    from lightning.fabric.connector import _convert_precision_to_unified_args  # deferred: a base module, no Lightning at import
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "16 is supported for historical reasons"
@@ -131,7 +131,7 @@ def leaves(tree: Any, key: str = "", depth: Optional[int] = None, lists: bool = 
     """(dotted key, value) of every leaf: a Namespace flattened by jsonargparse (``items(branches=False)``), then the
     dicts and lists it keeps as values (``model.config_overrides.x``, ``trainer.callbacks.0.init_args.y``).
     ``depth``: stop that many keys down (2: a recipe's ``section.setting`` blocks); ``lists=False``: a list is a leaf."""
-    from jsonargparse import Namespace
+    from jsonargparse import Namespace  # deferred: a base module, no jsonargparse at import
 
     below = None if depth is None else depth - 1
     if depth == 0:
@@ -152,7 +152,7 @@ def leaves(tree: Any, key: str = "", depth: Optional[int] = None, lists: bool = 
 def locate(tree: Any, key: str) -> tuple[Any, Any]:
     """(container, key or index in it) of a dotted key named by `leaves`: through Namespaces by jsonargparse's own
     dotted access, then into dicts and lists. KeyError if it is not there."""
-    from jsonargparse import Namespace
+    from jsonargparse import Namespace  # deferred: a base module, no jsonargparse at import
 
     parts = key.split(".")
     node = tree

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint, _load_checkpoint
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -40,6 +41,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 
 from lit_memory import eightbit_shards, fused
@@ -50,7 +53,7 @@ from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
 
 
-class _AcceleratorDevice:
+class AcceleratorDevice:
     """Without an explicit ``device``, train on the first device the Trainer or Fabric selected.
 
     Lightning's single-device strategies default to ``"cpu"`` when built by the user; Lightning
@@ -175,7 +178,7 @@ def _check_trainer(trainer: Trainer, model: LightningModule) -> None:
         raise UserError(fused.CLIPPING_HOOK)
 
 
-class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDeviceStrategy):
+class FusedSingleDeviceStrategy(_FusedTrainerStep, AcceleratorDevice, SingleDeviceStrategy):
     """One device (CPU or GPU), with the fused backward + optimizer step.
 
     Args:
@@ -200,8 +203,6 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, _AcceleratorDevice, SingleDev
 
     # Optimizer state in checkpoints is keyed by parameter name, as ModelParallelStrategy does.
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         return get_optimizer_state_dict(self.lightning_module, optimizer)
@@ -290,8 +291,6 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
         self._fused.initialize_state()
         if not self._fused.steps_shards:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint, _load_checkpoint
-
         path = Path(self.broadcast(checkpoint_path))
         if not _is_sharded_checkpoint(path):
             raise UserError(eightbit_shards.NOT_SHARDED.format(path=path))
@@ -310,8 +309,6 @@ def _unwrapped(optimizer: Optimizer) -> Optimizer:
 def shard(model: nn.Module, mesh: Any) -> None:
     """FSDP2: each transformer layer (`lit_memory.anatomy.find_layers`), then the root (once; a second
     fit finds it sharded)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     if isinstance(model, FSDPModule):
         return
     for layer in find_layers(model):
@@ -329,7 +326,7 @@ def hugging_face_models(module: nn.Module, strategy: str) -> list[nn.Module]:
 
 
 class FusedFSDPStrategy(FSDP2Strategy):
-    """`FSDP2Strategy` fused by default: what ``configs/fsdp.yaml`` named before it kept the recipe's choice."""
+    """`FSDP2Strategy` with the fused step on by default (``fused=True``)."""
 
     fused_step = True
 

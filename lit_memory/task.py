@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union, get_args
 
 from lit_memory.errors import UserError
@@ -284,7 +284,5 @@ def _checked_count(task: Task, num_labels: Optional[int]) -> Task:
             "model.num_labels or data.label_names"
         )
     if num_labels is not None and num_labels > task.num_labels:
-        from dataclasses import replace
-
         return replace(task, num_labels=num_labels)
     return task

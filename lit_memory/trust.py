@@ -36,13 +36,20 @@ it. Inside an untrusted run nothing can be trusted; after it, the process is as 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import jsonargparse
+import torch
+import yaml
 from jsonargparse import Namespace
+from jsonargparse import Path as ConfigPath
+from jsonargparse import _common
+from jsonargparse._optionals import _get_config_read_mode
 
 from lit_memory import bounds, guard
 from lit_memory.optimizers import IMPORTABLE
@@ -89,8 +96,6 @@ def import_policy() -> Iterator[None]:
     (``set_parsing_settings``: a denied ``*`` cannot be taken back), has no public getter, and its ``parser_context``
     does not cover: so the table's entries are saved and put back here (tests/test_trust.py checks they exist)."""
     global _policy_depth
-    import jsonargparse
-    from jsonargparse import _common
 
     saved = {key: _common.parsing_settings[key] for key in POLICY_SETTINGS}
     jsonargparse.set_parsing_settings(
@@ -123,10 +128,6 @@ def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
     the command line, a file is the user's and read as it is (``--config <(...)``). jsonargparse's YAML loader and
     its path reader are wrapped while the block lasts (its API sets a loader, `jsonargparse.set_loader`; the reader
     has none), and put back after."""
-    import jsonargparse
-    import yaml
-    from jsonargparse import Path as ConfigPath
-
     typed = {os.path.realpath(f) for f in typed_files}
     load = jsonargparse.get_loader("yaml")
     read_text = ConfigPath.read_text
@@ -198,9 +199,6 @@ def remote_configs_off() -> Iterator[None]:
     """For the length of the block, jsonargparse reads no config given by URL or fsspec chain (LightningCLI turns
     fsspec on when imported): ``check``, ``fit``, ``estimate`` and ``plan`` never fetch a nested config. Then its
     reading modes are as they were."""
-    import jsonargparse
-    from jsonargparse._optionals import _get_config_read_mode
-
     mode = _get_config_read_mode()  # jsonargparse's own getter is deprecated; its setter is public
     jsonargparse.set_parsing_settings(config_read_mode_urls_enabled=False, config_read_mode_fsspec_enabled=False)
     try:
@@ -283,8 +281,6 @@ MAX_LENGTH = 131072  # tokens: the longest context of the families lit_memory kn
 
 def _seconds(value: Any) -> Optional[float]:
     """A ``train_time_interval`` as jsonargparse leaves it (a timedelta, or its fields), in seconds."""
-    import datetime
-
     if isinstance(value, datetime.timedelta):
         return value.total_seconds()
     if isinstance(value, (dict, Namespace)):
@@ -384,8 +380,6 @@ def _on_cpu(accelerator: Any) -> bool:
         return False
     if accelerator == "cpu":
         return True
-    import torch
-
     return not torch.cuda.is_available()
 
 

@@ -34,9 +34,10 @@ import bitsandbytes as bnb  # noqa: E402
 
 from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
 from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
-from lit_memory import fused as fused_module  # noqa: E402
+from lit_memory.fused import hooks as fused_module  # noqa: E402
 from lit_memory.errors import UserError  # noqa: E402
-from lit_memory.model import full_state_dict, load_config, weight_decay_groups  # noqa: E402
+from lit_memory.hf_loading import load_config  # noqa: E402
+from lit_memory.model import full_state_dict, weight_decay_groups  # noqa: E402
 from lit_memory.strategies import hugging_face_models, shard  # noqa: E402
 from streams import Recording  # noqa: E402
 

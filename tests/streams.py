@@ -21,6 +21,7 @@ from lightning.pytorch import Callback
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lit_memory import fused
+from lit_memory.fused import hooks
 
 
 class Recording(fused.DeviceStreams):
@@ -85,7 +86,7 @@ class Probe(Callback):
 
         self.out = Path(out)
         self.recording = Recording()
-        fused.device_streams = lambda device: self.recording  # before the strategy fuses the optimizer
+        hooks.device_streams = lambda device: self.recording  # before the strategy fuses the optimizer
         self.syncs = 0
         sync = bnb_optimizer.sync_gpu
 

@@ -23,14 +23,14 @@ from conftest import FAST, RECIPES, the_error
 from lit_memory import eightbit
 from lit_memory.__main__ import main
 from lit_memory.anatomy import Anatomy, parameter_units, skeleton
-from lit_memory.data import load_tokenizer
+from lit_memory.tokenizing import load_tokenizer
 from lit_memory.errors import UserError
 from lit_memory.fused import OptimizerInBackward, group_parameters
 from lit_memory.lora import LoRA, family_targets
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.prediction.predict import simulate_or_decline
 from lit_memory.memory.prediction.step import OptimizerSpec, Step
-from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, freeze_modules, weight_decay_groups
+from lit_memory.model import SequenceClassifier, freeze_modules, weight_decay_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on two shared cores
 FAMILIES = list(fam.FAMILIES)
@@ -58,7 +58,7 @@ LORA_TARGETS = {
     "gemma3": {"q_proj", "v_proj"},
 }
 # fake tensors meet a scalar read back (ModernBERT). DeBERTa's head took its `nonzero` loss path only while the
-# config's problem_type was unset; the module now always sets it (`lit_memory.model.load_config`), and it simulates.
+# config's problem_type was unset; the module now always sets it (`lit_memory.hf_loading.load_config`), and it simulates.
 SIMULATION_DECLINES = {"modernbert"}
 RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "2gb")  # 2gb: torchao compiles per shape
 

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from lit_memory import bundled
-from lit_memory.data import load_tokenizer
 from lit_memory.model import SequenceClassifier
+from lit_memory.tokenizing import load_tokenizer
 
 # name -> (parameters of the sequence classifier, word embedding rows, first and last special id of a text)
 PUBLISHED = {

@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lit_memory.anatomy import parameter_units
-from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, selective_policy
+from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing, selective_policy
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers
@@ -75,6 +75,27 @@ def test_a_per_layer_plan_switches_each_layer_input_side_first():
     contexts = [layer._gradient_checkpointing_func.keywords.get("context_fn") for layer in layers[:2]]
     assert contexts[0] is None and contexts[1] is not None  # full, then selective (torch's SAC contexts)
     assert CheckpointPlan.parse({"full": 1, "selective": 1}).modes(3) == ["full", "selective", None]
+
+
+def test_the_setting_is_parsed_once_and_the_model_is_built_from_the_plan(monkeypatch):
+    module = SequenceClassifier(
+        model_name_or_path="bundled:bert-large", pretrained=False, gradient_checkpointing={"full": 1},
+        config_overrides={**TINY, "num_hidden_layers": 3},
+    )
+    assert module.checkpoint_plan == CheckpointPlan(full=1)
+    monkeypatch.setattr(CheckpointPlan, "parse", None)  # building parses nothing again
+    module.checkpoint_plan = CheckpointPlan(selective=2)  # what the model is built with (tools/peer.py: None)
+    module.configure_model()
+    layers = transformer_layers(module.model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, True, False]
+    assert all(layer._gradient_checkpointing_func.keywords.get("context_fn") is not None for layer in layers[:2])
+
+
+def test_a_plan_is_switched_on_in_a_plain_hugging_face_model():
+    model = tiny().model
+    enable_gradient_checkpointing(model, CheckpointPlan(full=1))
+    assert [layer.gradient_checkpointing for layer in transformer_layers(model)] == [True, False]
+    assert model.config.use_cache is False
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)

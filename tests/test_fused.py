@@ -14,7 +14,8 @@ from lit_memory.anatomy import parameter_units
 from lit_memory import fused as fused_module
 from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
-from lit_memory.model import SequenceClassifier, enable_gradient_checkpointing, weight_decay_groups
+from lit_memory.checkpointing import enable_gradient_checkpointing
+from lit_memory.model import SequenceClassifier, weight_decay_groups
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
@@ -533,7 +534,8 @@ def test_an_empty_shard_reaches_no_optimizer_and_adds_nothing_to_the_norm(name):
     0-element launch), and the clipping norm skips it (an empty tensor has no infinity norm)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from lit_memory.fused import Bucket, _NormMeter
+    from lit_memory.fused import Bucket
+    from lit_memory.fused.clipping import NormMeter
 
     make = _8bit if name == "AdamW8bit" else OPTIMIZERS[name]
     torch.manual_seed(0)
@@ -550,11 +552,11 @@ def test_an_empty_shard_reaches_no_optimizer_and_adds_nothing_to_the_norm(name):
         hook.remove()
     assert handed == [512] and full.grad is None and empty.grad is None
     for norm_type in (2.0, float("inf")):
-        meter = _NormMeter(norm_type)
+        meter = NormMeter(norm_type)
         grad = torch.randn(2, 256)
         meter.add(grad)
         meter.add(torch.empty(0, 256))
         assert meter.total() == torch.linalg.vector_norm(grad, norm_type)
-        only_empty = _NormMeter(norm_type)
+        only_empty = NormMeter(norm_type)
         only_empty.add(torch.empty(0, 256))
         assert only_empty.total() == 0  # a rank holding nothing still takes part, with 0

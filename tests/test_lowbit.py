@@ -27,7 +27,7 @@ from lit_memory.__main__ import main
 from lit_memory.errors import UserError
 from lit_memory.anatomy import parameter_units
 from lit_memory.fused import OptimizerInBackward
-from lit_memory.optimizers import optimizer_tensors
+from lit_memory.optimizer_state import optimizer_tensors
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 from lit_memory.lowbit import keep_plain_state
 from lit_memory.memory.prediction.step import OptimizerSpec

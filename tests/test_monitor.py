@@ -32,7 +32,7 @@ def test_accumulation_windows_track_only_the_micro_batches_that_differ():
     assert [i for i in range(8) if monitor._tracking(trainer, i)] == [0, 1, 7]
     trainer.global_step = 2  # past the tracked steps
     assert not any(monitor._tracking(trainer, i) for i in range(16, 24))
-    budgeted = MemoryMonitor(track_steps=2, memory=MemorySettings.parse(budget="1GiB"))  # enforced at every micro-batch
+    budgeted = MemoryMonitor(track_steps=2, memory=MemorySettings(budget="1GiB"))  # enforced at every micro-batch
     assert all(budgeted._tracking(trainer, i) for i in range(16, 24))
 
 
@@ -207,7 +207,7 @@ def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cud
     from lit_memory.memory.hardware.gpus import GPUS, CardReading
 
     calls, trainer = fake_cuda
-    cap = BudgetCap(MemorySettings.parse(budget="4GiB").budget.bytes)
+    cap = BudgetCap(MemorySettings(budget="4GiB").budget.bytes)
     cap.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
     cap.load_kernels = lambda device, half: calls.loaded.append(half)
     trainer.precision = "bf16-mixed"
@@ -220,7 +220,7 @@ def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cud
     BudgetCap(None).setup(trainer, None, "fit")  # no budget: the process's cap stays as it is
     assert calls.fractions[2:] == []
     # a card as the budget: its capacity as torch reports it; the budget is the limit, before the tier
-    settings = MemorySettings.parse(budget="rtx3050-4gb", tier="t4")
+    settings = MemorySettings(budget="rtx3050-4gb", tier="t4")
     assert settings.budget.bytes == settings.limit_bytes == GPUS["rtx3050-4gb"].memory
     assert settings.limit_words == "memory.budget rtx3050-4gb (3.81 GiB)"
 
@@ -390,7 +390,7 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
         accumulate_grad_batches=1, global_step=0, is_global_zero=True, optimizers=[],
         datamodule=SimpleNamespace(hparams={"batch_size": 32, "max_length": 128, "padding": "longest"}),
     )
-    memory = MemorySettings.parse(tier="1MiB")
+    memory = MemorySettings(tier="1MiB")
     monitor = MemoryMonitor(track_steps=2, memory=memory)
     predictions = MemoryPredictions(monitor, predict)
     predictions.on_fit_start(trainer, None)

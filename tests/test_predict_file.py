@@ -19,9 +19,10 @@ from conftest import FAST, write_csv, write_jsonl
 from lit_memory import predict_file as predictions
 from lit_memory.__main__ import main
 from lit_memory.cli import resolve
-from lit_memory.data import FILE_FORMATS, load_tokenizer
+from lit_memory.data import FILE_FORMATS
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
+from lit_memory.tokenizing import load_tokenizer
 
 ROWS = [
     {"id": "a1", "text": "great hotel, friendly staff", "label": "positive"},

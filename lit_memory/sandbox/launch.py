@@ -34,8 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from huggingface_hub import constants, snapshot_download
+
+from lit_memory import trust
+from lit_memory.data import TextClassificationData, load_hub_dataset
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.gpus import target
+from lit_memory.memory.prediction.analytic import analytic
+from lit_memory.precision import runs_on_cpu
 from lit_memory.sandbox import landlock, rules, stage
+from lit_memory.settings import leaves
 
 GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step
@@ -104,10 +112,6 @@ def run(args: list[str], run: Any) -> int:
 def make_plan(run: Any) -> Plan:
     """Judge what only a confined run needs judged, then fix what it reads and writes; nothing is made on disk
     before every check has passed."""
-    from lit_memory import trust
-    from lit_memory.data import TextClassificationData
-    from lit_memory.settings import leaves
-
     settings = run.settings
     typed = run.decision  # which values the user typed (`lit_memory.trust.Decision.is_typed`)
     chosen = {k: v for k, v in leaves(settings) if not typed.is_typed(k, v)}  # what the recipe chose
@@ -168,8 +172,6 @@ def run_folders(settings: Any, decision: Any) -> list[str]:
     """The folders the run writes below (and whose size counts), and those made here: its default root (the working
     folder's ``lightning_logs`` when none is set), loggers' and checkpoints' folders. One a recipe chose (not typed)
     is judged by `rules.check_roots`; the user's own are theirs."""
-    from lit_memory.settings import leaves
-
     work = os.getcwd()
     chosen: list[tuple[str, str]] = []
     writes: list[str] = []
@@ -215,12 +217,7 @@ def _remove_empty(folder: Path) -> None:
 
 
 def _hub_cache() -> list[str]:
-    try:
-        from huggingface_hub import constants
-
-        return [constants.HF_HUB_CACHE]
-    except Exception:  # noqa: BLE001
-        return []
+    return [constants.HF_HUB_CACHE]
 
 
 def _fetch_model(name: str) -> None:
@@ -228,16 +225,12 @@ def _fetch_model(name: str) -> None:
     weights, config and tokenizer files a classifier needs, nothing that runs code."""
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return
-    from huggingface_hub import snapshot_download
-
     with contextlib.suppress(Exception):  # not on the Hub, no network: the child says so in its own words
         snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*", "*.tiktoken"])
 
 
 def _fetch_dataset(name: str, subset: Optional[str], private: Path) -> Path:
     """A hub dataset, read here and saved into the run's private folder, which the child reads (offline)."""
-    from lit_memory.data import load_hub_dataset
-
     target = private / "dataset"
     try:
         load_hub_dataset(name, subset).save_to_disk(str(target))
@@ -291,9 +284,6 @@ def _nproc() -> int:
 def _state_bytes(run: Any) -> int:
     """The model's weights and optimizer state (analytic, on meta tensors), or a gigabyte where it cannot say."""
     try:
-        from lit_memory.memory.prediction.analytic import analytic
-        from lit_memory.memory.hardware.gpus import target
-
         categories = analytic(run.step(target("cpu")), levels=False).footprint.phases["step"]
         return int(categories["weights"] + categories["optimizer"])
     except Exception:  # noqa: BLE001
@@ -305,10 +295,6 @@ def limits(run: Any, size: int) -> Limits:
     weights it loads) with a margin; disk from its checkpoints; preparation time. The environment's overrides win."""
     total = _mem_total()
     try:
-        from lit_memory.memory.prediction.analytic import analytic
-        from lit_memory.memory.hardware.gpus import target
-        from lit_memory.precision import runs_on_cpu
-
         on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
         peak = analytic(run.step(target("cpu")), levels=False).footprint.peak if on_cpu else 2 * size
     except Exception:  # noqa: BLE001

@@ -21,9 +21,10 @@ import string
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator
 
 from lit_memory.errors import UserError
+from lit_memory.sandbox.landlock import Ruleset
 
 ENV = "LIT_MEMORY_SANDBOX"  # the child's Spec, as JSON
 GiB = 2**30
@@ -91,10 +92,7 @@ def _listdir(path: str) -> list[str]:
 
 
 def enter(spec: Spec) -> None:
-    """Apply ``spec`` to this process: resource limits, then Landlock. Called first thing in a confined child
-    (`lit_memory.sandbox.child`); nothing can lift it afterwards."""
-    from lit_memory.sandbox.landlock import Ruleset
-
+    """Apply ``spec`` to this process: resource limits, then Landlock; nothing can lift it afterwards."""
     if spec.nproc:
         _limit(resource.RLIMIT_NPROC, spec.nproc)
     if spec.fsize:

@@ -28,15 +28,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import lightning
 import torch
+import transformers
+from tqdm import tqdm
 
 from lit_memory import files, recipes
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.environment import for_new_job
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
+from lit_memory.memory.planning.recompute import count_or_decline, planned
 from lit_memory.monitor import StepTimer
+from lit_memory.precision import runs_on_cpu
 from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 
 # The reference post's tiers, in its order.
@@ -197,10 +203,6 @@ def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
     counted by torch's FLOP counter on fake tensors (`lit_memory.memory.planning.recompute`): per optimizer step (all
     its micro-batches) and per sample. Device-independent: what a GPU computes, not how long it takes.
     Empty where the model's forward cannot run on fake tensors."""
-    from lit_memory.memory.hardware.gpus import target
-    from lit_memory.memory.planning.recompute import count_or_decline, planned
-    from lit_memory.precision import runs_on_cpu
-
     settings = resolved.settings
     step = planned(resolved.step(target("cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda")))
     counted, _ = count_or_decline(step)
@@ -306,8 +308,6 @@ def bench(
     done: Callable[[list[dict]], None] = lambda rows: None,
 ) -> list[dict]:
     """Run every recipe (and its peer), each in a fresh process; `done` gets the rows so far after each."""
-    from tqdm import tqdm
-
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     total = len(runs) + (sum(r.peer_note is None for r in runs) if peer else 0)
@@ -348,9 +348,6 @@ def bench(
 
 def machine(rows: list[dict]) -> dict[str, Any]:
     """Where the numbers come from: the device the runs reported, the CPU, the software."""
-    import lightning
-    import transformers
-
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
@@ -477,7 +474,7 @@ def embed(text: str, block: str) -> Optional[str]:
 
 def plot(rows: list[dict], info: dict[str, Any], path: Path) -> None:
     """Peak memory against samples/s, one labelled point per recipe (and per peer run), the 4 GiB line."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    from matplotlib.figure import Figure  # deferred: optional and heavy; no pyplot: no GUI backend, no global state
 
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     ax = fig.subplots()

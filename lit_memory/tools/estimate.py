@@ -25,15 +25,16 @@ from lit_memory.cli import resolve
 from lit_memory.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig
-from lit_memory.memory.prediction.analytic import file_gib
+from lit_memory.memory.prediction.analytic import analytic, file_gib
 from lit_memory.memory.hardware.gpus import ALIASES, DEFAULT_GPU, GPUS, Target, target
+from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.hardware.margin import Fit
-from lit_memory.memory.prediction.predict import predict
+from lit_memory.memory.prediction.predict import level, predict
 from lit_memory.memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
 from lit_memory.memory.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
-from lit_memory.optimizers import unquantised_extra
+from lit_memory.optimizer_state import unquantised_extra
 
 CUDA_NOTES = (
     "the CPU simulation runs CPU kernels; CUDA's stand in where their memory differs (attention kernel, dropout "
@@ -89,7 +90,7 @@ def step_of(rest: list[str], args: argparse.Namespace) -> Step:
 def embedding_state_notes(step: Step) -> list[str]:
     """What ``embedding_optimizer_state: auto`` did with an optimizer whose state is quantised: which embedding
     matrices it left on quantised state (`lit_memory.eightbit.unquantised`), and what unquantised state would have
-    added (measured: `lit_memory.optimizers.unquantised_extra`; already in the numbers, said so they can be traded)."""
+    added (measured: `lit_memory.optimizer_state.unquantised_extra`; already in the numbers, said so they can be traded)."""
     model = step.model
     trained = model.get("freeze") is None and model.get("lora") is None  # every freeze setting and LoRA freeze them
     if model.get("embedding_optimizer_state", "auto") != "auto" or not step.optimizer.library.quantises_state or not trained:
@@ -167,8 +168,6 @@ def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
     """Whether the step fits, with the margin kept (`lit_memory.memory.hardware.margin`): its predicted device total
     against ``memory.budget`` (else ``memory.tier``) where one is set, else the target card's capacity; on a
     CPU target, the tensors against the budget (None without one)."""
-    from lit_memory.memory.prediction.predict import level
-
     budget = step.memory.limit_bytes
     if step.target.cuda_device and (budget is None or step.target.gpu.memory < budget):
         gpu = step.target.gpu
@@ -270,6 +269,7 @@ def main(argv: list[str]) -> None:
         plot(parser, ours, rest, segments[1:])
         return
     if ours.published:
+        # deferred: published builds its tables of sources at import (~0.2 s); only --published needs them
         from lit_memory.tools.published import main as published
 
         published(ours.update_docs)
@@ -301,9 +301,7 @@ def split_runs(argv: list[str]) -> list[list[str]]:
 
 def plot(parser: argparse.ArgumentParser, ours: argparse.Namespace, rest: list[str], others: list[list[str]]) -> None:
     """Each run's report and its predicted step, drawn side by side into ``ours.plot``."""
-    from lit_memory.memory.measure import picture
-
-    try:
+    try:  # deferred: matplotlib is optional and heavy; a presence check (picture.draw imports it to draw)
         import matplotlib  # noqa: F401
     except ImportError:
         raise UserError("--plot draws with matplotlib, which is not installed: pip install 'lit-memory[plot]'") from None
@@ -323,13 +321,10 @@ def plot(parser: argparse.ArgumentParser, ours: argparse.Namespace, rest: list[s
 
 def panel(step: Step, prediction: Prediction, title: str) -> Any:
     """The picture of a step not yet run: the analytic model's step point by point (`Prediction.timeline`)."""
-    from lit_memory.memory.measure.picture import Panel
-    from lit_memory.memory.prediction.analytic import analytic
-
     points = analytic(step, levels=False, timeline=True).timeline
     fit = verdict(step, prediction.footprint)
     gpu = step.target.gpu if step.target.cuda_device else None
-    return Panel(
+    return picture.Panel(
         title=title,
         predicted=points,
         device=prediction.footprint.device,

@@ -171,6 +171,7 @@ class PeerMeter(TrainerCallback):
 
 def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: int = 2) -> dict[str, Any]:
     """Train `warmup + steps` optimizer steps with `transformers.Trainer`; return the measurements."""
+    # deferred: transformers.Trainer needs accelerate (optional) and takes ~4 s to import; only a peer run uses it
     from transformers import Trainer, TrainingArguments
 
     run_ = resolve(["fit", *fit_args])
@@ -179,7 +180,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
         kwargs = trainer_arguments(cli)
         module, data = cli.model, cli.datamodule
         # The Trainer switches checkpointing on itself (its own defaults, as the seed had it): build without ours.
-        module.hparams.gradient_checkpointing = False
+        module.checkpoint_plan = None
         module.configure_model()
         weights = Precision.of(cli.settings.trainer.precision).param
         if weights != torch.float32:  # bf16-true: the weights themselves in bf16

@@ -38,6 +38,8 @@ from lit_memory.errors import UserError
 from lit_memory.optimizers import check_settings
 from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.planning.choose import RULE, rank
+from lit_memory.memory.planning.recompute import planned
+from lit_memory.memory.planning.recompute import resolve as plan_layers
 from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
 from lit_memory.memory.hardware.margin import Fit, usable
@@ -213,8 +215,6 @@ OFFLOADING = "model.offload_activations"
 def refine(chosen: Candidate, budget: int) -> Candidate:
     """A chosen setup that recomputes, with the per-layer checkpointing plan of fewest counted FLOPs predicted
     to fit ``budget`` (`lit_memory.memory.planning.recompute.resolve`): as many layers left whole or selective as fit."""
-    from lit_memory.memory.planning.recompute import resolve as plan_layers
-
     if chosen.setup.checkpointing is None:
         return chosen
     # offloading is weighed against recompute as `offload_activations: auto` does (CUDA only)
@@ -330,8 +330,6 @@ def recipe_text(
     card: Optional[str] = None,
 ) -> str:
     parent, _ = _parent(chosen.blocks, recipes)
-    from lit_memory.memory.planning.recompute import planned
-
     blocks = _as_written(chosen, budget, card)
     changes = [
         k for k in dict.fromkeys([*blocks, *parent.blocks])

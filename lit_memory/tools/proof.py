@@ -17,6 +17,7 @@ CPU (the tests run it).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import random
@@ -27,9 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from lit_memory import files, recipes
+from lit_memory.bounds import read_yaml
+from lit_memory.bundled import resolve_model
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
+from lit_memory.tools.bench import bench, machine, ordered, prepare, recipe_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "gpu"
@@ -78,8 +85,6 @@ WORDS = 200  # per text: more WordPiece tokens than max_length, so every row is 
 
 def synthetic_csv(path: Path, rows: int = ROWS, seed: int = 0) -> Path:
     """Random words from BERT-large's vocabulary, two labels: every row truncates to a full 128-token sequence."""
-    from lit_memory.bundled import resolve_model
-
     vocab = Path(resolve_model("bundled:bert-large")) / "vocab.txt"
     words = [w for w in vocab.read_text(encoding="utf-8").split("\n") if w.isalpha() and w.isascii() and len(w) > 2]
     rng = random.Random(seed)
@@ -92,9 +97,6 @@ def synthetic_csv(path: Path, rows: int = ROWS, seed: int = 0) -> Path:
 
 def tier_of(entry: str) -> Optional[str]:
     """A recipe's ``memory.tier`` as written (a card such as ``rtx3050-4gb``, or a size), else None."""
-    from lit_memory.bounds import read_yaml
-    from lit_memory.tools.bench import recipe_file
-
     tree = read_yaml(recipe_file(entry))
     tier = (tree.get("memory") or {}).get("tier")
     return str(tier) if tier else None
@@ -146,8 +148,6 @@ def profile_args(entry: str) -> list[str]:
 
 def entries_of(names: str) -> list[str]:
     """``all``: every shipped recipe (the seed's tiers first) and every variant; else the names as given, in order."""
-    from lit_memory.tools.bench import ordered
-
     if names.strip() == "all":
         return [*ordered("all"), *VARIANTS]
     entries = [n.strip() for n in names.split(",") if n.strip()]
@@ -161,8 +161,6 @@ def entries_of(names: str) -> list[str]:
 
 def gpu_name() -> str:
     """This machine's GPU as a file name: its catalogue key (``h100``), else torch's name made safe."""
-    from lit_memory.memory.hardware.gpus import target
-
     card = target("cuda").gpu
     return card.key or re.sub(r"[^a-z0-9.-]+", "-", card.name.lower()).strip("-")
 
@@ -170,8 +168,6 @@ def gpu_name() -> str:
 def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Optional[str]) -> dict[str, Any]:
     """One recipe's measured levels against its prediction (from its ``memory.json``), its speed and, under a
     budget, whether the device total stayed within it."""
-    from lit_memory.memory.hardware.gpus import capacity
-
     row: dict[str, Any] = {"recipe": recipe, "budget": budget, "error": bench_row.get("error")}
     try:
         memory = records.read_memory(run_dir)
@@ -225,8 +221,6 @@ SPEED_KEYS = (
 
 def peak_tflops(device_name: str, total: int, precision: str) -> tuple[Optional[float], str]:
     """The card's dense peak for a precision (16-bit tensor cores, else plain fp32), from the catalogue."""
-    from lit_memory.memory.hardware.gpus import match
-
     card = match(device_name, (0, 0), total)
     half = any(p in precision for p in ("16", "bf16"))
     peak = card.tflops if half else card.fp32_tflops
@@ -264,10 +258,6 @@ def write_proof(rows: list[dict[str, Any]], info: dict[str, Any], path: Path) ->
 
 
 def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", peer: bool = False) -> None:
-    import torch
-
-    from lit_memory.tools.bench import bench, machine, prepare
-
     if not dry_run and not torch.cuda.is_available():
         raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere)")
     if recipes.recipes_dir() != recipes.CHECKOUT:
@@ -349,8 +339,6 @@ def table(record: dict[str, Any]) -> str:
 
 def cli(argv: list[str]) -> None:
     """``bench --gpu-proof [--dry-run] [--out DIR] [--recipes a,b]``; other arguments go to every recipe's fit."""
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="python -m lit_memory bench --gpu-proof", allow_abbrev=False,
         description="Every recipe a few steps on BERT-large from its config on this GPU, the tiers capped at their "

@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import os
 import re
 import tempfile
 from argparse import ArgumentError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import yaml
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lit_memory import bounds, files, guard
 from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
+from lit_memory.memory.hardware.margin import Fit
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
+from lit_memory.memory.planning.recompute import flops, planned
+from lit_memory.memory.prediction.analytic import analytic
+from lit_memory.memory.prediction.step import Step
 from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
+from lit_memory.sandbox import rules
 from lit_memory.settings import leaves, locate
 from lit_memory.trust import HINT, TRUST_FLAG
-
-if TYPE_CHECKING:
-    from lit_memory.memory.prediction.step import Step
 
 
 def list_recipes() -> None:
@@ -61,9 +66,6 @@ def header_step(path: Path) -> "Step":
 
 @functools.lru_cache(maxsize=32)
 def _header_step(path: str, text: str) -> "Step":  # the text keys the cache: a rewritten recipe is read again
-    from lit_memory.memory.hardware.gpus import Target, is_gpu_name, gpu
-    from lit_memory.memory.planning.recompute import planned
-    from lit_memory.memory.prediction.step import Step
 
     # configs/bert-large.yaml's two settings (the configs folder is not installed with the package)
     model = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false"]
@@ -82,9 +84,6 @@ PLANNED = "# planned-for: "
 def planned_line(path: Path) -> Optional[str]:
     """The header line of a recipe with a ``memory.tier``: what it is planned for and what BERT-large at the
     recipe's batch leaves free there, with the margin kept (`lit_memory.memory.hardware.margin`); None without a tier."""
-    from lit_memory.memory.prediction.analytic import analytic
-    from lit_memory.memory.hardware.margin import Fit
-
     step = header_step(path)
     budget = step.memory.limit_bytes
     if budget is None:
@@ -105,15 +104,11 @@ def planned_line(path: Path) -> Optional[str]:
 
 
 def gpu_key_of(value: str) -> str:
-    from lit_memory.memory.hardware.gpus import gpu_key, is_gpu_name
-
     return gpu_key(value) if is_gpu_name(value) else ""
 
 
 def flops_line(path: Path) -> str:
     """The header line a shipped recipe states its counted FLOPs per step in, against the bf16 recipe's."""
-    from lit_memory.memory.planning.recompute import flops
-
     step = header_step(path)
     counted, reference = flops(step), flops(header_step(path.with_name(f"{FLOPS_REFERENCE}.yaml")))
     plan = step.checkpointing.describe(len_layers(step)) if step.checkpointing else "no checkpointing"
@@ -133,8 +128,6 @@ def len_layers(step: "Step") -> int:
 def predicted_line(path: Path) -> str:
     """The header line a shipped recipe states its predicted memory in: BERT-large (``configs/bert-large.yaml``)
     with the recipe's own batch and length, analytic, at three levels, for the documented default GPU."""
-    from lit_memory.memory.prediction.analytic import analytic
-
     step = header_step(path)
     footprint = analytic(step).footprint
     return (
@@ -180,11 +173,6 @@ ARROW = " -> "
 def estimate_text(config: Path, args: list[str]) -> str:
     """The generated part of a config's estimate line: ``args`` (recipes, overrides) with the config, analytic,
     on the documented default GPU; `auto` checkpointing resolved as a run resolves it, or why it cannot be."""
-    from lit_memory.memory.prediction.analytic import analytic
-    from lit_memory.memory.hardware.gpus import Target
-    from lit_memory.memory.planning.recompute import planned
-    from lit_memory.memory.prediction.step import Step
-
     run = resolve(["fit", *expand_args(args, config), "--config", str(config), "--cpu_bf16_fallback=false"], gpu=Target().gpu)
     step = Step.from_settings(run.settings.as_dict(), Target())
     try:
@@ -324,10 +312,6 @@ def later_refusals(settings: Namespace) -> list[str]:
     root folder), a local model folder that cannot load without running its code or unpickling more than weights,
     a run folder the recipe chooses that is not new under the working folder, a template walking Python's objects,
     free-form keyword dictionaries."""
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-
-    from lit_memory.sandbox import rules
-
     found = []
     for key, callback in leaves_of_class(settings, OnExceptionCheckpoint):
         init = callback.get("init_args") or Namespace()
@@ -359,8 +343,6 @@ def later_refusals(settings: Namespace) -> list[str]:
 def leaves_of_class(settings: Namespace, base: type) -> list[tuple[str, Namespace]]:
     """(key, class spec) of every class spec in the settings naming a subclass of ``base`` (already
     imported by the parse that produced them)."""
-    import importlib
-
     found = []
     for key, value in leaves(settings):
         if not key.endswith("class_path") or not isinstance(value, str) or "." not in value:

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Iterator, Mapping, Optional
 
+from lit_memory.errors import UserError
+
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize: largest small-pool request
 SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment
@@ -49,7 +51,7 @@ def env_names(torch_version: Optional[str] = None) -> tuple[str, ...]:
     (then ROCm's ``PYTORCH_HIP_ALLOC_CONF``, then the unified one: tests/memory/hardware/test_allocator.py checks the installed
     torch's order against this one); before 2.8 only the CUDA name existed."""
     if torch_version is None:
-        import torch
+        import torch  # deferred: the allocator's settings are read and checked without torch (`budget`, the CLI)
 
         torch_version = torch.__version__
     match = re.match(r"(\d+)\.(\d+)", str(torch_version))
@@ -120,8 +122,6 @@ RECIPE_KEYS = {
 def check_recipe_conf(conf: str) -> str:
     """``memory.allocator`` as a recipe writes it (``expandable_segments:True``), checked key by key: one
     `UserError` line for anything else."""
-    from lit_memory.errors import UserError
-
     items = [item for item in re.split(r"[,\s]+", str(conf).strip()) if item]
     for item in items:
         key, _, value = item.partition(":")
@@ -171,7 +171,7 @@ class Runtime:
     does it); nothing to read back. The seam a test replaces."""
 
     def __init__(self) -> None:
-        import torch
+        import torch  # deferred, as in `env_names`
 
         self._get: Optional[Callable[[], str]] = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
         self._set: Optional[Callable[[str], None]] = getattr(torch._C, "_accelerator_setAllocatorSettings", None)

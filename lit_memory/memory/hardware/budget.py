@@ -1,17 +1,14 @@
-"""A run's memory settings, parsed once: `MemorySettings` (the ``memory:`` block's budget, tier, margin and
-allocator settings).
+"""The ``memory:`` block of a run's config, one typed value: `MemorySettings` (sizes as `Size`).
 
-Read from the config at the command line's edge (`lit_memory.cli`) and from a step's settings
-(`lit_memory.memory.prediction.step.Step`), and passed down typed to everything that decides with them: the memory monitor
-and the budget cap of a run (`lit_memory.monitor`, `lit_memory.run_memory`), ``auto`` checkpointing
-(`lit_memory.memory.planning.recompute`), the out-of-memory advice, ``estimate`` and ``plan``.
+jsonargparse reads the block from this dataclass's fields (`lit_memory.cli`); it is built once there and passed down.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Union
 
+from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, check_recipe_conf
 from lit_memory.memory.hardware.gpus import capacity, is_gpu_name
 from lit_memory.memory.measure.footprint import format_bytes
@@ -38,33 +35,63 @@ class Size:
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """The memory a run works within (the ``memory:`` block of a config; `lit_memory.run_memory.MemoryOptions`
-    documents each key):
+    """Memory in every run: measured, predicted, bounded.
 
-    - ``budget``: enforced (the caching allocator is capped on CUDA, the tracked tensors on a CPU);
-    - ``tier``: the device memory the recipe is made for: what ``auto`` plans for without a budget;
-    - ``margin``: the share of a limit every "fits" decision keeps free (`lit_memory.memory.hardware.margin`);
-    - ``allocator``: the CUDA caching allocator settings the recipe is made for, checked key by key."""
+    Args:
+        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker, per category and phase (its
+            Python dispatch slows them: the first creates the optimizer state, the second is the steady state; of
+            an accumulation window only the first, second and last micro-batch). 0 turns tensor tracking off; on
+            CUDA the allocator's peaks are read every step regardless.
+        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity), enforced: on CUDA the
+            caching allocator is capped at the budget less the CUDA context; on a CPU the tracker raises CUDA's
+            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
+        simulate: also predict by simulation at the start of fit (one training step on fake tensors: seconds on the
+            bundled model, about half a minute on BERT-large).
+        tier: the device memory the recipe is made for, a card or a size: what ``model.gradient_checkpointing:
+            auto`` plans for when no ``budget`` is given. Nothing is enforced.
+        allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``), in
+            ``PYTORCH_CUDA_ALLOC_CONF``'s form: a CUDA run uses them unless the environment names its own, and
+            predictions use them.
+        margin: the share of a limit every "fits" decision keeps free for the memory model's own error.
+        snapshot: on CUDA, a file for torch's memory snapshot over the first ``snapshot_steps`` optimizer steps
+            (https://pytorch.org/memory_viz draws it); relative to the run folder.
+        snapshot_steps: the optimizer steps the snapshot records.
+        picture: draw ``memory.png`` in the run folder at the end of fit (needs matplotlib).
+    """
 
-    budget: Optional[Size] = None
-    tier: Optional[Size] = None
-    margin: float = DEFAULT_MARGIN
+    track_steps: int = 2
+    budget: Union[str, Size, None] = None  # a `Size` once built
+    simulate: bool = False
+    tier: Union[str, Size, None] = None  # a `Size` once built
     allocator: Optional[str] = None
+    margin: float = DEFAULT_MARGIN
+    snapshot: Optional[str] = None
+    snapshot_steps: int = 2
+    picture: bool = True
 
-    @classmethod
-    def parse(cls, budget: Any = None, tier: Any = None, margin: Any = None, allocator: Any = None) -> "MemorySettings":
-        return cls(
-            budget=Size.parse(budget),
-            tier=Size.parse(tier),
-            margin=DEFAULT_MARGIN if margin is None else check_margin(margin),
-            allocator=check_recipe_conf(allocator) if allocator else None,
-        )
+    def __post_init__(self) -> None:
+        if self.track_steps < 0:
+            raise UserError(f"memory.track_steps must be >= 0, got {self.track_steps}")
+        if self.snapshot_steps < 1:
+            raise UserError(f"memory.snapshot_steps must be >= 1, got {self.snapshot_steps}")
+        if self.snapshot is not None and not str(self.snapshot).strip():
+            raise UserError("memory.snapshot must be a file name, e.g. memory_snapshot.pickle")
+        for key in ("budget", "tier"):
+            value = getattr(self, key)
+            object.__setattr__(self, key, value if isinstance(value, Size) else Size.parse(value))
+        margin = DEFAULT_MARGIN if self.margin is None else check_margin(self.margin)
+        object.__setattr__(self, "margin", margin)
+        object.__setattr__(self, "allocator", check_recipe_conf(self.allocator) if self.allocator else None)
 
     @classmethod
     def of(cls, settings: Optional[Mapping[str, Any]]) -> "MemorySettings":
-        """From a run's settings (plain or a jsonargparse namespace): their ``memory`` block."""
-        block = (settings.get("memory") if settings is not None else None) or {}
-        return cls.parse(*(block.get(key) for key in ("budget", "tier", "margin", "allocator")))
+        """From a run's settings as plain data (a recipe read by a tool): their ``memory`` block."""
+        block = dict((settings.get("memory") if settings is not None else None) or {})
+        unknown = sorted(set(block) - {f.name for f in fields(cls)})
+        if unknown:
+            raise UserError(f"unknown memory setting(s): {', '.join(unknown)}; the memory block takes "
+                            f"{', '.join(f.name for f in fields(cls))}")
+        return cls(**block)
 
     @property
     def limit(self) -> Optional[Size]:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, environment_conf
+from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
 
 MiB = 2**20
 
@@ -286,7 +287,7 @@ def cuda_tuple(version: str) -> tuple[int, int]:
 
 
 def _installed_torch() -> str:
-    import torch
+    import torch  # deferred: the catalogue and a run's memory settings are read without torch
 
     return ".".join(torch.__version__.split(".")[:2])
 
@@ -316,8 +317,6 @@ def capacity(value: object) -> int:
     """A memory size or a card: ``4GiB``, ``3.5GB``, a byte count, or a catalogue key (``rtx3050-4gb``: what
     torch reports as that card's total memory). What ``memory.tier``, ``memory.budget`` and ``plan --budget``
     read."""
-    from lit_memory.memory.measure.footprint import parse_bytes
-
     if is_gpu_name(value):
         return gpu(str(value)).memory
     try:
@@ -369,7 +368,7 @@ def target(
 def _this_gpu(found: Target) -> Target:
     """This machine's GPU, matched to its catalogue entry by name (`match`): its real memory and capability,
     the catalogue's speeds (which `offload_activations: auto` weighs)."""
-    import torch
+    import torch  # deferred, as in `_installed_torch`
 
     if not torch.cuda.is_available():
         return found
@@ -421,8 +420,6 @@ def planning_limit(budget: Optional[int], where: str, card: Optional[CardReading
     ``memory.tier``; None: neither) and what the card has free at start for this process (`CardReading.available`).
     Returns (limit, the limit in words, one line saying which applied). Without a card (a CPU run) the budget
     stands as it is. The margin is kept by the plan search itself (`lit_memory.memory.planning.recompute.resolve`)."""
-    from lit_memory.memory.measure.footprint import format_bytes
-
     if card is None:
         return budget, where, ""
     context = (
@@ -445,8 +442,6 @@ def allocator_limit(budget: int, card: CardReading) -> tuple[int, str]:
     start (other processes' memory too), so that the cap errs low. Kernels loaded later in the run (lazy
     loading) come on top; the margin of the plan (`lit_memory.memory.hardware.margin`) is what leaves room for them.
     Returns (bytes, one line)."""
-    from lit_memory.memory.measure.footprint import format_bytes
-
     context = card.context if card.context is not None else max(card.total - card.free, 0)
     how = card.source if card.context is not None else "not measured: all the card holds at start"
     limit = max(min(budget - context, card.total), 0)
@@ -460,7 +455,7 @@ def read_card(index: Optional[int] = None) -> CardReading:
     """The run's card now (CUDA only): total and free (cudaMemGetInfo, which creates this process's context
     if it does not exist yet), and this process's context: NVML's per-process figure (nvidia-ml-py) less
     the allocator's reserve, else nothing measured."""
-    import torch
+    import torch  # deferred, as in `_installed_torch`
 
     device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
     free, total = torch.cuda.mem_get_info(device)
@@ -476,7 +471,7 @@ def process_memory_used(device) -> tuple[Optional[int], Optional[str]]:
     """This process's memory on ``device`` as NVML counts it (what nvidia-smi's process list shows), or
     (None, None) without nvidia-ml-py, an NVML driver library or permission, or where NVML cannot tell which
     process is this one (`lit_memory.memory.measure.nvml.Nvml`: initialised once, matched inside containers)."""
-    from lit_memory.memory.measure.nvml import nvml
+    from lit_memory.memory.measure.nvml import nvml  # deferred: it imports torch (see `_installed_torch`)
 
     reader = nvml()
     if reader is None:

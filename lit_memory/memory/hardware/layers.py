@@ -4,10 +4,9 @@
 computed); `Shape` says how it runs (batch, length, the precision, the device);
 `Kernel` (`lit_memory.memory.hardware.kernels`) which attention kernel torch picks. From the three, `layer_tensors`
 lists, per token and in the order the forward pass makes them, the tensors a layer keeps for backward and
-the temporaries it frees on the way. The analytic model sums them (`layer_bytes_per_token`); the allocator
-replay (`lit_memory.memory.hardware.program`) allocates and frees them in order. A model family adds its own
-``ffn``/``norm`` kind here, and its reading from the model in `lit_memory.memory.prediction.activation_model.layer_spec`
-(the predict layer: it knows the families' Hugging Face names, `lit_memory.anatomy`).
+the temporaries it frees on the way; `layer_bytes_per_token` and its siblings sum them. A model family adds
+its own ``ffn``/``norm`` kind here, and reads it from the model in
+`lit_memory.memory.prediction.activation_model.layer_spec`.
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ class Tensor:
     kept: bool = True
 
 
-def _norm(name: str, spec: LayerSpec, x: Shape, first: bool = False) -> list[Tensor]:
+def norm_tensors(name: str, spec: LayerSpec, x: Shape, first: bool = False) -> list[Tensor]:
     """A norm over the hidden state: LayerNorm keeps its input and fp32 mean and rstd; transformers'
     RMSNorm (written out in Python) its fp32 input, the rstd and the normalised values the weight
     multiplies. ``first``: a pre-norm layer's first norm, whose input is the layer's input."""
@@ -235,7 +234,7 @@ def layer_tensors(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int
     sandwich = spec.pre_norm and spec.norms >= 4  # norms after attention and the FFN too (Gemma3)
     out: list[Tensor] = []
     if spec.pre_norm:
-        out += _norm("norm_0", spec, x, first=True)
+        out += norm_tensors("norm_0", spec, x, first=True)
     # q, k, v projections: under autocast each casts its input (one copy per projection); without, they keep it.
     if not trains:
         adapters, rank = lora
@@ -248,10 +247,10 @@ def layer_tensors(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int
     out += _attention_tensors(spec, x, k, trains)
     out.append(Tensor("attention_dense", h * c, kept=sandwich))
     if sandwich:
-        out += _norm("post_attention_norm", spec, x)[1:]
+        out += norm_tensors("post_attention_norm", spec, x)[1:]
     if spec.hidden_dropouts >= 2:
         out += [Tensor("dropout_1", h * m), Tensor("dropped_1", h * c, kept=False)]
-    out += _norm("norm_1", spec, x)
+    out += norm_tensors("norm_1", spec, x)
     # the FFN: its input (cast under autocast), intermediate(s), activation output (the down projection's input)
     out.append(Tensor("ffn_in", h * (c if x.autocast else p), kept=trains))
     extra = [Tensor(f"activation_{i}", f * c) for i in range(1, spec.activation_saves)]  # a composite activation's
@@ -262,11 +261,11 @@ def layer_tensors(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int
         out += [Tensor("ffn_hidden", f * c), *extra, Tensor("act", f * c, kept=trains)]
     out.append(Tensor("ffn_out", h * c, kept=sandwich))
     if sandwich:
-        out += _norm("post_ffn_norm", spec, x)[1:]
+        out += norm_tensors("post_ffn_norm", spec, x)[1:]
     if spec.hidden_dropouts >= 1:
         out += [Tensor("dropout_2", h * m), Tensor("dropped_2", h * c, kept=False)]
     if spec.norms >= 2 and not spec.pre_norm:
-        out += _norm("norm_2", spec, x)
+        out += norm_tensors("norm_2", spec, x)
     return out
 
 

@@ -74,7 +74,7 @@ def nvml() -> Optional[Nvml]:
     if _nvml_failed_in == pid:
         return None
     try:
-        import pynvml
+        import pynvml  # deferred: optional (nvidia-ml-py), read only where a CUDA run asks
 
         _nvml = Nvml(pynvml)
     except Exception:  # noqa: BLE001  no nvidia-ml-py, no driver library, no permission

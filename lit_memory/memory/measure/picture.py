@@ -134,7 +134,7 @@ def draw(panels: Sequence[Panel], path: Path, title: str = "") -> Optional[Path]
     """Draw ``panels`` side by side into the PNG ``path`` (written whole: `lit_memory.files`); None without
     matplotlib."""
     try:
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+        from matplotlib.figure import Figure  # deferred: optional and heavy; no pyplot: no GUI backend, no global state
     except ImportError:
         return None
     fig = Figure(figsize=(8.0 * len(panels) + 0.5, 6.4), layout="constrained")

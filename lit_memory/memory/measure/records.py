@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_memory import files
+from lit_memory import bounds, files
 from lit_memory.memory.measure.footprint import Footprint, format_bytes
 
 MEMORY_JSON = "memory.json"
@@ -77,8 +77,6 @@ def write_memory(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_memory(run_dir: Path) -> dict[str, Any]:
     """A run's ``memory.json``; ValueError if it is missing, unreadable or of another schema."""
-    from lit_memory import bounds
-
     try:  # a regular file within its bound: a FIFO planted in a shared run folder would block forever
         record = json.loads(bounds.read_bytes(run_dir / MEMORY_JSON, bounds.JSON_BYTES, MEMORY_JSON))
     except (OSError, bounds.UserError) as err:

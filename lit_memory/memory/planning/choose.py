@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.prediction.analytic import device_total
+from lit_memory.memory.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.margin import Fit
 from lit_memory.memory.planning.recompute import planned, recompute_ratio
 from lit_memory.memory.prediction.step import Prediction, Step
@@ -65,8 +65,6 @@ def lightest_fitting(
     """Of ``recipes`` ((name, dotted settings) pairs) laid over ``base``'s settings, the one the rule prefers
     among those predicted to fit ``limit`` (device total) with the margin kept (`lit_memory.memory.hardware.margin`):
     (its name, its fit). A recipe's ``auto`` plans for the smaller of its own budget and ``limit``."""
-    from lit_memory.memory.prediction.analytic import analytic
-
     fitting = []
     for name, values in recipes:
         try:

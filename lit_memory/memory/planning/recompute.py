@@ -27,12 +27,23 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
 
-from lit_memory.checkpointing import CheckpointPlan
+from lit_memory.anatomy import find_layers
+from lit_memory.checkpointing import CheckpointPlan, is_auto
+from lit_memory.console import say
+from lit_memory.data import check_shape
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.hardware.gpus import planning_limit, target
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Fit, usable
-from lit_memory.memory.prediction.step import Step, build
+from lit_memory.memory.prediction.analytic import analytic, device_total
+from lit_memory.memory.prediction.simulate import fake_batch
+from lit_memory.memory.prediction.step import Step, build, clips_by_norm, is_fused
+from lit_memory.precision import runs_on_cpu
+from lit_memory.settings import Precision
 from lit_memory.model import SequenceClassifier
 
 
@@ -65,11 +76,6 @@ _COUNTS: dict[str, tuple[int, int]] = {}
 
 def _count(step: Step) -> tuple[int, int]:
     """(forward, backward) FLOPs of ``step``'s micro-batch, counted on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from lit_memory.memory.prediction.simulate import _fake_batch
-
     step = _with_plan(step, step.checkpointing, offload=False)  # where kept tensors wait changes no count
     # what the count depends on: the model's settings that change its matmuls, its plan among them, and the batch
     # shape (not the optimizer or the precision)
@@ -84,7 +90,7 @@ def _count(step: Step) -> tuple[int, int]:
     cast = torch.autocast("cpu", dtype=compute, cache_enabled=False) if autocast else contextlib.nullcontext()
     with fake, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer
-        batch = _fake_batch(step, module.model.config)
+        batch = fake_batch(step, module.model.config)
         with forward, cast:
             loss = module.training_step(batch, 0)
         with backward:
@@ -107,8 +113,6 @@ def _with_plan(step: Step, plan: Optional[CheckpointPlan], offload: Optional[boo
 def count_or_decline(step: Step) -> tuple[Optional[Flops], Optional[str]]:
     """``step``'s counted FLOPs, or None and one line saying why they cannot be counted (a forward that computes
     a shape or a number from the data, which fake tensors cannot give: DeBERTa's relative positions)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
     try:
         return flops(step), None
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
@@ -159,10 +163,6 @@ UNCOUNTED = (1.0, 0.02)
 
 
 def layer_costs(step: Step) -> LayerCosts:
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    from lit_memory.anatomy import find_layers
-
     module = _with_plan(step, None, offload=False).module()
     with torch.device("meta"):
         layers = len(find_layers(module.build_model(pretrained=False)))
@@ -244,8 +244,6 @@ def resolve(step: Step, budget: int, where: str = "") -> Resolved:
     counts (a plan with one more selective layer can reserve a few MiB more), so no plan is skipped by assuming
     it does not; a plan whose tensors alone leave no room for the CUDA context is skipped before its replay
     (milliseconds each). No plan fits: one error line with the total of every layer recomputed."""
-    from lit_memory.memory.prediction.analytic import analytic, device_total
-
     costs = layer_costs(step)
     n = costs.layers
     setting = step.model.get("offload_activations")
@@ -307,8 +305,6 @@ def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
     (default: the run's, `lit_memory.memory.hardware.budget.MemorySettings`): the plan with the fewest FLOPs predicted to
     fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
-    from lit_memory.checkpointing import is_auto
-
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
     if budget is None:
@@ -319,31 +315,20 @@ def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
 
 
 def plan_run(
-    settings: Any, memory: Any, training: bool, step_for: Callable[[Any], Step], read_card: Callable[[], Any]
-) -> None:
-    """A run's ``model.gradient_checkpointing: auto`` (its resolved settings, a jsonargparse namespace changed in
-    place) becomes the plan with the fewest FLOPs predicted to fit its device budget, for the device it runs on,
-    before the module is built: the config (and the recipe the run saves) then holds that plan. Outside training
-    there is no backward to plan for (nothing is recomputed); ``offload_activations: auto`` is weighed only against
-    a plan being chosen. On CUDA the budget is the smaller of ``memory.budget``/``memory.tier`` (``memory``, a
-    `lit_memory.memory.hardware.budget.MemorySettings`) and what the run's card has free at start (``read_card()``, matched
-    to the catalogue by name for its speeds; `lit_memory.memory.hardware.gpus.planning_limit`); one line says which
-    applied, one what was chosen. ``step_for(target)``: the run's step for a target device."""
-    from lit_memory.checkpointing import is_auto
-    from lit_memory.console import say
-    from lit_memory.data import check_shape
-    from lit_memory.memory.hardware.gpus import planning_limit, target
-    from lit_memory.precision import runs_on_cpu
-
+    settings: Any, memory: MemorySettings, training: bool, step_for: Callable[[Any], Step], read_card: Callable[[], Any]
+) -> dict[str, Any]:
+    """What a run trains with in place of ``model.gradient_checkpointing: auto`` and ``offload_activations: auto``
+    (dotted keys; empty where nothing is auto): the plan with the fewest FLOPs predicted to fit its device budget,
+    before the module is built. Outside training nothing is recomputed. On CUDA the budget is the smaller of the
+    ``memory`` limit and what the run's card has free at start (``read_card()``); one line says which applied, one
+    what was chosen. ``settings``: the run's resolved settings, read only; ``step_for(target)``: its step."""
     model = settings.model
-    if not training and is_auto(model.gradient_checkpointing):
-        model.gradient_checkpointing = False  # no backward to plan for: nothing is recomputed
     if training:
         check_twice(settings)
+    if not training and is_auto(model.gradient_checkpointing):
+        return {"model.gradient_checkpointing": False, **_offload_off(model)}  # no backward to plan for
     if not is_auto(model.gradient_checkpointing):
-        if is_auto(model.offload_activations):
-            model.offload_activations = False
-        return
+        return _offload_off(model)
     check_shape(settings.data.batch_size, settings.data.max_length)  # the shape the plan is sized for
     device = "cpu" if runs_on_cpu(settings.trainer.accelerator) else "cuda"  # (its allocator: set just before)
     found = target(device)
@@ -354,9 +339,13 @@ def plan_run(
     if line:
         print(line, file=sys.stderr)  # every rank: each reads its own card
     step = planned(step_for(found), budget, where)
-    model.gradient_checkpointing = step.model["gradient_checkpointing"]
-    model.offload_activations = step.model["offload_activations"]
     say(step.planned)
+    return {f"model.{key}": step.model[key] for key in ("gradient_checkpointing", "offload_activations")}
+
+
+def _offload_off(model: Any) -> dict[str, Any]:
+    """``offload_activations: auto`` without a plan being chosen: off."""
+    return {"model.offload_activations": False} if is_auto(model.offload_activations) else {}
 
 
 def check_twice(settings: Any) -> None:
@@ -364,10 +353,6 @@ def check_twice(settings: Any) -> None:
     loss scaling runs a backward that only measures (the norm, an overflow) and then the one that steps, and torch's
     selective checkpointing allows one backward through a layer ("Trying to backward an extra time"; found on an
     H200 in 4gb.yaml's fp16 run, docs/gpu/h200.json). ``auto`` plans full or no checkpointing there instead."""
-    from lit_memory.checkpointing import CheckpointPlan, is_auto
-    from lit_memory.memory.prediction.step import clips_by_norm, is_fused
-    from lit_memory.settings import Precision
-
     trainer, value = settings.trainer, settings.model.gradient_checkpointing
     if is_auto(value) or not is_fused(trainer.strategy):
         return

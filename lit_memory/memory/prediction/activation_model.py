@@ -1,61 +1,46 @@
-"""The activation sub-model of `lit_memory.memory.prediction.analytic`: what the configured model keeps for backward
-and makes while it computes, layer by layer, read from the model built on the ``meta`` device (each layer's
-description, `lit_memory.memory.hardware.layers.LayerSpec`, and the attention kernel torch picks,
-`lit_memory.memory.hardware.kernels`), with the embeddings and what runs after the layers, per checkpointing mode,
-and for inference."""
+"""What a training step's activations take, layer by layer: `activations(step, model)` reads each layer's
+description (`lit_memory.memory.hardware.layers.LayerSpec`) from the model built on the ``meta`` device and the
+attention kernel torch picks (`lit_memory.memory.hardware.kernels`), and gives what the step keeps for backward
+and makes while it computes, per checkpointing mode, with the embeddings and what runs after the layers, a
+forward without autograd, and the figures the allocator's replay writes out (`Activations`)."""
 
 from __future__ import annotations
 
-import weakref
-
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
-from lit_memory.anatomy import _ACTIVATION, _FFN, _dropout, _first, _mlp_kind, in_out, linear_types
+from lit_memory.anatomy import ACTIVATION_NAMES, FFN_NAMES, config_dropouts, config_value, in_out, linear_types, mlp_kind
 from lit_memory.memory.hardware.kernels import Kernel
 from lit_memory.memory.hardware.layers import (
     NORM_STATS,
     LayerSpec,
     Shape,
     Tensor,
-    _norm,
     activation_saves,
     backward_temp_per_token,
-    forward_temp_per_token,
     batch_bytes,
+    forward_temp_per_token,
+    kernel,
     layer_bytes_per_token,
     layer_tensors,
+    norm_tensors,
     selective_bytes_per_token,
     working_set_per_token,
 )
+from lit_memory.memory.prediction.state_model import per_build
 from lit_memory.memory.prediction.step import Step
 from lit_memory.model import transformer_layers
-
-
-# What a meta build's model and optimizer give whatever the step's checkpointing plan: `resolve` predicts
-# hundreds of plans over one build (`_meta_build`), and reading them again was most of each prediction.
-_PER_BUILD: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
-def _per_build(owner: Any, key: tuple, make):
-    """``make()``, once per ``owner`` (a meta build's model or optimizer) and ``key``."""
-    found = _PER_BUILD.setdefault(owner, {})
-    if key not in found:
-        found[key] = make()
-    return found[key]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # -- the layers --------------------------------------------------------------------------------------
 
 
 def shape_of(config, step: Step, masked: bool = True) -> Shape:
+    """How ``step`` runs the layers of a model with ``config`` (a padding mask, unless ``masked`` is False)."""
     return Shape(
         batch=step.batch_size,
         length=step.max_length,
@@ -79,14 +64,14 @@ def layer_spec(layer: nn.Module, config, pre_norm: bool = False) -> LayerSpec:
     residual branches have, how many norms over the hidden state and whether q/k have their own, the FFN's
     kind, width and activation, q/k/v widths (grouped-query attention) and whether they are one matrix,
     rotary or DeBERTa's relative attention. ``pre_norm``: the model normalises before each block (it
-    has a final norm after the last layer: `lit_memory.memory.prediction.activation_model.spec_of`)."""
+    has a final norm after the last layer: `spec_of`)."""
     h = config.hidden_size
     heads = config.num_attention_heads
-    ffn = int(_first(config, _FFN, 4 * h))
+    ffn = int(config_value(config, FFN_NAMES, 4 * h))
     head_dim = int(getattr(config, "head_dim", None) or h // heads)
     q_width = heads * head_dim
     kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    attention_p = _dropout(config, head_dropout=False).attention
+    attention_p = config_dropouts(config, head_dropout=False).attention
     dropouts = sum(1 for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0 and not _in_lora(layer, m))
     norms = [m for m in layer.modules() if "norm" in type(m).__name__.lower() and not _in_lora(layer, m)]
     widths = [getattr(m, "weight", None) for m in norms]
@@ -109,7 +94,7 @@ def layer_spec(layer: nn.Module, config, pre_norm: bool = False) -> LayerSpec:
         hidden=h,
         ffn=ffn,
         heads=heads,
-        ffn_kind="gated" if _mlp_kind(layer, h, ffn) == "gated" else "mlp",
+        ffn_kind="gated" if mlp_kind(layer, h, ffn) == "gated" else "mlp",
         norm="rmsnorm" if hidden_norms and all("rms" in type(m).__name__.lower() for m in hidden_norms)
         else "layernorm",
         norms=len(hidden_norms) or 2,
@@ -136,14 +121,13 @@ def _activation(layer: nn.Module, config):
     for m in layer.modules():
         if type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation"):
             return m
-    from transformers.activations import ACT2FN
-
-    name = _first(config, _ACTIVATION, "gelu")
+    name = config_value(config, ACTIVATION_NAMES, "gelu")
     return ACT2FN[name] if isinstance(name, str) and name in ACT2FN else ACT2FN["gelu"]
 
 
 def _in_lora(layer: nn.Module, module: nn.Module) -> bool:
     return any(m is module for name, m in layer.named_modules() if "lora_" in name)
+
 
 def _final_norm(model: nn.Module) -> Optional[nn.Module]:
     base = getattr(model, "base_model", model)
@@ -153,13 +137,11 @@ def _final_norm(model: nn.Module) -> Optional[nn.Module]:
 def _embedding_tensors(model: nn.Module, spec: LayerSpec, x: Shape) -> list[Tensor]:
     """What the embeddings keep per token when they train: their norm's input and statistics, where they have
     a norm (BERT's family, DeBERTa, ModernBERT; not GPT-2 nor the decoders), and their dropout's mask."""
-    from lit_memory.anatomy import _dropout
-
     kept = []
     block = getattr(model.base_model, "embeddings", None)
     if isinstance(block, nn.Module) and any("norm" in type(m).__name__.lower() for m in block.modules()):
         kept += [Tensor("norm_in", spec.hidden * x.param_b), Tensor("stats", NORM_STATS["layernorm"])]
-    if _dropout(model.config, head_dropout=False).embedding > 0:
+    if config_dropouts(model.config, head_dropout=False).embedding > 0:
         kept.append(Tensor("dropout", spec.hidden * x.mask_b))
     return kept
 
@@ -170,7 +152,7 @@ def _after_layers_per_token(model: nn.Module, spec: LayerSpec, x: Shape) -> int:
     LayerNorm and that norm's statistics, the mask it multiplies by)."""
     kept = 0
     if _final_norm(model) is not None:
-        kept += sum(t.bytes for t in _norm("final_norm", spec, x))
+        kept += sum(t.bytes for t in norm_tensors("final_norm", spec, x))
     if getattr(model.config, "conv_kernel_size", 0):
         h = spec.hidden
         kept += 2 * h * x.param_b + h * x.mask_b + h * x.compute_b + NORM_STATS["layernorm"] + 4
@@ -201,12 +183,14 @@ def _linear_bytes(modules, compute_b: int, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in _linear_params(modules, trainable_only)) * compute_b
 
 
-@dataclass
-class _Activations:
-    forward: int  # live at the end of the forward pass
-    backward: int  # live at the start of backward (checkpointing: plus one recomputed layer)
-    transient: int  # forward temporaries on top of `forward` (inside the last layer)
-    backward_temp: int  # gradients w.r.t. activations in flight early in backward
+@dataclass(frozen=True)
+class _Totals:
+    """`Activations`' bytes of the step's phases (the same fields)."""
+
+    forward: int
+    backward: int
+    transient: int
+    backward_temp: int
 
 
 def _lora_adapters(layer: nn.Module) -> Optional[tuple[int, int]]:
@@ -222,13 +206,13 @@ def _trains(module: nn.Module) -> bool:
 
 def _parts(model: nn.Module):
     """(layers, embeddings, pooler, head modules, index of the first layer with a backward)."""
-    return _per_build(model, ("parts",), lambda: _read_parts(model))
+    return per_build(model, ("parts",), lambda: _read_parts(model))
 
 
 def _read_parts(model: nn.Module):
     layers = list(transformer_layers(model))
     embeddings = getattr(model.base_model, "embeddings", None) or model.get_input_embeddings()
-    # Backward starts at the first trained module (model.enable_gradient_checkpointing removes
+    # Backward starts at the first trained module (checkpointing.enable_gradient_checkpointing removes
     # transformers' hook that would make the frozen embeddings' output require grad).
     first = 0 if _trains(embeddings) else next((i for i, layer in enumerate(layers) if _trains(layer)), len(layers))
     pooler = getattr(model.base_model, "pooler", None)
@@ -236,8 +220,8 @@ def _read_parts(model: nn.Module):
     return layers, embeddings, pooler, head, first
 
 
-def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: Step) -> _Activations:
-    """Activation bytes of a training step. Checkpointing (``"full"`` or ``"selective"``) keeps each layer's
+def _totals(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: Step) -> _Totals:
+    """Activation bytes of a training step's phases. Checkpointing (``"full"`` or ``"selective"``) keeps each layer's
     input and recomputes one layer at a time in backward; offloading keeps what autograd saves (with
     checkpointing, each layer's input and the tensors outside the layers) in host memory, and brings one
     layer's input back at a time in backward. Autocast's weight cache (`Loop.autocast_cache`) keeps every
@@ -255,7 +239,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
         saved += 3 * x.batch * spec.hidden * x.compute_b + (x.batch * spec.hidden * x.compute_b if x.autocast else layer_input)
         saved += 4 * x.batch * model.config.num_labels
     if not active:  # frozen layers keep nothing for backward, but their forward still has a working set
-        return _Activations(forward=saved, backward=saved, transient=working_set_per_token(spec, x, k) * x.tokens, backward_temp=0)
+        return _Totals(forward=saved, backward=saved, transient=working_set_per_token(spec, x, k) * x.tokens, backward_temp=0)
     lora = _lora_adapters(active[0])
     per_layer = layer_bytes_per_token(spec, x, k, lora) * x.tokens
     backward_temp = backward_temp_per_token(spec, x, k) * x.tokens
@@ -267,7 +251,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     if not checkpointed:
         copies = _linear_bytes(active + head, x.compute_b) if x.autocast else 0
         forward = saved + len(active) * per_layer + copies
-        return _Activations(
+        return _Totals(
             forward=forward,
             backward=forward,
             transient=forward_temp_per_token(spec, x, k, lora) * x.tokens,
@@ -287,7 +271,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     top = "selective" if selective else "full"
     recomputing = kept + back + per_layer - own_input - (cached if top == "selective" else 0) + one_layer_copies
     if not whole:
-        return _Activations(
+        return _Totals(
             forward=kept + cache,
             backward=recomputing,
             transient=working_set_per_token(spec, x, k) * x.tokens,
@@ -298,7 +282,7 @@ def _activations(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: S
     # (offloading needs every layer checkpointed: `SequenceClassifier` refuses it with layers left whole)
     whole_bytes = len(whole) * per_layer + (_linear_bytes(whole + head, x.compute_b) if x.autocast else 0)
     checkpointed_cache = _linear_bytes(checkpointed, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
-    return _Activations(
+    return _Totals(
         forward=kept + whole_bytes + checkpointed_cache,
         backward=max(kept + whole_bytes, recomputing),
         transient=forward_temp_per_token(spec, x, k, lora) * x.tokens,
@@ -312,7 +296,110 @@ def _modes(step: Step, layers: int) -> list[Optional[str]]:
     return plan.modes(layers) if plan is not None else [None] * layers
 
 
-def _inference(spec: LayerSpec, x: Shape, k: Kernel, weights: int) -> int:
-    """Weights + batch + one layer's working set without autograd (eval: no dropout)."""
+def _inference(spec: LayerSpec, x: Shape, k: Kernel) -> int:
+    """The batch and one layer's working set without autograd (eval: no dropout); the weights come on top."""
     live = x.tokens * (spec.hidden * x.param_b + working_set_per_token(spec, x, k, training=False))
-    return weights + batch_bytes(x) + live
+    return batch_bytes(x) + live
+
+
+def _ffn_stages(layers, spec: LayerSpec) -> dict[int, str]:
+    """`program.Param.made_at` of each FFN weight and bias, read from the linear modules' shapes (any family):
+    "down" for a projection from the FFN's width, "up" for one into it (gate and up, or a fused gate+up)."""
+    stages = {}
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, linear_types()):
+                into, out = in_out(module)
+                stage = "down" if into == spec.ffn else "up" if into == spec.hidden and out in (spec.ffn, 2 * spec.ffn) else None
+                if stage:
+                    stages.update({id(p): stage for p in module.parameters(recurse=False)})
+    return stages
+
+
+@dataclass(frozen=True)
+class _Roles:
+    """Where each parameter of a build sits, by ``id``: the figures the allocator's replay needs per parameter."""
+
+    layer_of: Mapping[int, int]  # transformer layer index
+    head: frozenset[int]  # outside the layers, after them (pooler, classifier)
+    linear: frozenset[int]  # the layers' and head's linear weights and biases: what autocast copies
+    made_at: Mapping[int, str]  # `_ffn_stages`
+
+
+def _roles(model: nn.Module, spec: LayerSpec) -> _Roles:
+    layers, _, _, head, _ = _parts(model)
+    return _Roles(
+        layer_of={id(p): i for i, layer in enumerate(layers) for p in layer.parameters()},
+        head=frozenset(id(p) for m in head for p in m.parameters()),
+        linear=frozenset(id(p) for p in _linear_params(layers + head)),
+        made_at=_ffn_stages(layers, spec),
+    )
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What a training step's activations take (bytes), and how its layers run, for one device."""
+
+    spec: LayerSpec  # the layers' description (the last layer's)
+    shape: Shape  # how they run
+    kernel: Kernel  # the attention kernel torch picks in training
+    forward: int  # live at the end of the forward pass
+    backward: int  # live at the start of backward (checkpointing: plus one recomputed layer)
+    transient: int  # forward temporaries on top of `forward` (inside the last layer)
+    backward_temp: int  # gradients w.r.t. activations in flight early in backward
+    batch: int  # the batch's tensors
+    inference: int  # a forward pass without autograd: the batch and one layer's working set (weights excluded)
+    # The step layer by layer, as the allocator's replay writes it out (`lit_memory.memory.hardware.program`):
+    first: int  # the first layer with a backward (the number of layers where none has)
+    modes: tuple[Optional[str], ...]  # each layer's checkpointing mode, input side first
+    layer_tensors: tuple[Tensor, ...]  # per token, what a trained layer makes in forward order
+    embeddings: tuple[Tensor, ...]  # per token, what the embeddings keep (``kept``: when they train)
+    head: tuple[int, ...]  # whole tensors kept outside the layers after them (pooler, classifier, final norm)
+    selective: int  # per token per selective layer: its kept matmul outputs
+    backward_temp_per_token: int
+    layer_of: Mapping[int, int]  # by parameter ``id``: its transformer layer
+    head_params: frozenset[int]  # parameter ``id``s outside the layers, after them
+    autocast_copies: frozenset[int]  # parameter ``id``s autocast copies to 16 bits (none without autocast)
+    made_at: Mapping[int, str]  # by parameter ``id``: where in its layer's backward its gradient is made
+
+
+def activations(step: Step, model: nn.Module) -> Activations:
+    """The activations of ``step`` on ``model``, its build on the ``meta`` device."""
+    x = shape_of(model.config, step)
+    spec = per_build(model, ("spec",), lambda: spec_of(model))
+    capability = step.target.gpu.capability
+    k = kernel(spec, x, capability)
+    totals = _totals(model, spec, x, k, step)
+    layers, embeddings, pooler, _, first = _parts(model)
+    roles = per_build(model, ("roles",), lambda: _roles(model, spec))
+    trained = first < len(layers)
+    lora = _lora_adapters(layers[first]) if trained else None
+    modes = _modes(step, len(layers))
+    embeddings_train = _trains(embeddings)
+    head = []
+    if trained or (pooler is not None and _trains(pooler)):
+        head = [x.batch * spec.hidden * x.compute_b] * 3
+    if trained and (after := _after_layers_per_token(model, spec, x)):
+        head.append(after * x.tokens)
+    return Activations(
+        spec=spec,
+        shape=x,
+        kernel=k,
+        forward=totals.forward,
+        backward=totals.backward,
+        transient=totals.transient,
+        backward_temp=totals.backward_temp,
+        batch=batch_bytes(x),
+        inference=_inference(spec, x, kernel(spec, x, capability, training=False)),
+        first=first,
+        modes=tuple(modes),
+        layer_tensors=tuple(layer_tensors(spec, x, k, lora)),
+        embeddings=tuple(Tensor(t.name, t.bytes, embeddings_train) for t in _embedding_tensors(model, spec, x)),
+        head=tuple(head),
+        selective=selective_bytes_per_token(spec, x, k, lora) if "selective" in modes else 0,
+        backward_temp_per_token=backward_temp_per_token(spec, x, k),
+        layer_of=roles.layer_of,
+        head_params=roles.head,
+        autocast_copies=roles.linear if x.autocast else frozenset(),
+        made_at=roles.made_at,
+    )

@@ -1,56 +1,35 @@
 """The analytic model of a training step's memory, at three levels: tensors, the allocator, the device.
 
-**Tensors** (what ``torch.cuda.max_memory_allocated`` counts): the reference post's accounting (bytes per
-parameter by precision and optimizer) over the parameter shapes of the configured model, built on the
-``meta`` device (nothing allocated, nothing downloaded), plus a per-layer activation model
-(`lit_memory.memory.hardware.layers`: what a layer keeps, by its description and the attention kernel torch picks,
-`lit_memory.memory.hardware.kernels`). It follows a training step in order: ``training_step`` (no gradient alive,
-except the window's in the middle of an accumulation window, or where the loop keeps them), backward,
-optimizer step (after which `SequenceClassifier.optimizer_step` frees the gradients), and gives the bytes
-per category at the peak of each phase, with every transient the step makes: foreach and per-parameter
-optimizer temporaries, Adafactor's and torchao's per-step buffers, autocast's weight copies (and its cache,
-where the loop keeps it), gradients of activations in backward.
+**Tensors** (what ``torch.cuda.max_memory_allocated`` counts): the configured model and optimizer built on the
+``meta`` device (nothing allocated, nothing downloaded), read by two sub-models: what the step keeps beside the
+activations (`lit_memory.memory.prediction.state_model.state`: weights, gradients, optimizer state and
+temporaries, the loss scaler, FSDP2's share, the fused step's buckets) and its activations layer by layer
+(`lit_memory.memory.prediction.activation_model.activations`). `analytic` follows a training step in order:
+``training_step`` (no gradient alive, except the window's in the middle of an accumulation window, or where the
+loop keeps them), backward, the optimizer step (after which `SequenceClassifier.optimizer_step` frees the
+gradients), and gives the bytes per category at the peak of each phase.
 
 **Allocator** (``max_memory_reserved``): the step's allocations and frees in order (`lit_memory.memory.hardware.program`)
-replayed through a model of PyTorch's caching allocator (`lit_memory.memory.hardware.allocator`); what it reserves
-beyond the tensors it holds (segment rounding, blocks split and cached) is added to the tensors' peak.
+replayed through a model of PyTorch's caching allocator (`lit_memory.memory.hardware.allocator.replay`); what it
+reserves beyond the tensors it holds is added to the tensors' peak.
 
 **Device** (what ``nvidia-smi`` shows for the process): reserved plus the CUDA context and loaded kernels
-(`lit_memory.memory.hardware.gpus`).
+(`lit_memory.memory.hardware.gpus.add_levels`).
 
-The sub-models it assembles: the activations of each layer (`lit_memory.memory.prediction.activation_model`) and
-what the step keeps beside them, the loss scaler's state, one rank's share under FSDP2, the fused step's buckets
-(`lit_memory.memory.prediction.state_model`); the optimizer's tensors are measured by `lit_memory.optimizers`.
-
-Milliseconds per setup for the tensors, tens of milliseconds with the replay (`device_total` caches it):
-`lit_memory.tools.plan` predicts hundreds.
+Milliseconds per setup for the tensors, tens of milliseconds with the replay (`device_total` caches it).
 """
 
 from __future__ import annotations
 
 import time
 
-from lit_memory.anatomy import in_out, linear_types
 from lit_memory.memory.hardware import program
 from lit_memory.memory.hardware.allocator import replay
 from lit_memory.memory.hardware.gpus import add_levels
 from lit_memory.memory.measure.footprint import Footprint
-from lit_memory.memory.hardware.layers import (
-    LayerSpec,
-    Tensor,
-    backward_temp_per_token,
-    batch_bytes,
-    kernel,
-    layer_tensors,
-    selective_bytes_per_token,
-)
-from lit_memory.memory.prediction.activation_model import (
-    _activations, _after_layers_per_token, _embedding_tensors, _inference, _linear_params, _lora_adapters, _modes,
-    _nbytes, _parts, _per_build, _trains, shape_of, spec_of,
-)
-from lit_memory.memory.prediction.state_model import Sharding, _bucket_tensors, _buckets, _meta_build, _total, scaler_bytes
+from lit_memory.memory.prediction.activation_model import Activations, activations
+from lit_memory.memory.prediction.state_model import State, meta_build, nbytes, state
 from lit_memory.memory.prediction.step import Prediction, Step
-from lit_memory.optimizers import OptimizerTensors, optimizer_tensors
 
 
 def file_gib(parameters: int, bytes_per_parameter: int) -> float:
@@ -68,31 +47,26 @@ def reference_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optim
     }
 
 
+def _total(categories: dict[str, int]) -> int:
+    return sum(categories.values())
+
+
 def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Prediction:
     """The analytic prediction of ``step``; ``levels=False`` skips the allocator's replay (the tensors alone,
     milliseconds: what a search ranks hundreds of setups by); ``timeline``: also the step point by point
     (`Prediction.timeline`, what the picture of a step draws)."""
     start = time.perf_counter()
-    module, optimizer = _meta_build(step)
-    model = module.model
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    weights = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in model.buffers())
-    grads = sum(_nbytes(p) for p in trainable)
-    largest_grad = max((_nbytes(p) for p in trainable), default=0)
-    opt = _per_build(optimizer, ("state", step.device), lambda: optimizer_tensors(optimizer, step.device))
-    state, step_temp, notes = opt.state_bytes, opt.temp_bytes, list(opt.notes)
-    shape = shape_of(model.config, step)
-    spec = _per_build(model, ("spec",), lambda: spec_of(model))
-    capability = step.target.gpu.capability
-    k = kernel(spec, shape, capability)
-    act = _activations(model, spec, shape, k, step)
-    scaler_state, unscaling = scaler_bytes(step)
-    batch = batch_bytes(shape) + scaler_state  # "other": the batch, and GradScaler's state for the whole run
-    sharding = Sharding.of(model, step)
+    module, optimizer = meta_build(step)
+    kept = state(step, module, optimizer)
+    act = activations(step, module.model)
+    weights, grads, largest_grad = kept.weights, kept.gradients, kept.largest_gradient
+    opt_state, step_temp, notes = kept.optimizer.state_bytes, kept.optimizer.temp_bytes, list(kept.optimizer.notes)
+    unscaling = kept.unscaling
+    batch = act.batch + kept.scaler  # "other": the batch, and GradScaler's state for the whole run
+    sharding = kept.sharding
     loop = step.loop
 
-    def phase(gradients=0, optimizer=state, activations=0, other=batch, unsharded=0) -> dict[str, int]:
+    def phase(gradients=0, optimizer=opt_state, activations=0, other=batch, unsharded=0) -> dict[str, int]:
         """One phase's bytes per category, for one rank. ``unsharded``: gradients alive unsharded under
         FSDP (a unit's, before its reduce-scatter); ``gradients`` is then what the rank keeps sharded."""
         categories = {
@@ -106,7 +80,6 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
 
     footprint = Footprint()
     accumulating = step.accumulate_grad_batches > 1
-    buckets = _per_build(optimizer, ("buckets", step.bucket), lambda: _buckets(module, optimizer, step.bucket)) if step.fused else []
     if step.fused:
         # Each bucket's gradients are applied by one optimizer step and freed as soon as the last of
         # them is accumulated: early in backward the activations dominate, later the bucket whose
@@ -117,12 +90,12 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
         late = max(
             (
                 phase(
-                    gradients=(size := sum(_nbytes(p) for p in bucket)),
-                    optimizer=state + _bucket_tensors(optimizer, step.device, by_group).temp_bytes,
+                    gradients=bucket.gradients,
+                    optimizer=opt_state + bucket.optimizer.temp_bytes,
                     other=batch + unscaling,
-                    unsharded=size if sharding else 0,
+                    unsharded=bucket.gradients if sharding else 0,
                 )
-                for bucket, by_group in buckets
+                for bucket in kept.buckets
             ),
             key=_total,
             default=phase(),
@@ -155,26 +128,24 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
         else:
             late = phase(gradients=grads, unsharded=sharding.reducing if sharding else 0)
         footprint.add("backward", max(early, late, key=_total))
-        footprint.add("step", phase(gradients=grads, optimizer=state + step_temp, other=batch + unscaling))
+        footprint.add("step", phase(gradients=grads, optimizer=opt_state + step_temp, other=batch + unscaling))
     if sharding:
         notes.append(sharding.describe())
-    eval_kernel = kernel(spec, shape, capability, training=False)
     prediction = Prediction(
         method="analytic",
         device=step.device,
         footprint=footprint,
-        inference=_inference(spec, shape, eval_kernel, weights),
-        parameters=sum(p.numel() for p in params),
-        trainable=sum(p.numel() for p in trainable),
+        inference=weights + act.inference,
+        parameters=kept.parameters,
+        trainable=kept.trainable,
         notes=notes,
-        attention=f"{spec.implementation} attention, {k.reason}",
+        attention=f"{act.spec.implementation} attention, {act.kernel.reason}",
     )
     if timeline:
-        prediction.timeline = program.timeline(_step_model(module, optimizer, opt, buckets, spec, shape, k, step, act))
+        prediction.timeline = program.timeline(step_model(step, module.model, kept, act))
     if step.device == "cuda" and levels:
-        model_ = _step_model(module, optimizer, opt, buckets, spec, shape, k, step, act)
         # the allocator's reserve beyond what it holds, over the tensors' peak (its replay, not the model's sum)
-        found = replay(program.events(model_), step.target.allocator)
+        found = replay(program.events(step_model(step, module.model, kept, act)), step.target.allocator)
         reserve = footprint.peak + max(found.peak_reserved - found.peak_allocated, 0)
         add_levels(footprint, reserve, found.peak_phase, step.target)
     prediction.seconds = time.perf_counter() - start
@@ -184,82 +155,54 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
 # -- the allocator and the device ----------------------------------------------------------------------
 
 
-def _step_model(module, optimizer, opt: OptimizerTensors, buckets, spec, shape, k, step: Step, act) -> program.StepModel:
-    """The analytic model's step as `lit_memory.memory.hardware.program` writes it out for the allocator."""
-    model = module.model
-    layers, embeddings, pooler, head, first = _parts(model)
-    layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
-    head_ids = {id(p) for m in head for p in m.parameters()}
-    autocast_copy = {id(p) for p in _linear_params(layers + head)} if shape.autocast else set()
+def step_model(step: Step, model, kept: State, act: Activations) -> program.StepModel:
+    """The step as `lit_memory.memory.hardware.program` writes it out for the allocator's replay, from its
+    sub-models' results over ``model`` (the meta build's)."""
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
-    stage = _ffn_stages(layers, spec)
+    x, spec = act.shape, act.spec
     entries = [
         program.Param(
-            bytes=_nbytes(p),
+            bytes=nbytes(p),
             trainable=p.requires_grad,
-            layer=layer_of.get(id(p)),
-            head=id(p) in head_ids,
-            copy=p.numel() * shape.compute_b if id(p) in autocast_copy else 0,
-            made_at=stage.get(id(p)),
+            layer=act.layer_of.get(id(p)),
+            head=id(p) in act.head_params,
+            copy=p.numel() * x.compute_b if id(p) in act.autocast_copies else 0,
+            made_at=act.made_at.get(id(p)),
         )
         for p in params
     ]
-    lora = _lora_adapters(layers[first]) if first < len(layers) else None
-    tensors = layer_tensors(spec, shape, k, lora)
-    modes = _modes(step, len(layers))
+    tensors = list(act.layer_tensors)
+    input_kept = any(t.name == "input" for t in tensors)
     runs = [
-        program.LayerRun(
-            tensors, trains=i >= first, input_kept=any(t.name == "input" for t in tensors), checkpoint=modes[i]
-        )
-        for i in range(len(layers))
+        program.LayerRun(tensors, trains=i >= act.first, input_kept=input_kept, checkpoint=mode)
+        for i, mode in enumerate(act.modes)
     ]
-    emb_trains = _trains(embeddings)
-    emb = [Tensor(t.name, t.bytes, emb_trains) for t in _embedding_tensors(model, spec, shape)]
-    head_kept = []
-    if first < len(layers) or (pooler is not None and _trains(pooler)):
-        head_kept = [shape.batch * spec.hidden * shape.compute_b] * 3
-    if first < len(layers) and (after := _after_layers_per_token(model, spec, shape)):
-        head_kept.append(after * shape.tokens)
-    selective = selective_bytes_per_token(spec, shape, k, lora) if "selective" in modes else 0
+    opt = kept.optimizer
     return program.StepModel(
         params=entries,
-        buffers=sum(_nbytes(b) for b in model.buffers()),
-        batch=batch_bytes(shape),
-        tokens=shape.tokens,
-        hidden_bytes=spec.hidden * shape.param_b,
+        buffers=kept.buffers,
+        batch=act.batch,
+        tokens=x.tokens,
+        hidden_bytes=spec.hidden * x.param_b,
         layers=runs,
         states=[opt.state.get(id(p), []) for p in params],
         step_temps=opt.temps,
-        buckets=[[index[id(p)] for p in bucket] for bucket, _ in buckets],
-        bucket_temps=[_bucket_tensors(optimizer, step.device, by_group).temps for _, by_group in buckets],
-        embeddings=emb,
-        head=head_kept,
-        selective=selective,
+        buckets=[[index[id(p)] for p in bucket.params] for bucket in kept.buckets],
+        bucket_temps=[bucket.optimizer.temps for bucket in kept.buckets],
+        embeddings=list(act.embeddings),
+        head=list(act.head),
+        selective=act.selective,
         offload=step.offloading,
         fused=step.fused,
         measures=step.measures,
         accumulate=step.accumulate_grad_batches,
         gradients=step.loop.gradients,
         autocast_cache=step.loop.autocast_cache,
-        backward_temp=backward_temp_per_token(spec, shape, k),
+        backward_temp=act.backward_temp_per_token,
         workspace=step.target.cublas_workspace,
         shards=step.world_size if step.sharded else 1,
     )
-
-
-def _ffn_stages(layers, spec: LayerSpec) -> dict[int, str]:
-    """`program.Param.made_at` of each FFN weight and bias, read from the linear modules' shapes (any family):
-    "down" for a projection from the FFN's width, "up" for one into it (gate and up, or a fused gate+up)."""
-    stages = {}
-    for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, linear_types()):
-                into, out = in_out(module)
-                stage = "down" if into == spec.ffn else "up" if into == spec.hidden and out in (spec.ffn, 2 * spec.ffn) else None
-                if stage:
-                    stages.update({id(p): stage for p in module.parameters(recurse=False)})
-    return stages
 
 
 def device_total(step: Step) -> int:

@@ -16,7 +16,7 @@ dq, dk, dv and the kernel's workspace in backward); dropout keeps a 1-byte mask 
 kernel) instead of the CPU's full-width noise; under autocast, softmax and LayerNorm run in fp32 as CUDA's
 autocast policy has them (the CPU's runs them in bf16). What is left differs in small ways: CPU
 kernels' own temporaries, bitsandbytes' CPU code, torchao's compiled kernel (stood in for by what it allocates:
-`lit_memory.optimizers.simulated_step`, which also answers the scalar reads of an optimizer's step).
+`lit_memory.optimizer_state.simulated_step`, which also answers the scalar reads of an optimizer's step).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any, Callable
 from unittest import mock
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lit_memory.checkpointing import OffloadActivations
 from lit_memory.anatomy import parameter_units
@@ -40,11 +42,12 @@ from lit_memory.memory.hardware.kernels import Kernel
 from lit_memory.memory.prediction.step import Prediction, Step, build
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
-from lit_memory.optimizers import library_of, simulated_step, use_device_defaults
+from lit_memory.optimizer_state import simulated_step
+from lit_memory.optimizers import library_of, use_device_defaults
 
 
-def _fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
-    # The worst case a run can see: every micro-batch full and padded to max_length.
+def fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
+    """The batch of ``step``'s worst case: every micro-batch full and padded to ``max_length``, with labels."""
     shape = (step.batch_size, step.max_length)
     problem = getattr(config, "problem_type", None)
     if problem == "regression":  # labels as the head's loss takes them: a value, one 0/1 per label, a class id
@@ -198,8 +201,6 @@ def cuda_stand_ins(step: Step):
 def simulate(step: Step) -> Prediction:
     """One training step of the configured module on fake tensors, tracked per phase on the CPU (with
     CUDA's kernels stood in for a CUDA target)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     return _tracked_step(step, FakeTensorMode(allow_non_fake_inputs=True))  # the optimizer's own small real tensors
 
 
@@ -218,9 +219,6 @@ def measure(step: Step) -> Prediction:
 
 
 def _tracked_step(step: Step, mode) -> Prediction:
-    from lightning.pytorch.plugins.precision import MixedPrecision
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     start = time.perf_counter()
     compute, autocast = step.precision.compute, step.precision.autocast
     module, optimizer = build(step, mode)
@@ -237,7 +235,7 @@ def _tracked_step(step: Step, mode) -> Prediction:
         use_device_defaults(optimizer, step.device)
         stepping = _stepping(module, optimizer, step)
         stepping.warm()  # the steady state: the optimizer state exists
-        batch = _fake_batch(step, module.model.config)
+        batch = fake_batch(step, module.model.config)
         # Lightning's own autocast context (it disables autocast's weight cache; `Loop.autocast_cache`
         # keeps it, as Fabric and accelerate do); one per use.
         plugin = MixedPrecision(step.precision.name, "cpu") if autocast else None

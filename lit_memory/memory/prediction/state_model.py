@@ -1,29 +1,68 @@
-"""The sub-models of `lit_memory.memory.prediction.analytic` for what a step keeps beside the activations: the loss
-scaler's state and temporaries, one rank's share under FSDP2 (`Sharding`), the fused step's buckets and the
-optimizer's tensors per bucket (measured by `lit_memory.optimizers`), and the meta-device builds they are read
-from, kept for the hundreds of predictions `plan` makes over one model."""
+"""What a training step keeps beside the activations, read from its model and optimizer built on the ``meta``
+device: `state(step, module, optimizer)` gives the weights, the gradients, the optimizer's state and step
+temporaries (measured by `lit_memory.optimizer_state`), the loss scaler's state and what unscaling adds, one
+rank's share under FSDP2 (`Sharding`) and the fused step's buckets. The meta builds themselves are here too
+(`meta_build`), with what is read once per build (`per_build`): a search predicts hundreds of setups over a
+handful of models."""
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from torch import nn
 
 from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Bucketing, group_parameters
-from lit_memory.memory.prediction.activation_model import _nbytes, _per_build
 from lit_memory.memory.prediction.step import Step, build
 from lit_memory.model import SequenceClassifier, transformer_layers
-from lit_memory.optimizers import OptimizerTensors, optimizer_tensors
+from lit_memory.optimizer_state import OptimizerTensors, optimizer_tensors
 
 
-# -- the optimizer -----------------------------------------------------------------------------------
-# What an optimizer keeps and allocates is measured by `lit_memory.optimizers.optimizer_tensors` (a probe step on
-# meta tensors), the one place that knows optimizers.
+T = TypeVar("T")
+
+# What a meta build's model and optimizer give whatever the step's checkpointing plan: `plan` predicts hundreds of
+# plans over one build (`meta_build`), and reading them again was most of each prediction.
+_PER_BUILD: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+# The last meta-device builds: `plan` predicts hundreds of setups that share a handful of models.
+_META_BUILDS: OrderedDict[str, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
+META_BUILDS_KEPT = 128  # plan cycles through ~100 builds; a meta BERT-large build is ~1 MiB of Python objects
+
+
+def per_build(owner: Any, key: tuple, make: Callable[[], T]) -> T:
+    """``make()``, once per ``owner`` (a meta build's model or optimizer) and ``key``."""
+    found = _PER_BUILD.setdefault(owner, {})
+    if key not in found:
+        found[key] = make()
+    return found[key]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """A tensor's bytes (its shape and dtype: meta tensors have no storage)."""
+    return t.numel() * t.element_size()
+
+
+def meta_build(step: Step) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
+    """``step``'s module and optimizer built on the ``meta`` device, kept for the next predictions of the same build."""
+    # One build serves every checkpointing plan: the model reads the plan from the step, not from the module.
+    key = step.build_key
+    if key in _META_BUILDS:
+        _META_BUILDS.move_to_end(key)
+    else:
+        module, optimizer = build(step, torch.device("meta"))
+        module.optimizer_factory = None  # what it references is not needed once the optimizer exists
+        _META_BUILDS[key] = module, optimizer
+        if len(_META_BUILDS) > META_BUILDS_KEPT:
+            _META_BUILDS.popitem(last=False)
+    return _META_BUILDS[key]
+
+
+# -- the loss scaler ---------------------------------------------------------------------------------
 
 
 # torch's GradScaler (16-mixed): its scale (fp32) and growth tracker (int32) live through the run. Unscaling is in
@@ -44,13 +83,7 @@ def scaler_bytes(step: Step) -> tuple[int, int]:
     return sum(map(size, SCALER_STATE)), sum(map(size, UNSCALE_TEMPORARIES))
 
 
-def _total(categories: dict[str, int]) -> int:
-    return sum(categories.values())
-
-
-# The last meta-device builds: `plan` predicts hundreds of setups that share a handful of models.
-_META_BUILDS: OrderedDict[str, tuple[SequenceClassifier, torch.optim.Optimizer]] = OrderedDict()
-META_BUILDS_KEPT = 128  # plan cycles through ~100 builds; a meta BERT-large build is ~1 MiB of Python objects
+# -- sharding ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -75,12 +108,12 @@ class Sharding:
         layers = transformer_layers(model)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         root = [p for p in model.parameters() if id(p) not in in_layers]
-        layer_bytes = [sum(_nbytes(p) for p in layer.parameters()) for layer in layers]
-        layer_grads = [sum(_nbytes(p) for p in layer.parameters() if p.requires_grad) for layer in layers]
-        root_grads = sum(_nbytes(p) for p in root if p.requires_grad)
+        layer_bytes = [sum(nbytes(p) for p in layer.parameters()) for layer in layers]
+        layer_grads = [sum(nbytes(p) for p in layer.parameters() if p.requires_grad) for layer in layers]
+        root_grads = sum(nbytes(p) for p in root if p.requires_grad)
         return cls(
             ranks=step.world_size,
-            gathered=sum(_nbytes(p) for p in root) + 2 * max(layer_bytes, default=0),
+            gathered=sum(nbytes(p) for p in root) + 2 * max(layer_bytes, default=0),
             reducing=max([root_grads, *layer_grads]),
         )
 
@@ -101,30 +134,75 @@ class Sharding:
         )
 
 
-def _buckets(
-    module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: Bucketing
-) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
-    """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`), each
-    with its parameters split by group, as its optimizer steps them (one foreach call per group)."""
+# -- the fused step's buckets ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of the fused step: its parameters in gradient order, their gradients' bytes, and what its
+    optimizer step allocates (the bucket's parameters split by group, one foreach call per group)."""
+
+    params: tuple[torch.Tensor, ...]
+    gradients: int
+    optimizer: OptimizerTensors
+
+
+def _buckets(module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: Bucketing, device: str) -> tuple[Bucket, ...]:
+    """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`)."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
-    buckets = group_parameters([p for p in module.parameters() if id(p) in group_of], parameter_units(module), bucket)
-    return [(b, [[p for p in b if group_of[id(p)] == g] for g in sorted({group_of[id(p)] for p in b})]) for b in buckets]
+    found = group_parameters([p for p in module.parameters() if id(p) in group_of], parameter_units(module), bucket)
+    out = []
+    for params in found:
+        by_group = [[p for p in params if group_of[id(p)] == g] for g in sorted({group_of[id(p)] for p in params})]
+        key = ("bucket", device, tuple(id(p) for group in by_group for p in group))
+        tensors = per_build(optimizer, key, lambda: optimizer_tensors(optimizer, device, by_group))
+        out.append(Bucket(params=tuple(params), gradients=sum(nbytes(p) for p in params), optimizer=tensors))
+    return tuple(out)
 
 
-def _bucket_tensors(optimizer: torch.optim.Optimizer, device: str, by_group: list[list[torch.Tensor]]) -> "OptimizerTensors":
-    key = ("bucket", device, tuple(id(p) for group in by_group for p in group))
-    return _per_build(optimizer, key, lambda: optimizer_tensors(optimizer, device, by_group))
+# -- the state of a step -----------------------------------------------------------------------------
 
 
-def _meta_build(step: Step) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
-    # One build serves every checkpointing plan: the model reads the plan from the step, not from the module.
-    key = step.build_key
-    if key in _META_BUILDS:
-        _META_BUILDS.move_to_end(key)
-    else:
-        module, optimizer = build(step, torch.device("meta"))
-        module.optimizer_factory = None  # what it references is not needed once the optimizer exists
-        _META_BUILDS[key] = module, optimizer
-        if len(_META_BUILDS) > META_BUILDS_KEPT:
-            _META_BUILDS.popitem(last=False)
-    return _META_BUILDS[key]
+@dataclass(frozen=True)
+class State:
+    """What a step keeps beside the activations, in bytes for one device (unsharded: `Sharding.per_rank` splits it)."""
+
+    weights: int  # parameters and buffers
+    buffers: int
+    gradients: int  # every trainable parameter's
+    largest_gradient: int
+    optimizer: OptimizerTensors  # its state per parameter, and one step's temporaries over all parameters
+    scaler: int  # GradScaler's state, for the whole run
+    unscaling: int  # what unscaling the gradients adds while it runs
+    sharding: Optional[Sharding]  # one rank's share under FSDP2; None unsharded
+    buckets: tuple[Bucket, ...]  # the fused step's; () without it
+    parameters: int  # parameters (values), all and trainable
+    trainable: int
+
+
+def state(step: Step, module: SequenceClassifier, optimizer: torch.optim.Optimizer) -> State:
+    """What ``step`` keeps beside the activations, read from its meta build (``module``, ``optimizer``: `meta_build`)."""
+    model = module.model
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    buffers = sum(nbytes(b) for b in model.buffers())
+    tensors = per_build(optimizer, ("state", step.device), lambda: optimizer_tensors(optimizer, step.device))
+    scaler, unscaling = scaler_bytes(step)
+    buckets = (
+        per_build(optimizer, ("buckets", step.bucket, step.device), lambda: _buckets(module, optimizer, step.bucket, step.device))
+        if step.fused
+        else ()
+    )
+    return State(
+        weights=sum(nbytes(p) for p in params) + buffers,
+        buffers=buffers,
+        gradients=sum(nbytes(p) for p in trainable),
+        largest_gradient=max((nbytes(p) for p in trainable), default=0),
+        optimizer=tensors,
+        scaler=scaler,
+        unscaling=unscaling,
+        sharding=Sharding.of(model, step),
+        buckets=buckets,
+        parameters=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in trainable),
+    )

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
+from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
@@ -95,8 +100,6 @@ class OptimizerSpec:
 
 @functools.lru_cache(maxsize=64)
 def _factory(key: str) -> Callable:
-    from jsonargparse import ArgumentParser
-    from lightning.pytorch.cli import OptimizerCallable
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--optimizer", type=OptimizerCallable)
@@ -171,19 +174,25 @@ class Step:
         object.__setattr__(self, "bucket", parse_bucket(self.bucket))
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any], target: Optional[Target] = None, loop: Optional[Loop] = None) -> "Step":
-        """The step a run's resolved settings (``model``, ``trainer``, ``data`` sections, plain data) trains."""
-        return cls._of_plain(plain(settings), target, loop)
+    def from_settings(
+        cls, settings: Mapping[str, Any], target: Optional[Target] = None, loop: Optional[Loop] = None,
+        memory: Optional[MemorySettings] = None,
+    ) -> "Step":
+        """The step a run's resolved settings (``model``, ``trainer``, ``data`` sections, plain data) trains;
+        ``memory``: their ``memory`` block where a run has built it already (else built here)."""
+        return cls._of_plain(plain(settings), target, loop, memory)
 
     @classmethod
-    def _of_plain(cls, settings: dict[str, Any], target: Optional[Target], loop: Optional[Loop]) -> "Step":
+    def _of_plain(
+        cls, settings: dict[str, Any], target: Optional[Target], loop: Optional[Loop], memory: Optional[MemorySettings] = None,
+    ) -> "Step":
         trainer, data = section(Trainer, settings.get("trainer")), section(TextClassificationData, settings.get("data"))
         given = settings.get("model") or {}
         optimizer = OptimizerSpec.of(given.get("optimizer") or DEFAULT_OPTIMIZER)
         model = _module_settings({k: v for k, v in given.items() if k != "optimizer"})
         strategy = trainer["strategy"]
         sharded = is_sharded(strategy)
-        memory = MemorySettings.of(settings)
+        memory = memory if memory is not None else MemorySettings.of(settings)
         target = target if target is not None else Target()
         if memory.allocator and target.cuda_device and not target.allocator_given:  # as a run sets them
             target = replace(target, allocator=memory.allocator_config, allocator_given=True)
@@ -210,7 +219,7 @@ class Step:
         if is_auto(model.get("offload_activations")):  # weighed only against a plan being chosen (`planned`)
             model["offload_activations"] = False
             step = replace(step, model=model)
-        CheckpointPlan.parse(model.get("gradient_checkpointing"))  # one error line for a bad value
+        step.checkpointing  # parsed once, here: one error line for a bad value
         return step
 
     def with_settings(self, values: Mapping[str, Any]) -> "Step":
@@ -220,7 +229,10 @@ class Step:
         `UserError`)."""
         if values.get("trainer.precision") is not None and self.target.cuda_device:
             values = {**values, "trainer.precision": trains_on(values["trainer.precision"], self.target.gpu)}
-        return Step._of_plain(overlay(self._stated, values), self.target, self.loop)  # overlay's are plain
+        # the memory block is built again only where the values change it
+        changed = any(key == "memory" or key.startswith("memory.") for key in values)
+        memory = None if changed else self.memory if self.memory.margin == self.margin else replace(self.memory, margin=self.margin)
+        return Step._of_plain(overlay(self._stated, values), self.target, self.loop, memory)  # overlay's are plain
 
     def as_settings(self) -> dict[str, Any]:
         """The settings a run of this step states, as plain data (`from_settings` reads them back to an equal step):
@@ -259,7 +271,7 @@ class Step:
     def device(self) -> str:
         return self.target.type
 
-    @property
+    @functools.cached_property
     def checkpointing(self) -> Optional[CheckpointPlan]:
         """What each layer recomputes (None: nothing)."""
         return CheckpointPlan.parse(self.model.get("gradient_checkpointing"))
@@ -398,7 +410,6 @@ def strategy_class(strategy: Any) -> Any:
     if isinstance(strategy, Mapping) or hasattr(strategy, "class_path"):  # a class spec, parsed or plain
         strategy = strategy.get("class_path", "")
     if isinstance(strategy, str):
-        from lightning.pytorch.strategies import StrategyRegistry
 
         if strategy in StrategyRegistry:
             return StrategyRegistry[strategy]["strategy"]
@@ -428,7 +439,6 @@ def clips_by_norm(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> bool:
 
 def is_sharded(strategy: Any) -> bool:
     """True for FSDP strategies (Lightning's FSDPStrategy, ModelParallelStrategy and ours built on it)."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     found = strategy_class(strategy)
     sharding = (FSDPStrategy, ModelParallelStrategy)
@@ -490,7 +500,6 @@ def adopt(model: torch.nn.Module, context: Any) -> int:
     ``open()``), in every process that simulated two LoRA steps. See docs/memory.md, "A crash in the
     simulation".
     """
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     fake = isinstance(context, FakeTensorMode)
 
@@ -518,7 +527,6 @@ def adopt(model: torch.nn.Module, context: Any) -> int:
 
 def _tensor_init_context(precision: Precision) -> contextlib.AbstractContextManager:
     """Lightning's "-true" precisions create the module's tensors in their dtype (its tensor_init_context)."""
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 
     if precision.half_weights:
         return HalfPrecision(precision.name).tensor_init_context()

@@ -11,7 +11,7 @@ import torch
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.prediction.analytic import analytic, file_gib, reference_bytes
-from lit_memory.memory.prediction.state_model import _META_BUILDS
+from lit_memory.memory.prediction.state_model import meta_build
 from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target
 from lit_memory.memory.prediction.simulate import simulate
 from lit_memory.memory.prediction.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
@@ -195,18 +195,17 @@ def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(ca
 def test_the_allocator_replay_holds_the_tensors_the_analytic_model_predicts():
     """The analytic model's event program (lit_memory.memory.hardware.program) allocates what its phases hold: the
     replay's peak of allocated bytes is the analytic peak, within the rounding and the workspaces."""
-    from lit_memory.memory.prediction import analytic as model; from lit_memory.memory.hardware import program
+    from lit_memory.memory.hardware import program
     from lit_memory.memory.hardware.allocator import replay
+    from lit_memory.memory.prediction.activation_model import activations
+    from lit_memory.memory.prediction.analytic import step_model
+    from lit_memory.memory.prediction.state_model import state
 
     for settings in ({}, {"precision": "bf16-mixed", "fused": True, "model": {"gradient_checkpointing": True}}):
         setup = bert_large(batch_size=8, max_length=128, **settings)
-        module, optimizer = model._meta_build(setup)
-        spec, shape = model.spec_of(module.model), model.shape_of(module.model.config, setup)
-        kernel = model.kernel(spec, shape, setup.target.gpu.capability)
-        activations = model._activations(module.model, spec, shape, kernel, setup)
-        tensors = model.optimizer_tensors(optimizer, "cuda")
-        buckets = model._buckets(module, optimizer, setup.bucket) if setup.fused else []
-        events = program.events(model._step_model(module, optimizer, tensors, buckets, spec, shape, kernel, setup, activations))
+        module, optimizer = meta_build(setup)
+        kept, act = state(setup, module, optimizer), activations(setup, module.model)
+        events = program.events(step_model(setup, module.model, kept, act))
         found = replay(events)
         peak = analytic(setup).footprint.peak
         assert found.peak_allocated - 2 * setup.target.cublas_workspace == pytest.approx(peak, rel=0.05), settings
@@ -365,7 +364,7 @@ def test_a_step_from_a_parsed_config_is_plain_data_and_its_prediction_keeps_no_f
     assert found.optimizer.class_path == "torch.optim.AdamW" and found.optimizer.init_args["lr"] == 2e-5
     first = analytic(found).footprint.peak
     assert analytic(found.with_settings({})).footprint.peak == first  # the same build, reused from the cache
-    module, _ = _META_BUILDS[found.build_key]
+    module, _ = meta_build(found)  # the cached build
     assert module.optimizer_factory is None
 
 
