@@ -406,7 +406,7 @@ class OutOfMemoryReport(L.Callback):
             f"(limit {format_bytes(limit)})",
             file=sys.stderr,
         )
-        if self.memory is not None and limit is not None:
+        if self.memory is not None:
             line = self._picture(trainer, pl_module, limit)
             if line:
                 print(line, file=sys.stderr)
@@ -417,20 +417,24 @@ class OutOfMemoryReport(L.Callback):
                   file=sys.stderr)
 
 
-    def _picture(self, trainer: L.Trainer, pl_module: L.LightningModule, limit: int) -> str:
-        """The predicted step (the worst case's) drawn against the limit the run crossed, and one line: where."""
+    def _picture(self, trainer: L.Trainer, pl_module: L.LightningModule, limit: Optional[int]) -> str:
+        """The predicted step (the worst case's) drawn against the limit the run crossed, and one line: where. Without
+        a limit (a CPU run with no ``memory.budget``: the error came from elsewhere) the step is drawn all the same."""
         shape, points = self.monitor.predicted_timeline or (None, None)
         run_dir = getattr(self.monitor, "run_dir", None)
         if not points or run_dir is None or not run_dir.is_dir():
             return ""
-        crossed = picture.crossing(points, limit)
         record = self.monitor.record(trainer, None, self.monitor.oom)
         panel = picture.of_record(record, _title(trainer, pl_module), None, self.memory.margin)
-        panel.limit = (limit, "the limit crossed")
         panel.notes.append(f"out of memory in the {self.monitor.oom['phase']} phase of batch {self.monitor.oom['batch']}")
+        if limit is None:
+            where = "no limit to compare with (memory.budget is not set on this device)"
+        else:
+            panel.limit = (limit, "the limit crossed")
+            crossed = picture.crossing(points, limit)
+            where = (f"the predicted step crosses the limit {picture.where(crossed)}" if crossed else
+                     "the predicted step stays under the limit: the run needed more than predicted")
         drawn = picture.draw([panel], run_dir / picture.FILE)
-        where = (f"the predicted step crosses the limit {picture.where(crossed)}" if crossed else
-                 "the predicted step stays under the limit: the run needed more than predicted")
         if drawn is None:
             return f"{where} (no picture: matplotlib is not installed)"
         return f"{where}: see the picture of the step, {drawn}"
