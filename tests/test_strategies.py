@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
 import fused_worker as worker
-from conftest import CONFIGS, RECIPES, REPO, StepLog, assert_same, the_error
+from conftest import CONFIGS, RECIPES, REPO, HostReads, StepLog, assert_same, the_error
 from lit_memory import environment
 from lit_memory import fused
 from lit_memory.__main__ import main
@@ -238,6 +238,26 @@ def test_single_device_fp16_matches_gradscaler_with_clipping_by_norm(tmp_path):
     worker.train(tmp_path / "resumed", "fused-single", steps=10, clip="norm:0.3", fp16=True, resume=str(checkpoint))
     assert_same(load(tmp_path / "resumed"), load(tmp_path / "fused-single"), atol=0)
     assert torch.load(tmp_path / "resumed" / "norms.pt")["scales"] == plain["scales"][6:]
+
+
+def test_unfused_fp16_steps_adamws_fused_kernel_without_reading_the_overflow_flag_on_the_host(tmp_path, monkeypatch):
+    """16-mixed, unfused, no clipping: the AdamW lit_memory gives its fused kernel takes GradScaler's scale and
+    overflow flag into that kernel, so the scaler's step and update never read the flag on the host (a device sync
+    per step on CUDA); the overflowing first steps are skipped all the same (the scale backs off)."""
+    reads, steps = HostReads(), []
+
+    def counted(method):
+        def run(scaler, *args, **kwargs):
+            steps.append(method.__name__)
+            with reads:
+                return method(scaler, *args, **kwargs)
+        return run
+
+    for name in ("step", "update"):  # torch's own, under the test's recording scaler (`fused_worker.fp16_plugin`)
+        monkeypatch.setattr(torch.amp.GradScaler, name, counted(getattr(torch.amp.GradScaler, name)))
+    worker.train(tmp_path, "single", steps=4, fp16=True)
+    assert steps.count("step") == 4 and reads.count == 0
+    assert scale_trajectory(torch.load(tmp_path / "norms.pt")["scales"])[0] >= 1  # a skipped step
 
 
 # -- FSDP, 2 processes -----------------------------------------------------------------------
