@@ -26,7 +26,7 @@ from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
-from lit_memory.fabric import FusedFabricStrategy
+from lit_memory.fabric import FusedFabricFSDPStrategy, FusedFabricStrategy
 from lit_memory.fused import Bucketing
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.tracker import Tracker
@@ -282,6 +282,23 @@ def test_fsdp_fused_matches_unfused_with_clipping_by_norm_and_fp16(tmp_path):
     torch.testing.assert_close(fused_norms["norms"], norms["norms"], rtol=1e-5, atol=0, equal_nan=True)
     exported = AutoModelForSequenceClassification.from_pretrained(fusion / "hf_model")  # gathered from the shards
     assert_same(exported.state_dict(), load(fusion))
+
+
+@pytest.mark.parametrize("strategy", [FSDP2Strategy, FusedFabricFSDPStrategy])
+def test_fsdp2_on_one_cuda_rank_starts_no_nccl_communicator(strategy):
+    """One rank needs no NCCL communicator (FSDP2 neither gathers nor reduces there), whose memory a small card
+    cannot spare (`lit_memory.memory.hardware.nccl`): the process group is gloo; several ranks keep Lightning's
+    NCCL, and a backend the user names is theirs."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    def backend(world: int, given=None) -> str:
+        found = strategy(process_group_backend=given)
+        found.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+        found.cluster_environment = LightningEnvironment()
+        found.cluster_environment.set_world_size(world)
+        return found._get_process_group_backend()
+
+    assert (backend(1), backend(2), backend(1, "nccl")) == ("gloo", "nccl", "nccl")
 
 
 @pytest.mark.parametrize("recipe, fused", [("baseline", False), ("fused", True), ("4gb", True)])
