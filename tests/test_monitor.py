@@ -338,6 +338,44 @@ def test_the_cap_follows_the_context_as_kernels_load_in_the_first_steps(fake_cud
     assert "context grew by 182.00 MiB by optimizer step 1" in err and "cap is now 3.26 GiB" in err
 
 
+def test_the_cap_measures_the_context_once_every_nccl_communicator_is_warmed_up(fake_cuda, monkeypatch):
+    """NCCL connects a communicator's channels at its first collectives (outside the allocator): each group that
+    runs collectives (the default group, each mesh dimension of more than one rank, once) takes a small and a large
+    all-reduce, an all-gather and a reduce-scatter before the context is read; a one-rank dimension (Lightning's
+    idle tensor_parallel under FSDP2) none, nor a gloo group."""
+    from lit_memory.memory.hardware.gpus import CardReading
+    from lit_memory.run_memory import collective_groups, warm_up
+
+    dist = torch.distributed
+    world, solo, cpu_side = (SimpleNamespace(name=n) for n in ("world", "solo", "gloo"))
+    sizes, backends = {"world": 4, "solo": 1, "gloo": 4}, {"world": "nccl", "solo": "nccl", "gloo": "gloo"}
+    mesh = SimpleNamespace(ndim=3, get_group=lambda dim: (world, solo, cpu_side)[dim])  # dp reuses WORLD's group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(type(dist.group), "WORLD", property(lambda group: world))  # a property of its metaclass
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: sizes[group.name])
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backends[group.name])
+    assert collective_groups(SimpleNamespace(device_mesh=mesh)) == [world]
+    assert collective_groups(SimpleNamespace()) == [world]  # a strategy without a mesh: the default group
+    ran = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group: ran.append(("all_reduce", group.name, t.numel())))
+    monkeypatch.setattr(dist, "all_gather_into_tensor",
+                        lambda out, t, group: ran.append(("all_gather", group.name, out.numel() // t.numel())))
+    monkeypatch.setattr(dist, "reduce_scatter_tensor",
+                        lambda out, t, group: ran.append(("reduce_scatter", group.name, t.numel() // out.numel())))
+    warm_up([world], torch.device("cpu"))
+    assert ran == [("all_reduce", "world", 1), ("all_reduce", "world", 2**20), ("all_gather", "world", 4),
+                   ("reduce_scatter", "world", 4)]
+    calls, trainer = fake_cuda  # the cap warms them up, then reads the card
+    order = []
+    cap = BudgetCap(4 * 2**30)
+    cap.load_kernels = lambda device, half: order.append("kernels")
+    cap.warm_communicators = lambda strategy, device: order.append("communicators")
+    cap.read_card = lambda device: order.append("read") or CardReading("fake", 16 * 2**30, 15 * 2**30, 2**30, "nvml")
+    trainer.precision = "32-true"
+    cap.setup(trainer, None, "fit")
+    assert order == ["kernels", "communicators", "read"]
+
+
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
     """Allocated and reserved from the allocator's peak counters, the device level from cudaMemGetInfo (no
     NVML here) at every phase boundary: the highest readings, the phase in which allocated last rose."""
