@@ -205,6 +205,7 @@ def step_model(step: Step, model, kept: State, act: Activations) -> program.Step
         backward_temp=act.backward_temp_per_token,
         workspace=step.target.cublas_workspace,
         shards=step.world_size if step.sharded else 1,
+        gathers=step.sharded,
     )
 
 
