@@ -354,7 +354,7 @@ class Step:
             why = " and ".join(w for w, on in (("clipping by norm", self.clip_norm), ("loss scaling", self.scaled)) if on)
             parts.append(f"{why} (a measuring backward first)")
         if self.sharded:
-            parts.append(f"sharded over {self.world_size} ranks")
+            parts.append(f"sharded over {self.world_size} rank{'s' if self.world_size > 1 else ''}")
         if self.loop.name != "lightning":
             parts.append(f"{self.loop.name} loop")
         return ", ".join(parts)
