@@ -181,7 +181,7 @@ def collective_groups(strategy: Any) -> list[Any]:
         group = mesh.get_group(dim)
         if dist.get_world_size(group) > 1:
             found.setdefault(id(group), group)
-    return [g for g in found.values() if dist.get_backend(g) == "nccl"]
+    return [g for g in found.values() if "nccl" in str(dist.get_backend(g))]  # "nccl", or "cpu:gloo,cuda:nccl"
 
 
 def warm_up(groups: list[Any], device: torch.device) -> None:
