@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+import torch
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
@@ -26,11 +27,11 @@ from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData, resolve_task
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
-from lit_memory.memory.hardware import gpus
+from lit_memory.memory.hardware import gpus, nccl
 from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.planning.hooks import run_hooks
 from lit_memory.memory.planning.recompute import plan_run
-from lit_memory.memory.prediction.step import Step
+from lit_memory.memory.prediction.step import Step, ranks
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
 from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
@@ -311,6 +312,11 @@ class LitMemoryCLI(LightningCLI):
             warning = self._held.enter_context(recipe_settings(self.memory.allocator))
             if warning:
                 say(warning)
+            # a small tier's NCCL buffers, before any process group starts (the run's own processes inherit them)
+            setting, line = nccl.for_run(self.memory.limit_bytes, self.memory.limit_words, world_size(self.settings.trainer))
+            if setting:
+                self._held.enter_context(nccl.run_settings(setting))
+                say(line)
         training = self.config.get("subcommand") in (None, "fit")
         if training:
             self._resolve_task()
@@ -453,3 +459,12 @@ def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:
         return LitMemoryCLI(args=list(argv), defer=True, **kwargs)
     finally:
         seed_log.setLevel(level)
+
+
+def world_size(trainer: Any) -> int:
+    """The processes a run's trainer settings start: devices per node (``auto`` or -1 on CUDA: every GPU this
+    machine has, counted without starting CUDA) times nodes."""
+    devices = trainer.devices
+    if str(devices) in ("auto", "-1") and not runs_on_cpu(trainer.accelerator):
+        devices = torch.cuda.device_count() or 1
+    return ranks(devices) * int(trainer.num_nodes or 1)

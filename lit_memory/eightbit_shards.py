@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,12 +105,12 @@ def state_dict(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
     Nothing is copied but each absmax, padded (1/64 of a byte per value)."""
     names = {id(p): name for name, p in module.named_parameters()}
     params = _params(optimizer)
-    stepped = _stepped_anywhere(optimizer, params)
+    steps = _steps_anywhere(optimizer, params)
     state = {}
-    for param, anywhere in zip(params, stepped):
+    for param, step in zip(params, steps):
         saved = optimizer.state.get(param)
-        if not saved and anywhere:  # an empty shard: never stepped here, while the ranks with rows hold state
-            saved = _empty_shard_state(optimizer, param)
+        if not saved and step:  # an empty shard: never stepped here, while the ranks with rows hold state
+            saved = _empty_shard_state(optimizer, param, step)
         if saved:  # none before its first gradient
             state[names[id(param)]] = {k: _sharded(k, v, param) for k, v in saved.items() if k not in SCRATCH}
     shards = shard_of(params[0])[0] if params else 1
@@ -271,22 +271,33 @@ def _as_dtensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _stepped_anywhere(optimizer: Optimizer, params: list[torch.Tensor]) -> list[bool]:
-    """Whether each parameter has state on any rank: every rank must describe a saved DTensor, or torch's distributed
-    checkpoint cannot cover its volume. One all-reduce of a flag per parameter (saving is collective already)."""
-    mine = [bool(optimizer.state.get(p)) for p in params]
+def _steps_anywhere(optimizer: Optimizer, params: list[torch.Tensor]) -> list[int]:
+    """Each parameter's step count on the ranks that hold its state (0: none has any yet): every rank must describe a
+    saved DTensor, or torch's distributed checkpoint cannot cover its volume, and an empty shard's description carries
+    its parameter's own count. One all-reduce of a count per parameter (saving is collective already)."""
+    mine = [_step_of(optimizer.state.get(p)) for p in params]
     if not params or not dist.is_available() or not dist.is_initialized():
         return mine
     local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
-    flags = torch.tensor(mine, dtype=torch.int32, device=local.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [bool(f) for f in flags.tolist()]
+    counts = torch.tensor(mine, dtype=torch.int64, device=local.device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return [int(c) for c in counts.tolist()]
 
 
-def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor) -> dict[str, Any]:
+def _step_of(state: Optional[dict[str, Any]]) -> int:
+    """bitsandbytes' step count in a parameter's state (an int it counts up; a tensor in some versions), 0 without
+    state; a state without a count counts as stepped once."""
+    if not state:
+        return 0
+    step = state.get("step", 1)
+    return int(step.item() if isinstance(step, torch.Tensor) else step) or 1
+
+
+def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor, step: int) -> dict[str, Any]:
     """The state an empty shard of ``param`` stands for in a checkpoint: each tensor of its kind (8-bit codes or
     32-bit moments, as bitsandbytes decides on the whole parameter: `lit_memory.eightbit.config_of`) with no rows,
-    no absmax blocks (saved as a row of zeros), the maps and the step count of a parameter of the same kind here."""
+    no absmax blocks (saved as a row of zeros), the maps of a parameter of the same kind here, and ``step``: the
+    parameter's own step count on the ranks that hold its rows (`_steps_anywhere`)."""
     g, i = next((g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if p is param)
     config = eightbit.config_of(optimizer, g, i)
     bits = config.get("optim_bits", optimizer.args.optim_bits)
@@ -306,7 +317,9 @@ def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor) -> dict[str, A
     local = param.to_local()
     empty: dict[str, Any] = {}
     for key, value in template.items():
-        if not isinstance(value, torch.Tensor) or key.startswith("qmap"):
+        if key == "step":
+            empty[key] = torch.tensor(step, dtype=value.dtype, device=value.device) if isinstance(value, torch.Tensor) else step
+        elif not isinstance(value, torch.Tensor) or key.startswith("qmap"):
             empty[key] = value
         elif key.startswith("absmax"):
             empty[key] = value.new_zeros(0)

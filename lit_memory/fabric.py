@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from lit_memory import eightbit_shards, fused
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware import nccl
 from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling
 from lit_memory.strategies import AcceleratorDevice, FusedStep, hugging_face_models, shard
 UNOWNED = (
@@ -398,6 +399,11 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    def _get_process_group_backend(self) -> str:
+        # One rank needs no NCCL communicator (FSDP2 then neither gathers nor reduces), whose memory the plan would
+        # have to leave room for (`lit_memory.memory.hardware.nccl`): gloo for the rendezvous and small objects.
+        return self._process_group_backend or nccl.backend(self.world_size) or super()._get_process_group_backend()
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         held = {id(p) for p in self._module.parameters()} if self._module is not None else set()

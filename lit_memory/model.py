@@ -428,7 +428,9 @@ class SequenceClassifier(L.LightningModule):
         from transformers import get_scheduler
 
         optimizer = self.build_optimizer()
-        optimizers.use_fused_kernels(optimizer, self.device)  # torch's Adam/AdamW: one kernel per group
+        # torch's Adam/AdamW: one kernel per group, taking GradScaler's scale unless Lightning clips after backward
+        clips = bool(self.trainer.gradient_clip_val) and not getattr(self.trainer.strategy, "fused_step", False)
+        optimizers.use_fused_kernels(optimizer, self.device, amp_scaling=not clips)
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,

@@ -267,7 +267,7 @@ class MemoryMonitor(L.Callback):
             categories = self.tracker.categories()
         if categories is None:  # untracked step: the tensors themselves, the rest of the allocator's count
             allocated = torch.cuda.memory_allocated(self._device(trainer)) if self._on_cuda(trainer) else 0
-            categories = live_breakdown(pl_module, trainer.optimizers, allocated)
+            categories = live_breakdown(pl_module, trainer.optimizers, allocated, self._device(trainer))
         return {
             "phase": self._phase,
             "batch": self._batch_idx,

@@ -376,11 +376,16 @@ def copy_for(optimizer: Optimizer, entries: Sequence[tuple[int, int, torch.Tenso
     return copy, list(members)
 
 
-def use_fused_kernels(optimizer: Optimizer, device: torch.device) -> list[int]:
+def use_fused_kernels(optimizer: Optimizer, device: torch.device, amp_scaling: bool = True) -> list[int]:
     """Give the groups whose config leaves ``fused`` and ``foreach`` unset their library's fused kernel where
     lit_memory defaults to it (`Library.fuses_by_default`: torch's Adam and AdamW on CUDA and the CPU), when every parameter of
     the group is a plain tensor on ``device`` (DTensor shards keep torch's own default). Before the first step
-    (the step counters are made then, on the device for a fused group). Returns the groups changed."""
+    (the step counters are made then, on the device for a fused group). Returns the groups changed.
+
+    Every group fused, the step takes GradScaler's scale and overflow flag into the kernel, as an optimizer built
+    with ``fused=True`` does (torch sets ``_step_supports_amp_scaling`` in ``__init__`` only): the scaler then never
+    reads the flag on the host (one ``.item()``, a device sync, per step). Not with ``amp_scaling=False``: gradients
+    clipped after backward must be unscaled first, and Lightning refuses to clip for such an optimizer."""
     library = library_of(optimizer)
     changed = []
     for index, group in enumerate(optimizer.param_groups):
@@ -388,6 +393,8 @@ def use_fused_kernels(optimizer: Optimizer, device: torch.device) -> list[int]:
         if plain and group["params"] and library.fuses_by_default(optimizer, group, device.type):
             group["fused"] = True
             changed.append(index)
+    if changed and amp_scaling and all(g.get("fused") for g in optimizer.param_groups if g["params"]):
+        optimizer._step_supports_amp_scaling = True
     return changed
 
 

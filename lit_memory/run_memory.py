@@ -70,9 +70,10 @@ class BudgetCap(L.Callback):
     the monitor's tracker holds the budget.
 
     The context grows after the start, outside the allocator: kernels load lazily on first use (cuBLAS's GEMMs,
-    the attention's; 518 MiB at start and about 750 at the peak on an H100 under CUDA 13, docs/gpu/h100.json). So
-    the common kernels are loaded before the context is measured (`load_kernels`), and the context is measured
-    again after each of the first ``recheck`` optimizer steps, the cap lowered by what it grew.
+    the attention's; 518 MiB at start and about 750 at the peak on an H100 under CUDA 13, docs/gpu/h100.json), and
+    NCCL's communicators make their buffers at their first collectives. So the common kernels are loaded and every
+    communicator warmed up before the context is measured (`load_kernels`, `warm_communicators`), and the context
+    is measured again after each of the first ``recheck`` optimizer steps, the cap lowered by what it grew.
     """
 
     def __init__(self, budget: Optional[int], recheck: int = 3) -> None:
@@ -88,6 +89,7 @@ class BudgetCap(L.Callback):
         if stage != "fit" or self.budget is None or device.type != "cuda":
             return
         self.load_kernels(device, half_dtype(getattr(trainer, "precision", None)))
+        self.warm_communicators(trainer.strategy, device)
         card = self.read_card(device)
         self._fraction = self.get_fraction(device)
         self._cap(card, device)
@@ -123,6 +125,15 @@ class BudgetCap(L.Callback):
     # -- the seams a CPU test replaces ------------------------------------------------------------
 
     @staticmethod
+    def warm_communicators(strategy: Any, device: torch.device) -> None:
+        """Start what every NCCL communicator of the run holds before the context is measured: NCCL connects a
+        communicator's channels at its first collective of each kind (``NCCL_RUNTIME_CONNECT``, its default), and
+        a single-rank one makes its NET buffer then (`lit_memory.memory.hardware.nccl`). A small and a large
+        all-reduce (tree and ring), an all-gather and a reduce-scatter (FSDP2's) on each group that runs
+        collectives (`collective_groups`), every rank alike."""
+        warm_up(collective_groups(strategy), device)
+
+    @staticmethod
     def read_card(device: torch.device) -> CardReading:
         """The run's card now (`lit_memory.memory.hardware.gpus.read_card`)."""
         return read_card(device.index)
@@ -149,6 +160,42 @@ class BudgetCap(L.Callback):
             x = torch.nn.functional.gelu(x).softmax(-1)
             y = torch.nn.functional.scaled_dot_product_attention(q, q, q)
             (x.sum() + y.float().sum()).backward()
+        torch.cuda.synchronize(device)
+
+
+def collective_groups(strategy: Any) -> list[Any]:
+    """The NCCL process groups of a run that run collectives: the default group (Lightning's barriers and
+    broadcasts) and each dimension of the strategy's device mesh of more than one rank (FSDP2's gathers and
+    reductions), each once; none where no NCCL process group is up. A mesh dimension of one rank runs none (FSDP2
+    over Lightning's (data_parallel, tensor_parallel) mesh leaves the second idle): warming it up would make its
+    communicator's buffers for nothing."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    found = {id(dist.group.WORLD): dist.group.WORLD}
+    try:
+        mesh = strategy.device_mesh  # Lightning's ModelParallelStrategy: its (data_parallel, tensor_parallel) mesh
+    except (AttributeError, RuntimeError):  # no mesh, or none made yet
+        mesh = None
+    for dim in range(mesh.ndim if mesh is not None else 0):
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) > 1:
+            found.setdefault(id(group), group)
+    return [g for g in found.values() if "nccl" in str(dist.get_backend(g))]  # "nccl", or "cpu:gloo,cuda:nccl"
+
+
+def warm_up(groups: list[Any], device: torch.device) -> None:
+    """On each of ``groups``, with tensors on ``device``: a small and a large all-reduce (NCCL's tree and ring), an
+    all-gather and a reduce-scatter (FSDP2's collectives); then the device synchronised."""
+    dist = torch.distributed
+    for group in groups:
+        size = dist.get_world_size(group)
+        for numel in (1, 2**20):
+            dist.all_reduce(torch.zeros(numel, device=device), group=group)
+        shard = torch.zeros(2**18, device=device)
+        dist.all_gather_into_tensor(torch.empty(size * shard.numel(), device=device), shard, group=group)
+        dist.reduce_scatter_tensor(shard, torch.zeros(size * shard.numel(), device=device), group=group)
+    if groups and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -406,7 +453,7 @@ class OutOfMemoryReport(L.Callback):
             f"(limit {format_bytes(limit)})",
             file=sys.stderr,
         )
-        if self.memory is not None and limit is not None:
+        if self.memory is not None:
             line = self._picture(trainer, pl_module, limit)
             if line:
                 print(line, file=sys.stderr)
@@ -417,20 +464,24 @@ class OutOfMemoryReport(L.Callback):
                   file=sys.stderr)
 
 
-    def _picture(self, trainer: L.Trainer, pl_module: L.LightningModule, limit: int) -> str:
-        """The predicted step (the worst case's) drawn against the limit the run crossed, and one line: where."""
+    def _picture(self, trainer: L.Trainer, pl_module: L.LightningModule, limit: Optional[int]) -> str:
+        """The predicted step (the worst case's) drawn against the limit the run crossed, and one line: where. Without
+        a limit (a CPU run with no ``memory.budget``: the error came from elsewhere) the step is drawn all the same."""
         shape, points = self.monitor.predicted_timeline or (None, None)
         run_dir = getattr(self.monitor, "run_dir", None)
         if not points or run_dir is None or not run_dir.is_dir():
             return ""
-        crossed = picture.crossing(points, limit)
         record = self.monitor.record(trainer, None, self.monitor.oom)
         panel = picture.of_record(record, _title(trainer, pl_module), None, self.memory.margin)
-        panel.limit = (limit, "the limit crossed")
         panel.notes.append(f"out of memory in the {self.monitor.oom['phase']} phase of batch {self.monitor.oom['batch']}")
+        if limit is None:
+            where = "no limit to compare with (memory.budget is not set on this device)"
+        else:
+            panel.limit = (limit, "the limit crossed")
+            crossed = picture.crossing(points, limit)
+            where = (f"the predicted step crosses the limit {picture.where(crossed)}" if crossed else
+                     "the predicted step stays under the limit: the run needed more than predicted")
         drawn = picture.draw([panel], run_dir / picture.FILE)
-        where = (f"the predicted step crosses the limit {picture.where(crossed)}" if crossed else
-                 "the predicted step stays under the limit: the run needed more than predicted")
         if drawn is None:
             return f"{where} (no picture: matplotlib is not installed)"
         return f"{where}: see the picture of the step, {drawn}"

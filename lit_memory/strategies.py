@@ -50,6 +50,7 @@ from lit_memory.anatomy import find_layers, parameter_units
 from lit_memory.anatomy import hugging_face_models as _hugging_face_models
 from lit_memory.optimizers import library_of
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware import nccl
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
 
 
@@ -259,6 +260,11 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    def _get_process_group_backend(self) -> str:
+        # One rank needs no NCCL communicator (FSDP2 then neither gathers nor reduces), whose memory the plan would
+        # have to leave room for (`lit_memory.memory.hardware.nccl`): gloo for the rendezvous and small objects.
+        return self._process_group_backend or nccl.backend(self.world_size) or super()._get_process_group_backend()
 
     def setup(self, trainer: Trainer) -> None:
         mesh = self.device_mesh["data_parallel"]

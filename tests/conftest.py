@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -160,3 +161,16 @@ def the_error(stderr: str) -> str:
     assert len(errors) == 1 and lines[-1] == errors[0], lines
     assert not any(line.startswith("Traceback") for line in lines), lines
     return errors[0]
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (``.item()``, ``bool()``, ``tolist()``: ``_local_scalar_dense``),
+    each a device synchronisation on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))

@@ -72,7 +72,7 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def test_state_saved_as_dtensors_loads_back_bit_for_bit_into_existing_state(one_rank, tmp_path):
+def test_state_saved_as_dtensors_loads_back_bit_for_bit_into_existing_state(one_rank, tmp_path, monkeypatch):
     """One rank of FSDP2: the 8-bit and 32-bit state of every shard goes to torch's distributed checkpoint as
     DTensors (codes and moments of the parameter's placement, absmax per shard) and loads back into the state
     made one bucket at a time, bit for bit, with the step count and the learning rate. A checkpoint without it,
@@ -130,3 +130,16 @@ def test_state_saved_as_dtensors_loads_back_bit_for_bit_into_existing_state(one_
     dcp.save({"optimizer_0": saved}, checkpoint_id=tmp_path / "other")
     with pytest.raises(UserError, match=f"keeps {name}'s optimizer state as torch.float32, this run as torch.uint8"):
         eightbit_shards.load_state_dict(fresh, other, tmp_path / "other", "optimizer_0")
+
+    # An empty shard (FSDP2's last ranks of a 2-row head) is described with its own parameter's step count, which the
+    # ranks holding its rows report (an all-reduce of every parameter's count), not another parameter's.
+    params = eightbit_shards._params(optimizer)
+    head = module.model.classifier.weight
+    assert eightbit_shards._steps_anywhere(optimizer, params) == [2] * len(params)  # one rank: its own counts
+    del optimizer.state[head]  # this rank's shard of the head: no rows, never stepped here
+    assert eightbit_shards._steps_anywhere(optimizer, params) == [0 if p is head else 2 for p in params]
+    elsewhere = [3 if p is head else 2 for p in params]  # the ranks with the head's rows stepped it 3 times
+    monkeypatch.setattr(eightbit_shards, "_steps_anywhere", lambda optimizer, params: elsewhere)
+    described = eightbit_shards.state_dict(optimizer, module)["state"]["model.classifier.weight"]
+    assert described["step"] == 3 and described["state1"].dtype == torch.float32  # 128 values: 32-bit state
+    assert not described["state1"].to_local().any() and described["state1"].shape == head.shape

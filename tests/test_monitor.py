@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,12 +14,17 @@ import pytest
 import torch
 import yaml
 
-from conftest import FAST, RECIPES
+import oom
+import oom_worker
+from conftest import FAST, RECIPES, REPO
+from lit_memory import environment
+from lit_memory.bundled import resolve_model
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.memory.measure import nvml as nvml_module
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
+from transformers import AutoModelForSequenceClassification
 from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.monitor import MemoryMonitor, device_memory_used
 from lit_memory.run_memory import BudgetCap, MemoryPredictions, MemoryTable
@@ -128,6 +138,77 @@ def test_out_of_memory_prints_the_breakdown_and_a_recipe_that_fits(tmp_path, cap
     assert error.startswith("error: out of memory: tracked tensors need")
     memory = records.read_memory(next(tmp_path.rglob("memory.json")).parent)
     assert memory["oom"]["phase"] == "forward" and memory["oom"]["live_bytes"] > 600 * 2**20
+
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp_out_of_memory(tmp_path_factory):
+    """tests/oom_worker.py in two processes, as torchrun starts them: an out-of-memory error inside the first FSDP2
+    step of each case (before backward and inside it, tracked and untracked), on one device and on 2 ranks."""
+    out = tmp_path_factory.mktemp("oom")
+    pair, one = _free_port(), _free_port()
+    env = {**environment.for_new_job(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(pair),
+           "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    logs = [out / f"rank{r}.log" for r in range(2)]
+    ranks = [
+        subprocess.Popen([sys.executable, str(REPO / "tests" / "oom_worker.py"), str(out), str(one)], cwd=REPO,
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        for r, log in zip(range(2), logs)
+    ]
+    codes = [rank.wait(600) for rank in ranks]
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_bytes() -> int:
+    """The bundled model's fp32 parameters (2 labels), in bytes."""
+    model = AutoModelForSequenceClassification.from_pretrained(resolve_model("bundled:minilm"), num_labels=2)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _case(out: Path, case: str, rank: int) -> dict:
+    return json.loads((out / case / f"rank{rank}.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("case", [*oom_worker.ONE_DEVICE, *oom_worker.TWO_RANKS])
+def test_an_out_of_memory_error_inside_an_fsdp2_step_is_reported(fsdp_out_of_memory, case):
+    """The report, not another exception: FSDP2's parameters and state are DTensors, which have no storage of their
+    own (an untracked step's breakdown read the data pointer of one: "invalid python storage", hiding the error)."""
+    out = fsdp_out_of_memory
+    recipe, where, _ = {**oom_worker.ONE_DEVICE, **oom_worker.TWO_RANKS}[case]
+    ranks = 1 if case in oom_worker.ONE_DEVICE else 2
+    for rank in range(ranks):  # every rank ends with torch's error, through the command's own line
+        ended = _case(out, case, rank)
+        assert ended["uncaught"] is None and ended["code"] == 1, ended["stderr"][-3000:]
+        assert ended["stderr"].splitlines()[-1] == f"error: out of memory: {oom.MESSAGE}"
+        assert "Traceback" not in ended["stderr"] and "invalid python storage" not in ended["stderr"]
+    err = _case(out, case, 0)["stderr"].splitlines()
+    phase = "forward" if where == "before_backward" else "backward"  # raised after the forward, or inside backward
+    (report,) = [line for line in err if line.startswith("out of memory in the ")]
+    assert report.startswith(f"out of memory in the {phase} phase of batch 0: ") and report.endswith("(limit -)")
+    run_dir = next((out / case).rglob("memory.json")).parent
+    record = records.read_memory(run_dir)["oom"]
+    assert record["phase"] == phase and record["batch"] == 0 and record["limit_bytes"] is None
+    # What was live on rank 0: every weight's shard, no more than shards and a full gathered copy (FSDP2 keeps the
+    # root unit gathered after its forward; on one device its "gathered" parameters are copies of the shards).
+    full = _bundled_bytes()
+    weights = record["categories"]["weights"]
+    assert full / ranks <= weights <= full / ranks + full, (weights, full)
+    assert record["live_bytes"] == sum(record["categories"].values())
+    assert f"{format_bytes(record['live_bytes'])} live = weights {format_bytes(weights)} + " in report
+    # the predicted step's picture, with where the run failed (no limit on a CPU without memory.budget)
+    assert err[err.index(report) + 1] == (
+        f"no limit to compare with (memory.budget is not set on this device): see the picture of the step, "
+        f"{run_dir / 'memory.png'}"
+    )
+    assert (run_dir / "memory.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # Each memory switch of the 4gb recipe against the fp32 baseline (batch 32, length 128, bundled
@@ -255,6 +336,44 @@ def test_the_cap_follows_the_context_as_kernels_load_in_the_first_steps(fake_cud
     assert all(limit + context <= budget for limit, context in zip(limits, (518 * mib, 700 * mib, 760 * mib)))
     err = capsys.readouterr().err
     assert "context grew by 182.00 MiB by optimizer step 1" in err and "cap is now 3.26 GiB" in err
+
+
+def test_the_cap_measures_the_context_once_every_nccl_communicator_is_warmed_up(fake_cuda, monkeypatch):
+    """NCCL connects a communicator's channels at its first collectives (outside the allocator): each group that
+    runs collectives (the default group, each mesh dimension of more than one rank, once) takes a small and a large
+    all-reduce, an all-gather and a reduce-scatter before the context is read; a one-rank dimension (Lightning's
+    idle tensor_parallel under FSDP2) none, nor a gloo group."""
+    from lit_memory.memory.hardware.gpus import CardReading
+    from lit_memory.run_memory import collective_groups, warm_up
+
+    dist = torch.distributed
+    world, solo, cpu_side = (SimpleNamespace(name=n) for n in ("world", "solo", "gloo"))
+    sizes, backends = {"world": 4, "solo": 1, "gloo": 4}, {"world": "nccl", "solo": "nccl", "gloo": "gloo"}
+    mesh = SimpleNamespace(ndim=3, get_group=lambda dim: (world, solo, cpu_side)[dim])  # dp reuses WORLD's group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(type(dist.group), "WORLD", property(lambda group: world))  # a property of its metaclass
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: sizes[group.name])
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backends[group.name])
+    assert collective_groups(SimpleNamespace(device_mesh=mesh)) == [world]
+    assert collective_groups(SimpleNamespace()) == [world]  # a strategy without a mesh: the default group
+    ran = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group: ran.append(("all_reduce", group.name, t.numel())))
+    monkeypatch.setattr(dist, "all_gather_into_tensor",
+                        lambda out, t, group: ran.append(("all_gather", group.name, out.numel() // t.numel())))
+    monkeypatch.setattr(dist, "reduce_scatter_tensor",
+                        lambda out, t, group: ran.append(("reduce_scatter", group.name, t.numel() // out.numel())))
+    warm_up([world], torch.device("cpu"))
+    assert ran == [("all_reduce", "world", 1), ("all_reduce", "world", 2**20), ("all_gather", "world", 4),
+                   ("reduce_scatter", "world", 4)]
+    calls, trainer = fake_cuda  # the cap warms them up, then reads the card
+    order = []
+    cap = BudgetCap(4 * 2**30)
+    cap.load_kernels = lambda device, half: order.append("kernels")
+    cap.warm_communicators = lambda strategy, device: order.append("communicators")
+    cap.read_card = lambda device: order.append("read") or CardReading("fake", 16 * 2**30, 15 * 2**30, 2**30, "nvml")
+    trainer.precision = "32-true"
+    cap.setup(trainer, None, "fit")
+    assert order == ["kernels", "communicators", "read"]
 
 
 def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):

@@ -9,8 +9,10 @@ import bitsandbytes as bnb
 import pytest
 import torch
 import torchao.optim
+from torch import nn
 from transformers import Adafactor
 
+from conftest import HostReads
 from lit_memory import fused, optimizers, trust
 from lit_memory.checks import check_optimizer
 from lit_memory.errors import UserError
@@ -140,3 +142,46 @@ def test_torchs_adam_runs_its_fused_kernel_on_cuda_and_cpu_unless_the_config_cho
     # at run time: only groups of plain tensors on the run's device (here the meta device stands for it)
     assert use_fused_kernels(default, torch.device("meta")) == []  # neither CUDA nor the CPU: unchanged
     assert all(g["fused"] is None for g in default.param_groups)
+
+
+def scaled_steps(optimizer_for, amp_scaling: bool = True, steps: int = 4) -> tuple[list[torch.Tensor], list[float], int]:
+    """A GradScaler's steps of a small model on the CPU (the second's gradients overflow): (its final parameters, the
+    scale after each step, the host reads inside the scaler's step and update)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = optimizer_for(model.parameters())
+    if amp_scaling is not None:
+        use_fused_kernels(optimizer, torch.device("cpu"), amp_scaling=amp_scaling)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scales, reads = [], HostReads()
+    for step in range(steps):
+        x = torch.randn(4, 8)
+        scaler.scale(model(x).square().mean()).backward()
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        with reads:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in model.parameters()], scales, reads.count
+
+
+def test_the_fused_kernel_takes_the_loss_scale_and_the_scaler_never_reads_it_on_the_host():
+    """torch's GradScaler reads whether gradients overflowed on the host (``.item()``: a device sync every step)
+    unless the optimizer's step takes the scale and the flag into its kernel, which torch marks only when the
+    optimizer is built with ``fused=True``. lit_memory fuses an optimizer after it is built: it marks it too, and
+    the steps (an overflow skipped, the scale backed off and grown) are those of AdamW built fused."""
+    adamw = lambda params, **more: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, **more)  # noqa: E731
+    built_fused = scaled_steps(lambda params: adamw(params, fused=True), amp_scaling=None)
+    fused_after = scaled_steps(adamw)
+    assert fused_after[2] == built_fused[2] == 0  # no host read in any step
+    assert fused_after[1] == built_fused[1] == [2.0**11, 2.0**10, 2.0**11, 2.0**12]  # step 2 skipped
+    for a, b in zip(fused_after[0], built_fused[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Clipping after backward needs unscaled gradients (Lightning refuses it for an optimizer that unscales): the
+    # scaler then checks the flag on the host, once per step, with the same result.
+    unmarked = scaled_steps(adamw, amp_scaling=False)
+    assert unmarked[2] == 4 and unmarked[1] == built_fused[1]
+    for a, b in zip(unmarked[0], built_fused[0]):
+        torch.testing.assert_close(a, b)

@@ -20,13 +20,13 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
 import fused_worker as worker
-from conftest import CONFIGS, RECIPES, REPO, StepLog, assert_same, the_error
+from conftest import CONFIGS, RECIPES, REPO, HostReads, StepLog, assert_same, the_error
 from lit_memory import environment
 from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.errors import UserError
-from lit_memory.fabric import FusedFabricStrategy
+from lit_memory.fabric import FusedFabricFSDPStrategy, FusedFabricStrategy
 from lit_memory.fused import Bucketing
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.tracker import Tracker
@@ -240,6 +240,26 @@ def test_single_device_fp16_matches_gradscaler_with_clipping_by_norm(tmp_path):
     assert torch.load(tmp_path / "resumed" / "norms.pt")["scales"] == plain["scales"][6:]
 
 
+def test_unfused_fp16_steps_adamws_fused_kernel_without_reading_the_overflow_flag_on_the_host(tmp_path, monkeypatch):
+    """16-mixed, unfused, no clipping: the AdamW lit_memory gives its fused kernel takes GradScaler's scale and
+    overflow flag into that kernel, so the scaler's step and update never read the flag on the host (a device sync
+    per step on CUDA); the overflowing first steps are skipped all the same (the scale backs off)."""
+    reads, steps = HostReads(), []
+
+    def counted(method):
+        def run(scaler, *args, **kwargs):
+            steps.append(method.__name__)
+            with reads:
+                return method(scaler, *args, **kwargs)
+        return run
+
+    for name in ("step", "update"):  # torch's own, under the test's recording scaler (`fused_worker.fp16_plugin`)
+        monkeypatch.setattr(torch.amp.GradScaler, name, counted(getattr(torch.amp.GradScaler, name)))
+    worker.train(tmp_path, "single", steps=4, fp16=True)
+    assert steps.count("step") == 4 and reads.count == 0
+    assert scale_trajectory(torch.load(tmp_path / "norms.pt")["scales"])[0] >= 1  # a skipped step
+
+
 # -- FSDP, 2 processes -----------------------------------------------------------------------
 
 
@@ -262,6 +282,23 @@ def test_fsdp_fused_matches_unfused_with_clipping_by_norm_and_fp16(tmp_path):
     torch.testing.assert_close(fused_norms["norms"], norms["norms"], rtol=1e-5, atol=0, equal_nan=True)
     exported = AutoModelForSequenceClassification.from_pretrained(fusion / "hf_model")  # gathered from the shards
     assert_same(exported.state_dict(), load(fusion))
+
+
+@pytest.mark.parametrize("strategy", [FSDP2Strategy, FusedFabricFSDPStrategy])
+def test_fsdp2_on_one_cuda_rank_starts_no_nccl_communicator(strategy):
+    """One rank needs no NCCL communicator (FSDP2 neither gathers nor reduces there), whose memory a small card
+    cannot spare (`lit_memory.memory.hardware.nccl`): the process group is gloo; several ranks keep Lightning's
+    NCCL, and a backend the user names is theirs."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    def backend(world: int, given=None) -> str:
+        found = strategy(process_group_backend=given)
+        found.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+        found.cluster_environment = LightningEnvironment()
+        found.cluster_environment.set_world_size(world)
+        return found._get_process_group_backend()
+
+    assert (backend(1), backend(2), backend(1, "nccl")) == ("gloo", "nccl", "nccl")
 
 
 @pytest.mark.parametrize("recipe, fused", [("baseline", False), ("fused", True), ("4gb", True)])

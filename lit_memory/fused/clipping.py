@@ -83,9 +83,9 @@ def _shard_groups(grad: torch.Tensor, group: Any = None) -> tuple:
     """The process groups a gradient is sharded over: a DTensor's shard dimensions, else ``group`` (FSDP1's)."""
     from torch.distributed.tensor import DTensor  # deferred: ~0.6 s to import, and only sharded runs hold DTensors
 
-    if isinstance(grad, DTensor):
+    if isinstance(grad, DTensor):  # a dimension of one rank has nothing to reduce (FSDP2 on one GPU)
         mesh = grad.device_mesh
-        return tuple(mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard())
+        return tuple(mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard() and mesh.size(d) > 1)
     return () if group is None else (group,)
 
 

@@ -386,7 +386,7 @@ def choose(
     everything = candidates(base, recipes)
     longest = max(c.setup.max_length for c in everything)
     ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
-    overhead = base.target.context_bytes
+    overhead = base.outside_allocator  # the CUDA context and NCCL's communicators
     room = usable(budget, base.margin)  # the margin kept free (`lit_memory.memory.hardware.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
     wanted = MEASURED if measured else 1

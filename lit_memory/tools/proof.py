@@ -74,9 +74,13 @@ VARIANTS = {
     ),
     "2gb-2560mib": Variant("2gb", ("--memory.budget=2560MiB",), "2gb.yaml at 2.5 GiB, which an H100's context leaves room for"),
     "fsdp": Variant(
-        "4gb", ("--config", str(ROOT / "configs" / "fsdp.yaml"), "--trainer.devices=1", "--memory.budget=null"),
-        "4gb.yaml under FSDP2 on one GPU, uncapped: the FSDP2 stream code on a real device (capped, NCCL's 0.8 GiB "
-        "outside the allocator left too little of 3.81 GiB: docs/gpu.md)",
+        "4gb", ("--config", str(ROOT / "configs" / "fsdp.yaml"), "--trainer.devices=1"),
+        "4gb.yaml under FSDP2 on one GPU, capped as its 4 GB card: the FSDP2 stream code on a real device, within the "
+        "card (one rank starts no NCCL communicator, whose 0.8 GiB outside the allocator once overflowed it: docs/gpu.md)",
+    ),
+    "4gb-snapshot": Variant(
+        "4gb", ("--memory.snapshot=memory_snapshot.pickle",),
+        "4gb.yaml with torch's CUDA memory snapshot of its first 2 optimizer steps (pytorch.org/memory_viz draws it)",
     ),
 }
 ROWS = 1280  # synthetic texts: one epoch holds every step a run takes (no epoch boundary inside the timed steps)
@@ -206,6 +210,9 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
         if by_step:  # the device total read at every phase, its highest per optimizer step
             row["within_budget_every_step"] = all(b <= limit for b in by_step)
             row["device_bytes_by_step"] = by_step
+    snapshot = run_dir / "memory_snapshot.pickle"  # the 4gb-snapshot variant's (`lit_memory.run_memory.MemorySnapshot`)
+    if snapshot.is_file():
+        row["snapshot"] = {"file": str(snapshot), "bytes": snapshot.stat().st_size}
     profile = run_dir / "profile.json"
     if profile.is_file():
         row["profile"] = json.loads(profile.read_text(encoding="utf-8"))

@@ -31,7 +31,8 @@ def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(t
     # a variant: its recipe, then its own settings after the tier's budget (the last budget is the one that applies)
     assert proof.budget_of(runs["4gb-fp16"]) == "gtx1650" and "--trainer.precision=16-mixed" in runs["4gb-fp16"]
     configs = [runs["fsdp"][i + 1] for i, a in enumerate(runs["fsdp"]) if a == "--config"]
-    assert proof.budget_of(runs["fsdp"]) == "null" and configs[-1].endswith("configs/fsdp.yaml")
+    assert proof.budget_of(runs["fsdp"]) == "rtx3050-4gb" and configs[-1].endswith("configs/fsdp.yaml")  # capped
+    assert "--trainer.devices=1" in runs["fsdp"] and "--memory.snapshot=memory_snapshot.pickle" in runs["4gb-snapshot"]
     # 20 timed steps after 3 warm-up ones, 3 for the seed's accumulating tiers; bf16 and 4gb profile one more
     assert "--trainer.max_steps=24" in runs["bf16"] and "--trainer.max_steps=23" in runs["baseline"]
     assert "--trainer.max_steps=6" in runs["accumulate"]
@@ -62,6 +63,8 @@ def test_a_recipes_record_puts_each_measured_level_beside_its_prediction(tmp_pat
     assert row["device_source"] == "nvml (this process)" and row["samples_per_s"] == 120.0
     assert row["within_budget"] and row["spare"] == round(1 - cuda["max_device_bytes"] / GPUS["rtx3050-4gb"].memory, 4)
     assert proof.proof_row("lora", {"error": "exit status 1: out of memory"}, tmp_path / "none", None)["error"]
+    (tmp_path / "memory_snapshot.pickle").write_bytes(b"x" * 10)  # the 4gb-snapshot variant's, beside memory.json
+    assert proof.proof_row("4gb-snapshot", {}, tmp_path, "rtx3050-4gb")["snapshot"]["bytes"] == 10
 
 
 def test_a_record_reads_back_as_the_table_docs_gpu_shows(capsys):

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, environment_conf
+from lit_memory.memory.hardware.nccl import NcclSettings
 from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
 
 MiB = 2**20
@@ -211,6 +212,7 @@ class Target:
     context: Optional[int] = None  # bytes; None: from `CONTEXTS`
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     allocator_given: bool = False  # by the caller or the environment: a recipe's ``memory.allocator`` does not replace it
+    nccl: NcclSettings = field(default_factory=NcclSettings)  # a distributed run's NCCL settings (the environment's)
     torch: str = field(default_factory=lambda: _installed_torch())  # the PyTorch version the run uses
 
     @property
@@ -266,15 +268,17 @@ class Target:
         return f"{card}, CUDA {self.cuda}, {context}, {self.allocator.describe()}"
 
 
-def add_levels(footprint: Any, reserved: int, phase: str, target: Target) -> None:
+def add_levels(footprint: Any, reserved: int, phase: str, target: Target, communicators: int = 0) -> None:
     """A CUDA step's ``footprint`` (`lit_memory.memory.measure.footprint.Footprint`) given its reserved and device levels:
     ``reserved``, what the allocator holds at its peak as the prediction replayed it (at ``phase``), plus the cuBLAS
-    workspaces (through the allocator), in whole MiB; the device adds the CUDA context. The allocator caches what it
-    reserves: in the steady state every phase holds that peak. The one place both predictions add the levels."""
+    workspaces (through the allocator), in whole MiB; the device adds the CUDA context and ``communicators``, NCCL's
+    memory (`lit_memory.memory.hardware.nccl`). The allocator caches what it reserves: in the steady state every phase
+    holds that peak. The one place both predictions add the levels."""
     workspaces = CUBLAS_THREADS * target.cublas_workspace
     footprint.reserved = -(-(reserved + workspaces) // MiB) * MiB
     footprint.reserved_phase = phase if phase in footprint.phases else footprint.peak_phase
     footprint.context = target.context_bytes
+    footprint.communicators = communicators
     footprint.workspaces = workspaces  # allocated too: max_memory_allocated counts them (`Footprint.allocated`)
 
 
@@ -351,7 +355,8 @@ def target(
     if device == "cpu":
         return Target(type="cpu")
     given = allocator is not None or environment_conf() is not None
-    found = Target(allocator=allocator if allocator is not None else AllocatorConfig.from_env(), allocator_given=given)
+    found = Target(allocator=allocator if allocator is not None else AllocatorConfig.from_env(), allocator_given=given,
+                   nccl=NcclSettings.from_env())
     if gpu_name is None:
         found = _this_gpu(found)
     else:

@@ -69,7 +69,8 @@ class StepModel:
     autocast_cache: bool = False
     backward_temp: int = 0  # per token: gradients of activations in flight in a layer's backward
     workspace: int = 0  # cuBLAS workspace per thread (CUDA)
-    shards: int = 1  # FSDP ranks: parameters, gradients and state are 1/shards; layers gathered while used
+    shards: int = 1  # FSDP ranks: parameters, gradients and state are 1/shards
+    gathers: bool = False  # FSDP2: a unit's parameters gathered while used (on one rank too: copies of the shards)
 
 
 class _Trace:
@@ -241,7 +242,7 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
     """The forward pass: returns what backward will release, per layer."""
     tokens = m.tokens
     keys: dict = {"layers": {}, "copies": {}, "gathered": {}}
-    gather = m.shards > 1
+    gather = m.gathers
     cache: list[Optional[int]] = []  # autocast's weight cache: alive to the end of the forward pass
 
     def copies(layer_key, trains: bool) -> list[Optional[int]]:
@@ -300,7 +301,7 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
     retain the graph (the fused step's norm-measuring backward). Inside a layer the gradient flows back
     through its tensors in reverse, each one's gradient (as large as it) made as the next is released."""
     tokens = m.tokens
-    gather = m.shards > 1
+    gather = m.gathers
     for i in layer_params.get("head", []):
         if m.params[i].trainable:
             arrived(i)

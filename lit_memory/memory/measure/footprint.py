@@ -2,8 +2,8 @@
 
 The levels: **tensors** (the categories summed: ``max_memory_allocated``, or MemTracker's tracked tensors),
 **reserved** (the CUDA caching allocator's segments: ``max_memory_reserved``) and **device** (reserved plus the
-CUDA context and loaded kernels: what ``nvidia-smi`` shows for the process). A footprint always has the
-first; predictions for CUDA have all three.
+CUDA context and loaded kernels, and a distributed run's NCCL communicators: what ``nvidia-smi`` shows for the
+process). A footprint always has the first; predictions for CUDA have all three.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ class Footprint:
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     reserved: Optional[int] = None
     reserved_phase: Optional[str] = None
-    context: Optional[int] = None  # CUDA context and loaded kernels (device = reserved + context)
+    context: Optional[int] = None  # CUDA context and loaded kernels (device = reserved + context + communicators)
     workspaces: Optional[int] = None  # cuBLAS workspaces: allocated through the allocator, not tensors of the step
+    communicators: Optional[int] = None  # NCCL's communicators, outside the allocator (distributed CUDA runs)
 
     @property
     def allocated(self) -> int:
@@ -73,7 +74,9 @@ class Footprint:
 
     @property
     def device(self) -> Optional[int]:
-        return self.reserved + self.context if self.reserved is not None and self.context is not None else None
+        if self.reserved is None or self.context is None:
+            return None
+        return self.reserved + self.context + (self.communicators or 0)
 
     def add(self, phase: str, categories: dict[str, int]) -> None:
         """Keep, per phase, the composition with the largest total (the peak over steps)."""
@@ -102,6 +105,8 @@ class Footprint:
         if self.reserved is not None:
             out.update(levels, reserved_phase=self.reserved_phase, context_bytes=self.context,
                        workspace_bytes=self.workspaces, allocated_bytes=self.allocated)
+            if self.communicators:
+                out["communicator_bytes"] = self.communicators
         out.update(peak_phase=self.peak_phase, categories=self.categories)
         out["phases"] = {
             p: {"peak_bytes": sum(c.values()), **(levels if self.reserved is not None else {}), "categories": c}
@@ -117,4 +122,5 @@ class Footprint:
             reserved_phase=data.get("reserved_phase"),
             context=data.get("context_bytes"),
             workspaces=data.get("workspace_bytes"),
+            communicators=data.get("communicator_bytes"),
         )

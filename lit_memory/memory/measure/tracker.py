@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -325,20 +326,35 @@ def batch_tensors(data: Any) -> list[torch.Tensor]:
     return []
 
 
-def live_breakdown(module: torch.nn.Module, optimizers: list, allocated: int) -> dict[str, int]:
+def live_breakdown(
+    module: torch.nn.Module, optimizers: list, allocated: int, device: Optional[torch.device] = None
+) -> dict[str, int]:
     """Categories of what is live, from the tensors themselves: weights, gradients and optimizer
-    state are summed; the rest of ``allocated`` is activations and temporaries (reported as activations)."""
-    seen: set[int] = set()
+    state are summed (weights: the module's parameters and buffers and the parameters its ``optimizers`` step);
+    the rest of ``allocated`` is activations and temporaries (reported as activations).
+
+    Each tensor counts by the storages it holds on ``device`` (all devices if None), as torch's MemTracker
+    counts them (``get_untyped_storages``): a tensor subclass by its inner tensors, so an FSDP2 shard (a
+    DTensor, which has no storage of its own) by its local tensor, torchao's 8-bit state by its codes and
+    scales; a storage shared by several tensors once."""
+    seen: set[tuple[torch.device, int]] = set()
 
     def nbytes(tensors) -> int:
         total = 0
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
+            if not isinstance(t, torch.Tensor):
+                continue
+            for storage in get_untyped_storages(t):
+                key = (storage.device, storage.data_ptr())
+                if key not in seen and (device is None or _same_device(storage.device, device)):
+                    seen.add(key)
+                    total += storage.nbytes()
         return total
 
-    weights = nbytes(list(module.parameters()) + list(module.buffers()))
+    # The optimizers' parameters too: under FSDP2 a gathered unit's module holds its unsharded parameters while
+    # the shards it was gathered from (what the optimizer steps) stay alive beside them.
+    stepped = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    weights = nbytes([*module.parameters(), *module.buffers(), *stepped])
     grads = nbytes(p.grad for p in module.parameters() if p.grad is not None)
     state = nbytes(v for opt in optimizers for s in opt.state.values() for v in s.values())
     return {
@@ -348,6 +364,10 @@ def live_breakdown(module: torch.nn.Module, optimizers: list, allocated: int) ->
         "activations": max(allocated - weights - grads - state, 0),
         "other": 0,
     }
+
+
+def _same_device(found: torch.device, wanted: torch.device) -> bool:
+    return found.type == wanted.type and wanted.index in (None, found.index)
 
 
 class ProcessPeak:

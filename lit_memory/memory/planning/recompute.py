@@ -249,7 +249,7 @@ def resolve(step: Step, budget: int, where: str = "") -> Resolved:
     setting = step.model.get("offload_activations")
     cuda = step.device == "cuda"
     offloads = [True] if setting is True else ([False, True] if setting == "auto" and cuda and costs.base else [False])
-    context = step.target.context_bytes if cuda else 0
+    context = step.outside_allocator  # the CUDA context and NCCL's communicators
     # Selective layers refuse a second backward, and a fused step that measures first runs two (`check_twice`).
     most_selective = 0 if step.measures else n
     plans: list[Optional[CheckpointPlan]] = [

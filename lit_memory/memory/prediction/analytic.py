@@ -14,7 +14,8 @@ replayed through a model of PyTorch's caching allocator (`lit_memory.memory.hard
 reserves beyond the tensors it holds is added to the tensors' peak.
 
 **Device** (what ``nvidia-smi`` shows for the process): reserved plus the CUDA context and loaded kernels
-(`lit_memory.memory.hardware.gpus.add_levels`).
+(`lit_memory.memory.hardware.gpus.add_levels`), and a distributed run's NCCL communicators
+(`lit_memory.memory.hardware.nccl`).
 
 Milliseconds per setup for the tensors, tens of milliseconds with the replay (`device_total` caches it).
 """
@@ -131,6 +132,8 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
         footprint.add("step", phase(gradients=grads, optimizer=opt_state + step_temp, other=batch + unscaling))
     if sharding:
         notes.append(sharding.describe())
+    if step.device == "cuda" and step.communicators.total:
+        notes.append(step.communicators.describe())
     prediction = Prediction(
         method="analytic",
         device=step.device,
@@ -147,7 +150,7 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
         # the allocator's reserve beyond what it holds, over the tensors' peak (its replay, not the model's sum)
         found = replay(program.events(step_model(step, module.model, kept, act)), step.target.allocator)
         reserve = footprint.peak + max(found.peak_reserved - found.peak_allocated, 0)
-        add_levels(footprint, reserve, found.peak_phase, step.target)
+        add_levels(footprint, reserve, found.peak_phase, step.target, step.communicators.total)
     prediction.seconds = time.perf_counter() - start
     return prediction
 
@@ -202,6 +205,7 @@ def step_model(step: Step, model, kept: State, act: Activations) -> program.Step
         backward_temp=act.backward_temp_per_token,
         workspace=step.target.cublas_workspace,
         shards=step.world_size if step.sharded else 1,
+        gathers=step.sharded,
     )
 
 

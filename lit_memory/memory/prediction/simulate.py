@@ -275,7 +275,8 @@ def _tracked_step(step: Step, mode) -> Prediction:
         kernel = kernels[0] if kernels else "eager attention"
         notes.append(STAND_IN_NOTE.format(kernel=kernel))
         found = steady_replay(tracker.events, step)
-        add_levels(footprint, max(found.peak_reserved, footprint.peak), found.peak_phase, step.target)
+        add_levels(footprint, max(found.peak_reserved, footprint.peak), found.peak_phase, step.target,
+                   step.communicators.total)
     return Prediction(
         method="simulated",  # `measure` renames its own
         device=step.device,

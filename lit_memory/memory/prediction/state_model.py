@@ -94,7 +94,8 @@ class Sharding:
     The root unit (embeddings, pooler, head) stays gathered from its forward to the end of backward
     (FSDP2 does not reshard the root after forward); a layer is gathered while it computes, and the
     next one is prefetched meanwhile: two layers at once. A unit's gradients exist unsharded until its
-    reduce-scatter: the largest unit's at most.
+    reduce-scatter: the largest unit's at most. On one rank too: FSDP2 then copies a unit's parameters where it
+    would gather them, and its gradients where it would reduce them (torch 2.13, ``_fsdp_param_group``).
     """
 
     ranks: int
@@ -103,7 +104,7 @@ class Sharding:
 
     @classmethod
     def of(cls, model: nn.Module, step: Step) -> Optional["Sharding"]:
-        if not step.sharded or step.world_size < 2:
+        if not step.sharded:
             return None
         layers = transformer_layers(model)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -127,6 +128,12 @@ class Sharding:
         }
 
     def describe(self) -> str:
+        if self.ranks == 1:
+            return (
+                f"FSDP2 on one rank: {self.gathered / 2**20:.0f} MiB of weights copied where they would be gathered "
+                f"(the root unit and two layers) and up to {self.reducing / 2**20:.0f} MiB of a unit's gradients "
+                "where they would be reduced"
+            )
         return (
             f"per rank of {self.ranks} (FSDP2): 1/{self.ranks} of weights, gradients and optimizer state, plus "
             f"{self.gathered / 2**20:.0f} MiB of gathered weights (the root unit and two layers) and up to "

@@ -37,6 +37,7 @@ from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
 from lit_memory.lora import apply_lora
+from lit_memory.memory.hardware import nccl
 from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.measure.footprint import Footprint
@@ -196,6 +197,9 @@ class Step:
         target = target if target is not None else Target()
         if memory.allocator and target.cuda_device and not target.allocator_given:  # as a run sets them
             target = replace(target, allocator=memory.allocator_config, allocator_given=True)
+        world_size = ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) if sharded else 1
+        if target.cuda_device and nccl.small(memory.limit_bytes, world_size):  # as a run sets them (`nccl.for_run`)
+            target = replace(target, nccl=target.nccl.under(nccl.SMALL))
         step = cls(
             model=model,
             optimizer=optimizer,
@@ -207,7 +211,7 @@ class Step:
             bucket=parse_bucket(_init_args(strategy).get("bucket") or DEFAULT_BUCKET),
             clip_norm=clips_by_norm(trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"]),
             sharded=sharded,
-            world_size=ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) if sharded else 1,
+            world_size=world_size,
             target=target,
             loop=loop if loop is not None else Loop(),
             margin=memory.margin,
@@ -270,6 +274,20 @@ class Step:
     @property
     def device(self) -> str:
         return self.target.type
+
+    @functools.cached_property
+    def communicators(self) -> nccl.NcclMemory:
+        """NCCL's memory on each rank's GPU (`lit_memory.memory.hardware.nccl`): the communicators this step's run
+        creates, FSDP2 on Lightning's (data_parallel, tensor_parallel) mesh of (world, 1), with its NCCL settings."""
+        if not self.target.cuda_device or not self.sharded:
+            return nccl.NcclMemory(settings=self.target.nccl)
+        found = nccl.communicators(self.world_size, (self.world_size, 1), ("data_parallel", "tensor_parallel"))
+        return nccl.nccl_memory(found, self.target.nccl, self.target.gpu.key, self.target.gpu.capability)
+
+    @property
+    def outside_allocator(self) -> int:
+        """What the device holds beyond the allocator's segments: the CUDA context and NCCL's communicators."""
+        return self.target.context_bytes + self.communicators.total if self.target.cuda_device else 0
 
     @functools.cached_property
     def checkpointing(self) -> Optional[CheckpointPlan]:
@@ -336,7 +354,7 @@ class Step:
             why = " and ".join(w for w, on in (("clipping by norm", self.clip_norm), ("loss scaling", self.scaled)) if on)
             parts.append(f"{why} (a measuring backward first)")
         if self.sharded:
-            parts.append(f"sharded over {self.world_size} ranks")
+            parts.append(f"sharded over {self.world_size} rank{'s' if self.world_size > 1 else ''}")
         if self.loop.name != "lightning":
             parts.append(f"{self.loop.name} loop")
         return ", ".join(parts)

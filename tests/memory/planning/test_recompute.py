@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import CONFIGS
 from lit_memory.checkpointing import CheckpointPlan
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
@@ -163,6 +164,37 @@ def test_on_cuda_auto_plans_for_the_smaller_of_the_tier_and_what_the_card_has_fr
     err = capsys.readouterr().err
     assert "memory: auto plans for memory.tier 2.00 GiB: Tesla T4 has 14.29 GiB for this run at start" in err
     assert not cli.model.hparams.gradient_checkpointing  # 2 GiB: nothing to recompute for this tiny model
+
+
+def test_a_small_tiers_distributed_cuda_run_plans_with_nccls_small_buffers_it_sets(capsys, monkeypatch):
+    """FSDP2 on 2 GPUs within a 4 GB tier: the run sets NCCL's buffers small before anything starts (its processes
+    inherit them) and says so in one line; its plan is made with them (NCCL's communicators in the device total);
+    at the end the environment is as it was."""
+    import os
+
+    from lit_memory.memory.hardware import nccl
+    from lit_memory.memory.hardware.gpus import CardReading
+
+    for name in nccl.NUMBERS | nccl.FLAGS:
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def card() -> CardReading:  # read by the plan: the variables in force then
+        seen.update({name: os.environ.get(name) for name in nccl.SMALL})
+        return CardReading("NVIDIA GeForce RTX 3050 Laptop GPU", 3902 * 2**20, 3500 * 2**20, 300 * 2**20, "nvml", (8, 6))
+
+    cli = resolve(["fit", "--config", str(CONFIGS / "fsdp.yaml"), "--model.model_name_or_path=bundled:bert-large",
+                   f"--model.config_overrides={TINY}", "--model.pretrained=false", "--model.gradient_checkpointing=auto",
+                   f"--data.batch_size={BATCH}", f"--data.max_length={LENGTH}", "--trainer.accelerator=cuda",
+                   "--trainer.devices=2", "--memory.tier=rtx3050-4gb"])  # the model and shape of the test above
+    cli.read_card = card
+    cli.build(trainer=False)
+    assert seen == nccl.SMALL
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nccl: ")]
+    assert lines == [nccl.for_run(3902 * 2**20, "memory.tier rtx3050-4gb (3.81 GiB)", 2, {})[1]]
+    assert not any(name in os.environ for name in nccl.SMALL)
+    step = cli.step(Target(gpu=CardReading("RTX 3050 Laptop", 3902 * 2**20, 0, 0, "", (8, 6)).gpu))
+    assert step.communicators.settings.buffsize == 2**20 and step.communicators.total > 480 * 2**20
 
 
 def test_the_module_arguments_a_count_is_keyed_without_change_no_count():

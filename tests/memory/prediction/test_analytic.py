@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from conftest import CONFIGS, RECIPES
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.prediction.analytic import analytic, file_gib, reference_bytes
@@ -380,3 +381,48 @@ def test_a_recipes_precision_laid_over_a_step_follows_its_gpu():
         t4.with_settings({"trainer.precision": "bf16-true"})
     a100 = bert_large(gpu="a100-80gb")
     assert a100.with_settings({"trainer.precision": "bf16-true"}).precision.name == "bf16-true"
+
+
+def test_a_distributed_cuda_steps_device_level_holds_its_nccl_communicators():
+    """Under FSDP2 on several CUDA ranks the device level adds NCCL's communicators (`lit_memory.memory.hardware.nccl`),
+    with the settings the run uses: a small tier's run sets NCCL's buffers small (as `nccl.for_run`), a larger
+    limit keeps NCCL's defaults; one rank creates none (its process group is gloo)."""
+    from lit_memory.memory.hardware import nccl
+
+    def fsdp(devices: int, *more: str) -> Step:
+        run = resolve(["fit", "--config", str(RECIPES / "fused.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
+                       "--model.model_name_or_path=bundled:minilm", "--data.batch_size=4", "--data.max_length=32",
+                       f"--trainer.devices={devices}", "--trainer.accelerator=cuda", *more])
+        return run.step(Target(gpu=GPUS["h200"]))
+
+    for devices, limit, small in ((2, "--memory.tier=rtx3050-4gb", True), (4, "--memory.budget=40GiB", False)):
+        step = fsdp(devices, limit)
+        found = analytic(step).footprint
+        comms = nccl.communicators(devices, (devices, 1), ("data_parallel", "tensor_parallel"))
+        settings = nccl.NcclSettings().under(nccl.SMALL) if small else nccl.NcclSettings()
+        expected = nccl.nccl_memory(comms, settings, "h200", (9, 0)).total
+        assert found.communicators == expected == step.communicators.total
+        assert found.device == found.reserved + found.context + expected
+        assert any(note.startswith("NCCL: ") for note in analytic(step).notes)
+        assert step.outside_allocator == step.target.context_bytes + expected
+    assert 480 * 2**20 < fsdp(2, "--memory.tier=rtx3050-4gb").communicators.total < 520 * 2**20  # small buffers
+    alone = analytic(fsdp(1, "--memory.tier=rtx3050-4gb")).footprint
+    assert alone.communicators == 0 and alone.device == alone.reserved + alone.context
+
+
+def test_fsdp2_on_one_rank_holds_copies_of_the_units_it_would_gather():
+    """FSDP2 on one rank copies a unit's parameters where it would gather them (the root unit from its forward to
+    the end of backward, two layers at a time): its weights are the whole model and those copies (a fit of fused.yaml
+    on one CPU rank tracked 1.40 GiB against 1.42 GiB predicted, batch 32 x 128 on the bundled model)."""
+    from lit_memory.model import transformer_layers
+
+    plain, one = analytic(minilm()), analytic(minilm(sharded=True, world_size=1))
+    module, _ = meta_build(minilm())
+    layers = transformer_layers(module.model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() * 4 for p in module.model.parameters() if id(p) not in in_layers)
+    layer = max(sum(p.numel() * 4 for p in layer.parameters()) for layer in layers)
+    for phase in ("forward", "backward"):
+        gathered = one.footprint.phases[phase]["weights"] - plain.footprint.phases[phase]["weights"]
+        assert gathered == root + 2 * layer, phase
+    assert any(note.startswith("FSDP2 on one rank: ") for note in one.notes)
