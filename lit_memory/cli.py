@@ -464,7 +464,5 @@ def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:
 def world_size(trainer: Any) -> int:
     """The processes a run's trainer settings start: devices per node (``auto`` or -1 on CUDA: every GPU this
     machine has, counted without starting CUDA) times nodes."""
-    devices = trainer.devices
-    if str(devices) in ("auto", "-1") and not runs_on_cpu(trainer.accelerator):
-        devices = torch.cuda.device_count() or 1
-    return ranks(devices) * int(trainer.num_nodes or 1)
+    available = None if runs_on_cpu(trainer.accelerator) else torch.cuda.device_count()  # as its plan counts (`gpus.target`)
+    return ranks(trainer.devices, available) * int(trainer.num_nodes or 1)

@@ -217,6 +217,7 @@ class SequenceClassifier(L.LightningModule):
         self.predict_loss: Optional[MeanMetric] = None
         self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
         self._labelled = False
+        self._amp_scaling = False  # GradScaler's scale taken by the fused kernel (`configure_optimizers`)
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
@@ -428,9 +429,11 @@ class SequenceClassifier(L.LightningModule):
         from transformers import get_scheduler
 
         optimizer = self.build_optimizer()
-        # torch's Adam/AdamW: one kernel per group, taking GradScaler's scale unless Lightning clips after backward
+        # torch's Adam/AdamW: one kernel per group, taking GradScaler's scale where there is one (16-mixed) unless
+        # Lightning clips after backward (it refuses to clip for an optimizer that unscales itself)
         clips = bool(self.trainer.gradient_clip_val) and not getattr(self.trainer.strategy, "fused_step", False)
-        optimizers.use_fused_kernels(optimizer, self.device, amp_scaling=not clips)
+        self._amp_scaling = getattr(self.trainer.precision_plugin, "scaler", None) is not None and not clips
+        optimizers.use_fused_kernels(optimizer, self.device, amp_scaling=self._amp_scaling)
         total = self.trainer.estimated_stepping_batches
         schedule = get_scheduler(
             self.hparams.lr_scheduler_type,
@@ -442,6 +445,7 @@ class SequenceClassifier(L.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper around the user's optimizer
+        optimizers.mark_amp_scaling(inner, self._amp_scaling)  # its groups may have changed
         # What its library's step runs inside (bitsandbytes: no device sync after every parameter).
         context = optimizers.library_of(inner).step_context(inner, [p for g in inner.param_groups for p in g["params"]])
         ran: list[bool] = []

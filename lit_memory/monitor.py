@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from collections.abc import Mapping
@@ -253,7 +254,10 @@ class MemoryMonitor(L.Callback):
         self._read_cuda(trainer)
         oom = None
         if isinstance(exception, torch.OutOfMemoryError):
-            oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
+            try:  # the report must never replace the error it reports
+                oom = self._oom(trainer, pl_module, getattr(exception, "categories", None))
+            except Exception as failed:  # noqa: BLE001
+                print(f"out-of-memory report failed: {type(failed).__name__}: {failed}", file=sys.stderr)
         if self.tracker is not None:
             self._stop_tracker()
             if oom is not None:  # the measured points are the failing micro-batch's, to the failure

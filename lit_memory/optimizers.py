@@ -393,9 +393,20 @@ def use_fused_kernels(optimizer: Optimizer, device: torch.device, amp_scaling: b
         if plain and group["params"] and library.fuses_by_default(optimizer, group, device.type):
             group["fused"] = True
             changed.append(index)
-    if changed and amp_scaling and all(g.get("fused") for g in optimizer.param_groups if g["params"]):
-        optimizer._step_supports_amp_scaling = True
+    if changed:
+        mark_amp_scaling(optimizer, amp_scaling)
     return changed
+
+
+def mark_amp_scaling(optimizer: Optimizer, on: bool) -> bool:
+    """Let GradScaler hand its scale and overflow flag to ``optimizer``'s step (torch's mark for an optimizer built
+    ``fused=True``) where ``on`` and every group runs the fused kernel now; unmark it otherwise. Called again before
+    each step: a group added later, or loaded from a checkpoint, may not be fused, and torch's other kernels refuse
+    the scale ("Expected grad_scale and found_inf to be None"). Returns the mark."""
+    marked = on and all(g.get("fused") for g in optimizer.param_groups if g["params"])
+    if marked or getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer._step_supports_amp_scaling = marked
+    return marked
 
 
 def use_device_defaults(optimizer: Optimizer, device: str) -> None:

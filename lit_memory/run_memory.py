@@ -443,9 +443,15 @@ class OutOfMemoryReport(L.Callback):
 
     @rank_zero_only
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        oom = self.monitor.oom
-        if oom is None:
+        if self.monitor.oom is None:
             return
+        try:  # the report must never replace the error it reports
+            self._report(trainer, pl_module)
+        except Exception as failed:  # noqa: BLE001
+            print(f"out-of-memory report failed: {type(failed).__name__}: {failed}", file=sys.stderr)
+
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        oom = self.monitor.oom
         limit = oom["limit_bytes"]
         print(
             f"out of memory in the {oom['phase']} phase of batch {oom['batch']}: "

@@ -545,3 +545,21 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
     assert record["predicted"]["analytic"]["peak_bytes"] == 300 + 32 * 128
     assert record["predicted_at_longest"]["tracked"]["analytic"]["peak_bytes"] == 300 + 32 * 50
     assert record["predicted_at_longest"]["tracked_peak"]["analytic"]["peak_bytes"] == 300 + 32 * 41
+
+
+def test_a_report_that_fails_never_hides_the_out_of_memory_error(tmp_path, capsys, monkeypatch):
+    """Whatever goes wrong while the report is made (here the untracked step's breakdown), the out-of-memory error
+    stays the command's error line, with one line saying the report failed."""
+    import lit_memory.monitor as monitor_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a storage the breakdown cannot read")
+
+    monkeypatch.setattr(monitor_module, "live_breakdown", broken)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(RECIPES / "baseline.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}",
+              "--memory.track_steps=0", "--trust-recipe", "--trainer.callbacks+=oom.RaiseOutOfMemory"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert "out-of-memory report failed: RuntimeError: a storage the breakdown cannot read" in err
+    assert err[-1] == f"error: out of memory: {oom.MESSAGE}"

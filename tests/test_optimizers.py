@@ -185,3 +185,26 @@ def test_the_fused_kernel_takes_the_loss_scale_and_the_scaler_never_reads_it_on_
     assert unmarked[2] == 4 and unmarked[1] == built_fused[1]
     for a, b in zip(unmarked[0], built_fused[0]):
         torch.testing.assert_close(a, b)
+
+
+def test_a_group_that_is_not_fused_unmarks_the_optimizer_before_its_step():
+    """The mark is decided again before each step (`SequenceClassifier.optimizer_step`): a group added after the
+    optimizer was fused, or fused groups replaced by a checkpoint's unfused ones, run torch's other kernels, which
+    refuse GradScaler's scale ("Expected grad_scale and found_inf to be None"); unmarked, the scaler unscales them
+    itself and the step goes through."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    use_fused_kernels(optimizer, torch.device("cpu"))
+    assert optimizer._step_supports_amp_scaling
+    optimizer.add_param_group({"params": list(model[1].parameters())})  # fused=None from the defaults
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    assert not optimizers.mark_amp_scaling(optimizer, True)  # marked, torch's AdamW raised on the unfused group
+    scaler.step(optimizer)
+    scaler.update()
+    assert "step" in optimizer.state[model[1].weight]
+    # where Lightning has no scaler (bf16-mixed, 32-true) nothing is marked, even with every group fused
+    fused_only = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    use_fused_kernels(fused_only, torch.device("cpu"), amp_scaling=False)
+    assert not getattr(fused_only, "_step_supports_amp_scaling", False)
+    assert optimizers.mark_amp_scaling(fused_only, True) and not optimizers.mark_amp_scaling(fused_only, False)

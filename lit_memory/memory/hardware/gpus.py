@@ -214,6 +214,7 @@ class Target:
     allocator_given: bool = False  # by the caller or the environment: a recipe's ``memory.allocator`` does not replace it
     nccl: NcclSettings = field(default_factory=NcclSettings)  # a distributed run's NCCL settings (the environment's)
     torch: str = field(default_factory=lambda: _installed_torch())  # the PyTorch version the run uses
+    devices: Optional[int] = None  # the GPUs this machine has, for a run's own target; None: `auto` counts one
 
     @property
     def cuda_device(self) -> bool:
@@ -379,7 +380,7 @@ def _this_gpu(found: Target) -> Target:
         return found
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     here = match(props.name, (props.major, props.minor), props.total_memory)
-    return replace(found, gpu=here, cuda=torch.version.cuda or found.cuda)
+    return replace(found, gpu=here, cuda=torch.version.cuda or found.cuda, devices=torch.cuda.device_count())
 
 
 # -- the run's own card at start -------------------------------------------------------------------

@@ -355,7 +355,7 @@ def live_breakdown(
     # the shards it was gathered from (what the optimizer steps) stay alive beside them.
     stepped = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     weights = nbytes([*module.parameters(), *module.buffers(), *stepped])
-    grads = nbytes(p.grad for p in module.parameters() if p.grad is not None)
+    grads = nbytes(p.grad for p in [*module.parameters(), *stepped] if p.grad is not None)  # a shard's accumulated
     state = nbytes(v for opt in optimizers for s in opt.state.values() for v in s.values())
     return {
         "weights": weights,

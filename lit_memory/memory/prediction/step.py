@@ -197,7 +197,7 @@ class Step:
         target = target if target is not None else Target()
         if memory.allocator and target.cuda_device and not target.allocator_given:  # as a run sets them
             target = replace(target, allocator=memory.allocator_config, allocator_given=True)
-        world_size = ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) if sharded else 1
+        world_size = ranks(trainer["devices"], target.devices) * int(trainer["num_nodes"] or 1) if sharded else 1
         if target.cuda_device and nccl.small(memory.limit_bytes, world_size):  # as a run sets them (`nccl.for_run`)
             target = replace(target, nccl=target.nccl.under(nccl.SMALL))
         step = cls(
@@ -463,9 +463,11 @@ def is_sharded(strategy: Any) -> bool:
     return isinstance(found, sharding) or (isinstance(found, type) and issubclass(found, sharding))
 
 
-def ranks(devices: Any) -> int:
-    """Devices per node as configured: a count, a list of indices, or "auto"/-1 (every device this machine
-    has, which is not the machine a prediction is for: then 1; pass --trainer.devices N)."""
+def ranks(devices: Any, available: Optional[int] = None) -> int:
+    """Devices per node as configured: a count, a list of indices, or "auto"/-1: every device of the machine, the
+    ``available`` ones where the prediction is for this machine (a run's), else 1 (pass --trainer.devices N)."""
+    if str(devices) in ("auto", "-1") and available:
+        return available
     if isinstance(devices, (list, tuple)):
         return len(devices)
     if isinstance(devices, str) and "," in devices:

@@ -81,3 +81,19 @@ def test_a_small_tiers_distributed_run_sets_nccls_buffers_small_and_says_so():
     with nccl.run_settings({"NCCL_BUFFSIZE": "1", "NCCL_MAX_NCHANNELS": "2"}, environ):
         assert environ == {"NCCL_BUFFSIZE": "1", "NCCL_MAX_NCHANNELS": "2"}
     assert environ == {"NCCL_BUFFSIZE": "7"}
+
+
+def test_devices_auto_counts_the_same_processes_for_the_run_and_its_plan():
+    """``devices: auto`` (configs/fsdp.yaml's) on a machine with two GPUs: the run starts two ranks and sets NCCL's
+    small buffers (`cli.world_size`); its plan, made for this machine (`gpus.target` reads its device count), counts
+    the same two ranks and their communicators. For another machine (`estimate`) auto counts one."""
+    from lit_memory.memory.hardware.budget import MemorySettings
+    from lit_memory.memory.hardware.gpus import Target
+    from lit_memory.memory.prediction.step import Step
+
+    settings = {"trainer": {"devices": "auto", "strategy": "lit_memory.strategies.FSDP2Strategy"}}
+    memory = MemorySettings(budget="3.5GiB")
+    here = Step.from_settings(settings, Target(devices=2), memory=memory)
+    elsewhere = Step.from_settings(settings, Target(), memory=memory)
+    assert (here.world_size, elsewhere.world_size) == (2, 1)
+    assert here.communicators.total > 0 and elsewhere.communicators.total == 0
