@@ -37,15 +37,19 @@ from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predict_file import PredictionWriter
 from lit_memory.run_memory import Advise, Predict, memory_callbacks
 from lit_memory.settings import leaves
+from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
-HELP = (
-    f"{recipes.RECIPE_FLAG} NAME: use a shipped recipe, as --config <its file> at that place (list them: python -m "
-    f"lit_memory recipes). Recipes naming code outside the allowlist ({', '.join(trust.ALLOWLIST)}), or values that "
-    f"run code (trust_remote_code, weights_only false, remote or pickled checkpoints), are refused; "
-    f"{trust.TRUST_FLAG} lifts that, only for recipes from sources you trust."
+HELP = recipe_help(trust.ALLOWLIST)
+# What a user of this project sets first, at the top of ``COMMAND --help`` (Lightning's full list follows): the
+# recipe, the data, the model and its task, memory, how long; then the command's own.
+FIRST_OPTIONS = (
+    "--config", "--data.source", "--data.text_column", "--data.label_column", "--model.model_name_or_path",
+    "--model.problem_type", "--model.num_labels", "--model.threshold", "--memory.budget", "--memory.tier",
+    "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
 )
+COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
 
 
 class _Parser(LightningArgumentParser):
@@ -71,6 +75,29 @@ class _Parser(LightningArgumentParser):
         if url := trust.remote_config(message):
             raise UserError(trust.remote_config_refusal(url))
         raise UserError(" ".join(message.split()))
+
+    def format_help(self) -> str:
+        """A command's help: the options a user of this project sets first, then every option (Lightning's too)."""
+        full = super().format_help()
+        command = self.prog.split()[-1]
+        if not self.toplevel or command not in ("fit", "validate", "test", "predict"):
+            return full
+        helps = {option: a.help or "" for a in self._actions for option in a.option_strings}
+        wanted = [*FIRST_OPTIONS, *COMMAND_FIRST_OPTIONS.get(command, ())]
+        rows = [(RECIPE_FLAG + " NAME", "a shipped recipe, as --config <its file> (python -m lit_memory recipes)")]
+        rows += [(key, _first_sentence(helps[key])) for key in wanted if key in helps]
+        rows.append((TRUST_FLAG, "run a recipe, config or checkpoint someone sent as it says (only from a source you trust)"))
+        width = max(len(key) for key, _ in rows) + 2
+        lines = [f"usage: python -m lit_memory {command} [options]", "", "the options you set first (every option follows):"]
+        lines += [f"  {key:<{width}}{text}" for key, text in rows]
+        return "\n".join(lines) + "\n\n" + full
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an option's help, on one line, without its reST quotes."""
+    text = " ".join(text.replace("``", "").split())
+    end = text.find(". ")
+    return text[: end + 1] if end > 0 else text
 
 
 class _ProbeFailed(Exception):
@@ -111,8 +138,8 @@ class LitMemoryCLI(LightningCLI):
             self.decision = trust.Decision(trusted=False)
         else:
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
-            self.decision = trust.Decision(trusted=trust.TRUST_FLAG in argv)
-            argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
+            self.decision = trust.Decision(trusted=TRUST_FLAG in argv)
+            argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
         self._seeded = False
@@ -159,7 +186,8 @@ class LitMemoryCLI(LightningCLI):
     # -- parsing and checking ------------------------------------------------------------------
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        kwargs.setdefault("epilog", HELP)  # --recipe and --trust-recipe are taken out of argv before parsing
+        kwargs.setdefault("epilog", HELP)
+        kwargs.setdefault("prog", "python -m lit_memory")  # --recipe and --trust-recipe are taken out of argv before parsing
         parser = super().init_parser(**kwargs)
         parser.toplevel = True
         return parser
