@@ -21,7 +21,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
+from lit_memory import checks, console, environment, guard, option_names, optimizers, precision, recipes, resume, trust
 from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData, resolve_task
 from lit_memory.errors import UserError
@@ -36,7 +36,7 @@ from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predict_file import PredictionWriter
 from lit_memory.run_memory import Advise, Predict, memory_callbacks
-from lit_memory.settings import leaves
+from lit_memory.settings import assign, key_of as settings_key_of, leaves, locate
 from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
@@ -148,6 +148,9 @@ class LitMemoryCLI(LightningCLI):
         self._collect = collect
         self._memory_hooks = {"predict": predict, "advise": advise, "timeline": None}
         self.memory: Optional[MemorySettings] = None  # the `memory:` block, built once (`_parse_memory`)
+        # The settings the user typed on the command line (dotted keys, one subcommand's) with their parsed values,
+        # before a checkpoint's hyper-parameters are laid over them: what wins over the checkpoint's (`_parse_ckpt_path`).
+        self.typed_settings: dict[str, Any] = {}
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
@@ -197,6 +200,7 @@ class LitMemoryCLI(LightningCLI):
         # being given both args and a command line.
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
         subcommand = self.config.get("subcommand")
+        self.typed_settings = self._typed_settings(subcommand)
         if self.argv is not None and not self.decision.trusted:
             typed = trust.typed_values(self.argv, self._parse_alone, subcommand)
             self.decision = dataclasses.replace(self.decision, typed=typed)
@@ -208,6 +212,47 @@ class LitMemoryCLI(LightningCLI):
             # before LightningCLI merges the checkpoint's hyper-parameters into these settings
             if not self._problem(resume.check_resume, self.settings_of(self.config), compare=subcommand == "fit"):
                 self.config[subcommand].ckpt_path = None  # reported; not to be read again
+
+    def _typed_settings(self, subcommand: Optional[str]) -> dict[str, Any]:
+        """The settings the command line's options set (`lit_memory.option_names.typed_keys`), as parsed."""
+        if self.argv is None:
+            return {}
+        found = {}
+        for key in option_names.typed_keys(subcommand or "fit", self.argv):
+            try:
+                container, last = locate(self.settings, key)
+            except KeyError:
+                continue
+            found[key] = container[last]
+        return found
+
+    def _parse_ckpt_path(self) -> None:
+        """``--ckpt_path FILE``: Lightning lays the checkpoint's saved hyper-parameters over the settings; then what the
+        user typed wins again (``validate --ckpt_path X --model.threshold 0.25`` validates at 0.25, said in one line),
+        except a setting the saved weights depend on (`SequenceClassifier.FIXED_BY_WEIGHTS`), refused in one line."""
+        super()._parse_ckpt_path()
+        subcommand = self.config.get("subcommand")
+        if not subcommand or self.config[subcommand].get("ckpt_path") is None:
+            return
+        for key, typed in self.typed_settings.items():
+            if key.startswith("model."):
+                self._problem(self._typed_wins, key, typed, str(self.config[subcommand].ckpt_path))
+
+    def _typed_wins(self, key: str, typed: Any, ckpt_path: str) -> None:
+        try:
+            container, last = locate(self.settings, key)
+        except KeyError:  # the checkpoint's value has no such part (a dict where a value was typed inside)
+            container, last = None, None
+        saved = container[last] if container is not None else None
+        if settings_key_of(saved) == settings_key_of(typed):
+            return
+        if key.split(".")[1] in SequenceClassifier.FIXED_BY_WEIGHTS:
+            raise UserError(
+                f"--{key} {typed!r}: checkpoint {ckpt_path} holds weights made with {key}={saved!r}, which cannot be read "
+                f"as {typed!r} (leave --{key} out to use the checkpoint's, or train a new model)"
+            )
+        assign(self.settings, key, typed, create=container is None)
+        say(f"{key}={typed!r} as typed, over {saved!r} saved in checkpoint {ckpt_path}")
 
     def _problem(self, check: Any, *args: Any, **kwargs: Any) -> bool:
         """``check(*args)``; with ``collect=True`` its `UserError` is kept in ``problems`` (False), else raised."""

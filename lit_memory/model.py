@@ -123,6 +123,9 @@ class SequenceClassifier(L.LightningModule):
     # count is keyed without them (`lit_memory.memory.planning.recompute`); an argument not named here is counted (tests check
     # that each named one leaves the count as it is).
     SAME_FLOPS = frozenset({"embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained"})
+    # Arguments the saved weights depend on (their shapes, their modules, what the outputs mean): loading a checkpoint,
+    # a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other typed value wins over it.
+    FIXED_BY_WEIGHTS = frozenset({"num_labels", "problem_type", "lora", "config_overrides", "embedding_optimizer_state"})
 
     def __init__(
         self,

@@ -104,3 +104,33 @@ def check(command: str, argv: list[str]) -> None:
 
 def _known(name: str, names: tuple[str, ...]) -> bool:
     return name in names or any(n.startswith(name) for n in names)
+
+
+def typed_keys(command: str, argv: list[str]) -> list[str]:
+    """The dotted settings the options in ``argv`` set, an abbreviated group parameter written out
+    (``--model.thresh 0.3``: ``model.threshold``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order.
+    Files (``--config``) and options that name no setting (``--print_config``) are not among them."""
+    known = options(command)
+    found: list[str] = []
+    for token in argv:
+        if not token.startswith("--") or token == "--":
+            continue
+        key = token[2:].split("=", 1)[0].removesuffix("+")
+        group, _, rest = key.partition(".")
+        if not rest:
+            if group in ("config", "print_config", "help") or group in known:
+                continue  # a file, a printing switch, or a whole group's config: no one setting
+            found.append(_written_out(group, known[""]))
+            continue
+        name, _, deeper = rest.partition(".")
+        name = _written_out(name, known.get(group, ()))
+        found.append(".".join(part for part in (group, name, deeper) if part))
+    return list(dict.fromkeys(found))
+
+
+def _written_out(name: str, names: tuple[str, ...]) -> str:
+    """``name`` as the one parameter it abbreviates, else as it is."""
+    if name in names:
+        return name
+    matches = [n for n in names if n.startswith(name)]
+    return matches[0] if len(matches) == 1 else name
