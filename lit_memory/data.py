@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
-from lit_memory import bundled, guard, predict_file
+from lit_memory import bundled, guard, predict_file, text_encoding
 from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
@@ -129,13 +129,18 @@ class TextClassificationData(L.LightningDataModule):
             if any, give metrics. Without it, ``predict`` predicts the test split.
         id_column: the column that names each row in the predictions (default ``id`` or ``idx`` where the file has
             one; else each row is named by its text).
+        encoding: the encoding of the local files read (the training data and ``predict_path``), a Python codec name
+            (``cp1252``, ``latin-1``, ``utf-16``); null: UTF-8, or what a file's byte-order mark says. A byte it cannot
+            decode is one error line naming the line (`lit_memory.text_encoding`).
+        encoding_errors: ``strict`` refuses a byte the encoding cannot decode; ``replace`` reads it as U+FFFD and counts
+            the lines changed. null: strict, and replace for the bundled tweets (their corpus mixes encodings).
     """
 
     ARGUMENTS = (
         "source", "text_column", "label_column", "label_names", "num_labels", "problem_type", "subset", "train_split",
         "validation_split", "test_split", "tokenizer_name_or_path", "max_length", "padding", "batch_size",
         "eval_batch_size", "val_fraction", "test_fraction", "limit_train_samples", "limit_eval_samples", "seed",
-        "num_workers", "predict_path", "id_column",
+        "num_workers", "predict_path", "id_column", "encoding", "encoding_errors",
     )
 
     def __init__(
@@ -163,6 +168,8 @@ class TextClassificationData(L.LightningDataModule):
         num_workers: int = 0,
         predict_path: Optional[str] = None,
         id_column: Optional[str] = None,
+        encoding: Optional[str] = None,
+        encoding_errors: Optional[text_encoding.Errors] = None,
     ) -> None:
         super().__init__()
         if num_labels is not None and num_labels < 1:
@@ -198,11 +205,14 @@ class TextClassificationData(L.LightningDataModule):
             label_names=label_names,
             eval_batch_size=eval_batch_size or batch_size,
             limit_train_samples=limit_train_samples,
+            encoding_errors=encoding_errors or ("replace" if is_bundled else "strict"),
         )
+        self._decoding: Optional[text_encoding.Decoding] = None  # how the local file was read (`_read`)
         self._local_file = self.local_file(source)
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
+        self._predict_decoding: Optional[text_encoding.Decoding] = None  # how the file to predict is read
         # What the run was started with: untrusted, nothing may raise these during the run (a batch-size
         # finder scaling ``num_workers``), beyond this machine's cores for the workers.
         self._bounded = {"num_workers": max(num_workers, os.cpu_count() or 1), "max_length": max_length}
@@ -237,11 +247,13 @@ class TextClassificationData(L.LightningDataModule):
         return path
 
     def _load_raw(self) -> datasets.DatasetDict:
-        key = (self.hparams.source, self.hparams.subset, str(self._local_file))
+        key = (self.hparams.source, self.hparams.subset, str(self._local_file), self.hparams.encoding,
+               self.hparams.encoding_errors)
         if key not in _LAST_READ:
             _LAST_READ.clear()
-            _LAST_READ[key] = self._read()
-        return _LAST_READ[key]
+            _LAST_READ[key] = (self._read(), self._decoding)
+        raw, self._decoding = _LAST_READ[key]
+        return raw
 
     def _read(self) -> datasets.DatasetDict:
         if self._local_file is None:
@@ -255,12 +267,15 @@ class TextClassificationData(L.LightningDataModule):
         if self.hparams.subset is not None:
             raise UserError(f"data.subset {self.hparams.subset!r} names a hub dataset's configuration: {self.where} is a file")
         builder, kwargs = FILE_FORMATS[self._local_file.suffix.lower()]
-        if builder == "csv":
-            # The bundled CSV mixes encodings; replacing the odd byte beats failing on it.
-            kwargs = {**kwargs, "encoding_errors": "replace"}
+        if text_encoding.blank(self._local_file):
+            raise UserError(f"data file {self.where} is empty")
+        self._decoding = text_encoding.decoding(self._local_file, self.hparams.encoding, self.hparams.encoding_errors)
+        kwargs = {**kwargs, "encoding": self._decoding.encoding, "encoding_errors": self._decoding.errors}
         try:
             raw = load_local(builder, self._local_file, **kwargs)
         except Exception as err:
+            if "corresponds to no data" in str(err):  # datasets' words for a file without a row
+                raise UserError(f"data file {self.where} has no rows" + (" (only its header)" if builder == "csv" else "")) from None
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw
 
@@ -399,6 +414,9 @@ class TextClassificationData(L.LightningDataModule):
             notes.append(" and ".join(carved) + " carved out of train " + " / ".join(f"{100 * f:.0f} %" for f in carved.values()))
         if unlabelled_test:
             notes.append("its test split has no labels: testing on validation")
+        why = "the bundled corpus mixes encodings" if self.hparams.source == BUNDLED else "data.encoding_errors replace"
+        if self._decoding is not None and (read_as := self._decoding.note(self.where, why)):
+            notes.append(read_as)
         if len(splits["train"]) < available["train"]:
             limit = self.hparams.limit_train_samples
             demo = " (the bundled demo's CPU-sized subset)" if self.hparams.source == BUNDLED else ""
@@ -470,10 +488,15 @@ class TextClassificationData(L.LightningDataModule):
         if self._predict_columns is None:
             if self._predict_file is not None:
                 text, label, id_ = self._given_columns
-                if self._predict_file.stat().st_size == 0:
-                    raise UserError(f"data.predict_path: {self._predict_file} has no rows")
+                if text_encoding.blank(self._predict_file):
+                    raise UserError(f"data.predict_path: {self._predict_file} is empty")
+                self._predict_decoding = text_encoding.decoding(
+                    self._predict_file, self.hparams.encoding, self.hparams.encoding_errors
+                )
+                if note := self._predict_decoding.note(str(self._predict_file)):
+                    say(f"predict: {note}")
                 try:
-                    first = next(iter(predict_file.read_texts(self._predict_file, FILE_FORMATS)), None)
+                    first = next(iter(predict_file.read_texts(self._predict_file, FILE_FORMATS, self._predict_decoding)), None)
                 except UserError:
                     raise
                 except Exception as err:
@@ -497,7 +520,8 @@ class TextClassificationData(L.LightningDataModule):
         """This rank's share of the rows to predict, read as they are consumed."""
         self._prepare_predict()
         if self._predict_file is not None:
-            source, where = predict_file.read_texts(self._predict_file, FILE_FORMATS), str(self._predict_file)
+            source = predict_file.read_texts(self._predict_file, FILE_FORMATS, self._predict_decoding)
+            where = str(self._predict_file)
         else:
             source, where = self._predict_rows, f"the test split of {self.hparams.source}"
         return predict_file.Rows(source, rank, world_size, where)

@@ -162,7 +162,7 @@ def test_bad_input_to_predict_is_one_line_and_writes_nothing(run, tmp_path, caps
     cases = {
         str(tmp_path / "missing.csv"): f"error: data.predict_path: file not found: {tmp_path / 'missing.csv'}",
         str(no_text): f"error: no text column in {no_text}: its columns are ['body', 'label']; looked for text, sentence, review",
-        str(empty): f"error: data.predict_path: {empty} has no rows",
+        str(empty): f"error: data.predict_path: {empty} is empty",
     }
     root = tmp_path / "runs"
     for source, expected in cases.items():
