@@ -491,7 +491,7 @@ class LitMemoryCLI(LightningCLI):
         self._preflight()
 
     def after_fit(self) -> None:
-        console.print_metrics(self.trainer, "val")
+        console.print_fit_metrics(self.trainer, self.model)
 
     def after_validate(self) -> None:
         console.print_metrics(self.trainer, "val")

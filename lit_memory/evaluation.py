@@ -95,8 +95,9 @@ class ClassCounts(torch.nn.Module):
         self.matrix.reset()
 
 
-def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str) -> str:
-    """Precision, recall, F1 and support per class (or label), and for single-label the confusion matrix."""
+def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str, title: str = "") -> str:
+    """Precision, recall, F1 and support per class (or label), and for single-label the confusion matrix; ``title``
+    follows the stage (`` at step 56, exported to hf_model``)."""
     rows = []
     if problem_type == MULTI:  # counts: (labels, 2, 2) as [[tn, fp], [fn, tp]]
         for name, matrix in zip(names, counts.tolist()):
@@ -107,7 +108,8 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
             tp = counts[i, i].item()
             rows.append((name, tp, counts[:, i].sum().item() - tp, counts[i, :].sum().item() - tp))
     width = max(12, *(len(str(r[0])) for r in rows)) + 2
-    lines = [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
+    lines = [f"{stage}{title}:"] if title else []
+    lines += [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
              + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}"]
     for name, tp, fp, fn in rows:
         precision = tp / (tp + fp) if tp + fp else 0.0

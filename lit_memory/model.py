@@ -221,6 +221,7 @@ class SequenceClassifier(L.LightningModule):
         self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
         self._labelled = False
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
+        self.validation_counts: Optional[torch.Tensor] = None  # the last validation's confusion counts
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
@@ -368,15 +369,24 @@ class SequenceClassifier(L.LightningModule):
         counts = self.class_counts.compute()  # a collective under several processes: every rank computes
         self.class_counts.reset()
         trainer = self._trainer
+        if stage == "val" and trainer is not None and not trainer.sanity_checking:
+            self.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.best`)
         if trainer is None or trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
             return
-        if trainer.is_global_zero:
-            print(evaluation.report(stage, counts, self.label_names, self.problem_type))
-            run_dir = trainer.log_dir or trainer.default_root_dir
-            if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
-                path = Path(run_dir) / f"confusion_matrix_{stage}.png"
-                drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}: confusion matrix")
-                print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
+        self.report_evaluation(stage, counts)
+
+    def report_evaluation(self, stage: str, counts: torch.Tensor, title: str = "") -> None:
+        """The per-class report of an evaluation's confusion counts, printed by the global-zero process, and for
+        single-label its confusion matrix drawn into the run folder (``fit`` reports its exported step's so)."""
+        trainer = self._trainer
+        if trainer is None or not trainer.is_global_zero:
+            return
+        print(evaluation.report(stage, counts, self.label_names, self.problem_type, title))
+        run_dir = trainer.log_dir or trainer.default_root_dir
+        if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
+            path = Path(run_dir) / f"confusion_matrix_{stage}.png"
+            drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}{title}: confusion matrix")
+            print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
         """A batch's predictions (``outputs``: class probabilities, the value, or each label's probability); where
