@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Iterator, Optional, Union
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import checks, console, environment, guard, option_names, optimizers, precision, recipes, resume, trust
@@ -39,6 +41,7 @@ from lit_memory.run_memory import Advise, Predict, memory_callbacks
 from lit_memory.settings import assign, key_of as settings_key_of, leaves, locate
 from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
+PREDICT_FOLDER = "predict"  # under lightning_logs/: where predict's folders go
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
 HELP = recipe_help(trust.ALLOWLIST)
@@ -455,6 +458,11 @@ class LitMemoryCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+        if self.subcommand == "predict" and trainer.get("logger") in (None, True):
+            # Predictions are not a training run: their folders (predictions, config) apart, lightning_logs/predict/
+            # version_N, not among the runs' version_N (Lightning's default logger's folder, so the same rules hold).
+            root = trainer.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = CSVLogger(save_dir=root, name=os.path.join("lightning_logs", PREDICT_FOLDER))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)

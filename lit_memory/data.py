@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -328,12 +329,13 @@ class TextClassificationData(L.LightningDataModule):
             values = [row for row in values if row[columns.label[0]] is None or row[columns.label[0]] >= 0]
         return task_.infer(values, columns, self.hparams.problem_type, self.hparams.num_labels, names, self.where)
 
-    def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, int]:
+    def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, Counter]:
         """The rows with texts and a label, the label as the model takes it: a class id, a value, or one 0/1 per
-        label; returns it and how many rows were dropped (an empty text, no label, a label not listed)."""
+        label; returns it and the rows dropped by why: ``""`` an empty text or no label, else each label not listed."""
         columns = task.columns
         texts, labels = columns.text, columns.label
         before = len(split)
+        dropped: Counter = Counter()
 
         def usable(row: dict) -> bool:
             if any(row[t] is None or str(row[t]).strip() == "" for t in texts):
@@ -341,6 +343,7 @@ class TextClassificationData(L.LightningDataModule):
             return all(row[c] is not None and row[c] != "" for c in labels)
 
         split = split.filter(usable)
+        dropped[""] = before - len(split)
         if task.problem_type == task_.SINGLE:
             index = {str(n): i for i, n in enumerate(task.label_names or ())}
             column = labels[0]
@@ -355,6 +358,8 @@ class TextClassificationData(L.LightningDataModule):
                 return int(value)
 
             split = split.map(lambda row: {"labels": class_id(row[column])})
+            outside = [str(v) for v, i in zip(split[column], split["labels"]) if not 0 <= i < task.num_labels]
+            dropped.update(outside)
             split = split.filter(lambda row: 0 <= row["labels"] < task.num_labels)
             split = split.cast_column("labels", datasets.Value("int64"))
         elif task.problem_type == task_.REGRESSION:
@@ -368,7 +373,7 @@ class TextClassificationData(L.LightningDataModule):
                 f"the {name} split of {where} is empty after filtering: no row has a text and a label"
                 + (f" in {list(task.label_names)}" if task.label_names and task.problem_type == task_.SINGLE else "")
             )
-        return split.select_columns([*texts, "labels"]), before - len(split)
+        return split.select_columns([*texts, "labels"]), +dropped
 
     def load_splits(self) -> datasets.DatasetDict:
         """Read, check, encode, split and sub-sample the source (untokenised); `task` and `summary` say what."""
@@ -421,9 +426,9 @@ class TextClassificationData(L.LightningDataModule):
             limit = self.hparams.limit_train_samples
             demo = " (the bundled demo's CPU-sized subset)" if self.hparams.source == BUNDLED else ""
             notes.append(f"training on data.limit_train_samples={limit}{demo}; null trains on all")
-        lost = sum(dropped.values())
+        lost = sum(dropped.values(), Counter())
         if lost:
-            notes.append(f"{lost:,} rows dropped (an empty text, no label, or a label not in label_names)")
+            notes.append(dropped_words(lost, self.task))
         return line + ("; " + "; ".join(notes) if notes else "")
 
     def _split(
@@ -606,6 +611,21 @@ class TextClassificationData(L.LightningDataModule):
             self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
+
+
+def dropped_words(dropped: Counter, task: "task_.Task") -> str:
+    """The rows dropped, by why: ``15,018 rows dropped: labelled neutral (15,018), not in data.label_names
+    (negative, positive)``; ``3 with an empty text or no label``."""
+    total = sum(dropped.values())
+    parts = []
+    unlisted = [(label, n) for label, n in dropped.most_common() if label]
+    if unlisted:
+        shown = ", ".join(f"{label} ({n:,})" for label, n in unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
+        names = ", ".join(task.label_names or ())
+        parts.append(f"labelled {shown}, not in data.label_names ({names})")
+    if dropped[""]:
+        parts.append(f"{dropped['']:,} with an empty text or no label")
+    return f"{total:,} row{'s' if total != 1 else ''} dropped: " + "; ".join(parts)
 
 
 def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: Optional[int]) -> datasets.DatasetDict:

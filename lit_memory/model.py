@@ -335,6 +335,7 @@ class SequenceClassifier(L.LightningModule):
         out = self.model(**batch)
         predicted = evaluation.outputs(out.logits, self.problem_type)
         labels = evaluation.targets(batch["labels"], self.problem_type)
+        evaluation.buffered(self.problem_type)
         metrics.update(predicted, labels)
         if self.per_label_f1 is not None:
             self.per_label_f1.update(predicted, labels)
@@ -393,7 +394,8 @@ class SequenceClassifier(L.LightningModule):
         it has ``labels``, the metrics of the rows the model can score (``known``) are accumulated too, for
         `on_predict_epoch_end`."""
         inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known")}
-        logits = self.model(**inputs).logits.float()
+        with fp32_output(self.model):  # what is written is fp32, not a 16-bit autocast's (1.609375)
+            logits = self.model(**inputs).logits.float()
         problem = self.problem_type
         shown = logits.softmax(-1) if problem == task_.SINGLE else evaluation.outputs(logits, problem)
         labels = batch.get("labels")
@@ -403,6 +405,7 @@ class SequenceClassifier(L.LightningModule):
             if known.any():
                 predicted = evaluation.outputs(logits[known], problem)
                 targets = labels[known]
+                evaluation.buffered(problem)
                 self.predict_metrics.update(predicted, evaluation.targets(targets, problem))
                 self.predict_loss.update(task_loss(logits[known], targets, problem))
         if problem == task_.REGRESSION:
@@ -523,6 +526,30 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> 
     if problem_type == task_.MULTI:
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
     return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+
+
+@contextlib.contextmanager
+def fp32_output(model: nn.Module):
+    """For the length of the block, the model's output layer (its head's last linear layer: the logits) computes in
+    fp32 outside autocast, from its input and weights upcast: predictions written at fp32's precision, not bf16's 8
+    bits (the body runs as the recipe says)."""
+    anatomy = Anatomy.of(model)
+    linears = [m for _, part in anatomy.head for m in part.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        yield
+        return
+    layer = linears[-1]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = layer.bias.float() if layer.bias is not None else None
+            return torch.nn.functional.linear(hidden.float(), layer.weight.float(), bias)
+
+    layer.forward = forward  # an instance attribute over the class's forward, removed after
+    try:
+        yield
+    finally:
+        del layer.forward
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

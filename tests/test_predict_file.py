@@ -114,7 +114,9 @@ def test_predict_from_the_checkpoint_writes_a_row_per_input_and_the_metrics(run,
          "--data.predict_path", str(texts), f"--trainer.default_root_dir={root}"],
         capsys,
     )
-    assert path == root / "lightning_logs" / "version_0" / "predictions.csv"
+    # apart from the training runs' version_N: under lightning_logs/predict/
+    assert path == root / "lightning_logs" / "predict" / "version_0" / "predictions.csv"
+    assert sorted(p.name for p in (root / "lightning_logs").iterdir()) == ["predict"]
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no temporary file left
     with open(path, newline="", encoding="utf-8") as f:
         written = list(csv.DictReader(f))
