@@ -192,8 +192,8 @@ class LitMemoryCLI(LightningCLI):
     # -- parsing and checking ------------------------------------------------------------------
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        kwargs.setdefault("epilog", HELP)
-        kwargs.setdefault("prog", "python -m lit_memory")  # --recipe and --trust-recipe are taken out of argv before parsing
+        kwargs.setdefault("epilog", HELP)  # --recipe and --trust-recipe are taken out of argv before parsing
+        kwargs.setdefault("prog", "python -m lit_memory")
         parser = super().init_parser(**kwargs)
         parser.toplevel = True
         return parser

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_memory import files, recipes, shipped
+from lit_memory import files, shipped
 from lit_memory.bounds import read_yaml
 from lit_memory.bundled import resolve_model
 from lit_memory.errors import UserError
