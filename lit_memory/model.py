@@ -380,10 +380,12 @@ class SequenceClassifier(L.LightningModule):
         """The per-class report of an evaluation's confusion counts, printed by the global-zero process, and for
         single-label its confusion matrix drawn into the run folder (``fit`` reports its exported step's so)."""
         trainer = self._trainer
-        if trainer is None or not trainer.is_global_zero:
+        if trainer is None:
+            return
+        run_dir = trainer.log_dir or trainer.default_root_dir  # a collective under several processes: every rank asks
+        if not trainer.is_global_zero:
             return
         print(evaluation.report(stage, counts, self.label_names, self.problem_type, title))
-        run_dir = trainer.log_dir or trainer.default_root_dir
         if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
             path = Path(run_dir) / f"confusion_matrix_{stage}.png"
             drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}{title}: confusion matrix")

@@ -381,7 +381,10 @@ def test_a_default_fit_keeps_last_ckpt(reviews, fast_args):
     tiny = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={TINY}", "--data.batch_size=4",
             f"--data.source={reviews}"]
     cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / "baseline.yaml"), *tiny, *args])
-    assert isinstance(cli.trainer.checkpoint_callback, ResumeCheckpoint)
+    from lit_memory.best import BestCheckpoint
+
+    # the best-model record first (a step's checkpoint writes its state after it updates): Lightning's `best` is it
+    assert [type(c) for c in cli.trainer.checkpoint_callbacks] == [BestCheckpoint, ResumeCheckpoint]
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)
     # fewer steps than the interval: last.ckpt is written when the fit ends
     assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()
