@@ -13,25 +13,29 @@ from __future__ import annotations
 # `python -m lit_memory` imports lit_memory/__init__.py first, which drops the working folder from sys.path
 # before anything else is imported: this module then imports the installed packages, as the console script does.
 import contextlib
+import importlib
 import os
 import sys
 from typing import Iterator, Optional
 
-import torch
-
-from lit_memory import cli, trust
-from lit_memory.sandbox import launch
-from lit_memory.sandbox.rules import ENV as CONFINED
+# Light: the help, `recipes list` and a mistyped command, recipe or option answer before anything heavy is imported;
+# torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
+from lit_memory import option_names, shipped
 from lit_memory.errors import UserError
-from lit_memory.tools import bench, estimate, plan, proof, recipes
 
 
 def _bench(argv: list[str]) -> None:
     """``bench``, or with ``--gpu-proof`` the GPU proof built on it (`lit_memory.tools.proof`)."""
-    (proof.cli if "--gpu-proof" in argv else bench.main)(argv)
+    name = "proof" if "--gpu-proof" in argv else "bench"
+    getattr(importlib.import_module(f"lit_memory.tools.{name}"), "cli" if name == "proof" else "main")(argv)
 
 
-TOOLS = {"bench": _bench, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
+def _tool(name: str):
+    """A tool's ``main``, imported when the tool runs (each imports torch and Lightning)."""
+    return lambda argv: importlib.import_module(f"lit_memory.tools.{name}").main(argv)
+
+
+TOOLS = {"bench": _bench, "estimate": _tool("estimate"), "plan": _tool("plan"), "recipes": _tool("recipes")}
 # One line per command for `python -m lit_memory --help`; `COMMAND --help` has every option.
 LIGHTNING_COMMANDS = {
     "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, checkpoints, hf_model, memory.json",
@@ -61,7 +65,7 @@ def usage() -> str:
         "tools:",
         *(f"  {name:<{width}}  {line}" for name, line in TOOL_COMMANDS.items()),
         "",
-        cli.HELP,
+        shipped.recipe_help(),
     ]
     return "\n".join(lines)
 
@@ -69,7 +73,9 @@ def usage() -> str:
 def confined(args: list[str]) -> bool:
     """Whether the command runs in a confined child: a training or evaluation (``fit``, ``validate``, ``test``,
     ``predict``) without ``--trust-recipe``, not already inside one."""
-    return trust.TRUST_FLAG not in args and args[:1] != [] and args[0] in LIGHTNING_COMMANDS and not os.environ.get(CONFINED)
+    from lit_memory.sandbox.rules import ENV as CONFINED  # the variable a confined child is started with
+
+    return shipped.TRUST_FLAG not in args and args[:1] != [] and args[0] in LIGHTNING_COMMANDS and not os.environ.get(CONFINED)
 
 
 @contextlib.contextmanager
@@ -77,19 +83,59 @@ def session(args: list[str]) -> Iterator[trust.Decision]:
     """One command's trust decision (`lit_memory.trust.Decision`: every run and tool inside it is judged by it;
     untrusted unless ``--trust-recipe`` is given), from its first line to its last. Files typed on the command line
     are the user's: read even when they are not regular files (``--config <(...)``)."""
+    from lit_memory import cli, trust  # deferred: the run's libraries (torch, Lightning, jsonargparse)
+
     with trust.Decision(trusted=trust.TRUST_FLAG in args).applied(cli.named_files(args)) as decision:
         yield decision
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    # Per-map progress bars of `datasets` (filter, cast, tokenise) drown the training log.
-    import datasets
-
-    datasets.disable_progress_bars()
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         sys.exit(0 if args else 2)
+    try:
+        answered = quick(args)
+    except UserError as err:
+        _fail(str(err))
+    if not answered:
+        _run(args)
+
+
+def quick(args: list[str]) -> bool:
+    """What is answered before anything heavy is imported: ``recipes`` and ``recipes list`` (True), a command,
+    recipe name, config file or option that does not exist (a `UserError`). False: the command runs."""
+    command = args[0]
+    if command not in LIGHTNING_COMMANDS and command not in TOOLS:
+        raise UserError(f"unknown command {command!r}; choose one of: {', '.join([*LIGHTNING_COMMANDS, *TOOLS])} "
+                        "(python -m lit_memory --help)")
+    if command == "recipes" and args[1:] in ([], ["list"]):
+        print(shipped.listing())
+        return True
+    if command in LIGHTNING_COMMANDS and not {"-h", "--help"} & set(args):
+        expanded = shipped.expand_recipes([a for a in args[1:] if a != shipped.TRUST_FLAG])
+        for i, token in enumerate(expanded):
+            path = expanded[i + 1] if token in ("--config", "-c") and i + 1 < len(expanded) else None
+            path = token.split("=", 1)[1] if token.startswith(("--config=", "-c=")) else path
+            # a value that names a file (jsonargparse also takes a config's text, or a URL it then refuses)
+            named = path is not None and "://" not in path and path.lower().endswith((".yaml", ".yml", ".json"))
+            if named and not os.path.exists(path):
+                raise UserError(f"config file not found: {path}")
+        option_names.check(command, expanded)
+    return False
+
+
+def _run(args: list[str]) -> None:
+    """The command, with the libraries it runs on."""
+    import datasets
+    import torch
+
+    from lit_memory import cli
+    from lit_memory.sandbox import launch
+    from lit_memory.sandbox.rules import ENV as CONFINED
+
+    # Per-map progress bars of `datasets` (filter, cast, tokenise) drown the training log.
+    datasets.disable_progress_bars()
     code = 0
     try:
         with session(args):

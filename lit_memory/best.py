@@ -2,9 +2,14 @@
 
 `BestCheckpoint` is Lightning's `ModelCheckpoint` keeping the one checkpoint (weights only) that scores best on
 validation: by default the problem type's main metric (single-label ``val_f1_macro``, regression ``val_pearson``,
-multi-label ``val_f1_micro``), or ``monitor`` as Lightning takes it. Its state (the best path and score) travels in
-the run's checkpoints, so a resumed run keeps the best of before. At the end of ``fit`` the module exports
-``hf_model/`` from it (`restore_best`), and the log names the step and the score.
+multi-label ``val_f1_micro``), or ``monitor`` as Lightning takes it. Its state (the best path and score, the best
+step's metrics and per-class counts, the last step validated) travels in the run's checkpoints, so a resumed run keeps
+the best of before. At the end of ``fit`` the module exports ``hf_model/`` from it (`restore_best`), the log names the
+step and the score, and the closing ``val:`` line and per-class report are that step's (`best_of`).
+
+`ValidationStep` gives the run one step numbering: Lightning logs a validation's metrics at the count of optimizer
+steps before the one just taken (``metrics.csv``: step 55) while checkpoints and progress lines name the steps taken
+(``best-step=56``); the metrics of a validation are logged at the steps taken, as every name says them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Literal, Optional
 
 import lightning as L
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 # Metrics where less is better; anything else is taken as more is better.
@@ -45,6 +51,9 @@ class BestCheckpoint(ModelCheckpoint):
             **kwargs,
         )
         self._monitor_given, self._mode_given = monitor, mode
+        self.best_metrics: dict[str, float] = {}  # the best validation's metrics (``val_*``)
+        self.best_counts: Optional[list] = None  # its confusion counts (`lit_memory.evaluation.ClassCounts`), as lists
+        self.validated_step: Optional[int] = None  # the step of the last validation seen
 
     @property
     def state_key(self) -> str:  # one of its kind beside the run's other checkpoint callbacks, whatever it monitors
@@ -65,11 +74,16 @@ class BestCheckpoint(ModelCheckpoint):
             self.save_top_k = 0  # nothing is validated: nothing to keep (the last weights are exported)
         super().setup(trainer, pl_module, stage)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "best_metrics": dict(self.best_metrics), "best_counts": self.best_counts,
+                "validated_step": self.validated_step}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A resumed run (a new run folder) keeps the best of before, wherever its file is: Lightning restores only
         the path when the folder changed, and the resumed run would then export the best of after the resume."""
         super().load_state_dict(state_dict)
-        for key in ("best_model_score", "kth_best_model_path", "kth_value", "best_k_models"):
+        for key in ("best_model_score", "kth_best_model_path", "kth_value", "best_k_models", "best_metrics",
+                    "best_counts", "validated_step"):
             if key in state_dict:
                 setattr(self, key, state_dict[key])
 
@@ -81,7 +95,15 @@ class BestCheckpoint(ModelCheckpoint):
     def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
         if self.monitor not in monitor_candidates:
             return  # no validation yet (a step-triggered save): kept at the next validation
+        self.validated_step = trainer.global_step
         super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _update_best_and_save(self, current: Any, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        # A new best (one is kept): its metrics and per-class counts, for the closing val: line and report.
+        self.best_metrics = {k: float(v) for k, v in monitor_candidates.items() if k.startswith("val_")}
+        counts = getattr(trainer.lightning_module, "validation_counts", None)
+        self.best_counts = counts.tolist() if counts is not None else None
+        super()._update_best_and_save(current, trainer, monitor_candidates)
 
     def best_step(self) -> Optional[int]:
         found = re.search(r"step=(\d+)", Path(self.best_model_path).name) if self.best_model_path else None
@@ -108,3 +130,23 @@ def restore_best(trainer: L.Trainer) -> Optional[str]:
         trainer.strategy.load_model_state_dict(checkpoint, strict=True)
     score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
     return f"the best validated weights: step {best.best_step()}, {best.monitor}={score:.4f}"
+
+
+class ValidationStep(Callback):
+    """A validation's metrics logged at the optimizer steps taken before it (what checkpoint names, progress lines
+    and the hf_model line say), not Lightning's count of the steps before the last one (module docstring)."""
+
+    def __init__(self) -> None:
+        self._raised = False
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning logs the epoch's metrics after this hook and before on_validation_end, at the fit loop's
+        # `_batches_that_stepped` (private; tests/test_best.py checks it exists), raised to the steps taken until then.
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and not self._raised:
+            trainer.fit_loop.epoch_loop._batches_that_stepped += 1
+            self._raised = True
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._raised:  # as it was, before any checkpoint saves the loop's state
+            trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+            self._raised = False

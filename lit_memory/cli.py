@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -20,9 +21,10 @@ import torch
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
+from lit_memory import checks, console, environment, guard, option_names, optimizers, precision, recipes, resume, trust
 from lit_memory.console import LogProgress, say
 from lit_memory.data import TextClassificationData, resolve_task
 from lit_memory.errors import UserError
@@ -37,16 +39,21 @@ from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predict_file import PredictionWriter
 from lit_memory.run_memory import Advise, Predict, memory_callbacks
-from lit_memory.settings import leaves
+from lit_memory.settings import assign, key_of as settings_key_of, leaves, locate
+from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
+PREDICT_FOLDER = "predict"  # under lightning_logs/: where predict's folders go
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
-HELP = (
-    f"{recipes.RECIPE_FLAG} NAME: use a shipped recipe, as --config <its file> at that place (list them: python -m "
-    f"lit_memory recipes). Recipes naming code outside the allowlist ({', '.join(trust.ALLOWLIST)}), or values that "
-    f"run code (trust_remote_code, weights_only false, remote or pickled checkpoints), are refused; "
-    f"{trust.TRUST_FLAG} lifts that, only for recipes from sources you trust."
+HELP = recipe_help(trust.ALLOWLIST)
+# What a user of this project sets first, at the top of ``COMMAND --help`` (Lightning's full list follows): the
+# recipe, the data, the model and its task, memory, how long; then the command's own.
+FIRST_OPTIONS = (
+    "--config", "--data.source", "--data.text_column", "--data.label_column", "--model.model_name_or_path",
+    "--model.problem_type", "--model.num_labels", "--model.threshold", "--memory.budget", "--memory.tier",
+    "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
 )
+COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
 
 
 class _Parser(LightningArgumentParser):
@@ -72,6 +79,29 @@ class _Parser(LightningArgumentParser):
         if url := trust.remote_config(message):
             raise UserError(trust.remote_config_refusal(url))
         raise UserError(" ".join(message.split()))
+
+    def format_help(self) -> str:
+        """A command's help: the options a user of this project sets first, then every option (Lightning's too)."""
+        full = super().format_help()
+        command = self.prog.split()[-1]
+        if not self.toplevel or command not in ("fit", "validate", "test", "predict"):
+            return full
+        helps = {option: a.help or "" for a in self._actions for option in a.option_strings}
+        wanted = [*FIRST_OPTIONS, *COMMAND_FIRST_OPTIONS.get(command, ())]
+        rows = [(RECIPE_FLAG + " NAME", "a shipped recipe, as --config <its file> (python -m lit_memory recipes)")]
+        rows += [(key, _first_sentence(helps[key])) for key in wanted if key in helps]
+        rows.append((TRUST_FLAG, "run a recipe, config or checkpoint someone sent as it says (only from a source you trust)"))
+        width = max(len(key) for key, _ in rows) + 2
+        lines = [f"usage: python -m lit_memory {command} [options]", "", "the options you set first (every option follows):"]
+        lines += [f"  {key:<{width}}{text}" for key, text in rows]
+        return "\n".join(lines) + "\n\n" + full
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an option's help, on one line, without its reST quotes."""
+    text = " ".join(text.replace("``", "").split())
+    end = text.find(". ")
+    return text[: end + 1] if end > 0 else text
 
 
 class _ProbeFailed(Exception):
@@ -112,8 +142,8 @@ class LitMemoryCLI(LightningCLI):
             self.decision = trust.Decision(trusted=False)
         else:
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
-            self.decision = trust.Decision(trusted=trust.TRUST_FLAG in argv)
-            argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
+            self.decision = trust.Decision(trusted=TRUST_FLAG in argv)
+            argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
         self._seeded = False
@@ -122,6 +152,9 @@ class LitMemoryCLI(LightningCLI):
         self._collect = collect
         self._memory_hooks = {"predict": predict, "advise": advise, "timeline": None}
         self.memory: Optional[MemorySettings] = None  # the `memory:` block, built once (`_parse_memory`)
+        # The settings the user typed on the command line (dotted keys, one subcommand's) with their parsed values,
+        # before a checkpoint's hyper-parameters are laid over them: what wins over the checkpoint's (`_parse_ckpt_path`).
+        self.typed_settings: dict[str, Any] = {}
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
@@ -161,6 +194,7 @@ class LitMemoryCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("epilog", HELP)  # --recipe and --trust-recipe are taken out of argv before parsing
+        kwargs.setdefault("prog", "python -m lit_memory")
         parser = super().init_parser(**kwargs)
         parser.toplevel = True
         return parser
@@ -170,6 +204,7 @@ class LitMemoryCLI(LightningCLI):
         # being given both args and a command line.
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
         subcommand = self.config.get("subcommand")
+        self.typed_settings = self._typed_settings(subcommand)
         if self.argv is not None and not self.decision.trusted:
             typed = trust.typed_values(self.argv, self._parse_alone, subcommand)
             self.decision = dataclasses.replace(self.decision, typed=typed)
@@ -181,6 +216,47 @@ class LitMemoryCLI(LightningCLI):
             # before LightningCLI merges the checkpoint's hyper-parameters into these settings
             if not self._problem(resume.check_resume, self.settings_of(self.config), compare=subcommand == "fit"):
                 self.config[subcommand].ckpt_path = None  # reported; not to be read again
+
+    def _typed_settings(self, subcommand: Optional[str]) -> dict[str, Any]:
+        """The settings the command line's options set (`lit_memory.option_names.typed_keys`), as parsed."""
+        if self.argv is None:
+            return {}
+        found = {}
+        for key in option_names.typed_keys(subcommand or "fit", self.argv):
+            try:
+                container, last = locate(self.settings, key)
+            except KeyError:
+                continue
+            found[key] = container[last]
+        return found
+
+    def _parse_ckpt_path(self) -> None:
+        """``--ckpt_path FILE``: Lightning lays the checkpoint's saved hyper-parameters over the settings; then what the
+        user typed wins again (``validate --ckpt_path X --model.threshold 0.25`` validates at 0.25, said in one line),
+        except a setting the saved weights depend on (`SequenceClassifier.FIXED_BY_WEIGHTS`), refused in one line."""
+        super()._parse_ckpt_path()
+        subcommand = self.config.get("subcommand")
+        if not subcommand or self.config[subcommand].get("ckpt_path") is None:
+            return
+        for key, typed in self.typed_settings.items():
+            if key.startswith("model."):
+                self._problem(self._typed_wins, key, typed, str(self.config[subcommand].ckpt_path))
+
+    def _typed_wins(self, key: str, typed: Any, ckpt_path: str) -> None:
+        try:
+            container, last = locate(self.settings, key)
+        except KeyError:  # the checkpoint's value has no such part (a dict where a value was typed inside)
+            container, last = None, None
+        saved = container[last] if container is not None else None
+        if settings_key_of(saved) == settings_key_of(typed):
+            return
+        if key.split(".")[1] in SequenceClassifier.FIXED_BY_WEIGHTS:
+            raise UserError(
+                f"--{key} {typed!r}: checkpoint {ckpt_path} holds weights made with {key}={saved!r}, which cannot be read "
+                f"as {typed!r} (leave --{key} out to use the checkpoint's, or train a new model)"
+            )
+        assign(self.settings, key, typed, create=container is None)
+        say(f"{key}={typed!r} as typed, over {saved!r} saved in checkpoint {ckpt_path}")
 
     def _problem(self, check: Any, *args: Any, **kwargs: Any) -> bool:
         """``check(*args)``; with ``collect=True`` its `UserError` is kept in ``problems`` (False), else raised."""
@@ -388,6 +464,11 @@ class LitMemoryCLI(LightningCLI):
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+        if self.subcommand == "predict" and trainer.get("logger") in (None, True):
+            # Predictions are not a training run: their folders (predictions, config) apart, lightning_logs/predict/
+            # version_N, not among the runs' version_N (Lightning's default logger's folder, so the same rules hold).
+            root = trainer.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = CSVLogger(save_dir=root, name=os.path.join("lightning_logs", PREDICT_FOLDER))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)
@@ -424,7 +505,7 @@ class LitMemoryCLI(LightningCLI):
         self._preflight()
 
     def after_fit(self) -> None:
-        console.print_metrics(self.trainer, "val")
+        console.print_fit_metrics(self.trainer, self.model)
 
     def after_validate(self) -> None:
         console.print_metrics(self.trainer, "val")

@@ -290,13 +290,34 @@ def forced_callbacks(config: dict[str, Any], callbacks: list) -> list:
     return callbacks
 
 
-def print_metrics(trainer: Any, stage: str) -> None:
-    """One line of the stage's metrics (``val``, ``test``) from the global-zero process: ``val: acc=0.8751 f1=...``."""
+def print_metrics(trainer: Any, stage: str, metrics: Optional[Mapping[str, Any]] = None, label: str = "") -> None:
+    """One line of the stage's metrics (``val``, ``test``; default: the last evaluation's) from the global-zero
+    process: ``val: acc=0.8751 f1=...`` (``label`` after the stage: ``val at the last step (130)``)."""
     if not trainer.is_global_zero:
         return
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
-    if metrics:
-        print(f"{stage}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(metrics.items())))
+    metrics = trainer.callback_metrics if metrics is None else metrics
+    shown = {k: float(v) for k, v in metrics.items() if k.startswith(f"{stage}_")}
+    if shown:
+        print(f"{stage}{label}: " + "  ".join(f"{k[len(stage) + 1:]}={v:.4f}" for k, v in sorted(shown.items())))
+
+
+def print_fit_metrics(trainer: Any, module: Any) -> None:
+    """The end of a fit: the metrics of the model exported to ``hf_model/`` (the best validated step,
+    `lit_memory.best.BestCheckpoint`), its per-class report, and, where the last validation was another step, the
+    last one's, named as such; the closing ``val:`` line is the exported model's."""
+    from lit_memory.best import best_of  # deferred: best imports Lightning's checkpointing; only fit reaches here
+
+    best = best_of(trainer)
+    if best is None or not best.best_metrics:  # nothing validated kept a best: the last weights were exported
+        print_metrics(trainer, "val")
+        return
+    step = best.best_step()
+    if best.validated_step is not None and best.validated_step != step:
+        print_metrics(trainer, "val", label=f" at the last step ({best.validated_step}, not exported)")
+    report = getattr(module, "report_evaluation", None)
+    if best.best_counts is not None and report is not None:
+        report("val", torch.tensor(best.best_counts), f" at step {step}, exported to hf_model")
+    print_metrics(trainer, "val", best.best_metrics)
 
 
 def print_predict_metrics(trainer: Any, module: Any) -> None:

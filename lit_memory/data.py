@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -19,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
-from lit_memory import bundled, guard, predict_file
+from lit_memory import bundled, guard, predict_file, text_encoding
 from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
@@ -129,13 +130,18 @@ class TextClassificationData(L.LightningDataModule):
             if any, give metrics. Without it, ``predict`` predicts the test split.
         id_column: the column that names each row in the predictions (default ``id`` or ``idx`` where the file has
             one; else each row is named by its text).
+        encoding: the encoding of the local files read (the training data and ``predict_path``), a Python codec name
+            (``cp1252``, ``latin-1``, ``utf-16``); null: UTF-8, or what a file's byte-order mark says. A byte it cannot
+            decode is one error line naming the line (`lit_memory.text_encoding`).
+        encoding_errors: ``strict`` refuses a byte the encoding cannot decode; ``replace`` reads it as U+FFFD and counts
+            the lines changed. null: strict, and replace for the bundled tweets (their corpus mixes encodings).
     """
 
     ARGUMENTS = (
         "source", "text_column", "label_column", "label_names", "num_labels", "problem_type", "subset", "train_split",
         "validation_split", "test_split", "tokenizer_name_or_path", "max_length", "padding", "batch_size",
         "eval_batch_size", "val_fraction", "test_fraction", "limit_train_samples", "limit_eval_samples", "seed",
-        "num_workers", "predict_path", "id_column",
+        "num_workers", "predict_path", "id_column", "encoding", "encoding_errors",
     )
 
     def __init__(
@@ -163,6 +169,8 @@ class TextClassificationData(L.LightningDataModule):
         num_workers: int = 0,
         predict_path: Optional[str] = None,
         id_column: Optional[str] = None,
+        encoding: Optional[str] = None,
+        encoding_errors: Optional[text_encoding.Errors] = None,
     ) -> None:
         super().__init__()
         if num_labels is not None and num_labels < 1:
@@ -198,11 +206,14 @@ class TextClassificationData(L.LightningDataModule):
             label_names=label_names,
             eval_batch_size=eval_batch_size or batch_size,
             limit_train_samples=limit_train_samples,
+            encoding_errors=encoding_errors or ("replace" if is_bundled else "strict"),
         )
+        self._decoding: Optional[text_encoding.Decoding] = None  # how the local file was read (`_read`)
         self._local_file = self.local_file(source)
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
+        self._predict_decoding: Optional[text_encoding.Decoding] = None  # how the file to predict is read
         # What the run was started with: untrusted, nothing may raise these during the run (a batch-size
         # finder scaling ``num_workers``), beyond this machine's cores for the workers.
         self._bounded = {"num_workers": max(num_workers, os.cpu_count() or 1), "max_length": max_length}
@@ -237,11 +248,13 @@ class TextClassificationData(L.LightningDataModule):
         return path
 
     def _load_raw(self) -> datasets.DatasetDict:
-        key = (self.hparams.source, self.hparams.subset, str(self._local_file))
+        key = (self.hparams.source, self.hparams.subset, str(self._local_file), self.hparams.encoding,
+               self.hparams.encoding_errors)
         if key not in _LAST_READ:
             _LAST_READ.clear()
-            _LAST_READ[key] = self._read()
-        return _LAST_READ[key]
+            _LAST_READ[key] = (self._read(), self._decoding)
+        raw, self._decoding = _LAST_READ[key]
+        return raw
 
     def _read(self) -> datasets.DatasetDict:
         if self._local_file is None:
@@ -255,12 +268,15 @@ class TextClassificationData(L.LightningDataModule):
         if self.hparams.subset is not None:
             raise UserError(f"data.subset {self.hparams.subset!r} names a hub dataset's configuration: {self.where} is a file")
         builder, kwargs = FILE_FORMATS[self._local_file.suffix.lower()]
-        if builder == "csv":
-            # The bundled CSV mixes encodings; replacing the odd byte beats failing on it.
-            kwargs = {**kwargs, "encoding_errors": "replace"}
+        if text_encoding.blank(self._local_file):
+            raise UserError(f"data file {self.where} is empty")
+        self._decoding = text_encoding.decoding(self._local_file, self.hparams.encoding, self.hparams.encoding_errors)
+        kwargs = {**kwargs, "encoding": self._decoding.encoding, "encoding_errors": self._decoding.errors}
         try:
             raw = load_local(builder, self._local_file, **kwargs)
         except Exception as err:
+            if "corresponds to no data" in str(err):  # datasets' words for a file without a row
+                raise UserError(f"data file {self.where} has no rows" + (" (only its header)" if builder == "csv" else "")) from None
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw
 
@@ -313,12 +329,13 @@ class TextClassificationData(L.LightningDataModule):
             values = [row for row in values if row[columns.label[0]] is None or row[columns.label[0]] >= 0]
         return task_.infer(values, columns, self.hparams.problem_type, self.hparams.num_labels, names, self.where)
 
-    def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, int]:
+    def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, Counter]:
         """The rows with texts and a label, the label as the model takes it: a class id, a value, or one 0/1 per
-        label; returns it and how many rows were dropped (an empty text, no label, a label not listed)."""
+        label; returns it and the rows dropped by why: ``""`` an empty text or no label, else each label not listed."""
         columns = task.columns
         texts, labels = columns.text, columns.label
         before = len(split)
+        dropped: Counter = Counter()
 
         def usable(row: dict) -> bool:
             if any(row[t] is None or str(row[t]).strip() == "" for t in texts):
@@ -326,6 +343,7 @@ class TextClassificationData(L.LightningDataModule):
             return all(row[c] is not None and row[c] != "" for c in labels)
 
         split = split.filter(usable)
+        dropped[""] = before - len(split)
         if task.problem_type == task_.SINGLE:
             index = {str(n): i for i, n in enumerate(task.label_names or ())}
             column = labels[0]
@@ -340,6 +358,8 @@ class TextClassificationData(L.LightningDataModule):
                 return int(value)
 
             split = split.map(lambda row: {"labels": class_id(row[column])})
+            outside = [str(v) for v, i in zip(split[column], split["labels"]) if not 0 <= i < task.num_labels]
+            dropped.update(outside)
             split = split.filter(lambda row: 0 <= row["labels"] < task.num_labels)
             split = split.cast_column("labels", datasets.Value("int64"))
         elif task.problem_type == task_.REGRESSION:
@@ -353,7 +373,7 @@ class TextClassificationData(L.LightningDataModule):
                 f"the {name} split of {where} is empty after filtering: no row has a text and a label"
                 + (f" in {list(task.label_names)}" if task.label_names and task.problem_type == task_.SINGLE else "")
             )
-        return split.select_columns([*texts, "labels"]), before - len(split)
+        return split.select_columns([*texts, "labels"]), +dropped
 
     def load_splits(self) -> datasets.DatasetDict:
         """Read, check, encode, split and sub-sample the source (untokenised); `task` and `summary` say what."""
@@ -399,13 +419,16 @@ class TextClassificationData(L.LightningDataModule):
             notes.append(" and ".join(carved) + " carved out of train " + " / ".join(f"{100 * f:.0f} %" for f in carved.values()))
         if unlabelled_test:
             notes.append("its test split has no labels: testing on validation")
+        why = "the bundled corpus mixes encodings" if self.hparams.source == BUNDLED else "data.encoding_errors replace"
+        if self._decoding is not None and (read_as := self._decoding.note(self.where, why)):
+            notes.append(read_as)
         if len(splits["train"]) < available["train"]:
             limit = self.hparams.limit_train_samples
             demo = " (the bundled demo's CPU-sized subset)" if self.hparams.source == BUNDLED else ""
             notes.append(f"training on data.limit_train_samples={limit}{demo}; null trains on all")
-        lost = sum(dropped.values())
+        lost = sum(dropped.values(), Counter())
         if lost:
-            notes.append(f"{lost:,} rows dropped (an empty text, no label, or a label not in label_names)")
+            notes.append(dropped_words(lost, self.task))
         return line + ("; " + "; ".join(notes) if notes else "")
 
     def _split(
@@ -470,10 +493,15 @@ class TextClassificationData(L.LightningDataModule):
         if self._predict_columns is None:
             if self._predict_file is not None:
                 text, label, id_ = self._given_columns
-                if self._predict_file.stat().st_size == 0:
-                    raise UserError(f"data.predict_path: {self._predict_file} has no rows")
+                if text_encoding.blank(self._predict_file):
+                    raise UserError(f"data.predict_path: {self._predict_file} is empty")
+                self._predict_decoding = text_encoding.decoding(
+                    self._predict_file, self.hparams.encoding, self.hparams.encoding_errors
+                )
+                if note := self._predict_decoding.note(str(self._predict_file)):
+                    say(f"predict: {note}")
                 try:
-                    first = next(iter(predict_file.read_texts(self._predict_file, FILE_FORMATS)), None)
+                    first = next(iter(predict_file.read_texts(self._predict_file, FILE_FORMATS, self._predict_decoding)), None)
                 except UserError:
                     raise
                 except Exception as err:
@@ -497,7 +525,8 @@ class TextClassificationData(L.LightningDataModule):
         """This rank's share of the rows to predict, read as they are consumed."""
         self._prepare_predict()
         if self._predict_file is not None:
-            source, where = predict_file.read_texts(self._predict_file, FILE_FORMATS), str(self._predict_file)
+            source = predict_file.read_texts(self._predict_file, FILE_FORMATS, self._predict_decoding)
+            where = str(self._predict_file)
         else:
             source, where = self._predict_rows, f"the test split of {self.hparams.source}"
         return predict_file.Rows(source, rank, world_size, where)
@@ -582,6 +611,21 @@ class TextClassificationData(L.LightningDataModule):
             self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
+
+
+def dropped_words(dropped: Counter, task: "task_.Task") -> str:
+    """The rows dropped, by why: ``15,018 rows dropped: labelled neutral (15,018), not in data.label_names
+    (negative, positive)``; ``3 with an empty text or no label``."""
+    total = sum(dropped.values())
+    parts = []
+    unlisted = [(label, n) for label, n in dropped.most_common() if label]
+    if unlisted:
+        shown = ", ".join(f"{label} ({n:,})" for label, n in unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
+        names = ", ".join(task.label_names or ())
+        parts.append(f"labelled {shown}, not in data.label_names ({names})")
+    if dropped[""]:
+        parts.append(f"{dropped['']:,} with an empty text or no label")
+    return f"{total:,} row{'s' if total != 1 else ''} dropped: " + "; ".join(parts)
 
 
 def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: Optional[int]) -> datasets.DatasetDict:

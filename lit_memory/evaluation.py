@@ -12,6 +12,7 @@ optional: without it, no picture and one line saying so).
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -28,6 +29,7 @@ from torchmetrics.classification import (
 )
 
 from lit_memory import files
+from lit_memory.console import say
 from lit_memory.task import MULTI, REGRESSION
 
 
@@ -36,10 +38,19 @@ def metric_name(label: str) -> str:
     return re.sub(r"\W+", "_", str(label)).strip("_") or "label"
 
 
+# torchmetrics' caution at every SpearmanCorrCoef made (each module built, the memory model's meta builds too): said
+# once instead, where an evaluation feeds it (`buffered`), never for a predict without labels.
+SPEARMAN_BUFFER = r".*SpearmanCorrcoef` will save all targets and predictions in the buffer"
+_buffer_said = False
+
+
 def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5) -> MetricCollection:
     """The metrics `outputs` feed for a problem type (module docstring); the per-label F1 is `per_label_f1`."""
     if problem_type == REGRESSION:
-        return MetricCollection({"mse": MeanSquaredError(), "pearson": PearsonCorrCoef(), "spearman": SpearmanCorrCoef()})
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SPEARMAN_BUFFER)
+            spearman = SpearmanCorrCoef()
+        return MetricCollection({"mse": MeanSquaredError(), "pearson": PearsonCorrCoef(), "spearman": spearman})
     if problem_type == MULTI:
         return MetricCollection({
             "f1_micro": MultilabelF1Score(num_labels, threshold=threshold, average="micro"),
@@ -53,6 +64,16 @@ def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5) -> 
     if num_labels == 2:
         metrics["f1"] = BinaryF1Score()  # F1 of the positive class: the seed's `f1`
     return MetricCollection(metrics)
+
+
+def buffered(problem_type: str) -> None:
+    """Once per process, where a regression evaluation first feeds its metrics: Spearman's correlation keeps every
+    prediction and label of the evaluation (torchmetrics' caution, made once)."""
+    global _buffer_said
+    if problem_type == REGRESSION and not _buffer_said:
+        _buffer_said = True
+        say("note: spearman keeps every prediction and label of an evaluation in memory until its end "
+            "(torchmetrics' SpearmanCorrCoef: 8 bytes a row)")
 
 
 def per_label_f1(num_labels: int, threshold: float = 0.5) -> MultilabelF1Score:
@@ -95,8 +116,9 @@ class ClassCounts(torch.nn.Module):
         self.matrix.reset()
 
 
-def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str) -> str:
-    """Precision, recall, F1 and support per class (or label), and for single-label the confusion matrix."""
+def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str, title: str = "") -> str:
+    """Precision, recall, F1 and support per class (or label), and for single-label the confusion matrix; ``title``
+    follows the stage (`` at step 56, exported to hf_model``)."""
     rows = []
     if problem_type == MULTI:  # counts: (labels, 2, 2) as [[tn, fp], [fn, tp]]
         for name, matrix in zip(names, counts.tolist()):
@@ -107,7 +129,8 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
             tp = counts[i, i].item()
             rows.append((name, tp, counts[:, i].sum().item() - tp, counts[i, :].sum().item() - tp))
     width = max(12, *(len(str(r[0])) for r in rows)) + 2
-    lines = [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
+    lines = [f"{stage}{title}:"] if title else []
+    lines += [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
              + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}"]
     for name, tp, fp, fn in rows:
         precision = tp / (tp + fp) if tp + fp else 0.0

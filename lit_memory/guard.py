@@ -58,9 +58,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from transformers import CONFIG_MAPPING
 
 from lit_memory import bounds, files
+from lit_memory.shipped import TRUST_FLAG
 from lit_memory.errors import UserError
 
-TRUST_FLAG = "--trust-recipe"
 HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization reads it at every torch.load
 NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"

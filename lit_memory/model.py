@@ -123,6 +123,9 @@ class SequenceClassifier(L.LightningModule):
     # count is keyed without them (`lit_memory.memory.planning.recompute`); an argument not named here is counted (tests check
     # that each named one leaves the count as it is).
     SAME_FLOPS = frozenset({"embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained"})
+    # Arguments the saved weights depend on (their shapes, their modules, what the outputs mean): loading a checkpoint,
+    # a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other typed value wins over it.
+    FIXED_BY_WEIGHTS = frozenset({"num_labels", "problem_type", "lora", "config_overrides", "embedding_optimizer_state"})
 
     def __init__(
         self,
@@ -219,6 +222,7 @@ class SequenceClassifier(L.LightningModule):
         self._labelled = False
         self._amp_scaling = False  # GradScaler's scale taken by the fused kernel (`configure_optimizers`)
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
+        self.validation_counts: Optional[torch.Tensor] = None  # the last validation's confusion counts
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
@@ -332,6 +336,7 @@ class SequenceClassifier(L.LightningModule):
         out = self.model(**batch)
         predicted = evaluation.outputs(out.logits, self.problem_type)
         labels = evaluation.targets(batch["labels"], self.problem_type)
+        evaluation.buffered(self.problem_type)
         metrics.update(predicted, labels)
         if self.per_label_f1 is not None:
             self.per_label_f1.update(predicted, labels)
@@ -366,22 +371,34 @@ class SequenceClassifier(L.LightningModule):
         counts = self.class_counts.compute()  # a collective under several processes: every rank computes
         self.class_counts.reset()
         trainer = self._trainer
+        if stage == "val" and trainer is not None and not trainer.sanity_checking:
+            self.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.best`)
         if trainer is None or trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
             return
-        if trainer.is_global_zero:
-            print(evaluation.report(stage, counts, self.label_names, self.problem_type))
-            run_dir = trainer.log_dir or trainer.default_root_dir
-            if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
-                path = Path(run_dir) / f"confusion_matrix_{stage}.png"
-                drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}: confusion matrix")
-                print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
+        self.report_evaluation(stage, counts)
+
+    def report_evaluation(self, stage: str, counts: torch.Tensor, title: str = "") -> None:
+        """The per-class report of an evaluation's confusion counts, printed by the global-zero process, and for
+        single-label its confusion matrix drawn into the run folder (``fit`` reports its exported step's so)."""
+        trainer = self._trainer
+        if trainer is None:
+            return
+        run_dir = trainer.log_dir or trainer.default_root_dir  # a collective under several processes: every rank asks
+        if not trainer.is_global_zero:
+            return
+        print(evaluation.report(stage, counts, self.label_names, self.problem_type, title))
+        if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
+            path = Path(run_dir) / f"confusion_matrix_{stage}.png"
+            drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}{title}: confusion matrix")
+            print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
         """A batch's predictions (``outputs``: class probabilities, the value, or each label's probability); where
         it has ``labels``, the metrics of the rows the model can score (``known``) are accumulated too, for
         `on_predict_epoch_end`."""
         inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known")}
-        logits = self.model(**inputs).logits.float()
+        with fp32_output(self.model):  # what is written is fp32, not a 16-bit autocast's (1.609375)
+            logits = self.model(**inputs).logits.float()
         problem = self.problem_type
         shown = logits.softmax(-1) if problem == task_.SINGLE else evaluation.outputs(logits, problem)
         labels = batch.get("labels")
@@ -391,6 +408,7 @@ class SequenceClassifier(L.LightningModule):
             if known.any():
                 predicted = evaluation.outputs(logits[known], problem)
                 targets = labels[known]
+                evaluation.buffered(problem)
                 self.predict_metrics.update(predicted, evaluation.targets(targets, problem))
                 self.predict_loss.update(task_loss(logits[known], targets, problem))
         if problem == task_.REGRESSION:
@@ -516,6 +534,30 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> 
     if problem_type == task_.MULTI:
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
     return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+
+
+@contextlib.contextmanager
+def fp32_output(model: nn.Module):
+    """For the length of the block, the model's output layer (its head's last linear layer: the logits) computes in
+    fp32 outside autocast, from its input and weights upcast: predictions written at fp32's precision, not bf16's 8
+    bits (the body runs as the recipe says)."""
+    anatomy = Anatomy.of(model)
+    linears = [m for _, part in anatomy.head for m in part.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        yield
+        return
+    layer = linears[-1]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = layer.bias.float() if layer.bias is not None else None
+            return torch.nn.functional.linear(hidden.float(), layer.weight.float(), bias)
+
+    layer.forward = forward  # an instance attribute over the class's forward, removed after
+    try:
+        yield
+    finally:
+        del layer.forward
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

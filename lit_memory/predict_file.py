@@ -31,6 +31,7 @@ from lit_memory import files, guard
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
+from lit_memory.text_encoding import Decoding
 
 IGNORE = -100  # a row without a label the model knows (and padding rows): not in the metrics
 FORMATS = {"csv": ",", "tsv": "\t", "jsonl": None}
@@ -38,9 +39,12 @@ JSON_CHUNK = 1 << 16  # characters read at a time from a JSON array
 JSON_LINES_CHUNK = 1 << 20  # bytes of JSON lines parsed at a time
 
 
-def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]]):
-    """The rows of a local text file as a `datasets.IterableDataset` (plain dicts, read as they are consumed)."""
+def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]], decoding: Optional[Decoding] = None):
+    """The rows of a local text file as a `datasets.IterableDataset` (plain dicts, read as they are consumed), decoded
+    as ``decoding`` says (`lit_memory.text_encoding.decoding`; default: UTF-8, strict)."""
     import datasets  # deferred: heavy (~0.6 s); only predict reads a file
+
+    decoding = decoding or Decoding("utf-8")
 
     suffix = path.suffix.lower()
     if suffix not in file_formats:
@@ -48,10 +52,12 @@ def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]]):
     builder, kwargs = file_formats[suffix]
     if builder == "json" and _first_char(path) == "[":
         # `datasets` reads a JSON array whole; decode it item by item instead.
-        return datasets.IterableDataset.from_generator(json_array_rows, gen_kwargs={"path": str(path)})
+        gen_kwargs = {"path": str(path), "encoding": decoding.encoding, "errors": decoding.errors}
+        return datasets.IterableDataset.from_generator(json_array_rows, gen_kwargs=gen_kwargs)
+    kwargs = {**kwargs, "encoding": decoding.encoding, "encoding_errors": decoding.errors}
     if builder == "csv":
-        # Texts verbatim ("NA", "null" and empty cells stay strings, not NaN); odd bytes replaced, as for training.
-        kwargs = {**kwargs, "na_filter": False, "encoding_errors": "replace"}
+        # Texts verbatim ("NA", "null" and empty cells stay strings, not NaN).
+        kwargs = {**kwargs, "na_filter": False}
     else:  # JSON lines in blocks of 1 MB (datasets' default, 10 MB, is a lot to hold for the first batch)
         kwargs = {**kwargs, "chunksize": JSON_LINES_CHUNK}
     try:
@@ -69,11 +75,12 @@ def _first_char(path: Path) -> str:
     return chr(stripped[0]) if stripped else ""
 
 
-def json_array_rows(path: str) -> Iterator[dict[str, Any]]:
+def json_array_rows(path: str, encoding: str = "utf-8", errors: str = "strict") -> Iterator[dict[str, Any]]:
     """The items of a JSON array file, one at a time (objects as rows; strings as ``{"text": ...}``, as
     `datasets` reads them), holding at most one chunk plus one item in memory."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
+    encoding = "utf-8-sig" if encoding == "utf-8" else encoding  # a BOM is no item
+    with open(path, encoding=encoding, errors=errors) as f:
         buffer, pos, eof = "", 0, False
 
         def more() -> bool:

@@ -1,8 +1,9 @@
-"""The shipped recipes, found by name, and the recipe every run shares.
+"""The shipped recipes' settings, and the recipe every run shares.
 
 A recipe is one YAML file for `LightningCLI`. The shipped ones live in the repo's `recipes/`
 and are installed with the package (``lit_memory/assets/recipes`` in the wheel), so
-``--recipe NAME`` works from anywhere (`expand_recipes`). Every fit writes its fully resolved settings
+``--recipe NAME`` works from anywhere (`expand_recipes`; the files are found in `lit_memory.shipped`, which imports
+nothing heavy). Every fit writes its fully resolved settings
 back out as ``recipe.yaml`` in its run folder (`SaveRecipe`, `shared_recipe`): that file is what people
 share, and ``python -m lit_memory recipes check FILE`` (`lit_memory.tools.recipes`) is how a receiver
 inspects one (`lit_memory.trust` says what is refused).
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,57 +26,20 @@ from lit_memory import bounds, files, resume, trust
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.settings import leaves
+from lit_memory.shipped import (  # noqa: F401  (the shipped recipes' files, re-exported where they were)
+    CHECKOUT, PACKAGED, RECIPE_FLAG, _tier_order, expand_recipes, header, names, recipe_path, recipes_dir, tier_order,
+)
 
-PACKAGED = Path(__file__).resolve().parent / "assets" / "recipes"  # where the wheel puts `recipes/`
-CHECKOUT = Path(__file__).resolve().parents[1] / "recipes"  # a repo checkout or an editable install
 MEASURED = records.BENCH_JSON  # the latest bench run's rows, beside the recipes (bench --update-readme)
 SHARED_RECIPE = "recipe.yaml"  # written into every fit's run folder
 
 # Settings that belong to one run on one machine: blanked in the shared recipe.
 RUN_SPECIFIC = ("trainer.default_root_dir", "ckpt_path")
-RECIPE_FLAG = "--recipe"
 # The command a shared recipe tells its receiver to run: the installed script, whose sys.path starts at its own
 # folder, so nothing is imported from the folder the recipe came in (`python -m` would put that folder first).
 SAFE_COMMAND = "lit-memory"
 
-# -- the shipped recipes -----------------------------------------------------------------------
-
-
-def recipes_dir() -> Path:
-    for folder in (PACKAGED, CHECKOUT):
-        if folder.is_dir():
-            return folder
-    raise UserError(f"no recipes folder found (looked in {PACKAGED} and {CHECKOUT}): reinstall lit-memory")
-
-
-def names() -> list[str]:
-    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
-
-
-def recipe_path(name: str) -> Path:
-    """The shipped recipe called `name` (``4gb`` or ``4gb.yaml``)."""
-    path = recipes_dir() / f"{name.removesuffix('.yaml')}.yaml"
-    if not path.is_file():
-        raise UserError(f"unknown recipe {name!r}; choose one of: {', '.join(names())} (or --config FILE)")
-    return path
-
-
-def expand_recipes(argv: list[str]) -> list[str]:
-    """``--recipe NAME`` becomes ``--config <its file>`` where it stands, so it layers with the other
-    ``--config`` files and overrides in order (later sources win)."""
-    out: list[str] = []
-    tokens = iter(argv)
-    for token in tokens:
-        if token == RECIPE_FLAG:
-            name = next(tokens, None)
-            if name is None:
-                raise UserError(f"{RECIPE_FLAG} needs a recipe name; choose one of: {', '.join(names())}")
-            out += ["--config", str(recipe_path(name))]
-        elif token.startswith(RECIPE_FLAG + "="):
-            out += ["--config", str(recipe_path(token.split("=", 1)[1]))]
-        else:
-            out.append(token)
-    return out
+# -- the shipped recipes: found and read in `lit_memory.shipped` (light) ---------------------------
 
 
 def shipped_settings() -> list[tuple[str, dict[str, Any]]]:
@@ -87,37 +50,6 @@ def shipped_settings() -> list[tuple[str, dict[str, Any]]]:
         values = dict(leaves(bounds.read_yaml(recipe_path(name)), depth=2))
         found.append((f"recipes/{name}.yaml", values))
     return found
-
-
-def header(path: Path) -> dict[str, str]:
-    """The ``# key: value`` lines at the top of a recipe (the first one is ``# <name>: description``)."""
-    fields = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
-            break
-        if match := re.match(r"# ([\w-]+): (.*)", line):
-            fields[match[1]] = match[2].strip()
-    return fields
-
-
-def tier_order() -> list[str]:
-    """The shipped recipes, parents before their children: the tiers read top down."""
-    folder = recipes_dir()
-    return _tier_order({name: header(folder / f"{name}.yaml") for name in names()})
-
-
-def _tier_order(headers: dict[str, dict[str, str]]) -> list[str]:
-    """Parents before their children (depth first, siblings by name): the tiers read top down."""
-    children: dict[str, list[str]] = {}
-    for name, fields in headers.items():
-        parent = fields.get("parent", "none")
-        children.setdefault(parent if parent in headers else "none", []).append(name)
-    order: list[str] = []
-    stack = sorted(children.get("none", []), reverse=True)
-    while stack:
-        order.append(name := stack.pop())
-        stack += sorted(children.get(name, []), reverse=True)
-    return order
 
 
 # -- the shared recipe written into every fit's run folder ------------------------------------

@@ -14,7 +14,11 @@ loops' progress (global step, epoch, batch index). What they lack, and this modu
   process's own GPU's, with one warning line: `CudaRandom`);
 - checkpoints often enough to matter: `ResumeCheckpoint`, the checkpoint ``fit`` keeps by default
   (every `EVERY_N_TRAIN_STEPS` steps, ``last.ckpt`` linked to the newest), and
-  ``--ckpt_path last`` finds the newest ``last.ckpt`` of the earlier runs in the same log folder.
+  ``--ckpt_path last`` finds the newest ``last.ckpt`` of the earlier runs in the same log folder;
+- the validation of the step a checkpoint is written at: Lightning writes a step's checkpoint before that step's
+  validation runs and, resumed from it, goes on without running it again, so the best-model record
+  (`lit_memory.best.BestCheckpoint`) would miss it and the resumed run export another step than the uninterrupted
+  one; `ResumeCheckpoint` writes such a step's checkpoint after its validation.
 
 Exactness holds while nothing between the checkpoint and the next training step draws from the
 global random generators: the data module's loaders draw from generators of their own.
@@ -42,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit_memory import guard
-from lit_memory.best import BestCheckpoint
+from lit_memory.best import BestCheckpoint, ValidationStep
 from lit_memory.errors import UserError
 from lit_memory.precision import trains_with
 from lit_memory.settings import Precision, key_of
@@ -242,6 +246,34 @@ class ResumeCheckpoint(ModelCheckpoint):
     ) -> None:
         super().__init__(every_n_train_steps=every_n_train_steps, save_last=save_last, **kwargs)
         self._in_run_folder = kwargs.get("dirpath") is None
+        self._after_validation: Optional[int] = None  # a step whose checkpoint waits for the step's validation
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # The best-model record updates itself at on_validation_end before this writes it into a checkpoint. A new
+        # list: Lightning is going through the old one, calling each callback's setup.
+        callbacks = trainer.callbacks
+        best = [c for c in callbacks if isinstance(c, BestCheckpoint)]
+        if best and callbacks.index(self) < max(callbacks.index(b) for b in best):
+            rest = [c for c in callbacks if c is not self]
+            rest.insert(max(rest.index(b) for b in best) + 1, self)
+            trainer.callbacks = rest
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        due = self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0 and step > 0
+        if due and validates_next(trainer) and not self._should_skip_saving_checkpoint(trainer):
+            self._after_validation = step  # written once the step's validation is in the best-model record
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self._after_validation is not None and self._after_validation == trainer.global_step and not trainer.sanity_checking:
+            self._after_validation = None
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         # Lightning's "last" looks only in this run's own folder (private API, checked by tests/test_resume.py).
@@ -262,18 +294,28 @@ class ResumeCheckpoint(ModelCheckpoint):
         return found
 
 
+def validates_next(trainer: Trainer) -> bool:
+    """Whether the fit loop validates right after the batch that just ended (Lightning's own decision, asked of its
+    training epoch loop: private in 2.6, tests/test_resume.py checks it)."""
+    loop = trainer.fit_loop.epoch_loop
+    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
 def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Optional[bool]) -> list[Callback]:
     """The configured callbacks plus what exact resume needs: `ExactResume`, and `ResumeCheckpoint`
-    unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured; and the
-    best validated checkpoint (`lit_memory.best.BestCheckpoint`) unless checkpointing is off or one is configured."""
+    unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured; the
+    best validated checkpoint (`lit_memory.best.BestCheckpoint`) unless checkpointing is off or one is configured; and
+    one step numbering in the logs (`lit_memory.best.ValidationStep`)."""
     callbacks = list(callbacks or [])
     if not any(isinstance(c, ExactResume) for c in callbacks):
         callbacks.append(ExactResume())
+    if not any(isinstance(c, ValidationStep) for c in callbacks):
+        callbacks.append(ValidationStep())
     if enable_checkpointing is not False:
-        if not any(isinstance(c, ModelCheckpoint) and not isinstance(c, BestCheckpoint) for c in callbacks):
-            callbacks.append(ResumeCheckpoint())
         if not any(isinstance(c, BestCheckpoint) for c in callbacks):
             callbacks.append(BestCheckpoint())  # the best validated weights, which hf_model/ is exported from
+        if not any(isinstance(c, ModelCheckpoint) and not isinstance(c, BestCheckpoint) for c in callbacks):
+            callbacks.append(ResumeCheckpoint())  # after the best-model record: it writes the record's state
     return callbacks
 
 

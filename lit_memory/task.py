@@ -107,7 +107,8 @@ def id_column(columns: Sequence[str], given: Optional[str], where: str) -> Optio
 @dataclass(frozen=True)
 class Task:
     """A sequence classification task: Hugging Face's ``problem_type``, the number of outputs (1 for regression),
-    the class names in id order (None: integer ids with transformers' default names), where the columns are."""
+    the class names in id order (labels given as ids are named as the file writes them, ``0``, ``1``; None for
+    regression), where the columns are."""
 
     problem_type: ProblemType
     num_labels: int
@@ -229,7 +230,8 @@ def _multi_label(
     elif seen and all(isinstance(v, int) and not isinstance(v, bool) for v in seen):
         if min(seen) < 0:
             raise UserError(f"label id {min(seen)} in column {column!r} of {where}: ids start at 0")
-        return _checked_count(Task(MULTI, max(num_labels or 0, max(seen) + 1), None, columns), None)
+        total = max(num_labels or 0, max(seen) + 1)
+        return _checked_count(Task(MULTI, total, tuple(str(i) for i in range(total)), columns), None)
     else:
         names = tuple(sorted({str(v) for v in seen}))
     if not names:
@@ -272,7 +274,8 @@ def _single_label(
                 f"label {max(ids)} in column {column!r} of {where} is outside num_labels={num_labels} (expected "
                 f"0..{num_labels - 1}); set model.num_labels or data.label_names"
             )
-        return Task(SINGLE, max(num_labels or 2, count), None, columns)
+        total = max(num_labels or 2, count)
+        return Task(SINGLE, total, tuple(str(i) for i in range(total)), columns)  # the ids as the file writes them
     names = tuple(sorted({str(v) for v in present}))  # like datasets' class_encode_column
     return _checked_count(Task(SINGLE, max(len(names), 2), names, columns), num_labels)
 

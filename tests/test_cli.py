@@ -225,3 +225,50 @@ def test_a_runs_switches_hold_for_the_run_only(tmp_path):
         assert dict(os.environ) == environment and dict(jsonargparse._common.parsing_settings) == policy
         assert not trust.import_policy_enforced() and not guard.restricted()
         assert AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings()) == runtime
+
+
+# -- a setting the user types wins over a checkpoint's (issue 53) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multi_label_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint whose saved hyper-parameters are a multi-label model's at threshold 0.7 (what Lightning lays
+    over the settings of ``validate/test/predict --ckpt_path``), as `SequenceClassifier` saves them."""
+    from lit_memory.model import SequenceClassifier
+
+    module = SequenceClassifier(num_labels=3, problem_type="multi_label_classification", threshold=0.7)
+    path = tmp_path_factory.mktemp("ckpt") / "best-step=4.ckpt"
+    torch.save({"hyper_parameters": dict(module.hparams), "state_dict": {}}, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["validate", "test", "predict"])
+def test_a_typed_setting_wins_over_the_checkpoints_saved_one(command, multi_label_checkpoint, tmp_path, capsys):
+    from lit_memory.cli import resolve
+
+    config = tmp_path / "run.yaml"  # a run's config.yaml: a file, not typed: the checkpoint's threshold wins over it
+    config.write_text("model:\n  threshold: 0.3\n")
+    base = [command, "--config", str(config), f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}"]
+    assert resolve(base).settings.model.threshold == 0.7
+    run = resolve([*base, "--model.thresh", "0.25", "--model.compile=false"])  # typed (abbreviated as argparse takes it)
+    assert run.settings.model.threshold == 0.25 and run.typed_settings["model.threshold"] == 0.25
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"model.threshold=0.25 as typed, over 0.7 saved in checkpoint {multi_label_checkpoint}"
+    ]
+    model = run.build(trainer=False).model
+    assert model.hparams.threshold == 0.25 and model.val_metrics["val_f1_micro"].threshold == 0.25
+
+
+@pytest.mark.parametrize("typed, saved", [
+    (["--model.num_labels", "4"], "model.num_labels=3"),
+    (["--model.problem_type", "single_label_classification"], "model.problem_type='multi_label_classification'"),
+    (['--model.config_overrides={"num_hidden_layers": 2}'], "model.config_overrides=None"),
+])
+def test_a_typed_setting_the_weights_depend_on_is_refused_in_one_line(typed, saved, multi_label_checkpoint, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate", "--trust-recipe", f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}", *typed])
+    assert exit_.value.code == 2
+    error = the_error(capsys.readouterr().err)
+    key = typed[0].split("=")[0]
+    assert error.startswith(f"error: {key} ") and f"checkpoint {multi_label_checkpoint} holds weights made with {saved}" in error
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -46,7 +46,7 @@ def test_tsv_and_jsonl_with_custom_columns(tmp_path):
         dm = make(path, text_column="body", label_column="y")
         dm.setup()
         assert sum(len(dm.splits[s]) for s in ("train", "validation", "test")) == 30
-        assert dm.resolved_label_names is None  # integer labels are used as ids
+        assert dm.resolved_label_names == ["0", "1"]  # integer labels are used as ids, named as the file writes them
 
 
 def test_splits_are_stratified_and_reproducible(tmp_path):
@@ -178,14 +178,17 @@ def test_a_users_file_trains_on_all_its_rows_and_the_line_says_where_they_went(t
     dm.prepare_data()
     assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [79, 10, 10]  # 99 usable rows, 80/10/10
     assert dm.summary.startswith(f"data: train 79 · validation 10 · test 10 rows of {tmp_path / 'mine.csv'} "
-                                 "(single_label_classification: 2 classes; text review, label label); validation "
-                                 "and test carved out of train 10 % / 10 %; 1 rows dropped")
+                                 "(single_label_classification: 2 classes (0, 1); text review, label label); validation "
+                                 "and test carved out of train 10 % / 10 %; 1 row dropped: 1 with an empty text or "
+                                 "no label")
     share = 100 * sum(1 for r in data if len(r["review"].split()) > 10) / 79  # in train or not: at most this share
     assert dm.summary.endswith("of training texts truncated at max_length 16") and float(dm.summary.split("; ")[-1].split()[0]) <= share
     demo = TextClassificationData(limit_eval_samples=20)  # `auto`: the bundled demo keeps 4,000
     demo.prepare_data()
     assert len(demo.splits["train"]) == 4000
     assert "training on data.limit_train_samples=4000 (the bundled demo's CPU-sized subset); null trains on all" in demo.summary
+    # the rows the demo leaves out, said as what they are: the neutral tweets
+    assert "15,018 rows dropped: labelled neutral (15,018), not in data.label_names (negative, positive)" in demo.summary
 
 
 def test_a_hub_dataset_is_named_with_its_configuration_and_its_own_splits(tmp_path, monkeypatch):

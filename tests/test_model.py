@@ -184,3 +184,38 @@ def test_an_optimizer_that_ignores_the_closure_is_one_line(tmp_path):
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"the optimizer {IgnoresClosure.__module__}.")
     assert "must call it" in message
+
+
+def test_predictions_are_written_at_fp32_not_at_the_autocast_precision():
+    """Under a 16-bit autocast (the bf16 recipes') the head's output layer still computes in fp32: a regression value
+    is not rounded to bf16's 8 bits (1.609375), and it is what the model computes in fp32 from the same body."""
+    from lit_memory.tokenizing import load_tokenizer
+
+    torch.manual_seed(0)
+    model = SequenceClassifier("bundled:bert-large", num_labels=1, problem_type="regression", pretrained=False,
+                               config_overrides={"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
+                                                 "intermediate_size": 128})
+    model.configure_model()
+    model.eval()
+    batch = dict(load_tokenizer("bundled:bert-large")([f"text number {i}" for i in range(16)], return_tensors="pt",
+                                                       padding=True))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        written = model.predict_step(batch, 0)["outputs"].squeeze(-1)
+        body_16bit = model.model(**batch).logits.squeeze(-1)  # the whole model under autocast: bf16 values
+    assert written.dtype == torch.float32
+    assert torch.equal(body_16bit.float(), body_16bit.float().bfloat16().float())  # what was written before
+    assert (written != written.bfloat16().float()).sum() >= 12  # fp32 values, not bf16's
+    assert torch.allclose(written, body_16bit.float(), atol=0.05)  # the same prediction, at fp32's precision
+
+
+def test_the_spearman_caution_is_said_once_and_only_where_an_evaluation_feeds_it(capsys, recwarn):
+    from lit_memory import evaluation
+
+    evaluation.task_metrics("regression", 1)
+    evaluation.task_metrics("regression", 1)
+    assert not [w for w in recwarn if "SpearmanCorrcoef" in str(w.message)]  # building the metrics: nothing said
+    evaluation._buffer_said = False
+    evaluation.buffered("single_label_classification")
+    evaluation.buffered("regression")
+    evaluation.buffered("regression")
+    assert capsys.readouterr().err.count("note: spearman keeps every prediction and label") == 1

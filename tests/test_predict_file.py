@@ -114,7 +114,9 @@ def test_predict_from_the_checkpoint_writes_a_row_per_input_and_the_metrics(run,
          "--data.predict_path", str(texts), f"--trainer.default_root_dir={root}"],
         capsys,
     )
-    assert path == root / "lightning_logs" / "version_0" / "predictions.csv"
+    # apart from the training runs' version_N: under lightning_logs/predict/
+    assert path == root / "lightning_logs" / "predict" / "version_0" / "predictions.csv"
+    assert sorted(p.name for p in (root / "lightning_logs").iterdir()) == ["predict"]
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no temporary file left
     with open(path, newline="", encoding="utf-8") as f:
         written = list(csv.DictReader(f))
@@ -162,7 +164,7 @@ def test_bad_input_to_predict_is_one_line_and_writes_nothing(run, tmp_path, caps
     cases = {
         str(tmp_path / "missing.csv"): f"error: data.predict_path: file not found: {tmp_path / 'missing.csv'}",
         str(no_text): f"error: no text column in {no_text}: its columns are ['body', 'label']; looked for text, sentence, review",
-        str(empty): f"error: data.predict_path: {empty} has no rows",
+        str(empty): f"error: data.predict_path: {empty} is empty",
     }
     root = tmp_path / "runs"
     for source, expected in cases.items():

@@ -129,6 +129,8 @@ def assert_parents_first(order: list[str]) -> None:
 
 
 def test_list_shows_tiers_in_order_with_parent_description_and_measured_numbers(tmp_path, monkeypatch, capsys):
+    from lit_memory import shipped as where
+
     shipped = tmp_path / "recipes"
     shipped.mkdir()
     for name in ALL:
@@ -136,7 +138,7 @@ def test_list_shows_tiers_in_order_with_parent_description_and_measured_numbers(
     rows = [{"recipe": "baseline", "peak_measured_bytes": int(15.1 * 2**30), "samples_per_s": 70.1},
             {"recipe": "4gb", "peak_measured_bytes": int(3.41 * 2**30), "samples_per_s": 55.0}]
     records.write_bench(shipped, {"command": "python -m lit_memory bench"}, rows)  # what bench --update-readme leaves
-    monkeypatch.setattr(recipes, "PACKAGED", shipped)
+    monkeypatch.setattr(where, "PACKAGED", shipped)
     code, out, _ = run_main(["recipes"], capsys)
     assert code == 0
     listed = {line.split()[0]: line for line in out.splitlines()[1 : 1 + len(ALL)]}

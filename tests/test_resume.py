@@ -64,6 +64,8 @@ def fit(
         "--model.lr_scheduler_type=linear", "--model.warmup_ratio=0.25", "--model.optimizer.init_args.lr=1e-3",
         f"--data.source={data}", "--data.batch_size=4", "--data.max_length=16",
         f"--trainer.max_epochs={EPOCHS}", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
+        # a validation after every checkpoint's step (steps 5, 10, 15): the best-model record must hold it on resume
+        "--trainer.check_val_every_n_epoch=null", f"--trainer.val_check_interval={EVERY}",
         "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         "--trainer.callbacks+=lit_memory.resume.ResumeCheckpoint", f"--trainer.callbacks.every_n_train_steps={EVERY}",
         "--trainer.callbacks+=LearningRateMonitor", "--trainer.callbacks.logging_interval=step",
@@ -78,7 +80,9 @@ def fit(
 
 
 def kill_and_resume(full: Path, interrupted: Path, recipe: str, data: Path, *more: str) -> None:
-    """The uninterrupted run in ``full``; in ``interrupted``, the run killed after step 11 and its resume."""
+    """The uninterrupted run in ``full``; in ``interrupted``, the run killed after step 11 and its resume, which
+    exports the uninterrupted run's best step (its record holds the validation that ran after the step-10 checkpoint's
+    step) and closes with its val: line."""
     done = fit(full, recipe, data, *more)
     assert done.returncode == 0, done.stderr[-4000:]
     killed = fit(interrupted, recipe, data, *more, "--trainer.callbacks+=interrupt.KillAfterStep",
@@ -89,6 +93,17 @@ def kill_and_resume(full: Path, interrupted: Path, recipe: str, data: Path, *mor
     resumed = fit(interrupted, recipe, data, *more, "--ckpt_path=last")  # a new run folder, version_1
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"Restoring states from the checkpoint path at {last}" in resumed.stdout + resumed.stderr
+    saved = torch.load(last, weights_only=True, map_location="cpu")["callbacks"]["BestCheckpoint"]
+    assert saved["validated_step"] == 10  # written after the step's validation (it was 5: the one before)
+    assert exported(resumed.stderr) == exported(done.stderr) and val_lines(resumed.stdout) == val_lines(done.stdout)
+
+
+def exported(stderr: str) -> str:
+    return next(line for line in stderr.splitlines() if line.startswith("hf_model: ")).split(", saved to ")[0]
+
+
+def val_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("val")]
 
 
 def run(root: Path, version: int = 0) -> Path:
@@ -350,15 +365,15 @@ def test_last_is_the_newest_last_ckpt_of_the_earlier_runs(tmp_path):
 
 
 def test_fit_checkpoints_every_few_hundred_steps_unless_configured_otherwise():
-    from lit_memory.best import BestCheckpoint
+    from lit_memory.best import BestCheckpoint, ValidationStep
 
     default = fit_callbacks(None, None)
-    assert [type(c) for c in default] == [ExactResume, ResumeCheckpoint, BestCheckpoint]
-    assert default[1]._every_n_train_steps == EVERY_N_TRAIN_STEPS and default[1].save_last == "link"
+    assert [type(c) for c in default] == [ExactResume, ValidationStep, BestCheckpoint, ResumeCheckpoint]
+    assert default[3]._every_n_train_steps == EVERY_N_TRAIN_STEPS and default[3].save_last == "link"
     own = ModelCheckpoint(monitor="val_f1", mode="max")
     kept = fit_callbacks([own], None)  # the user's replaces the resume checkpoint; the best validated one stays
-    assert kept[0] is own and [type(c) for c in kept[1:]] == [ExactResume, BestCheckpoint]
-    assert [type(c) for c in fit_callbacks(None, False)] == [ExactResume]  # --trainer.enable_checkpointing=false
+    assert kept[0] is own and [type(c) for c in kept[1:]] == [ExactResume, ValidationStep, BestCheckpoint]
+    assert [type(c) for c in fit_callbacks(None, False)] == [ExactResume, ValidationStep]  # enable_checkpointing=false
 
 
 def test_a_default_fit_keeps_last_ckpt(reviews, fast_args):
@@ -366,7 +381,10 @@ def test_a_default_fit_keeps_last_ckpt(reviews, fast_args):
     tiny = ["--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={TINY}", "--data.batch_size=4",
             f"--data.source={reviews}"]
     cli = LitMemoryCLI(args=["fit", "--config", str(RECIPES / "baseline.yaml"), *tiny, *args])
-    assert isinstance(cli.trainer.checkpoint_callback, ResumeCheckpoint)
+    from lit_memory.best import BestCheckpoint
+
+    # the best-model record first (a step's checkpoint writes its state after it updates): Lightning's `best` is it
+    assert [type(c) for c in cli.trainer.checkpoint_callbacks] == [BestCheckpoint, ResumeCheckpoint]
     assert any(isinstance(c, ExactResume) for c in cli.trainer.callbacks)
     # fewer steps than the interval: last.ckpt is written when the fit ends
     assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()

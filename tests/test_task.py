@@ -56,7 +56,7 @@ def test_the_problem_type_and_labels_come_from_the_labels():
     single = infer(rows_of(["pos", "neg", "pos"]), Columns(("text",), ("label",)))
     assert (single.problem_type, single.num_labels, single.label_names) == (SINGLE, 2, ("neg", "pos"))
     ids = infer(rows_of([0, 3, 1]), Columns(("text",), ("label",)))
-    assert (ids.problem_type, ids.num_labels, ids.label_names) == (SINGLE, 4, None)
+    assert (ids.problem_type, ids.num_labels, ids.label_names) == (SINGLE, 4, ("0", "1", "2", "3"))  # as the file has them
     assert infer(rows_of([1.0, 2.0]), Columns(("t",), ("label",))).problem_type == SINGLE  # whole numbers: classes
     scores = infer(rows_of([0.5, 3.2, 5.0]), Columns(("a", "b"), ("label",)))
     assert (scores.problem_type, scores.num_labels, scores.main_metric) == (REGRESSION, 1, "pearson")

@@ -33,7 +33,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from lit_memory import files, recipes
+from lit_memory import files, recipes, shipped
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.environment import for_new_job
 from lit_memory.errors import UserError
@@ -561,10 +561,10 @@ def main(argv: list[str]) -> None:
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"bench needs {' and '.join(missing)}: pip install 'lit-memory[bench]'")
-    if args.update_readme and recipes.recipes_dir() != recipes.CHECKOUT:
+    if args.update_readme and shipped.recipes_dir() != shipped.CHECKOUT:
         raise UserError(
             f"--update-readme writes into a checkout's recipes/ and README.md, and this lit_memory runs from an "
-            f"installed package ({recipes.recipes_dir()}): run it from a clone (pip install -e .)"
+            f"installed package ({shipped.recipes_dir()}): run it from a clone (pip install -e .)"
         )
     names = ordered(args.recipes)
     runs = prepare(names, user_args, args.out, args.warmup, args.steps, args.eval, args.peer)
@@ -583,7 +583,7 @@ def main(argv: list[str]) -> None:
 
     rows = bench(runs, args.out, args.warmup, args.steps, args.eval, args.peer, save)
     if args.update_readme:  # only a finished run
-        folder = recipes.CHECKOUT
+        folder = shipped.CHECKOUT
         table = markdown(rows, info(rows), "Recipes, measured")
         files.write_text(folder / "README.md", table)
         records.write_bench(folder, info(rows), rows)

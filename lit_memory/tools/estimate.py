@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,11 @@ from lit_memory.memory.measure.report import table
 from lit_memory.memory.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
 from lit_memory.optimizer_state import unquantised_extra
 
+DEFAULT_MODEL = "bundled:minilm"
+DEFAULT_MODEL_WORDS = (
+    " (all-MiniLM-L6-v2, the recipes' model unless a config names another: --config configs/bert-large.yaml or "
+    "--model.model_name_or_path NAME)"
+)
 CUDA_NOTES = (
     "the CPU simulation runs CPU kernels; CUDA's stand in where their memory differs (attention kernel, dropout "
     "masks, autocast's fp32 ops); the analytic model predicts CUDA's directly"
@@ -165,16 +171,70 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
 
 
 def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
-    """Whether the step fits, with the margin kept (`lit_memory.memory.hardware.margin`): its predicted device total
-    against ``memory.budget`` (else ``memory.tier``) where one is set, else the target card's capacity; on a
-    CPU target, the tensors against the budget (None without one)."""
-    budget = step.memory.limit_bytes
-    if step.target.cuda_device and (budget is None or step.target.gpu.memory < budget):
+    """Whether the step fits the card asked about, with the margin kept (`lit_memory.memory.hardware.margin`): its
+    predicted device total against the card's capacity, or against ``memory.budget`` where that caps the card lower
+    (the allocator is capped there), named with the card; ``memory.tier`` is what the plan was made for, not a limit
+    on this card. On a CPU target, the tensors against the budget or tier (None without one)."""
+    budget = step.memory.budget
+    if step.target.cuda_device:
         gpu = step.target.gpu
-        return Fit(level(footprint), gpu.memory, step.margin, f"{gpu.label} ({format_bytes(gpu.memory)})")
-    if budget is None:
+        card = f"{gpu.label} ({format_bytes(gpu.memory)})"
+        if budget is not None and budget.bytes < gpu.memory:
+            return Fit(level(footprint), budget.bytes, step.margin, f"{card} capped at {budget.words('memory.budget')}")
+        return Fit(level(footprint), gpu.memory, step.margin, card)
+    if step.memory.limit_bytes is None:
         return None
-    return Fit(level(footprint), budget, step.margin, step.memory.limit_words)
+    return Fit(level(footprint), step.memory.limit_bytes, step.margin, step.memory.limit_words)
+
+
+# Where the project's GPU records are (`python -m lit_memory bench --gpu-proof`): installed with the package, or a
+# checkout's docs/gpu. A record named after a catalogue key is a card's current one (h200-before.json is not).
+GPU_RECORDS = (Path(__file__).resolve().parents[1] / "assets" / "gpu", Path(__file__).resolve().parents[2] / "docs" / "gpu")
+
+
+def mfu_assumption(kind: str, recomputes: bool) -> Optional[tuple[float, str]]:
+    """The model FLOPs utilisation to assume for a step of peak ``kind`` (``bf16/fp16 dense`` or ``fp32``), and where
+    it comes from: the median over the project's GPU records of the rows of that kind, those that recompute (or not)
+    as the step does where there are any; None without a record."""
+    folder = next((f for f in GPU_RECORDS if f.is_dir()), None)
+    rows = []
+    for path in sorted(folder.glob("*.json")) if folder else []:
+        if path.stem not in GPUS:
+            continue
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        rows += [(row, path.name) for row in record.get("recipes", []) if row.get("mfu") and row.get("peak_kind") == kind]
+    alike = [(row, name) for row, name in rows if bool(row.get("recompute_share")) == recomputes]
+    rows = alike or rows
+    if not rows:
+        return None
+    rows.sort(key=lambda item: item[0]["mfu"])
+    row, name = rows[len(rows) // 2]
+    return float(row["mfu"]), f"{row['recipe']} on {name}"
+
+
+def throughput(step: Step, counted: Flops) -> dict[str, Any]:
+    """Training samples per second on the target card, an estimate: its dense peak for the step's precision (the
+    catalogue, `lit_memory.memory.hardware.gpus`) times the model FLOPs utilisation this project measured for such
+    steps (`mfu_assumption`), over the step's model FLOPs per sample (counted, without recompute); ``why`` says what
+    is missing where there is no estimate."""
+    if not step.target.cuda_device:
+        return {"samples_per_s": None, "why": "a GPU estimate (the CPU is not a GPU)"}
+    gpu = step.target.gpu
+    half = "16" in step.precision.name
+    kind = "bf16/fp16 dense" if half else "fp32"
+    peak = gpu.tflops if half else gpu.fp32_tflops
+    if not peak:
+        return {"samples_per_s": None, "why": f"no {kind} peak for {gpu.label} in the catalogue"}
+    found = mfu_assumption(kind, counted.recompute > 0)
+    if found is None:
+        return {"samples_per_s": None, "why": "no GPU record (docs/gpu) to take a utilisation from"}
+    mfu, source = found
+    model_flops = (counted.total - counted.recompute - counted.measuring) / counted.samples
+    return {"samples_per_s": mfu * peak * 1e12 / model_flops, "gpu": gpu.label, "peak_tflops": peak, "peak_kind": kind,
+            "mfu": mfu, "mfu_from": source, "model_flops_per_sample": model_flops}
 
 
 def flops_fields(counted: Flops) -> dict[str, Any]:
@@ -210,7 +270,8 @@ def format_report(data: dict) -> str:
         f"{name} {file_gib(model['parameters'], n):.2f} GiB" for name, n in (("fp32", 4), ("fp16", 2), ("int8", 1))
     )
     lines = [
-        f"{model['name']}: {model['parameters'] / 1e6:.1f} M parameters ({model['trainable'] / 1e6:.1f} M trainable); "
+        f"estimating {model['name']}{DEFAULT_MODEL_WORDS if model['name'] == DEFAULT_MODEL else ''}: "
+        f"{model['parameters'] / 1e6:.1f} M parameters ({model['trainable'] / 1e6:.1f} M trainable); "
         f"batch {setup['batch_size']} x {setup['max_length']} tokens, {setup['precision']}, {setup['optimizer']}, "
         f"accumulate {setup['accumulate_grad_batches']}, "
         f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
@@ -231,6 +292,16 @@ def format_report(data: dict) -> str:
             f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} %"
             + (f", measuring backward {found['measuring'] / 1e12:.2f} TFLOP" if found.get("measuring") else "")
         )
+    speed = data.get("throughput") or {}
+    if speed.get("samples_per_s"):
+        lines.append(
+            f"throughput on {speed['gpu']}: about {speed['samples_per_s']:,.0f} samples/s, an estimate, not a measurement: "
+            f"its {speed['peak_kind']} peak {speed['peak_tflops']:g} TFLOP/s x {100 * speed['mfu']:.1f} % model FLOPs "
+            f"utilisation (measured for {speed['mfu_from']}, docs/gpu; a card whose step is less host-bound than there "
+            f"uses more of its peak) / {speed['model_flops_per_sample'] / 1e9:.1f} GFLOP per sample"
+        )
+    elif speed.get("why"):
+        lines.append(f"throughput: no estimate ({speed['why']})")
     if data.get("verdict"):
         lines.append(f"verdict: {data['verdict']['line']}")
     lines += [f"note: {n}" for n in data["notes"]]
@@ -283,6 +354,8 @@ def main(argv: list[str]) -> None:
     if declined:
         predictions["analytic"].notes.append(declined)
     data = report(step, predictions, counted)
+    if counted is not None:
+        data["throughput"] = throughput(step, counted)
     print(json.dumps(data, indent=2) if ours.json else format_report(data))
 
 

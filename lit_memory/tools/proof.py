@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_memory import files, recipes
+from lit_memory import files, shipped
 from lit_memory.bounds import read_yaml
 from lit_memory.bundled import resolve_model
 from lit_memory.errors import UserError
@@ -267,7 +267,7 @@ def write_proof(rows: list[dict[str, Any]], info: dict[str, Any], path: Path) ->
 def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", peer: bool = False) -> None:
     if not dry_run and not torch.cuda.is_available():
         raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere)")
-    if recipes.recipes_dir() != recipes.CHECKOUT:
+    if shipped.recipes_dir() != shipped.CHECKOUT:
         raise UserError("--gpu-proof writes docs/gpu/ of a checkout: run it from a clone of the repository")
     entries = entries_of(names)
     data = synthetic_csv(out / "synthetic.csv")

@@ -21,31 +21,20 @@ from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
 from lit_memory.memory.hardware.margin import Fit
-from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.planning.recompute import flops, planned
 from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.prediction.step import Step
-from lit_memory.recipes import MEASURED, header, names, recipe_path, recipes_dir, tier_order
+from lit_memory.recipes import names, recipe_path, recipes_dir
+from lit_memory.shipped import listing
 from lit_memory.sandbox import rules
 from lit_memory.settings import leaves, locate
 from lit_memory.trust import HINT, TRUST_FLAG
 
 
 def list_recipes() -> None:
-    """Every shipped recipe, parents before children, with the latest bench run's numbers (``bench.json``
-    beside the recipes, written by ``bench --update-readme``) where it measured them."""
-    folder = recipes_dir()
-    measured = records.read_bench(folder / MEASURED)
-    headers = {name: header(folder / f"{name}.yaml") for name in names()}
-    width = max(map(len, headers)) + 2
-    print(f"{'recipe':{width}}{'parent':{width}}{'peak':>10}  {'samples/s':>9}  description")
-    for name in tier_order():
-        row, fields = measured.get(name, {}), headers[name]
-        peak = format_bytes(row["peak_measured_bytes"]) if row.get("peak_measured_bytes") else "-"
-        speed = f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "-"
-        print(f"{name:{width}}{fields.get('parent', '-'):{width}}{peak:>10}  {speed:>9}  {fields.get(name, '-')}")
-    print("\nrun one: python -m lit_memory fit --recipe NAME    read one: python -m lit_memory recipes show NAME")
+    """Every shipped recipe, parents before children, with the latest bench run's numbers (`lit_memory.shipped.listing`)."""
+    print(listing())
 
 
 # -- the predicted line of every shipped recipe's header ------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from conftest import RECIPES
 
 from lit_memory import recipes
+from lit_memory import shipped as shipped_files
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
@@ -41,8 +42,8 @@ def shipped(tmp_path_factory):
     start, end = bench.README_MARKERS
     (folder.parent / "README.md").write_text(f"# project\n\n{start}\nold table\n{end}\n\n## next section\n")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(recipes, "PACKAGED", folder.parent / "not-installed")
-        patch.setattr(recipes, "CHECKOUT", folder)
+        patch.setattr(shipped_files, "PACKAGED", folder.parent / "not-installed")
+        patch.setattr(shipped_files, "CHECKOUT", folder)
         yield folder
 
 
@@ -168,7 +169,7 @@ def test_missing_bench_extra_is_one_line_before_anything_runs(tmp_path, capsys, 
 
 
 def test_update_readme_refuses_an_installed_package_before_anything_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(recipes, "PACKAGED", RECIPES)  # as if installed from the wheel
+    monkeypatch.setattr(shipped_files, "PACKAGED", RECIPES)  # as if installed from the wheel
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--recipes", "baseline", "--update-readme", "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2

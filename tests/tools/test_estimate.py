@@ -64,7 +64,7 @@ def test_4gb_fits_its_card_with_the_margin_at_bert_large(capsys):
     verdict = data["verdict"]
     assert verdict["fits"] and verdict["spare"] >= 0.08 and verdict["limit_bytes"] == data["device"]["capacity_bytes"]
     assert footprint["device_bytes"] <= 0.92 * data["device"]["capacity_bytes"]
-    assert verdict["line"].startswith("fits memory.tier rtx3050-4gb (3.81 GiB) with")
+    assert verdict["line"].startswith("fits rtx3050-4gb (3.81 GiB) with")
 
 
 def test_the_context_and_the_gpu_come_from_the_options(capsys):
@@ -197,3 +197,31 @@ def test_4gb_on_a_gpu_without_bf16_fits_4_gib_in_fp16_with_its_checking_backward
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: trainer.precision bf16-true keeps the weights in bf16") and "--recipe 4gb" in error
+
+
+def test_the_verdict_names_the_card_asked_and_the_first_line_the_model_with_a_throughput_estimate(capsys):
+    """estimate --recipe 4gb --gpu rtx4060: the verdict is about the RTX 4060 (the recipe's memory.tier, rtx3050-4gb,
+    is what its plan was made for), the first line names the model estimated (MiniLM, the recipes' own), and the
+    samples per second for the card are estimated from its catalogued peak and the utilisation the project's GPU
+    record measured for such a step, said to be an estimate; a memory.budget below the card caps it, named with it."""
+    from lit_memory.memory.hardware.gpus import GPUS
+    from lit_memory.tools.estimate import GPU_RECORDS, format_report
+
+    main(["estimate", "--json", "--no-simulate", "--recipe", "4gb", "--gpu", "rtx4060"])
+    data = json.loads(capsys.readouterr().out)
+    card = GPUS["rtx4060"]
+    assert data["verdict"]["line"].startswith("fits rtx4060 (7.75 GiB) with") and data["verdict"]["limit_bytes"] == card.memory
+    text = format_report(data).splitlines()
+    assert text[0].startswith("estimating bundled:minilm (all-MiniLM-L6-v2, the recipes' model unless a config names")
+    record = json.loads(next(f for f in GPU_RECORDS if f.is_dir()).joinpath("h200.json").read_text())
+    bf16 = next(r for r in record["recipes"] if r["recipe"] == "bf16")  # bf16 dense, no recompute: as MiniLM's 4gb step
+    flops = data["predicted"]["flops"]
+    model_flops = (flops["forward"] + flops["backward"] - flops["recompute"] - flops["measuring"]) / 32
+    speed = data["throughput"]
+    assert speed["mfu"] == bf16["mfu"] and speed["peak_tflops"] == card.tflops
+    assert speed["samples_per_s"] == pytest.approx(bf16["mfu"] * card.tflops * 1e12 / model_flops, rel=1e-9)
+    assert any(line.startswith(f"throughput on rtx4060: about {speed['samples_per_s']:,.0f} samples/s, an estimate,")
+               for line in text)
+    main(["estimate", "--json", "--no-simulate", "--recipe", "4gb", "--gpu", "rtx4060", "--memory.budget", "2GiB"])
+    capped = json.loads(capsys.readouterr().out)["verdict"]
+    assert capped["limit_bytes"] == 2 * 2**30 and "rtx4060 (7.75 GiB) capped at memory.budget 2.00 GiB" in capped["line"]

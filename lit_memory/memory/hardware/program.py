@@ -144,6 +144,7 @@ def trace(m: StepModel) -> _Trace:
     t = _Trace()
     t.phase("setup")
     n = m.shards
+    labels = bucket_labels(m)
     for p in m.params:  # the model moved to the device, parameter by parameter (never freed)
         t.alloc(-(-p.bytes // n), "weights")
     t.alloc(m.buffers, "weights")
@@ -196,7 +197,7 @@ def trace(m: StepModel) -> _Trace:
                 for b, bucket in enumerate(m.buckets):
                     if i in bucket and all(j in done for j in bucket):
                         step_optimizer(bucket, m.bucket_temps[b] if b < len(m.bucket_temps) else [])
-                        t.mark(f"step: bucket {b + 1} of {len(m.buckets)}")
+                        t.mark(labels[b])
                         free_grads(bucket)
 
         _backward(t, m, forward_keys, layer_params, arrived, keep=False)
@@ -218,6 +219,29 @@ def trace(m: StepModel) -> _Trace:
                 t.mark("gradients freed")
         t.marking = False
     return t
+
+
+def bucket_labels(m: StepModel) -> list[str]:
+    """Each fused bucket's step named by what it holds, in forward order (``step: layers 21-23``, ``step: layer 23 +
+    head``, ``step: embeddings``; several buckets of one part are numbered in forward order, ``step: embeddings
+    (2 of 3)``): the points' order is backward's, and the names say where in the model each is."""
+    names = []
+    for bucket in m.buckets:
+        params = [m.params[i] for i in bucket]
+        layers = sorted({p.layer + 1 for p in params if p.layer is not None})
+        parts = ["embeddings"] if any(p.layer is None and not p.head for p in params) else []
+        if layers:
+            parts.append(f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}")
+        if any(p.head for p in params):
+            parts.append("head")
+        names.append("step: " + " + ".join(parts))
+    total = {name: names.count(name) for name in names}
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if total[name] > 1:
+            seen[name] = seen.get(name, 0) + 1
+            names[i] = f"{name} ({seen[name]} of {total[name]})"
+    return names
 
 
 # Tensors a layer keeps that have no gradient: masks, statistics, the kernel's bias and log-sum-exp.

@@ -1,7 +1,7 @@
 """The picture of a training step: where the memory goes, predicted beside measured (``memory.png``).
 
-x: the step in order (forward layer by layer, the loss, backward layer by layer, the fused step's buckets or the
-optimizer step); y: GiB. Stacked areas are the predicted tensors per category (weights, gradients, optimizer state,
+x: the step in order (forward layer by layer, the loss, backward layer by layer, the fused step's buckets, each named
+by the layers it holds, or the optimizer step); y: GiB. Stacked areas are the predicted tensors per category (weights, gradients, optimizer state,
 activations, other) from the analytic model's step written out event by event
 (`lit_memory.memory.hardware.program.timeline`); the line over them is the measured total at the same points
 (torch's MemTracker over the last tracked micro-batch, and on CUDA ``torch.cuda.memory_allocated``): both are
@@ -239,7 +239,7 @@ def _ticks(points: Sequence[dict], most: int = 22) -> list[tuple[int, str]]:
     if len(named) <= most:
         return named
     keep = {0, len(named) - 1}
-    keep |= {i for i, (_, name) in enumerate(named) if not name.startswith(("forward: layer", "backward: layer", "step: bucket"))}
+    keep |= {i for i, (_, name) in enumerate(named) if not name.startswith(("forward: layer", "backward: layer", "step: "))}
     stride = max(1, len(named) // max(most - len(keep), 1))
     keep |= set(range(0, len(named), stride))
     return [named[i] for i in sorted(keep)]

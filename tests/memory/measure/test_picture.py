@@ -162,3 +162,19 @@ def test_on_cuda_the_snapshot_records_the_first_steps_into_the_run_folder(tmp_pa
     err = capsys.readouterr().err
     assert f"memory snapshot (2 optimizer steps): {tmp_path / 'snap.pickle'}" in err
     assert "https://pytorch.org/memory_viz" in err and "python -m torch.cuda._memory_viz trace_plot" in err
+
+
+def test_the_fused_buckets_are_named_by_the_layers_they_hold():
+    """The x axis of a fused step names each bucket by what it holds, in forward order (it said ``bucket 2 of 12``,
+    ``bucket 1``, ..., ``12, 11, 10, 9``): in backward's order, the head, the layers from the last down, the
+    embeddings; several buckets of one part numbered."""
+    import re
+
+    run = resolve(["fit", "--config", str(RECIPES / "fused.yaml")])  # MiniLM: 6 layers, a bucket each
+    step = run.step().on(target("cpu"))
+    labels = [p["label"] for p in analytic(step, levels=False, timeline=True).timeline
+              if p["label"].startswith("step: ") and not p.get("between")]
+    assert labels and len(labels) == len(set(labels)) and not any("bucket" in label for label in labels)
+    layers = [int(m[1]) for label in labels if (m := re.fullmatch(r"step: layer (\d+)", label))]
+    assert layers == [6, 5, 4, 3, 2, 1]
+    assert labels[0].startswith("step: head") and labels[-1].startswith("step: embeddings")

@@ -1,0 +1,62 @@
+"""`lit_memory.best`: the numbers a fit ends with are the model it saved (the closing ``val:`` line and the per-class
+report are the exported step's, the last validation's named as such), and one step numbering in ``metrics.csv``,
+checkpoint names and the log."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+
+from conftest import rows, write_csv
+from lit_memory.__main__ import main
+
+TINY = '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
+
+
+def val_rows(run: Path) -> dict[int, dict[str, float]]:
+    found = {}
+    for row in csv.DictReader(open(run / "metrics.csv")):
+        values = {k[4:]: float(v) for k, v in row.items() if k.startswith("val_") and v}
+        if values:
+            found[int(row["step"])] = values
+    return found
+
+
+def line_of(values: dict[str, float]) -> str:
+    return "  ".join(f"{k}={v:.4f}" for k, v in sorted(values.items()))
+
+
+@pytest.mark.fit
+def test_the_closing_val_line_is_the_exported_steps_and_steps_are_numbered_once(tmp_path, capsys):
+    """Validations after steps 2 and 4; the best kept by the lowest step (step 2), so the last is not the exported."""
+    data = write_csv(tmp_path / "reviews.csv", rows(40))
+    main([
+        "fit", "--trust-recipe", "--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false",
+        f"--model.config_overrides={TINY}", f"--data.source={data}", "--data.batch_size=4", "--data.max_length=16",
+        "--trainer.max_steps=4", "--trainer.check_val_every_n_epoch=null", "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--memory.track_steps=0", "--memory.picture=false",
+        "--trainer.callbacks+=lit_memory.best.BestCheckpoint", "--trainer.callbacks.monitor=step",
+        "--trainer.callbacks.mode=min", f"--trainer.default_root_dir={tmp_path}",
+    ])
+    out, err = capsys.readouterr()
+    run = tmp_path / "lightning_logs" / "version_0"
+    logged = val_rows(run)
+    assert sorted(logged) == [2, 4]  # the steps taken before each validation, as the checkpoint names say
+    assert [p.name for p in (run / "checkpoints").glob("best-*")] == ["best-step=2.ckpt"]
+    assert "hf_model: the best validated weights: step 2, step=2.0000" in err
+    lines = out.splitlines()
+    assert f"val at the last step (4, not exported): {line_of(logged[4])}" in lines
+    assert "val at step 2, exported to hf_model:" in lines  # the per-class report of the exported step
+    assert lines[-1] == f"val: {line_of(logged[2])}"  # the closing line: the model in hf_model/
+    assert logged[2] != logged[4]
+
+
+def test_the_loop_state_validation_step_raises_is_lightnings():
+    """`ValidationStep` raises the fit loop's count of stepped batches while a validation's metrics are logged
+    (Lightning 2.6's private ``_batches_that_stepped``, which its logger connector reads)."""
+    loop = Trainer(logger=False, enable_checkpointing=False).fit_loop.epoch_loop
+    assert isinstance(loop._batches_that_stepped, int)
