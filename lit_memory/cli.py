@@ -238,6 +238,7 @@ class LitMemoryCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if not subcommand or self.config[subcommand].get("ckpt_path") is None:
             return
+        self._check_values()  # a checkpoint someone sent is refused for what it holds before it is compared
         for key, typed in self.typed_settings.items():
             if key.startswith("model."):
                 self._problem(self._typed_wins, key, typed, str(self.config[subcommand].ckpt_path))
