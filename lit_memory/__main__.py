@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from lit_memory import cli, trust
+from lit_memory import cli, environment, trust
 from lit_memory.sandbox import launch
 from lit_memory.sandbox.rules import ENV as CONFINED
 from lit_memory.errors import UserError
@@ -77,7 +77,8 @@ def session(args: list[str]) -> Iterator[trust.Decision]:
     """One command's trust decision (`lit_memory.trust.Decision`: every run and tool inside it is judged by it;
     untrusted unless ``--trust-recipe`` is given), from its first line to its last. Files typed on the command line
     are the user's: read even when they are not regular files (``--config <(...)``)."""
-    with trust.Decision(trusted=trust.TRUST_FLAG in args).applied(cli.named_files(args)) as decision:
+    decision = trust.Decision(trusted=trust.TRUST_FLAG in args)
+    with decision.applied(cli.named_files(args), trust.recipe_folders(args)) as decision:
         yield decision
 
 
@@ -92,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(0 if args else 2)
     code = 0
     try:
-        with session(args):
+        with environment.safe_path(), session(args):
             if args and args[0] in TOOLS:
                 TOOLS[args[0]](args[1:])
             elif confined(args):  # judged here, run in a child the kernel confines

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -128,6 +129,7 @@ class LitMemoryCLI(LightningCLI):
         kwargs.setdefault("parser_class", _Parser)
         if kwargs["save_config_callback"] is recipes.SaveRecipe:
             kwargs["save_config_kwargs"] = {"command": self.command, **(kwargs.get("save_config_kwargs") or {})}
+        stubs_without_a_subprocess()
         with self.scope():
             super().__init__(
                 SequenceClassifier,
@@ -148,7 +150,7 @@ class LitMemoryCLI(LightningCLI):
             yield self
             return
         with contextlib.ExitStack() as held:
-            held.enter_context(self.decision.applied(self._typed_files))
+            held.enter_context(self.decision.applied(self._typed_files, trust.recipe_folders(self.argv or [])))
             held.enter_context(environment.restored())
             self._held = held
             try:
@@ -381,7 +383,12 @@ class LitMemoryCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
-            kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+            configured = list(trainer.get("callbacks") or [])
+            kwargs["callbacks"] = resume.fit_callbacks(configured, trainer.get("enable_checkpointing"))
+            if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
+                typed = self.decision.typed_callbacks(self.settings, configured)
+                ours = {id(c) for c in kwargs["callbacks"]} - {id(c) for c in configured}  # lit_memory's own defaults
+                kwargs["callbacks"].append(guard.RunBounds(exempt=lambda c: id(c) in typed or id(c) in ours))
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)
@@ -441,6 +448,26 @@ def named_files(argv: list[str]) -> list[str]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def stubs_without_a_subprocess() -> None:
+    """jsonargparse reads signatures from typeshed stubs through typeshed_client, whose search path, unless given one,
+    comes from a ``python -c "import sys, json; ..."`` it starts in the working folder, with that folder first on its
+    path: a ``json.py`` in a folder someone sent ran there while `recipes check` said ok. The resolver is made here
+    once, with this process's own path (without the working folder), so the parse starts no Python at all
+    (`lit_memory.environment.safe_path` covers the rest). jsonargparse caches it in its private module with no setter;
+    tests/test_trust.py checks the names this uses still exist."""
+    try:
+        from jsonargparse import _stubs_resolver as stubs
+        from jsonargparse._common import get_parsing_setting
+    except ImportError:
+        return
+    if stubs.stubs_resolver is not None or not stubs.typeshed_client_support:
+        return
+    work = os.path.realpath(os.getcwd())
+    path = [Path(p) for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != work]
+    context = stubs.tc.get_search_context(search_path=path, allow_py_files=get_parsing_setting("stubs_resolver_allow_py_files"))
+    stubs.stubs_resolver = stubs.StubsResolver(search_context=context)
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:
