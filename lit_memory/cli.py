@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -438,10 +439,12 @@ class LitMemoryCLI(LightningCLI):
 
 
 def named_files(argv: list[str]) -> list[str]:
-    """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``)."""
+    """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``, ``file://`` URLs too:
+    jsonargparse reads them as files)."""
     found = []
     for token in argv:
         value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
+        value = re.sub(r"^file:///?", "/", value)
         try:
             if value and not value.startswith("-") and Path(value).exists():
                 found.append(value)

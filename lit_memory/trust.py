@@ -133,7 +133,9 @@ def bounded_config_reading(typed_files: Iterator[str] = (), folders: Iterator[st
     typed = {os.path.realpath(f) for f in typed_files}
     load = jsonargparse.get_loader("yaml")
     read_text = ConfigPath.read_text
+    global _bound_error
     saved_typed, saved_folders = set(_typed_files), set(_recipe_folders)
+    _bound_error = None  # a refusal from an earlier command's parse is not this one's
     _typed_files.update(typed)
     _recipe_folders.update(os.path.realpath(f) for f in folders)
 

@@ -492,6 +492,35 @@ def test_a_sent_folder_runs_nothing_and_its_links_are_not_followed(tmp_path):
     assert list((tmp_path / "home" / ".bashrc.d").iterdir()) == []
 
 
+def test_no_python_started_for_a_run_imports_from_the_working_folder(tmp_path, monkeypatch):
+    """Class A at its two seams: jsonargparse's stubs resolver is made with this process's path (no ``python -c``
+    at all: `cli.stubs_without_a_subprocess`, on private names of jsonargparse checked here), and any Python started
+    while a command runs gets PYTHONSAFEPATH (`environment.safe_path`, held by `__main__.main`). typeshed_client's own
+    lookup in the sent folder shows what each prevents: without them its json.py runs."""
+    import typeshed_client
+    from jsonargparse import _stubs_resolver as stubs
+
+    from lit_memory import cli, environment
+    from lit_memory.__main__ import TOOLS, main
+
+    folder = hostile_folder(tmp_path / "sent")
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv(environment.SAFE_PATH, raising=False)
+    monkeypatch.setattr(stubs, "stubs_resolver", None)
+    cli.stubs_without_a_subprocess()
+    assert isinstance(stubs.get_stubs_resolver(), stubs.StubsResolver) and markers(folder) == []
+    with environment.safe_path():
+        typeshed_client.get_search_context()
+    assert markers(folder) == []
+    seen = {}
+    monkeypatch.setitem(TOOLS, "plan", lambda argv: seen.update(safe=os.environ.get(environment.SAFE_PATH)))
+    main(["plan"])
+    assert seen == {"safe": "1"} and environment.SAFE_PATH not in os.environ
+    with pytest.raises(subprocess.CalledProcessError):  # neither: the folder's json.py runs in the Python it starts
+        typeshed_client.get_search_context()
+    assert markers(folder) == ["RAN-json"]
+
+
 def test_the_child_imports_nothing_from_the_working_folder(tmp_path):
     """Class A: the confined child is an isolated Python whose path is the parent's (`child.command`): a
     ``lit_memory.py``, ``json.py`` or ``torch.py`` beside the recipe is never imported, before confinement or after

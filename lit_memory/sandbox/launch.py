@@ -219,10 +219,7 @@ def run_folders(settings: Any, decision: Any, create: bool, made: Optional[roots
         elif not typed:
             rules.check_roots([(key, path)], work, rules.owned_folders())  # outside the working folder: refused
         else:  # the user's own folder elsewhere, as they named it
-            real = os.path.realpath(os.path.expanduser(path))
-            if create:
-                os.makedirs(real, exist_ok=True)
-            out.append(real)
+            out.append(roots.make_elsewhere(path, made) if create else os.path.realpath(os.path.expanduser(path)))
     if not create:  # judged once, before anything is made (made, a recipe's folders exist and one may hold another)
         rules.check_roots(chosen, work, rules.owned_folders())
     return list(dict.fromkeys(out))

@@ -89,6 +89,19 @@ def make(path: str, work: str, key: str, made: Optional[Made] = None, create: bo
     return os.path.join(work, *parts)
 
 
+def make_elsewhere(path: str, made: Optional[Made] = None) -> str:
+    """A root outside the working folder that the user typed: made as they named it (their links are theirs); its
+    real path."""
+    missing, probe = [], os.path.abspath(os.path.expanduser(path))
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    os.makedirs(os.path.expanduser(path), exist_ok=True)
+    if made is not None:
+        made.folders += reversed(missing)
+    return os.path.realpath(os.path.expanduser(path))
+
+
 def remove_empty(folders: Iterable[str]) -> None:
     """The folders ``make`` made, deepest first, where nothing was written into them (no link followed)."""
     for folder in reversed(list(folders)):

@@ -3,11 +3,14 @@
 `Spec` is the confinement one run gets: read roots (the Python installation and its packages, system libraries
 and the few files in ``/etc`` they read, ``/proc``, ``/sys`` and the GPU's device files, the caches, the recipe's
 checked inputs), write roots (the run's folders, its private temporary folder and caches), TCP ports (none but a
-distributed launch's own), and bounds (memory, processes, file size, disk, preparation time). The parent makes it
-(`lit_memory.sandbox.launch`); the child applies it to itself (`enter`), before anything of the run is imported.
+distributed launch's own), bounds (memory, processes, file size, disk, preparation time), the child's ``sys.path``
+(`child_path`) and its status pipe (`phase`). The parent makes it (`lit_memory.sandbox.launch`); the child applies
+it to itself (`lit_memory.sandbox.child`; `enter`: limits and Landlock), before anything of the run is imported. The
+child's environment holds no secret (`scrubbed`).
 
 The value rules judge what the kernel cannot: a run folder a recipe chooses (`check_roots`), templates that
-Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`).
+Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`),
+a file a recipe names outside its folder and the working folder (`check_input`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import os
 import re
 import signal
@@ -39,6 +40,7 @@ GiB = 2**30
 LIMIT_VARIABLES = {"rss": "LIT_MEMORY_SANDBOX_RSS_BYTES", "disk": "LIT_MEMORY_SANDBOX_DISK_BYTES",
                    "prepare": "LIT_MEMORY_SANDBOX_PREPARE_SECONDS"}
 MAX_ENTRIES = 200_000  # files and folders in a run's folders (a run writes hundreds)
+MAX_DEPTH = 64  # folders below a run folder (a run's are a few deep); deeper, the walk itself would run out of files
 STATUS_BYTES = 4096  # of the status pipe kept at once; a phase is one short line
 GRACE_SECONDS = 30.0
 TRAINING = "training"  # the phase after which preparation's bound no longer holds (`lit_memory.model`)  # after Ctrl-C, for the run to stop on its own before it is killed
@@ -133,15 +135,20 @@ def rss(pid: int, group: Optional[Group] = None) -> int:
 
 
 def disk(folders: list[str]) -> tuple[int, int]:
-    """(bytes, entries) below ``folders``, walked by file descriptor without following a link; stops counting at
-    `MAX_ENTRIES` entries."""
+    """(bytes, entries) below ``folders``, walked by file descriptor without following a link (``os.fwalk`` checks
+    each folder it opens is the one it listed); stops counting past `MAX_ENTRIES` entries, and returns more than
+    `MAX_ENTRIES` where the tree is deeper than `MAX_DEPTH` or cannot be walked whole (what it holds would go
+    uncounted)."""
     total = entries = 0
     for folder in folders:
+        failed: list[OSError] = []
         with contextlib.suppress(OSError):
-            for _, dirs, names, fd in os.fwalk(folder, follow_symlinks=False):
+            for path, dirs, names, fd in os.fwalk(folder, follow_symlinks=False, onerror=failed.append):
                 entries += len(dirs) + len(names)
-                if entries > MAX_ENTRIES:
-                    return total, entries
+                if entries > MAX_ENTRIES or path[len(folder):].count(os.sep) > MAX_DEPTH:
+                    return total, MAX_ENTRIES + 1
+                if any(err.errno in (errno.EMFILE, errno.ENFILE, errno.ENAMETOOLONG, errno.ELOOP) for err in failed):
+                    return total, MAX_ENTRIES + 1
                 for name in names:
                     with contextlib.suppress(OSError):
                         total += os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
@@ -248,7 +255,8 @@ def _watch(child: subprocess.Popen, status: Status, bounds: Bounds, watched: lis
                 last_disk = now
                 used, entries = disk(watched)
                 if entries > MAX_ENTRIES:
-                    return (f"stopped: the run made more than {MAX_ENTRIES} files and folders in its folders"), None
+                    return (f"stopped: the run made more than {MAX_ENTRIES} files and folders in its folders, or "
+                            f"folders more than {MAX_DEPTH} deep (its disk use could not be counted)"), None
                 if used > bounds.disk:
                     return (f"stopped: the run wrote {used / GiB:.2f} GiB, over its disk budget of "
                             f"{bounds.disk / GiB:.2f} GiB ({LIMIT_VARIABLES['disk']} sets it)"), None
