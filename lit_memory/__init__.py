@@ -7,11 +7,13 @@ import sys
 # holding `datasets/` or `logging.py`, would shadow the installed packages. Dropped before anything else is imported,
 # so the console script and `python -m` import the same code; and every Python this command starts, or a library it
 # calls starts (jsonargparse's typeshed_client runs `python -c` in the working folder while parsing), gets
-# PYTHONSAFEPATH: neither the working folder nor a script's folder on its path (`lit_memory.environment.safe_path`
-# holds it for `lit_memory.__main__.main`). (A `lit_memory/` folder there is found before this file runs:
-# `python -P -m lit_memory` or the `lit-memory` script avoid it.)
+# PYTHONSAFEPATH: neither the working folder nor a script's folder on its path, and PATH keeps no entry naming the
+# working folder (`lit_memory.environment.safe_path` holds both for `lit_memory.__main__.main`). (A `lit_memory/`
+# folder there is found before this file runs: `python -P -m lit_memory` or the `lit-memory` script avoid it.)
 if sys.argv[:1] == ["-m"]:
     os.environ["PYTHONSAFEPATH"] = "1"
+    if "PATH" in os.environ:
+        os.environ["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if os.path.isabs(p))
     if not sys.flags.safe_path and sys.path and os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
         del sys.path[0]
 

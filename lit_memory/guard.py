@@ -85,7 +85,8 @@ def enforced(trusted: bool) -> Iterator[None]:
     and what the run recorded here (the folders and settings the user typed) are as they were before it."""
     global _trusted, _typed
     harden()
-    saved = (_trusted, list(_own_folders), _typed)
+    global _typed_values
+    saved = (_trusted, list(_own_folders), _typed, _typed_values)
     switches = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
     _trusted = trusted
     if not trusted:
@@ -94,7 +95,7 @@ def enforced(trusted: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        _trusted, own, _typed = saved
+        _trusted, own, _typed, _typed_values = saved
         _own_folders[:] = own
         for name, value in switches.items():
             if value is None:
@@ -566,12 +567,28 @@ def config_code_problems(config: Any, where: str, depth: int = 0) -> list[str]:
 
 
 _typed: frozenset[str] = frozenset()  # dotted keys the user typed (`set_typed`)
+_typed_values: frozenset[str] = frozenset()  # the values they typed for them (a repository named on the command line)
+_local_only = 0  # inside `local_only`: Hugging Face loads read the caches, never the Hub
 
 
 def set_typed(keys: Any) -> None:
-    """The settings the user typed, for the checks made after parsing (a typed config override is theirs)."""
-    global _typed
+    """The settings the user typed (a dict of key to value, or the keys), for the checks made after parsing (a typed
+    config override is theirs; a repository typed is loaded with their token)."""
+    global _typed, _typed_values
     _typed = frozenset(keys)
+    _typed_values = frozenset(str(v) for v in keys.values()) if isinstance(keys, dict) else frozenset()
+
+
+@contextlib.contextmanager
+def local_only() -> Iterator[None]:
+    """For the length of the block, Hugging Face loads through `call` read local files and the caches only: what the
+    parent of a confined run estimates for a recipe reaches no server (`lit_memory.sandbox.hub` fetches, bounded)."""
+    global _local_only
+    _local_only += 1
+    try:
+        yield
+    finally:
+        _local_only -= 1
 
 
 def check_config(config: Any, overrides: Optional[dict[str, Any]] = None) -> None:
@@ -679,7 +696,13 @@ def check_model_folder(name_or_path: Any, what: str) -> None:
 
 
 def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
-    """``load(*args, **kwargs)`` with a refusal to run shipped code as one line."""
+    """``load(*args, **kwargs)`` with a refusal to run shipped code as one line. Untrusted, a repository the user did
+    not type is loaded without their token (a recipe's choice of repository must not receive it: a private one of
+    theirs, or a server that logs it); inside `local_only`, from the caches only."""
+    if restricted() and args and str(args[0]) not in _typed_values:
+        kwargs.setdefault("token", False)
+    if _local_only:
+        kwargs["local_files_only"] = True
     try:
         return load(*args, **pretrained_kwargs(**kwargs))
     except UserError:

@@ -513,9 +513,12 @@ def test_no_python_started_for_a_run_imports_from_the_working_folder(tmp_path, m
         typeshed_client.get_search_context()
     assert markers(folder) == []
     seen = {}
-    monkeypatch.setitem(TOOLS, "plan", lambda argv: seen.update(safe=os.environ.get(environment.SAFE_PATH)))
+    monkeypatch.setenv("PATH", os.pathsep.join(["", ".", "bin", os.environ["PATH"]]))  # programs by name from the folder
+    monkeypatch.setitem(TOOLS, "plan", lambda argv: seen.update(safe=os.environ.get(environment.SAFE_PATH),
+                                                               path=os.environ["PATH"]))
     main(["plan"])
-    assert seen == {"safe": "1"} and environment.SAFE_PATH not in os.environ
+    assert seen["safe"] == "1" and all(os.path.isabs(p) for p in seen["path"].split(os.pathsep))
+    assert environment.SAFE_PATH not in os.environ and os.environ["PATH"].startswith(os.pathsep + ".")
     with pytest.raises(subprocess.CalledProcessError):  # neither: the folder's json.py runs in the Python it starts
         typeshed_client.get_search_context()
     assert markers(folder) == ["RAN-json"]
@@ -625,7 +628,15 @@ def test_the_hub_fetch_for_a_recipe_is_sized_first_and_sends_no_token(tmp_path, 
         mib = 166 if fetch.name == "org/big" else 1
         return [SimpleNamespace(filename="model.safetensors", file_size=mib * 2**20, is_cached=False)]
 
-    fetched = []
+    import transformers.utils.hub as transformers_hub
+
+    fetched, loads = [], []
+
+    def hub_download(repo, filename, **kwargs):  # what the parent's own estimate would download from the Hub
+        loads.append((repo, kwargs.get("token"), kwargs.get("local_files_only")))
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(transformers_hub, "hf_hub_download", hub_download)
     monkeypatch.setattr(hub, "listing", listing)
     monkeypatch.setattr(hub, "run_fetch", lambda one, private, env, *a: fetched.append((one.name, env)))
     monkeypatch.setattr(watchdog, "watch", lambda *a, **k: 0)
@@ -638,6 +649,7 @@ def test_the_hub_fetch_for_a_recipe_is_sized_first_and_sends_no_token(tmp_path, 
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: refusing model.model_name_or_path=org/big: its "
                                                                   "files on the Hugging Face Hub are 166.0 MiB"), err
     assert "over the run's disk budget of 32.0 MiB" in err and listed == [("org/big", False)] and fetched == []
+    assert loads and all(load == ("org/big", False, True) for load in loads)  # no token, from the cache or nothing
     code, err = in_process(["fit", "--config", "recipe.yaml", "--model.model_name_or_path=org/small"], capsys,
                            monkeypatch, tmp_path)
     assert code == 0, err

@@ -21,7 +21,6 @@ into the private folder, which the child reads.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
@@ -79,17 +78,18 @@ def _wanted(fetch: Fetch, files: list[Any]) -> list[Any]:
 class Sized:
     fetch: Fetch
     size: Optional[int]  # bytes it downloads into the private folder (0: complete in the user's cache; None: unknown)
+    weights: int = 0  # bytes of a model's weights files (its size where no config is at hand to estimate it)
 
 
 def offline(env: dict[str, str]) -> bool:
     return env.get("HF_HUB_OFFLINE") == "1" or env.get("HF_DATASETS_OFFLINE") == "1"
 
 
-def size(fetches: list[Fetch], budget: int) -> list[Sized]:
-    """Each fetch's download size from the Hub's metadata; one error line where together they pass ``budget``. A
-    repository the Hub does not answer for (not there, offline, gated) is not fetched: a model is then left to the run,
-    which says why in its own words; a dataset is read by the fetch from the user's cache, or not at all (its error)."""
-    sized, total = [], 0
+def size(fetches: list[Fetch]) -> list[Sized]:
+    """Each fetch's download size from the Hub's metadata (nothing downloaded). A repository the Hub does not answer
+    for (not there, offline, gated) is not fetched: a model is then left to the run, which says why in its own words;
+    a dataset is read by the fetch from the user's cache, or not at all (its error)."""
+    sized = []
     for fetch in fetches:
         try:
             files = _wanted(fetch, list(listing(fetch)))
@@ -97,15 +97,22 @@ def size(fetches: list[Fetch], budget: int) -> list[Sized]:
             sized.append(Sized(fetch, None))
             continue
         complete = fetch.kind == "model" and files and all(getattr(f, "is_cached", False) for f in files)
+        weights = sum(int(getattr(f, "file_size", 0) or 0) for f in files if f.filename.endswith(".safetensors"))
         need = 0 if complete else sum(int(getattr(f, "file_size", 0) or 0) for f in files)
-        total += need
-        sized.append(Sized(fetch, need))
+        sized.append(Sized(fetch, need, weights if fetch.kind == "model" else 0))
+    return sized
+
+
+def check(sized: list[Sized], budget: int) -> None:
+    """One error line where the fetches together pass the run's disk ``budget``, naming the first that does."""
+    total = 0
+    for s in sized:
+        total += s.size or 0
         if total > budget:
             raise UserError(
-                f"refusing {fetch.key}={fetch.name}: its files on the Hugging Face Hub are {need / MiB:.1f} MiB "
-                f"({total / MiB:.1f} MiB with the run's other fetches), over the run's disk budget of {budget / MiB:.1f} "
-                f"MiB ({LIMIT_VARIABLES['disk']} sets it); {HINT}")
-    return sized
+                f"refusing {s.fetch.key}={s.fetch.name}: its files on the Hugging Face Hub are {(s.size or 0) / MiB:.1f} "
+                f"MiB ({total / MiB:.1f} MiB with the run's other fetches), over the run's disk budget of "
+                f"{budget / MiB:.1f} MiB ({LIMIT_VARIABLES['disk']} sets it); {HINT}")
 
 
 def environment(env: dict[str, str], private: Path, typed: bool) -> dict[str, str]:
@@ -150,9 +157,11 @@ def run_fetch(one: Fetch, private: Path, env: dict[str, str], budget: int, secon
         while process.poll() is None:
             time.sleep(0.2)
             if time.monotonic() > deadline:
-                why = f"it took longer than {seconds:.0f} s, the bound on preparing a run ({LIMIT_VARIABLES['prepare']} sets it)"
+                why = (f"it took longer than {seconds:.0f} s, the bound on preparing a run "
+                       f"({LIMIT_VARIABLES['prepare']} sets it)")
             elif disk([str(private)])[0] > budget:
-                why = f"it wrote more than the run's disk budget of {budget / MiB:.1f} MiB ({LIMIT_VARIABLES['disk']} sets it)"
+                why = (f"it wrote more than the run's disk budget of {budget / MiB:.1f} MiB "
+                       f"({LIMIT_VARIABLES['disk']} sets it)")
             if why:
                 break
     finally:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from huggingface_hub import constants
 
-from lit_memory import trust
+from lit_memory import guard, trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
@@ -50,7 +50,8 @@ GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step
 # Settings that name files a run reads.
 INPUTS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path")
-PRIVATE = ("tmp", "datasets", "inductor", "triton", "matplotlib", "hub", "cache")  # the child's own folders, in its private one
+# The child's own folders, in its private one (its temporary folder and caches).
+PRIVATE = ("tmp", "datasets", "inductor", "triton", "matplotlib", "hub", "cache")
 DEFAULT_ROOT = "trainer.default_root_dir (unset: the working folder's lightning_logs)"
 
 
@@ -113,34 +114,16 @@ def make_plan(run: Any) -> Plan:
     rules.check_templates(chosen)
     rules.check_free_kwargs(chosen)
     roots.check_components(chosen.items())
-    reads = [*rules.python_roots(), *rules.system_roots(), constants.HF_HUB_CACHE]
-    for path in sorted(trust.files_read()):  # the configs the command names, as its parse read them
-        if os.path.lexists(path):
-            reads.append(str(stage.check(Path(path), "a config")))
-    folders = trust.recipe_folders(run.argv or [])
-    fetches: list[hub.Fetch] = []
-    for key in INPUTS:
-        value = settings.get(key)
-        if key == "data.source" and isinstance(value, str) and value:
-            TextClassificationData.local_file(value)  # the data module's rule: a file suffix names a local file
-        local = stage.local_path(value) if isinstance(value, str) and value not in ("last", "hpc", "best") else None
-        users = typed.is_typed(key, value) or (value is not None and trust.typed_option(run.argv or [], key) == str(value))
-        if local is not None:
-            if not users:
-                rules.check_input(key, value, local, folders)
-            reads.append(str(stage.check(local, f"{key}={value}")))
-        elif key == "data.source" and isinstance(value, str) and value and value != "bundled":
-            fetches.append(hub.Fetch(key, value, "dataset", users, settings.get("data.subset")))
-        elif key.startswith("model.") and isinstance(value, str) and value and not value.startswith("bundled:"):
-            fetches.append(hub.Fetch(key, value, "model", users))
-    folders_to_write = run_folders(settings, typed, create=False)
-    rules.check_write_paths(chosen, folders_to_write)
+    reads, fetches = inputs(run)
+    rules.check_write_paths(chosen, run_folders(settings, typed, create=False))
     env = rules.scrubbed(dict(os.environ))
     connect, bind = _ports(settings, env)
-    size = _state_bytes(run)
-    bounds = limits(run, size)
-    sized = hub.size(fetches, bounds.disk) if fetches and not hub.offline(dict(os.environ)) else \
-        [hub.Sized(f, None) for f in fetches]
+    sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
+    with guard.local_only():  # estimated from what is at hand: nothing reaches the Hub here but `hub`'s listing
+        size, peak = footprint(run)
+    size = size or max([GiB, *(s.weights for s in sized)])
+    bounds = limits(run, size, peak)
+    hub.check(sized, bounds.disk)
     # Every check passed: make the run's folders, fetch what the child cannot.
     private = Path(tempfile.mkdtemp(prefix="lit_memory-run-"))
     made = roots.Made()
@@ -156,8 +139,48 @@ def make_plan(run: Any) -> Plan:
     if "LIT_MEMORY_STAGED_DATASET" in env:
         reads.append(env["LIT_MEMORY_STAGED_DATASET"])
     writes = [*written, *(str(private / name) for name in PRIVATE), *rules.device_write_roots()]
-    distributed = bool(connect)
-    env.setdefault("HF_HUB_CACHE", constants.HF_HUB_CACHE)  # the user's, read only (unless `hub.fetch` set another)
+    nodes = int(settings.get("trainer.num_nodes") or 1)
+    env = child_environment(env, private, distributed=bool(connect), nodes=nodes)
+    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
+                      path=rules.child_path(), network=nodes == 1, inet=bool(connect), shm=_shm_bytes(bounds),
+                      view=str(private / "view"))
+    return Plan(spec, env, bounds, private, [*written, str(private)], made)
+
+
+def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
+    """What the child may read (the Python installation, system files, the Hugging Face cache, the configs the parse
+    read and the files the settings name, each checked), and what it names on the Hub. A file the recipe names lies
+    beneath the recipe's folder or the working folder unless the user typed it (`rules.check_input`)."""
+    settings, typed, argv = run.settings, run.decision, run.argv or []
+    reads = [*rules.python_roots(), *rules.system_roots(), constants.HF_HUB_CACHE]
+    for path in sorted(trust.files_read()):  # the configs the command names, as its parse read them
+        if os.path.lexists(path):
+            reads.append(str(stage.check(Path(path), "a config")))
+    folders = trust.recipe_folders(argv)
+    fetches: list[hub.Fetch] = []
+    for key in INPUTS:
+        value = settings.get(key)
+        if key == "data.source" and isinstance(value, str) and value:
+            TextClassificationData.local_file(value)  # the data module's rule: a file suffix names a local file
+        local = stage.local_path(value) if isinstance(value, str) and value not in ("last", "hpc", "best") else None
+        users = typed.is_typed(key, value) or (value is not None and trust.typed_option(argv, key) == str(value))
+        if local is not None:
+            if not users:
+                rules.check_input(key, value, local, folders)
+            reads.append(str(stage.check(local, f"{key}={value}")))
+        elif key == "data.source" and isinstance(value, str) and value and value != "bundled":
+            fetches.append(hub.Fetch(key, value, "dataset", users, settings.get("data.subset")))
+        elif key.startswith("model.") and isinstance(value, str) and value and not value.startswith("bundled:"):
+            fetches.append(hub.Fetch(key, value, "model", users))
+    return reads, fetches
+
+
+def child_environment(env: dict[str, str], private: Path, distributed: bool, nodes: int) -> dict[str, str]:
+    """The child's environment (``env``: this one without secrets): offline, its temporary folder and caches in
+    ``private``, the user's Hugging Face cache read only unless a fetch made one there, every Python it starts without
+    the working folder on its path; a single-node distributed launch's ranks meet on the loopback."""
+    env = dict(env)
+    env.setdefault("HF_HUB_CACHE", constants.HF_HUB_CACHE)  # (`hub.fetch` sets the private one where it fetched)
     env.update({
         "HF_HOME": constants.HF_HOME, "XDG_CACHE_HOME": str(private / "cache"),  # fontconfig's cache, among others
         "TMPDIR": str(private / "tmp"), "HF_DATASETS_CACHE": str(private / "datasets"),
@@ -166,14 +189,9 @@ def make_plan(run: Any) -> Plan:
         "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(env.get("PYTHONPATH", "")),
     })
-    nodes = int(settings.get("trainer.num_nodes") or 1)
     if distributed and nodes == 1:  # its own network namespace holds only the loopback: the ranks meet there
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
-                      path=rules.child_path(), network=nodes == 1, inet=distributed, shm=_shm_bytes(bounds),
-                      view=str(private / "view"))
-    return Plan(spec, env, bounds, private, [*written, str(private)], made)
+        env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    return env
 
 
 def _python_path(value: str) -> str:
@@ -272,24 +290,23 @@ def _nproc() -> int:
     return count + max(256, 16 * (os.cpu_count() or 1))
 
 
-def _state_bytes(run: Any) -> int:
-    """The model's weights and optimizer state (analytic, on meta tensors), or a gigabyte where it cannot say."""
+def footprint(run: Any) -> tuple[Optional[int], Optional[int]]:
+    """The model's weights and optimizer state and its predicted host-memory peak (analytic, on meta tensors, once),
+    or None where it cannot say (a config not at hand)."""
     try:
-        categories = analytic(run.step(target("cpu")), levels=False).footprint.phases["step"]
-        return int(categories["weights"] + categories["optimizer"])
+        found = analytic(run.step(target("cpu")), levels=False).footprint
     except Exception:  # noqa: BLE001
-        return GiB
+        return None, None
+    categories = found.phases["step"]
+    return int(categories["weights"] + categories["optimizer"]), int(found.peak)
 
 
-def limits(run: Any, size: int) -> Limits:
+def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
     """The watchdog's bounds: memory from the run's host-memory estimate (on a CPU its predicted peak, on a GPU the
     weights it loads) with a margin; disk from its checkpoints; preparation time. The environment's overrides win."""
     total = _mem_total()
-    try:
-        on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
-        peak = analytic(run.step(target("cpu")), levels=False).footprint.peak if on_cpu else 2 * size
-    except Exception:  # noqa: BLE001
-        peak = 2 * size
+    on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
+    peak = peak if on_cpu and peak else 2 * size
     rss = min(int(0.9 * total), 3 * peak + 6 * GiB)
     why = f"3 x its host-memory estimate ({peak / GiB:.2f} GiB) + 6 GiB for the runtime, at most 90 % of this machine's"
     disk = max(20 * GiB, 12 * size)

@@ -168,7 +168,8 @@ class View:
             with contextlib.suppress(FileExistsError):
                 os.symlink(target, self._place(f"/dev/{name}"))
         os.makedirs(self._place("/dev/shm"), exist_ok=True)
-        _mount("tmpfs", self._place("/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={max(shm_bytes, 1 << 20)}")
+        size = max(shm_bytes, 1 << 20)
+        _mount("tmpfs", self._place("/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={size}")
 
     def proc(self) -> None:
         """A ``/proc`` of this process namespace (only the run's processes), or the user's where it cannot be

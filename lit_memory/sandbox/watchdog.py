@@ -42,8 +42,8 @@ LIMIT_VARIABLES = {"rss": "LIT_MEMORY_SANDBOX_RSS_BYTES", "disk": "LIT_MEMORY_SA
 MAX_ENTRIES = 200_000  # files and folders in a run's folders (a run writes hundreds)
 MAX_DEPTH = 64  # folders below a run folder (a run's are a few deep); deeper, the walk itself would run out of files
 STATUS_BYTES = 4096  # of the status pipe kept at once; a phase is one short line
-GRACE_SECONDS = 30.0
-TRAINING = "training"  # the phase after which preparation's bound no longer holds (`lit_memory.model`)  # after Ctrl-C, for the run to stop on its own before it is killed
+GRACE_SECONDS = 30.0  # after Ctrl-C, for the run to stop on its own before it is killed
+TRAINING = "training"  # the phase after which preparation's bound no longer holds (`lit_memory.model`)
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab, newline, return
 
 

@@ -337,9 +337,11 @@ def later_refusals(settings: Namespace, folders: Optional[list[str]] = None) -> 
               lambda: roots.check_components(leaves(settings))]
     checks += [lambda key=key, value=value: roots.make(value, work, key, create=False)
                for key, value in named if roots.relative_to_work(value, work) is not None]
-    for key in ("data.source", "data.predict_path", "ckpt_path", "model.model_name_or_path", "model.tokenizer_name_or_path"):
+    for key in ("data.source", "data.predict_path", "ckpt_path", "model.model_name_or_path",
+                "model.tokenizer_name_or_path"):
         value = settings.get(key)
-        if isinstance(value, str) and value and not value.startswith("bundled:") and os.path.lexists(os.path.expanduser(value)):
+        local = isinstance(value, str) and value and not value.startswith("bundled:")
+        if local and os.path.lexists(os.path.expanduser(value)):
             checks.append(lambda key=key, value=value: rules.check_input(key, value, value, folders or [os.getcwd()]))
     for check in checks:
         try:
