@@ -638,6 +638,7 @@ def test_the_hub_fetch_for_a_recipe_is_sized_first_and_sends_no_token(tmp_path, 
 
     monkeypatch.setattr(transformers_hub, "hf_hub_download", hub_download)
     monkeypatch.setattr(hub, "listing", listing)
+    run_fetch = hub.run_fetch
     monkeypatch.setattr(hub, "run_fetch", lambda one, private, env, *a: fetched.append((one.name, env)))
     monkeypatch.setattr(watchdog, "watch", lambda *a, **k: 0)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -657,6 +658,11 @@ def test_the_hub_fetch_for_a_recipe_is_sized_first_and_sends_no_token(tmp_path, 
     assert name == "org/small" and env["HF_TOKEN"] == "hf_the_users" and "lit_memory-run-" in env["HF_HUB_CACHE"]
     recipe_env = hub.environment({"HF_TOKEN": "hf_the_users", "PATH": "/bin"}, tmp_path, typed=False)
     assert "HF_TOKEN" not in recipe_env and recipe_env["HF_TOKEN_PATH"] == str(tmp_path / "no-token")
+    assert recipe_env["HF_HUB_CACHE"] == str(tmp_path / "hub")  # the run's private folder, never the user's cache
+    offline = {**recipe_env, "HF_HUB_OFFLINE": "1", **ENV}  # the fetch process itself: isolated, one line when it fails
+    with pytest.raises(Exception, match=r"cannot fetch model.model_name_or_path=org/absent from the Hugging Face Hub "
+                                        r"for the run: \w+Error"):
+        run_fetch(hub.Fetch("model.model_name_or_path", "org/absent", "model", False), tmp_path, offline, 2**30, 60)
 
 
 # -- what a recipe may choose ---------------------------------------------------------------------------------
