@@ -172,7 +172,12 @@ def main(argv: list[str]) -> None:
     """Confine this process, say which layers are missing, and run ``python -m lit_memory ARGV`` in it."""
     import runpy
 
-    held = confine()
+    try:
+        held = confine()
+    except (OSError, RuntimeError) as err:  # Landlock refused, or the view could not be entered whole: never run on
+        print(f"error: the sandbox could not confine the run ({err}); pass --trust-recipe only if you trust the "
+              "recipe's source", file=sys.stderr)
+        sys.exit(2)
     for layer in held.missing:
         print(held.line(layer), file=sys.stderr)
     sys.argv = ["lit_memory", *argv]
