@@ -3,21 +3,22 @@
 import os
 import sys
 
-# `python -m lit_memory` puts the working folder first on sys.path (what `python -P` does not): a folder
-# someone sent, holding `datasets/` or `logging.py`, would shadow the installed packages. Dropped before
-# anything else is imported, so the console script and `python -m` import the same code. (A `lit_memory/`
+# `python -m lit_memory` puts the working folder first on sys.path (what `python -P` does not): a folder someone sent,
+# holding `datasets/` or `logging.py`, would shadow the installed packages. Dropped before anything else is imported,
+# so the console script and `python -m` import the same code; and every Python this command starts, or a library it
+# calls starts (jsonargparse's typeshed_client runs `python -c` in the working folder while parsing), gets
+# PYTHONSAFEPATH: neither the working folder nor a script's folder on its path, and PATH keeps no entry naming the
+# working folder (`lit_memory.environment.safe_path` holds both for `lit_memory.__main__.main`). (A `lit_memory/`
 # folder there is found before this file runs: `python -P -m lit_memory` or the `lit-memory` script avoid it.)
-if sys.argv[:1] == ["-m"] and not sys.flags.safe_path and sys.path:
-    if os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
+if sys.argv[:1] == ["-m"]:
+    os.environ["PYTHONSAFEPATH"] = "1"
+    if "PATH" in os.environ:
+        os.environ["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if os.path.isabs(p))
+    if not sys.flags.safe_path and sys.path and os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
         del sys.path[0]
 
 import importlib  # noqa: E402
 import logging  # noqa: E402
-
-if os.environ.get("LIT_MEMORY_SANDBOX"):  # an untrusted run's child: confined by the kernel before anything else
-    from lit_memory.sandbox.child import enter_from_env as _enter
-
-    _enter()
 
 __version__ = "0.1.0"
 
@@ -37,7 +38,7 @@ LAYERS = (
     ("runtime", ("lit_memory",)),  # model, data, fused step, optimizers, strategies, Fabric, the monitor that measures
     ("memory above the runtime", ("lit_memory.memory.prediction", "lit_memory.memory.planning")),
     ("config", ("lit_memory.trust", "lit_memory.recipes", "lit_memory.cli")),  # from argv to a checked run
-    ("tools", ("lit_memory.tools", "lit_memory.sandbox.launch")),  # the tools; a sent recipe's run, confined
+    ("tools", ("lit_memory.tools", "lit_memory.sandbox.launch", "lit_memory.sandbox.hub")),  # a sent recipe's run, confined
     ("entry", ("lit_memory.__main__",)),  # python -m lit_memory
 )
 

@@ -85,7 +85,8 @@ def session(args: list[str]) -> Iterator[trust.Decision]:
     are the user's: read even when they are not regular files (``--config <(...)``)."""
     from lit_memory import cli, trust  # deferred: the run's libraries (torch, Lightning, jsonargparse)
 
-    with trust.Decision(trusted=trust.TRUST_FLAG in args).applied(cli.named_files(args)) as decision:
+    decision = trust.Decision(trusted=trust.TRUST_FLAG in args)
+    with decision.applied(cli.named_files(args), trust.recipe_folders(args)) as decision:
         yield decision
 
 
@@ -130,7 +131,7 @@ def _run(args: list[str]) -> None:
     import datasets
     import torch
 
-    from lit_memory import cli
+    from lit_memory import cli, environment
     from lit_memory.sandbox import launch
     from lit_memory.sandbox.rules import ENV as CONFINED
 
@@ -138,7 +139,7 @@ def _run(args: list[str]) -> None:
     datasets.disable_progress_bars()
     code = 0
     try:
-        with session(args):
+        with environment.safe_path(), session(args):
             if args and args[0] in TOOLS:
                 TOOLS[args[0]](args[1:])
             elif confined(args):  # judged here, run in a child the kernel confines

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -162,6 +163,7 @@ class LitMemoryCLI(LightningCLI):
         kwargs.setdefault("parser_class", _Parser)
         if kwargs["save_config_callback"] is recipes.SaveRecipe:
             kwargs["save_config_kwargs"] = {"command": self.command, **(kwargs.get("save_config_kwargs") or {})}
+        stubs_without_a_subprocess()
         with self.scope():
             super().__init__(
                 SequenceClassifier,
@@ -182,7 +184,7 @@ class LitMemoryCLI(LightningCLI):
             yield self
             return
         with contextlib.ExitStack() as held:
-            held.enter_context(self.decision.applied(self._typed_files))
+            held.enter_context(self.decision.applied(self._typed_files, trust.recipe_folders(self.argv or [])))
             held.enter_context(environment.restored())
             self._held = held
             try:
@@ -464,7 +466,12 @@ class LitMemoryCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = self._get(self.config_init, "trainer", default={})
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
-            kwargs["callbacks"] = resume.fit_callbacks(trainer.get("callbacks"), trainer.get("enable_checkpointing"))
+            configured = list(trainer.get("callbacks") or [])
+            kwargs["callbacks"] = resume.fit_callbacks(configured, trainer.get("enable_checkpointing"))
+            if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
+                typed = self.decision.typed_callbacks(self.settings, configured)
+                ours = {id(c) for c in kwargs["callbacks"]} - {id(c) for c in configured}  # lit_memory's own defaults
+                kwargs["callbacks"].append(guard.RunBounds(exempt=lambda c: id(c) in typed or id(c) in ours))
         if self.subcommand == "predict" and trainer.get("logger") in (None, True):
             # Predictions are not a training run: their folders (predictions, config) apart, lightning_logs/predict/
             # version_N, not among the runs' version_N (Lightning's default logger's folder, so the same rules hold).
@@ -519,16 +526,38 @@ class LitMemoryCLI(LightningCLI):
 
 
 def named_files(argv: list[str]) -> list[str]:
-    """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``)."""
+    """The existing files an argv names (``--config FILE``, ``--key FILE``, ``--key=FILE``, ``file://`` URLs too:
+    jsonargparse reads them as files)."""
     found = []
     for token in argv:
         value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
+        value = re.sub(r"^file:///?", "/", value)
         try:
             if value and not value.startswith("-") and Path(value).exists():
                 found.append(value)
         except (OSError, ValueError):
             continue
     return found
+
+
+def stubs_without_a_subprocess() -> None:
+    """jsonargparse reads signatures from typeshed stubs through typeshed_client, whose search path, unless given one,
+    comes from a ``python -c "import sys, json; ..."`` it starts in the working folder, with that folder first on its
+    path: a ``json.py`` in a folder someone sent ran there while `recipes check` said ok. The resolver is made here
+    once, with this process's own path (without the working folder), so the parse starts no Python at all
+    (`lit_memory.environment.safe_path` covers the rest). jsonargparse caches it in its private module with no setter;
+    tests/test_trust.py checks the names this uses still exist."""
+    try:
+        from jsonargparse import _stubs_resolver as stubs
+        from jsonargparse._common import get_parsing_setting
+    except ImportError:
+        return
+    if stubs.stubs_resolver is not None or not stubs.typeshed_client_support:
+        return
+    work = os.path.realpath(os.getcwd())
+    path = [Path(p) for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != work]
+    context = stubs.tc.get_search_context(search_path=path, allow_py_files=get_parsing_setting("stubs_resolver_allow_py_files"))
+    stubs.stubs_resolver = stubs.StubsResolver(search_context=context)
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

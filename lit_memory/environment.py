@@ -48,3 +48,27 @@ def for_new_job(environ: Optional[dict] = None) -> dict[str, str]:
     test's launch): without a launcher's variables, whatever an earlier run in this process left behind."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if k not in LAUNCHER_VARIABLES}
+
+
+SAFE_PATH = "PYTHONSAFEPATH"  # Python 3.11: no working folder or script folder first on sys.path
+
+
+@contextlib.contextmanager
+def safe_path() -> Iterator[None]:
+    """For the length of the block every Python this process starts, or a library it calls starts, puts neither the
+    working folder nor a script's folder first on ``sys.path`` (``PYTHONSAFEPATH``): jsonargparse's typeshed_client
+    runs ``python -c`` in the working folder while parsing, Lightning's launchers start ``python -m``, multiprocessing's
+    spawn and torch's compile workers start Python too, and a folder someone sent holding ``json.py`` would run in
+    each of them. ``PATH`` loses its entries that name the working folder (empty or relative ones): a program a library
+    starts by name (``gcc`` for ``ctypes.util.find_library``) is never one the folder ships. Put back after the block
+    (a command's whole life: `lit_memory.__main__.main`)."""
+    with restored((SAFE_PATH, "PATH")):
+        os.environ[SAFE_PATH] = "1"
+        if "PATH" in os.environ:
+            os.environ["PATH"] = without_working_folder(os.environ["PATH"])
+        yield
+
+
+def without_working_folder(path: str) -> str:
+    """A ``PATH``-like list without its empty and relative entries (each names the working folder, or one below it)."""
+    return os.pathsep.join(p for p in path.split(os.pathsep) if p and os.path.isabs(p))

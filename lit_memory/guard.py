@@ -18,6 +18,11 @@ hold where the loading happens:
 - before a run starts, `preflight` refuses a checkpoint Lightning would pick by itself (SLURM's
   ``hpc_ckpt_N.ckpt``, an ``OnExceptionCheckpoint``'s file) and checks the one it will load with the
   restricted readers;
+- checkpoint cadence and count over all of a run's checkpoint callbacks (`RunBounds`): at most
+  `MAX_KEPT_CHECKPOINTS` kept together and on average at least `MIN_CHECKPOINT_STEPS` optimizer steps apart, judged
+  once the training data is loaded (an epoch's length decides an every-N-epochs cadence) and counted again at every
+  save, whatever callback asks (one ``error:`` line: N callbacks saving every epoch of one batch kept 28 checkpoints
+  in 24 steps);
 - Hugging Face loaders get ``trust_remote_code=False`` unless the user typed otherwise
   (`pretrained_kwargs`); a local model folder is checked before transformers reads it (files within
   their bounds, no Hub kernel or quantizer in its config.json, a tokenizer that does not multiply
@@ -49,6 +54,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities import load as lightning_load
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import _weights_only_unpickler as unpickler
@@ -79,7 +85,8 @@ def enforced(trusted: bool) -> Iterator[None]:
     and what the run recorded here (the folders and settings the user typed) are as they were before it."""
     global _trusted, _typed
     harden()
-    saved = (_trusted, list(_own_folders), _typed)
+    global _typed_values
+    saved = (_trusted, list(_own_folders), _typed, _typed_values)
     switches = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
     _trusted = trusted
     if not trusted:
@@ -88,7 +95,7 @@ def enforced(trusted: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        _trusted, own, _typed = saved
+        _trusted, own, _typed, _typed_values = saved
         _own_folders[:] = own
         for name, value in switches.items():
             if value is None:
@@ -338,6 +345,109 @@ def install(trainer: Any) -> None:
     connector._lit_memory_guarded = True
 
 
+# -- checkpoint cadence and count over all callbacks ------------------------------------------------
+
+MIN_CHECKPOINT_STEPS = 50  # on average, over every callback: at most one checkpoint per this many optimizer steps
+MAX_KEPT_CHECKPOINTS = 10  # kept at once, over every callback
+
+
+def checkpoint_load(trainer: Any, exempt: Callable[[Any], bool] = lambda c: False) -> Optional[str]:
+    """Why the run's checkpoint callbacks, together, would save too often or keep too many, or None.
+    Each callback's interval in optimizer steps (``every_n_train_steps``, or ``every_n_epochs`` times the
+    optimizer steps of an epoch, known once the training data is loaded); the saves over the run
+    (``max_steps``, else ``max_epochs`` epochs) may exceed one per callback by at most one per
+    `MIN_CHECKPOINT_STEPS` steps. ``exempt``: callbacks the user typed, and lit_memory's own."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if not exempt(c)]
+    if not callbacks:
+        return None
+    batches = trainer.num_training_batches
+    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if batches not in (None, float("inf")) else None
+    if trainer.max_steps and trainer.max_steps > 0:
+        total = trainer.max_steps
+    elif per_epoch is not None and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        total = per_epoch * trainer.max_epochs
+    else:
+        total = None  # endless: every cadence counts
+    saves, kept, rate = 0.0, 0, 0.0
+    for c in callbacks:
+        steps = getattr(c, "_every_n_train_steps", 0) or 0
+        epochs = getattr(c, "_every_n_epochs", 0) or 0
+        interval = steps if steps > 0 else (epochs * per_epoch if epochs > 0 and per_epoch else None)
+        copies = 2 if c.save_last is True else 1  # last.ckpt written again beside each save (a link costs nothing)
+        if interval:
+            rate += copies / interval
+            saves += copies * (total // interval if total is not None else float("inf"))
+        top_k = c.save_top_k if c.monitor is not None else min(c.save_top_k, 1)
+        kept += (top_k if top_k >= 0 else MAX_KEPT_CHECKPOINTS + 1) + (1 if c.save_last is True else 0)
+    if kept > MAX_KEPT_CHECKPOINTS:
+        return (f"the checkpoint callbacks together keep {kept} checkpoints, more than {MAX_KEPT_CHECKPOINTS} "
+                "(save_top_k and save_last summed over trainer.callbacks)")
+    allowed = len(callbacks) + (total // MIN_CHECKPOINT_STEPS if total is not None else 0)
+    if rate * MIN_CHECKPOINT_STEPS > 1 and saves > allowed:
+        return (f"the checkpoint callbacks together save a checkpoint every {1 / rate:.1f} optimizer steps "
+                f"({'endlessly' if total is None else f'{saves:.0f} times in {total} steps'}), more often than every "
+                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over trainer.callbacks)")
+    return None
+
+
+def save_budget(step: int, callbacks: int) -> int:
+    """How many checkpoints a run may have saved by optimizer step ``step`` over its ``callbacks`` counted
+    checkpoint callbacks: two per callback (a save and last.ckpt's copy) and two more (a batch-size finder's, an
+    exception's), plus two per `MIN_CHECKPOINT_STEPS` steps."""
+    return 2 * callbacks + 2 + 2 * (step // MIN_CHECKPOINT_STEPS)
+
+
+class RunBounds(Callback):
+    """The bounds that hold for a fit's whole length, untrusted: checkpoints over all callbacks, judged once the
+    training data is loaded (`checkpoint_load`) and counted at every save the strategy makes, whichever callback asks
+    (`save_budget`: an every-N-epochs cadence or a validation every step is seen here whatever its settings said).
+    ``exempt``: the callbacks the user typed and lit_memory's own, whose saves are not counted."""
+
+    def __init__(self, exempt: Callable[[Any], bool] = lambda c: False) -> None:
+        self.exempt = exempt
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if restricted() and stage == "fit":
+            self._count_saves(trainer)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if restricted() and (problem := checkpoint_load(trainer, self.exempt)):
+            raise UserError(f"refusing {problem}; {HINT}")
+
+    def _count_saves(self, trainer: Any) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy, "_lit_memory_counted", False):
+            return
+        save, saves, inside = strategy.save_checkpoint, [], [0]
+        for callback in trainer.checkpoint_callbacks:
+            if self.exempt(callback):  # what it saves is not counted
+                callback._save_checkpoint = _not_counted(callback._save_checkpoint, inside)
+        counted = sum(1 for c in trainer.checkpoint_callbacks if not self.exempt(c))
+
+        def counted_save(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> Any:
+            if restricted() and not inside[0]:
+                saves.append(trainer.global_step)
+                if len(saves) > save_budget(trainer.global_step, counted):
+                    raise UserError(
+                        f"refusing to save {filepath}: checkpoint {len(saves)} by step {trainer.global_step}, more than "
+                        f"one per {MIN_CHECKPOINT_STEPS} optimizer steps over all checkpoint callbacks; {HINT}")
+            return save(checkpoint, filepath, *args, **kwargs)
+
+        strategy.save_checkpoint = counted_save
+        strategy._lit_memory_counted = True
+
+
+def _not_counted(method: Callable[..., Any], inside: list[int]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        inside[0] += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    return call
+
+
 # -- before a run starts ---------------------------------------------------------------------
 
 
@@ -457,12 +567,28 @@ def config_code_problems(config: Any, where: str, depth: int = 0) -> list[str]:
 
 
 _typed: frozenset[str] = frozenset()  # dotted keys the user typed (`set_typed`)
+_typed_values: frozenset[str] = frozenset()  # the values they typed for them (a repository named on the command line)
+_local_only = 0  # inside `local_only`: Hugging Face loads read the caches, never the Hub
 
 
 def set_typed(keys: Any) -> None:
-    """The settings the user typed, for the checks made after parsing (a typed config override is theirs)."""
-    global _typed
+    """The settings the user typed (a dict of key to value, or the keys), for the checks made after parsing (a typed
+    config override is theirs; a repository typed is loaded with their token)."""
+    global _typed, _typed_values
     _typed = frozenset(keys)
+    _typed_values = frozenset(str(v) for v in keys.values()) if isinstance(keys, dict) else frozenset()
+
+
+@contextlib.contextmanager
+def local_only() -> Iterator[None]:
+    """For the length of the block, Hugging Face loads through `call` read local files and the caches only: what the
+    parent of a confined run estimates for a recipe reaches no server (`lit_memory.sandbox.hub` fetches, bounded)."""
+    global _local_only
+    _local_only += 1
+    try:
+        yield
+    finally:
+        _local_only -= 1
 
 
 def check_config(config: Any, overrides: Optional[dict[str, Any]] = None) -> None:
@@ -570,7 +696,13 @@ def check_model_folder(name_or_path: Any, what: str) -> None:
 
 
 def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
-    """``load(*args, **kwargs)`` with a refusal to run shipped code as one line."""
+    """``load(*args, **kwargs)`` with a refusal to run shipped code as one line. Untrusted, a repository the user did
+    not type is loaded without their token (a recipe's choice of repository must not receive it: a private one of
+    theirs, or a server that logs it); inside `local_only`, from the caches only."""
+    if restricted() and args and str(args[0]) not in _typed_values:
+        kwargs.setdefault("token", False)
+    if _local_only:
+        kwargs["local_files_only"] = True
     try:
         return load(*args, **pretrained_kwargs(**kwargs))
     except UserError:

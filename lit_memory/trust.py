@@ -117,22 +117,27 @@ def import_policy_enforced() -> bool:
 
 _bound_error: Optional[UserError] = None  # the last bound a config broke (jsonargparse wraps errors in its own)
 _typed_files: set[str] = set()  # files named on the command line: the user's, read as they are
+_recipe_folders: set[str] = set()  # where a config a recipe names may lie (`recipe_folders`)
 _reading: Optional[tuple[str, str]] = None  # (path, text) of the config just read, for the loader's refusal
 
 
 @contextlib.contextmanager
-def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
+def bounded_config_reading(typed_files: Iterator[str] = (), folders: Iterator[str] = ()) -> Iterator[None]:
     """Untrusted, for the length of the block: every config jsonargparse reads (``--config`` files, nested configs,
     a file given as a value) is a regular file within `bounds.CONFIG_BYTES` (a FIFO or /dev/zero is not read at all),
-    and every YAML it loads has its aliases and nesting bounded (`bounds.check_yaml`), before it is built. Typed on
-    the command line, a file is the user's and read as it is (``--config <(...)``). jsonargparse's YAML loader and
-    its path reader are wrapped while the block lasts (its API sets a loader, `jsonargparse.set_loader`; the reader
-    has none), and put back after."""
+    and every YAML it loads has its aliases and nesting bounded (`bounds.check_yaml`), before it is built. A config
+    a recipe names lies beneath ``folders`` (`recipe_folders`: its own folder, the working folder): a file of the
+    user's elsewhere would become settings a run writes into its folder. Typed on the command line, a file is the
+    user's and read as it is (``--config <(...)``). jsonargparse's YAML loader and its path reader are wrapped while
+    the block lasts (its API sets a loader, `jsonargparse.set_loader`; the reader has none), and put back after."""
     typed = {os.path.realpath(f) for f in typed_files}
     load = jsonargparse.get_loader("yaml")
     read_text = ConfigPath.read_text
-    saved_typed = set(_typed_files)
+    global _bound_error
+    saved_typed, saved_folders = set(_typed_files), set(_recipe_folders)
+    _bound_error = None  # a refusal from an earlier command's parse is not this one's
     _typed_files.update(typed)
+    _recipe_folders.update(os.path.realpath(f) for f in folders)
 
     def bounded_load(value: str) -> Any:
         global _reading
@@ -144,7 +149,11 @@ def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
     def bounded_read_text(self: Any) -> str:
         local = not (self._std_io or self._is_url or self._is_fsspec)
         global _reading
-        typed_pipe = os.path.realpath(self._absolute) in _typed_files and not os.path.isfile(self._absolute)
+        real = os.path.realpath(self._absolute)
+        typed_pipe = real in _typed_files and not os.path.isfile(self._absolute)
+        if guard.restricted() and local and real not in _typed_files and _recipe_folders and not any(
+                real == f or real.startswith(f.rstrip("/") + "/") for f in _recipe_folders):
+            _check(_outside, str(self._absolute), real)
         if guard.restricted() and local and not typed_pipe:  # ``--config <(...)`` typed: the user's pipe
             text = _check(bounds.read_text, self._absolute, bounds.CONFIG_BYTES, "config")
         else:
@@ -167,6 +176,15 @@ def bounded_config_reading(typed_files: Iterator[str] = ()) -> Iterator[None]:
             ConfigPath.read_text = read_text
         _typed_files.clear()
         _typed_files.update(saved_typed)
+        _recipe_folders.clear()
+        _recipe_folders.update(saved_folders)
+
+
+def _outside(path: str, real: str) -> None:
+    raise bounds.BoundExceeded(
+        f"refusing to read the config {path}: a config a recipe names is read only from beneath the recipe's folder or "
+        f"the working folder ({', '.join(sorted(_recipe_folders))}), and it is {real}; name it with --config yourself "
+        f"if you mean it, or {HINT}")
 
 
 _files_read: set[str] = set()  # every local config file read so far (a confined child reads them again)
@@ -273,8 +291,8 @@ HF_LOADING_OPTIONS = frozenset({
     "trust_remote_code", "cache_dir", "proxies", "token", "use_auth_token", "revision", "code_revision",
     "subfolder", "force_download", "local_files_only", "gguf_file", "user_agent",
 })
-MIN_CHECKPOINT_STEPS = 50  # a checkpoint every step of a large model fills a disk and starves training
-MAX_KEPT_CHECKPOINTS = 10
+MIN_CHECKPOINT_STEPS = guard.MIN_CHECKPOINT_STEPS  # a checkpoint every step of a large model fills a disk and starves training
+MAX_KEPT_CHECKPOINTS = guard.MAX_KEPT_CHECKPOINTS
 MIN_CHECKPOINT_SECONDS = 60
 MAX_LENGTH = 131072  # tokens: the longest context of the families lit_memory knows
 
@@ -417,11 +435,12 @@ class Decision:
     typed: Namespace = field(default_factory=Namespace)
 
     @contextlib.contextmanager
-    def applied(self, typed_files: Iterator[str] = ()) -> Iterator["Decision"]:
+    def applied(self, typed_files: Iterator[str] = (), folders: Iterator[str] = ()) -> Iterator["Decision"]:
         """Apply the decision to this process for the length of the block (a run): imports and configs read while
         parsing, and every sink (`lit_memory.guard.enforced`); at the end all of it is as it was before.
-        ``typed_files``: files named on the command line (the user's). Inside an untrusted run, a trusted decision
-        is refused: it would lift the rules the enclosing run holds."""
+        ``typed_files``: files named on the command line (the user's); ``folders``: where a config a recipe names may
+        lie (`recipe_folders`). Inside an untrusted run, a trusted decision is refused: it would lift the rules the
+        enclosing run holds."""
         if self.trusted and import_policy_enforced():
             raise UserError(
                 f"{TRUST_FLAG} cannot lift the import allowlist inside an untrusted run: run the trusted command in "
@@ -431,7 +450,7 @@ class Decision:
             _files_read.clear()  # this command's configs from here on
             if not self.trusted:
                 held.enter_context(import_policy())
-                held.enter_context(bounded_config_reading(typed_files))
+                held.enter_context(bounded_config_reading(typed_files, folders))
             held.enter_context(remote_configs_off())
             held.enter_context(guard.enforced(self.trusted))
             yield self
@@ -533,6 +552,33 @@ def _options(tokens: list[str]) -> list[list[str]]:
         else:
             options[-1].append(token)
     return options
+
+
+def typed_option(argv: list[str], key: str) -> Optional[str]:
+    """The value the user typed for ``--KEY`` (the last one), or None. A file named on the command line is the user's,
+    though the parse of the command line alone leaves it out (`command_line_only`: jsonargparse would read it as that
+    key's config): what a run reads is judged by this."""
+    value = None
+    for i, token in enumerate(argv):
+        if token == f"--{key}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(f"--{key}="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def recipe_folders(argv: list[str]) -> list[str]:
+    """The folders a recipe's own files may lie in: the working folder and the folders of the configs the user named
+    (``--config FILE``, ``--recipe NAME`` once expanded). A file a recipe names elsewhere is the user's, read only when
+    they type it (`lit_memory.sandbox.rules.check_input`, `bounded_config_reading`)."""
+    folders = [os.getcwd()]
+    for i, token in enumerate(argv):
+        value = argv[i + 1] if token in ("--config", "-c") and i + 1 < len(argv) else None
+        if token.startswith(("--config=", "-c=")):
+            value = token.split("=", 1)[1]
+        if value and _is_file(value):
+            folders.append(os.path.dirname(os.path.realpath(os.path.expanduser(re.sub(r"^file:///?", "/", value)))))
+    return list(dict.fromkeys(os.path.realpath(f) for f in folders))
 
 
 def _is_file(value: str) -> bool:

@@ -218,3 +218,42 @@ def test_resuming_ones_own_sharded_run_needs_no_trust(tmp_path):
     resumed = fit(tmp_path, *more, "--ckpt_path=last", "--trainer.max_steps=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {last}" in resumed.stdout + resumed.stderr
+
+
+def test_checkpoints_over_all_callbacks_are_bounded_for_the_whole_run(monkeypatch):
+    """The round-2 rule, for N callbacks and every_n_epochs: callbacks each within their own bounds that together
+    save every step (five saving every 1..5 epochs of one batch: 45 saves in 20 steps) or keep more than 10 are one
+    line once the epoch's length is known; and whatever the settings said, the saves the strategy makes are counted:
+    more than two per callback, two more, and two per 50 steps is one line at the save that passes it. Callbacks the
+    user typed and lit_memory's own are not counted."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    monkeypatch.setattr(guard, "_trusted", False)
+    every = [ModelCheckpoint(every_n_epochs=i + 1, filename=f"c{i}-{{step}}") for i in range(5)]
+    trainer = SimpleNamespace(checkpoint_callbacks=every, num_training_batches=1, accumulate_grad_batches=1, max_steps=20,
+                              max_epochs=None, global_step=0)
+    problem = guard.checkpoint_load(trainer)
+    assert "every 0.4 optimizer steps (45 times in 20 steps), more often than every 50" in problem
+    with pytest.raises(UserError, match="every 0.4 optimizer steps"):
+        guard.RunBounds().on_train_start(trainer, None)
+    assert guard.checkpoint_load(trainer, exempt=lambda c: True) is None  # the user's own: theirs
+    kept = [ModelCheckpoint(monitor="train_loss", save_top_k=10, every_n_train_steps=100 + i) for i in range(5)]
+    assert "keep 50 checkpoints, more than 10" in guard.checkpoint_load(SimpleNamespace(**{**vars(trainer), "checkpoint_callbacks": kept}))
+    assert guard.checkpoint_load(SimpleNamespace(**{**vars(trainer), "num_training_batches": 500, "max_steps": 1000})) is None
+
+    saved = []
+    trainer.strategy = SimpleNamespace(save_checkpoint=lambda checkpoint, path, *a, **k: saved.append(path))
+    ours = ModelCheckpoint(every_n_epochs=1)
+    trainer.checkpoint_callbacks = [*every, ours]
+    ours._save_checkpoint = lambda _trainer, path: trainer.strategy.save_checkpoint({}, path)
+    guard.RunBounds(exempt=lambda c: c is ours)._count_saves(trainer)
+    for step in range(12):  # lit_memory's own saves, at any cadence: not counted
+        trainer.global_step = step
+        ours._save_checkpoint(trainer, f"ours-{step}")
+    with pytest.raises(UserError, match=r"refusing to save c-12: checkpoint 13 by step 12, more than one per 50"):
+        for step in range(40):
+            trainer.global_step = step
+            trainer.strategy.save_checkpoint({}, f"c-{step}")
+    assert len(saved) == 12 + 12  # the refused save wrote nothing

@@ -1,20 +1,27 @@
-"""A sent recipe's run, confined by the kernel: one boundary for what the run reads, writes and reaches.
+"""A sent recipe's run, confined by the kernel: nothing it ships runs before confinement, nothing the parent does for
+it is unbounded, and the child is held by more than paths.
 
 Without ``--trust-recipe``, ``python -m lit_memory fit|validate|test|predict`` judges the command in its own
-process and runs it in a child that Linux Landlock confines (`launch`, the parent's side; `child`, the child's):
+process and runs it in a child that confines itself first thing (`launch`, the parent's side; `child`, the child's):
 
-- `rules`: the confinement a run gets (read roots: Python and its packages, system libraries, a few files of
-  ``/etc`` and ``/proc``, the GPU's devices, the Hub cache, the recipe's checked inputs; write roots: the run's
-  folders and its private temporary folder and caches; no TCP but a distributed launch's own ports; process and
-  file-size limits), and the values a recipe may not choose (run folders outside the working folder or that
-  exist, format templates that walk Python's objects, free-form keyword dictionaries);
+- `rules`: the confinement a run gets (`rules.Spec`: read roots, write roots, TCP ports, bounds, the child's path
+  and status pipe), the child's environment without secrets, and the values a recipe may not choose (run folders
+  outside the working folder or that exist, format templates that walk Python's objects, free-form keyword
+  dictionaries, files outside the recipe's folder and the working folder);
+- `roots`: the run's folders made beneath the working folder without following a link, logger names of one component;
 - `stage`: every file a recipe names, checked as a regular file beneath its folder with no link on the way
   (``openat2``), an index's shards included;
-- `landlock`: the three system calls;
-- `launch`: the parent: secrets scrubbed from the child's environment, what it names on the Hub fetched before
-  confinement, and a watchdog bounding memory, disk and preparation time, each ending with one ``error:`` line.
+- `hub`: what a run names on the Hugging Face Hub, sized from its metadata against the disk budget, fetched into the
+  run's private folder within the time bound, with the user's token only for a repository they typed;
+- `cgroup`: the run's memory (tmpfs and memfd included) and processes bounded by the kernel, all killed at the end;
+- `namespaces`: network (loopback only), IPC, process ids, and a mount namespace whose view holds only the run's
+  roots, a fresh ``/proc`` and a private ``/dev/shm``;
+- `landlock`: the three system calls; `privileges`: every capability dropped; `seccomp`: the system calls refused;
+- `watchdog`: the parent's watch (output relayed, status over a pipe, memory, disk and preparation time bounded,
+  nothing left running however it ends).
 
 What stays in Python (`lit_memory.trust`, `lit_memory.guard`, `lit_memory.bounds`) is what the kernel cannot judge:
 the import allowlist, weights-only loading, remote-code refusals, value bounds. docs/sharing.md states the
-guarantee per platform; where Landlock is missing an untrusted run does not start.
+guarantee: what is enforced by what, per platform, and what is not covered. Where Landlock is missing an untrusted run
+does not start; each other missing layer is one warning line.
 """

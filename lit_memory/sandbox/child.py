@@ -1,30 +1,156 @@
-"""The confined process's side: apply the `Spec` the parent handed over, first thing (`lit_memory/__init__.py`).
+"""The confined process's side: the child confines itself (`confine`) before anything of the run is imported.
 
-The kernel then enforces it on this process and every process it starts (DataLoader workers, a distributed
-launch's other ranks). One thing Landlock does not mediate is connecting to a UNIX socket by its path (a container
-engine's socket): Python's audit hook refuses that here, for sockets outside the run's own folders.
+The parent starts ``python -I -B -c BOOT ARGS`` (`command`): isolated mode puts neither the working folder nor the
+user's site folder on ``sys.path`` and reads no ``PYTHON*`` variable, and BOOT sets ``sys.path`` to the parent's own
+(`lit_memory.sandbox.rules.child_path`), so nothing in the folder someone sent is imported, not even before
+confinement (a ``lit_memory.py`` or ``json.py`` beside the recipe). Then, in this order, each layer where the kernel
+has it (each missing one said in one line, `MISSING`):
+
+1. its life tied to the parent's (``PR_SET_PDEATHSIG``: killed when the parent ends, however it ends), and into the
+   run's cgroup (`lit_memory.sandbox.cgroup`), so everything it starts is bounded and killed with it;
+2. namespaces of its own (`lit_memory.sandbox.namespaces`): IPC, network (loopback only, brought up), mount, and
+   process ids: it forks the namespace's first process, which runs the run; when that one ends the kernel kills every
+   process left in the namespace, and it dies with the forking process (killed with the parent);
+3. the view: only the run's roots, devices, a fresh ``/proc`` and a private ``/dev/shm`` visible;
+4. resource limits and Landlock (`lit_memory.sandbox.rules.enter`): the one layer without which it does not run;
+5. every capability dropped (`lit_memory.sandbox.privileges`), then the seccomp filter
+   (`lit_memory.sandbox.seccomp`);
+6. its phases go to the parent over the inherited pipe (`lit_memory.sandbox.rules.phase`), and the run starts
+   (``python -m lit_memory ARGS`` in this process).
+
+Its standard input is ``/dev/null`` and its output pipes the parent relays (`lit_memory.sandbox.watchdog`): it has
+no terminal to write into.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-import socket
+import select
+import signal
 import sys
+from dataclasses import dataclass, field
+from typing import Optional
 
-from lit_memory.sandbox.rules import ENV, Spec, enter
+from lit_memory.sandbox import cgroup, namespaces, privileges, seccomp
+from lit_memory.sandbox.rules import ENV, Spec, enter, set_status
 
-_entered = False
+PR_SET_PDEATHSIG = 1
+BOOT = ("import json, os, sys; sys.path[:] = json.loads(os.environ[{env!r}])['path']; "
+        "from lit_memory.sandbox.child import main; main(sys.argv[1:])")
+# What is left open where a layer is missing (docs/sharing.md, "Per platform").
+MISSING = {
+    "cgroup": "memory outside processes (tmpfs, memfd) is not bounded and processes that left the run's session are "
+              "killed only with its process namespace",
+    "pid": "a process of the run that started a session of its own can outlive it",
+    "network": "UDP and other protocols than TCP can reach this machine's and other hosts' listeners",
+    "ipc": "System V IPC objects of other processes are refused by the seccomp filter alone",
+    "mount": "UNIX sockets by path, other users' files and the host's /dev/shm stay reachable to what Landlock "
+             "does not mediate",
+    "capabilities": "the run keeps the capabilities of the user it runs as",
+    "seccomp": "keyrings, System V IPC, raw and other sockets, TIOCSTI and new namespaces are not refused",
+}
 
 
-def enter_from_env() -> None:
-    """Confine this process as the environment's `Spec` says (once)."""
-    global _entered
-    if _entered or not os.environ.get(ENV):
+@dataclass
+class Held:
+    """The layers that hold in this process, and the missing ones with the reason."""
+
+    layers: list[str] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)
+
+    def line(self, layer: str) -> str:
+        return (f"warning: sandbox: no {layer} layer here ({self.missing[layer]}): {MISSING.get(layer, '')} "
+                "(docs/sharing.md, Per platform)")
+
+
+def command(args: list[str]) -> list[str]:
+    """The child's command line: isolated Python, no bytecode written, BOOT, then the run's arguments."""
+    return [sys.executable, "-I", "-B", "-c", BOOT.format(env=ENV), *args]
+
+
+def _die_with_parent(parent: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent and os.getppid() != parent:  # it ended before the line above: nobody would kill this process
+        os._exit(1)
+
+
+def _fork_init() -> None:
+    """Fork the process namespace's first process and return in it; this process waits for it and ends as it did.
+    Killed (the parent gone: SIGKILL), this process takes the namespace's first process with it, and the kernel the
+    rest of the namespace."""
+    alive_r, alive_w = os.pipe()  # closed when this process ends: the first process checks it once
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if select.select([alive_r], [], [], 0)[0]:  # end of file: the forking process died before the line above
+            os._exit(1)
+        os.close(alive_r)
         return
-    spec = Spec.from_env(os.environ[ENV])
-    enter(spec)
-    _entered = True
-    roots = tuple(os.path.realpath(w) for w in spec.write)
+    os.close(alive_r)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C reaches the run itself (one process group)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            os._exit(1)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def confine(spec: Optional[Spec] = None) -> Held:
+    """Confine this process (single-threaded, nothing of the run imported yet) as ``spec`` (default: the
+    environment's) says; returns in the confined process only. Raises where Landlock cannot be enforced."""
+    spec = spec or Spec.from_env(os.environ[ENV])
+    held = Held()
+    _die_with_parent(spec.parent)
+    if spec.cgroups:
+        why = cgroup.join(spec.cgroups)
+        held.missing["cgroup"] = why if why else ""
+    else:
+        held.missing["cgroup"] = spec.no_cgroup or "none was made"
+    missing = namespaces.enter(spec.network)
+    held.missing.update(missing)
+    if not spec.network:
+        held.missing["network"] = "a launch over several nodes reaches them over the network"
+    if "pid" not in missing:
+        _fork_init()
+    if "mount" not in missing and spec.view:
+        try:
+            namespaces.build_view(spec.view, [*spec.read, *spec.write], [p for p in spec.read + spec.write
+                                                                         if p.startswith("/dev/")], spec.shm, os.getcwd())
+        except OSError as err:
+            held.missing["mount"] = str(err)
+    elif "mount" not in missing:
+        held.missing["mount"] = "no folder for the view"
+    if spec.network and "network" not in missing:
+        if why := namespaces.loopback_up():
+            held.missing["network"] = why
+    enter(spec)  # resource limits, then Landlock: raises where the kernel refuses
+    if why := privileges.drop():
+        held.missing["capabilities"] = why
+    try:
+        seccomp.install(spec.inet)
+    except (OSError, RuntimeError, ImportError, AttributeError) as err:
+        held.missing["seccomp"] = str(err) or type(err).__name__
+    held.missing = {k: v for k, v in held.missing.items() if v}
+    held.layers = [name for name in ("cgroup", *namespaces.NAMESPACES, "capabilities", "seccomp")
+                   if name not in held.missing]
+    if "mount" in held.missing:
+        _refuse_unix_sockets_outside(spec.write)
+    set_status(spec.status_fd)
+    return held
+
+
+def _refuse_unix_sockets_outside(roots: list[str]) -> None:
+    """Without the view, a UNIX socket by path (a container engine's) is reachable, and Landlock does not mediate
+    connecting to one: refused here from Python at least (an audit hook), outside the run's own folders."""
+    import socket
+
+    real = tuple(os.path.realpath(w) for w in roots)
 
     def hook(event: str, args: tuple) -> None:
         if event != "socket.connect":
@@ -33,10 +159,26 @@ def enter_from_env() -> None:
         if getattr(sock, "family", None) != socket.AF_UNIX or not isinstance(address, (str, bytes)):
             return
         path = os.fsdecode(address)
-        if path.startswith("\0") or not path:
+        if not path or path.startswith("\0"):
             return  # abstract sockets: Landlock's scope (ABI 6) keeps them to this run's processes
-        real = os.path.realpath(path)
-        if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+        where = os.path.realpath(path)
+        if not any(where == r or where.startswith(r.rstrip("/") + "/") for r in real):
             raise PermissionError(f"refused by the sandbox: connecting to the UNIX socket {path}")
 
     sys.addaudithook(hook)
+
+
+def main(argv: list[str]) -> None:
+    """Confine this process, say which layers are missing, and run ``python -m lit_memory ARGV`` in it."""
+    import runpy
+
+    try:
+        held = confine()
+    except (OSError, RuntimeError) as err:  # Landlock refused, or the view could not be entered whole: never run on
+        print(f"error: the sandbox could not confine the run ({err}); pass --trust-recipe only if you trust the "
+              "recipe's source", file=sys.stderr)
+        sys.exit(2)
+    for layer in held.missing:
+        print(held.line(layer), file=sys.stderr)
+    sys.argv = ["lit_memory", *argv]
+    runpy.run_module("lit_memory", run_name="__main__", alter_sys=True)

@@ -104,6 +104,8 @@ class Ruleset:
             reads, writes = _mask(READ, FS, version), _mask(READ + WRITE, FS, version)
             for paths, rights in ((self.read, reads), (self.write, writes)):
                 for path in dict.fromkeys(paths):
+                    if rights == writes and os.path.lexists(path) and os.path.realpath(path) != os.path.abspath(path):
+                        raise OSError(f"the write root {path} is reached through a link (it was not when it was judged)")
                     self._add_path(libc, fd, path, rights, version)
             if handled_net:
                 for ports, right in ((self.connect, "connect_tcp"), (self.bind, "bind_tcp")):

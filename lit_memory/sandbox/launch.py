@@ -4,17 +4,21 @@
 
 1. the command is parsed and its values judged in this process, as every run is (`lit_memory.trust`: the import
    allowlist, code-running values, bounds), plus the rules only a confined run needs (`lit_memory.sandbox.rules`:
-   run folders a recipe chooses, templates, free-form keyword dictionaries);
-2. what the child will read is fixed here: every file a recipe names is checked beneath its folder, regular files
-   only (`lit_memory.sandbox.stage`); what it names on the Hugging Face Hub is fetched here, before confinement;
-3. the child is started with the environment scrubbed of secrets, offline, with a private temporary folder and
-   caches, confined first thing by Landlock (`lit_memory.sandbox.child`): reads below the Python installation,
-   system libraries, the caches and its inputs; writes below its run folders and private folder; no TCP but a
-   distributed launch's own;
-4. a watchdog bounds what the kernel does not: the processes' memory (from the run's host-memory estimate), the
-   run folders' disk use and the time spent preparing (tokenizer, data), each ending with one ``error:`` line.
+   run folders a recipe chooses, templates, free-form keyword dictionaries, logger names that are one path component);
+2. what the child will read is fixed here: every file a recipe names lies beneath the recipe's folder or the working
+   folder unless the user typed it (`lit_memory.sandbox.rules.check_input`), and is checked as regular files beneath
+   its folder (`lit_memory.sandbox.stage`); what it names on the Hugging Face Hub is sized and fetched here into the
+   run's private folder (`lit_memory.sandbox.hub`);
+3. every folder the run writes below (the default ``lightning_logs`` too) is made beneath the working folder without
+   following a link (`lit_memory.sandbox.roots`), a cgroup bounds its memory and processes
+   (`lit_memory.sandbox.cgroup`), and the child is started isolated from the working folder, with the environment
+   scrubbed of secrets, offline, with a private temporary folder and caches; it confines itself first thing
+   (`lit_memory.sandbox.child`: namespaces, a view of only its roots, Landlock, no capabilities, seccomp);
+4. the watchdog (`lit_memory.sandbox.watchdog`) relays its output, bounds its memory, disk and preparation time,
+   each ending with one ``error:`` line, and leaves none of its processes behind.
 
-The child's output is the command's output. Where Landlock is missing the command stops with one line.
+Where Landlock is missing the command stops with one line; each other missing layer is one warning line
+(docs/sharing.md, "Per platform").
 """
 
 from __future__ import annotations
@@ -23,39 +27,32 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from huggingface_hub import constants, snapshot_download
+from huggingface_hub import constants
 
-from lit_memory import trust
-from lit_memory.data import TextClassificationData, load_hub_dataset
+from lit_memory import guard, trust
+from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.precision import runs_on_cpu
-from lit_memory.sandbox import landlock, rules, stage
+from lit_memory.sandbox import cgroup, child, hub, landlock, roots, rules, stage, watchdog
+from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
+from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
 from lit_memory.settings import leaves
 
 GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step
-SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|APIKEY|PRIVATE)", re.IGNORECASE)
-SECRET_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCP_", "GITHUB_", "GH_", "OPENAI_", "ANTHROPIC_", "WANDB_", "COMET_",
-                   "NEPTUNE_", "MLFLOW_", "DATABRICKS_", "SSH_", "GPG_", "KRB5", "DOCKER_", "KUBE")
-SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "NETRC", "HF_TOKEN_PATH")
 # Settings that name files a run reads.
 INPUTS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path")
-# Overrides of the bounds, for the user (and the tests): the environment is theirs, never a recipe's.
-LIMIT_VARIABLES = {"rss": "LIT_MEMORY_SANDBOX_RSS_BYTES", "disk": "LIT_MEMORY_SANDBOX_DISK_BYTES",
-                   "prepare": "LIT_MEMORY_SANDBOX_PREPARE_SECONDS"}
+# The child's own folders, in its private one (its temporary folder and caches).
+PRIVATE = ("tmp", "datasets", "inductor", "triton", "matplotlib", "hub", "cache")
+DEFAULT_ROOT = "trainer.default_root_dir (unset: the working folder's lightning_logs)"
 
 
 def unsupported() -> Optional[str]:
@@ -68,27 +65,13 @@ def unsupported() -> Optional[str]:
 
 
 @dataclass
-class Limits:
-    rss: int  # bytes: the run's processes together
-    disk: int  # bytes: its run folders and private folder together
-    prepare: float  # seconds before the first step
-    why_rss: str = ""
-
-
-@dataclass
 class Plan:
     spec: rules.Spec
     env: dict[str, str]
     limits: Limits
     private: Path  # the run's temporary folder and caches, removed at the end
     watched: list[str] = field(default_factory=list)  # folders whose size the disk budget covers
-    made: list[str] = field(default_factory=list)  # run folders made here (removed at the end where still empty)
-
-
-def scrubbed(environ: dict[str, str]) -> dict[str, str]:
-    """The environment without anything that looks like a secret (tokens, keys, cloud credentials, agents)."""
-    return {k: v for k, v in environ.items()
-            if k not in SECRET_NAMES and not k.startswith(SECRET_PREFIXES) and not SECRET.search(k)}
+    made: roots.Made = field(default_factory=roots.Made)  # run folders made here (removed at the end where left empty)
 
 
 def run(args: list[str], run: Any) -> int:
@@ -98,12 +81,25 @@ def run(args: list[str], run: Any) -> int:
     if why:
         raise UserError(why)
     plan = make_plan(run)
+    group = None
     try:
-        return watch([sys.executable, "-m", "lit_memory", *args], plan)
+        group, plan.spec.no_cgroup = cgroup.make(memory=cgroup_bytes(plan.limits.rss), pids=_pids())
+        if group is not None:
+            plan.spec.cgroups = group.procs()
+            if group.pids:
+                plan.spec.nproc = 0  # the group bounds the run's processes (RLIMIT_NPROC counts all of the user's)
+        return watchdog.watch(child.command(args), plan.env, plan.spec, plan.limits, plan.watched, group)
     finally:
+        if group is not None:
+            group.remove()
         shutil.rmtree(plan.private, ignore_errors=True)
-        for folder in reversed(plan.made):  # made here for the run and left empty (it stopped before writing)
-            _remove_empty(Path(folder))
+        roots.remove_empty(plan.made.folders)
+
+
+def cgroup_bytes(rss: int) -> int:
+    """The kernel's memory bound for the run's group: the watchdog's resident-memory bound and a margin (page cache,
+    tmpfs and memfd count there too; the watchdog says it first where resident memory grows)."""
+    return rss + max(256 * 2**20, rss // 8)
 
 
 # -- what the child may read and write --------------------------------------------------------------------
@@ -117,126 +113,134 @@ def make_plan(run: Any) -> Plan:
     chosen = {k: v for k, v in leaves(settings) if not typed.is_typed(k, v)}  # what the recipe chose
     rules.check_templates(chosen)
     rules.check_free_kwargs(chosen)
-    reads = [*rules.python_roots(), *rules.system_roots(), *_hub_cache()]
+    roots.check_components(chosen.items())
+    reads, fetches = inputs(run)
+    rules.check_write_paths(chosen, run_folders(settings, typed, create=False))
+    env = rules.scrubbed(dict(os.environ))
+    connect, bind = _ports(settings, env)
+    sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
+    with guard.local_only():  # estimated from what is at hand: nothing reaches the Hub here but `hub`'s listing
+        size, peak = footprint(run)
+    size = size or max([GiB, *(s.weights for s in sized)])
+    bounds = limits(run, size, peak)
+    hub.check(sized, bounds.disk)
+    # Every check passed: make the run's folders, fetch what the child cannot.
+    private = Path(tempfile.mkdtemp(prefix="lit_memory-run-"))
+    made = roots.Made()
+    try:
+        for name in (*PRIVATE, "view"):
+            (private / name).mkdir()
+        env.update(hub.fetch(sized, private, dict(os.environ), bounds.disk, bounds.prepare))
+        written = run_folders(settings, typed, create=True, made=made)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        roots.remove_empty(made.folders)
+        raise
+    if "LIT_MEMORY_STAGED_DATASET" in env:
+        reads.append(env["LIT_MEMORY_STAGED_DATASET"])
+    writes = [*written, *(str(private / name) for name in PRIVATE), *rules.device_write_roots()]
+    nodes = int(settings.get("trainer.num_nodes") or 1)
+    env = child_environment(env, private, distributed=bool(connect), nodes=nodes)
+    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
+                      path=rules.child_path(), network=nodes == 1, inet=bool(connect), shm=_shm_bytes(bounds),
+                      view=str(private / "view"))
+    return Plan(spec, env, bounds, private, [*written, str(private)], made)
+
+
+def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
+    """What the child may read (the Python installation, system files, the Hugging Face cache, the configs the parse
+    read and the files the settings name, each checked), and what it names on the Hub. A file the recipe names lies
+    beneath the recipe's folder or the working folder unless the user typed it (`rules.check_input`)."""
+    settings, typed, argv = run.settings, run.decision, run.argv or []
+    reads = [*rules.python_roots(), *rules.system_roots(), constants.HF_HUB_CACHE]
     for path in sorted(trust.files_read()):  # the configs the command names, as its parse read them
         if os.path.lexists(path):
             reads.append(str(stage.check(Path(path), "a config")))
-    hub_data, hub_models = None, []
+    folders = trust.recipe_folders(argv)
+    fetches: list[hub.Fetch] = []
     for key in INPUTS:
         value = settings.get(key)
         if key == "data.source" and isinstance(value, str) and value:
             TextClassificationData.local_file(value)  # the data module's rule: a file suffix names a local file
         local = stage.local_path(value) if isinstance(value, str) and value not in ("last", "hpc", "best") else None
+        users = typed.is_typed(key, value) or (value is not None and trust.typed_option(argv, key) == str(value))
         if local is not None:
+            if not users:
+                rules.check_input(key, value, local, folders)
             reads.append(str(stage.check(local, f"{key}={value}")))
         elif key == "data.source" and isinstance(value, str) and value and value != "bundled":
-            hub_data = value
+            fetches.append(hub.Fetch(key, value, "dataset", users, settings.get("data.subset")))
         elif key.startswith("model.") and isinstance(value, str) and value and not value.startswith("bundled:"):
-            hub_models.append(value)
-    folders = run_folders(settings, typed)
-    rules.check_write_paths(chosen, folders)
-    env = scrubbed(dict(os.environ))
-    connect, bind = _ports(settings, env)
-    size = _state_bytes(run)
-    bounds = limits(run, size)
-    # Every check passed: fetch what the child cannot, and make its folders.
-    for name in hub_models:
-        _fetch_model(name)
-    private = Path(tempfile.mkdtemp(prefix="lit_memory-run-"))
-    for name in ("tmp", "datasets", "inductor", "triton", "matplotlib"):
-        (private / name).mkdir()
-    status = private / "status"
-    status.touch()
-    if hub_data is not None:
-        try:
-            env["LIT_MEMORY_STAGED_DATASET"] = str(_fetch_dataset(hub_data, settings.get("data.subset"), private))
-        except BaseException:
-            shutil.rmtree(private, ignore_errors=True)
-            raise
-        reads.append(env["LIT_MEMORY_STAGED_DATASET"])
-    made = make_folders(folders)
-    writes = [*folders, str(private), *rules.device_write_roots()]
+            fetches.append(hub.Fetch(key, value, "model", users))
+    return reads, fetches
+
+
+def child_environment(env: dict[str, str], private: Path, distributed: bool, nodes: int) -> dict[str, str]:
+    """The child's environment (``env``: this one without secrets): offline, its temporary folder and caches in
+    ``private``, the user's Hugging Face cache read only unless a fetch made one there, every Python it starts without
+    the working folder on its path; a single-node distributed launch's ranks meet on the loopback."""
+    env = dict(env)
+    env.setdefault("HF_HUB_CACHE", constants.HF_HUB_CACHE)  # (`hub.fetch` sets the private one where it fetched)
     env.update({
+        "HF_HOME": constants.HF_HOME, "XDG_CACHE_HOME": str(private / "cache"),  # fontconfig's cache, among others
         "TMPDIR": str(private / "tmp"), "HF_DATASETS_CACHE": str(private / "datasets"),
         "TORCHINDUCTOR_CACHE_DIR": str(private / "inductor"), "TRITON_CACHE_DIR": str(private / "triton"),
         "MPLCONFIGDIR": str(private / "matplotlib"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(env.get("PYTHONPATH", "")),
     })
-    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
-                      status=str(status))
-    env[rules.ENV] = spec.to_env()
-    return Plan(spec, env, bounds, private, [*folders, str(private)], made)
+    if distributed and nodes == 1:  # its own network namespace holds only the loopback: the ranks meet there
+        env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    return env
 
 
-def run_folders(settings: Any, decision: Any) -> list[str]:
-    """The folders the run writes below (and whose size counts), and those made here: its default root (the working
-    folder's ``lightning_logs`` when none is set), loggers' and checkpoints' folders. One a recipe chose (not typed)
-    is judged by `rules.check_roots`; the user's own are theirs."""
-    work = os.getcwd()
-    chosen: list[tuple[str, str]] = []
-    writes: list[str] = []
+def _python_path(value: str) -> str:
+    """The user's ``PYTHONPATH`` for the processes the child starts (a distributed launch's ranks run ``python -m``),
+    without entries relative to or naming the working folder, with the folder lit_memory came from where it is not
+    an installed package."""
+    work = os.path.realpath(os.getcwd())
+    entries = [p for p in value.split(os.pathsep) if p and os.path.isabs(p) and os.path.realpath(p) != work]
+    root = rules.package_root()
+    if root not in (os.path.realpath(p) for p in entries) and "site-packages" not in root:
+        entries.append(root)
+    return os.pathsep.join(entries)
+
+
+def _shm_bytes(bounds: Limits) -> int:
+    """The private /dev/shm: as large as the run's memory bound (its pages count there), never more than half the
+    machine's memory."""
+    return int(min(bounds.rss, _mem_total() // 2))
+
+
+def run_folders(settings: Any, decision: Any, create: bool, made: Optional[roots.Made] = None) -> list[str]:
+    """The folders the run writes below (and whose size counts): its default root (the working folder's
+    ``lightning_logs`` when none is set), loggers' and checkpoints' folders. Each beneath the working folder is made
+    (``create``) or judged there without following a link (`lit_memory.sandbox.roots`); one elsewhere is the user's
+    where they typed it, and a recipe's is refused (`rules.check_roots`). Returns their real paths."""
+    work = os.path.realpath(os.getcwd())
+    named: list[tuple[str, str, bool]] = []  # (setting, path, typed)
     root = settings.get("trainer.default_root_dir")
     if root is None:
-        writes.append(os.path.join(work, "lightning_logs"))
+        named.append((DEFAULT_ROOT, "lightning_logs", False))
         if settings.get("trainer.logger") is False:  # checkpoints then go straight into the root
-            writes.append(os.path.join(work, "checkpoints"))
-    elif decision.is_typed("trainer.default_root_dir", root):
-        writes.append(str(root))
+            named.append((DEFAULT_ROOT.replace("lightning_logs", "checkpoints"), "checkpoints", False))
     else:
-        chosen.append(("trainer.default_root_dir", str(root)))
+        named.append(("trainer.default_root_dir", str(root), decision.is_typed("trainer.default_root_dir", root)))
     for key, value in leaves(settings):
         if key.rsplit(".", 1)[-1] in ("save_dir", "dirpath", "log_dir", "output_dir") and isinstance(value, str) and value:
-            (writes.append(value) if decision.is_typed(key, value) else chosen.append((key, value)))
-    rules.check_roots(chosen, work, rules.owned_folders())
-    writes += [path for _, path in chosen]
-    return list(dict.fromkeys(os.path.realpath(os.path.expanduser(w)) for w in writes))
-
-
-def make_folders(folders: list[str]) -> list[str]:
-    """Make the run's folders (the kernel needs them to exist to grant them); returns those made here."""
-    made = []
-    for folder in folders:
-        missing = []
-        probe = Path(folder)
-        while not probe.exists():
-            missing.append(str(probe))
-            probe = probe.parent
-        os.makedirs(folder, exist_ok=True)
-        made += reversed(missing)
-    return made
-
-
-def _remove_empty(folder: Path) -> None:
-    """``folder`` and the empty folders below it, where nothing but empty folders is there."""
-    if not folder.is_dir() or folder.is_symlink():
-        return
-    for child in folder.iterdir():
-        _remove_empty(child)
-    with contextlib.suppress(OSError):
-        folder.rmdir()
-
-
-def _hub_cache() -> list[str]:
-    return [constants.HF_HUB_CACHE]
-
-
-def _fetch_model(name: str) -> None:
-    """The model or tokenizer a recipe names on the Hub, fetched here (the child runs offline). Fixed code: the
-    weights, config and tokenizer files a classifier needs, nothing that runs code."""
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return
-    with contextlib.suppress(Exception):  # not on the Hub, no network: the child says so in its own words
-        snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*", "*.tiktoken"])
-
-
-def _fetch_dataset(name: str, subset: Optional[str], private: Path) -> Path:
-    """A hub dataset, read here and saved into the run's private folder, which the child reads (offline)."""
-    target = private / "dataset"
-    try:
-        load_hub_dataset(name, subset).save_to_disk(str(target))
-    except Exception as err:  # noqa: BLE001
-        raise UserError(f"cannot load dataset {name!r}{f' ({subset})' if subset else ''}: {str(err).splitlines()[0]}") from None
-    return target
+            named.append((key, value, decision.is_typed(key, value)))
+    chosen = [(key, path) for key, path, typed in named if not typed and key != DEFAULT_ROOT and "unset" not in key]
+    out = []
+    for key, path, typed in named:
+        if roots.relative_to_work(path, work) is not None:
+            out.append(roots.make(path, work, key, made, create=create))
+        elif not typed:
+            rules.check_roots([(key, path)], work, rules.owned_folders())  # outside the working folder: refused
+        else:  # the user's own folder elsewhere, as they named it
+            out.append(roots.make_elsewhere(path, made) if create else os.path.realpath(os.path.expanduser(path)))
+    if not create:  # judged once, before anything is made (made, a recipe's folders exist and one may hold another)
+        rules.check_roots(chosen, work, rules.owned_folders())
+    return list(dict.fromkeys(out))
 
 
 def _ports(settings: Any, env: dict[str, str]) -> tuple[list[list[int]], list[list[int]]]:
@@ -270,6 +274,11 @@ def _ephemeral() -> tuple[int, int]:
         return 32768, 60999
 
 
+def _pids() -> int:
+    """The processes and threads the run may have at once (its cgroup's pids bound): workers, ranks, their threads."""
+    return max(4096, 256 * (os.cpu_count() or 1))
+
+
 def _nproc() -> int:
     """The processes this user may have: as many as now, plus room for workers and ranks."""
     uid, count = os.getuid(), 0
@@ -281,24 +290,23 @@ def _nproc() -> int:
     return count + max(256, 16 * (os.cpu_count() or 1))
 
 
-def _state_bytes(run: Any) -> int:
-    """The model's weights and optimizer state (analytic, on meta tensors), or a gigabyte where it cannot say."""
+def footprint(run: Any) -> tuple[Optional[int], Optional[int]]:
+    """The model's weights and optimizer state and its predicted host-memory peak (analytic, on meta tensors, once),
+    or None where it cannot say (a config not at hand)."""
     try:
-        categories = analytic(run.step(target("cpu")), levels=False).footprint.phases["step"]
-        return int(categories["weights"] + categories["optimizer"])
+        found = analytic(run.step(target("cpu")), levels=False).footprint
     except Exception:  # noqa: BLE001
-        return GiB
+        return None, None
+    categories = found.phases["step"]
+    return int(categories["weights"] + categories["optimizer"]), int(found.peak)
 
 
-def limits(run: Any, size: int) -> Limits:
+def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
     """The watchdog's bounds: memory from the run's host-memory estimate (on a CPU its predicted peak, on a GPU the
     weights it loads) with a margin; disk from its checkpoints; preparation time. The environment's overrides win."""
     total = _mem_total()
-    try:
-        on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
-        peak = analytic(run.step(target("cpu")), levels=False).footprint.peak if on_cpu else 2 * size
-    except Exception:  # noqa: BLE001
-        peak = 2 * size
+    on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
+    peak = peak if on_cpu and peak else 2 * size
     rss = min(int(0.9 * total), 3 * peak + 6 * GiB)
     why = f"3 x its host-memory estimate ({peak / GiB:.2f} GiB) + 6 GiB for the runtime, at most 90 % of this machine's"
     disk = max(20 * GiB, 12 * size)
@@ -317,109 +325,3 @@ def _mem_total() -> int:
     return 16 * GiB
 
 
-# -- the child, watched ---------------------------------------------------------------------------------
-
-
-def watch(command: list[str], plan: Plan) -> int:
-    """Start the child, relay its output, stop it where a bound is passed (one ``error:`` line); its exit status."""
-    relay = not _is_terminal()
-    pipe = subprocess.PIPE if relay else None
-    child = subprocess.Popen(command, env=plan.env, stdout=pipe, stderr=pipe, start_new_session=True)
-    threads = [threading.Thread(target=_relay, args=(stream, out), daemon=True)
-               for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)) if stream is not None]
-    for thread in threads:
-        thread.start()
-    stopped: Optional[str] = None
-    started, phase, since, last_disk = time.monotonic(), "", time.monotonic(), 0.0
-    try:
-        while child.poll() is None:
-            time.sleep(0.2)
-            now = time.monotonic()
-            current = _last_phase(plan.spec.status)
-            if current != phase:
-                phase, since = current, now
-            if (phase.startswith("preparing") or not phase) and now - since > plan.limits.prepare:
-                stopped = (f"stopped: {phase or 'starting'} took longer than {plan.limits.prepare:.0f} s, the bound on "
-                           f"preparing a run (tokenizer, data, model; {LIMIT_VARIABLES['prepare']} sets it)")
-                break
-            rss = _tree_rss(child.pid)
-            if rss > plan.limits.rss:
-                stopped = (f"stopped: the run's processes held {rss / GiB:.2f} GiB of host memory, over its bound of "
-                           f"{plan.limits.rss / GiB:.2f} GiB ({plan.limits.why_rss})")
-                break
-            if now - last_disk > 5:
-                last_disk = now
-                used = sum(_size(folder) for folder in plan.watched)
-                if used > plan.limits.disk:
-                    stopped = (f"stopped: the run wrote {used / GiB:.2f} GiB, over its disk budget of "
-                               f"{plan.limits.disk / GiB:.2f} GiB ({LIMIT_VARIABLES['disk']} sets it)")
-                    break
-    except KeyboardInterrupt:
-        _kill(child, signal.SIGINT)
-        raise
-    if stopped:
-        _kill(child, signal.SIGKILL)
-    child.wait()
-    for thread in threads:
-        thread.join(timeout=5)
-    del started
-    if stopped:
-        print(f"error: {stopped}; pass --trust-recipe only if you trust the recipe's source", file=sys.stderr)
-        return 2
-    return child.returncode
-
-
-def _is_terminal() -> bool:
-    try:
-        return sys.stdout.isatty() and sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-def _relay(stream: Any, out: Any) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(line.decode("utf-8", errors="replace"))
-        out.flush()
-
-
-def _last_phase(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return lines[-1] if lines else ""
-
-
-def _children(pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        current = stack.pop()
-        found.append(current)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{current}/task"):
-                with contextlib.suppress(OSError):
-                    stack += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
-    return found
-
-
-def _tree_rss(pid: int) -> int:
-    total = 0
-    for process in _children(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int(Path(f"/proc/{process}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return total
-
-
-def _size(folder: str) -> int:
-    total = 0
-    for base, _, names in os.walk(folder):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(base, name)).st_size
-    return total
-
-
-def _kill(child: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(OSError):
-        os.killpg(child.pid, sig)

@@ -3,11 +3,14 @@
 `Spec` is the confinement one run gets: read roots (the Python installation and its packages, system libraries
 and the few files in ``/etc`` they read, ``/proc``, ``/sys`` and the GPU's device files, the caches, the recipe's
 checked inputs), write roots (the run's folders, its private temporary folder and caches), TCP ports (none but a
-distributed launch's own), and bounds (memory, processes, file size, disk, preparation time). The parent makes it
-(`lit_memory.sandbox.launch`); the child applies it to itself (`enter`), before anything of the run is imported.
+distributed launch's own), bounds (memory, processes, file size, disk, preparation time), the child's ``sys.path``
+(`child_path`) and its status pipe (`phase`). The parent makes it (`lit_memory.sandbox.launch`); the child applies
+it to itself (`lit_memory.sandbox.child`; `enter`: limits and Landlock), before anything of the run is imported. The
+child's environment holds no secret (`scrubbed`).
 
 The value rules judge what the kernel cannot: a run folder a recipe chooses (`check_roots`), templates that
-Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`).
+Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`),
+a file a recipe names outside its folder and the working folder (`check_input`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import string
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.sandbox.landlock import Ruleset
@@ -43,17 +46,38 @@ DEVICES_READ = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/nvidiactl", "/
 DEVICES_WRITE = ("/dev/null", "/dev/shm", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
+SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|APIKEY|PRIVATE)", re.IGNORECASE)
+SECRET_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCP_", "GITHUB_", "GH_", "OPENAI_", "ANTHROPIC_", "WANDB_", "COMET_",
+                   "NEPTUNE_", "MLFLOW_", "DATABRICKS_", "SSH_", "GPG_", "KRB5", "DOCKER_", "KUBE")
+SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "NETRC", "HF_TOKEN_PATH")
+
+
+def scrubbed(environ: dict[str, str]) -> dict[str, str]:
+    """The environment without anything that looks like a secret (tokens, keys, cloud credentials, agents)."""
+    return {k: v for k, v in environ.items()
+            if k not in SECRET_NAMES and not k.startswith(SECRET_PREFIXES) and not SECRET.search(k)}
+
+
 @dataclass
 class Spec:
-    """One confined run: what it may read and write, the ports it may use, its bounds."""
+    """One confined run: what it may read and write, the ports it may use, its bounds, and how the child is set up
+    (`lit_memory.sandbox.child`)."""
 
     read: list[str] = field(default_factory=list)
     write: list[str] = field(default_factory=list)
     connect: list[list[int]] = field(default_factory=list)  # port ranges [first, last], both included
     bind: list[list[int]] = field(default_factory=list)
-    nproc: int = 0  # RLIMIT_NPROC (0: not set)
+    nproc: int = 0  # RLIMIT_NPROC (0: not set; the cgroup's pids bound holds instead)
     fsize: int = 0  # RLIMIT_FSIZE, bytes (0: not set)
-    status: str = ""  # the file the child writes its phases into (`phase`)
+    path: list[str] = field(default_factory=list)  # the child's sys.path: the parent's, without the working folder
+    parent: int = 0  # the parent's pid: the child ends if it is gone before it could tie its life to it
+    status_fd: int = -1  # the pipe the child writes its phases into (`phase`), inherited; never a path
+    cgroups: list[str] = field(default_factory=list)  # the run's cgroup.procs files (`lit_memory.sandbox.cgroup`)
+    no_cgroup: str = ""  # why there is none
+    network: bool = True  # a network namespace of its own (loopback only); False for a launch over several nodes
+    inet: bool = False  # IPv4/IPv6 sockets (a distributed launch's ranks)
+    shm: int = 0  # bytes of the private /dev/shm
+    view: str = ""  # an empty folder the view of the file system is built on (`lit_memory.sandbox.namespaces`)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -64,12 +88,29 @@ class Spec:
 
 
 def python_roots() -> list[str]:
-    """The Python installation, its packages and lit_memory itself: read (and run) only."""
+    """The Python installation, its packages (every `child_path` entry's real location: a light virtual environment
+    whose ``.pth`` names another one's packages included) and lit_memory itself: read (and run) only."""
     roots = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    roots += [p for p in sys.path if p and os.path.isdir(p)]
+    roots += [p for p in child_path() if os.path.isdir(p)]
     roots += site.getsitepackages() if hasattr(site, "getsitepackages") else []
-    roots.append(str(Path(__file__).resolve().parents[2]))  # this checkout or installed package
-    return [os.path.realpath(r) for r in roots if r]
+    roots.append(package_root())
+    return list(dict.fromkeys(os.path.realpath(r) for r in roots if r))
+
+
+def package_root() -> str:
+    """The folder lit_memory is imported from (this checkout, or the installed packages)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def child_path() -> list[str]:
+    """The child's ``sys.path``: this process's, without the working folder or anything relative to it (``''``,
+    ``.``), and with the folder lit_memory came from last where that was the working folder itself (a checkout run in
+    place): the stdlib and installed packages are found first, never a file of the folder someone sent."""
+    work = os.path.realpath(os.getcwd())
+    path = [p for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != work]
+    if package_root() not in (os.path.realpath(p) for p in path):
+        path.append(package_root())
+    return path
 
 
 def system_roots() -> list[str]:
@@ -109,19 +150,25 @@ def _limit(which: int, value: int) -> None:
     resource.setrlimit(which, (cap, hard))
 
 
+_status_fd: Optional[int] = None  # the confined run's pipe to its parent, in the process that confined itself
+
+
+def set_status(fd: int) -> None:
+    """This process writes its phases into ``fd`` (the child, once confined: `lit_memory.sandbox.child`). Processes it
+    forks inherit both; a process it starts afresh (a rank) has neither, and says nothing."""
+    global _status_fd
+    _status_fd = fd if fd >= 0 else None
+
+
 def phase(name: str) -> None:
     """Tell the parent what the confined run is doing (its watchdog bounds preparation's wall-clock time): one line
-    in the status file. Nothing outside a confined run."""
-    spec = os.environ.get(ENV)
-    if not spec:
+    on the status pipe. Nothing outside a confined run."""
+    if _status_fd is None:
         return
-    path = json.loads(spec).get("status")
-    if path:  # a line appended to the run's status file (in its private folder), not a file written whole
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
-        try:
-            os.write(fd, (name + "\n").encode())
-        finally:
-            os.close(fd)
+    try:
+        os.write(_status_fd, (name.replace("\n", " ")[:200] + "\n").encode())
+    except OSError:
+        pass  # the parent stopped reading: it is ending the run
 
 
 # -- what a recipe may choose ---------------------------------------------------------------------------
@@ -247,3 +294,17 @@ def owned_folders() -> list[str]:
         if os.environ.get(variable):
             found.append(os.environ[variable])
     return found
+
+
+def check_input(key: str, value: str, path: Any, folders: Iterable[str]) -> None:
+    """A file a recipe names for the run to read (data, the texts to predict, a model or tokenizer folder, a
+    checkpoint): it lies beneath one of ``folders`` (the recipe's own folders and the working folder), judged by where
+    it really is. A file of the user's elsewhere (``~/.config/gcloud/...json`` as the texts to predict) is read only
+    when the user types it. One error line naming the key otherwise."""
+    real = os.path.realpath(os.path.expanduser(str(path)))
+    places = list(dict.fromkeys(os.path.realpath(f) for f in folders))
+    if not any(_under(real, folder) for folder in places):
+        raise UserError(
+            f"refusing {key}={value}: a file a recipe names is read only from beneath the recipe's folder or the working "
+            f"folder ({', '.join(places)}), and it is {real}; type --{key} {value} on the command line if you mean it, "
+            f"or {HINT}")

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from lit_memory import bounds, files, guard
 from lit_memory.cli import ImportRefused, resolve
@@ -27,7 +27,7 @@ from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.prediction.step import Step
 from lit_memory.recipes import names, recipe_path, recipes_dir
 from lit_memory.shipped import listing
-from lit_memory.sandbox import rules
+from lit_memory.sandbox import roots, rules
 from lit_memory.settings import leaves, locate
 from lit_memory.trust import HINT, TRUST_FLAG
 
@@ -272,7 +272,7 @@ def check(path: Path, trusted: bool) -> None:
                 break
     if run is not None:
         refused += [f"{r.key}={r.value!r}  ({r.reason})" for r in run.refusals]
-        refused += [] if trusted else later_refusals(run.settings)
+        refused += [] if trusted else later_refusals(run.settings, [os.getcwd(), str(path.resolve().parent)])
         problems += run.problems
         imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in leaves(run.settings) if k.endswith("class_path")]
         print(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
@@ -294,13 +294,15 @@ WRITE_FOLDER_KEYS = guard.WRITE_KEYS
 BOUNDED_DURING_RUN = ("num_workers", "max_length")
 
 
-def later_refusals(settings: Namespace) -> list[str]:
-    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`)
-    or before its confined child starts (`lit_memory.sandbox.rules`), found from the settings alone: a checkpoint
-    Lightning would resume from by itself (an OnExceptionCheckpoint's file; SLURM's ``hpc_ckpt_N.ckpt`` in the run's
-    root folder), a local model folder that cannot load without running its code or unpickling more than weights,
-    a run folder the recipe chooses that is not new under the working folder, a template walking Python's objects,
-    free-form keyword dictionaries."""
+def later_refusals(settings: Namespace, folders: Optional[list[str]] = None) -> list[str]:
+    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`,
+    `lit_memory.guard.RunBounds`) or before its confined child starts (`lit_memory.sandbox`), found from the settings
+    alone: a checkpoint Lightning would resume from by itself (an OnExceptionCheckpoint's file; SLURM's
+    ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model folder that cannot load without running its code or
+    unpickling more than weights, a run folder the recipe chooses that is not new under the working folder, a link on
+    the way to a run folder (the default ``lightning_logs`` included), a logger name that is not one path component, a
+    file the recipe names outside ``folders`` (its own folder and the working folder), checkpoint callbacks that
+    together keep more than 10, a template walking Python's objects, free-form keyword dictionaries."""
     found = []
     for key, callback in leaves_of_class(settings, OnExceptionCheckpoint):
         init = callback.get("init_args") or Namespace()
@@ -316,17 +318,37 @@ def later_refusals(settings: Namespace) -> list[str]:
             found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
     chosen = [(key, value) for key, value in leaves(settings)
               if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and value]
+    work = os.path.realpath(os.getcwd())
+    named = chosen + ([] if settings.get("trainer.default_root_dir") else [("trainer.default_root_dir", "lightning_logs")])
     plain = settings.as_dict()
-    for check in (lambda: rules.check_roots(chosen, os.getcwd(), rules.owned_folders()),
-                  lambda: rules.check_templates(plain), lambda: rules.check_free_kwargs(plain)):
+    checks = [lambda: rules.check_roots(chosen, os.getcwd(), rules.owned_folders()),
+              lambda: rules.check_templates(plain), lambda: rules.check_free_kwargs(plain),
+              lambda: roots.check_components(leaves(settings))]
+    checks += [lambda key=key, value=value: roots.make(value, work, key, create=False)
+               for key, value in named if roots.relative_to_work(value, work) is not None]
+    for key in ("data.source", "data.predict_path", "ckpt_path", "model.model_name_or_path",
+                "model.tokenizer_name_or_path"):
+        value = settings.get(key)
+        local = isinstance(value, str) and value and not value.startswith("bundled:")
+        if local and os.path.lexists(os.path.expanduser(value)):
+            checks.append(lambda key=key, value=value: rules.check_input(key, value, value, folders or [os.getcwd()]))
+    for check in checks:
         try:
             check()
         except UserError as err:
-            found.append(str(err).split("; pass --trust-recipe")[0].removeprefix("refusing "))
+            found.append(str(err).split("; pass --trust-recipe")[0].split("; type --")[0].removeprefix("refusing "))
+    kept = 0
+    for _, spec in leaves_of_class(settings, ModelCheckpoint):
+        init = spec.get("init_args") or Namespace()
+        top_k = init.get("save_top_k", 1) if init.get("monitor") is not None else min(init.get("save_top_k", 1), 1)
+        kept += (top_k if top_k >= 0 else guard.MAX_KEPT_CHECKPOINTS + 1) + (1 if init.get("save_last") is True else 0)
+    if kept > guard.MAX_KEPT_CHECKPOINTS:
+        found.append(f"trainer.callbacks: the checkpoint callbacks together keep {kept} checkpoints, more than "
+                     f"{guard.MAX_KEPT_CHECKPOINTS}")
     for key, value in leaves(settings):
         if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN:
             found.append(f"{key}: {value!r} would be scaled during the run past the bound that holds for data.{value}")
-    return found
+    return list(dict.fromkeys(found))
 
 
 def leaves_of_class(settings: Namespace, base: type) -> list[tuple[str, Namespace]]:
