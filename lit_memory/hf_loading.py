@@ -4,8 +4,10 @@ and transformers' loading messages said in our words."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
@@ -38,6 +40,41 @@ def load_config(
         own = None  # a head resized from the config's own: its problem type no longer applies
     config.problem_type = problem_type or own or (task_.REGRESSION if config.num_labels == 1 else task_.SINGLE)
     return config
+
+
+# The dtypes a model's weights are made or saved in, by the short names settings use (`SequenceClassifier.save_dtype`).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# safetensors' names of the floating dtypes (a file's header, where the config names none).
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's short name (`DTYPES`), else torch's (``float64``)."""
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+def saved_dtype(config, name_or_path: str) -> Optional[torch.dtype]:
+    """The dtype the checkpoint's weights were saved in: what its config names (``dtype``; ``torch_dtype`` in older
+    files), else, for a local folder, the first floating tensor's in its safetensors header (what transformers'
+    ``dtype="auto"`` reads); None where neither says (a hub name whose config names none, pickled weights only).
+    Read before the model is built: transformers writes the dtype it builds in over the config's."""
+    named = getattr(config, "dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    if isinstance(named, torch.dtype):
+        return named
+    folder = Path(bundled.resolve_model(name_or_path))
+    weights = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not weights:
+        return None
+    from safetensors import safe_open  # deferred: only a folder whose config names no dtype is read
+
+    with safe_open(str(weights[0]), "pt") as f:  # the header only: no tensor is read
+        for key in f.keys():
+            found = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+            if found is not None:
+                return found
+    return None
 
 
 def config_label_names(config) -> Optional[list[str]]:

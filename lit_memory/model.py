@@ -31,13 +31,15 @@ from lit_memory.sandbox.rules import phase
 from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.hf_loading import (
-    config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, set_pad_token,
+    DTYPES, config_label_names, dtype_name, label_names_or_default, load_config, quiet_transformers, report_loading,
+    saved_dtype, set_pad_token,
 )
 from lit_memory.tokenizing import load_tokenizer
 from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
 from lit_memory.checks import check_optimizer
+from lit_memory.settings import Precision
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 # true is "full" (every layer's forward recomputed in backward), as it always was; counts are a per-layer plan
 # (`lit_memory.checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is built.
 Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
+SaveDtype = Literal["checkpoint", "fp32", "bf16", "fp16"]
 
 
 CLOSURE_NOT_CALLED = (
@@ -113,6 +116,10 @@ class SequenceClassifier(L.LightningModule):
         warmup_ratio: fraction of the optimizer steps spent warming up.
         save_pretrained: at the end of fit, save model + tokenizer with ``save_pretrained`` into
             ``<run folder>/hf_model`` so the result loads with plain transformers.
+        save_dtype: the dtype ``hf_model/`` is saved in (its ``config.json`` names it): ``checkpoint`` (default) the
+            dtype the checkpoint was saved in (a bf16 checkpoint stays bf16 on disk, however it trained; the trained
+            weights' where the checkpoint names none), or ``fp32``, ``bf16``, ``fp16``. The weights train in the
+            dtype ``trainer.precision`` gives them, whatever the checkpoint's (`weights_dtype`).
         compile: ``torch.compile`` each transformer layer (regional: one compiled graph reused by
             every layer). Works with the fused step and checkpointing, not with
             ``offload_activations``; compiled dropout draws other masks than eager dropout.
@@ -122,7 +129,9 @@ class SequenceClassifier(L.LightningModule):
     # (``stable_embedding`` adds a LayerNorm: element-wise), where kept tensors wait, the schedule, the export. A FLOP
     # count is keyed without them (`lit_memory.memory.planning.recompute`); an argument not named here is counted (tests check
     # that each named one leaves the count as it is).
-    SAME_FLOPS = frozenset({"embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained"})
+    SAME_FLOPS = frozenset({
+        "embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained", "save_dtype",
+    })
     # Arguments the saved weights depend on (their shapes, their modules, what the outputs mean): loading a checkpoint,
     # a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other typed value wins over it.
     FIXED_BY_WEIGHTS = frozenset({"num_labels", "problem_type", "lora", "config_overrides", "embedding_optimizer_state"})
@@ -145,6 +154,7 @@ class SequenceClassifier(L.LightningModule):
         lr_scheduler_type: str = "constant",
         warmup_ratio: float = 0.0,
         save_pretrained: bool = True,
+        save_dtype: SaveDtype = "checkpoint",
         compile: bool = False,
     ) -> None:
         super().__init__()
@@ -161,6 +171,8 @@ class SequenceClassifier(L.LightningModule):
             raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise UserError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        if save_dtype != "checkpoint" and save_dtype not in DTYPES:
+            raise UserError(f"model.save_dtype {save_dtype!r} is not one of: checkpoint, {', '.join(DTYPES)}")
         if offload_activations == "auto":
             raise UserError(
                 "model.offload_activations: auto is decided with gradient_checkpointing auto, before the model is "
@@ -188,6 +200,8 @@ class SequenceClassifier(L.LightningModule):
         if self.lora is not None:
             self.lora.check()
         self.hf_config = load_config(model_name_or_path, num_labels, config_overrides, problem_type)
+        # Read now: building the model writes the dtype it is built in over the config's (transformers' from_config).
+        self.checkpoint_dtype: Optional[torch.dtype] = saved_dtype(self.hf_config, model_name_or_path)
         # Resolved: what checkpoints and the saved hyper-parameters hold (the config's own where none was given).
         num_labels, problem_type = self.hf_config.num_labels, self.hf_config.problem_type
         self.hparams.update(num_labels=num_labels, problem_type=problem_type)
@@ -274,15 +288,38 @@ class SequenceClassifier(L.LightningModule):
             return
         self.model = self.build_model(self.hparams.pretrained)
 
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the weights are built and trained in, whatever the checkpoint's (transformers >= 5 would load a
+        bf16 checkpoint in bf16): the trainer precision's, fp32 under ``32-true`` and the mixed precisions (the
+        optimizer steps fp32 weights, no update rounds away) and bf16 under ``bf16-true`` (the 2gb tier: stochastic
+        rounding keeps its small updates); built without a trainer (the memory model, the HF Trainer peer, Python),
+        torch's default dtype, which Lightning's init context for a ``-true`` precision sets, and the memory model's
+        build too (`lit_memory.memory.prediction.step.build`)."""
+        trainer = self._trainer
+        precision = Precision.known(trainer.precision) if trainer is not None else None
+        return precision.param if precision is not None else torch.get_default_dtype()
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        """The dtype ``hf_model/`` is saved in: ``save_dtype``'s; by default the checkpoint's own, else (a config that
+        names none, random weights) the trained weights'."""
+        setting = self.hparams.save_dtype
+        if setting != "checkpoint":
+            return DTYPES[setting]
+        return self.checkpoint_dtype or self.weights_dtype
+
     def build_model(self, pretrained: bool) -> nn.Module:
-        """The Hugging Face model with the configured switches (freeze, embeddings, checkpointing, LoRA)."""
+        """The Hugging Face model with the configured switches (freeze, embeddings, checkpointing, LoRA), its
+        weights in `weights_dtype`."""
+        dtype = self.weights_dtype
         if pretrained:
             path = bundled.resolve_model(self.hparams.model_name_or_path)
             try:
                 with quiet_transformers():  # its loading report: said below in our own words
                     model, loading = guard.call(
                         AutoModelForSequenceClassification.from_pretrained, repr(self.hparams.model_name_or_path),
-                        path, config=self.hf_config, output_loading_info=True,
+                        path, config=self.hf_config, output_loading_info=True, dtype=dtype,
                     )
             except pickle.UnpicklingError as err:  # transformers loads pickled weights with weights_only=True
                 raise UserError(
@@ -291,7 +328,7 @@ class SequenceClassifier(L.LightningModule):
                 ) from None
             report_loading(model, loading, self.report_new_head)
         else:
-            model = AutoModelForSequenceClassification.from_config(self.hf_config)
+            model = AutoModelForSequenceClassification.from_config(self.hf_config, dtype=dtype)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False  # a classifier's training step has no use for a decoder's key/value cache
@@ -491,8 +528,17 @@ class SequenceClassifier(L.LightningModule):
             which = restore_best(self.trainer)  # the best validated weights, as HF's load_best_model_at_end
             path = Path(run_dir) / "hf_model"
             self.export_pretrained(path)
-            say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved to {path} (loads with "
-                "AutoModelForSequenceClassification.from_pretrained)")
+            say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved in "
+                f"{self._export_words()} to {path} (loads with AutoModelForSequenceClassification.from_pretrained)")
+
+    def _export_words(self) -> str:
+        """The dtype ``hf_model/`` is saved in, and why: ``bf16 (the checkpoint's dtype; trained in fp32)``."""
+        saved, trained = dtype_name(self.export_dtype), dtype_name(self.weights_dtype)
+        setting = self.hparams.save_dtype
+        why = "model.save_dtype" if setting != "checkpoint" else (
+            "the checkpoint's dtype" if self.checkpoint_dtype is not None else "the checkpoint names none: as trained"
+        )
+        return f"{saved} ({why}{'' if saved == trained else f'; trained in {trained}'})"
 
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
@@ -515,8 +561,18 @@ class SequenceClassifier(L.LightningModule):
             state = model.state_dict()
         if self._label_names:
             self._name_classes(model.config)
+        dtype = self.export_dtype
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        built = model.config.dtype
         with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
             model.save_pretrained(folder, state_dict=state)
+            # save_pretrained names the module's own dtype in config.json: name the one saved, which from_pretrained's
+            # dtype="auto" then loads in
+            model.config.dtype = dtype
+            try:
+                model.config.save_pretrained(folder)
+            finally:
+                model.config.dtype = built
             tokenizer = load_tokenizer(self.tokenizer_name_or_path)
             # Written from the tokenizer the run uses, nothing more: a classifier has no use for a chat template, and a
             # sent folder's (a link to a private file, once) is not copied into what the user shares.

@@ -69,3 +69,20 @@ def test_the_new_head_is_one_line_and_anything_else_a_warning():
                "mismatched_keys": []}
     with pytest.warns(UserWarning, match=r"^1 weight\(s\) in the checkpoint but not in the model, ignored: cls"):
         report_loading(model, loading)
+
+
+def test_the_saved_dtype_is_the_configs_else_the_safetensors_headers_else_none(tmp_path):
+    import torch
+    from transformers import BertConfig
+
+    from lit_memory.hf_loading import saved_dtype
+
+    config = BertConfig(vocab_size=50, **TINY_BERT)
+    model = AutoModelForSequenceClassification.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "named")
+    assert saved_dtype(load_config(str(tmp_path / "named"), 2), str(tmp_path / "named")) == torch.bfloat16
+    nameless = load_config(str(tmp_path / "named"), 2)
+    nameless.dtype = None  # an older file naming none: the weights' header says
+    assert saved_dtype(nameless, str(tmp_path / "named")) == torch.bfloat16
+    BertConfig(vocab_size=50, **TINY_BERT).save_pretrained(tmp_path / "config-only")  # (save_pretrained wrote on `config`)
+    assert saved_dtype(load_config(str(tmp_path / "config-only"), 2), str(tmp_path / "config-only")) is None

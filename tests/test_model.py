@@ -219,3 +219,136 @@ def test_the_spearman_caution_is_said_once_and_only_where_an_evaluation_feeds_it
     evaluation.buffered("regression")
     evaluation.buffered("regression")
     assert capsys.readouterr().err.count("note: spearman keeps every prediction and label") == 1
+
+
+# -- the weights' dtype: the recipe's, whatever the checkpoint was saved in ------------------------------------
+
+
+def _recipe(name: str) -> tuple[dict, str]:
+    """A shipped recipe's model settings (its optimizer a callable, `auto` planned as the CLI would for a tiny model:
+    full checkpointing) and its precision."""
+    import functools
+    import pkgutil
+
+    import yaml
+
+    from conftest import RECIPES
+    from lit_memory.lora import LoRA
+
+    recipe = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    model = dict(recipe.get("model") or {})
+    spec = model.pop("optimizer")
+    model["optimizer"] = functools.partial(pkgutil.resolve_name(spec["class_path"]), **spec.get("init_args", {}))
+    if model.get("lora") is not None:
+        model["lora"] = LoRA(**model["lora"])
+    model.update({k: v for k, v in (("offload_activations", False), ("gradient_checkpointing", "full")) if model.get(k) == "auto"})
+    return model, recipe["trainer"].get("precision", "32-true")
+
+
+def built_by_lightning(precision: str, **settings) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
+    """The module as a Trainer of ``precision`` builds it for fit (its init contexts around configure_model, then its
+    precision plugin's conversion), and the optimizer it configures."""
+    import lightning as L
+    from lightning.pytorch.trainer import call
+
+    trainer = L.Trainer(precision=precision, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    module = SequenceClassifier(num_labels=2, **settings)
+    module.trainer = trainer
+    trainer.strategy.connect(module)
+    call._call_configure_model(trainer)
+    trainer.precision_plugin.convert_module(module)
+    return module, module.build_optimizer()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[tuple[str, torch.dtype], str]:
+    """Tiny decoders (Qwen3, Llama) and encoders (BERT, ModernBERT) with weights saved in bf16 and in fp32."""
+    import families as fam
+
+    root = tmp_path_factory.mktemp("saved")
+    folders = {}
+    for family in ("qwen3", "llama", "bert", "modernbert"):
+        for dtype in (torch.bfloat16, torch.float32):
+            folder = fam.folder(family, root / str(dtype).removeprefix("torch."))
+            fam.model(family).to(dtype).save_pretrained(folder)
+            folders[family, dtype] = str(folder)
+    return folders
+
+
+def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoint_was_saved_in(saved):
+    """transformers >= 5 loads a checkpoint in its own dtype by default: a bf16-saved model trained bf16 weights
+    without a master copy under the fp32 and bf16-mixed recipes. The recipe decides now: fp32 weights (the
+    optimizer's masters) wherever it keeps fp32 weights, bf16 only under bf16-true (2gb, with stochastic rounding)."""
+    from conftest import RECIPES
+
+    recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+    for (family, saved_in), folder in saved.items():  # one test item: a build is tens of milliseconds
+        for recipe in recipes:
+            settings, precision = _recipe(recipe)
+            module, optimizer = built_by_lightning(precision, model_name_or_path=folder, **settings)
+            promised = torch.bfloat16 if precision == "bf16-true" else torch.float32
+            where = (family, saved_in, recipe)
+            assert module.checkpoint_dtype == saved_in, where
+            assert {p.dtype for p in module.model.parameters()} == {promised}, where  # the frozen base too (LoRA)
+            stepped = [p for group in optimizer.param_groups for p in group["params"]]
+            assert {id(p) for p in stepped} == {id(p) for p in module.model.parameters() if p.requires_grad}, where
+            assert {p.dtype for p in stepped} == {promised}, where  # the optimizer updates these: its master copy
+            if recipe == "2gb":  # bf16 weights, no master copy: torchao rounds each update stochastically
+                assert type(optimizer).__module__.startswith("torchao.optim") and optimizer.bf16_stochastic_round
+
+
+def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_to_the_same_predictions(saved, tmp_path, capsys):
+    """hf_model/ is saved in the checkpoint's dtype (config.json names it), from the fp32 weights that trained: the
+    reloaded weights are those weights rounded to bf16, bit for bit, so a reload in fp32 predicts exactly what the
+    trained model predicts with its weights so rounded; a plain reload (bf16) agrees within bf16's rounding."""
+    import json
+
+    from lit_memory.hf_loading import quiet_transformers
+
+    module, optimizer = built_by_lightning("32-true", model_name_or_path=saved["qwen3", torch.bfloat16],
+                                           optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    inputs = {"input_ids": torch.randint(10, 250, (4, 12), generator=torch.Generator().manual_seed(0))}
+    module.model(**inputs, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    optimizer.step()  # fp32 updates (lr 1e-2: most are far below a bf16 unit of the weights they move)
+    assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+    trained = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    module.export_pretrained(tmp_path / "hf_model")
+    assert json.loads((tmp_path / "hf_model" / "config.json").read_text())["dtype"] == "bfloat16"
+    with quiet_transformers():
+        plain = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf_model").eval()
+        upcast = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf_model", dtype=torch.float32).eval()
+    assert {p.dtype for p in plain.parameters()} == {torch.bfloat16}
+    for name, value in upcast.state_dict().items():
+        assert torch.equal(value, trained[name].to(torch.bfloat16).to(value.dtype)), name
+    module.model.load_state_dict({k: v.to(torch.bfloat16).to(v.dtype) for k, v in trained.items()})
+    module.model.eval()
+    with torch.no_grad():
+        expected = module.model(**inputs).logits
+        assert torch.equal(upcast(**inputs).logits, expected)
+        torch.testing.assert_close(plain(**inputs).logits.float(), expected, atol=2e-2, rtol=2e-2)  # bf16: 8 bits
+    assert module._export_words() == "bf16 (the checkpoint's dtype; trained in fp32)"
+    module.hparams.save_dtype = "fp32"
+    assert module.export_dtype == torch.float32 and module._export_words() == "fp32 (model.save_dtype)"
+
+
+def test_the_bundled_demo_model_loads_as_transformers_loads_it():
+    """The demo's quality table stands: MiniLM is saved in fp32 (its config names no dtype; the safetensors header
+    says), and the module's weights are what transformers' own default loads, bit for bit; exported in fp32."""
+    from lit_memory import bundled
+    from lit_memory.hf_loading import quiet_transformers
+
+    module = minilm(num_labels=2)
+    with quiet_transformers():
+        reference = AutoModelForSequenceClassification.from_pretrained(bundled.resolve_model("bundled:minilm"), num_labels=2)
+    assert module.checkpoint_dtype == torch.float32 and module.export_dtype == torch.float32
+    ours = module.model.state_dict()
+    assert {v.dtype for v in ours.values() if v.is_floating_point()} == {torch.float32}
+    for name, value in reference.state_dict().items():
+        if not name.startswith("classifier."):  # the new head: initialised at random in each
+            assert torch.equal(ours[name], value), name
+
+
+def test_a_save_dtype_that_is_none_of_them_is_one_line():
+    with pytest.raises(UserError, match=r"^model.save_dtype 'int8' is not one of: checkpoint, fp32, bf16, fp16$"):
+        SequenceClassifier(save_dtype="int8")

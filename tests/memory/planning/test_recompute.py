@@ -204,7 +204,7 @@ def test_the_module_arguments_a_count_is_keyed_without_change_no_count():
     from lit_memory.model import SequenceClassifier
 
     values = {"embedding_optimizer_state": "stable_embedding", "offload_activations": True, "lr_scheduler_type": "linear",
-              "warmup_ratio": 0.1, "save_pretrained": False}
+              "warmup_ratio": 0.1, "save_pretrained": False, "save_dtype": "bf16"}
     assert set(values) == SequenceClassifier.SAME_FLOPS
     base = replace(tiny(), batch_size=2, max_length=16)
     counted = flops(base)
