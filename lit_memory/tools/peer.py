@@ -4,7 +4,9 @@ A recipe's resolved config is mapped onto the `TrainingArguments` the reference 
 accumulation, gradient checkpointing, ``optim``, learning rate, weight decay, bf16); freezing and
 LoRA are applied to the model by our `SequenceClassifier.configure_model`, the data comes from our
 `TextClassificationData` (same split, tokenisation and fixed-length collator). Everything else is
-the Trainer's default, as people run it (it clips gradients to norm 1.0; ours do not clip). ``bf16-true``
+the Trainer's default, as people run it, but for what would make the two runs differ in kind: it clips as the recipe
+clips (by norm; no clipping unless the recipe sets it, where the Trainer's default is 1.0) and loads as ours loads
+(workers, pinned memory). ``bf16-true``
 is the model cast to bf16 (the Trainer trains the dtype it is given); torchao's 8-bit and 4-bit AdamW are
 its ``adamw_torch_8bit``/``adamw_torch_4bit`` (``bf16_stochastic_round`` through ``optim_args``). Settings
 the Trainer has no switch for (the fused backward + step, sharded strategies, other optimizers)
@@ -35,6 +37,7 @@ from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.checkpointing import CheckpointPlan
 from lit_memory.monitor import Stamps
 from lit_memory.optimizers import compiles_its_step, library_of
+from lit_memory.step_profile import HostOps
 
 PEER_JSON = "peer.json"
 # Our optimizer class paths -> the Trainer's `optim` names.
@@ -93,6 +96,9 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         raise NoTrainerEquivalent("no Trainer equivalent (activation offloading)")
     if getattr(config.model, "compile", False):
         raise NoTrainerEquivalent("no Trainer equivalent (per-layer compile)")
+    clip, how = config.trainer.gradient_clip_val, config.trainer.gradient_clip_algorithm
+    if clip and how not in (None, "norm"):
+        raise NoTrainerEquivalent(f"no Trainer equivalent (gradient_clip_algorithm {how}: the Trainer clips by norm)")
     accelerator = str(config.trainer.accelerator)
     use_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     return {
@@ -107,20 +113,29 @@ def trainer_arguments(cli: LitMemoryCLI) -> dict[str, Any]:
         "warmup_steps": config.model.warmup_ratio,  # a float below 1 is a ratio of the steps
         "use_cpu": use_cpu,
         "seed": config.seed_everything if type(config.seed_everything) is int else 42,  # not a bool
+        # Like for like: the same clipping (none unless the recipe clips; the Trainer's default is 1.0) and loader.
+        "max_grad_norm": float(clip or 0.0),
         "dataloader_num_workers": config.data.num_workers,
+        "dataloader_pin_memory": not use_cpu if config.data.pin_memory is None else bool(config.data.pin_memory),
         **PRECISION[precision],
     }
 
 
 class PeerMeter(TrainerCallback):
-    """Step times after `warmup` optimizer steps; peak memory (tracked on CPU, allocator on CUDA)."""
+    """Step times of `steps` optimizer steps after `warmup`; peak memory (tracked on CPU, allocator on CUDA); the
+    host operators of step `count_step` (`HostOps`, from the end of the step before to its own end, as
+    `lit_memory.step_profile.HostOpCounter` counts ours)."""
 
-    def __init__(self, warmup: int, track_steps: int, cuda: bool) -> None:
-        self.warmup, self.track_steps, self.cuda = warmup, track_steps, cuda
+    def __init__(self, warmup: int, track_steps: int, cuda: bool, steps: Optional[int] = None,
+                 count_step: Optional[int] = None) -> None:
+        self.warmup, self.track_steps, self.cuda, self.steps = warmup, track_steps, cuda, steps
         self.stamps = Stamps(torch.device("cuda" if cuda else "cpu"))  # as our StepTimer times
         self.peak = 0
         self.tracker = None
         self.micro_batch = 0
+        self.count_step = count_step
+        self.counting: Optional[HostOps] = None
+        self.counted: Optional[dict[str, Any]] = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.cuda:
@@ -157,20 +172,33 @@ class PeerMeter(TrainerCallback):
             self._stop_tracking()
         if state.global_step >= self.warmup:
             self.stamps.mark()
+        if self.counting is not None and state.global_step > self.count_step:
+            self.counting.__exit__(None, None, None)
+            self.counted, self.counting = {"step": self.count_step, **self.counting.record()}, None
+        elif self.count_step is not None and self.counted is None and state.global_step == self.count_step:
+            self.counting = HostOps().__enter__()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.counting is not None:  # ended inside the counted step: not a whole step
+            self.counting.__exit__(None, None, None)
+            self.counting = None
 
     def record(self, samples_per_step: int) -> dict[str, Any]:
         return {
             "peak_bytes": torch.cuda.max_memory_allocated() if self.cuda else self.peak,
             "reserved_bytes": torch.cuda.max_memory_reserved() if self.cuda else None,
-            "step_times_s": self.stamps.intervals(),
+            "step_times_s": self.stamps.intervals()[: self.steps],
+            "host_ops": self.counted,
             "clock": self.stamps.kind,
             "samples_per_step": samples_per_step,
             "device": torch.cuda.get_device_name() if self.cuda else "cpu",
         }
 
 
-def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: int = 2) -> dict[str, Any]:
-    """Train `warmup + steps` optimizer steps with `transformers.Trainer`; return the measurements."""
+def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: int = 2,
+        count_step: Optional[int] = None) -> dict[str, Any]:
+    """Train `warmup + steps` optimizer steps with `transformers.Trainer` (and step `count_step`, whose host operators
+    are counted, where it comes after them); return the measurements."""
     # deferred: transformers.Trainer needs accelerate (optional) and takes ~4 s to import; only a peer run uses it
     from transformers import Trainer, TrainingArguments
 
@@ -189,7 +217,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
         loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
         args = TrainingArguments(
             output_dir=str(out),
-            max_steps=warmup + steps,
+            max_steps=max(warmup + steps, (count_step or 0) + 1),
             report_to=[],
             save_strategy="no",
             eval_strategy="no",
@@ -198,7 +226,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
             **kwargs,
         )
         cuda = not args.use_cpu and torch.cuda.is_available()
-        meter = PeerMeter(warmup, track_steps, cuda)
+        meter = PeerMeter(warmup, track_steps, cuda, steps, count_step)
         trainer = Trainer(
             model=module.model,
             args=args,
@@ -208,7 +236,8 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
         )
         trainer.train()
     samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    return meter.record(samples)
+    # Every setting the Trainer ran with, as it reports them (its defaults included): what "the peer" was.
+    return {**meter.record(samples), "training_arguments": json.loads(args.to_json_string())}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -216,9 +245,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--count-step", type=int, default=None, help="the optimizer step whose host operators to count")
     ours, fit_args = parser.parse_known_args(argv)
     try:
-        record = run(fit_args, ours.out, ours.warmup, ours.steps)
+        record = run(fit_args, ours.out, ours.warmup, ours.steps, count_step=ours.count_step)
     except (UserError, NoTrainerEquivalent) as err:
         raise SystemExit(f"error: {err}") from err
     ours.out.mkdir(parents=True, exist_ok=True)
