@@ -26,7 +26,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from lit_memory import bundled, evaluation, files, guard, optimizers
 from lit_memory import task as task_
 from lit_memory.best import restore_best
-from lit_memory.console import say
+from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
 from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
@@ -218,6 +218,8 @@ class SequenceClassifier(L.LightningModule):
         self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
         self._labelled = False
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
+        self.running_loss = RunningLoss()  # the training loss since it was last logged (`on_train_batch_end`)
+        self._progress_step = -1
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
@@ -315,8 +317,22 @@ class SequenceClassifier(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         with self.activation_offload or contextlib.nullcontext():
             loss = self.model(**batch).loss
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0])
+        self.running_loss.add(loss)  # read on the logging steps only (`on_train_batch_end`): no device sync per step
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        if trainer.global_step != self._progress_step and logging_step(trainer):
+            self._progress_step = trainer.global_step
+            # The mean over the micro-batches since the last logged step (as the HF Trainer logs its loss), on the
+            # host: the progress bar reads it back every batch without touching the device.
+            mean = self.running_loss.mean()
+            if mean is not None:
+                self.log("train_loss", mean, prog_bar=True, batch_size=batch["labels"].shape[0])
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        """Nothing to do: `optimizer_step` frees the gradients right after every step (and the fused step inside
+        backward), so Lightning's zero_grad before the next backward would find none to free."""
 
     @property
     def problem_type(self) -> str:
