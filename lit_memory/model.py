@@ -38,6 +38,7 @@ from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_sta
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
 from lit_memory.checks import check_optimizer
+from lit_memory.compiling import CUDA_GRAPHS, Compile, compile_layers
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,11 @@ class SequenceClassifier(L.LightningModule):
         save_pretrained: at the end of fit, save model + tokenizer with ``save_pretrained`` into
             ``<run folder>/hf_model`` so the result loads with plain transformers.
         compile: ``torch.compile`` each transformer layer (regional: one compiled graph reused by
-            every layer). Works with the fused step and checkpointing, not with
-            ``offload_activations``; compiled dropout draws other masks than eager dropout.
+            every layer, the recomputed ones included: checkpointing calls the same compiled layer again). Works
+            with the fused step and checkpointing, not with ``offload_activations``; compiled dropout draws other
+            masks than eager dropout. ``cudagraphs``: the compiled layers also replayed as CUDA graphs (torch's
+            ``reduce-overhead``: one launch per layer's forward and backward), for batches of one shape only
+            (``data.padding: max_length``; checked before training); on a CPU as ``true``.
     """
 
     # Arguments that change no matrix product or attention a training step computes: the optimizer's state layout
@@ -142,7 +146,7 @@ class SequenceClassifier(L.LightningModule):
         lr_scheduler_type: str = "constant",
         warmup_ratio: float = 0.0,
         save_pretrained: bool = True,
-        compile: bool = False,
+        compile: Compile = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -302,11 +306,9 @@ class SequenceClassifier(L.LightningModule):
             model = apply_lora(model, self.lora)
         if self._label_names:
             self._name_classes(model.config)  # from_config copies the config it is given
-        if self.hparams.compile:
-            # Regional: one graph per transformer layer, compiled once and reused by all of them. Each
-            # layer's backward still hands its gradients over as it ends, so the fused step's bound holds.
-            for layer in anatomy.layers:
-                layer.compile()
+        # Regional: one graph per transformer layer, compiled once and reused by all of them. Each layer's backward
+        # still hands its gradients over as it ends, so the fused step's bound holds.
+        compile_layers(anatomy.layers, self.hparams.compile)
         return model
 
     def forward(self, **batch: torch.Tensor):
@@ -315,6 +317,8 @@ class SequenceClassifier(L.LightningModule):
     # -- steps ---------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.hparams.compile == CUDA_GRAPHS:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' outputs of the last one are done with
         with self.activation_offload or contextlib.nullcontext():
             loss = self.model(**batch).loss
         self.running_loss.add(loss)  # read on the logging steps only (`on_train_batch_end`): no device sync per step

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from collections.abc import Mapping
@@ -367,6 +368,7 @@ class StepTimer(L.Callback):
         self.save = save
         self.stamps = Stamps(torch.device("cpu"))
         self._step = -1
+        self._compiling = 0.0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
@@ -374,6 +376,7 @@ class StepTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step = trainer.global_step
         self.stamps = Stamps(pl_module.device)
+        self._compiling = compile_seconds()
         self.stamps.mark()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -410,8 +413,19 @@ class StepTimer(L.Callback):
             "warmup_step_times_s": self.warmup_times,
             "step_times_s": self.timed_times,
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
+            # torch.compile's own time during training (in the warm-up steps' times, apart from the timed ones)
+            "compile_s": round(compile_seconds() - self._compiling, 3),
         }
         files.write_text(self.run_dir / self.FILE, json.dumps(record, indent=2) + "\n")
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (tracing and compiling forwards and backwards:
+    dynamo's own count); 0 where nothing imported torch's compiler."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
 
 
 class Stamps:

@@ -72,6 +72,8 @@ class BenchRun:
     steps: int = 1
     precision: str = ""  # as resolved (``bf16-mixed``): which peak a GPU's utilisation is measured against
     error: Optional[str] = None  # refused before running (``prepare(..., keep_going=True)``): its row says why
+    peer_flags: tuple[str, ...] = ()  # for lit_memory.tools.peer itself (``--best-under-budget``)
+    peer_only: bool = False  # a row of the peer alone (the GPU proof's ``4gb-peer``): ours does not run
 
 
 def ordered(names: str) -> list[str]:
@@ -253,6 +255,7 @@ def _speed(record: dict[str, Any]) -> dict[str, Optional[float]]:
         "step_time_min_s": min(times), "step_time_max_s": max(times),
         "step_time_iqr_s": [quartiles[0], quartiles[2]], "timed_steps": len(times),
         "clock": record.get("clock"),
+        **({"compile_s": record["compile_s"]} if record.get("compile_s") else {}),  # in the warm-up, not the timed steps
     }
 
 
@@ -312,20 +315,23 @@ def run_peer(run: BenchRun, out: Path, log: Path, warmup: int, steps: int) -> di
     folder = out / "runs" / f"{run.recipe}.peer"
     shutil.rmtree(folder, ignore_errors=True)
     command = [sys.executable, "-m", "lit_memory.tools.peer", "--out", str(folder), f"--warmup={warmup}", f"--steps={steps}",
-               f"--count-step={counted_step(warmup, steps)}"]
+               f"--count-step={counted_step(warmup, steps)}", *run.peer_flags]
     error = _run(command + run.peer_args, log)
     if error:
         return {"peer_note": f"peer failed: {error}"}
     record = json.loads((folder / PEER_JSON).read_text(encoding="utf-8"))
     speed = _speed(record)
-    return {
+    found = {
         "peer_peak_bytes": record["peak_bytes"],
         "peer_reserved_bytes": record["reserved_bytes"],
-        "peer_step_time_s": speed["step_time_s"],
-        "peer_samples_per_s": speed["samples_per_s"],
+        **{f"peer_{k}": v for k, v in speed.items() if k != "clock"},
         **_ops_of(record.get("host_ops") or {}, "peer_"),
         "peer_training_arguments": record.get("training_arguments"),
     }
+    for key in ("chosen", "device_bytes_by_step", "allocator_limit_bytes"):
+        if record.get(key) is not None:
+            found[f"peer_{key}"] = record[key]
+    return found
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -339,7 +345,7 @@ def bench(
     """Run every recipe (and its peer), each in a fresh process; `done` gets the rows so far after each."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    total = len(runs) + (sum(r.peer_note is None for r in runs) if peer else 0)
+    total = len(runs) + (sum(r.peer_note is None and not r.peer_only for r in runs) if peer else 0)
     rows = []
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for p in runs:
@@ -350,6 +356,14 @@ def bench(
                 row["error"] = f"refused before training: {p.error}"
                 rows.append(row)
                 bar.update(1 + (peer is not None and p.peer_note is None))
+                done(rows)
+                continue
+            if p.peer_only:  # the peer's own row: nothing of ours runs
+                row.update(run_peer(p, out, logs / f"{p.recipe}.log", p.warmup, p.steps))
+                if row.get("peer_note"):
+                    row["error"] = row.pop("peer_note")
+                rows.append(row)
+                bar.update()
                 done(rows)
                 continue
             error = _run([sys.executable, "-m", "lit_memory", "fit", *p.fit_args], logs / f"{p.recipe}.log")
@@ -423,6 +437,8 @@ def columns(rows: list[dict], evaluate: bool, peer: Optional[str]) -> list[Colum
     else:
         cols.append(Column("process_growth_bytes", "process RSS growth", _gib))
     cols += [Column("step_time_s", "step time (s)", _num(".3f")), Column("samples_per_s", "samples/s", _num(".1f"))]
+    if any(r.get("compile_s") for r in rows):  # torch.compile's time, spent in the warm-up steps
+        cols.append(Column("compile_s", "compile (s)", _num(".1f")))
     if any(r.get("host_ops_per_step") for r in rows):
         cols.append(Column("host_ops_per_step", "host ops/step", _num("d")))
     if any(r.get("flops_per_step") for r in rows):  # counted, device-independent (see `counted_flops`)
