@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import random
 import re
@@ -36,7 +37,7 @@ from lit_memory.bundled import resolve_model
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
-from lit_memory.tools.bench import bench, machine, ordered, prepare, recipe_file
+from lit_memory.tools.bench import bench, counted_step, machine, ordered, prepare, recipe_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "gpu"
@@ -44,7 +45,8 @@ MODEL = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=fa
 # Timed with CUDA events over STEPS steps after WARMUP (compile and the allocator's growth happen in those).
 WARMUP, STEPS = 3, 20
 ACCUMULATING_STEPS = 3  # the seed's batch-1 tiers: 32 micro-batches a step, launch-bound on any GPU
-PROFILED = ("bf16", "4gb")  # one step each under torch.profiler, after the timed ones (`StepProfiler`)
+# one step each under torch.profiler, after the timed ones and the one whose host operators are counted (`StepProfiler`)
+PROFILED = ("bf16", "4gb", "bf16-compile", "4gb-compile")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,6 @@ class Variant:
 
 _LOSS_PER_STEP = "--trainer.log_every_n_steps=1"  # the loss curve of the fp16 pair, compared step by step
 VARIANTS = {
-    "bf16-compile": Variant("bf16", ("--model.compile=true",), "bf16.yaml with every layer compiled (regional)"),
     # Every layer checkpointed in full in both: the same recompute, so the loss curves compare step by step (selective
     # layers cannot run the fused step's measuring backward: `lit_memory.memory.planning.recompute.check_twice`).
     "4gb-fp16": Variant(
@@ -77,6 +78,33 @@ VARIANTS = {
         "4gb", ("--config", str(ROOT / "configs" / "fsdp.yaml"), "--trainer.devices=1", "--memory.budget=null"),
         "4gb.yaml under FSDP2 on one GPU, uncapped: the FSDP2 stream code on a real device (capped, NCCL's 0.8 GiB "
         "outside the allocator left too little of 3.81 GiB: docs/gpu.md)",
+    ),
+    "fsdp-capped": Variant(
+        "4gb", ("--config", str(ROOT / "configs" / "fsdp.yaml"), "--trainer.devices=1"),
+        "4gb.yaml under FSDP2 on one GPU capped as its card: within the card once the plan counts NCCL's memory",
+    ),
+    "4gb-snapshot": Variant(
+        "4gb", ("--memory.snapshot=memory_snapshot.pickle", "--memory.snapshot_steps=2"),
+        "4gb.yaml capped as its card, with torch's CUDA memory history of its first 2 steps (pytorch.org/memory_viz)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """A proof row that is the HF Trainer alone (`lit_memory.tools.peer`), on a shipped recipe's model and data."""
+
+    recipe: str
+    flags: tuple[str, ...]
+    why: str
+
+
+PEER_ROWS = {
+    "4gb-peer": PeerRow(
+        "4gb", ("--best-under-budget",),
+        "what a 4 GB-card user runs instead of 4gb.yaml: the HF Trainer's best configuration within the same cap "
+        "(every layer recomputed, adamw_bnb_8bit, bf16, the largest micro-batch predicted to fit, accumulating to 32; "
+        "bf16 weights where fp32 ones cannot fit), capped exactly as ours (`lit_memory.tools.peer.best_under_budget`)",
     ),
 }
 ROWS = 1280  # synthetic texts: one epoch holds every step a run takes (no epoch boundary inside the timed steps)
@@ -119,8 +147,9 @@ def budget_args(entry: str) -> list[str]:
 
 
 def recipe_of(entry: str) -> str:
-    """The shipped recipe an entry runs: a variant's, else the entry itself."""
-    return VARIANTS[entry].recipe if entry in VARIANTS else entry
+    """The shipped recipe an entry runs: a variant's or a peer row's, else the entry itself."""
+    named = VARIANTS.get(entry) or PEER_ROWS.get(entry)
+    return named.recipe if named is not None else entry
 
 
 def extra_args(entry: str) -> list[str]:
@@ -139,23 +168,27 @@ def timed_steps(resolved: Any) -> int:
 
 
 def profile_args(entry: str) -> list[str]:
-    """One step after the timed ones under torch.profiler, for the `PROFILED` recipes (none accumulates: `STEPS`)."""
+    """One step under torch.profiler after the timed ones and the counted one (`bench.counted_step`), for the
+    `PROFILED` recipes (none accumulates: `STEPS`)."""
     if entry not in PROFILED:
         return []
-    callback = {"class_path": "lit_memory.step_profile.StepProfiler", "init_args": {"warmup": WARMUP + STEPS, "trace": True}}
-    return [f"--trainer.max_steps={WARMUP + STEPS + 1}", f"--trainer.callbacks+={json.dumps(callback)}"]
+    step = counted_step(WARMUP, STEPS) + 1
+    callback = {"class_path": "lit_memory.step_profile.StepProfiler", "init_args": {"warmup": step, "trace": True}}
+    return [f"--trainer.max_steps={step + 1}", f"--trainer.callbacks+={json.dumps(callback)}"]
 
 
 def entries_of(names: str) -> list[str]:
-    """``all``: every shipped recipe (the seed's tiers first) and every variant; else the names as given, in order."""
+    """``all``: every shipped recipe (the seed's tiers first), every variant and peer row; else the names as given,
+    in order."""
     if names.strip() == "all":
-        return [*ordered("all"), *VARIANTS]
+        return [*ordered("all"), *VARIANTS, *PEER_ROWS]
     entries = [n.strip() for n in names.split(",") if n.strip()]
     for entry in entries:
-        if entry not in VARIANTS:
+        if entry not in VARIANTS and entry not in PEER_ROWS:
             ordered(entry)  # an unknown recipe: one error line
     if len(set(entries)) != len(entries) or not entries:
-        raise UserError(f"--recipes {names!r}: give `all` or distinct recipe and variant names ({', '.join(VARIANTS)})")
+        raise UserError(f"--recipes {names!r}: give `all` or distinct recipe, variant and peer row names "
+                        f"({', '.join([*VARIANTS, *PEER_ROWS])})")
     return entries
 
 
@@ -198,24 +231,88 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
     losses = train_losses(run_dir)
     if losses:
         row["train_loss"] = losses
+    row.update(allocator_counts(cuda))
     if budget and measured["device"]:
         limit = capacity(budget)
-        by_step = cuda.get("device_bytes_by_step") or []
         row["within_budget"] = measured["device"] <= limit
         row["spare"] = round(1 - measured["device"] / limit, 4)
-        if by_step:  # the device total read at every phase, its highest per optimizer step
-            row["within_budget_every_step"] = all(b <= limit for b in by_step)
-            row["device_bytes_by_step"] = by_step
+        row.update(every_step(cuda.get("device_bytes_by_step") or [], memory.get("optimizer_steps"), limit))
     profile = run_dir / "profile.json"
     if profile.is_file():
         row["profile"] = json.loads(profile.read_text(encoding="utf-8"))
     return row
 
 
+def every_step(by_step: list[Optional[int]], steps: Optional[int], limit: int) -> dict[str, Any]:
+    """Whether the device total stayed within ``limit`` in every optimizer step the run took: each step read (the
+    monitor reads every step's end; a step never read is null) and within it. A run whose steps are not all in
+    ``by_step`` (fewer readings than ``steps``) or any of them null has not shown it."""
+    unread = [i for i, b in enumerate(by_step) if b is None] + list(range(len(by_step), steps or len(by_step)))
+    return {
+        "within_budget_every_step": bool(by_step) and not unread and all(b <= limit for b in by_step),
+        "device_bytes_by_step": by_step,
+        **({"unread_steps": unread} if unread else {}),
+    }
+
+
+def allocator_counts(cuda: dict[str, Any]) -> dict[str, Any]:
+    """The allocator's per-step counts the monitor recorded (cudaMalloc retries near a cap, cudaMalloc/cudaFree calls),
+    and the retries per 10 steps after warm-up (the GPU goal: at most 1)."""
+    found = {key: cuda[key] for key in ("alloc_retries_by_step", "device_allocs_by_step", "device_frees_by_step")
+             if cuda.get(key) is not None}
+    retries = [r for r in (found.get("alloc_retries_by_step") or [])[WARMUP:] if r is not None]
+    if retries:
+        found["alloc_retries_per_10_steps"] = round(10 * sum(retries) / len(retries), 3)
+    return found
+
+
+def peer_row(name: str, bench_row: dict[str, Any], budget: Optional[str], card: dict[str, Any]) -> dict[str, Any]:
+    """A `PEER_ROWS` row: the Trainer's run alone, its speed, memory and host operators, its every setting and why
+    they were chosen, and under a budget whether its device total stayed within the card every step. Its MFU counts
+    the model's FLOPs (the recipe's samples per step; recompute apart) on ``card`` (name, total_bytes)."""
+    peer = {k[len("peer_"):]: v for k, v in bench_row.items() if k.startswith("peer_")}
+    row: dict[str, Any] = {"recipe": name, "budget": budget, "error": bench_row.get("error"), "peer_of": PEER_ROWS[name].recipe,
+                           "precision": (peer.get("chosen") or {}).get("precision")}
+    row.update({k: v for k, v in peer.items() if k in SPEED_KEYS or k in PEER_KEYS})
+    share = bench_row.get("recompute_share") or 0.0
+    speed = {"flops_per_step": (bench_row.get("flops_per_step") or 0) * (1 - share) or None,
+             "step_time_s": row.get("step_time_s"), "precision": "bf16-mixed"}
+    found = utilisation(speed, {"device": card})
+    row.update({k: v for k, v in found.items() if k not in ("hfu", "tflops_achieved")})  # its own recompute: not counted
+    by_step = peer.get("device_bytes_by_step")
+    if budget and by_step:
+        limit = capacity(budget)
+        device = max((b for b in by_step if b is not None), default=None)
+        row.update(within_budget=device is not None and device <= limit, peak_device_bytes=device,
+                   **every_step(by_step, len(by_step), limit))
+    return row
+
+
+PEER_KEYS = ("peak_bytes", "reserved_bytes", "training_arguments", "chosen", "allocator_limit_bytes",
+             "host_ops_per_step", "top_host_ops")
+
+
+def with_peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A recipe whose Trainer equivalent is a `PEER_ROWS` row gets that row's speed as its peer (4gb: 4gb-peer)."""
+    by_name = {row["recipe"]: row for row in rows}
+    for name, peer in PEER_ROWS.items():
+        ours, theirs = by_name.get(peer.recipe), by_name.get(name)
+        if ours is None or theirs is None or not theirs.get("samples_per_s"):
+            continue
+        ours.update(peer_samples_per_s=theirs["samples_per_s"], peer_step_time_s=theirs.get("step_time_s"),
+                    peer_note=f"{name}: {PEER_ROWS[name].why.split(':')[0]}",
+                    peer_host_ops_per_step=theirs.get("host_ops_per_step"))
+        if ours.get("samples_per_s"):
+            ours["samples_per_s_ours_over_peer"] = round(ours["samples_per_s"] / theirs["samples_per_s"], 4)
+    return rows
+
+
 SPEED_KEYS = (
     "samples_per_s", "step_time_s", "step_time_min_s", "step_time_max_s", "step_time_iqr_s", "timed_steps", "clock",
-    "flops_per_step", "recompute_share", "peer_samples_per_s", "peer_step_time_s", "samples_per_s_ours_over_peer",
-    "peer_note", "peer_peak_bytes", "peer_reserved_bytes",
+    "compile_s", "flops_per_step", "recompute_share", "host_ops_per_step", "top_host_ops",
+    "peer_samples_per_s", "peer_step_time_s", "samples_per_s_ours_over_peer", "peer_note", "peer_peak_bytes",
+    "peer_reserved_bytes", "peer_host_ops_per_step", "peer_top_host_ops", "host_ops_ours_over_peer",
+    "peer_training_arguments",
 )
 
 
@@ -270,15 +367,15 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         extra=lambda name: extras[name], simulate=False, count_flops=True, steps_for=timed_steps,
         tail=profile_args, recipe_of=recipe_of, keep_going=True,
     )
+    runs = [dataclasses.replace(r, peer_only=True, peer_flags=PEER_ROWS[r.recipe].flags, peer_note=None)
+            if r.recipe in PEER_ROWS else r for r in runs]
     command = shlex.join(["python", "-m", "lit_memory", "bench", "--gpu-proof", *(["--dry-run"] if dry_run else []),
                           *(["--peer"] if peer else []), *([] if names == "all" else [f"--recipes={names}"]), *user_args])
-    plan = [{"recipe": r.recipe, "fit": shlex.join(["python", "-m", "lit_memory", "fit", *r.fit_args]),
-             **({"variant_of": VARIANTS[r.recipe].recipe, "why": VARIANTS[r.recipe].why} if r.recipe in VARIANTS else {})}
-            for r in runs]
+    plan = [{"recipe": r.recipe, **_how(r)} for r in runs]
     if dry_run:
         files.write_text(out / "gpu-proof-runs.json", json.dumps({"command": command, "runs": plan}, indent=2) + "\n")
         for run in plan:
-            print(run["fit"])
+            print(run.get("fit") or run["peer"])
         print(f"dry run: {len(plan)} runs resolved; the data is {data}; nothing trained")
         return
     target = DOCS / f"{gpu_name()}.json"
@@ -295,12 +392,18 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         f"{', '.join(PROFILED)}: one more step under torch.profiler (profile); peer: transformers.Trainer, same "
         "settings, timed the same way",
         "variants": {name: {"recipe": v.recipe, "args": list(v.args), "why": v.why} for name, v in VARIANTS.items()},
+        "peer_rows": {name: {"recipe": v.recipe, "flags": list(v.flags), "why": v.why} for name, v in PEER_ROWS.items()},
         "optimizer_kernels": "fused",  # torch's Adam/AdamW on their fused CUDA kernel (lit_memory's default since 2026-11-27)
+        # host_ops_per_step: dispatcher operators of the step after the timed ones, ours and the peer's counted alike
+        # (lit_memory.step_profile.HostOps); every step's end read (null: not read); allocator counts per step
+        "host_ops": "lit_memory.step_profile.HostOps, one step after the timed ones, loading to logging",
     }
+    card = {"name": torch.cuda.get_device_name(), "total_bytes": torch.cuda.get_device_properties(0).total_memory}
 
     def save(done: list[dict]) -> None:  # after every recipe: an interrupted proof keeps what it measured
-        rows = [proof_row(r["recipe"], r, p.run_dir, budget_of(p.fit_args)) for r, p in zip(done, runs)]
-        write_proof(rows, {**info, "machine": machine(done)}, target)
+        rows = [peer_row(r["recipe"], r, budget_of(p.fit_args), card) if p.peer_only
+                else proof_row(r["recipe"], r, p.run_dir, budget_of(p.fit_args)) for r, p in zip(done, runs)]
+        write_proof(with_peer_rows(rows), {**info, "machine": {**machine(done), "device": card["name"]}}, target)
 
     rows = bench(runs, out, WARMUP, STEPS, False, "hf-trainer" if peer else None, save)
     print(f"wrote {target}")
@@ -314,6 +417,18 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
     failed = [r["recipe"] for r in rows if r.get("error")]
     if failed:
         print(f"failed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
+
+
+def _how(run: Any) -> dict[str, Any]:
+    """The command a proof entry runs, and what it is a variant of."""
+    if run.peer_only:
+        peer = PEER_ROWS[run.recipe]
+        command = ["python", "-m", "lit_memory.tools.peer", *peer.flags, *run.peer_args]
+        return {"peer": shlex.join(command), "peer_of": peer.recipe, "why": peer.why}
+    found = {"fit": shlex.join(["python", "-m", "lit_memory", "fit", *run.fit_args])}
+    if run.recipe in VARIANTS:
+        found.update(variant_of=VARIANTS[run.recipe].recipe, why=VARIANTS[run.recipe].why)
+    return found
 
 
 def table(record: dict[str, Any]) -> str:
