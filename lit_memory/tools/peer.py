@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -300,28 +301,44 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
             module.model.to(weights)
         data.prepare_data()
         loader = data.train_dataloader()  # its dataset and fixed-length collator: the data ours trains on
-        args = TrainingArguments(
-            output_dir=str(out),
-            max_steps=max(warmup + steps, (count_step or 0) + 1),
-            report_to=[],
-            save_strategy="no",
-            eval_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            **kwargs,
-        )
-        cuda = not args.use_cpu and torch.cuda.is_available()
-        meter = PeerMeter(warmup, track_steps, cuda, steps, count_step)
+        cuda = kwargs["use_cpu"] is False and torch.cuda.is_available()
         cap = capped(cli, cuda)  # before the Trainer moves the model onto the device, as ours caps at setup
-        trainer = Trainer(
-            model=module.model,
-            args=args,
-            train_dataset=loader.dataset,
-            data_collator=loader.collate_fn,
-            callbacks=[meter],
-        )
         try:
-            trainer.train()
+            while True:
+                args = TrainingArguments(
+                    output_dir=str(out),
+                    max_steps=max(warmup + steps, (count_step or 0) + 1),
+                    report_to=[],
+                    save_strategy="no",
+                    eval_strategy="no",
+                    logging_strategy="no",
+                    disable_tqdm=True,
+                    **kwargs,
+                )
+                meter = PeerMeter(warmup, track_steps, cuda, steps, count_step)
+                trainer = Trainer(
+                    model=module.model,
+                    args=args,
+                    train_dataset=loader.dataset,
+                    data_collator=loader.collate_fn,
+                    callbacks=[meter],
+                )
+                try:
+                    trainer.train()
+                    break
+                except torch.OutOfMemoryError as err:
+                    # the best configuration's micro-batch was predicted to fit and did not: half of it, as its user
+                    # would try next (the prediction's miss is in the record)
+                    micro = kwargs["per_device_train_batch_size"]
+                    if not best or micro % 2:
+                        raise
+                    chosen.setdefault("out_of_memory_at", []).append({"micro_batch": micro, "error": str(err).splitlines()[0][:200]})
+                    del trainer
+                    for param in module.model.parameters():
+                        param.grad = None
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    kwargs.update(per_device_train_batch_size=micro // 2, gradient_accumulation_steps=2 * kwargs["gradient_accumulation_steps"])
         finally:
             if cap is not None:
                 cap.teardown(cap.view, None, "fit")

@@ -7,8 +7,11 @@ import csv
 import json
 import shlex
 
+import pytest
+
 from conftest import RECIPES
 from lit_memory.__main__ import main
+from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import Footprint
@@ -120,3 +123,33 @@ def test_the_peer_row_stands_beside_the_recipe_it_is_the_trainers_answer_to():
     ours = {"recipe": "4gb", "samples_per_s": 150.0}
     proof.with_peer_rows([ours, row])
     assert ours["peer_samples_per_s"] == 100.0 and ours["samples_per_s_ours_over_peer"] == 1.5
+
+
+def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
+    old = {"command": "python -m lit_memory bench --gpu-proof", "machine": {"device": "NVIDIA H100 80GB HBM3"},
+           "recipes": [{"recipe": "bf16", "samples_per_s": 300.0}]}
+    new = {**old, "date": "2026-12-01", "machine": {"device": "NVIDIA H200"}, "recipes": [
+        {"recipe": "bf16", "samples_per_s": 410.0, "mfu": 0.098, "peer_samples_per_s": 400.0,
+         "samples_per_s_ours_over_peer": 1.025, "step_time_s": 0.078, "step_time_min_s": 0.075, "step_time_max_s": 0.09,
+         "host_ops_per_step": 15000},
+        {"recipe": "4gb", "samples_per_s": 300.0, "within_budget": True, "spare": 0.05, "within_budget_every_step": False,
+         "unread_steps": [4]},
+        {"recipe": "4gb-peer", "peer_of": "4gb", "samples_per_s": 250.0, "chosen": {"configuration": "bf16 weights"},
+         "training_arguments": {"per_device_train_batch_size": 32}},
+        {"recipe": "lora"}]}
+    (tmp_path / "h100.json").write_text(json.dumps(old))
+    (tmp_path / "h200-speed.json").write_text(json.dumps(new))
+    assert proof.newest_record(tmp_path).name == "h200-speed.json"  # dated: newer than a record without a date
+    text = proof.speed_table(new, "docs/gpu/h200-speed.json")
+    assert text.startswith("Measured on one NVIDIA H200 on 2026-12-01")
+    rows = {line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| `")}
+    assert rows["bf16"][1:8] == ["410.0", "9.8%", "400.0", "1.02", "78 (75-90)", "-", "15000"]
+    assert rows["4gb"][-1] == "peak within the card, 5.0% to spare; not every step shown (1 unread)"
+    assert rows["4gb-peer"][-1] == "the HF Trainer alone: bf16 weights, micro-batch 32" and "lora" not in rows
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    with pytest.raises(UserError, match="no place for the speed table"):
+        proof.update_readme(text, readme)
+    readme.write_text(f"intro\n{proof.SPEED_MARKERS[0]}\nold\n{proof.SPEED_MARKERS[1]}\nrest\n")
+    proof.update_readme(text, readme)
+    assert readme.read_text() == f"intro\n{proof.SPEED_MARKERS[0]}\n{text}{proof.SPEED_MARKERS[1]}\nrest\n"
