@@ -135,3 +135,16 @@ def check_trainer(trainer: Any) -> None:
     bucket = getattr(getattr(strategy, "init_args", None), "bucket", None)
     if bucket is not None:
         parse_bucket(bucket)
+
+
+def check_compile(model: Any, data: Any) -> None:
+    """``model.compile: cudagraphs`` replays each layer as a CUDA graph recorded for one batch shape: with batches
+    padded each to its longest (``data.padding: longest``) every new length would record another graph, and keep
+    its memory. One line before training."""
+    get = lambda node, key: node.get(key) if hasattr(node, "get") else getattr(node, key, None)  # noqa: E731
+    if get(model, "compile") == "cudagraphs" and get(data, "padding") != "max_length":
+        raise UserError(
+            "model.compile cudagraphs records each layer's CUDA graph for one batch shape, and data.padding "
+            f"{get(data, 'padding')} makes a new shape at every batch length: set data.padding: max_length (every batch "
+            "padded to max_length), or model.compile: true"
+        )

@@ -369,6 +369,7 @@ class LitMemoryCLI(LightningCLI):
         self._check_values()  # again: a resumed checkpoint's hyper-parameters are merged in by now
         # As configured, before the CPU fallback below may change the precision.
         checks.check_trainer(settings.trainer)
+        checks.check_compile(settings.model, settings.data)
         optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)

@@ -174,6 +174,37 @@ class LogProgress(ProgressBar):
         self._eval_batch(trainer, "predict", batch, trainer.num_predict_batches, dataloader_idx)
 
 
+class RunningLoss:
+    """The training loss summed where it is computed (on the device) since it was last read: adding is two operators
+    on the device and no synchronisation; `mean` copies the mean to the host once, on the steps the progress is read.
+    Lightning's ``self.log(..., prog_bar=True)`` of a device tensor every step would read it back (``.item()``, a
+    device synchronisation) at every batch."""
+
+    def __init__(self) -> None:
+        self._sum: Optional[torch.Tensor] = None
+        self._count = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        self._sum = loss if self._sum is None else self._sum + loss
+        self._count += 1
+
+    def mean(self) -> Optional[torch.Tensor]:
+        """The mean since the last read, on the host (a 0-d CPU tensor), and a fresh start; None if nothing was added."""
+        if self._sum is None:
+            return None
+        mean = (self._sum.float() / self._count).cpu()
+        self._sum, self._count = None, 0
+        return mean
+
+
+def logging_step(trainer) -> bool:
+    """Whether the optimizer step just taken (asked in ``on_train_batch_end``) is one the loggers write: every
+    ``trainer.log_every_n_steps`` optimizer steps, Lightning's cadence for logged metrics."""
+    every = trainer.log_every_n_steps
+    return bool(every) and trainer.global_step % every == 0
+
+
 def total_epochs(trainer) -> Optional[int]:
     """The epochs this fit will run: ``max_epochs``, or fewer where ``max_steps`` ends it first; None if unknown."""
     limits = []

@@ -125,6 +125,8 @@ class TextClassificationData(L.LightningDataModule):
         seed: seed for splitting, sub-sampling and the training order (a function of the seed and
             the epoch only, so a resumed run sees the batches the interrupted one would have).
         num_workers: DataLoader workers.
+        pin_memory: load batches into pinned host memory, so their copy to the GPU does not wait on the host
+            (``null``: when training on CUDA, as the HF Trainer's default does; the CPU has nothing to pin for).
         predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict``, streamed (never whole in memory);
             its columns found as the training data's (`lit_memory.task.find_columns`, their names first); its labels,
             if any, give metrics. Without it, ``predict`` predicts the test split.
@@ -141,7 +143,7 @@ class TextClassificationData(L.LightningDataModule):
         "source", "text_column", "label_column", "label_names", "num_labels", "problem_type", "subset", "train_split",
         "validation_split", "test_split", "tokenizer_name_or_path", "max_length", "padding", "batch_size",
         "eval_batch_size", "val_fraction", "test_fraction", "limit_train_samples", "limit_eval_samples", "seed",
-        "num_workers", "predict_path", "id_column", "encoding", "encoding_errors",
+        "num_workers", "pin_memory", "predict_path", "id_column", "encoding", "encoding_errors",
     )
 
     def __init__(
@@ -167,6 +169,7 @@ class TextClassificationData(L.LightningDataModule):
         limit_eval_samples: Optional[int] = None,
         seed: int = 42,
         num_workers: int = 0,
+        pin_memory: Optional[bool] = None,
         predict_path: Optional[str] = None,
         id_column: Optional[str] = None,
         encoding: Optional[str] = None,
@@ -576,13 +579,26 @@ class TextClassificationData(L.LightningDataModule):
         # A generator of its own: a DataLoader otherwise draws its workers' seed from the global
         # random state at every epoch, which would shift the dropout masks that follow.
         generator = torch.Generator().manual_seed(self.hparams.seed)
-        kwargs = {"collate_fn": self._collator(), "num_workers": self.hparams.num_workers, "generator": generator}
+        kwargs = {"collate_fn": self._collator(), "num_workers": self.hparams.num_workers, "generator": generator,
+                  "pin_memory": self.pins_memory()}
+        # The loaders read rows as Python lists: the collator makes one tensor per column and batch, where rows in the
+        # splits' torch format cost a tensor per row and column, turned back into lists to pad (BERT's columns at
+        # batch 32 on this project's CPU: 232 dispatcher operators and 2.7 ms a batch against 6 and 1.1 ms).
+        rows = self.splits[split].with_format(None)
         if not shuffle:
-            return DataLoader(self.splits[split], batch_size=batch_size, shuffle=False, **kwargs)
+            return DataLoader(rows, batch_size=batch_size, shuffle=False, **kwargs)
         # Sharded here under DDP/FSDP (as Lightning's DistributedSampler would), by (seed, epoch).
         shards = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
-        sampler = ResumableSampler(self.splits[split], seed=self.hparams.seed, **shards)
-        return ResumableDataLoader(self.splits[split], batch_size=batch_size, sampler=sampler, **kwargs)
+        sampler = ResumableSampler(rows, seed=self.hparams.seed, **shards)
+        return ResumableDataLoader(rows, batch_size=batch_size, sampler=sampler, **kwargs)
+
+    def pins_memory(self) -> bool:
+        """``pin_memory`` resolved: as set, else whether the run trains on CUDA."""
+        if self.hparams.get("pin_memory") is not None:
+            return bool(self.hparams.pin_memory)
+        trainer = getattr(self, "trainer", None)
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        return device is not None and device.type == "cuda"
 
     def train_dataloader(self) -> DataLoader:
         # overfit_batches trains on the first batches in order: Lightning would swap out the sampler.

@@ -26,7 +26,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from lit_memory import bundled, evaluation, files, guard, optimizers
 from lit_memory import task as task_
 from lit_memory.best import restore_best
-from lit_memory.console import say
+from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
 from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
 from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
@@ -40,6 +40,7 @@ from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
 from lit_memory.checks import check_optimizer
 from lit_memory.settings import Precision
+from lit_memory.compiling import CUDA_GRAPHS, Compile, compile_layers
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,11 @@ class SequenceClassifier(L.LightningModule):
             weights' where the checkpoint names none), or ``fp32``, ``bf16``, ``fp16``. The weights train in the
             dtype ``trainer.precision`` gives them, whatever the checkpoint's (`weights_dtype`).
         compile: ``torch.compile`` each transformer layer (regional: one compiled graph reused by
-            every layer). Works with the fused step and checkpointing, not with
-            ``offload_activations``; compiled dropout draws other masks than eager dropout.
+            every layer, the recomputed ones included: checkpointing calls the same compiled layer again). Works
+            with the fused step and checkpointing, not with ``offload_activations``; compiled dropout draws other
+            masks than eager dropout. ``cudagraphs``: the compiled layers also replayed as CUDA graphs (torch's
+            ``reduce-overhead``: one launch per layer's forward and backward), for batches of one shape only
+            (``data.padding: max_length``; checked before training); on a CPU as ``true``.
     """
 
     # Arguments that change no matrix product or attention a training step computes: the optimizer's state layout
@@ -155,7 +159,7 @@ class SequenceClassifier(L.LightningModule):
         warmup_ratio: float = 0.0,
         save_pretrained: bool = True,
         save_dtype: SaveDtype = "checkpoint",
-        compile: bool = False,
+        compile: Compile = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -237,6 +241,8 @@ class SequenceClassifier(L.LightningModule):
         self._amp_scaling = False  # GradScaler's scale taken by the fused kernel (`configure_optimizers`)
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
         self.validation_counts: Optional[torch.Tensor] = None  # the last validation's confusion counts
+        self.running_loss = RunningLoss()  # the training loss since it was last logged (`on_train_batch_end`)
+        self._progress_step = -1
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
@@ -342,11 +348,9 @@ class SequenceClassifier(L.LightningModule):
             model = apply_lora(model, self.lora)
         if self._label_names:
             self._name_classes(model.config)  # from_config copies the config it is given
-        if self.hparams.compile:
-            # Regional: one graph per transformer layer, compiled once and reused by all of them. Each
-            # layer's backward still hands its gradients over as it ends, so the fused step's bound holds.
-            for layer in anatomy.layers:
-                layer.compile()
+        # Regional: one graph per transformer layer, compiled once and reused by all of them. Each layer's backward
+        # still hands its gradients over as it ends, so the fused step's bound holds.
+        compile_layers(anatomy.layers, self.hparams.compile)
         return model
 
     def forward(self, **batch: torch.Tensor):
@@ -355,10 +359,26 @@ class SequenceClassifier(L.LightningModule):
     # -- steps ---------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.hparams.compile == CUDA_GRAPHS:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' outputs of the last one are done with
         with self.activation_offload or contextlib.nullcontext():
             loss = self.model(**batch).loss
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0])
+        self.running_loss.add(loss)  # read on the logging steps only (`on_train_batch_end`): no device sync per step
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        if trainer.global_step != self._progress_step and logging_step(trainer):
+            self._progress_step = trainer.global_step
+            # The mean over the micro-batches since the last logged step (as the HF Trainer logs its loss), on the
+            # host: the progress bar reads it back every batch without touching the device.
+            mean = self.running_loss.mean()
+            if mean is not None:
+                self.log("train_loss", mean, prog_bar=True, batch_size=batch["labels"].shape[0])
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        """Nothing to do: `optimizer_step` frees the gradients right after every step (and the fused step inside
+        backward), so Lightning's zero_grad before the next backward would find none to free."""
 
     @property
     def problem_type(self) -> str:

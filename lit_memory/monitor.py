@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory import files
 from lit_memory.anatomy import find_layers
+from lit_memory.console import logging_step
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.hardware.budget import MemorySettings
@@ -88,6 +89,8 @@ class MemoryMonitor(L.Callback):
         self.predicted_timeline: Optional[tuple[Optional[tuple[int, int]], Optional[list[dict]]]] = None
         self._phase: Optional[str] = None
         self._batch_idx = 0
+        self._stepped = 0  # the optimizer steps taken when the last batch ended
+        self._counts: Optional[dict[str, int]] = None  # the allocator's counts at the last reading (CUDA)
 
     # -- where ---------------------------------------------------------------------------------
 
@@ -124,8 +127,14 @@ class MemoryMonitor(L.Callback):
             # run's peak is the highest reading, and its phase the one in which it last rose.
             self.cuda = {
                 "max_allocated_bytes": 0, "max_reserved_bytes": 0, "max_device_bytes": 0, "device_source": None,
-                "peak_phase": None, "device_bytes_by_step": [],  # the highest device reading in each optimizer step
+                "peak_phase": None,
+                "device_bytes_by_step": [],  # the highest device reading in each optimizer step; null: never read
+                # the allocator's counts in each optimizer step: cudaMalloc retries (a full flush of its cache and
+                # another try, near a cap), cudaMalloc/cuMemMap and cudaFree/cuMemUnmap calls
+                **{key: [] for key in ALLOCATOR_COUNTS.values()},
             }
+            self._counts = allocator_counts(torch.cuda.memory_stats(self._device(trainer)))
+        self._stepped = trainer.global_step
         self.longest_tracked = self.longest = self.peak_batch = None
         self._peak_batch_bytes = -1
         self.ranks = self.oom = None
@@ -141,42 +150,45 @@ class MemoryMonitor(L.Callback):
         return trainer.global_step < self.track_steps and batch_idx % accumulate in {0, 1, accumulate - 1}
 
     def _enter_phase(self, trainer: L.Trainer, phase: str) -> None:
-        self._read_cuda(trainer)
+        if trainer.global_step < self.PHASE_READ_STEPS:
+            self._read_cuda(trainer)
         self._phase = phase
         if self.tracker is not None:
             self.tracker.enter_phase(phase)
 
-    # The device level is read at every phase of the first steps (kernels load on first use, the context grows),
-    # then only when the allocator's reserve has grown: the rest of the process's footprint is the context. An
-    # NVML query costs about half a millisecond of host time, three per micro-batch.
-    DEVICE_READ_STEPS = 3
+    # In the first steps the allocator and the device are read at every phase boundary (which phase peaks; kernels
+    # load on first use and the context grows); after them once at each optimizer step's end, off the step's hot
+    # path: one statistics call and one device query (NVML: about half a millisecond of host time) per step.
+    PHASE_READ_STEPS = 3
 
-    def _read_cuda(self, trainer: L.Trainer) -> None:
-        if self.cuda is None or self._phase is None:
+    def _read_cuda(self, trainer: L.Trainer, step: Optional[int] = None) -> None:
+        """Read the allocator's peaks and the device level into optimizer step ``step`` (default: the one running)."""
+        if self.cuda is None or (self._phase is None and step is None):
             return
         device = self._device(trainer)
         stats = torch.cuda.memory_stats(device)  # one call for both peaks (each reader calls it whole)
         allocated = stats.get("allocated_bytes.all.peak", 0)
         reserved = stats.get("reserved_bytes.all.peak", 0)
         if allocated > self.cuda["max_allocated_bytes"]:
-            self.cuda.update(max_allocated_bytes=allocated, peak_phase=self._phase)
-        grew = reserved > self.cuda["max_reserved_bytes"]
+            # its phase where phases are read; a peak found at a later step's end keeps the phase last seen
+            self.cuda.update(max_allocated_bytes=allocated, peak_phase=self._phase or self.cuda["peak_phase"])
         self.cuda["max_reserved_bytes"] = max(self.cuda["max_reserved_bytes"], reserved)
-        if grew or trainer.global_step < self.DEVICE_READ_STEPS:
-            self._read_device(trainer, device)
+        step = trainer.global_step if step is None else step
+        self._read_device(device, step)
+        if self._counts is not None:
+            counts = allocator_counts(stats)
+            for key, name in ALLOCATOR_COUNTS.items():
+                _at(self.cuda.setdefault(name, []), step, counts[key] - self._counts[key], add=True)
+            self._counts = counts
 
-    def _read_device(self, trainer: L.Trainer, device: torch.device) -> None:
-        # The device level has no peak counter: read at phase boundaries. The allocator keeps what it reserved,
-        # so the process's footprint only grows, and the readings catch its peak.
+    def _read_device(self, device: torch.device, step: Optional[int]) -> None:
+        # The device level has no peak counter: read at phase boundaries and step ends. The allocator keeps what it
+        # reserved, so the process's footprint only grows, and the readings catch its peak.
         used, source = device_memory_used(device)
-        if used is None:
-            return
-        if used > self.cuda["max_device_bytes"]:
+        if used is not None and used > self.cuda["max_device_bytes"]:
             self.cuda.update(max_device_bytes=used, device_source=source)
-        by_step = self.cuda.setdefault("device_bytes_by_step", [])
-        step = trainer.global_step
-        by_step.extend([0] * (step + 1 - len(by_step)))
-        by_step[step] = max(by_step[step], used)
+        if step is not None:  # a step with no reading stays null
+            _at(self.cuda.setdefault("device_bytes_by_step", []), step, used)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_idx = batch_idx
@@ -199,15 +211,19 @@ class MemoryMonitor(L.Callback):
         self._enter_phase(trainer, "step")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._read_cuda(trainer)
+        stepped = trainer.global_step != self._stepped  # an optimizer step ended (not mid accumulation window)
+        if stepped:
+            self._read_cuda(trainer, step=trainer.global_step - 1)  # every step's end, read into the step that ended
+            self._stepped = trainer.global_step
         self._phase = None
         self.batches += 1
         if self.tracker is not None:
             self._stop_tracker()
             self.tracked_batches += 1
         peak = self.measured_peak()
-        if peak:
-            pl_module.log("mem_peak_gib", peak / 2**30, prog_bar=True, logger=False)
+        if peak and stepped and logging_step(trainer):
+            # A host tensor on the steps the loggers write: the progress bar reads it each batch without the device.
+            pl_module.log("mem_peak_gib", torch.tensor(peak / 2**30), prog_bar=True, logger=False)
 
     def _stop_tracker(self) -> None:
         tracker, self.tracker = self.tracker, None
@@ -239,9 +255,11 @@ class MemoryMonitor(L.Callback):
 
     # -- reporting -----------------------------------------------------------------------------
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.cuda is not None:  # after the last step (a validation after it): the run's peak, before teardown
+            self._read_device(self._device(trainer), None)
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.cuda is not None:  # the context may have grown since the last reading (a kernel first used late)
-            self._read_device(trainer, self._device(trainer))
         ranks = None
         if trainer.world_size > 1:  # every rank's numbers: each holds its own shard and activations
             gathered = [None] * trainer.world_size
@@ -251,7 +269,7 @@ class MemoryMonitor(L.Callback):
         self._write(trainer, ranks=ranks)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._read_cuda(trainer)
+        self._read_cuda(trainer)  # into the step that failed (nothing outside a batch)
         oom = None
         if isinstance(exception, torch.OutOfMemoryError):
             try:  # the report must never replace the error it reports
@@ -353,6 +371,7 @@ class StepTimer(L.Callback):
         self.save = save
         self.stamps = Stamps(torch.device("cpu"))
         self._step = -1
+        self._compiling = 0.0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
@@ -360,6 +379,7 @@ class StepTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step = trainer.global_step
         self.stamps = Stamps(pl_module.device)
+        self._compiling = compile_seconds()
         self.stamps.mark()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -396,8 +416,19 @@ class StepTimer(L.Callback):
             "warmup_step_times_s": self.warmup_times,
             "step_times_s": self.timed_times,
             "samples_per_step": batch_size and batch_size * trainer.accumulate_grad_batches * trainer.world_size,
+            # torch.compile's own time during training (in the warm-up steps' times, apart from the timed ones)
+            "compile_s": round(compile_seconds() - self._compiling, 3),
         }
         files.write_text(self.run_dir / self.FILE, json.dumps(record, indent=2) + "\n")
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (tracing and compiling forwards and backwards:
+    dynamo's own count); 0 where nothing imported torch's compiler."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
 
 
 class Stamps:
@@ -424,6 +455,26 @@ class Stamps:
         if self._marks:
             self._marks[-1].synchronize()
         return [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:])]
+
+
+# torch.cuda.memory_stats' counters a step records (its key -> the record's per-step list).
+ALLOCATOR_COUNTS = {
+    "num_alloc_retries": "alloc_retries_by_step", "num_device_alloc": "device_allocs_by_step",
+    "num_device_free": "device_frees_by_step",
+}
+
+
+def allocator_counts(stats: Mapping[str, Any]) -> dict[str, int]:
+    """The allocator's cumulative counts `ALLOCATOR_COUNTS` names, from ``torch.cuda.memory_stats`` (0 where absent)."""
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
+
+
+def _at(by_step: list, step: int, value: Optional[int], add: bool = False) -> None:
+    """``by_step[step]`` raised to ``value`` (or increased by it; None: no reading), steps never read left null."""
+    by_step.extend([None] * (step + 1 - len(by_step)))
+    old = by_step[step]
+    if value is not None:
+        by_step[step] = value if old is None else (old + value if add else max(old, value))
 
 
 def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:

@@ -28,6 +28,9 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
+# Recipes whose layers compile (model.compile): inductor's C++ code generation takes minutes on a CPU, so the tests
+# that fit every recipe leave them to tests/test_compiling.py (the same recipes, trained with dynamo on a cheap backend).
+COMPILED = frozenset(p.stem for p in RECIPES.glob("*.yaml") if "\n  compile: " in p.read_text())
 
 # The test files that take longest on a 2-core CPU without native bf16 (`pytest --durations`), longest first.
 # They are collected first, so that xdist's file scheduling (README: ``--dist loadfile --no-loadscope-reorder``)

@@ -43,6 +43,7 @@ from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.planning.recompute import count_or_decline, planned
 from lit_memory.monitor import StepTimer
 from lit_memory.precision import runs_on_cpu
+from lit_memory.step_profile import HostOpCounter
 from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 
 # The reference post's tiers, in its order.
@@ -71,6 +72,8 @@ class BenchRun:
     steps: int = 1
     precision: str = ""  # as resolved (``bf16-mixed``): which peak a GPU's utilisation is measured against
     error: Optional[str] = None  # refused before running (``prepare(..., keep_going=True)``): its row says why
+    peer_flags: tuple[str, ...] = ()  # for lit_memory.tools.peer itself (``--best-under-budget``)
+    peer_only: bool = False  # a row of the peer alone (the GPU proof's ``4gb-peer``): ours does not run
 
 
 def ordered(names: str) -> list[str]:
@@ -115,8 +118,10 @@ def bench_overrides(
         "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
     }
     timer = {"class_path": "lit_memory.monitor.StepTimer", "init_args": {"warmup": warmup, "steps": steps, "save": True}}
+    # One more step after the timed ones, its host operators counted (a dispatch mode: not a timed step)
+    counter = {"class_path": "lit_memory.step_profile.HostOpCounter", "init_args": {"step": counted_step(warmup, steps)}}
     args = [
-        f"--trainer.max_steps={warmup + steps}",
+        f"--trainer.max_steps={counted_step(warmup, steps) + 1}",
         "--trainer.max_epochs=-1",  # the step budget decides, however small the data
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_checkpointing=false",
@@ -126,11 +131,18 @@ def bench_overrides(
         f"--memory.simulate={str(simulate).lower()}",  # the predicted peak: the simulated step (else analytic)
         f"--trainer.logger={json.dumps(logger)}",
         f"--trainer.callbacks+={json.dumps(timer)}",
+        f"--trainer.callbacks+={json.dumps(counter)}",
     ]
     if validate_after is None:
         return args + ["--trainer.limit_val_batches=0"]
-    # Validate once, after the last training micro-batch of the budget (counted across epochs).
+    # Validate once, after the last training micro-batch (counted across epochs): after the counted step.
     return args + [f"--trainer.val_check_interval={validate_after}", "--trainer.check_val_every_n_epoch=null"]
+
+
+def counted_step(warmup: int, steps: int) -> int:
+    """The optimizer step (0-based) whose host operators a bench run counts, ours and the peer's: the one after the
+    timed steps (`lit_memory.step_profile.HostOpCounter`)."""
+    return warmup + steps
 
 
 def _resolved(recipe: str, args: list[str]) -> LitMemoryCLI:
@@ -176,7 +188,8 @@ def prepare(
                 resolved = _resolved(name, base + bench_overrides(run_dir, warmup, steps_, None, simulate) + tail(name))
         else:
             steps_ = steps
-        validate_after = (warmup + steps_) * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
+        steps_total = counted_step(warmup, steps_) + 1
+        validate_after = steps_total * resolved.settings.trainer.accumulate_grad_batches if evaluate else None
         note = None
         if peer is not None:
             try:
@@ -242,6 +255,7 @@ def _speed(record: dict[str, Any]) -> dict[str, Optional[float]]:
         "step_time_min_s": min(times), "step_time_max_s": max(times),
         "step_time_iqr_s": [quartiles[0], quartiles[2]], "timed_steps": len(times),
         "clock": record.get("clock"),
+        **({"compile_s": record["compile_s"]} if record.get("compile_s") else {}),  # in the warm-up, not the timed steps
     }
 
 
@@ -257,6 +271,20 @@ def _val_f1(run_dir: Path) -> Optional[float]:
         if values:
             return values[-1]
     return None
+
+
+def _host_ops(path: Path, prefix: str = "") -> dict[str, Any]:
+    """The counted step's dispatcher operators (`lit_memory.step_profile.HostOps`), if it was counted."""
+    if not path.is_file():
+        return {}
+    counted = json.loads(path.read_text(encoding="utf-8"))
+    return _ops_of(counted, prefix)
+
+
+def _ops_of(counted: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    if counted.get("host_ops") is None:
+        return {}
+    return {f"{prefix}host_ops_per_step": counted["host_ops"], f"{prefix}top_host_ops": counted.get("top_host_ops")}
 
 
 def read_run(run_dir: Path, evaluate: bool) -> dict[str, Any]:
@@ -276,6 +304,7 @@ def read_run(run_dir: Path, evaluate: bool) -> dict[str, Any]:
         # where in the step the peak is (forward, backward, step): what a recipe's change must act on to lower it
         "peak_phase": (cuda or {}).get("peak_phase") or (measured.get("tracked") or {}).get("peak_phase"),
         **_speed(json.loads((run_dir / StepTimer.FILE).read_text(encoding="utf-8"))),
+        **_host_ops(run_dir / HostOpCounter.FILE),
     }
     if evaluate:
         row["val_f1"] = _val_f1(run_dir)
@@ -285,18 +314,24 @@ def read_run(run_dir: Path, evaluate: bool) -> dict[str, Any]:
 def run_peer(run: BenchRun, out: Path, log: Path, warmup: int, steps: int) -> dict[str, Any]:
     folder = out / "runs" / f"{run.recipe}.peer"
     shutil.rmtree(folder, ignore_errors=True)
-    command = [sys.executable, "-m", "lit_memory.tools.peer", "--out", str(folder), f"--warmup={warmup}", f"--steps={steps}"]
+    command = [sys.executable, "-m", "lit_memory.tools.peer", "--out", str(folder), f"--warmup={warmup}", f"--steps={steps}",
+               f"--count-step={counted_step(warmup, steps)}", *run.peer_flags]
     error = _run(command + run.peer_args, log)
     if error:
         return {"peer_note": f"peer failed: {error}"}
     record = json.loads((folder / PEER_JSON).read_text(encoding="utf-8"))
     speed = _speed(record)
-    return {
+    found = {
         "peer_peak_bytes": record["peak_bytes"],
         "peer_reserved_bytes": record["reserved_bytes"],
-        "peer_step_time_s": speed["step_time_s"],
-        "peer_samples_per_s": speed["samples_per_s"],
+        **{f"peer_{k}": v for k, v in speed.items() if k != "clock"},
+        **_ops_of(record.get("host_ops") or {}, "peer_"),
+        "peer_training_arguments": record.get("training_arguments"),
     }
+    for key in ("chosen", "device_bytes_by_step", "allocator_limit_bytes"):
+        if record.get(key) is not None:
+            found[f"peer_{key}"] = record[key]
+    return found
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -310,7 +345,7 @@ def bench(
     """Run every recipe (and its peer), each in a fresh process; `done` gets the rows so far after each."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    total = len(runs) + (sum(r.peer_note is None for r in runs) if peer else 0)
+    total = len(runs) + (sum(r.peer_note is None and not r.peer_only for r in runs) if peer else 0)
     rows = []
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for p in runs:
@@ -321,6 +356,14 @@ def bench(
                 row["error"] = f"refused before training: {p.error}"
                 rows.append(row)
                 bar.update(1 + (peer is not None and p.peer_note is None))
+                done(rows)
+                continue
+            if p.peer_only:  # the peer's own row: nothing of ours runs
+                row.update(run_peer(p, out, logs / f"{p.recipe}.log", p.warmup, p.steps))
+                if row.get("peer_note"):
+                    row["error"] = row.pop("peer_note")
+                rows.append(row)
+                bar.update()
                 done(rows)
                 continue
             error = _run([sys.executable, "-m", "lit_memory", "fit", *p.fit_args], logs / f"{p.recipe}.log")
@@ -338,6 +381,7 @@ def bench(
                     row["peer_note"] = p.peer_note
                 row["memory_ours_over_peer"] = _ratio(row.get("peak_measured_bytes"), row.get("peer_peak_bytes"))
                 row["samples_per_s_ours_over_peer"] = _ratio(row.get("samples_per_s"), row.get("peer_samples_per_s"))
+                row["host_ops_ours_over_peer"] = _ratio(row.get("host_ops_per_step"), row.get("peer_host_ops_per_step"))
             rows.append(row)
             done(rows)
     return rows
@@ -393,6 +437,10 @@ def columns(rows: list[dict], evaluate: bool, peer: Optional[str]) -> list[Colum
     else:
         cols.append(Column("process_growth_bytes", "process RSS growth", _gib))
     cols += [Column("step_time_s", "step time (s)", _num(".3f")), Column("samples_per_s", "samples/s", _num(".1f"))]
+    if any(r.get("compile_s") for r in rows):  # torch.compile's time, spent in the warm-up steps
+        cols.append(Column("compile_s", "compile (s)", _num(".1f")))
+    if any(r.get("host_ops_per_step") for r in rows):
+        cols.append(Column("host_ops_per_step", "host ops/step", _num("d")))
     if any(r.get("flops_per_step") for r in rows):  # counted, device-independent (see `counted_flops`)
         giga = lambda v: "-" if v is None else f"{v / 1e9:.3g}"  # noqa: E731
         cols += [
@@ -411,6 +459,11 @@ def columns(rows: list[dict], evaluate: bool, peer: Optional[str]) -> list[Colum
             Column("memory_ours_over_peer", "memory ours/peer", _num(".2f")),
             Column("samples_per_s_ours_over_peer", "samples/s ours/peer", _num(".2f")),
         ]
+        if any(r.get("peer_host_ops_per_step") for r in rows):
+            cols += [
+                Column("peer_host_ops_per_step", f"{peer} host ops/step", _num("d")),
+                Column("host_ops_ours_over_peer", "host ops ours/peer", _num(".2f")),
+            ]
     return cols
 
 
@@ -435,8 +488,9 @@ def markdown(rows: list[dict], info: dict[str, Any], title: str) -> str:
         f"- software: torch {m['torch']}, lightning {m['lightning']}, transformers {m['transformers']}",
         f"- runs: every recipe in a fresh process, batches padded to max_length, {s['warmup']} warm-up + "
         f"{s['steps']} timed optimizer steps; step time is the median of the timed steps, samples/s = "
-        "micro-batch x accumulation / step time"
-        + (f"; val f1 after the {s['warmup'] + s['steps']} steps" if s["eval"] else ""),
+        "micro-batch x accumulation / step time; host ops/step: the operators one more optimizer step sends through "
+        "torch's dispatcher (`lit_memory.step_profile.HostOps`), loading to logging"
+        + (f"; val f1 after the {s['warmup'] + s['steps'] + 1} steps" if s["eval"] else ""),
         "- measured: "
         + (
             "peak allocated is `torch.cuda.max_memory_allocated` (reserved: `max_memory_reserved`)"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
+import datetime
 import json
 import random
 import re
@@ -36,7 +38,7 @@ from lit_memory.bundled import resolve_model
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
-from lit_memory.tools.bench import bench, machine, ordered, prepare, recipe_file
+from lit_memory.tools.bench import bench, counted_step, machine, ordered, prepare, recipe_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "gpu"
@@ -44,7 +46,8 @@ MODEL = ["--model.model_name_or_path=bundled:bert-large", "--model.pretrained=fa
 # Timed with CUDA events over STEPS steps after WARMUP (compile and the allocator's growth happen in those).
 WARMUP, STEPS = 3, 20
 ACCUMULATING_STEPS = 3  # the seed's batch-1 tiers: 32 micro-batches a step, launch-bound on any GPU
-PROFILED = ("bf16", "4gb")  # one step each under torch.profiler, after the timed ones (`StepProfiler`)
+# one step each under torch.profiler, after the timed ones and the one whose host operators are counted (`StepProfiler`)
+PROFILED = ("bf16", "4gb", "bf16-compile", "4gb-compile")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,6 @@ class Variant:
 
 _LOSS_PER_STEP = "--trainer.log_every_n_steps=1"  # the loss curve of the fp16 pair, compared step by step
 VARIANTS = {
-    "bf16-compile": Variant("bf16", ("--model.compile=true",), "bf16.yaml with every layer compiled (regional)"),
     # Every layer checkpointed in full in both: the same recompute, so the loss curves compare step by step (selective
     # layers cannot run the fused step's measuring backward: `lit_memory.memory.planning.recompute.check_twice`).
     "4gb-fp16": Variant(
@@ -79,8 +81,27 @@ VARIANTS = {
         "card (one rank starts no NCCL communicator, whose 0.8 GiB outside the allocator once overflowed it: docs/gpu.md)",
     ),
     "4gb-snapshot": Variant(
-        "4gb", ("--memory.snapshot=memory_snapshot.pickle",),
-        "4gb.yaml with torch's CUDA memory snapshot of its first 2 optimizer steps (pytorch.org/memory_viz draws it)",
+        "4gb", ("--memory.snapshot=memory_snapshot.pickle", "--memory.snapshot_steps=2"),
+        "4gb.yaml capped as its card, with torch's CUDA memory history of its first 2 steps (pytorch.org/memory_viz)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """A proof row that is the HF Trainer alone (`lit_memory.tools.peer`), on a shipped recipe's model and data."""
+
+    recipe: str
+    flags: tuple[str, ...]
+    why: str
+
+
+PEER_ROWS = {
+    "4gb-peer": PeerRow(
+        "4gb", ("--best-under-budget",),
+        "what a 4 GB-card user runs instead of 4gb.yaml: the HF Trainer's best configuration within the same cap "
+        "(every layer recomputed, adamw_bnb_8bit, bf16, the largest micro-batch predicted to fit, accumulating to 32; "
+        "bf16 weights where fp32 ones cannot fit), capped exactly as ours (`lit_memory.tools.peer.best_under_budget`)",
     ),
 }
 ROWS = 1280  # synthetic texts: one epoch holds every step a run takes (no epoch boundary inside the timed steps)
@@ -123,8 +144,9 @@ def budget_args(entry: str) -> list[str]:
 
 
 def recipe_of(entry: str) -> str:
-    """The shipped recipe an entry runs: a variant's, else the entry itself."""
-    return VARIANTS[entry].recipe if entry in VARIANTS else entry
+    """The shipped recipe an entry runs: a variant's or a peer row's, else the entry itself."""
+    named = VARIANTS.get(entry) or PEER_ROWS.get(entry)
+    return named.recipe if named is not None else entry
 
 
 def extra_args(entry: str) -> list[str]:
@@ -143,23 +165,27 @@ def timed_steps(resolved: Any) -> int:
 
 
 def profile_args(entry: str) -> list[str]:
-    """One step after the timed ones under torch.profiler, for the `PROFILED` recipes (none accumulates: `STEPS`)."""
+    """One step under torch.profiler after the timed ones and the counted one (`bench.counted_step`), for the
+    `PROFILED` recipes (none accumulates: `STEPS`)."""
     if entry not in PROFILED:
         return []
-    callback = {"class_path": "lit_memory.step_profile.StepProfiler", "init_args": {"warmup": WARMUP + STEPS, "trace": True}}
-    return [f"--trainer.max_steps={WARMUP + STEPS + 1}", f"--trainer.callbacks+={json.dumps(callback)}"]
+    step = counted_step(WARMUP, STEPS) + 1
+    callback = {"class_path": "lit_memory.step_profile.StepProfiler", "init_args": {"warmup": step, "trace": True}}
+    return [f"--trainer.max_steps={step + 1}", f"--trainer.callbacks+={json.dumps(callback)}"]
 
 
 def entries_of(names: str) -> list[str]:
-    """``all``: every shipped recipe (the seed's tiers first) and every variant; else the names as given, in order."""
+    """``all``: every shipped recipe (the seed's tiers first), every variant and peer row; else the names as given,
+    in order."""
     if names.strip() == "all":
-        return [*ordered("all"), *VARIANTS]
+        return [*ordered("all"), *VARIANTS, *PEER_ROWS]
     entries = [n.strip() for n in names.split(",") if n.strip()]
     for entry in entries:
-        if entry not in VARIANTS:
+        if entry not in VARIANTS and entry not in PEER_ROWS:
             ordered(entry)  # an unknown recipe: one error line
     if len(set(entries)) != len(entries) or not entries:
-        raise UserError(f"--recipes {names!r}: give `all` or distinct recipe and variant names ({', '.join(VARIANTS)})")
+        raise UserError(f"--recipes {names!r}: give `all` or distinct recipe, variant and peer row names "
+                        f"({', '.join([*VARIANTS, *PEER_ROWS])})")
     return entries
 
 
@@ -202,14 +228,12 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
     losses = train_losses(run_dir)
     if losses:
         row["train_loss"] = losses
+    row.update(allocator_counts(cuda))
     if budget and measured["device"]:
         limit = capacity(budget)
-        by_step = cuda.get("device_bytes_by_step") or []
         row["within_budget"] = measured["device"] <= limit
         row["spare"] = round(1 - measured["device"] / limit, 4)
-        if by_step:  # the device total read at every phase, its highest per optimizer step
-            row["within_budget_every_step"] = all(b <= limit for b in by_step)
-            row["device_bytes_by_step"] = by_step
+        row.update(every_step(cuda.get("device_bytes_by_step") or [], memory.get("optimizer_steps"), limit))
     snapshot = run_dir / "memory_snapshot.pickle"  # the 4gb-snapshot variant's (`lit_memory.run_memory.MemorySnapshot`)
     if snapshot.is_file():
         row["snapshot"] = {"file": str(snapshot), "bytes": snapshot.stat().st_size}
@@ -219,10 +243,76 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
     return row
 
 
+def every_step(by_step: list[Optional[int]], steps: Optional[int], limit: int) -> dict[str, Any]:
+    """Whether the device total stayed within ``limit`` in every optimizer step the run took: each step read (the
+    monitor reads every step's end; a step never read is null) and within it. A run whose steps are not all in
+    ``by_step`` (fewer readings than ``steps``) or any of them null has not shown it."""
+    unread = [i for i, b in enumerate(by_step) if b is None] + list(range(len(by_step), steps or len(by_step)))
+    return {
+        "within_budget_every_step": bool(by_step) and not unread and all(b <= limit for b in by_step),
+        "device_bytes_by_step": by_step,
+        **({"unread_steps": unread} if unread else {}),
+    }
+
+
+def allocator_counts(cuda: dict[str, Any]) -> dict[str, Any]:
+    """The allocator's per-step counts the monitor recorded (cudaMalloc retries near a cap, cudaMalloc/cudaFree calls),
+    and the retries per 10 steps after warm-up (the GPU goal: at most 1)."""
+    found = {key: cuda[key] for key in ("alloc_retries_by_step", "device_allocs_by_step", "device_frees_by_step")
+             if cuda.get(key) is not None}
+    retries = [r for r in (found.get("alloc_retries_by_step") or [])[WARMUP:] if r is not None]
+    if retries:
+        found["alloc_retries_per_10_steps"] = round(10 * sum(retries) / len(retries), 3)
+    return found
+
+
+def peer_row(name: str, bench_row: dict[str, Any], budget: Optional[str], card: dict[str, Any]) -> dict[str, Any]:
+    """A `PEER_ROWS` row: the Trainer's run alone, its speed, memory and host operators, its every setting and why
+    they were chosen, and under a budget whether its device total stayed within the card every step. Its MFU counts
+    the model's FLOPs (the recipe's samples per step; recompute apart) on ``card`` (name, total_bytes)."""
+    peer = {k[len("peer_"):]: v for k, v in bench_row.items() if k.startswith("peer_")}
+    row: dict[str, Any] = {"recipe": name, "budget": budget, "error": bench_row.get("error"), "peer_of": PEER_ROWS[name].recipe,
+                           "precision": (peer.get("chosen") or {}).get("precision")}
+    row.update({k: v for k, v in peer.items() if k in SPEED_KEYS or k in PEER_KEYS})
+    share = bench_row.get("recompute_share") or 0.0
+    speed = {"flops_per_step": (bench_row.get("flops_per_step") or 0) * (1 - share) or None,
+             "step_time_s": row.get("step_time_s"), "precision": "bf16-mixed"}
+    found = utilisation(speed, {"device": card})
+    row.update({k: v for k, v in found.items() if k not in ("hfu", "tflops_achieved")})  # its own recompute: not counted
+    by_step = peer.get("device_bytes_by_step")
+    if budget and by_step:
+        limit = capacity(budget)
+        device = max((b for b in by_step if b is not None), default=None)
+        row.update(within_budget=device is not None and device <= limit, peak_device_bytes=device,
+                   **every_step(by_step, len(by_step), limit))
+    return row
+
+
+PEER_KEYS = ("peak_bytes", "reserved_bytes", "training_arguments", "chosen", "allocator_limit_bytes",
+             "host_ops_per_step", "top_host_ops")
+
+
+def with_peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A recipe whose Trainer equivalent is a `PEER_ROWS` row gets that row's speed as its peer (4gb: 4gb-peer)."""
+    by_name = {row["recipe"]: row for row in rows}
+    for name, peer in PEER_ROWS.items():
+        ours, theirs = by_name.get(peer.recipe), by_name.get(name)
+        if ours is None or theirs is None or not theirs.get("samples_per_s"):
+            continue
+        ours.update(peer_samples_per_s=theirs["samples_per_s"], peer_step_time_s=theirs.get("step_time_s"),
+                    peer_note=f"{name}: {PEER_ROWS[name].why.split(':')[0]}",
+                    peer_host_ops_per_step=theirs.get("host_ops_per_step"))
+        if ours.get("samples_per_s"):
+            ours["samples_per_s_ours_over_peer"] = round(ours["samples_per_s"] / theirs["samples_per_s"], 4)
+    return rows
+
+
 SPEED_KEYS = (
     "samples_per_s", "step_time_s", "step_time_min_s", "step_time_max_s", "step_time_iqr_s", "timed_steps", "clock",
-    "flops_per_step", "recompute_share", "peer_samples_per_s", "peer_step_time_s", "samples_per_s_ours_over_peer",
-    "peer_note", "peer_peak_bytes", "peer_reserved_bytes",
+    "compile_s", "flops_per_step", "recompute_share", "host_ops_per_step", "top_host_ops",
+    "peer_samples_per_s", "peer_step_time_s", "samples_per_s_ours_over_peer", "peer_note", "peer_peak_bytes",
+    "peer_reserved_bytes", "peer_host_ops_per_step", "peer_top_host_ops", "host_ops_ours_over_peer",
+    "peer_training_arguments",
 )
 
 
@@ -264,7 +354,8 @@ def write_proof(rows: list[dict[str, Any]], info: dict[str, Any], path: Path) ->
     files.write_text(path, json.dumps({**info, "recipes": rows}, indent=2) + "\n")
 
 
-def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", peer: bool = False) -> None:
+def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", peer: bool = False,
+         record: Optional[str] = None) -> None:
     if not dry_run and not torch.cuda.is_available():
         raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere)")
     if shipped.recipes_dir() != shipped.CHECKOUT:
@@ -277,22 +368,23 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         extra=lambda name: extras[name], simulate=False, count_flops=True, steps_for=timed_steps,
         tail=profile_args, recipe_of=recipe_of, keep_going=True,
     )
+    runs = [dataclasses.replace(r, peer_only=True, peer_flags=PEER_ROWS[r.recipe].flags, peer_note=None)
+            if r.recipe in PEER_ROWS else r for r in runs]
     command = shlex.join(["python", "-m", "lit_memory", "bench", "--gpu-proof", *(["--dry-run"] if dry_run else []),
                           *(["--peer"] if peer else []), *([] if names == "all" else [f"--recipes={names}"]), *user_args])
-    plan = [{"recipe": r.recipe, "fit": shlex.join(["python", "-m", "lit_memory", "fit", *r.fit_args]),
-             **({"variant_of": VARIANTS[r.recipe].recipe, "why": VARIANTS[r.recipe].why} if r.recipe in VARIANTS else {})}
-            for r in runs]
+    plan = [{"recipe": r.recipe, **_how(r)} for r in runs]
     if dry_run:
         files.write_text(out / "gpu-proof-runs.json", json.dumps({"command": command, "runs": plan}, indent=2) + "\n")
         for run in plan:
-            print(run["fit"])
+            print(run.get("fit") or run["peer"])
         print(f"dry run: {len(plan)} runs resolved; the data is {data}; nothing trained")
         return
-    target = DOCS / f"{gpu_name()}.json"
+    target = DOCS / f"{gpu_name()}{f'-{record}' if record else ''}.json"
     if not target.parent.is_dir():  # a checkout has it (docs/gpu/README.md); a copy without it gets it back
         target.parent.mkdir(parents=True)
     info: dict[str, Any] = {
         "command": command,
+        "date": datetime.date.today().isoformat(),  # the newest record is the README's (`lit_memory.tools.speed`)
         "note": "BERT-large from its config (random weights), batch as each recipe states, synthetic 128-token rows; "
         f"{WARMUP} warm-up + {STEPS} timed optimizer steps ({ACCUMULATING_STEPS} for recipes that accumulate), timed "
         "with CUDA events (median, min, max, quartiles); a recipe with memory.tier runs with it as memory.budget "
@@ -302,12 +394,18 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         f"{', '.join(PROFILED)}: one more step under torch.profiler (profile); peer: transformers.Trainer, same "
         "settings, timed the same way",
         "variants": {name: {"recipe": v.recipe, "args": list(v.args), "why": v.why} for name, v in VARIANTS.items()},
+        "peer_rows": {name: {"recipe": v.recipe, "flags": list(v.flags), "why": v.why} for name, v in PEER_ROWS.items()},
         "optimizer_kernels": "fused",  # torch's Adam/AdamW on their fused CUDA kernel (lit_memory's default since 2026-11-27)
+        # host_ops_per_step: dispatcher operators of the step after the timed ones, ours and the peer's counted alike
+        # (lit_memory.step_profile.HostOps); every step's end read (null: not read); allocator counts per step
+        "host_ops": "lit_memory.step_profile.HostOps, one step after the timed ones, loading to logging",
     }
+    card = {"name": torch.cuda.get_device_name(), "total_bytes": torch.cuda.get_device_properties(0).total_memory}
 
     def save(done: list[dict]) -> None:  # after every recipe: an interrupted proof keeps what it measured
-        rows = [proof_row(r["recipe"], r, p.run_dir, budget_of(p.fit_args)) for r, p in zip(done, runs)]
-        write_proof(rows, {**info, "machine": machine(done)}, target)
+        rows = [peer_row(r["recipe"], r, budget_of(p.fit_args), card) if p.peer_only
+                else proof_row(r["recipe"], r, p.run_dir, budget_of(p.fit_args)) for r, p in zip(done, runs)]
+        write_proof(with_peer_rows(rows), {**info, "machine": {**machine(done), "device": card["name"]}}, target)
 
     rows = bench(runs, out, WARMUP, STEPS, False, "hf-trainer" if peer else None, save)
     print(f"wrote {target}")
@@ -323,6 +421,18 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         print(f"failed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
 
 
+def _how(run: Any) -> dict[str, Any]:
+    """The command a proof entry runs, and what it is a variant of."""
+    if run.peer_only:
+        peer = PEER_ROWS[run.recipe]
+        command = ["python", "-m", "lit_memory.tools.peer", *peer.flags, *run.peer_args]
+        return {"peer": shlex.join(command), "peer_of": peer.recipe, "why": peer.why}
+    found = {"fit": shlex.join(["python", "-m", "lit_memory", "fit", *run.fit_args])}
+    if run.recipe in VARIANTS:
+        found.update(variant_of=VARIANTS[run.recipe].recipe, why=VARIANTS[run.recipe].why)
+    return found
+
+
 def table(record: dict[str, Any]) -> str:
     """A record as the markdown table docs/gpu.md shows: measured GiB and measured/predicted per level, the phase of
     the allocator's peak, speed, model FLOPs utilisation and the HF Trainer's speed where they were measured."""
@@ -334,14 +444,79 @@ def table(record: dict[str, Any]) -> str:
         measured, ratio = row.get("measured_bytes") or {}, row.get("measured_over_predicted") or {}
         cells = [f"{measured[k] / gib:.2f} ({ratio[k]:.3f})" if measured.get(k) and ratio.get(k) else "-"
                  for k in ("tensors", "reserved", "device")]
-        note = row.get("error") or (f"within the card, {row['spare']:.1%} to spare" if row.get("within_budget")
-                                    else "over the card" if row.get("within_budget") is False else "")
+        note = row.get("error") or _card_note(row)
         speed = f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "-"
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") else "-"
         peer = f"{row['peer_samples_per_s']:.1f}" if row.get("peer_samples_per_s") else "-"
         lines.append(f"| {row['recipe']} | {row.get('budget') or '-'} | " + " | ".join(cells)
                      + f" | {row.get('peak_phase') or '-'} | {speed} | {mfu} | {peer} | {note} |")
     return "\n".join(lines)
+
+
+def _card_note(row: dict[str, Any]) -> str:
+    if row.get("within_budget") is None:
+        return ""
+    if not row["within_budget"]:
+        return "over the card"
+    spare = f", {row['spare']:.1%} to spare" if row.get("spare") is not None else ""
+    if row.get("within_budget_every_step") is False:
+        unread = row.get("unread_steps")
+        return f"peak within the card{spare}; not every step shown" + (f" ({len(unread)} unread)" if unread else "")
+    return f"within the card{spare}"
+
+
+# -- README's speed table, from the newest record ---------------------------------------------------------------
+
+SPEED_MARKERS = ("<!-- speed table: generated by python -m lit_memory bench --gpu-proof --speed-table --update-readme -->",
+                 "<!-- /speed table -->")
+
+
+def newest_record(folder: Path = DOCS) -> Path:
+    """The newest proof record in ``folder``: by the date it carries (records before issue 46 carry none: oldest),
+    then by name."""
+    found = sorted(folder.glob("*.json"), key=lambda path: (json.loads(path.read_text(encoding="utf-8")).get("date") or "", path.name))
+    if not found:
+        raise UserError(f"no GPU proof record in {folder} (python -m lit_memory bench --gpu-proof writes one)")
+    return found[-1]
+
+
+def speed_table(record: dict[str, Any], source: str) -> str:
+    """README's speed table: each recipe's samples/s and MFU, the HF Trainer in the same run (its row, or its peer's
+    speed) and ours/theirs, the step's spread, compile time and the host's operators per step, with the card."""
+    card = (record.get("machine") or {}).get("device") or "the GPU"
+    lines = [
+        f"Measured on one {card}" + (f" on {record['date']}" if record.get("date") else "") + " "
+        f"(`{record['command']}`; [{source}]({source})): samples/s over {STEPS} steps timed with CUDA events, MFU against "
+        "the card's dense bf16 peak, the HF Trainer in the same run (ours/Trainer > 1: faster).",
+        "",
+        "| recipe | samples/s | MFU | HF Trainer samples/s | ours/Trainer | step ms (min-max) | compile s | host ops/step | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in record["recipes"]:
+        if not row.get("samples_per_s") and not row.get("error"):
+            continue
+        num = lambda key, fmt: format(row[key], fmt) if row.get(key) is not None else "-"  # noqa: E731
+        spread = (f"{1e3 * row['step_time_s']:.0f} ({1e3 * row['step_time_min_s']:.0f}-{1e3 * row['step_time_max_s']:.0f})"
+                  if row.get("step_time_s") and row.get("step_time_min_s") else "-")
+        note = row.get("error") or ((f"the HF Trainer alone: {(row.get('chosen') or {}).get('configuration', '')}, "
+                                     f"micro-batch {(row.get('training_arguments') or {}).get('per_device_train_batch_size', '?')}")
+                                    if row.get("peer_of") else _card_note(row))
+        lines.append(
+            f"| `{row['recipe']}` | {num('samples_per_s', '.1f')} | {num('mfu', '.1%')} | {num('peer_samples_per_s', '.1f')} "
+            f"| {num('samples_per_s_ours_over_peer', '.2f')} | {spread} | {num('compile_s', '.0f')} | {num('host_ops_per_step', 'd')} "
+            f"| {str(note).replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(table_text: str, readme: Path = ROOT / "README.md") -> None:
+    """Write the speed table between README's `SPEED_MARKERS`; one error line where README has none."""
+    text = readme.read_text(encoding="utf-8")
+    start, end = SPEED_MARKERS
+    if start not in text or end not in text.split(start, 1)[1]:
+        raise UserError(f"{readme} has no place for the speed table: put the two lines {start} and {end} where it goes")
+    head, rest = text.split(start, 1)
+    files.write_text(readme, f"{head}{start}\n{table_text}{end}{rest.split(end, 1)[1]}")
 
 
 def cli(argv: list[str]) -> None:
@@ -357,11 +532,25 @@ def cli(argv: list[str]) -> None:
     parser.add_argument("--recipes", default="all", help=f"`all` or a,b,c: recipes and variants ({', '.join(VARIANTS)}), in that order")
     parser.add_argument("--peer", action="store_true", help="also train each recipe with transformers.Trainer where it has an equivalent")
     parser.add_argument("--show", type=Path, metavar="RECORD", help="print a record (docs/gpu/<gpu>.json) as a table")
+    parser.add_argument("--record", metavar="NAME", help="write docs/gpu/<gpu>-NAME.json (a round of its own) instead of <gpu>.json")
+    parser.add_argument("--speed-table", nargs="?", const=True, type=Path, metavar="RECORD",
+                        help="print README's speed table from a record (default: the newest in docs/gpu/)")
+    parser.add_argument("--update-readme", action="store_true", help="with --speed-table: write it into README.md")
     args, user_args = parser.parse_known_args(argv)
     if args.show:
         print(table(json.loads(args.show.read_text(encoding="utf-8"))))
         return
-    main(user_args, args.out, args.dry_run, args.recipes, args.peer)
+    if args.speed_table:
+        path = newest_record() if args.speed_table is True else args.speed_table
+        source = f"docs/gpu/{path.name}" if path.resolve().parent == DOCS.resolve() else str(path)
+        text = speed_table(json.loads(path.read_text(encoding="utf-8")), source)
+        if args.update_readme:
+            update_readme(text)
+        print(text, end="")
+        return
+    if args.record is not None and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", args.record):
+        raise UserError(f"--record {args.record!r}: a name of lowercase letters, digits, dots and dashes")
+    main(user_args, args.out, args.dry_run, args.recipes, args.peer, args.record)
 
 
 def tier_of_args(args: list[str]) -> Optional[str]:

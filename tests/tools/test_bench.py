@@ -123,6 +123,16 @@ def test_the_peer_trains_the_same_settings_with_the_trainer_and_is_measured_the_
     assert float(baseline["samples_per_s_ours_over_peer"]) == pytest.approx(
         float(baseline["samples_per_s"]) / float(baseline["peer_samples_per_s"])
     )
+    # Host operators of one more step, ours and the Trainer's counted alike: the same model and optimizer kernel
+    # dispatch about as many (the loading and logging around them differ by a few)
+    assert float(baseline["host_ops_ours_over_peer"]) == pytest.approx(
+        int(baseline["host_ops_per_step"]) / int(baseline["peer_host_ops_per_step"]))
+    assert float(baseline["host_ops_ours_over_peer"]) == pytest.approx(1.0, abs=0.05)
+    row = {r["recipe"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}["baseline"]
+    assert row["top_host_ops"]["aten::addmm"] == row["peer_top_host_ops"]["aten::addmm"] > 0
+    arguments = row["peer_training_arguments"]  # the Trainer's every setting, recorded: like for like
+    assert arguments["max_grad_norm"] == 0.0 and arguments["optim"] == "adamw_torch_fused"
+    assert arguments["dataloader_pin_memory"] is False and arguments["per_device_train_batch_size"] == 4
     assert fused["peer_note"] == "no Trainer equivalent (fused backward + step)"
     assert not fused["peer_peak_bytes"]
     assert "no Trainer equivalent" in table_rows((out / "bench.md").read_text())["fused"][-1]

@@ -61,3 +61,22 @@ def test_torchao_settings_the_trainer_cannot_express_have_no_equivalent(optimize
 def test_the_fused_step_has_no_trainer_equivalent(recipe):
     with pytest.raises(NoTrainerEquivalent, match="fused backward"):
         arguments(recipe)
+
+
+def test_the_trainers_best_under_a_4gb_card_is_the_first_configuration_and_largest_micro_batch_predicted_to_fit():
+    """4gb.yaml's fused step has no Trainer switch: its peer is the Trainer's best within the same cap. fp32 weights with
+    their fp32 gradients do not fit 3.81 GiB at any micro-batch; bf16 weights do, and the largest that fits is taken."""
+    from lit_memory.memory.hardware.gpus import Target, gpu
+    from lit_memory.tools.peer import best_under_budget
+
+    h200 = gpu("h200")
+    run = resolve(["fit", "--config", str(RECIPES / "4gb.yaml"), "--model.model_name_or_path=bundled:bert-large",
+                   "--model.pretrained=false", "--cpu_bf16_fallback=false", "--memory.budget=rtx3050-4gb"], gpu=h200)
+    found = best_under_budget(run, Target(gpu=h200))
+    chosen = found.pop("chosen")
+    assert found["optim"] == "adamw_bnb_8bit" and found["gradient_checkpointing"] is True
+    assert chosen["precision"] == "bf16-true" and chosen["over_the_limit"][0]["predicted_device_bytes"] > chosen["limit_bytes"]
+    assert found["per_device_train_batch_size"] * found["gradient_accumulation_steps"] == 32
+    assert chosen["predicted_device_bytes"] <= chosen["limit_bytes"]
+    with pytest.raises(NoTrainerEquivalent, match="chosen for a memory budget"):
+        best_under_budget(resolve(["fit", "--config", str(RECIPES / "fused.yaml")]))

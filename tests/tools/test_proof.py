@@ -7,8 +7,11 @@ import csv
 import json
 import shlex
 
+import pytest
+
 from conftest import RECIPES
 from lit_memory.__main__ import main
+from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import Footprint
@@ -20,8 +23,13 @@ GiB = 2**30
 def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(tmp_path, capsys):
     main(["bench", "--gpu-proof", "--dry-run", "--out", str(tmp_path)])
     assert "nothing trained" in capsys.readouterr().out
-    runs = {r["recipe"]: shlex.split(r["fit"]) for r in json.loads((tmp_path / "gpu-proof-runs.json").read_text())["runs"]}
+    planned = json.loads((tmp_path / "gpu-proof-runs.json").read_text())["runs"]
+    runs = {r["recipe"]: shlex.split(r["fit"]) for r in planned if "fit" in r}
     assert set(runs) == {p.stem for p in RECIPES.glob("*.yaml")} | set(proof.VARIANTS)
+    # the HF Trainer alone, on 4gb.yaml's model and data under its budget, in its best configuration there
+    peer = {r["recipe"]: shlex.split(r["peer"]) for r in planned if "peer" in r}
+    assert set(peer) == set(proof.PEER_ROWS) and "--best-under-budget" in peer["4gb-peer"]
+    assert proof.budget_of(peer["4gb-peer"]) == "rtx3050-4gb" and peer["4gb-peer"][:3] == ["python", "-m", "lit_memory.tools.peer"]
     for name, args in runs.items():
         assert "--model.model_name_or_path=bundled:bert-large" in args and "--model.pretrained=false" in args, name
         assert "--trainer.accelerator=cuda" in args and "--memory.simulate=false" in args and "--memory.track_steps=0" in args
@@ -33,9 +41,11 @@ def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(t
     configs = [runs["fsdp"][i + 1] for i, a in enumerate(runs["fsdp"]) if a == "--config"]
     assert proof.budget_of(runs["fsdp"]) == "rtx3050-4gb" and configs[-1].endswith("configs/fsdp.yaml")  # capped
     assert "--trainer.devices=1" in runs["fsdp"] and "--memory.snapshot=memory_snapshot.pickle" in runs["4gb-snapshot"]
-    # 20 timed steps after 3 warm-up ones, 3 for the seed's accumulating tiers; bf16 and 4gb profile one more
-    assert "--trainer.max_steps=24" in runs["bf16"] and "--trainer.max_steps=23" in runs["baseline"]
-    assert "--trainer.max_steps=6" in runs["accumulate"]
+    # 20 timed steps after 3 warm-up ones, 3 for the seed's accumulating tiers, then one whose host operators are
+    # counted; bf16, 4gb and their compiled recipes profile one more
+    assert "--trainer.max_steps=25" in runs["bf16"] and "--trainer.max_steps=24" in runs["baseline"]
+    assert "--trainer.max_steps=7" in runs["accumulate"] and any("HostOpCounter" in a for a in runs["baseline"])
+    assert any("StepProfiler" in a for a in runs["4gb-compile"])
     assert any("StepProfiler" in a for a in runs["4gb"]) and not any("StepProfiler" in a for a in runs["fused"])
     with open(tmp_path / "synthetic.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -89,3 +99,60 @@ def test_a_record_reads_back_as_the_table_docs_gpu_shows(capsys):
                 assert row["error"] in line
     main(["bench", "--gpu-proof", "--show", str(proof.DOCS / "h100.json")])
     assert capsys.readouterr().out.strip() in (proof.DOCS.parent / "gpu.md").read_text()
+
+
+def test_within_the_card_every_step_needs_every_step_read_and_the_allocators_retries_are_counted():
+    limit = GPUS["rtx3050-4gb"].memory
+    read = proof.every_step([int(3.4 * GiB)] * 3, 3, limit)
+    assert read["within_budget_every_step"] and "unread_steps" not in read
+    # h200.json's 4gb: steps 3-23 stored as 0, as if read; null now, and the claim fails on them
+    unread = proof.every_step([int(3.4 * GiB), None, int(3.5 * GiB)], 5, limit)
+    assert not unread["within_budget_every_step"] and unread["unread_steps"] == [1, 3, 4]
+    assert not proof.every_step([int(3.9 * GiB)], 1, limit)["within_budget_every_step"]
+    counts = proof.allocator_counts({"alloc_retries_by_step": [2, 1, 0, 0, 1, 0, 0, None], "device_allocs_by_step": [9, 0]})
+    assert counts["alloc_retries_per_10_steps"] == 2.5 and counts["device_allocs_by_step"] == [9, 0]  # after 3 warm-up
+
+
+def test_the_peer_row_stands_beside_the_recipe_it_is_the_trainers_answer_to():
+    bench_row = {"recipe": "4gb-peer", "flops_per_step": 10e12, "recompute_share": 0.2, "peer_samples_per_s": 100.0,
+                 "peer_step_time_s": 0.32, "peer_host_ops_per_step": 9000, "peer_training_arguments": {"optim": "adamw_bnb_8bit"},
+                 "peer_chosen": {"precision": "bf16-true"}, "peer_device_bytes_by_step": [int(3.5 * GiB)] * 2}
+    card = {"name": "NVIDIA H200", "total_bytes": GPUS["h200"].memory}
+    row = proof.peer_row("4gb-peer", bench_row, "rtx3050-4gb", card)
+    assert row["peer_of"] == "4gb" and row["precision"] == "bf16-true" and row["samples_per_s"] == 100.0
+    assert row["training_arguments"] == {"optim": "adamw_bnb_8bit"} and row["host_ops_per_step"] == 9000
+    assert row["mfu"] == round(8e12 / 0.32 / 1e12 / GPUS["h200"].tflops, 4)  # the model's FLOPs, its recompute apart
+    assert row["within_budget_every_step"] and "measured_bytes" not in row  # not a memory-model row
+    ours = {"recipe": "4gb", "samples_per_s": 150.0}
+    proof.with_peer_rows([ours, row])
+    assert ours["peer_samples_per_s"] == 100.0 and ours["samples_per_s_ours_over_peer"] == 1.5
+
+
+def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
+    old = {"command": "python -m lit_memory bench --gpu-proof", "machine": {"device": "NVIDIA H100 80GB HBM3"},
+           "recipes": [{"recipe": "bf16", "samples_per_s": 300.0}]}
+    new = {**old, "date": "2026-12-01", "machine": {"device": "NVIDIA H200"}, "recipes": [
+        {"recipe": "bf16", "samples_per_s": 410.0, "mfu": 0.098, "peer_samples_per_s": 400.0,
+         "samples_per_s_ours_over_peer": 1.025, "step_time_s": 0.078, "step_time_min_s": 0.075, "step_time_max_s": 0.09,
+         "host_ops_per_step": 15000},
+        {"recipe": "4gb", "samples_per_s": 300.0, "within_budget": True, "spare": 0.05, "within_budget_every_step": False,
+         "unread_steps": [4]},
+        {"recipe": "4gb-peer", "peer_of": "4gb", "samples_per_s": 250.0, "chosen": {"configuration": "bf16 weights"},
+         "training_arguments": {"per_device_train_batch_size": 32}},
+        {"recipe": "lora"}]}
+    (tmp_path / "h100.json").write_text(json.dumps(old))
+    (tmp_path / "h200-speed.json").write_text(json.dumps(new))
+    assert proof.newest_record(tmp_path).name == "h200-speed.json"  # dated: newer than a record without a date
+    text = proof.speed_table(new, "docs/gpu/h200-speed.json")
+    assert text.startswith("Measured on one NVIDIA H200 on 2026-12-01")
+    rows = {line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| `")}
+    assert rows["bf16"][1:8] == ["410.0", "9.8%", "400.0", "1.02", "78 (75-90)", "-", "15000"]
+    assert rows["4gb"][-1] == "peak within the card, 5.0% to spare; not every step shown (1 unread)"
+    assert rows["4gb-peer"][-1] == "the HF Trainer alone: bf16 weights, micro-batch 32" and "lora" not in rows
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    with pytest.raises(UserError, match="no place for the speed table"):
+        proof.update_readme(text, readme)
+    readme.write_text(f"intro\n{proof.SPEED_MARKERS[0]}\nold\n{proof.SPEED_MARKERS[1]}\nrest\n")
+    proof.update_readme(text, readme)
+    assert readme.read_text() == f"intro\n{proof.SPEED_MARKERS[0]}\n{text}{proof.SPEED_MARKERS[1]}\nrest\n"

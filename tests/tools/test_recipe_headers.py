@@ -29,7 +29,8 @@ def test_every_header_states_the_prediction_the_command_makes(capsys):
     assert len(estimates) >= 8 and all(commands.ARROW in l and "x 128" in l for l in estimates)
     for path in RECIPES.glob("*.yaml"):
         line = header(path)["predicted"]
-        card = "GeForce RTX 3050 Laptop GPU 4GB" if path.stem == "4gb" else "A100 80GB"  # the tier's card, else the default
+        tier = (yaml.safe_load(path.read_text()).get("memory") or {}).get("tier")
+        card = "GeForce RTX 3050 Laptop GPU 4GB" if tier == "rtx3050-4gb" else "A100 80GB"  # the tier's card, else the default
         assert line.startswith("BERT-large ") and f"on {card}:" in line
         levels = predicted(line)
         assert levels["tensors"] <= levels["reserved"] < levels["device"]
