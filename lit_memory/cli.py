@@ -21,9 +21,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import checks, console, environment, guard, optimizers, precision, recipes, resume, trust
+from lit_memory import bounds, checks, console, environment, guard, optimizers, precision, recipes, resume, trust
+from lit_memory import training_length
+from lit_memory.best import EarlyStop
 from lit_memory.console import LogProgress, say
-from lit_memory.data import TextClassificationData, resolve_task
+from lit_memory.data import BUNDLED, TextClassificationData, read_training
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.memory.hardware import gpus
@@ -115,6 +117,7 @@ class LitMemoryCLI(LightningCLI):
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != trust.TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
+        self._epochs_raised_from: Optional[int] = None  # `_read_training_data`: max_epochs raised from this
         self._seeded = False
         quiet_known_noise()
         self._deferred = defer
@@ -248,9 +251,12 @@ class LitMemoryCLI(LightningCLI):
         # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
         # `_instantiate_trainer`). Its `progress:` block sets how often.
         parser.add_lightning_class_args(LogProgress, "progress")
+        # Early stopping on the best checkpoint's metric: ``--early_stopping.patience N`` (off unless set).
+        parser.add_lightning_class_args(EarlyStop, "early_stopping")
         # One source of truth: the model decides the classes and the tokenizer, the data follows.
         parser.link_arguments("model.num_labels", "data.num_labels")
         parser.link_arguments("model.problem_type", "data.problem_type")
+        parser.link_arguments("model.class_weights", "data.class_weights")  # the data: line shows them with their counts
         parser.link_arguments(
             ("model.tokenizer_name_or_path", "model.model_name_or_path"),
             "data.tokenizer_name_or_path",
@@ -313,21 +319,53 @@ class LitMemoryCLI(LightningCLI):
                 say(warning)
         training = self.config.get("subcommand") in (None, "fit")
         if training:
-            self._resolve_task()
+            self._read_training_data()
         for key, value in plan_run(self.settings, self.memory, training, self.step, lambda: self.read_card()).items():
             self.settings[key] = value  # the plan in place of auto, so the saved config and checkpoints hold it
 
-    def _resolve_task(self) -> None:
-        """``fit`` with ``model.num_labels`` or ``model.problem_type`` unset: what the training labels show, written
-        into the settings so that the saved config and every checkpoint hold it."""
-        model, data = self.settings.model, self.settings.data
-        if model.num_labels is not None and model.problem_type is not None:
+    def _read_training_data(self) -> None:
+        """``fit``: where ``model.num_labels`` or ``model.problem_type`` are unset, what the training labels show; where
+        the run's length is not the user's and the data is theirs, enough epochs for `training_length.MIN_STEPS`
+        optimizer steps. Both written into the settings, so that the saved config and every checkpoint hold them."""
+        model, data, trainer = self.settings.model, self.settings.data, self.settings.trainer
+        task_unset = model.num_labels is None or model.problem_type is None
+        floor = data.source != BUNDLED and self.settings.get("ckpt_path") is None and not self._length_is_users()
+        if not (task_unset or floor):
             return
-        found = resolve_task(data.as_dict(), model.num_labels, model.problem_type)
-        model.num_labels = data.num_labels = found.num_labels
-        model.problem_type = data.problem_type = found.problem_type
-        if found.label_names and not data.label_names:
-            data.label_names = list(found.label_names)
+        found, splits = read_training(data.as_dict(), model.num_labels, model.problem_type)
+        if task_unset:
+            model.num_labels = data.num_labels = found.num_labels
+            model.problem_type = data.problem_type = found.problem_type
+            if found.label_names and not data.label_names:
+                data.label_names = list(found.label_names)
+        if floor:
+            accumulate = trainer.accumulate_grad_batches if isinstance(trainer.accumulate_grad_batches, int) else 1
+            length = training_length.floor(len(splits["train"]), data.batch_size, accumulate,
+                                           _world_size(trainer), trainer.max_epochs)
+            if length.raised_from is not None:
+                trainer.max_epochs, self._epochs_raised_from = length.epochs, length.raised_from
+
+    def _length_is_users(self) -> bool:
+        """Whether the user set how long to train: ``trainer.max_epochs`` or ``trainer.max_steps`` on the command line
+        or in a config file of their own (a shipped recipe's one epoch is sized for the bundled demo)."""
+        if self.argv is None:
+            return True  # a config object: its values are its author's
+        line = trust.command_line_only(self.argv)
+        for key in ("trainer.max_epochs", "trainer.max_steps"):  # typed (a parse alone also holds the defaults)
+            named = any(t == f"--{key}" or t.startswith(f"--{key}=") for t in line)
+            if named and self._typed(key, self.settings.get(key)):
+                return True
+        shipped = {recipes.recipes_dir().resolve()}
+        for path in config_files(self.argv):
+            if Path(path).resolve().parent in shipped or not Path(path).is_file():
+                continue
+            try:
+                values = dict(leaves(bounds.read_yaml(Path(path)), depth=2))
+            except UserError:
+                return True  # unreadable here: the parse will say why; nothing is decided for it
+            if {"trainer.max_epochs", "trainer.max_steps"} & set(values):
+                return True
+        return False
 
     def instantiate_classes(self) -> None:
         if not self._deferred:
@@ -407,6 +445,7 @@ class LitMemoryCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._preflight()
+        self.datamodule.epochs_raised_from = self._epochs_raised_from  # said in its data: line
 
     def before_validate(self) -> None:
         self._preflight()
@@ -441,6 +480,33 @@ def named_files(argv: list[str]) -> list[str]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The files ``--config`` names in an argv (``--config FILE``, ``--config=FILE``), in order."""
+    found = []
+    for i, token in enumerate(argv):
+        if token in ("--config", "-c") and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif token.startswith(("--config=", "-c=")):
+            found.append(token.split("=", 1)[1])
+    return found
+
+
+def _world_size(trainer: Namespace) -> int:
+    """The processes a fit will train on (devices x nodes), as far as the settings say before the Trainer is built."""
+    devices = trainer.get("devices", "auto")
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    else:  # auto or -1: every GPU the machine has, or one CPU process
+        import torch  # deferred: only where the devices are not set
+
+        count = 1 if runs_on_cpu(trainer.get("accelerator")) else max(torch.cuda.device_count(), 1)
+    return count * max(int(trainer.get("num_nodes") or 1), 1)
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:
