@@ -151,7 +151,7 @@ def choose(counts: torch.Tensor, mode: str, problem_type: str, objective: str = 
         score = _f1(tp.sum(-1), fp.sum(-1), fn.sum(-1)).unsqueeze(-1).expand_as(tp)
     else:
         score = binary_scores(tp, fp, fn, tn)[objective]
-    distance = (GRID.double() - default).abs().unsqueeze(-1)
+    distance = (GRID.to(score.device, torch.float64) - default).abs().unsqueeze(-1)
     best = score.max(0, keepdim=True).values
     # Ties: the nearest to the default (a score equal within float error counts as equal).
     candidates = torch.where(score >= best - 1e-12, -distance.expand_as(score), torch.full_like(score, -10.0))
