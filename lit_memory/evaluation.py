@@ -99,7 +99,7 @@ class ClassCounts(torch.nn.Module):
         self.matrix.reset()
 
 
-def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str,
+def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str, *,
            weights: Optional[Sequence[float]] = None) -> str:
     """Precision, recall, F1 and support per class (or label), the loss weight of each where class weights are set
     (multi-label: its positives' ``pos_weight``), and for single-label the confusion matrix."""

@@ -230,11 +230,14 @@ class SequenceClassifier(L.LightningModule):
         self.loss_weights: Optional[torch.Tensor] = None  # resolved in `setup` (balanced: the training labels')
         # Metrics of the problem type (`lit_memory.evaluation`), fed with the model's decisions; per-label F1 and the
         # confusion counts beside them; where thresholds decide, the same metrics at 0.5 and the sweep that tunes.
-        self.val_metrics = evaluation.task_metrics(problem_type, num_labels).clone(prefix="val_")
+        # (Fed 0/1 decisions, any threshold of theirs in (0, 1) reads them alike: they carry the one set, for the eye.)
+        metric_threshold = threshold if threshold is not None else thresholds_.DEFAULT
+        self.val_metrics = evaluation.task_metrics(problem_type, num_labels, metric_threshold).clone(prefix="val_")
         self.test_metrics = self.val_metrics.clone(prefix="test_")
         self.sweep = thresholds_.Sweep(num_labels if problem_type == task_.MULTI else 1) if self.tuning else None
-        self.per_label_f1 = evaluation.per_label_f1(num_labels) if problem_type == task_.MULTI else None
-        self.class_counts = evaluation.ClassCounts(problem_type, num_labels) if problem_type != task_.REGRESSION else None
+        self.per_label_f1 = evaluation.per_label_f1(num_labels, metric_threshold) if problem_type == task_.MULTI else None
+        self.class_counts = (evaluation.ClassCounts(problem_type, num_labels, metric_threshold)
+                             if problem_type != task_.REGRESSION else None)
         self.degenerate: dict[int, str] = {}  # step -> the line saying its validation predicted one class (or none)
         self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
         self.predict_loss: Optional[MeanMetric] = None
@@ -523,7 +526,7 @@ class SequenceClassifier(L.LightningModule):
             return
         if trainer.is_global_zero:
             weights = self.loss_weights.tolist() if self.loss_weights is not None else None
-            print(evaluation.report(stage, counts, self.label_names, self.problem_type, weights))
+            print(evaluation.report(stage, counts, self.label_names, self.problem_type, weights=weights))
             run_dir = trainer.log_dir or trainer.default_root_dir
             if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
                 path = Path(run_dir) / f"confusion_matrix_{stage}.png"

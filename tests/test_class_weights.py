@@ -89,6 +89,6 @@ def test_the_data_line_shows_each_weight_with_its_count_and_the_report_a_weight_
     found = weights.resolve("balanced", counts, SINGLE, 2)
     line = weights.describe("balanced", found, counts, ["neg", "pos"], SINGLE)
     assert line == "class weights balanced (of 100 training rows; their rows in brackets): neg 0.526 (95), pos 10 (5)"
-    shown = report("val", torch.tensor([[90, 5], [1, 4]]), ["neg", "pos"], SINGLE, found.tolist())
+    shown = report("val", torch.tensor([[90, 5], [1, 4]]), ["neg", "pos"], SINGLE, weights=found.tolist())
     header, neg, pos = shown.splitlines()[:3]
     assert header.split()[-1] == "weight" and neg.split()[-1] == "0.526" and pos.split()[-1] == "10"
