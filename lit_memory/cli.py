@@ -25,7 +25,7 @@ from lit_memory import bounds, checks, console, environment, guard, optimizers, 
 from lit_memory import training_length
 from lit_memory.best import EarlyStop
 from lit_memory.console import LogProgress, say
-from lit_memory.data import BUNDLED, TextClassificationData, read_training
+from lit_memory.data import BUNDLED, TextClassificationData, read_training, training_rows_at_most
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.memory.hardware import gpus
@@ -330,6 +330,14 @@ class LitMemoryCLI(LightningCLI):
         model, data, trainer = self.settings.model, self.settings.data, self.settings.trainer
         task_unset = model.num_labels is None or model.problem_type is None
         floor = data.source != BUNDLED and self.settings.get("ckpt_path") is None and not self._length_is_users()
+        accumulate = trainer.accumulate_grad_batches if isinstance(trainer.accumulate_grad_batches, int) else 1
+        world = _world_size(trainer) if floor else 1
+
+        def length(rows: int) -> training_length.Length:
+            return training_length.floor(rows, data.batch_size, accumulate, world, trainer.max_epochs)
+
+        if floor and not task_unset and length(training_rows_at_most(data.as_dict())).raised_from is None:
+            return  # a file large enough: not read (encoded and split) twice
         if not (task_unset or floor):
             return
         found, splits = read_training(data.as_dict(), model.num_labels, model.problem_type)
@@ -339,11 +347,9 @@ class LitMemoryCLI(LightningCLI):
             if found.label_names and not data.label_names:
                 data.label_names = list(found.label_names)
         if floor:
-            accumulate = trainer.accumulate_grad_batches if isinstance(trainer.accumulate_grad_batches, int) else 1
-            length = training_length.floor(len(splits["train"]), data.batch_size, accumulate,
-                                           _world_size(trainer), trainer.max_epochs)
-            if length.raised_from is not None:
-                trainer.max_epochs, self._epochs_raised_from = length.epochs, length.raised_from
+            needed = length(len(splits["train"]))
+            if needed.raised_from is not None:
+                trainer.max_epochs, self._epochs_raised_from = needed.epochs, needed.raised_from
 
     def _length_is_users(self) -> bool:
         """Whether the user set how long to train: ``trainer.max_epochs`` or ``trainer.max_steps`` on the command line

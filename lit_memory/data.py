@@ -74,6 +74,12 @@ def read_training(settings: dict[str, Any], num_labels: Optional[int],
     return module.task, splits
 
 
+def training_rows_at_most(settings: dict[str, Any]) -> int:
+    """`TextClassificationData.rows_at_most` of a data module's settings (a config's ``data:`` block)."""
+    given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
+    return TextClassificationData(**given).rows_at_most()
+
+
 def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_type: Optional[str]) -> "task_.Task":
     """The task a data module's training data asks for (`read_training`)."""
     return read_training(settings, num_labels, problem_type)[0]
@@ -377,6 +383,13 @@ class TextClassificationData(L.LightningDataModule):
                 + (f" in {list(task.label_names)}" if task.label_names and task.problem_type == task_.SINGLE else "")
             )
         return split.select_columns([*texts, "labels"]), before - len(split)
+
+    def rows_at_most(self) -> int:
+        """The training rows there can be at most: the train split's rows as read (before rows are dropped and
+        validation and test are carved out), within ``limit_train_samples``; cheap (the source is read once)."""
+        rows = len(self._named_splits(self._load_raw())["train"])
+        limit = self.hparams.limit_train_samples
+        return min(rows, limit) if limit is not None else rows
 
     def load_splits(self) -> datasets.DatasetDict:
         """Read, check, encode, split and sub-sample the source (untokenised); `task` and `summary` say what."""

@@ -237,6 +237,7 @@ def small_file(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("more, epochs", [
     ([], 20),  # 480 training rows at batch 32: 15 steps an epoch, 20 epochs for 300
+    (["--model.num_labels=2", "--model.problem_type=single_label_classification"], 20),  # the task set: read for this
     (["--trainer.max_epochs=1"], 1),  # typed: the user's
     (["--trainer.max_steps=5"], 1),
     (["--config", "{own}"], 2),  # a config file of the user's own
