@@ -4,8 +4,9 @@
 validation: by default the problem type's main metric (single-label ``val_f1_macro``, regression ``val_pearson``,
 multi-label ``val_f1_micro``), or ``monitor`` as Lightning takes it. Its state (the best path and score, the best
 step's metrics and per-class counts, the last step validated) travels in the run's checkpoints, so a resumed run keeps
-the best of before. At the end of ``fit`` the module exports ``hf_model/`` from it (`restore_best`), the log names the
-step and the score, and the closing ``val:`` line and per-class report are that step's (`best_of`).
+the best of before. At the end of ``fit`` the module exports ``hf_model/`` from it (`restore_best`, which hands the
+module back its decisions saved there: the tuned thresholds), the log names the step and the score, and the closing
+``val:`` line, per-class report and model card are that step's (`best_of`). `EarlyStop` stops on the same metric.
 
 `ValidationStep` gives the run one step numbering: Lightning logs a validation's metrics at the count of optimizer
 steps before the one just taken (``metrics.csv``: step 55) while checkpoints and progress lines name the steps taken
@@ -20,9 +21,13 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import lightning as L
+import torch
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from lit_memory.console import say
+from lit_memory.errors import UserError
 
 # Metrics where less is better; anything else is taken as more is better.
 LOWER_IS_BETTER = re.compile(r"(^|_)(loss|mse|mae|rmse|error)($|_)")
@@ -63,10 +68,14 @@ class BestCheckpoint(ModelCheckpoint):
         # Lightning warns that the folder changed and restores the path alone: `load_state_dict` takes the rest.
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
+    def watches(self, pl_module: L.LightningModule) -> tuple[str, Literal["max", "min"]]:
+        """The metric and mode this checkpoint keeps the best by, for ``pl_module``."""
+        monitor = self._monitor_given or f"val_{getattr(pl_module, 'main_metric', 'loss')}"
+        return monitor, self._mode_given or mode_of(monitor)
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._monitor_given is None:
-            self.monitor = f"val_{getattr(pl_module, 'main_metric', 'loss')}"
-            mode = self._mode_given or mode_of(self.monitor)
+            self.monitor, mode = self.watches(pl_module)
             if mode != self.mode:
                 self.mode = mode
                 self._ModelCheckpoint__init_monitor_mode(mode)  # Lightning's own start for a mode (private, read in 2.6)
@@ -124,10 +133,11 @@ def restore_best(trainer: L.Trainer) -> Optional[str]:
         return None
     path = Path(best.best_model_path)
     if path.is_dir():  # a sharded checkpoint (FSDP2): each rank loads its shards into the module in place
-        _load_checkpoint(path, {"state_dict": trainer.strategy.model}, strict=True, weights_only=True)
+        checkpoint = _load_checkpoint(path, {"state_dict": trainer.strategy.model}, strict=True, weights_only=True)
     else:
         checkpoint = trainer.strategy.checkpoint_io.load_checkpoint(path, weights_only=True)
         trainer.strategy.load_model_state_dict(checkpoint, strict=True)
+    trainer.lightning_module.on_load_checkpoint(checkpoint)  # what the module saved beside its weights (thresholds)
     score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
     return f"the best validated weights: step {best.best_step()}, {best.monitor}={score:.4f}"
 
@@ -150,3 +160,47 @@ class ValidationStep(Callback):
         if self._raised:  # as it was, before any checkpoint saves the loop's state
             trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
             self._raised = False
+
+
+class EarlyStop(EarlyStopping):
+    """Lightning's `EarlyStopping` on the metric the best checkpoint keeps (`BestCheckpoint`: by default the problem
+    type's main one), off unless ``patience`` is set: ``--early_stopping.patience 3``.
+
+    Args:
+        patience: validations in a row without improvement after which ``fit`` stops; null: never stop early.
+        min_delta: the least change that counts as an improvement.
+    """
+
+    def __init__(self, patience: Optional[int] = None, min_delta: float = 0.0) -> None:
+        if patience is not None and (isinstance(patience, bool) or patience < 1):
+            raise UserError(f"early_stopping.patience must be a number of validations >= 1 (or null: off), got {patience}")
+        if min_delta < 0:
+            raise UserError(f"early_stopping.min_delta must be >= 0, got {min_delta}")
+        super().__init__(monitor="val_best_placeholder", patience=patience or 1, min_delta=min_delta, mode="max")
+        self.enabled = patience is not None
+
+    @property
+    def state_key(self) -> str:  # one of its kind, whatever it monitors
+        return "EarlyStop"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        best = next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), BestCheckpoint())
+        monitor, mode = best.watches(pl_module)
+        if (monitor, mode) != (self.monitor, self.mode):
+            self.monitor, self.mode = monitor, mode
+            self.min_delta = abs(self.min_delta) * (1 if mode == "max" else -1)
+            self.best_score = torch.tensor(-torch.inf if mode == "max" else torch.inf)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.enabled:
+            super().on_validation_end(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.enabled:
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.enabled and self.stopped_epoch and trainer.is_global_zero:
+            say(f"early stopping: {self.monitor} did not improve by more than {abs(self.min_delta):g} for "
+                f"{self.patience} validation(s); stopped at step {trainer.global_step} (epoch {self.stopped_epoch + 1})")

@@ -25,9 +25,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import checks, console, environment, guard, option_names, optimizers, precision, recipes, resume, trust
+from lit_memory import bounds, checks, console, environment, guard, option_names, optimizers, precision, recipes, resume
+from lit_memory import training_length, trust
+from lit_memory.best import EarlyStop
 from lit_memory.console import LogProgress, say
-from lit_memory.data import TextClassificationData, resolve_task
+from lit_memory.data import BUNDLED, TextClassificationData, read_training, training_rows_at_most
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.memory.hardware import gpus, nccl
@@ -147,6 +149,7 @@ class LitMemoryCLI(LightningCLI):
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
+        self._epochs_raised_from: Optional[int] = None  # `_read_training_data`: max_epochs raised from this
         self._seeded = False
         quiet_known_noise()
         self._deferred = defer
@@ -328,9 +331,12 @@ class LitMemoryCLI(LightningCLI):
         # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
         # `_instantiate_trainer`). Its `progress:` block sets how often.
         parser.add_lightning_class_args(LogProgress, "progress")
+        # Early stopping on the best checkpoint's metric: ``--early_stopping.patience N`` (off unless set).
+        parser.add_lightning_class_args(EarlyStop, "early_stopping")
         # One source of truth: the model decides the classes and the tokenizer, the data follows.
         parser.link_arguments("model.num_labels", "data.num_labels")
         parser.link_arguments("model.problem_type", "data.problem_type")
+        parser.link_arguments("model.class_weights", "data.class_weights")  # the data: line shows them with their counts
         parser.link_arguments(
             ("model.tokenizer_name_or_path", "model.model_name_or_path"),
             "data.tokenizer_name_or_path",
@@ -399,21 +405,56 @@ class LitMemoryCLI(LightningCLI):
                 say(line)
         training = self.config.get("subcommand") in (None, "fit")
         if training:
-            self._resolve_task()
+            self._read_training_data()
         for key, value in plan_run(self.settings, self.memory, training, self.step, lambda: self.read_card()).items():
             self.settings[key] = value  # the plan in place of auto, so the saved config and checkpoints hold it
 
-    def _resolve_task(self) -> None:
-        """``fit`` with ``model.num_labels`` or ``model.problem_type`` unset: what the training labels show, written
-        into the settings so that the saved config and every checkpoint hold it."""
-        model, data = self.settings.model, self.settings.data
-        if model.num_labels is not None and model.problem_type is not None:
+    def _read_training_data(self) -> None:
+        """``fit``: where ``model.num_labels`` or ``model.problem_type`` are unset, what the training labels show; where
+        the run's length is not the user's and the data is theirs, enough epochs for `training_length.MIN_STEPS`
+        optimizer steps. Both written into the settings, so that the saved config and every checkpoint hold them."""
+        model, data, trainer = self.settings.model, self.settings.data, self.settings.trainer
+        task_unset = model.num_labels is None or model.problem_type is None
+        floor = data.source != BUNDLED and self.settings.get("ckpt_path") is None and not self._length_is_users()
+        accumulate = trainer.accumulate_grad_batches if isinstance(trainer.accumulate_grad_batches, int) else 1
+        world = world_size(trainer) if floor else 1
+
+        def length(rows: int) -> training_length.Length:
+            return training_length.floor(rows, data.batch_size, accumulate, world, trainer.max_epochs)
+
+        if floor and not task_unset and length(training_rows_at_most(data.as_dict())).raised_from is None:
+            return  # a file large enough: not read (encoded and split) twice
+        if not (task_unset or floor):
             return
-        found = resolve_task(data.as_dict(), model.num_labels, model.problem_type)
-        model.num_labels = data.num_labels = found.num_labels
-        model.problem_type = data.problem_type = found.problem_type
-        if found.label_names and not data.label_names:
-            data.label_names = list(found.label_names)
+        found, splits = read_training(data.as_dict(), model.num_labels, model.problem_type)
+        if task_unset:
+            model.num_labels = data.num_labels = found.num_labels
+            model.problem_type = data.problem_type = found.problem_type
+            if found.label_names and not data.label_names:
+                data.label_names = list(found.label_names)
+        if floor:
+            needed = length(len(splits["train"]))
+            if needed.raised_from is not None:
+                trainer.max_epochs, self._epochs_raised_from = needed.epochs, needed.raised_from
+
+    def _length_is_users(self) -> bool:
+        """Whether the user set how long to train: ``trainer.max_epochs`` or ``trainer.max_steps`` on the command line
+        or in a config file of their own (a shipped recipe's one epoch is sized for the bundled demo)."""
+        if self.argv is None:
+            return True  # a config object: its values are its author's
+        if {"trainer.max_epochs", "trainer.max_steps"} & set(self.typed_settings):
+            return True
+        shipped = {recipes.recipes_dir().resolve()}
+        for path in config_files(self.argv):
+            if Path(path).resolve().parent in shipped or not Path(path).is_file():
+                continue
+            try:
+                values = dict(leaves(bounds.read_yaml(Path(path)), depth=2))
+            except UserError:
+                return True  # unreadable here: the parse will say why; nothing is decided for it
+            if {"trainer.max_epochs", "trainer.max_steps"} & set(values):
+                return True
+        return False
 
     def instantiate_classes(self) -> None:
         if not self._deferred:
@@ -503,6 +544,7 @@ class LitMemoryCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._preflight()
+        self.datamodule.epochs_raised_from = self._epochs_raised_from  # said in its data: line
 
     def before_validate(self) -> None:
         self._preflight()
@@ -559,6 +601,18 @@ def stubs_without_a_subprocess() -> None:
     path = [Path(p) for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != work]
     context = stubs.tc.get_search_context(search_path=path, allow_py_files=get_parsing_setting("stubs_resolver_allow_py_files"))
     stubs.stubs_resolver = stubs.StubsResolver(search_context=context)
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The files ``--config`` names in an argv (``--config FILE``, ``--config=FILE``), in order."""
+    found = []
+    for i, token in enumerate(argv):
+        if token in ("--config", "-c") and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif token.startswith(("--config=", "-c=")):
+            found.append(token.split("=", 1)[1])
+    return found
+
 
 
 def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:

@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
-from lit_memory import bundled, guard, predict_file, text_encoding
+from lit_memory import bundled, guard, predict_file, text_encoding, training_length, windows
+from lit_memory import class_weights as weights_
 from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
@@ -63,13 +64,26 @@ def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
 _LAST_READ: dict[tuple, Any] = {}
 
 
-def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_type: Optional[str]) -> "task_.Task":
-    """The task a data module's training data asks for (`lit_memory.task.infer`), from its settings (a config's
-    ``data:`` block) with the model's ``num_labels`` and ``problem_type`` where set."""
+def read_training(settings: dict[str, Any], num_labels: Optional[int],
+                  problem_type: Optional[str]) -> tuple["task_.Task", datasets.DatasetDict]:
+    """The task a data module's training data asks for (`lit_memory.task.infer`) and its splits of rows as read,
+    checked and split (not tokenised), from its settings (a config's ``data:`` block) with the model's
+    ``num_labels`` and ``problem_type`` where set."""
     given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
     module = TextClassificationData(**{**given, "num_labels": num_labels, "problem_type": problem_type})
-    module.load_splits()
-    return module.task
+    splits = module.load_splits()
+    return module.task, splits
+
+
+def training_rows_at_most(settings: dict[str, Any]) -> int:
+    """`TextClassificationData.rows_at_most` of a data module's settings (a config's ``data:`` block)."""
+    given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
+    return TextClassificationData(**given).rows_at_most()
+
+
+def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_type: Optional[str]) -> "task_.Task":
+    """The task a data module's training data asks for (`read_training`)."""
+    return read_training(settings, num_labels, problem_type)[0]
 
 
 def multi_hot(row: dict[str, Any], labels: tuple[str, ...], task: "task_.Task") -> list[float]:
@@ -113,7 +127,13 @@ class TextClassificationData(L.LightningDataModule):
             Default: ``train``, and ``validation``/``test`` where the source has them, else carved out of train
             (``val_fraction``/``test_fraction``); a test split without labels (GLUE's) is replaced by validation.
         tokenizer_name_or_path: linked from the model by the CLI.
-        max_length: longest sequence after truncation (a pair: both texts together, ``longest_first``).
+        max_length: longest sequence after truncation (a pair: both texts together, ``longest_first``), or the
+            window of ``long_texts: chunk``.
+        long_texts: ``truncate`` keeps each text's first ``max_length`` tokens; ``chunk`` cuts it into overlapping
+            windows: training labels every window with its text's label, validation, test and predict average the
+            windows' logits per text (multi-label: their maximum) and score texts (`lit_memory.windows`).
+        stride: ``chunk``: the tokens consecutive windows share (less than what a window holds); null: a quarter of
+            ``max_length``.
         padding: ``longest`` pads each batch to its longest sequence; ``max_length`` pads every
             batch to ``max_length``, as the seed did (memory benchmarks use it).
         batch_size: training micro-batch size.
@@ -137,13 +157,16 @@ class TextClassificationData(L.LightningDataModule):
             decode is one error line naming the line (`lit_memory.text_encoding`).
         encoding_errors: ``strict`` refuses a byte the encoding cannot decode; ``replace`` reads it as U+FFFD and counts
             the lines changed. null: strict, and replace for the bundled tweets (their corpus mixes encodings).
+        class_weights: linked from ``model.class_weights`` by the CLI: the ``data:`` line shows the weights with the
+            counts they come from (`lit_memory.class_weights`).
     """
 
     ARGUMENTS = (
         "source", "text_column", "label_column", "label_names", "num_labels", "problem_type", "subset", "train_split",
         "validation_split", "test_split", "tokenizer_name_or_path", "max_length", "padding", "batch_size",
         "eval_batch_size", "val_fraction", "test_fraction", "limit_train_samples", "limit_eval_samples", "seed",
-        "num_workers", "pin_memory", "predict_path", "id_column", "encoding", "encoding_errors",
+        "num_workers", "pin_memory", "predict_path", "id_column", "encoding", "encoding_errors", "long_texts", "stride",
+        "class_weights",
     )
 
     def __init__(
@@ -174,6 +197,9 @@ class TextClassificationData(L.LightningDataModule):
         id_column: Optional[str] = None,
         encoding: Optional[str] = None,
         encoding_errors: Optional[text_encoding.Errors] = None,
+        long_texts: windows.LongTexts = "truncate",
+        stride: Optional[int] = None,
+        class_weights: Optional[weights_.ClassWeights] = "none",
     ) -> None:
         super().__init__()
         if num_labels is not None and num_labels < 1:
@@ -183,6 +209,7 @@ class TextClassificationData(L.LightningDataModule):
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
         check_shape(batch_size, max_length)
+        windows.check(long_texts, stride, max_length)
         if eval_batch_size is not None and eval_batch_size < 1:
             raise UserError(f"eval_batch_size must be >= 1 (or null: batch_size), got {eval_batch_size}")
         if num_workers < 0:
@@ -210,6 +237,7 @@ class TextClassificationData(L.LightningDataModule):
             eval_batch_size=eval_batch_size or batch_size,
             limit_train_samples=limit_train_samples,
             encoding_errors=encoding_errors or ("replace" if is_bundled else "strict"),
+            stride=(stride if stride is not None else windows.default_stride(max_length)) if long_texts == "chunk" else stride,
         )
         self._decoding: Optional[text_encoding.Decoding] = None  # how the local file was read (`_read`)
         self._local_file = self.local_file(source)
@@ -225,6 +253,8 @@ class TextClassificationData(L.LightningDataModule):
         self.task: Optional[task_.Task] = None  # what the labels ask for (`load_splits`)
         self.resolved_label_names: Optional[list[str]] = None
         self.summary: Optional[str] = None  # the one line `prepare_data` prints: each split's rows and origin
+        self.label_counts: Optional[weights_.LabelCounts] = None  # the training rows' labels (`_tokenize`)
+        self.epochs_raised_from: Optional[int] = None  # set by the CLI where it raised max_epochs (`training_length`)
 
     @property
     def where(self) -> str:
@@ -378,6 +408,13 @@ class TextClassificationData(L.LightningDataModule):
             )
         return split.select_columns([*texts, "labels"]), +dropped
 
+    def rows_at_most(self) -> int:
+        """The training rows there can be at most: the train split's rows as read (before rows are dropped and
+        validation and test are carved out), within ``limit_train_samples``; cheap (the source is read once)."""
+        rows = len(self._named_splits(self._load_raw())["train"])
+        limit = self.hparams.limit_train_samples
+        return min(rows, limit) if limit is not None else rows
+
     def load_splits(self) -> datasets.DatasetDict:
         """Read, check, encode, split and sub-sample the source (untokenised); `task` and `summary` say what."""
         raw = self._load_raw()
@@ -523,6 +560,9 @@ class TextClassificationData(L.LightningDataModule):
                 self._predict_columns = (task_.Columns(self.columns.text, ("labels",)), None, True)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
+        if self.hparams.long_texts == "chunk":  # before anything is written
+            pair = len(self._predict_columns[0].text) == 2
+            windows.check_tokenizer(self.tokenizer, self.hparams.stride, self.hparams.max_length, pair)
 
     def predict_rows(self, rank: int = 0, world_size: int = 1) -> predict_file.Rows:
         """This rank's share of the rows to predict, read as they are consumed."""
@@ -554,20 +594,59 @@ class TextClassificationData(L.LightningDataModule):
         # Untrusted: each text is cut to what max_length tokens can come from before the tokenizer sees it,
         # so a single huge row costs no more memory than the rest (`lit_memory.bounds.CHARS_PER_TOKEN`).
         cap = max_length * CHARS_PER_TOKEN if guard.restricted() else None
-        encode = functools.partial(encode_texts, tokenizer=tokenizer, texts=texts, max_length=max_length, cap=cap)
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length). The function
         # closes over no `self`: `datasets` hashes it, and hashing `self` would serialise the attached trainer and model.
-        self.splits = splits.map(encode, batched=True, remove_columns=list(texts), desc="tokenising")
-        truncated = sum(self.splits["train"]["truncated"])
-        self.splits = self.splits.remove_columns("truncated")
+        if self.hparams.long_texts == "chunk":
+            cut = self._windows(splits, tokenizer, texts, max_length, cap)
+        else:
+            encode = functools.partial(encode_texts, tokenizer=tokenizer, texts=texts, max_length=max_length, cap=cap)
+            self.splits = splits.map(encode, batched=True, remove_columns=list(texts), desc="tokenising")
+            truncated = sum(self.splits["train"]["truncated"])
+            self.splits = self.splits.remove_columns("truncated")
+            share = truncated / max(len(self.splits["train"]), 1)
+            cut = (f"{100 * share:.1f} % of training " + ("pairs" if len(texts) == 2 else "texts")
+                   + f" truncated at max_length {max_length}")
         self.splits.set_format("torch")
-        share = truncated / max(len(self.splits["train"]), 1)
-        self.summary = (self.summary or "") + (
-            f"; {100 * share:.1f} % of training " + ("pairs" if len(texts) == 2 else "texts")
-            + f" truncated at max_length {max_length}"
+        self.label_counts = weights_.count(self.splits["train"]["labels"][:], self.task.problem_type, self.task.num_labels)
+        names = label_names_or_default(self.resolved_label_names or self.hparams.label_names, self.task.num_labels)
+        setting = self.hparams.class_weights
+        weighed = weights_.describe(
+            setting, weights_.resolve(setting, self.label_counts, self.task.problem_type, self.task.num_labels),
+            self.label_counts, names, self.task.problem_type,
         )
+        self.summary = "; ".join(p for p in (self.summary or "", cut, weighed, self._length()) if p)
         counts = ", ".join(f"{name} {len(self.splits[name])}" for name in SPLITS)
         log.info(f"data: {counts} samples from {self.hparams.source}")
+
+    def _length(self) -> Optional[str]:
+        """How many optimizer steps ``fit`` trains on the training rows (windows), where a trainer is fitting."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.state.fn != "fit":
+            return None
+        per_epoch = training_length.steps_per_epoch(
+            len(self.splits["train"]), self.hparams.batch_size, trainer.accumulate_grad_batches, trainer.world_size)
+        return training_length.Length(trainer.max_epochs, per_epoch, trainer.max_steps, self.epochs_raised_from).describe()
+
+    def _windows(self, splits: datasets.DatasetDict, tokenizer: Any, texts: tuple, max_length: int, cap: Optional[int]) -> str:
+        """``long_texts: chunk``: every split as windows (`lit_memory.windows`); what the ``data:`` line says of them."""
+        stride, pair = self.hparams.stride, len(texts) == 2
+        windows.check_tokenizer(tokenizer, stride, max_length, pair)
+        encode = functools.partial(windows.encode, tokenizer=tokenizer, texts=texts, max_length=max_length,
+                                   stride=stride, cap=cap)
+        out = {}
+        for name, split in splits.items():
+            feature = split.features["labels"]
+            cut = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names,
+                            desc="cutting into windows")
+            out[name] = cut if cut.features["labels"] == feature else cut.cast_column("labels", feature)
+        train = out["train"]
+        documents = len(splits["train"])
+        split_docs = len({d for d, more in zip(train["doc"], train["split"]) if more})
+        out["train"] = train.remove_columns(["doc", "split"])  # a training row is a window
+        self.splits = datasets.DatasetDict({n: (s if n == "train" else s.remove_columns("split")) for n, s in out.items()})
+        return (f"{split_docs:,} of {documents:,} training " + ("pairs" if pair else "texts")
+                + f" cut into windows of max_length {max_length} sharing {stride} tokens: {len(train):,} windows to train "
+                f"on (the rows of every batch), validation and test scored per text")
 
     def _collator(self) -> DataCollatorWithPadding:
         if self.hparams.padding == "max_length":
@@ -585,6 +664,9 @@ class TextClassificationData(L.LightningDataModule):
         # splits' torch format cost a tensor per row and column, turned back into lists to pad (BERT's columns at
         # batch 32 on this project's CPU: 232 dispatcher operators and 2.7 ms a batch against 6 and 1.1 ms).
         rows = self.splits[split].with_format(None)
+        if not shuffle and self.hparams.long_texts == "chunk" and split != "train":  # whole texts, <= batch_size windows
+            kwargs["collate_fn"] = windows.GroupCollate(kwargs["collate_fn"])
+            return DataLoader(windows.Groups(rows, batch_size), batch_size=1, shuffle=False, **kwargs)
         if not shuffle:
             return DataLoader(rows, batch_size=batch_size, shuffle=False, **kwargs)
         # Sharded here under DDP/FSDP (as Lightning's DistributedSampler would), by (seed, epoch).
@@ -623,8 +705,10 @@ class TextClassificationData(L.LightningDataModule):
         problem = getattr(module, "problem_type", None) or task_.SINGLE
         rows = self.predict_rows(rank, world_size)
         columns, id_, encoded = self._predict_columns
+        chunk = self.hparams.long_texts == "chunk"
         collate = predict_file.Collate(
-            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded
+            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded,
+            stride=self.hparams.stride if chunk else None,
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
 

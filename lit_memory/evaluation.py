@@ -2,11 +2,13 @@
 
 - single-label: ``acc``, ``f1_macro``, ``mcc`` (Matthews, CoLA's metric), and ``f1`` (of class 1, binary);
 - regression: ``mse``, ``pearson``, ``spearman`` (STS-B's);
-- multi-label: ``f1_micro``, ``f1_macro`` and ``f1_<label>`` for each label, at the model's threshold.
+- multi-label: ``f1_micro``, ``f1_macro`` and ``f1_<label>`` for each label, at the model's thresholds
+  (`lit_memory.thresholds`: the predictions come decided, one 0/1 per label).
 
 `ClassCounts` keeps the confusion counts of an evaluation (torchmetrics' confusion matrices, synchronised over the
-ranks) for `report` (precision, recall, F1 and support per class) and `draw_confusion` (a PNG; matplotlib is
-optional: without it, no picture and one line saying so).
+ranks) for `report` (precision, recall, F1 and support per class, and the loss weight where class weights are set),
+`draw_confusion` (a PNG; matplotlib is optional: without it, no picture and one line saying so) and `one_sided` (a
+validation that predicts one class for every row, or no label for any).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torchmetrics import MeanSquaredError, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
@@ -44,25 +46,26 @@ SPEARMAN_BUFFER = r".*SpearmanCorrcoef` will save all targets and predictions in
 _buffer_said = False
 
 
-def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5) -> MetricCollection:
-    """The metrics `outputs` feed for a problem type (module docstring); the per-label F1 is `per_label_f1`."""
+def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MetricCollection:
+    """The metrics `outputs` feed for a problem type (module docstring); the per-label F1 is `per_label_f1`.
+    ``kwargs`` go to every metric (``sync_on_compute=False``: counts already summed over the ranks)."""
     if problem_type == REGRESSION:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SPEARMAN_BUFFER)
-            spearman = SpearmanCorrCoef()
-        return MetricCollection({"mse": MeanSquaredError(), "pearson": PearsonCorrCoef(), "spearman": spearman})
+            spearman = SpearmanCorrCoef(**kwargs)
+        return MetricCollection({"mse": MeanSquaredError(**kwargs), "pearson": PearsonCorrCoef(**kwargs), "spearman": spearman})
     if problem_type == MULTI:
         return MetricCollection({
-            "f1_micro": MultilabelF1Score(num_labels, threshold=threshold, average="micro"),
-            "f1_macro": MultilabelF1Score(num_labels, threshold=threshold, average="macro"),
+            "f1_micro": MultilabelF1Score(num_labels, threshold=threshold, average="micro", **kwargs),
+            "f1_macro": MultilabelF1Score(num_labels, threshold=threshold, average="macro", **kwargs),
         })
     metrics = {
-        "acc": MulticlassAccuracy(num_labels, average="micro"),
-        "f1_macro": MulticlassF1Score(num_labels, average="macro"),
-        "mcc": MulticlassMatthewsCorrCoef(num_labels),
+        "acc": MulticlassAccuracy(num_labels, average="micro", **kwargs),
+        "f1_macro": MulticlassF1Score(num_labels, average="macro", **kwargs),
+        "mcc": MulticlassMatthewsCorrCoef(num_labels, **kwargs),
     }
     if num_labels == 2:
-        metrics["f1"] = BinaryF1Score()  # F1 of the positive class: the seed's `f1`
+        metrics["f1"] = BinaryF1Score(**kwargs)  # F1 of the positive class: the seed's `f1`
     return MetricCollection(metrics)
 
 
@@ -76,8 +79,8 @@ def buffered(problem_type: str) -> None:
             "(torchmetrics' SpearmanCorrCoef: 8 bytes a row)")
 
 
-def per_label_f1(num_labels: int, threshold: float = 0.5) -> MultilabelF1Score:
-    return MultilabelF1Score(num_labels, threshold=threshold, average="none")
+def per_label_f1(num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MultilabelF1Score:
+    return MultilabelF1Score(num_labels, threshold=threshold, average="none", **kwargs)
 
 
 def outputs(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
@@ -116,9 +119,11 @@ class ClassCounts(torch.nn.Module):
         self.matrix.reset()
 
 
-def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str, title: str = "") -> str:
-    """Precision, recall, F1 and support per class (or label), and for single-label the confusion matrix; ``title``
-    follows the stage (`` at step 56, exported to hf_model``)."""
+def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str, title: str = "", *,
+           weights: Optional[Sequence[float]] = None) -> str:
+    """Precision, recall, F1 and support per class (or label), the loss weight of each where class weights are set
+    (multi-label: its positives' ``pos_weight``), and for single-label the confusion matrix; ``title`` follows the
+    stage (`` at step 56, exported to hf_model``)."""
     rows = []
     if problem_type == MULTI:  # counts: (labels, 2, 2) as [[tn, fp], [fn, tp]]
         for name, matrix in zip(names, counts.tolist()):
@@ -131,12 +136,13 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
     width = max(12, *(len(str(r[0])) for r in rows)) + 2
     lines = [f"{stage}{title}:"] if title else []
     lines += [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
-             + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}"]
-    for name, tp, fp, fn in rows:
+              + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}" + (f"{'weight':>10}" if weights else "")]
+    for i, (name, tp, fp, fn) in enumerate(rows):
         precision = tp / (tp + fp) if tp + fp else 0.0
         recall = tp / (tp + fn) if tp + fn else 0.0
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        lines.append(f"  {str(name)[: width - 3]}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}")
+        weight = f"{weights[i]:>10.3g}" if weights else ""
+        lines.append(f"  {str(name)[: width - 3]}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}{weight}")
     if problem_type != MULTI:
         lines.append("confusion matrix (rows: true class, columns: predicted):")
         cell = max(8, *(len(str(n)) + 1 for n in names))
@@ -144,6 +150,25 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
         for name, row in zip(names, counts.tolist()):
             lines.append(f"  {str(name)[: width - 3]}".ljust(width) + "".join(f"{v:>{cell}}" for v in row))
     return "\n".join(lines)
+
+
+def one_sided(counts: torch.Tensor, names: Sequence[str], problem_type: str, weighted: bool = False) -> Optional[str]:
+    """One line where an evaluation's predictions are all one class (single-label) or no label at all
+    (multi-label), with what to try (``weighted``: class weights are set already); None otherwise."""
+    tries = ["more epochs (--trainer.max_epochs)", "a higher learning rate (--model.optimizer.init_args.lr 5e-5)"]
+    if not weighted:
+        tries.append("--model.class_weights balanced for rare " + ("labels" if problem_type == MULTI else "classes"))
+    if problem_type == MULTI:  # (labels, 2, 2) as [[tn, fp], [fn, tp]]
+        if int(counts[:, :, 1].sum()) > 0:
+            return None
+        said = "the validation predicts no label for any row (every probability below its threshold)"
+        tries.append("--model.tune_threshold per_label")
+    else:
+        predicted = counts.sum(0)
+        if int((predicted > 0).sum()) != 1:
+            return None
+        said = f"every validation prediction is {names[int(predicted.argmax())]!r}"
+    return f"warning: {said}: the model has not learned the task yet; try {', '.join(tries[:-1])} or {tries[-1]}"
 
 
 def draw_confusion(counts: torch.Tensor, names: Sequence[str], path: Path, title: str) -> Optional[Path]:

@@ -23,9 +23,11 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled, evaluation, files, guard, optimizers
+from lit_memory import bundled, evaluation, files, guard, model_card, optimizers, windows
+from lit_memory import class_weights as weights_
 from lit_memory import task as task_
-from lit_memory.best import restore_best
+from lit_memory import thresholds as thresholds_
+from lit_memory.best import best_of, restore_best
 from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
 from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
@@ -78,7 +80,20 @@ class SequenceClassifier(L.LightningModule):
             (BCE with logits, a 0/1 per label) or ``regression`` (MSE on one value); null: what the labels show, else
             the model config's own. Saved in ``hf_model/config.json``, so ``from_pretrained`` and ``pipeline``
             treat the model right.
-        threshold: multi-label: a label is predicted where its probability is at least this (metrics, predict).
+        threshold: a fixed decision threshold: multi-label, every label's (a label is predicted where its probability
+            is at least this); binary, class 1's. Set, it wins over tuned and saved thresholds; null: the thresholds
+            tuned on validation or saved with the model, else 0.5 (multi-label) or the most probable class
+            (`lit_memory.thresholds`).
+        tune_threshold: ``per_label`` chooses each label's threshold on the validation split at every validation of
+            ``fit`` (the F1 of each label at its best), ``global`` one for all (multi-label: micro-F1; binary:
+            ``threshold_metric``), ``off`` none; ``auto``: ``per_label`` for multi-label, else ``off``. The thresholds
+            of the exported step go into the checkpoint and ``hf_model/config.json`` (``thresholds``), and every later
+            evaluation and ``predict`` use them; the ``val:``/``test:`` lines add each metric at 0.5 (``_at_0.5``).
+        threshold_metric: what a binary task's ``global`` threshold maximises: ``f1`` (of class 1), ``mcc``, ``acc``
+            or ``f1_macro``.
+        class_weights: ``none`` (the plain loss), ``balanced`` (from the training labels' counts) or one weight per
+            class: single-label, weighted cross-entropy; multi-label, each label's ``pos_weight``
+            (`lit_memory.class_weights`).
         pretrained: load the checkpoint's weights; ``false`` builds the architecture from its
             config with random weights (memory and speed work without downloading weights).
         config_overrides: keyword overrides for the Hugging Face config (e.g. ``num_hidden_layers``).
@@ -145,7 +160,10 @@ class SequenceClassifier(L.LightningModule):
         model_name_or_path: str = "bundled:minilm",
         num_labels: Optional[int] = None,
         problem_type: Optional[task_.ProblemType] = None,
-        threshold: float = 0.5,
+        threshold: Optional[float] = None,
+        tune_threshold: thresholds_.Tune = "auto",
+        threshold_metric: thresholds_.Objective = "f1",
+        class_weights: Optional[weights_.ClassWeights] = "none",
         pretrained: bool = True,
         config_overrides: Optional[dict[str, Any]] = None,
         tokenizer_name_or_path: Optional[str] = None,
@@ -169,7 +187,7 @@ class SequenceClassifier(L.LightningModule):
             raise UserError(f"model.problem_type {problem_type!r} is not one of: {', '.join(task_.PROBLEM_TYPES)}")
         if problem_type == task_.REGRESSION and num_labels not in (None, 1):
             raise UserError(f"model.num_labels {num_labels} with problem_type regression: it predicts one value (1)")
-        if not 0.0 < threshold < 1.0:
+        if threshold is not None and not 0.0 < threshold < 1.0:
             raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
         if lr_scheduler_type not in SCHEDULES:
             raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
@@ -227,13 +245,21 @@ class SequenceClassifier(L.LightningModule):
             if embedding_optimizer_state == "stable_embedding":
                 check_stable_embedding(parts.word_embeddings)
         self.model: Optional[PreTrainedModel] = None
-        # Metrics of the problem type (`lit_memory.evaluation`); per-label F1 and the confusion counts beside them.
-        self.val_metrics = evaluation.task_metrics(problem_type, num_labels, threshold).clone(prefix="val_")
+        # What decides (`lit_memory.thresholds`) and what the loss weighs (`lit_memory.class_weights`): checked here.
+        self.tuning = thresholds_.tuning(problem_type, num_labels, tune_threshold, threshold, threshold_metric)
+        weights_.check(class_weights, problem_type, num_labels)
+        self.loss_weights: Optional[torch.Tensor] = None  # resolved in `setup` (balanced: the training labels')
+        # Metrics of the problem type (`lit_memory.evaluation`), fed with the model's decisions; per-label F1 and the
+        # confusion counts beside them; where thresholds decide, the same metrics at 0.5 and the sweep that tunes.
+        # (Fed 0/1 decisions, any threshold of theirs in (0, 1) reads them alike: they carry the one set, for the eye.)
+        metric_threshold = threshold if threshold is not None else thresholds_.DEFAULT
+        self.val_metrics = evaluation.task_metrics(problem_type, num_labels, metric_threshold).clone(prefix="val_")
         self.test_metrics = self.val_metrics.clone(prefix="test_")
-        self.per_label_f1 = evaluation.per_label_f1(num_labels, threshold) if problem_type == task_.MULTI else None
-        self.class_counts = (
-            evaluation.ClassCounts(problem_type, num_labels, threshold) if problem_type != task_.REGRESSION else None
-        )
+        self.sweep = thresholds_.Sweep(num_labels if problem_type == task_.MULTI else 1) if self.tuning else None
+        self.per_label_f1 = evaluation.per_label_f1(num_labels, metric_threshold) if problem_type == task_.MULTI else None
+        self.class_counts = (evaluation.ClassCounts(problem_type, num_labels, metric_threshold)
+                             if problem_type != task_.REGRESSION else None)
+        self.degenerate: dict[int, str] = {}  # step -> the line saying its validation predicted one class (or none)
         self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
         self.predict_loss: Optional[MeanMetric] = None
         self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
@@ -246,6 +272,12 @@ class SequenceClassifier(L.LightningModule):
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
+        self.decision_thresholds: Optional[thresholds_.Thresholds] = self._first_thresholds()
+        # The metrics at 0.5 beside those at the thresholds in use, where thresholds are tuned or may differ from it.
+        beside = self.decision_thresholds is not None or self.tuning is not None
+        at_default = f"_at_{thresholds_.DEFAULT:g}"
+        self.val_at_default = self.val_metrics.clone(postfix=at_default) if beside else None
+        self.test_at_default = self.test_metrics.clone(postfix=at_default) if beside else None
 
     @property
     def tokenizer_name_or_path(self) -> str:
@@ -271,21 +303,69 @@ class SequenceClassifier(L.LightningModule):
         config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
 
     def setup(self, stage: str) -> None:
-        data = getattr(self.trainer, "datamodule", None)
+        data = getattr(self._trainer, "datamodule", None)
         resolved = getattr(data, "resolved_label_names", None)
         if stage == "fit" and resolved:  # the ids the data trains with: its names win
             self.set_label_names(resolved)
         elif self._label_names is None:  # else the model's own, then the data's (a checkpoint's come later)
             self.set_label_names(resolved or getattr(data, "hparams", {}).get("label_names"))
+        if stage == "fit" and self.hparams.threshold is None:  # a new fine-tune: a base folder's thresholds are stale
+            self.decision_thresholds = self._default_thresholds()
+        counts = getattr(data, "label_counts", None)
+        if counts is not None or self.hparams.class_weights not in (None, "none", "balanced"):
+            self.loss_weights = weights_.resolve(self.hparams.class_weights, counts, self.problem_type,
+                                                 self.hparams.num_labels)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._label_names:
             checkpoint["id2label"] = dict(enumerate(self.label_names))
+        if self.decision_thresholds is not None:
+            checkpoint["thresholds"] = {"values": list(self.decision_thresholds.values),
+                                        "origin": self.decision_thresholds.origin}
+        if self.loss_weights is not None:
+            checkpoint["class_weights"] = self.loss_weights.tolist()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         id2label = checkpoint.get("id2label")
         if id2label:
             self.set_label_names([id2label[i] for i in sorted(id2label)])
+        saved = checkpoint.get("thresholds")
+        if saved and self.hparams.threshold is None:  # a threshold the user set wins
+            self.decision_thresholds = thresholds_.Thresholds(tuple(saved["values"]), saved["origin"])
+        if checkpoint.get("class_weights") is not None:
+            self.loss_weights = torch.tensor(checkpoint["class_weights"], dtype=torch.float32)
+
+    # -- thresholds: they travel with the model too -----------------------------------------------
+
+    def _default_thresholds(self) -> Optional[thresholds_.Thresholds]:
+        """``model.threshold`` where set, else 0.5 for every label (multi-label) or none (the most probable class)."""
+        count = self.hparams.num_labels if self.problem_type == task_.MULTI else 1
+        if self.hparams.threshold is not None:
+            return thresholds_.Thresholds((float(self.hparams.threshold),) * count, "model.threshold, as set")
+        if self.problem_type == task_.MULTI:
+            return thresholds_.Thresholds((thresholds_.DEFAULT,) * count, "the default")
+        return None
+
+    def _first_thresholds(self) -> Optional[thresholds_.Thresholds]:
+        """The thresholds the model starts with: those set, else those its config saved (an exported folder's)."""
+        if not thresholds_.uses_thresholds(self.problem_type, self.hparams.num_labels):
+            return None
+        if self.hparams.threshold is None:
+            where = f"{self.hparams.model_name_or_path}'s config.json"
+            saved = thresholds_.from_config(getattr(self.hf_config, thresholds_.CONFIG_KEY, None), self.label_names,
+                                            self.problem_type, where)
+            if saved is not None:
+                return thresholds_.Thresholds(saved, f"saved in {where}")
+        return self._default_thresholds()
+
+    def _tuned(self) -> bool:
+        """Whether the thresholds in use differ from 0.5 (tuned or saved): the metrics at 0.5 are shown beside."""
+        found = self.decision_thresholds
+        return found is not None and any(v != thresholds_.DEFAULT for v in found.values)
+
+    def _say_thresholds(self) -> None:
+        if self.decision_thresholds is not None and self._trainer is not None and self.trainer.is_global_zero:
+            say(self.decision_thresholds.describe(self.label_names, self.problem_type))
 
     # -- model ---------------------------------------------------------------------------------
 
@@ -362,7 +442,11 @@ class SequenceClassifier(L.LightningModule):
         if self.hparams.compile == CUDA_GRAPHS:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' outputs of the last one are done with
         with self.activation_offload or contextlib.nullcontext():
-            loss = self.model(**batch).loss
+            if self.loss_weights is None:  # the head's own loss (Hugging Face's)
+                loss = self.model(**batch).loss
+            else:
+                logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+                loss = weights_.loss(logits, batch["labels"], self.problem_type, self.loss_weights)
         self.running_loss.add(loss)  # read on the logging steps only (`on_train_batch_end`): no device sync per step
         return loss
 
@@ -389,19 +473,48 @@ class SequenceClassifier(L.LightningModule):
         """The validation metric the best checkpoint is kept by (`lit_memory.task.MAIN_METRIC`)."""
         return task_.MAIN_METRIC[self.problem_type]
 
+    def _logits(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A batch's logits, one row per text (``doc``: its windows' aggregated, `lit_memory.windows`), and the loss
+        where it has labels (weighted where class weights are set)."""
+        labels, doc = batch.get("labels"), batch.get("doc")
+        if doc is None and self.loss_weights is None and isinstance(labels, torch.Tensor) and "known" not in batch:
+            out = self.model(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
+            return out.logits, out.loss
+        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known", "doc")}
+        logits = self.model(**inputs).logits
+        if doc is not None:
+            logits = windows.aggregate(logits, doc, self.problem_type)
+        if not isinstance(labels, torch.Tensor) or "known" in batch:
+            return logits, None
+        return logits, weights_.loss(logits, labels, self.problem_type, self.loss_weights)
+
+    def _tuning_now(self) -> bool:
+        """Thresholds are chosen at every validation of ``fit`` (its sanity check's are not kept)."""
+        return self.sweep is not None and self._trainer is not None and self.trainer.state.fn == "fit"
+
     def _eval_step(self, batch: dict[str, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
-        out = self.model(**batch)
-        predicted = evaluation.outputs(out.logits, self.problem_type)
-        labels = evaluation.targets(batch["labels"], self.problem_type)
-        evaluation.buffered(self.problem_type)
-        metrics.update(predicted, labels)
-        if self.per_label_f1 is not None:
-            self.per_label_f1.update(predicted, labels)
-        if self.class_counts is not None:
-            self.class_counts.update(predicted, labels)
+        logits, loss = self._logits(batch)
+        problem = self.problem_type
+        labels = evaluation.targets(batch["labels"], problem)
+        evaluation.buffered(problem)
+        if self._tuning_now():  # its metrics come from the sweep, at the thresholds it chooses (epoch end)
+            self.sweep.update(thresholds_.probabilities(logits, problem), labels if problem == task_.MULTI else labels.unsqueeze(-1))
+        else:
+            limits = self.decision_thresholds.tensor if self.decision_thresholds is not None else None
+            predicted = thresholds_.decide(logits, problem, limits)
+            metrics.update(predicted, labels)
+            if self.per_label_f1 is not None:
+                self.per_label_f1.update(predicted, labels)
+            if self.class_counts is not None:
+                self.class_counts.update(predicted, labels)
+            self.log_dict(metrics, prog_bar=True)
+        at_default = self.val_at_default if stage == "val" else self.test_at_default
+        if at_default is not None and (self._tuning_now() or self._tuned()):
+            default = torch.full((logits.shape[-1] if problem == task_.MULTI else 1,), thresholds_.DEFAULT)
+            at_default.update(thresholds_.decide(logits, problem, default), labels)
+            self.log_dict(at_default)
         # Averaged over the ranks at the epoch's end (the metric objects synchronise themselves).
-        self.log(f"{stage}_loss", out.loss, prog_bar=True, batch_size=batch["labels"].shape[0], sync_dist=True)
-        self.log_dict(metrics, prog_bar=True)
+        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=labels.shape[0], sync_dist=True)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, "val")
@@ -409,28 +522,72 @@ class SequenceClassifier(L.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.test_metrics, "test")
 
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":
+            self._say_thresholds()
+
+    def on_test_start(self) -> None:
+        self._say_thresholds()
+
     def on_validation_epoch_end(self) -> None:
         self._end_of_evaluation("val")
 
     def on_test_epoch_end(self) -> None:
         self._end_of_evaluation("test")
 
+    def _tune(self, stage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The thresholds this validation's sweep chooses (kept, unless a sanity check), its metrics at them logged;
+        returns the confusion counts and per-label F1 there."""
+        counts = self.sweep.compute()  # a collective under several processes: every rank computes
+        self.sweep.reset()
+        problem, num_labels = self.problem_type, self.hparams.num_labels
+        index = thresholds_.choose(counts, self.tuning, problem, self.hparams.threshold_metric)
+        chosen = thresholds_.at(counts, index)
+        preds, targets = thresholds_.replay(chosen, problem)  # counts summed over the ranks already: no sync
+        metrics = evaluation.task_metrics(problem, num_labels, sync_on_compute=False).clone(prefix=f"{stage}_")
+        metrics.update(preds, targets)
+        for name, value in metrics.compute().items():
+            self.log(name, float(value), prog_bar=True)
+        per_label = None
+        if problem == task_.MULTI:
+            f1 = evaluation.per_label_f1(num_labels, sync_on_compute=False)
+            f1.update(preds, targets)
+            per_label = f1.compute()
+        if not self.trainer.sanity_checking:
+            values = tuple(round(v, 2) for v in thresholds_.GRID[index.cpu()].tolist())
+            how = "each label's F1" if self.tuning == "per_label" else (
+                "micro-F1" if problem == task_.MULTI else self.hparams.threshold_metric)
+            origin = f"tuned on validation at step {self.trainer.global_step} for {how}"
+            self.decision_thresholds = thresholds_.Thresholds(values, origin)
+        return thresholds_.confusion(chosen, problem), per_label
+
     def _end_of_evaluation(self, stage: str) -> None:
         """Per-label F1 logged (multi-label); at the end of ``validate`` and ``test``, the per-class report and the
-        confusion matrix (printed, and a PNG in the run folder)."""
-        if self.per_label_f1 is not None:
-            scores = self.per_label_f1.compute()
-            self.per_label_f1.reset()
-            for name, score in zip(self.label_names, scores.tolist()):
+        confusion matrix (printed, and a PNG in the run folder); during ``fit``, the thresholds tuned, and a
+        validation that predicts one class only (or no label at all) noted."""
+        counts, per_label = None, None
+        if self._tuning_now():
+            counts, per_label = self._tune(stage)
+        else:
+            if self.per_label_f1 is not None:
+                per_label = self.per_label_f1.compute()
+                self.per_label_f1.reset()
+            if self.class_counts is not None:
+                counts = self.class_counts.compute()  # a collective under several processes: every rank computes
+                self.class_counts.reset()
+        if per_label is not None:
+            for name, score in zip(self.label_names, per_label.tolist()):
                 self.log(f"{stage}_f1_{evaluation.metric_name(name)}", score)
-        if self.class_counts is None:
-            return
-        counts = self.class_counts.compute()  # a collective under several processes: every rank computes
-        self.class_counts.reset()
         trainer = self._trainer
-        if stage == "val" and trainer is not None and not trainer.sanity_checking:
+        if counts is None or trainer is None or trainer.sanity_checking:
+            return
+        if stage == "val":
             self.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.best`)
-        if trainer is None or trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
+        if trainer.state.fn == "fit" and stage == "val":
+            found = evaluation.one_sided(counts, self.label_names, self.problem_type, self.loss_weights is not None)
+            if found:
+                self.degenerate[trainer.global_step] = found
+        if trainer.state.fn not in ("validate", "test"):
             return
         self.report_evaluation(stage, counts)
 
@@ -443,7 +600,8 @@ class SequenceClassifier(L.LightningModule):
         run_dir = trainer.log_dir or trainer.default_root_dir  # a collective under several processes: every rank asks
         if not trainer.is_global_zero:
             return
-        print(evaluation.report(stage, counts, self.label_names, self.problem_type, title))
+        weights = self.loss_weights.tolist() if self.loss_weights is not None else None
+        print(evaluation.report(stage, counts, self.label_names, self.problem_type, title, weights=weights))
         if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
             path = Path(run_dir) / f"confusion_matrix_{stage}.png"
             drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}{title}: confusion matrix")
@@ -452,10 +610,10 @@ class SequenceClassifier(L.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
         """A batch's predictions (``outputs``: class probabilities, the value, or each label's probability); where
         it has ``labels``, the metrics of the rows the model can score (``known``) are accumulated too, for
-        `on_predict_epoch_end`."""
-        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known")}
+        `on_predict_epoch_end`. Windows of one text (``doc``) are aggregated first: one prediction per text."""
         with fp32_output(self.model):  # what is written is fp32, not a 16-bit autocast's (1.609375)
-            logits = self.model(**inputs).logits.float()
+            logits, _ = self._logits(batch)
+        logits = logits.float()
         problem = self.problem_type
         shown = logits.softmax(-1) if problem == task_.SINGLE else evaluation.outputs(logits, problem)
         labels = batch.get("labels")
@@ -463,7 +621,8 @@ class SequenceClassifier(L.LightningModule):
             known = batch["known"] if "known" in batch else labels >= 0
             self._labelled = True
             if known.any():
-                predicted = evaluation.outputs(logits[known], problem)
+                limits = self.decision_thresholds.tensor if self.decision_thresholds is not None else None
+                predicted = thresholds_.decide(logits[known], problem, limits)
                 targets = labels[known]
                 evaluation.buffered(problem)
                 self.predict_metrics.update(predicted, evaluation.targets(targets, problem))
@@ -473,6 +632,7 @@ class SequenceClassifier(L.LightningModule):
         return {"outputs": shown}
 
     def on_predict_epoch_start(self) -> None:
+        self._say_thresholds()
         self._labelled = False
         self.predict_results = {}
         self.predict_metrics = self.val_metrics.clone(prefix="predict_").to(self.device)
@@ -543,13 +703,22 @@ class SequenceClassifier(L.LightningModule):
         phase("training")  # a confined run's preparation is over (`lit_memory.sandbox.launch`'s time bound)
 
     def on_fit_end(self) -> None:
+        which = None
         if self.hparams.save_pretrained:
             run_dir = self.trainer.log_dir or self.trainer.default_root_dir
             which = restore_best(self.trainer)  # the best validated weights, as HF's load_best_model_at_end
             path = Path(run_dir) / "hf_model"
             self.export_pretrained(path)
             say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved in "
-                f"{self._export_words()} to {path} (loads with AutoModelForSequenceClassification.from_pretrained)")
+                f"{self._export_words()} to {path} (loads with AutoModelForSequenceClassification.from_pretrained; "
+                "model card: README.md)")
+            if self.decision_thresholds is not None:
+                say(self.decision_thresholds.describe(self.label_names, self.problem_type)
+                    + f"; saved in {path / 'config.json'} ({thresholds_.CONFIG_KEY}) and used by predict")
+        best = best_of(self.trainer)
+        step = best.best_step() if best is not None and which else self.trainer.global_step
+        if step in self.degenerate:  # the exported step's validation predicted one class, or no label
+            say(self.degenerate[step])
 
     def _export_words(self) -> str:
         """The dtype ``hf_model/`` is saved in, and why: ``bf16 (the checkpoint's dtype; trained in fp32)``."""
@@ -584,7 +753,13 @@ class SequenceClassifier(L.LightningModule):
         dtype = self.export_dtype
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         built = model.config.dtype
+        if self.decision_thresholds is not None:  # read back by `_first_thresholds` (predict from this folder)
+            setattr(model.config, thresholds_.CONFIG_KEY, self.decision_thresholds.to_config(self.label_names, self.problem_type))
+        elif hasattr(model.config, thresholds_.CONFIG_KEY):  # a base folder's, stale
+            delattr(model.config, thresholds_.CONFIG_KEY)
+        card = model_card.build(self, self._trainer)
         with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
+            files.write_text(Path(folder) / "README.md", card)
             model.save_pretrained(folder, state_dict=state)
             # save_pretrained names the module's own dtype in config.json: name the one saved, which from_pretrained's
             # dtype="auto" then loads in

@@ -27,7 +27,7 @@ from typing import IO, Any, Literal, Optional
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lit_memory import files, guard
+from lit_memory import files, guard, windows
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
@@ -147,13 +147,15 @@ class Collate:
     (as the model's problem type takes them: a class id, a value, one 0/1 per label) with ``known`` marking the rows
     whose label the model can score (a class it knows, a number, names it knows), and ``rows``: each row's index,
     key (id or text) and given label, for the writer. ``encoded``: the labels are the data module's already (its
-    test split)."""
+    test split). ``stride`` (``data.long_texts chunk``): each text as windows sharing that many tokens, ``doc``
+    naming each window's row (`lit_memory.windows`)."""
 
     def __init__(
         self, tokenizer: Any, max_length: int, padding: str, columns: Any, id_: Optional[str],
         label_names: Sequence[str], problem_type: str = "single_label_classification", encoded: bool = False,
+        stride: Optional[int] = None,
     ) -> None:
-        self.tokenizer, self.max_length, self.padding = tokenizer, max_length, padding
+        self.tokenizer, self.max_length, self.padding, self.stride = tokenizer, max_length, padding, stride
         self.texts, self.labels, self.id = tuple(columns.text), tuple(columns.label), id_
         self.label_names = list(label_names)
         self.ids = {name: i for i, name in enumerate(self.label_names)}
@@ -223,9 +225,14 @@ class Collate:
             cap = self.max_length * CHARS_PER_TOKEN
             columns = [[t[:cap] for t in column] for column in columns]
         padding = "max_length" if self.padding == "max_length" else "longest"
-        truncation = "longest_first" if len(columns) == 2 else True
-        batch = dict(self.tokenizer(*columns, truncation=truncation, max_length=self.max_length, padding=padding,
-                                    return_tensors="pt"))
+        if self.stride is not None:
+            encoded, owner = windows.cut(self.tokenizer, columns, self.max_length, self.stride, padding=padding,
+                                         return_tensors="pt")
+            batch = {**dict(encoded), "doc": torch.tensor(owner)}
+        else:
+            truncation = "longest_first" if len(columns) == 2 else True
+            batch = dict(self.tokenizer(*columns, truncation=truncation, max_length=self.max_length, padding=padding,
+                                        return_tensors="pt"))
         if self.labels:
             dtype = torch.long if self.problem_type == "single_label_classification" else torch.float32
             batch["labels"] = torch.tensor(labels, dtype=dtype)
@@ -303,6 +310,9 @@ class PredictionWriter(BasePredictionWriter):
 
     def _write(self, rows: list, pl_module: Any, batch_rows: dict[str, Any], labelled: bool) -> None:
         names, problem = pl_module.label_names, pl_module.problem_type
+        # The model's thresholds (`lit_memory.thresholds`), as float32 like the probabilities they are compared with.
+        found = getattr(pl_module, "decision_thresholds", None)
+        limits = found.tensor.tolist() if found is not None else None
         if self._header is None:
             self._header = self._header_of(pl_module, batch_rows, labelled)
             if self._csv is not None:
@@ -311,10 +321,14 @@ class PredictionWriter(BasePredictionWriter):
             if problem == "regression":
                 values = [key, round(out[0], 6)]
             elif problem == "multi_label_classification":
-                chosen = [n for n, p in zip(names, out) if p >= pl_module.hparams.threshold]
+                chosen = [n for n, p, t in zip(names, out, limits or [0.5] * len(names)) if p >= t]
                 values = [key, chosen if self._csv is None else "|".join(chosen), *(round(p, 6) for p in out)]
             else:
-                values = [key, names[max(range(len(out)), key=out.__getitem__)], *(round(p, 6) for p in out)]
+                if limits is not None and len(out) == 2:  # binary with a threshold on class 1's probability
+                    label = names[1] if out[1] >= limits[0] else names[0]
+                else:
+                    label = names[max(range(len(out)), key=out.__getitem__)]
+                values = [key, label, *(round(p, 6) for p in out)]
             if labelled:
                 if raw is not None and not scored:
                     self.unknown += 1

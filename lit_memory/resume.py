@@ -329,7 +329,7 @@ RESUME_KEYS = (
     "trainer.precision", "trainer.accumulate_grad_batches",
     "data.source", "data.subset", "data.train_split", "data.text_column", "data.label_column", "data.label_names",
     "data.max_length",
-    "data.batch_size", "data.limit_train_samples", "data.seed",
+    "data.batch_size", "data.limit_train_samples", "data.seed", "data.long_texts", "data.stride",
 )
 RESUME_STATE = "lit_memory_settings"  # the checkpoint key holding them
 
@@ -375,7 +375,7 @@ def check_resume(settings: Namespace, compare: bool = True) -> None:
         )
 
 
-# Settings a fit reads from the data's labels where they are not set (`lit_memory.cli.LitMemoryCLI._resolve_task`).
+# Settings a fit reads from the data's labels where they are not set (`lit_memory.cli.LitMemoryCLI._read_training_data`).
 INFERRED = ("model.num_labels", "model.problem_type", "data.label_names")
 
 

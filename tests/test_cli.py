@@ -272,3 +272,33 @@ def test_a_typed_setting_the_weights_depend_on_is_refused_in_one_line(typed, sav
     key = typed[0].split("=")[0]
     assert error.startswith(f"error: {key} ") and f"checkpoint {multi_label_checkpoint} holds weights made with {saved}" in error
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory) -> Path:
+    from conftest import write_csv
+
+    path = tmp_path_factory.mktemp("small") / "small.csv"
+    return write_csv(path, [{"text": f"row {i} {'good' if i % 2 else 'bad'}", "label": i % 2} for i in range(600)])
+
+
+@pytest.mark.parametrize("more, epochs", [
+    ([], 20),  # 480 training rows at batch 32: 15 steps an epoch, 20 epochs for 300
+    (["--model.num_labels=2", "--model.problem_type=single_label_classification"], 20),  # the task set: read for this
+    (["--trainer.max_epochs=1"], 1),  # typed: the user's
+    (["--trainer.max_steps=5"], 1),
+    (["--config", "{own}"], 2),  # a config file of the user's own
+    (["--data.source=bundled"], 1),  # the bundled demo keeps its recipe's epoch
+])
+def test_a_small_file_of_ones_own_trains_the_floors_steps_unless_the_user_set_its_length(small_file, tmp_path, more, epochs):
+    from lit_memory.cli import resolve
+
+    own = tmp_path / "own.yaml"
+    own.write_text("trainer:\n  max_epochs: 2\n")
+    args = ["fit", "--recipe", "4gb", f"--data.source={small_file}", "--model.pretrained=false", TINY_BERT,
+            f"--trainer.default_root_dir={tmp_path}", *(a.format(own=own) for a in more)]
+    cli = resolve(args)
+    with cli.scope():
+        cli.build(trainer=False)
+    assert cli.settings.trainer.max_epochs == epochs
+    assert (cli.model.hparams.problem_type, cli.model.hparams.num_labels) == ("single_label_classification", 2)

@@ -352,3 +352,46 @@ def test_the_bundled_demo_model_loads_as_transformers_loads_it():
 def test_a_save_dtype_that_is_none_of_them_is_one_line():
     with pytest.raises(UserError, match=r"^model.save_dtype 'int8' is not one of: checkpoint, fp32, bf16, fp16$"):
         SequenceClassifier(save_dtype="int8")
+
+
+def test_thresholds_travel_with_the_exported_folder_and_the_checkpoint_and_a_set_one_wins(tmp_path):
+    from lit_memory.thresholds import Thresholds
+
+    tiny = {"config_overrides": TINY_BERT, "pretrained": False, "problem_type": "multi_label_classification"}
+    module = minilm(num_labels=3, **tiny)
+    module.set_label_names(["joy", "anger", "fear"])
+    module.decision_thresholds = Thresholds((0.31, 0.12, 0.5), "tuned on validation at step 8 for each label's F1")
+    module.export_pretrained(tmp_path / "hf_model")
+    config = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf_model").config
+    assert config.thresholds == {"joy": 0.31, "anger": 0.12, "fear": 0.5}
+    assert (tmp_path / "hf_model" / "README.md").read_text().startswith("---\nlibrary_name: transformers\n")
+    reloaded = SequenceClassifier(model_name_or_path=str(tmp_path / "hf_model"), pretrained=False)
+    assert reloaded.decision_thresholds.values == (0.31, 0.12, 0.5)
+    assert reloaded.decision_thresholds.origin == f"saved in {tmp_path / 'hf_model'}'s config.json"
+    assert reloaded.tuning == "per_label"  # multi-label: fit would tune them again
+    mine = SequenceClassifier(model_name_or_path=str(tmp_path / "hf_model"), pretrained=False, threshold=0.3)
+    assert mine.decision_thresholds.values == (0.3, 0.3, 0.3) and mine.tuning is None
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    mine.on_load_checkpoint(checkpoint)  # the user's threshold wins over the checkpoint's too
+    assert mine.decision_thresholds.values == (0.3, 0.3, 0.3)
+    reloaded.on_load_checkpoint(checkpoint)
+    assert reloaded.decision_thresholds == module.decision_thresholds
+
+
+def test_a_weighted_loss_trains_where_class_weights_are_set():
+    from lit_memory.class_weights import loss
+
+    module = minilm(num_labels=2, class_weights=[1.0, 3.0])
+    module.setup("fit")  # no data module: the weights as set
+    module.model.eval()  # no dropout: the same logits twice
+    data = batch()
+    data["labels"] = torch.tensor([0, 0, 0, 1])
+    with torch.no_grad():
+        expected = loss(module.model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"],
+                        "single_label_classification", torch.tensor([1.0, 3.0]))
+        plain = module.model(**data).loss
+        torch.testing.assert_close(module.training_step(data, 0), expected)
+    assert abs(float(expected) - float(plain)) > 1e-4
+    with pytest.raises(UserError, match=r"^model.class_weights has 3 weight\(s\) for 2 classes"):
+        SequenceClassifier(num_labels=2, class_weights=[1.0, 2.0, 3.0])

@@ -85,6 +85,29 @@ def test_label_names_travel_with_the_checkpoint_and_the_exported_model(run):
     assert checkpoint["id2label"] == {0: "negative", 1: "positive"}
 
 
+def test_the_model_card_is_in_the_hubs_layout_with_the_metrics_the_run_logged_at_the_exported_step(run, capsys):
+    from huggingface_hub import ModelCard
+
+    run_dir, out = run
+    card = ModelCard.load(run_dir / "hf_model" / "README.md")
+    assert (card.data.library_name, card.data.pipeline_tag) == ("transformers", "text-classification")
+    (line,) = [line for line in out.splitlines() if line.startswith("validation at step 2 (epoch 1): ")]
+    logged = {k.removeprefix("val_"): float(v) for k, v in (p.split("=") for p in line.split(": ", 1)[1].split())}
+    assert {r.metric_name: r.metric_value for r in card.data.eval_results} == logged  # the hub's model-index
+    assert "Validation at step 2, the step exported" in card.text
+    for name, value in logged.items():
+        assert f"| {name} | {value:.4f} |" in card.text
+    for part in ("train 64 of 18,512 · validation 16", "single_label_classification: 2 classes (negative, positive)",
+                 "2 optimizer steps", "measured peak memory: ", "tracked tensors", "on CPU"):
+        assert part in card.text, part
+    # its code loads the model with transformers' pipeline and labels texts
+    code = card.text.split("```python\n", 1)[1].split("```", 1)[0].replace("path/to/hf_model", str(run_dir / "hf_model"))
+    capsys.readouterr()
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.split()
+    assert len(printed) == 2 and set(printed) <= {"negative", "positive"}
+
+
 def predict(argv: list[str], capsys) -> tuple[Path, str]:
     cli = resolve(["predict", *argv])
     cli.launch()

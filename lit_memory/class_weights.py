@@ -1,0 +1,114 @@
+"""Class weights for imbalanced labels: ``model.class_weights none|balanced|[w1, w2, ...]``.
+
+- single-label: weighted cross-entropy (torch's ``weight``: the loss is the weighted mean over the rows), one weight
+  per class; ``balanced`` is scikit-learn's ``compute_class_weight("balanced")``: rows / (classes x the class's
+  rows), so every class weighs as much in the loss as the others in all;
+- multi-label: the binary cross-entropy's ``pos_weight``, one per label, multiplying the loss of its positives;
+  ``balanced`` is negatives / positives of each label (the value torch's documentation gives for it), so a label's
+  positives weigh as much as its negatives;
+- regression: none (a value has no class to weigh).
+
+``balanced`` reads the training rows as they are trained on (`count`): windows where long texts are split
+(``data.long_texts chunk``). ``none`` (the default) is the plain loss each head computes (Hugging Face's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence, Union
+
+import torch
+
+from lit_memory.errors import UserError
+from lit_memory.task import MULTI, REGRESSION
+
+ClassWeights = Union[Literal["none", "balanced"], list[float]]
+
+
+@dataclass(frozen=True)
+class LabelCounts:
+    """The training rows and, per class, its rows (single-label) or, per label, its positive rows (multi-label)."""
+
+    rows: int
+    per_label: tuple[int, ...]
+
+
+def count(labels: torch.Tensor, problem_type: str, num_labels: int) -> LabelCounts:
+    """The counts of a split's ``labels`` column (class ids, or one 0/1 per label)."""
+    if problem_type == MULTI:
+        per_label = labels.round().long().sum(0) if len(labels) else torch.zeros(num_labels, dtype=torch.long)
+    else:
+        per_label = torch.bincount(labels.long(), minlength=num_labels)
+    return LabelCounts(int(labels.shape[0]), tuple(int(c) for c in per_label.tolist()))
+
+
+def check(setting: Optional[ClassWeights], problem_type: str, num_labels: int) -> None:
+    """One error line for a setting the task cannot take."""
+    if setting is None or setting == "none":
+        return
+    if problem_type == REGRESSION:
+        raise UserError("model.class_weights: a regression predicts a value, there are no classes to weigh (use none)")
+    if isinstance(setting, str):
+        if setting != "balanced":
+            raise UserError(f"model.class_weights {setting!r} is not one of: none, balanced, or a list of weights")
+        return
+    what = "label" if problem_type == MULTI else "class"
+    if len(setting) != num_labels:
+        raise UserError(
+            f"model.class_weights has {len(setting)} weight(s) for {num_labels} {what}es: one per {what}, in id order"
+            if what == "class" else
+            f"model.class_weights has {len(setting)} weight(s) for {num_labels} labels: one per label (its positives' "
+            "pos_weight), in label order"
+        )
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and w == w and w != float("inf")
+               for w in setting) or not any(w > 0 for w in setting):
+        raise UserError(f"model.class_weights {list(setting)}: weights are finite numbers >= 0, not all 0")
+
+
+def resolve(setting: Optional[ClassWeights], counts: Optional[LabelCounts], problem_type: str,
+            num_labels: int) -> Optional[torch.Tensor]:
+    """The weights the loss takes (None: unweighted), ``balanced`` computed from ``counts``."""
+    check(setting, problem_type, num_labels)
+    if setting is None or setting == "none":
+        return None
+    if setting != "balanced":
+        return torch.tensor([float(w) for w in setting], dtype=torch.float32)
+    if counts is None:
+        raise UserError("model.class_weights balanced needs the training labels' counts: fit with a data module")
+    per = torch.tensor(counts.per_label, dtype=torch.float64)
+    if problem_type == MULTI:  # negatives / positives; a label without positives is left unweighted
+        weights = torch.where(per > 0, (counts.rows - per) / per.clamp(min=1), torch.ones_like(per))
+    else:  # scikit-learn's n / (k * count); a class without rows weighs nothing it could change
+        weights = counts.rows / (num_labels * per.clamp(min=1))
+    return weights.float()
+
+
+def loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str,
+         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The batch's mean loss, weighted where ``weights`` are given: what Hugging Face's heads compute otherwise."""
+    logits = logits.float()
+    if weights is not None:
+        weights = weights.to(logits.device)
+    if problem_type == REGRESSION:
+        return torch.nn.functional.mse_loss(logits.squeeze(-1), labels.float())
+    if problem_type == MULTI:
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), pos_weight=weights)
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), weight=weights)
+
+
+def describe(setting: Optional[ClassWeights], weights: Optional[torch.Tensor], counts: Optional[LabelCounts],
+             names: Sequence[str], problem_type: str) -> Optional[str]:
+    """For the ``data:`` line: each class's (label's) weight with the count it comes from."""
+    if weights is None:
+        return None
+    kind = "pos_weight" if problem_type == MULTI else "class weights"
+    how = "balanced" if setting == "balanced" else "as set"
+    parts = [
+        f"{name} {w:.3g}" + (f" ({counts.per_label[i]:,})" if counts is not None else "")
+        for i, (name, w) in enumerate(zip(names, weights.tolist()))
+    ]
+    shown = ", ".join(parts[:12]) + (f", ... ({len(parts)} in all)" if len(parts) > 12 else "")
+    if counts is None:
+        return f"{kind} {how}: {shown}"
+    what = "positives" if problem_type == MULTI else "rows"
+    return f"{kind} {how} (of {counts.rows:,} training rows; their {what} in brackets): {shown}"
