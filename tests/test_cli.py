@@ -250,7 +250,7 @@ def test_a_typed_setting_wins_over_the_checkpoints_saved_one(command, multi_labe
     config.write_text("model:\n  threshold: 0.3\n")
     base = [command, "--config", str(config), f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}"]
     assert resolve(base).settings.model.threshold == 0.7
-    run = resolve([*base, "--model.thresh", "0.25", "--model.compile=false"])  # typed (abbreviated as argparse takes it)
+    run = resolve([*base, "--model.threshold", "0.25", "--model.compile=false"])  # typed
     assert run.settings.model.threshold == 0.25 and run.typed_settings["model.threshold"] == 0.25
     assert capsys.readouterr().err.strip().splitlines() == [
         f"model.threshold=0.25 as typed, over 0.7 saved in checkpoint {multi_label_checkpoint}"
