@@ -133,7 +133,7 @@ class TextClassificationData(L.LightningDataModule):
             one; else each row is named by its text).
         encoding: the encoding of the local training data file, a Python codec name (``cp1252``, ``latin-1``,
             ``utf-16``); null: UTF-8, or what the file's byte-order mark says. A byte it cannot decode is one error
-            line naming the line (`lit_memory.text_encoding`).
+            line naming the line (`lit_memory.text_encoding`). Not for a hub dataset (refused).
         encoding_errors: ``strict`` refuses a byte the encoding cannot decode; ``replace`` reads it as U+FFFD and counts
             the lines changed. null: strict, and replace for the bundled tweets (their corpus mixes encodings).
         predict_encoding: the encoding of ``predict_path``, as ``encoding`` for the training data (a file to predict
@@ -217,6 +217,11 @@ class TextClassificationData(L.LightningDataModule):
         )
         self._decoding: Optional[text_encoding.Decoding] = None  # how the local file was read (`_read`)
         self._local_file = self.local_file(source)
+        if self._local_file is None and (encoding is not None or encoding_errors == "replace"):
+            # a hub dataset's files are read as its builder (csv, json, parquet) and its card say, not by these
+            given = f"data.encoding {encoding!r}" if encoding is not None else "data.encoding_errors 'replace'"
+            raise UserError(f"{given} is for a local data file: data.source {source!r} is a hub dataset, read as it is "
+                            "published (leave it out, or download the file and give its path)")
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None

@@ -119,3 +119,12 @@ def test_a_file_to_predict_is_read_in_its_own_encoding_not_the_training_files(tm
     data = TextClassificationData(source=str(train), encoding="cp1252", predict_path=str(old),
                                   predict_encoding="latin-1")
     assert [row["text"] for _, row in data.predict_rows()] == TEXTS
+
+
+@pytest.mark.parametrize("given", [{"encoding": "cp1252"}, {"encoding_errors": "replace"}])
+def test_an_encoding_for_a_hub_dataset_is_refused_in_one_line(given):
+    """A hub dataset is read as published (datasets' builders): an encoding typed for it would do nothing."""
+    name, value = next(iter(given.items()))
+    with pytest.raises(UserError, match=rf"^data.{name} '{value}' is for a local data file: data.source 'someone/news' is a hub"):
+        TextClassificationData(source="someone/news", **given)
+    assert TextClassificationData(source="someone/news", encoding_errors="strict").hparams.encoding_errors == "strict"
