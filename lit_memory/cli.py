@@ -228,21 +228,20 @@ class LitMemoryCLI(LightningCLI):
         (`lit_memory.option_names.typed_keys`: a typed value equal to its default counts too). A key a later file
         set again (``--model.threshold 0.25 --config mine.yaml``) is not typed: the run has the file's value
         (kept in ``_typed_over`` to say so). Link targets (``data.tokenizer_name_or_path``) are not typed."""
-        self._defaults: dict[str, Any] = {}
         self._typed_over: dict[str, Any] = {}
-        if self.argv is None:
-            return {}
-        alone = self._typed_alone
-        try:
+        try:  # the command's defaults, to tell a value given from one left as it is
             defaults = self.settings_of(self._parse_alone([subcommand] if subcommand else []))
         except Exception:  # noqa: BLE001  not even the command alone parses: only the options named count
             defaults = None
+        self._defaults: dict[str, Any] = {} if defaults is None else dict(defaults.items(branches=False))
+        if self.argv is None:
+            return {}
+        alone = self._typed_alone
         named = list(option_names.typed_keys(subcommand or "fit", self.argv))
         # an option whose value is a file (``--ckpt_path X``, ``--data.source X``) is not in the parse alone: as parsed
         in_files = set(named) - set(option_names.typed_keys(subcommand or "fit", trust.command_line_only(self.argv)))
         keys = list(named)
         if defaults is not None:
-            self._defaults = dict(defaults.items(branches=False))
             keys += [
                 k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(self._defaults.get(k))
             ]
