@@ -55,6 +55,14 @@ FIRST_OPTIONS = (
     "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
 )
 COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
+# One source of truth: the model decides the classes and the tokenizer, the data follows (the parser's links, as
+# (source, target, compute_fn); a target is never typed: `LitMemoryCLI.typed_settings` leaves it out).
+LINKS = (
+    ("model.num_labels", "data.num_labels", None),
+    ("model.problem_type", "data.problem_type", None),
+    (("model.tokenizer_name_or_path", "model.model_name_or_path"), "data.tokenizer_name_or_path",
+     lambda tokenizer, model: tokenizer or model),
+)
 
 
 class _Parser(LightningArgumentParser):
@@ -245,7 +253,7 @@ class LitMemoryCLI(LightningCLI):
             keys += [
                 k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(self._defaults.get(k))
             ]
-        linked = set(self._link_targets(subcommand))
+        linked = {target for _, target, _ in LINKS}
         keys = [k for k in dict.fromkeys(keys) if k not in linked and k not in ("config", "subcommand")]
         found = {}
         for key in keys:
@@ -271,13 +279,6 @@ class LitMemoryCLI(LightningCLI):
             else:
                 self._typed_over[key] = value
         return found
-
-    def _link_targets(self, subcommand: Optional[str]) -> list[str]:
-        """The keys this command's parser computes from others (`add_arguments_to_parser`'s ``link_arguments``)."""
-        from jsonargparse._link_arguments import ActionLink  # its links' targets are named nowhere public
-
-        parser = getattr(self, "_subcommand_parsers", {}).get(subcommand, self.parser) if subcommand else self.parser
-        return [action.target[0] for action in parser._actions if isinstance(action, ActionLink)]
 
     def _parse_ckpt_path(self) -> None:
         """``--ckpt_path FILE``: Lightning lays the checkpoint's saved hyper-parameters over the settings; then what the
@@ -433,14 +434,8 @@ class LitMemoryCLI(LightningCLI):
         # Progress lines where the output is not a terminal (a log); on a terminal Lightning's rich bar (see
         # `_instantiate_trainer`). Its `progress:` block sets how often.
         parser.add_lightning_class_args(LogProgress, "progress")
-        # One source of truth: the model decides the classes and the tokenizer, the data follows.
-        parser.link_arguments("model.num_labels", "data.num_labels")
-        parser.link_arguments("model.problem_type", "data.problem_type")
-        parser.link_arguments(
-            ("model.tokenizer_name_or_path", "model.model_name_or_path"),
-            "data.tokenizer_name_or_path",
-            compute_fn=lambda tokenizer, model: tokenizer or model,
-        )
+        for source, target, compute_fn in LINKS:
+            parser.link_arguments(source, target, compute_fn=compute_fn)
         parser.add_argument(
             "--cpu_bf16_fallback",
             type=bool,
