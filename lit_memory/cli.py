@@ -165,6 +165,8 @@ class LitMemoryCLI(LightningCLI):
         # before a checkpoint's hyper-parameters are laid over them: what wins over the checkpoint's (`_parse_ckpt_path`).
         self.typed_settings: dict[str, Any] = {}
         self._typed_alone = Namespace()  # the parse of the command line alone (`trust.typed_values`)
+        self._typed_over: dict[str, Any] = {}  # typed, then set again by a later file (`_typed_settings`)
+        self._defaults: Optional[dict[str, Any]] = None  # the command's defaults, parsed when asked (`_command_defaults`)
         self.notes: list[str] = []  # lines said when the run is built (`_prepare`): only the process that runs says them
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
@@ -236,23 +238,17 @@ class LitMemoryCLI(LightningCLI):
         (`lit_memory.option_names.typed_keys`: a typed value equal to its default counts too). A key a later file
         set again (``--model.threshold 0.25 --config mine.yaml``) is not typed: the run has the file's value
         (kept in ``_typed_over`` to say so). Link targets (``data.tokenizer_name_or_path``) are not typed."""
-        self._typed_over: dict[str, Any] = {}
-        try:  # the command's defaults, to tell a value given from one left as it is
-            defaults = self.settings_of(self._parse_alone([subcommand] if subcommand else []))
-        except Exception:  # noqa: BLE001  not even the command alone parses: only the options named count
-            defaults = None
-        self._defaults: dict[str, Any] = {} if defaults is None else dict(defaults.items(branches=False))
+        self._typed_over = {}
         if self.argv is None:
             return {}
+        defaults = self._command_defaults(subcommand)
         alone = self._typed_alone
         named = list(option_names.typed_keys(subcommand or "fit", self.argv))
         # an option whose value is a file (``--ckpt_path X``, ``--data.source X``) is not in the parse alone: as parsed
         in_files = set(named) - set(option_names.typed_keys(subcommand or "fit", trust.command_line_only(self.argv)))
         keys = list(named)
-        if defaults is not None:
-            keys += [
-                k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(self._defaults.get(k))
-            ]
+        if defaults:
+            keys += [k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(defaults.get(k))]
         linked = {target for _, target, _ in LINKS}
         keys = [k for k in dict.fromkeys(keys) if k not in linked and k not in ("config", "subcommand")]
         found = {}
@@ -279,6 +275,16 @@ class LitMemoryCLI(LightningCLI):
             else:
                 self._typed_over[key] = value
         return found
+
+    def _command_defaults(self, subcommand: Optional[str]) -> dict[str, Any]:
+        """The command's defaults (a parse of the command alone), as jsonargparse's leaves; empty if it does not parse."""
+        if self._defaults is None:
+            try:
+                parsed = self.settings_of(self._parse_alone([subcommand] if subcommand else []))
+                self._defaults = dict(parsed.items(branches=False))
+            except Exception:  # noqa: BLE001  not even the command alone parses: only the options named count
+                self._defaults = {}
+        return self._defaults
 
     def _parse_ckpt_path(self) -> None:
         """``--ckpt_path FILE``: Lightning lays the checkpoint's saved hyper-parameters over the settings; then what the
@@ -341,7 +347,8 @@ class LitMemoryCLI(LightningCLI):
                 saved = _at(after, name)
             except KeyError:
                 continue
-            if value == "auto" or settings_key_of(value) in (settings_key_of(saved), settings_key_of(self._defaults.get(key))):
+            default = self._command_defaults(self.config.get("subcommand")).get(key)
+            if value == "auto" or settings_key_of(value) in (settings_key_of(saved), settings_key_of(default)):
                 continue  # the checkpoint's, the default, or ``auto`` (a plan asked for; the checkpoint holds its run's)
             shown = json.dumps(plain(value)) if not isinstance(value, str) else value
             how = f"type --{key} {shlex.quote(shown)} to use it"
