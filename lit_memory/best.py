@@ -8,9 +8,10 @@ the best of before. At the end of ``fit`` the module exports ``hf_model/`` from 
 module back its decisions saved there: the tuned thresholds), the log names the step and the score, and the closing
 ``val:`` line, per-class report and model card are that step's (`best_of`). `EarlyStop` stops on the same metric.
 
-`ValidationStep` gives the run one step numbering: Lightning logs a validation's metrics at the count of optimizer
-steps before the one just taken (``metrics.csv``: step 55) while checkpoints and progress lines name the steps taken
-(``best-step=56``); the metrics of a validation are logged at the steps taken, as every name says them.
+`ValidationStep` gives the run one step numbering: Lightning logs a validation's metrics at its count of the batches
+that stepped, one short of the steps taken after a step (``metrics.csv``: step 55) while checkpoints and progress lines
+name the steps taken (``best-step=56``); the metrics of a validation are logged at the steps taken, as every name says
+them (a row's step in ``metrics.csv`` is always "the weights after N optimizer steps").
 """
 
 from __future__ import annotations
@@ -144,22 +145,26 @@ def restore_best(trainer: L.Trainer) -> Optional[str]:
 
 class ValidationStep(Callback):
     """A validation's metrics logged at the optimizer steps taken before it (what checkpoint names, progress lines
-    and the hf_model line say), not Lightning's count of the steps before the last one (module docstring)."""
+    and the hf_model line say), not Lightning's count of the batches that stepped before the last one (module
+    docstring), through Lightning's public way to name a row's step: a logged ``step`` metric."""
 
     def __init__(self) -> None:
-        self._raised = False
+        self._logged = False
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning logs the epoch's metrics after this hook and before on_validation_end, at the fit loop's
-        # `_batches_that_stepped` (private; tests/test_best.py checks it exists), raised to the steps taken until then.
-        if trainer.state.fn == "fit" and not trainer.sanity_checking and not self._raised:
-            trainer.fit_loop.epoch_loop._batches_that_stepped += 1
-            self._raised = True
+        # Lightning's LoggerConnector.log_metrics takes a logged "step" as the row's step, and then adds no "epoch".
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            pl_module.log("step", float(trainer.global_step), sync_dist=True)  # the same on every rank
+            pl_module.log("epoch", float(trainer.current_epoch), sync_dist=True)
+            self._logged = True
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._raised:  # as it was, before any checkpoint saves the loop's state
-            trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
-            self._raised = False
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        # Not metrics: left in the callback metrics, they would name the checkpoints written at the next steps
+        # (a ModelCheckpoint takes "step" and "epoch" from there before the trainer's own).
+        if self._logged:
+            self._logged = False
+            for key in ("step", "epoch"):
+                trainer.callback_metrics.pop(key, None)
 
 
 class EarlyStop(EarlyStopping):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -42,7 +43,7 @@ from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predict_file import PredictionWriter
 from lit_memory.run_memory import Advise, Predict, memory_callbacks
-from lit_memory.settings import assign, key_of as settings_key_of, leaves, locate
+from lit_memory.settings import assign, key_of as settings_key_of, leaves, locate, plain
 from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
 PREDICT_FOLDER = "predict"  # under lightning_logs/: where predict's folders go
@@ -57,6 +58,15 @@ FIRST_OPTIONS = (
     "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
 )
 COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
+# One source of truth: the model decides the classes and the tokenizer, the data follows (the parser's links, as
+# (source, target, compute_fn); a target is never typed: `LitMemoryCLI.typed_settings` leaves it out).
+LINKS = (
+    ("model.num_labels", "data.num_labels", None),
+    ("model.problem_type", "data.problem_type", None),
+    ("model.class_weights", "data.class_weights", None),  # the data: line shows them with their counts
+    (("model.tokenizer_name_or_path", "model.model_name_or_path"), "data.tokenizer_name_or_path",
+     lambda tokenizer, model: tokenizer or model),
+)
 
 
 class _Parser(LightningArgumentParser):
@@ -159,6 +169,10 @@ class LitMemoryCLI(LightningCLI):
         # The settings the user typed on the command line (dotted keys, one subcommand's) with their parsed values,
         # before a checkpoint's hyper-parameters are laid over them: what wins over the checkpoint's (`_parse_ckpt_path`).
         self.typed_settings: dict[str, Any] = {}
+        self._typed_alone = Namespace()  # the parse of the command line alone (`trust.typed_values`)
+        self._typed_over: dict[str, Any] = {}  # typed, then set again by a later file (`_typed_settings`)
+        self._defaults: Optional[dict[str, Any]] = None  # the command's defaults, parsed when asked (`_command_defaults`)
+        self.notes: list[str] = []  # lines said when the run is built (`_prepare`): only the process that runs says them
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
@@ -209,10 +223,11 @@ class LitMemoryCLI(LightningCLI):
         # being given both args and a command line.
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
         subcommand = self.config.get("subcommand")
+        if self.argv is not None:
+            self._typed_alone = trust.typed_values(self.argv, self._parse_alone, subcommand)
         self.typed_settings = self._typed_settings(subcommand)
         if self.argv is not None and not self.decision.trusted:
-            typed = trust.typed_values(self.argv, self._parse_alone, subcommand)
-            self.decision = dataclasses.replace(self.decision, typed=typed)
+            self.decision = dataclasses.replace(self.decision, typed=self._typed_alone)
         self._check_values()
         self._problem(self._parse_memory)
         self._problem(self._follow_device)  # before resuming compares the precision a checkpoint was made with
@@ -223,46 +238,151 @@ class LitMemoryCLI(LightningCLI):
                 self.config[subcommand].ckpt_path = None  # reported; not to be read again
 
     def _typed_settings(self, subcommand: Optional[str]) -> dict[str, Any]:
-        """The settings the command line's options set (`lit_memory.option_names.typed_keys`), as parsed."""
+        """The settings the command line's options set, with their values: what a parse of the command line alone
+        (`trust.typed_values`: jsonargparse's own reading, so ``--key=value``, abbreviations and a group typed as a
+        mapping) gives other than the command's defaults, and every key an option names
+        (`lit_memory.option_names.typed_keys`: a typed value equal to its default counts too). A key a later file
+        set again (``--model.threshold 0.25 --config mine.yaml``) is not typed: the run has the file's value
+        (kept in ``_typed_over`` to say so). Link targets (``data.tokenizer_name_or_path``) are not typed."""
+        self._typed_over = {}
         if self.argv is None:
             return {}
+        defaults = self._command_defaults(subcommand)
+        alone = self._typed_alone
+        named = list(option_names.typed_keys(subcommand or "fit", self.argv))
+        # an option whose value is a file (``--ckpt_path X``, ``--data.source X``) is not in the parse alone: as parsed
+        in_files = set(named) - set(option_names.typed_keys(subcommand or "fit", trust.command_line_only(self.argv)))
+        keys = list(named)
+        if defaults:
+            keys += [k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(defaults.get(k))]
+        linked = {target for _, target, _ in LINKS}
+        keys = [k for k in dict.fromkeys(keys) if k not in linked and k not in ("config", "subcommand")]
         found = {}
-        for key in option_names.typed_keys(subcommand or "fit", self.argv):
-            try:
-                container, last = locate(self.settings, key)
-            except KeyError:
+        for key in keys:
+            if any(key.startswith(other + ".") for other in keys):  # within a setting typed whole: it says the value
                 continue
-            found[key] = container[last]
+            try:
+                if key in in_files:
+                    raise KeyError(key)
+                value = _at(alone, key)
+            except KeyError:  # a file named, or an option that needs what a file names to parse: as the run has it
+                try:
+                    value = _at(self.settings, key)
+                except KeyError:
+                    continue
+                found[key] = value
+                continue
+            try:
+                now = _at(self.settings, key)
+            except KeyError:
+                now = None
+            if settings_key_of(now) == settings_key_of(value):
+                found[key] = value
+            else:
+                self._typed_over[key] = value
         return found
+
+    def _command_defaults(self, subcommand: Optional[str]) -> dict[str, Any]:
+        """The command's defaults (a parse of the command alone), as jsonargparse's leaves; empty if it does not parse."""
+        if self._defaults is None:
+            try:
+                parsed = self.settings_of(self._parse_alone([subcommand] if subcommand else []))
+                self._defaults = dict(parsed.items(branches=False))
+            except Exception:  # noqa: BLE001  not even the command alone parses: only the options named count
+                self._defaults = {}
+        return self._defaults
 
     def _parse_ckpt_path(self) -> None:
         """``--ckpt_path FILE``: Lightning lays the checkpoint's saved hyper-parameters over the settings; then what the
         user typed wins again (``validate --ckpt_path X --model.threshold 0.25`` validates at 0.25, said in one line),
-        except a setting the saved weights depend on (`SequenceClassifier.FIXED_BY_WEIGHTS`), refused in one line."""
-        super()._parse_ckpt_path()
+        except a setting the saved weights depend on (`SequenceClassifier.FIXED_BY_WEIGHTS`), refused in one line. A
+        setting a config file gave that the checkpoint's replaces is said in one line too."""
         subcommand = self.config.get("subcommand")
+        before = self.settings.model.clone() if subcommand and self.settings.get("model") is not None else None
+        super()._parse_ckpt_path()
         if not subcommand or self.config[subcommand].get("ckpt_path") is None:
             return
         self._check_values()  # a checkpoint someone sent is refused for what it holds before it is compared
+        ckpt_path = str(self.config[subcommand].ckpt_path)
+        back: dict[str, Any] = {}
         for key, typed in self.typed_settings.items():
             if key.startswith("model."):
-                self._problem(self._typed_wins, key, typed, str(self.config[subcommand].ckpt_path))
+                self._problem(self._typed_wins, key, typed, ckpt_path, back)
+        if back:  # as Lightning lays the checkpoint's: parsed again, so links (the data's tokenizer) follow them
+            tree: dict[str, Any] = {}
+            for key, typed in back.items():
+                assign(tree, key, typed, create=True)
+            self.config = self.parser.parse_object({subcommand: tree}, self.config)
+        if before is not None:
+            self._said_files_lose(before, ckpt_path)
 
-    def _typed_wins(self, key: str, typed: Any, ckpt_path: str) -> None:
+    def _typed_wins(self, key: str, typed: Any, ckpt_path: str, back: dict[str, Any]) -> None:
+        """``key`` as typed goes ``back`` over the checkpoint's (said in one line), unless the weights fix it."""
         try:
-            container, last = locate(self.settings, key)
+            saved = _at(self.settings, key)
         except KeyError:  # the checkpoint's value has no such part (a dict where a value was typed inside)
-            container, last = None, None
-        saved = container[last] if container is not None else None
-        if settings_key_of(saved) == settings_key_of(typed):
+            saved = None
+        name = key.split(".")[1]
+        meant = self._effective(name, saved)
+        if settings_key_of(meant) == settings_key_of(self._effective(name, typed)):
             return
-        if key.split(".")[1] in SequenceClassifier.FIXED_BY_WEIGHTS:
+        if name in SequenceClassifier.FIXED_BY_WEIGHTS:
+            made = repr(saved) if saved is not None or meant is None else f"None (the model's, {meant!r})"
             raise UserError(
-                f"--{key} {typed!r}: checkpoint {ckpt_path} holds weights made with {key}={saved!r}, which cannot be read "
+                f"--{key} {typed!r}: checkpoint {ckpt_path} holds weights made with {key}={made}, which cannot be read "
                 f"as {typed!r} (leave --{key} out to use the checkpoint's, or train a new model)"
             )
-        assign(self.settings, key, typed, create=container is None)
-        say(f"{key}={typed!r} as typed, over {saved!r} saved in checkpoint {ckpt_path}")
+        back[key] = typed
+        self.notes.append(f"{key}={typed!r} as typed, over {saved!r} saved in checkpoint {ckpt_path}")
+
+    def _effective(self, name: str, value: Any) -> Any:
+        """What a model setting means: no tokenizer is the model's own."""
+        if name == "tokenizer_name_or_path" and value is None:
+            return self.settings.model.model_name_or_path
+        return value
+
+    def _said_files_lose(self, before: Namespace, ckpt_path: str) -> None:
+        """One line for each model setting a config file gave (other than the default and not typed) that the
+        checkpoint's saved value replaced: the checkpoint's wins, typing it makes it the run's."""
+        after = self.settings.model
+        for name, value in before.items(branches=False):
+            key = f"model.{name}"
+            if any(key == t or key.startswith(t + ".") or t.startswith(key + ".") for t in self.typed_settings):
+                continue
+            try:
+                saved = _at(after, name)
+            except KeyError:
+                continue
+            default = self._command_defaults(self.config.get("subcommand")).get(key)
+            if value == "auto" or settings_key_of(value) in (settings_key_of(saved), settings_key_of(default)):
+                continue  # the checkpoint's, the default, or ``auto`` (a plan asked for; the checkpoint holds its run's)
+            shown = json.dumps(plain(value)) if not isinstance(value, str) else value
+            how = f"type --{key} {shlex.quote(shown)} to use it"
+            if key in self._typed_over:
+                how = f"--{key} {self._typed_over[key]!r} was typed before that file: type it after to use it"
+            where = self._config_file_with(key, value) or "a config file"
+            self.notes.append(f"{key}={saved!r} from checkpoint {ckpt_path}, not {value!r} from {where} ({how})")
+
+    def _config_file_with(self, key: str, value: Any) -> Optional[str]:
+        """The last ``--config`` file that sets ``key`` to ``value`` (itself or under its command), if one does."""
+        argv = self.argv or []
+        files = [
+            a.split("=", 1)[1] if "=" in a else argv[i + 1]
+            for i, a in enumerate(argv)
+            if a.startswith(("--config=", "-c=")) or (a in ("--config", "-c") and i + 1 < len(argv))
+        ]
+        for path in reversed(files):
+            try:
+                data = bounds.read_yaml(path, "config")
+            except (UserError, OSError):
+                continue
+            for tree in (data, data.get(self.config.get("subcommand")) if isinstance(data, dict) else None):
+                try:
+                    if settings_key_of(_at(tree, key)) == settings_key_of(value):
+                        return path
+                except (KeyError, TypeError):
+                    continue
+        return None
 
     def _problem(self, check: Any, *args: Any, **kwargs: Any) -> bool:
         """``check(*args)``; with ``collect=True`` its `UserError` is kept in ``problems`` (False), else raised."""
@@ -289,11 +409,7 @@ class LitMemoryCLI(LightningCLI):
         """Whether the user typed ``key`` as ``value`` on the command line (a file did not set it after)."""
         if self.argv is None:
             return False
-        decision = self.decision
-        if decision.trusted:  # the trust decision reads them only for untrusted runs
-            typed = trust.typed_values(self.argv, self._parse_alone, self.config.get("subcommand"))
-            decision = dataclasses.replace(decision, typed=typed)
-        return decision.is_typed(key, value)
+        return dataclasses.replace(self.decision, typed=self._typed_alone).is_typed(key, value)
 
     def _parse_alone(self, argv: list[str]) -> Namespace:
         with self._probing():
@@ -333,15 +449,8 @@ class LitMemoryCLI(LightningCLI):
         parser.add_lightning_class_args(LogProgress, "progress")
         # Early stopping on the best checkpoint's metric: ``--early_stopping.patience N`` (off unless set).
         parser.add_lightning_class_args(EarlyStop, "early_stopping")
-        # One source of truth: the model decides the classes and the tokenizer, the data follows.
-        parser.link_arguments("model.num_labels", "data.num_labels")
-        parser.link_arguments("model.problem_type", "data.problem_type")
-        parser.link_arguments("model.class_weights", "data.class_weights")  # the data: line shows them with their counts
-        parser.link_arguments(
-            ("model.tokenizer_name_or_path", "model.model_name_or_path"),
-            "data.tokenizer_name_or_path",
-            compute_fn=lambda tokenizer, model: tokenizer or model,
-        )
+        for source, target, compute_fn in LINKS:
+            parser.link_arguments(source, target, compute_fn=compute_fn)
         parser.add_argument(
             "--cpu_bf16_fallback",
             type=bool,
@@ -394,6 +503,9 @@ class LitMemoryCLI(LightningCLI):
         """Before anything is instantiated: the seed, the recipe's allocator settings on CUDA (before anything
         allocates, and before the checkpointing plan predicts with them), the task, and ``auto`` planned."""
         self._set_seed()
+        for line in self.notes:  # said here, not while parsing: a confined run is parsed twice (judged, then run)
+            say(line)
+        self.notes = []
         if not runs_on_cpu(self.settings.trainer.accelerator):
             warning = self._held.enter_context(recipe_settings(self.memory.allocator))
             if warning:
@@ -566,6 +678,12 @@ class LitMemoryCLI(LightningCLI):
 
     def after_predict(self) -> None:
         console.print_predict_metrics(self.trainer, self.model)
+
+
+def _at(tree: Any, key: str) -> Any:
+    """The value at a dotted key (`lit_memory.settings.locate`); KeyError if it is not there."""
+    container, last = locate(tree, key)
+    return container[last]
 
 
 def named_files(argv: list[str]) -> list[str]:

@@ -323,7 +323,8 @@ def forced_callbacks(config: dict[str, Any], callbacks: list) -> list:
 
 def print_metrics(trainer: Any, stage: str, metrics: Optional[Mapping[str, Any]] = None, label: str = "") -> None:
     """One line of the stage's metrics (``val``, ``test``; default: the last evaluation's) from the global-zero
-    process: ``val: acc=0.8751 f1=...`` (``label`` after the stage: ``val at the last step (130)``)."""
+    process: ``val: acc=0.8751 f1=...`` (``label`` after the stage: ``val at the last validation (step 130, not
+    exported)``)."""
     if not trainer.is_global_zero:
         return
     metrics = trainer.callback_metrics if metrics is None else metrics
@@ -344,7 +345,7 @@ def print_fit_metrics(trainer: Any, module: Any) -> None:
         return
     step = best.best_step()
     if best.validated_step is not None and best.validated_step != step:
-        print_metrics(trainer, "val", label=f" at the last step ({best.validated_step}, not exported)")
+        print_metrics(trainer, "val", label=f" at the last validation (step {best.validated_step}, not exported)")
     report = getattr(module, "report_evaluation", None)
     if best.best_counts is not None and report is not None:
         report("val", torch.tensor(best.best_counts), f" at step {step}, exported to hf_model")

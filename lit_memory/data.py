@@ -8,6 +8,7 @@ bad input fails with one line and leaves nothing behind.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from collections import Counter
@@ -152,21 +153,24 @@ class TextClassificationData(L.LightningDataModule):
             if any, give metrics. Without it, ``predict`` predicts the test split.
         id_column: the column that names each row in the predictions (default ``id`` or ``idx`` where the file has
             one; else each row is named by its text).
-        encoding: the encoding of the local files read (the training data and ``predict_path``), a Python codec name
-            (``cp1252``, ``latin-1``, ``utf-16``); null: UTF-8, or what a file's byte-order mark says. A byte it cannot
-            decode is one error line naming the line (`lit_memory.text_encoding`).
+        encoding: the encoding of the local training data file, a Python codec name (``cp1252``, ``latin-1``,
+            ``utf-16``); null: UTF-8, or what the file's byte-order mark says. A byte it cannot decode is one error
+            line naming the line (`lit_memory.text_encoding`). Not for a hub dataset (refused).
         encoding_errors: ``strict`` refuses a byte the encoding cannot decode; ``replace`` reads it as U+FFFD and counts
             the lines changed. null: strict, and replace for the bundled tweets (their corpus mixes encodings).
         class_weights: linked from ``model.class_weights`` by the CLI: the ``data:`` line shows the weights with the
             counts they come from (`lit_memory.class_weights`).
+        predict_encoding: the encoding of ``predict_path``, as ``encoding`` for the training data (a file to predict
+            comes from elsewhere: a run's config.yaml names its training file's encoding, not this one's).
+        predict_encoding_errors: ``strict`` (null) or ``replace``, as ``encoding_errors`` for ``predict_path``.
     """
 
     ARGUMENTS = (
         "source", "text_column", "label_column", "label_names", "num_labels", "problem_type", "subset", "train_split",
         "validation_split", "test_split", "tokenizer_name_or_path", "max_length", "padding", "batch_size",
         "eval_batch_size", "val_fraction", "test_fraction", "limit_train_samples", "limit_eval_samples", "seed",
-        "num_workers", "pin_memory", "predict_path", "id_column", "encoding", "encoding_errors", "long_texts", "stride",
-        "class_weights",
+        "num_workers", "pin_memory", "predict_path", "id_column", "encoding", "encoding_errors", "predict_encoding",
+        "predict_encoding_errors", "long_texts", "stride", "class_weights",
     )
 
     def __init__(
@@ -200,6 +204,8 @@ class TextClassificationData(L.LightningDataModule):
         long_texts: windows.LongTexts = "truncate",
         stride: Optional[int] = None,
         class_weights: Optional[weights_.ClassWeights] = "none",
+        predict_encoding: Optional[str] = None,
+        predict_encoding_errors: Optional[text_encoding.Errors] = None,
     ) -> None:
         super().__init__()
         if num_labels is not None and num_labels < 1:
@@ -241,6 +247,11 @@ class TextClassificationData(L.LightningDataModule):
         )
         self._decoding: Optional[text_encoding.Decoding] = None  # how the local file was read (`_read`)
         self._local_file = self.local_file(source)
+        if self._local_file is None and (encoding is not None or encoding_errors == "replace"):
+            # a hub dataset's files are read as its builder (csv, json, parquet) and its card say, not by these
+            given = f"data.encoding {encoding!r}" if encoding is not None else "data.encoding_errors 'replace'"
+            raise UserError(f"{given} is for a local data file: data.source {source!r} is a hub dataset, read as it is "
+                            "published (leave it out, or download the file and give its path)")
         self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
@@ -304,14 +315,31 @@ class TextClassificationData(L.LightningDataModule):
         if text_encoding.blank(self._local_file):
             raise UserError(f"data file {self.where} is empty")
         self._decoding = text_encoding.decoding(self._local_file, self.hparams.encoding, self.hparams.encoding_errors)
-        kwargs = {**kwargs, "encoding": self._decoding.encoding, "encoding_errors": self._decoding.errors}
         try:
-            raw = load_local(builder, self._local_file, **kwargs)
+            if builder == "json" and not self._decoding.ascii_compatible:
+                raw = datasets.DatasetDict(train=self._json_as_text())
+            else:
+                raw = load_local(builder, self._local_file, **kwargs, **self._decoding.for_datasets())
+        except UserError:
+            raise
         except Exception as err:
             if "corresponds to no data" in str(err):  # datasets' words for a file without a row
                 raise UserError(f"data file {self.where} has no rows" + (" (only its header)" if builder == "csv" else "")) from None
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw
+
+    def _json_as_text(self) -> datasets.Dataset:
+        """A JSON file in UTF-16 or UTF-32 (`datasets` cuts JSON lines at newline bytes, half such a newline), its
+        rows read as text (`predict_file.json_rows`) into a dataset cached under the file's path, size and time."""
+        path, decoding = self._local_file, self._decoding
+        stat = path.stat()
+        fingerprint = hashlib.sha256(
+            repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, decoding.encoding, decoding.errors)).encode()
+        ).hexdigest()[:32]
+        gen_kwargs = {"path": str(path), "encoding": decoding.encoding, "errors": decoding.errors}
+        if next(predict_file.json_rows(**gen_kwargs), None) is None:
+            raise UserError(f"data file {self.where} has no rows")
+        return datasets.Dataset.from_generator(predict_file.json_rows, gen_kwargs=gen_kwargs, fingerprint=fingerprint)
 
     def _named_splits(self, raw: datasets.DatasetDict) -> dict[str, datasets.Dataset]:
         """The source's splits under our names (train, validation, test) as ``*_split`` name them."""
@@ -536,7 +564,8 @@ class TextClassificationData(L.LightningDataModule):
                 if text_encoding.blank(self._predict_file):
                     raise UserError(f"data.predict_path: {self._predict_file} is empty")
                 self._predict_decoding = text_encoding.decoding(
-                    self._predict_file, self.hparams.encoding, self.hparams.encoding_errors
+                    self._predict_file, self.hparams.predict_encoding, self.hparams.predict_encoding_errors or "strict",
+                    flag="data.predict_encoding",
                 )
                 if note := self._predict_decoding.note(str(self._predict_file)):
                     say(f"predict: {note}")

@@ -151,9 +151,13 @@ class SequenceClassifier(L.LightningModule):
     SAME_FLOPS = frozenset({
         "embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained", "save_dtype",
     })
-    # Arguments the saved weights depend on (their shapes, their modules, what the outputs mean): loading a checkpoint,
-    # a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other typed value wins over it.
-    FIXED_BY_WEIGHTS = frozenset({"num_labels", "problem_type", "lora", "config_overrides", "embedding_optimizer_state"})
+    # Arguments the saved weights depend on (their architecture, shapes, modules and vocabulary, what the outputs mean):
+    # loading a checkpoint, a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other
+    # typed value wins over it. How the optimizer keeps its state is not here: a resumed fit compares it
+    # (`lit_memory.resume.RESUME_KEYS`), and an evaluation does not step.
+    FIXED_BY_WEIGHTS = frozenset(
+        {"model_name_or_path", "tokenizer_name_or_path", "num_labels", "problem_type", "lora", "config_overrides"}
+    )
 
     def __init__(
         self,

@@ -108,24 +108,54 @@ def _known(name: str, names: tuple[str, ...]) -> bool:
 
 def typed_keys(command: str, argv: list[str]) -> list[str]:
     """The dotted settings the options in ``argv`` set, an abbreviated group parameter written out
-    (``--model.thresh 0.3``: ``model.threshold``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order.
-    Files (``--config``) and options that name no setting (``--print_config``) are not among them."""
+    (``--model.thresh 0.3``: ``model.threshold``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order; a whole
+    group given as a mapping (``--model '{"threshold": 0.3}'``) sets each of its leaves (``model.threshold``).
+    Files (``--config``, a group given as a file) and options that name no setting (``--print_config``) are not among
+    them."""
     known = options(command)
     found: list[str] = []
-    for token in argv:
+    for i, token in enumerate(argv):
         if not token.startswith("--") or token == "--":
             continue
-        key = token[2:].split("=", 1)[0].removesuffix("+")
+        key, eq, value = token[2:].partition("=")
+        key = key.removesuffix("+")
         group, _, rest = key.partition(".")
         if not rest:
-            if group in ("config", "print_config", "help") or group in known:
-                continue  # a file, a printing switch, or a whole group's config: no one setting
+            if group in ("config", "print_config", "help"):
+                continue  # a file or a printing switch: no one setting
+            if group in known:  # a whole group: a file (not typed), or a mapping typed inline
+                if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value = argv[i + 1]
+                found += [f"{group}.{leaf}" for leaf in _mapping_leaves(value)]
+                continue
             found.append(_written_out(group, known[""]))
             continue
         name, _, deeper = rest.partition(".")
         name = _written_out(name, known.get(group, ()))
         found.append(".".join(part for part in (group, name, deeper) if part))
     return list(dict.fromkeys(found))
+
+
+def _mapping_leaves(value: str) -> list[str]:
+    """The dotted leaves of a group's value typed inline as a YAML/JSON mapping; none for a file or anything else."""
+    try:
+        if not value or Path(value).expanduser().exists():
+            return []
+    except (OSError, ValueError):  # too long or too odd to be a path
+        pass
+    import yaml  # deferred: only a command that runs asks
+
+    try:
+        tree = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return []
+
+    def walk(node: object, prefix: str) -> list[str]:
+        if isinstance(node, dict) and node:
+            return [leaf for k, v in node.items() for leaf in walk(v, f"{prefix}.{k}" if prefix else str(k))]
+        return [prefix] if prefix else []
+
+    return walk(tree, "")
 
 
 def _written_out(name: str, names: tuple[str, ...]) -> str:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import csv
 import json
@@ -27,7 +26,7 @@ from typing import IO, Any, Literal, Optional
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lit_memory import files, guard, windows
+from lit_memory import files, guard, text_encoding, windows
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
@@ -50,11 +49,12 @@ def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]], 
     if suffix not in file_formats:
         raise UserError(f"unsupported file {path}: use one of " + ", ".join(file_formats))
     builder, kwargs = file_formats[suffix]
-    if builder == "json" and _first_char(path) == "[":
-        # `datasets` reads a JSON array whole; decode it item by item instead.
+    if builder == "json" and (not decoding.ascii_compatible or text_encoding.first_char(path, decoding.encoding) == "["):
+        # `datasets` reads a JSON array whole, and JSON lines in blocks cut at a newline byte (half of UTF-16's
+        # newline): decoded here as text instead, item by item.
         gen_kwargs = {"path": str(path), "encoding": decoding.encoding, "errors": decoding.errors}
-        return datasets.IterableDataset.from_generator(json_array_rows, gen_kwargs=gen_kwargs)
-    kwargs = {**kwargs, "encoding": decoding.encoding, "encoding_errors": decoding.errors}
+        return datasets.IterableDataset.from_generator(json_rows, gen_kwargs=gen_kwargs)
+    kwargs = {**kwargs, **decoding.for_datasets()}
     if builder == "csv":
         # Texts verbatim ("NA", "null" and empty cells stay strings, not NaN).
         kwargs = {**kwargs, "na_filter": False}
@@ -66,20 +66,25 @@ def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]], 
         raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from err
 
 
-def _first_char(path: Path) -> str:
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    if head.startswith(codecs.BOM_UTF8):
-        head = head[len(codecs.BOM_UTF8) :]
-    stripped = head.lstrip()
-    return chr(stripped[0]) if stripped else ""
+def json_rows(path: str, encoding: str = "utf-8", errors: str = "strict") -> Iterator[dict[str, Any]]:
+    """The rows of a JSON array or JSON Lines file (whichever its first character says), read as text in
+    ``encoding``, one at a time: objects as rows, anything else as ``{"text": ...}``, as `datasets` reads them."""
+    if text_encoding.first_char(Path(path), encoding) == "[":
+        yield from json_array_rows(path, encoding, errors)
+        return
+    with open(path, encoding=encoding, errors=errors) as f:
+        for number, line in enumerate(f):  # split at newlines as text: any encoding's
+            if number == 0:
+                line = line.lstrip("\ufeff")  # a byte-order mark is no text (UTF-8's, or one a named codec left)
+            if line.strip():
+                item = json.loads(line)
+                yield item if isinstance(item, dict) else {"text": item}
 
 
 def json_array_rows(path: str, encoding: str = "utf-8", errors: str = "strict") -> Iterator[dict[str, Any]]:
     """The items of a JSON array file, one at a time (objects as rows; strings as ``{"text": ...}``, as
     `datasets` reads them), holding at most one chunk plus one item in memory."""
     decoder = json.JSONDecoder()
-    encoding = "utf-8-sig" if encoding == "utf-8" else encoding  # a BOM is no item
     with open(path, encoding=encoding, errors=errors) as f:
         buffer, pos, eof = "", 0, False
 
@@ -98,7 +103,7 @@ def json_array_rows(path: str, encoding: str = "utf-8", errors: str = "strict") 
                 if pos < len(buffer) or not more():
                     return buffer[pos] if pos < len(buffer) else ""
 
-        if skip(" \t\r\n") != "[":
+        if skip("\ufeff \t\r\n") != "[":  # a byte-order mark is no item
             raise ValueError(f"{path} is not a JSON array")
         pos += 1
         while True:

@@ -16,9 +16,12 @@ loops' progress (global step, epoch, batch index). What they lack, and this modu
   (every `EVERY_N_TRAIN_STEPS` steps, ``last.ckpt`` linked to the newest), and
   ``--ckpt_path last`` finds the newest ``last.ckpt`` of the earlier runs in the same log folder;
 - the validation of the step a checkpoint is written at: Lightning writes a step's checkpoint before that step's
-  validation runs and, resumed from it, goes on without running it again, so the best-model record
+  validation runs and, resumed from it, goes on without running it, so the best-model record
   (`lit_memory.best.BestCheckpoint`) would miss it and the resumed run export another step than the uninterrupted
-  one; `ResumeCheckpoint` writes such a step's checkpoint after its validation.
+  one. `ResumeCheckpoint` writes such a step's checkpoint before its validation, as Lightning does, marked as owing
+  it, and again after it (the same file, now holding the validation in the record); a run resumed from the first
+  (killed during the validation) runs the validation before training goes on. Either way the run resumes at the
+  step the checkpoint was written at and its record ends as the uninterrupted run's.
 
 Exactness holds while nothing between the checkpoint and the next training step draws from the
 global random generators: the data module's loaders draw from generators of their own.
@@ -49,6 +52,7 @@ from lit_memory import guard
 from lit_memory.best import BestCheckpoint, ValidationStep
 from lit_memory.errors import UserError
 from lit_memory.precision import trains_with
+from lit_memory.sandbox.rules import phase
 from lit_memory.settings import Precision, key_of
 
 # The default checkpoint interval, in optimizer steps: 16,000 samples at the recipes' batch of 32, so
@@ -246,7 +250,7 @@ class ResumeCheckpoint(ModelCheckpoint):
     ) -> None:
         super().__init__(every_n_train_steps=every_n_train_steps, save_last=save_last, **kwargs)
         self._in_run_folder = kwargs.get("dirpath") is None
-        self._after_validation: Optional[int] = None  # a step whose checkpoint waits for the step's validation
+        self._owed: Optional[int] = None  # the step whose checkpoint was written before the step's validation ran
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -259,18 +263,33 @@ class ResumeCheckpoint(ModelCheckpoint):
             rest.insert(max(rest.index(b) for b in best) + 1, self)
             trainer.callbacks = rest
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "validation_owed": self._owed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._owed = state_dict.get("validation_owed")
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Written now, as Lightning does (a kill during the validation that follows loses no steps), saying that the
+        # step's validation is owed; written again once it is in the best-model record (`on_validation_end`).
         step = trainer.global_step
         due = self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0 and step > 0
-        if due and validates_next(trainer) and not self._should_skip_saving_checkpoint(trainer):
-            self._after_validation = step  # written once the step's validation is in the best-model record
-            return
+        self._owed = step if due and validates_next(trainer) else None
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._last_global_step_saved != step:
+            self._owed = None  # not written at this step
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Resumed from a checkpoint written before its step's validation (killed during it): Lightning takes a
+        # checkpoint written at a batch's end as validated and goes on, so the validation runs now, as it would have.
+        if self._owed is not None and self._owed == trainer.global_step:
+            validate_now(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if self._after_validation is not None and self._after_validation == trainer.global_step and not trainer.sanity_checking:
-            self._after_validation = None
+        if self._owed is not None and self._owed == trainer.global_step and not trainer.sanity_checking:
+            self._owed = None  # the step's checkpoint again, now holding its validation (same file, replaced)
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
@@ -295,10 +314,24 @@ class ResumeCheckpoint(ModelCheckpoint):
 
 
 def validates_next(trainer: Trainer) -> bool:
-    """Whether the fit loop validates right after the batch that just ended (Lightning's own decision, asked of its
-    training epoch loop: private in 2.6, tests/test_resume.py checks it)."""
+    """Whether the fit loop validates right after the batch that just ended: Lightning's own decision, asked of its
+    training epoch loop (private in 2.6; tests/test_resume.py checks it against the validations that run)."""
     loop = trainer.fit_loop.epoch_loop
-    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    # The validation loop skips a validation set without a batch ([]: not counted yet, before its first validation).
+    batches = trainer.num_val_batches
+    batches = batches if isinstance(batches, list) else [batches]
+    return loop._should_check_val_fx(trainer.fit_loop._data_fetcher) and (not batches or sum(batches) > 0)
+
+
+def validate_now(trainer: Trainer) -> None:
+    """Run the fit's validation between two training batches, as Lightning's training epoch loop does after a batch
+    (its ``on_advance_end``)."""
+    phase("training")  # not a confined run's preparation, which its watchdog bounds in time
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    val_loop.restarting = False  # a fresh validation, not the rest of one restored from the checkpoint
+    trainer.validating = True
+    val_loop.run()
+    trainer.training = True
 
 
 def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Optional[bool]) -> list[Callback]:

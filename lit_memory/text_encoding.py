@@ -49,6 +49,28 @@ class Decoding:
             )
         return "; ".join(parts) or None
 
+    def for_datasets(self) -> dict[str, str]:
+        """``encoding`` and ``encoding_errors`` for a `datasets` builder. Its json builder decodes a batch only where
+        the encoding is not spelled "utf-8" (it hands UTF-8 bytes to pyarrow as they are, errors and all): UTF-8 with
+        replacement is named by another of its aliases, so that the bytes are replaced as asked."""
+        encoding = "utf_8" if self.encoding == "utf-8" and self.errors != "strict" else self.encoding
+        return {"encoding": encoding, "encoding_errors": self.errors}
+
+    @property
+    def ascii_compatible(self) -> bool:
+        """Whether the encoding writes ASCII (newlines, JSON's punctuation) as ASCII bytes, one byte each, as readers
+        that split a file at newline bytes (`datasets`' JSON lines) assume; UTF-16 and UTF-32 do not."""
+        return ascii_compatible(self.encoding)
+
+
+def ascii_compatible(encoding: str) -> bool:
+    """Whether ``encoding`` writes ASCII text as the same bytes (UTF-8, cp1252, Shift JIS: yes; UTF-16/32: no)."""
+    sample = '\n\r\t []{}",:0aZ'
+    try:
+        return sample.encode(encoding).removeprefix(codecs.BOM_UTF8) == sample.encode("ascii")  # utf-8-sig: its BOM
+    except UnicodeError:
+        return False
+
 
 def decoding(path: Path, encoding: Optional[str] = None, errors: Errors = "strict", flag: str = "data.encoding") -> Decoding:
     """How ``path`` is read: ``encoding`` if given (checked to be a codec), else what its byte-order mark says, else
@@ -85,6 +107,15 @@ def blank(path: Path) -> bool:
             if chunk.strip():
                 return False
     return True
+
+
+def first_char(path: Path, encoding: str = "utf-8") -> str:
+    """The first character of a file that is not whitespace (or a byte-order mark), read in ``encoding``; "" for
+    none in its first 4 KiB."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    text = codecs.getincrementaldecoder(encoding)("replace").decode(head)  # a character cut at 4 KiB waits
+    return text.lstrip("\ufeff \t\r\n")[:1]
 
 
 def _bom_codec(path: Path) -> str:

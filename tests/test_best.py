@@ -11,10 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
 
 from conftest import rows, write_csv
 from lit_memory.__main__ import main
-from lit_memory.best import BestCheckpoint, EarlyStop
+from lit_memory.best import BestCheckpoint, EarlyStop, ValidationStep
 from lit_memory.errors import UserError
 
 TINY = '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
@@ -53,17 +56,34 @@ def test_the_closing_val_line_is_the_exported_steps_and_steps_are_numbered_once(
     assert [p.name for p in (run / "checkpoints").glob("best-*")] == ["best-step=2.ckpt"]
     assert "hf_model: the best validated weights: step 2, step=2.0000" in err
     lines = out.splitlines()
-    assert f"val at the last step (4, not exported): {line_of(logged[4])}" in lines
+    assert f"val at the last validation (step 4, not exported): {line_of(logged[4])}" in lines
     assert "val at step 2, exported to hf_model:" in lines  # the per-class report of the exported step
     assert lines[-1] == f"val: {line_of(logged[2])}"  # the closing line: the model in hf_model/
     assert logged[2] != logged[4]
 
 
-def test_the_loop_state_validation_step_raises_is_lightnings():
-    """`ValidationStep` raises the fit loop's count of stepped batches while a validation's metrics are logged
-    (Lightning 2.6's private ``_batches_that_stepped``, which its logger connector reads)."""
-    loop = Trainer(logger=False, enable_checkpointing=False).fit_loop.epoch_loop
-    assert isinstance(loop._batches_that_stepped, int)
+class Stepped(BoringModel):
+    """Logs, at each validation, the optimizer steps taken before it."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_taken", float(self.trainer.global_step))
+        return super().validation_step(batch, batch_idx)
+
+
+def test_a_validation_is_logged_at_the_steps_taken_also_after_a_batch_that_only_accumulated(tmp_path):
+    """Validations after batches 3 and 6 of 2-batch steps: after 1 step (batch 3 only accumulated) and after 3 steps
+    (batch 6 stepped); metrics.csv's rows at 1 and 3, and checkpoints written at every step keep their steps' names."""
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=4, accumulate_grad_batches=2, val_check_interval=3,
+        check_val_every_n_epoch=None, limit_val_batches=1, num_sanity_val_steps=0, logger=CSVLogger(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ValidationStep(), ModelCheckpoint(every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")],
+    )
+    trainer.fit(Stepped())
+    run = tmp_path / "lightning_logs" / "version_0"
+    logged = [(int(r["step"]), r["epoch"], float(r["val_taken"])) for r in csv.DictReader(open(run / "metrics.csv"))]
+    assert logged == [(1, "0.0", 1.0), (3, "0.0", 3.0)]  # Lightning alone logs the first at 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"epoch=0-step={n}.ckpt" for n in range(1, 5)]
 
 
 def trainer_with(*callbacks) -> SimpleNamespace:

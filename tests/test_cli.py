@@ -246,23 +246,54 @@ def multi_label_checkpoint(tmp_path_factory) -> Path:
 def test_a_typed_setting_wins_over_the_checkpoints_saved_one(command, multi_label_checkpoint, tmp_path, capsys):
     from lit_memory.cli import resolve
 
-    config = tmp_path / "run.yaml"  # a run's config.yaml: a file, not typed: the checkpoint's threshold wins over it
+    config = tmp_path / "run.yaml"  # a config file, not typed: the checkpoint's threshold wins over it, said in one line
     config.write_text("model:\n  threshold: 0.3\n")
     base = [command, "--config", str(config), f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}"]
-    assert resolve(base).settings.model.threshold == 0.7
-    run = resolve([*base, "--model.threshold", "0.25", "--model.compile=false"])  # typed
+    run = resolve(base)
+    assert run.settings.model.threshold == 0.7 and "model.threshold" not in run.typed_settings
+    assert run.notes == [
+        f"model.threshold=0.7 from checkpoint {multi_label_checkpoint}, not 0.3 from {config} (type --model.threshold 0.3 to use it)"
+    ]
+    run = resolve([*base, "--model.threshold", "0.25", "--model.compile=false"])  # typed (model.thresh: ambiguous with threshold_metric)
     assert run.settings.model.threshold == 0.25 and run.typed_settings["model.threshold"] == 0.25
+    assert capsys.readouterr().err.strip() == ""  # said by the process that runs, once (a confined run is parsed twice)
+    model = run.build(trainer=False).model
     assert capsys.readouterr().err.strip().splitlines() == [
         f"model.threshold=0.25 as typed, over 0.7 saved in checkpoint {multi_label_checkpoint}"
     ]
-    model = run.build(trainer=False).model
     assert model.hparams.threshold == 0.25 and model.val_metrics["val_f1_micro"].threshold == 0.25
+
+
+@pytest.mark.parametrize("spelling, typed, threshold", [
+    (["--model", '{"threshold": 0.25}'], {"model.threshold": 0.25}, 0.25),  # the group as a mapping
+    (['--model={"threshold": 0.5}'], {"model.threshold": 0.5}, 0.5),  # equal to the default: typed all the same
+    (["--model.threshold=0.25", "--config", "CONFIG"], {}, 0.7),  # a later file set it again: not typed
+    (["--config", "CONFIG", "--model.threshold", "0.25", "--model.tokenizer_name_or_path=bundled:minilm"],
+     {"model.threshold": 0.25, "model.tokenizer_name_or_path": "bundled:minilm"}, 0.25),  # the model's own tokenizer
+])
+def test_what_the_user_typed_is_read_from_the_command_line_alone(spelling, typed, threshold, multi_label_checkpoint, tmp_path):
+    from lit_memory.cli import resolve
+
+    config = tmp_path / "mine.yaml"
+    config.write_text("model:\n  threshold: 0.3\n")
+    spelling = [str(config) if token == "CONFIG" else token for token in spelling]
+    run = resolve(["validate", f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}", *spelling])
+    model_keys = {k: v for k, v in run.typed_settings.items() if k.startswith(("model.", "data."))}
+    assert model_keys == typed and str(run.typed_settings["ckpt_path"]) == str(multi_label_checkpoint)
+    assert run.settings.model.threshold == threshold and run.settings.data.tokenizer_name_or_path == "bundled:minilm"
+    if not typed:
+        assert run.notes == [
+            f"model.threshold=0.7 from checkpoint {multi_label_checkpoint}, not 0.3 from {config} "
+            "(--model.threshold 0.25 was typed before that file: type it after to use it)"
+        ]
 
 
 @pytest.mark.parametrize("typed, saved", [
     (["--model.num_labels", "4"], "model.num_labels=3"),
     (["--model.problem_type", "single_label_classification"], "model.problem_type='multi_label_classification'"),
     (['--model.config_overrides={"num_hidden_layers": 2}'], "model.config_overrides=None"),
+    (["--model.model_name_or_path", "bundled:bert-large"], "model.model_name_or_path='bundled:minilm'"),
+    (["--model.tokenizer_name_or_path=bundled:bert-large"], "model.tokenizer_name_or_path=None (the model's, 'bundled:minilm')"),
 ])
 def test_a_typed_setting_the_weights_depend_on_is_refused_in_one_line(typed, saved, multi_label_checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -65,6 +65,19 @@ def test_options_that_exist_pass_the_quick_check_and_reach_the_full_parse():
         option_names.check("fit", ["--model.lroa.r", "8"])  # deeper keys: their parent exactly
 
 
+def test_the_keys_an_option_sets_are_written_out_and_a_group_typed_as_a_mapping_sets_its_leaves(tmp_path):
+    model_file = tmp_path / "model.yaml"
+    model_file.write_text("threshold: 0.3\n")
+    argv = [
+        "--model.thresh", "0.3", '--model={"compile": false, "optimizer": {"init_args": {"lr": 0.01}}}',
+        "--data", '{"batch_size": 8}', "--model", str(model_file), "--trainer.callbacks+=X", "--config", "a.yaml",
+        "--print_config", "--ckpt_path=x.ckpt",
+    ]
+    assert option_names.typed_keys("validate", argv) == [
+        "model.threshold", "model.compile", "model.optimizer.init_args.lr", "data.batch_size", "trainer.callbacks", "ckpt_path",
+    ]  # a group given as a file, a --config and --print_config set no one setting
+
+
 @pytest.mark.parametrize("command", ["fit", "validate", "test", "predict"])
 def test_the_names_read_from_the_sources_are_the_parsers(command):
     from lit_memory.cli import resolve

@@ -22,8 +22,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import load_file
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
 from lit_memory import environment
+from lit_memory.best import BestCheckpoint, best_of
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.resume import (
     EVERY_N_TRAIN_STEPS,
@@ -39,6 +41,7 @@ from lit_memory.resume import (
     ResumableSampler,
     ResumeCheckpoint,
     fit_callbacks,
+    validates_next,
 )
 
 EVERY, KILL_AFTER, EPOCHS, STEPS_PER_EPOCH = 5, 11, 2, 8
@@ -414,3 +417,114 @@ def test_a_run_trained_in_fp32_by_the_cpu_bf16_fallback_resumes_with_its_bf16_re
     monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)  # a CPU with bf16 would train in bf16
     with pytest.raises(UserError, match=r"'32-true' in the checkpoint, 'bf16-mixed' here"):
         check_resume(settings("bf16-mixed", ckpt=str(ckpt)))
+
+
+# -- the step's checkpoint and its validation, on Lightning alone (BoringModel: a fit takes a fraction of a second) --
+
+
+class Killed(Exception):
+    pass
+
+
+class Scored(BoringModel):
+    """A validation scores the step it follows (step 10 best); ``kill``: raise there, during a validation or after a
+    training batch (``"validation"``/``"train"``, at ``at`` steps)."""
+
+    def __init__(self, kill: Optional[str] = None, at: int = 10, empty_val: bool = False) -> None:
+        super().__init__()
+        self.kill, self.at, self.empty_val = kill, at, empty_val
+
+    def validation_step(self, batch, batch_idx):
+        if self.kill == "validation" and self.trainer.global_step == self.at:
+            raise Killed
+        self.log("val_score", -abs(self.trainer.global_step - 10.0))
+        return super().validation_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.kill == "train" and self.trainer.global_step == self.at:
+            raise Killed
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(RandomDataset(32, 0 if self.empty_val else 4), batch_size=2)
+
+
+class Validated(Callback):
+    """What `validates_next` says after each training batch, and whether a validation followed it."""
+
+    def __init__(self) -> None:
+        self.said: list[bool] = []
+        self.followed: list[bool] = []
+        self.validated: list[int] = []  # the steps validated
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.said.append(validates_next(trainer))
+        self.followed.append(False)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.followed[-1] = True
+        self.validated.append(trainer.global_step)
+
+
+def boring_fit(
+    root: Path, version: str, model: BoringModel, *callbacks: Callback, ckpt_path=None, **settings: Any
+) -> Trainer:
+    settings = {"max_steps": 12, "limit_train_batches": 8, "val_check_interval": 5, "check_val_every_n_epoch": None,
+                **settings}
+    trainer = Trainer(
+        default_root_dir=root, logger=CSVLogger(root, version=version), num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, *fit_callbacks([BestCheckpoint("val_score"), ResumeCheckpoint(every_n_train_steps=5)],
+                                              None)],
+        **settings,
+    )
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except Killed:  # nothing written at it, as a SIGKILL
+        pass
+    return trainer
+
+
+def test_validates_next_is_lightnings_decision(tmp_path):
+    """Asked after every batch: true exactly where a validation follows (after every 3rd batch of 2 epochs of 6, with
+    2-batch steps: after batches that stepped and batches that only accumulated), false where the validation set has
+    no batch (Lightning's loop then skips it)."""
+    spy = Validated()
+    boring_fit(tmp_path, "a", Scored(), spy, max_steps=-1, max_epochs=2, limit_train_batches=6, val_check_interval=3,
+               check_val_every_n_epoch=1, accumulate_grad_batches=2)
+    # after batches 3 and 6 of each epoch: 1 step (batch 3 of the epoch only accumulated) and 3; 4 and 6
+    assert spy.validated == [1, 3, 4, 6] and len(spy.said) == 12
+    assert spy.said == spy.followed
+    spy = Validated()
+    boring_fit(tmp_path, "b", Scored(empty_val=True), spy)
+    assert spy.validated == [] and len(spy.said) == 12 and not any(spy.said)
+
+
+@pytest.mark.parametrize("kill", ["validation", "train"])
+def test_a_run_killed_at_a_checkpoints_step_resumes_there_and_keeps_the_uninterrupted_runs_best(kill, tmp_path):
+    """Validations after steps 5 and 10, a checkpoint at each, step 10 the best. Killed during step 10's validation, the
+    run resumes from step 10 (written before it, no step lost) and runs that validation; killed after it (at step 11),
+    from step 10's checkpoint written again after it, which holds it in the record."""
+    full = boring_fit(tmp_path, "full", Scored())
+    boring_fit(tmp_path, "killed", Scored(kill, at=10 if kill == "validation" else 11))
+    last = tmp_path / "lightning_logs" / "killed" / "checkpoints" / "last.ckpt"
+    assert last.resolve().name == "epoch=1-step=10.ckpt"
+    saved = torch.load(last, weights_only=True)["callbacks"]
+    owed = next(v["validation_owed"] for k, v in saved.items() if k.startswith("ResumeCheckpoint"))
+    assert (owed, saved["BestCheckpoint"]["validated_step"]) == ((10, 5) if kill == "validation" else (None, 10))
+    resumed = boring_fit(tmp_path, "resumed", Scored(), ckpt_path=last)
+    assert (best_of(resumed).best_step(), best_of(resumed).best_model_score) == (10, best_of(full).best_model_score)
+    log = tmp_path / "lightning_logs" / "resumed" / "metrics.csv"  # none where nothing was logged
+    val_steps = [int(r["step"]) for r in csv.DictReader(open(log)) if r.get("val_score")] if log.exists() else []
+    assert val_steps == ([10] if kill == "validation" else [])  # the validation owed, run once, at its step
+    if kill == "validation":  # and step 10's checkpoint written again, in the resumed run's folder, holding it
+        again = torch.load(tmp_path / "lightning_logs" / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+        assert again["global_step"] == 10 and again["callbacks"]["BestCheckpoint"]["validated_step"] == 10
+
+
+def test_a_checkpoints_step_is_written_when_its_validation_has_no_batch(tmp_path):
+    """Validations due after steps 5 and 10 on a validation set without a batch (the loop skips them): the steps'
+    checkpoints are written all the same."""
+    boring_fit(tmp_path, "a", Scored(empty_val=True))
+    folder = tmp_path / "lightning_logs" / "a" / "checkpoints"
+    assert (folder / "last.ckpt").resolve().name == "epoch=1-step=10.ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=1-step=10.ckpt", "last.ckpt"]
