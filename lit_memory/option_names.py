@@ -27,6 +27,7 @@ GROUPS = {
     "data": ("lit_memory.data", "TextClassificationData", "__init__"),
     "memory": ("lit_memory.memory.hardware.budget", "MemorySettings", None),
     "progress": ("lit_memory.console", "LogProgress", "__init__"),
+    "early_stopping": ("lit_memory.best", "EarlyStop", "__init__"),
 }
 COMMAND_GROUPS = {"predict": {"predictions": ("lit_memory.predict_file", "PredictionWriter", "__init__")}}
 # Every command's own options: jsonargparse's and LightningCLI's, and `lit_memory.cli.LitMemoryCLI`'s.

@@ -69,12 +69,12 @@ def test_the_keys_an_option_sets_are_written_out_and_a_group_typed_as_a_mapping_
     model_file = tmp_path / "model.yaml"
     model_file.write_text("threshold: 0.3\n")
     argv = [
-        "--model.thresh", "0.3", '--model={"compile": false, "optimizer": {"init_args": {"lr": 0.01}}}',
+        "--model.warmup_r", "0.3", '--model={"compile": false, "optimizer": {"init_args": {"lr": 0.01}}}',
         "--data", '{"batch_size": 8}', "--model", str(model_file), "--trainer.callbacks+=X", "--config", "a.yaml",
         "--print_config", "--ckpt_path=x.ckpt",
     ]
     assert option_names.typed_keys("validate", argv) == [
-        "model.threshold", "model.compile", "model.optimizer.init_args.lr", "data.batch_size", "trainer.callbacks", "ckpt_path",
+        "model.warmup_ratio", "model.compile", "model.optimizer.init_args.lr", "data.batch_size", "trainer.callbacks", "ckpt_path",
     ]  # a group given as a file, a --config and --print_config set no one setting
 
 
@@ -88,5 +88,7 @@ def test_the_names_read_from_the_sources_are_the_parsers(command):
     read = option_names.options(command)
     ours = {*(f"{g}.{n}" for g, names in read.items() if g for n in names), *(n for n in read[""] if len(n) > 1)}
     # the data module's linked settings follow the model's (`LitMemoryCLI.add_arguments_to_parser`): no options
-    linked = {"data.num_labels", "data.problem_type", "data.tokenizer_name_or_path"}
+    from lit_memory.cli import LINKS
+
+    linked = {target for _, target, _ in LINKS}
     assert real == ours - linked
