@@ -109,7 +109,7 @@ def _known(name: str, names: tuple[str, ...]) -> bool:
 
 def typed_keys(command: str, argv: list[str]) -> list[str]:
     """The dotted settings the options in ``argv`` set, an abbreviated group parameter written out
-    (``--model.thresh 0.3``: ``model.threshold``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order; a whole
+    (``--model.warmup_r 0.1``: ``model.warmup_ratio``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order; a whole
     group given as a mapping (``--model '{"threshold": 0.3}'``) sets each of its leaves (``model.threshold``).
     Files (``--config``, a group given as a file) and options that name no setting (``--print_config``) are not among
     them."""
