@@ -420,15 +420,3 @@ def run_title(fit_args: list[str], step: Step) -> str:
             shown.append(arg[2:])
     where = step.target.gpu.label if step.target.cuda_device else step.device
     return f"{' + '.join(shown) or 'the defaults'}: batch {step.batch_size} x {step.max_length}, {step.precision.name}, on {where}"
-
-
-def device_line(footprint: Optional[Footprint]) -> str:
-    """tensors / reserved / device in words (recipe headers, plan)."""
-    if footprint is None:
-        return "-"
-    if footprint.device is None:
-        return f"tensors {format_bytes(footprint.peak)}"
-    return (
-        f"tensors {format_bytes(footprint.peak)}, reserved {format_bytes(footprint.reserved)}, "
-        f"device {format_bytes(footprint.device)}"
-    )

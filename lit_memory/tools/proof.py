@@ -550,7 +550,3 @@ def cli(argv: list[str]) -> None:
     if args.record is not None and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", args.record):
         raise UserError(f"--record {args.record!r}: a name of lowercase letters, digits, dots and dashes")
     main(user_args, args.out, args.dry_run, args.recipes, args.peer, args.record)
-
-
-def tier_of_args(args: list[str]) -> Optional[str]:
-    return args[0].split("=", 1)[1] if args else None
