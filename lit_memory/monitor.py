@@ -40,23 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class MemoryMonitor(L.Callback):
-    """Measure memory in every run and write ``memory.json``.
+    """Measure memory in every run and write ``memory.json`` (what it measures: docs/memory.md).
 
     Args:
-        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker (per category and per
-            phase). Its Python dispatch slows the tracked micro-batches, so only the first steps are tracked (the
-            first creates the optimizer state, the second is the steady state), and of an accumulation window
-            only the micro-batches that differ: the first, the second and the last. 0 turns tensor tracking off;
-            on CUDA the allocator's peaks (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read
-            every step regardless.
-        memory: the run's memory settings (`lit_memory.memory.hardware.budget.MemorySettings`). Its budget is the limit
-            ``memory.json`` records; on a CPU the tracker holds the tracked tensors to it (CUDA's out-of-memory
-            error beyond it), so every step is then tracked. (On CUDA the allocator is capped beside the
-            monitor: `lit_memory.run_memory.BudgetCap`.)
-
-    Predictions are not made here: ``predictions`` (the configured, worst-case shape) and ``shape_predictions``
-    (the shapes the run saw) are given by `lit_memory.run_memory.MemoryPredictions`, and recorded beside
-    the measurements.
+        track_steps: as ``memory.track_steps``: optimizer steps tracked tensor by tensor (0: off).
+        memory: the run's memory settings; on a CPU the tracker holds the tracked tensors to its budget.
     """
 
     def __init__(self, track_steps: int = 2, memory: MemorySettings = MemorySettings()) -> None:

@@ -35,26 +35,16 @@ class Size:
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """Memory in every run: measured, predicted, bounded.
+    """Memory in every run: measured, predicted, bounded (the ``memory:`` block; docs/memory.md).
 
     Args:
-        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker, per category and phase (its
-            Python dispatch slows them: the first creates the optimizer state, the second is the steady state; of
-            an accumulation window only the first, second and last micro-batch). 0 turns tensor tracking off; on
-            CUDA the allocator's peaks are read every step regardless.
-        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity), enforced: on CUDA the
-            caching allocator is capped at the budget less the CUDA context; on a CPU the tracker raises CUDA's
-            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
-        simulate: also predict by simulation at the start of fit (one training step on fake tensors: seconds on the
-            bundled model, about half a minute on BERT-large).
-        tier: the device memory the recipe is made for, a card or a size: what ``model.gradient_checkpointing:
-            auto`` plans for when no ``budget`` is given. Nothing is enforced.
-        allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``), in
-            ``PYTORCH_CUDA_ALLOC_CONF``'s form: a CUDA run uses them unless the environment names its own, and
-            predictions use them.
+        track_steps: optimizer steps tracked tensor by tensor, per category and phase (0: off).
+        budget: a limit such as ``4GiB`` or a card (``rtx3050-4gb``), enforced: the allocator's cap on CUDA, an OOM on CPU.
+        simulate: also predict by simulation at the start of fit (seconds; about half a minute on BERT-large).
+        tier: the device memory the recipe is made for (a card or a size), what ``auto`` plans for; not enforced.
+        allocator: the CUDA caching allocator settings the recipe is made for, in ``PYTORCH_CUDA_ALLOC_CONF``'s form.
         margin: the share of a limit every "fits" decision keeps free for the memory model's own error.
-        snapshot: on CUDA, a file for torch's memory snapshot over the first ``snapshot_steps`` optimizer steps
-            (https://pytorch.org/memory_viz draws it); relative to the run folder.
+        snapshot: on CUDA, a file (in the run folder) for torch's memory snapshot of the first ``snapshot_steps``.
         snapshot_steps: the optimizer steps the snapshot records.
         picture: draw ``memory.png`` in the run folder at the end of fit (needs matplotlib).
     """
