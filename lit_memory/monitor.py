@@ -52,7 +52,7 @@ class MemoryMonitor(L.Callback):
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
         self.memory = memory
-        self.budget = memory.budget.bytes if memory.budget is not None else None
+        self.cap = memory.cap  # memory.budget: on a CPU the tracker holds the tracked tensors to it
         self.tracker: Optional[Tracker] = None
         self.measured = Footprint()
         self.predictions: dict[str, Footprint] = {}  # given: for the configured shape, the worst case
@@ -91,8 +91,8 @@ class MemoryMonitor(L.Callback):
 
     def limit(self, trainer: L.Trainer) -> Optional[int]:
         """The memory this run may use: the budget, else the CUDA device's total."""
-        if self.budget is not None:
-            return self.budget
+        if self.cap is not None:
+            return self.cap.bytes
         if self._on_cuda(trainer):
             return torch.cuda.get_device_properties(self._device(trainer)).total_memory
         return None
@@ -130,7 +130,7 @@ class MemoryMonitor(L.Callback):
     # -- measurement ---------------------------------------------------------------------------
 
     def _tracking(self, trainer: L.Trainer, batch_idx: int) -> bool:
-        if self.budget is not None and not self._on_cuda(trainer):
+        if self.cap is not None and not self._on_cuda(trainer):
             return True  # the CPU budget is enforced by the tracker
         # Within an accumulation window the micro-batches after the second repeat the second's memory:
         # track the first (gradients zeroed), the second (accumulating) and the one that steps.
@@ -185,7 +185,8 @@ class MemoryMonitor(L.Callback):
         if self._tracking(trainer, batch_idx):
             self.longest_tracked = longer(self.longest_tracked, shape)
             tracker = Tracker(
-                self._device(trainer), None if self._on_cuda(trainer) else self.budget, compiled_steps=compiles_its_step
+                self._device(trainer), self.cap.bytes if self.cap and not self._on_cuda(trainer) else None,
+                compiled_steps=compiles_its_step,
             )
             tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
             tracker.watch_layers(_layers(pl_module))  # the step point by point, for its picture (memory.png)

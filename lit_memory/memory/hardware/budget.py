@@ -10,9 +10,9 @@ from typing import Any, Mapping, Optional, Union
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, check_recipe_conf
-from lit_memory.memory.hardware.gpus import capacity, is_gpu_name
+from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, check_margin
+from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Limit, check_margin
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class Size:
     def parse(cls, value: Any) -> Optional["Size"]:
         """None stays None; anything else is read by `lit_memory.memory.hardware.gpus.capacity` (one error line)."""
         return None if value is None else cls(capacity(value), str(value))
+
+    @property
+    def card(self) -> Optional[str]:
+        """The catalogue key of the card it names (``rtx3050-4gb``), or None for a size."""
+        return gpu_key(self.given) if is_gpu_name(self.given) else None
 
     def words(self, key: str) -> str:
         """``memory.tier rtx3050-4gb (3.81 GiB)``, ``memory.budget 4.00 GiB``."""
@@ -84,20 +89,14 @@ class MemorySettings:
         return cls(**block)
 
     @property
-    def limit(self) -> Optional[Size]:
-        """What a run plans for: the budget (enforced), else the tier; None without either."""
-        return self.budget or self.tier
+    def limit(self) -> Optional[Limit]:
+        """What a run plans for: the budget (enforced), else the tier, with the margin; None without either."""
+        return self.cap or (Limit(self.tier.bytes, self.tier.words("memory.tier"), self.margin) if self.tier else None)
 
     @property
-    def limit_bytes(self) -> Optional[int]:
-        return self.limit.bytes if self.limit else None
-
-    @property
-    def limit_words(self) -> str:
-        """The limit in words, for the decisions' lines (empty without one)."""
-        if self.budget is not None:
-            return self.budget.words("memory.budget")
-        return self.tier.words("memory.tier") if self.tier is not None else ""
+    def cap(self) -> Optional[Limit]:
+        """The budget alone, what a run is held to (the allocator's cap on CUDA, the tracker on a CPU)."""
+        return Limit(self.budget.bytes, self.budget.words("memory.budget"), self.margin) if self.budget else None
 
     @property
     def allocator_config(self) -> Optional[AllocatorConfig]:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, environment_conf
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.nccl import NcclSettings
 from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
 
@@ -421,24 +422,22 @@ class CardReading:
 BARE_CONTEXT = 287_047_680 - 20 * MiB
 
 
-def planning_limit(budget: Optional[int], where: str, card: Optional[CardReading]) -> tuple[Optional[int], str, str]:
-    """What ``auto`` plans for on the run's card: the smaller of ``budget`` (``memory.budget`` or the recipe's
-    ``memory.tier``; None: neither) and what the card has free at start for this process (`CardReading.available`).
-    Returns (limit, the limit in words, one line saying which applied). Without a card (a CPU run) the budget
-    stands as it is. The margin is kept by the plan search itself (`lit_memory.memory.planning.recompute.resolve`)."""
+def planning_limit(limit: Optional[Limit], card: Optional[CardReading], margin: float) -> tuple[Optional[Limit], str]:
+    """What ``auto`` plans for on the run's card: the smaller of ``limit`` (``memory.budget`` or the recipe's
+    ``memory.tier``; None: neither) and what the card has free at start for this process (`CardReading.available`),
+    with ``margin`` kept; and one line saying which applied. Without a card (a CPU run) the limit stands as it is."""
     if card is None:
-        return budget, where, ""
+        return limit, ""
     context = (
         f"this process's context {format_bytes(card.context)} ({card.source})" if card.context is not None
         else f"this process's context not measured (no nvidia-ml-py): {format_bytes(BARE_CONTEXT)} assumed"
     )
     free = f"{card.name} has {format_bytes(card.available)} for this run at start ({format_bytes(card.free)} free + {context})"
-    if budget is not None and budget <= card.available:
-        return budget, where, f"memory: auto plans for {where}: {free}"
-    limit = card.available
-    words = f"{card.name}'s free memory at start ({format_bytes(limit)})"
-    below = f", less than {where}" if budget is not None else ""
-    return limit, words, f"memory: auto plans for what the card has free{below}: {free}"
+    if limit is not None and limit.bytes <= card.available:
+        return limit, f"memory: auto plans for {limit}: {free}"
+    below = f", less than {limit}" if limit is not None else ""
+    available = Limit(card.available, f"{card.name}'s free memory at start ({format_bytes(card.available)})", margin)
+    return available, f"memory: auto plans for what the card has free{below}: {free}"
 
 
 def allocator_limit(budget: int, card: CardReading) -> tuple[int, str]:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Optional
 
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -239,15 +240,15 @@ def _pow2_up(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def small(limit: Optional[int], world_size: int) -> bool:
-    """Whether a CUDA run on ``world_size`` ranks within ``limit`` bytes (its memory.budget or tier) takes `SMALL`."""
-    return world_size > 1 and limit is not None and limit <= SMALL_TIER
+def small(limit: Optional[Limit], world_size: int) -> bool:
+    """Whether a CUDA run on ``world_size`` ranks within ``limit`` (its memory.budget or tier) takes `SMALL`."""
+    return world_size > 1 and limit is not None and limit.bytes <= SMALL_TIER
 
 
-def for_run(limit: Optional[int], words: str, world_size: int, environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], str]:
-    """The variables a CUDA run on ``world_size`` ranks within ``limit`` (in ``words``: ``memory.tier rtx3050-4gb
-    (3.81 GiB)``) sets: `SMALL`, but where ``environ`` sets a variable of the same setting (the user's win); and one
-    line saying so. Nothing for a larger tier, or one rank."""
+def for_run(limit: Optional[Limit], world_size: int, environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], str]:
+    """The variables a CUDA run on ``world_size`` ranks within ``limit`` (its memory.budget or tier) sets: `SMALL`,
+    but where ``environ`` sets a variable of the same setting (the user's win); and one line saying so. Nothing for
+    a larger tier, or one rank."""
     settings = NcclSettings.from_env(environ)
     if not small(limit, world_size):
         return {}, ""
@@ -262,7 +263,7 @@ def for_run(limit: Optional[int], words: str, world_size: int, environ: Optional
     theirs = [n for n in settings.given if (NUMBERS.get(n) or FLAGS[n]) in ours]
     kept = f"; from the environment: {', '.join(f'{n}={environ_of(environ)[n]}' for n in theirs)}" if theirs else ""
     return setting, (
-        f"nccl: small buffers for {words}: {' '.join(f'{k}={v}' for k, v in setting.items())} (each communicator's "
+        f"nccl: small buffers for {limit}: {' '.join(f'{k}={v}' for k, v in setting.items())} (each communicator's "
         f"buffers {format_bytes(after.buffers + after.nvls)} instead of up to {format_bytes(before.buffers + before.nvls)} "
         f"on NVLink; fewer channels, less bandwidth){kept}; set them yourself to choose others"
     )
