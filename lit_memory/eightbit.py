@@ -49,12 +49,6 @@ def unquantised_dtype(state: EmbeddingState) -> Optional[torch.dtype]:
     return None if state == "unquantized" else torch.float32
 
 
-def keep_embeddings_32bit(embeddings: Sequence[nn.Embedding], optimizer: Optimizer) -> None:
-    """32-bit optimizer state for these embedding matrices (`lit_memory.anatomy.Anatomy.embeddings`, as `unquantised`
-    picks them for the setting): `keep_32bit` on their weights."""
-    keep_32bit(optimizer, [module.weight for module in embeddings])
-
-
 def keep_32bit(optimizer: Optimizer, params: Sequence[torch.Tensor]) -> None:
     """bitsandbytes' per-parameter override: these parameters keep 32-bit optimizer state.
 

@@ -94,7 +94,7 @@ def fsdp_overlap_step_with_backward(
     clip_val: Optional[float] = None,
 ) -> Iterator[Overlap]:
     """Inside the block, backward steps every optimizer as soon as the last of its parameters has its
-    gradient, and frees those gradients: a full set of gradients never exists.
+    gradient, and frees those gradients: a full set of gradients never exists (docs/fused.md).
 
     Lightning's ``fsdp_overlap_step_with_backward`` (2.0, removed in 2.1) as a drop-in::
 
@@ -102,20 +102,9 @@ def fsdp_overlap_step_with_backward(
         with fsdp_overlap_step_with_backward(optimizers, model):
             loss.backward()   # or fabric.backward(loss)
 
-    Each optimizer is one `lit_memory.fused.Bucket`: one per parameter as above, or over several
-    parameters (stepped once, when the last of them has its gradient). Every trainable parameter of
-    ``fabric_module`` must be in exactly one of ``optimizers`` (else one `UserError` line). Works with
-    Fabric on one device, ``ModelParallelStrategy`` (FSDP2: the optimizers over the sharded parameters)
-    and ``FSDPStrategy`` (FSDP1, ``use_orig_params=True``: the optimizers over its original parameters,
-    each rank's flat slice of them).
-
-    ``max_norm`` (with ``norm_type``) or ``clip_val`` clip the gradients inside backward with the results
-    ``fabric.clip_gradients`` would give over all of the optimizers' parameters. By norm, call
-    ``fabric.backward(loss)`` inside the block: it first runs a backward that only measures the norm
-    (one more backward, no gradient memory; FSDP1 cannot run it and refuses); a plain ``loss.backward()``
-    cannot, and stops with one line. Under Fabric's ``16-mixed`` (torch's GradScaler) the same first backward
-    unscales and checks every gradient (`lit_memory.fused.LossScaling`): ``fabric.backward(loss)`` then steps
-    with the unscaled gradients, or skips the step on an overflow, and updates the scale, as GradScaler would.
+    Every trainable parameter is in exactly one optimizer (one `lit_memory.fused.Bucket` each). On one device,
+    FSDP2 (``ModelParallelStrategy``) or FSDP1 (``use_orig_params=True``). ``max_norm``/``norm_type`` or
+    ``clip_val`` clip as ``fabric.clip_gradients`` would; by norm (and under ``16-mixed``) call ``fabric.backward``.
     """
     route = _Route(optimizers, fabric_module, _clipping(max_norm, norm_type, clip_val))
     try:
@@ -323,18 +312,11 @@ class _FusedFabricStep(FusedStep):
 class FusedFabricStrategy(_FusedFabricStep, AcceleratorDevice, SingleDeviceStrategy):
     """Fabric on one device with the fused step: ``fabric.backward(loss)`` updates the parameters.
 
-    ``optimizer.step()`` after it is harmless (it finds no gradient left), so existing loops keep
-    working; ``zero_grad`` is unnecessary. Gradient accumulation with ``fabric.no_backward_sync``
-    cannot work: every backward steps.
-
-    ``layer`` buckets find the transformer layers in the module set up before the optimizer
-    (``fabric.setup(model, optimizer)`` does that); without one, each parameter is its own bucket.
+    ``optimizer.step()`` after it finds no gradient left; ``fabric.no_backward_sync`` cannot accumulate (docs/fused.md).
 
     Args:
-        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer),
-            ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
-        max_norm, norm_type: clip the gradients by their global norm inside backward, as
-            ``fabric.clip_gradients(max_norm=...)`` would after it (one more backward: `lit_memory.fused.Clipping`).
+        bucket: parameters stepped by one optimizer call: ``layer``, ``"N MiB"`` or ``param`` (`lit_memory.fused`).
+        max_norm, norm_type: clip the gradients by their global norm inside backward (one more backward).
         clip_val: clip each gradient to ``[-clip_val, clip_val]`` inside backward (no extra cost).
         device: defaults to the device Fabric selects from ``accelerator`` and ``devices``.
     """
@@ -356,24 +338,12 @@ class FusedFabricStrategy(_FusedFabricStep, AcceleratorDevice, SingleDeviceStrat
 
 
 class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
-    """Fabric with FSDP2 over every device of every node, sharding the Hugging Face models in the module
-    as the Trainer's `lit_memory.FSDP2Strategy` does (``fully_shard`` on each transformer layer, then the
-    model), and the fused step on each rank's parameter shards.
-
-    Set up the module first, then create the optimizer over its (sharded) parameters and set it up::
-
-        model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=2e-5))
-
-    Checkpoints go through ``fabric.save`` / ``fabric.load`` (torch's distributed checkpoint, one
-    shard per rank by default); loading creates the optimizer state first one bucket at a time
-    (`lit_memory.fused.OptimizerInBackward.initialize_state`), where torch would create it with a
-    gradient for every parameter at once.
+    """Fabric with FSDP2 on every device, sharding each transformer layer as `lit_memory.FSDP2Strategy` does,
+    with the fused step on each rank's shards. Set up the module before creating its optimizer (docs/fused.md).
 
     Args:
         bucket, max_norm, norm_type, clip_val: as `FusedFabricStrategy`.
-        save_distributed_checkpoint: each rank writes its shard (a checkpoint folder); ``False``
-            gathers a single file on rank 0.
+        save_distributed_checkpoint: each rank writes its shard; ``False`` gathers a single file on rank 0.
     """
 
     def __init__(

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from unittest import mock
+
+from lit_memory.settings import patched
 
 
 def load_local(builder: str, path: Path, **kwargs: Any) -> Any:
     """``datasets.load_dataset(builder, data_files=path, **kwargs)`` without the download count."""
     import datasets  # deferred: heavy (~0.6 s); importing this module costs nothing until a file is read
 
-    with mock.patch.object(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False):
+    with patched(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False):
         return datasets.load_dataset(builder, data_files=str(path), **kwargs)

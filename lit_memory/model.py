@@ -70,78 +70,31 @@ def default_optimizer(params) -> torch.optim.Optimizer:
 
 
 class SequenceClassifier(L.LightningModule):
-    """Fine-tune (or train from scratch) a Hugging Face sequence classifier.
+    """Fine-tune (or train from scratch) a Hugging Face sequence classifier (every argument: docs/guide.md).
 
     Args:
         model_name_or_path: hub name, local folder, or ``bundled:minilm`` / ``bundled:bert-large``.
-        num_labels: number of classes, 1 for regression (linked to the data module by the CLI); null: what the
-            training data's labels show (``fit`` reads them first), else the model config's own.
-        problem_type: Hugging Face's ``single_label_classification`` (cross-entropy), ``multi_label_classification``
-            (BCE with logits, a 0/1 per label) or ``regression`` (MSE on one value); null: what the labels show, else
-            the model config's own. Saved in ``hf_model/config.json``, so ``from_pretrained`` and ``pipeline``
-            treat the model right.
-        threshold: a fixed decision threshold: multi-label, every label's (a label is predicted where its probability
-            is at least this); binary, class 1's. Set, it wins over tuned and saved thresholds; null: the thresholds
-            tuned on validation or saved with the model, else 0.5 (multi-label) or the most probable class
-            (`lit_memory.thresholds`).
-        tune_threshold: ``per_label`` chooses each label's threshold on the validation split at every validation of
-            ``fit`` (the F1 of each label at its best), ``global`` one for all (multi-label: micro-F1; binary:
-            ``threshold_metric``), ``off`` none; ``auto``: ``per_label`` for multi-label, else ``off``. The thresholds
-            of the exported step go into the checkpoint and ``hf_model/config.json`` (``thresholds``), and every later
-            evaluation and ``predict`` use them; the ``val:``/``test:`` lines add each metric at 0.5 (``_at_0.5``).
-        threshold_metric: what a binary task's ``global`` threshold maximises: ``f1`` (of class 1), ``mcc``, ``acc``
-            or ``f1_macro``.
-        class_weights: ``none`` (the plain loss), ``balanced`` (from the training labels' counts) or one weight per
-            class: single-label, weighted cross-entropy; multi-label, each label's ``pos_weight``
-            (`lit_memory.class_weights`).
-        pretrained: load the checkpoint's weights; ``false`` builds the architecture from its
-            config with random weights (memory and speed work without downloading weights).
+        num_labels: number of classes, 1 for regression; null: what the training labels show, else the config's.
+        problem_type: ``single_label_classification``, ``multi_label_classification`` or ``regression``; null: inferred.
+        threshold: a fixed decision threshold (multi-label: every label's; binary: class 1's); wins over tuned ones.
+        tune_threshold: ``per_label``, ``global``, ``off`` or ``auto``: thresholds chosen on validation, then saved.
+        threshold_metric: what a binary ``global`` threshold maximises: ``f1``, ``mcc``, ``acc`` or ``f1_macro``.
+        class_weights: ``none``, ``balanced`` (from the training labels' counts) or one weight per class.
+        pretrained: load the checkpoint's weights; ``false``: the architecture with random weights.
         config_overrides: keyword overrides for the Hugging Face config (e.g. ``num_hidden_layers``).
         tokenizer_name_or_path: defaults to ``model_name_or_path``.
-        gradient_checkpointing: recompute activations in backward (non-reentrant), per layer. ``true``/``full``: each
-            layer keeps its input and re-runs its forward; ``selective``: also keeps its matmul and fused-attention
-            outputs, recomputing only cheap ops (GELU, dropout, LayerNorm, adds); counts ``{full: F, selective: S}``
-            from the input side (the layers after them recompute nothing); ``auto`` (resolved by ``fit``/``estimate``):
-            the plan with the fewest FLOPs predicted to fit ``memory.budget``, else the recipe's ``memory.tier``;
-            ``false`` keeps everything.
-        offload_activations: move the tensors autograd saves in the forward pass (with
-            checkpointing: each layer's input) to pinned host memory, and back for backward. Needs
-            every layer checkpointed; a no-op on CPU. ``auto`` (with ``gradient_checkpointing: auto``): where
-            its copies are modelled to cost less time than the recompute the room buys (CUDA only).
-        freeze: ``body`` (the whole encoder, as the seed did), ``embeddings``, or an int N for the
-            embeddings plus the first N layers. The classifier head always trains.
-        optimizer: any optimizer class path with its init args (the reference post's AdamW, lr 2e-5 and
-            weight decay 0.01, by default: `DEFAULT_OPTIMIZER`, in Python and on the command line alike;
-            bitsandbytes' 8-bit optimizers such as ``bitsandbytes.optim.AdamW8bit``). Biases and LayerNorm
-            weights are put in a group without weight decay.
-        embedding_optimizer_state: how a low-bit optimizer (bitsandbytes', torchao's) keeps the embedding matrices'
-            state (`lit_memory.eightbit.unquantised`): ``32bit`` in fp32; ``unquantized`` in the parameters' own dtype
-            (bitsandbytes: as ``32bit``); ``auto`` (default) as ``32bit`` up to `lit_memory.eightbit.AUTO_32BIT_VALUES`
-            values (BERT's word embeddings), quantised above (128k-250k-token vocabularies: 32-bit state would cost
-            0.7-1.4 GiB more); ``stable_embedding`` swaps in ``bitsandbytes.nn.StableEmbedding`` (a LayerNorm added,
-            32-bit state; refused for a family's own embedding class, e.g. Gemma3's scaled one); ``8bit`` quantises
-            them like the rest. Other optimizers ignore it (``stable_embedding`` still swaps).
-        lora: LoRA adapters (peft); the rest of the model is frozen, the head parts a fine-tune
-            initialises (classifier, pooler, score: `lit_memory.anatomy.Anatomy.head`) train in full,
-            and the adapters are merged before export. Its ``target_modules`` default to the family's
-            (`lit_memory.lora.lora_targets`).
-        lr_scheduler_type: a transformers schedule name (``linear`` is the HF Trainer's default),
-            stepped every optimizer step. ``constant`` by default, as in Lightning when no scheduler
-            is configured: one short epoch learns more with a flat rate (on the bundled subset,
-            linear decay reached val acc 0.78 where constant reached 0.88).
+        gradient_checkpointing: ``false``, ``true``/``full``, ``selective``, ``{full: F, selective: S}`` or ``auto``.
+        offload_activations: checkpointed layers' inputs to pinned host memory (``true``, ``false``, ``auto``).
+        freeze: ``body``, ``embeddings``, or N (the embeddings and the first N layers); the head always trains.
+        optimizer: any optimizer class path with its init args; `DEFAULT_OPTIMIZER` (AdamW, lr 2e-5, decay 0.01).
+        embedding_optimizer_state: a low-bit optimizer's embedding state: ``auto``, ``32bit``, ``unquantized``,
+            ``stable_embedding`` or ``8bit``.
+        lora: LoRA adapters (peft): ``rank``, ``alpha``, ``dropout``, ``target_modules``; merged before export.
+        lr_scheduler_type: a transformers schedule name, stepped every optimizer step; ``constant`` by default.
         warmup_ratio: fraction of the optimizer steps spent warming up.
-        save_pretrained: at the end of fit, save model + tokenizer with ``save_pretrained`` into
-            ``<run folder>/hf_model`` so the result loads with plain transformers.
-        save_dtype: the dtype ``hf_model/`` is saved in (its ``config.json`` names it): ``checkpoint`` (default) the
-            dtype the checkpoint was saved in (a bf16 checkpoint stays bf16 on disk, however it trained; the trained
-            weights' where the checkpoint names none), or ``fp32``, ``bf16``, ``fp16``. The weights train in the
-            dtype ``trainer.precision`` gives them, whatever the checkpoint's (`weights_dtype`).
-        compile: ``torch.compile`` each transformer layer (regional: one compiled graph reused by
-            every layer, the recomputed ones included: checkpointing calls the same compiled layer again). Works
-            with the fused step and checkpointing, not with ``offload_activations``; compiled dropout draws other
-            masks than eager dropout. ``cudagraphs``: the compiled layers also replayed as CUDA graphs (torch's
-            ``reduce-overhead``: one launch per layer's forward and backward), for batches of one shape only
-            (``data.padding: max_length``; checked before training); on a CPU as ``true``.
+        save_pretrained: at the end of fit, save model and tokenizer into ``<run folder>/hf_model``.
+        save_dtype: the dtype ``hf_model/`` is saved in: ``checkpoint`` (its own), ``fp32``, ``bf16`` or ``fp16``.
+        compile: ``torch.compile`` each transformer layer; ``cudagraphs``: also replayed as CUDA graphs.
     """
 
     # Arguments that change no matrix product or attention a training step computes: the optimizer's state layout

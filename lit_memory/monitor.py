@@ -40,23 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class MemoryMonitor(L.Callback):
-    """Measure memory in every run and write ``memory.json``.
+    """Measure memory in every run and write ``memory.json`` (what it measures: docs/memory.md).
 
     Args:
-        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker (per category and per
-            phase). Its Python dispatch slows the tracked micro-batches, so only the first steps are tracked (the
-            first creates the optimizer state, the second is the steady state), and of an accumulation window
-            only the micro-batches that differ: the first, the second and the last. 0 turns tensor tracking off;
-            on CUDA the allocator's peaks (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are read
-            every step regardless.
-        memory: the run's memory settings (`lit_memory.memory.hardware.budget.MemorySettings`). Its budget is the limit
-            ``memory.json`` records; on a CPU the tracker holds the tracked tensors to it (CUDA's out-of-memory
-            error beyond it), so every step is then tracked. (On CUDA the allocator is capped beside the
-            monitor: `lit_memory.run_memory.BudgetCap`.)
-
-    Predictions are not made here: ``predictions`` (the configured, worst-case shape) and ``shape_predictions``
-    (the shapes the run saw) are given by `lit_memory.run_memory.MemoryPredictions`, and recorded beside
-    the measurements.
+        track_steps: as ``memory.track_steps``: optimizer steps tracked tensor by tensor (0: off).
+        memory: the run's memory settings; on a CPU the tracker holds the tracked tensors to its budget.
     """
 
     def __init__(self, track_steps: int = 2, memory: MemorySettings = MemorySettings()) -> None:
@@ -64,7 +52,7 @@ class MemoryMonitor(L.Callback):
             raise UserError(f"memory.track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
         self.memory = memory
-        self.budget = memory.budget.bytes if memory.budget is not None else None
+        self.cap = memory.cap  # memory.budget: on a CPU the tracker holds the tracked tensors to it
         self.tracker: Optional[Tracker] = None
         self.measured = Footprint()
         self.predictions: dict[str, Footprint] = {}  # given: for the configured shape, the worst case
@@ -103,8 +91,8 @@ class MemoryMonitor(L.Callback):
 
     def limit(self, trainer: L.Trainer) -> Optional[int]:
         """The memory this run may use: the budget, else the CUDA device's total."""
-        if self.budget is not None:
-            return self.budget
+        if self.cap is not None:
+            return self.cap.bytes
         if self._on_cuda(trainer):
             return torch.cuda.get_device_properties(self._device(trainer)).total_memory
         return None
@@ -142,7 +130,7 @@ class MemoryMonitor(L.Callback):
     # -- measurement ---------------------------------------------------------------------------
 
     def _tracking(self, trainer: L.Trainer, batch_idx: int) -> bool:
-        if self.budget is not None and not self._on_cuda(trainer):
+        if self.cap is not None and not self._on_cuda(trainer):
             return True  # the CPU budget is enforced by the tracker
         # Within an accumulation window the micro-batches after the second repeat the second's memory:
         # track the first (gradients zeroed), the second (accumulating) and the one that steps.
@@ -197,7 +185,8 @@ class MemoryMonitor(L.Callback):
         if self._tracking(trainer, batch_idx):
             self.longest_tracked = longer(self.longest_tracked, shape)
             tracker = Tracker(
-                self._device(trainer), None if self._on_cuda(trainer) else self.budget, compiled_steps=compiles_its_step
+                self._device(trainer), self.cap.bytes if self.cap and not self._on_cuda(trainer) else None,
+                compiled_steps=compiles_its_step,
             )
             tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
             tracker.watch_layers(_layers(pl_module))  # the step point by point, for its picture (memory.png)

@@ -15,7 +15,6 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator, Optional, Union
-from unittest import mock
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lit_memory.optimizers import copy_for, library_of
+from lit_memory.settings import patched
 
 # -- what an optimizer keeps, measured ------------------------------------------------------------------
 
@@ -361,7 +361,7 @@ def answering_scalars(optimizer: Optimizer) -> Iterator[None]:
         with _AnsweringScalars(cls.__name__):
             return step(self, *args, **kwargs)
 
-    with mock.patch.object(cls, "step", answered):
+    with patched(cls, "step", answered):
         yield
 
 

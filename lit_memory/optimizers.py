@@ -13,13 +13,13 @@ import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ContextManager, Iterator, Optional, Union
-from unittest import mock
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lit_memory import eightbit, lowbit
+from lit_memory.settings import patched
 
 # -- libraries ---------------------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class TorchAO(Library):
             held = torch.empty(torchao_kernel_bytes(kind, exp_avg.numel(), block), dtype=torch.uint8, device=p.device)
             del held
 
-        with mock.patch.object(adam, "single_param_adam", buffers), torch.compiler.set_stance("force_eager"):
+        with patched(adam, "single_param_adam", buffers), torch.compiler.set_stance("force_eager"):
             yield
 
     def notes(self, optimizer: Optimizer, device: str, temps: list[list[int]]) -> list[str]:

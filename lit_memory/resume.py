@@ -200,7 +200,7 @@ def _restore_loader_states(trainer: Trainer) -> None:
     Lightning loads them when it first builds the training loaders after a restore, but a
     ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (for the LR
     schedule's length) builds them before the restore, and they then never get their states
-    (Lightning issue #20550, open in 2.6). Done here, just before the first batch is fetched, with
+    (Lightning-AI/pytorch-lightning#20550, open in 2.6). Done here, just before the first batch is fetched, with
     Lightning's own methods; a no-op once Lightning has loaded them itself.
     """
     loop = trainer.fit_loop

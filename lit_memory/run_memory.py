@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
 from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
 from lit_memory.memory.measure import picture
@@ -52,7 +53,7 @@ def memory_callbacks(
     monitor (it records them when the fit ends), the table, the picture and the report after it (they show what it
     measured)."""
     monitor = MemoryMonitor(memory.track_steps, memory)
-    units: list[L.Callback] = [BudgetCap(memory.budget.bytes if memory.budget else None)]
+    units: list[L.Callback] = [BudgetCap(memory.cap)]
     if memory.snapshot is not None:
         units.append(MemorySnapshot(memory.snapshot, memory.snapshot_steps))
     if predict is not None:
@@ -76,8 +77,8 @@ class BudgetCap(L.Callback):
     is measured again after each of the first ``recheck`` optimizer steps, the cap lowered by what it grew.
     """
 
-    def __init__(self, budget: Optional[int], recheck: int = 3) -> None:
-        self.budget = budget
+    def __init__(self, cap: Optional[Limit], recheck: int = 3) -> None:
+        self.cap = cap
         self.recheck = recheck
         self._fraction: Optional[float] = None
         self._context = 0
@@ -86,7 +87,7 @@ class BudgetCap(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
-        if stage != "fit" or self.budget is None or device.type != "cuda":
+        if stage != "fit" or self.cap is None or device.type != "cuda":
             return
         self.load_kernels(device, half_dtype(getattr(trainer, "precision", None)))
         self.warm_communicators(trainer.strategy, device)
@@ -96,7 +97,7 @@ class BudgetCap(L.Callback):
         print(self._line, file=sys.stderr)  # every rank caps its own process
 
     def _cap(self, card: CardReading, device: torch.device) -> None:
-        self.limit, self._line = allocator_limit(self.budget, card)
+        self.limit, self._line = allocator_limit(self.cap.bytes, card)
         self._context = card.context if card.context is not None else max(card.total - card.free, 0)
         self.set_fraction(min(self.limit / card.total, 1.0), device)
 
@@ -332,11 +333,11 @@ class MemoryTable(L.Callback):
         predictions = monitor.predictions
         if configured and predictions:
             worst = ", ".join(f"{method} {format_bytes(level(f))}" for method, f in predictions.items())
-            limit, fits = self.memory.limit_bytes, ""
+            limit, fits = self.memory.limit, ""
             if limit is not None and "analytic" in predictions:
                 name = "memory.budget" if self.memory.budget else "memory.tier"
-                verdict = "fits" if level(predictions["analytic"]) <= limit else "does not fit"
-                fits = f": {verdict} {name} {format_bytes(limit)}"
+                verdict = "fits" if level(predictions["analytic"]) <= limit.bytes else "does not fit"
+                fits = f": {verdict} {name} {format_bytes(limit.bytes)}"
             where = "device" if next(iter(predictions.values())).device is not None else "tensors"
             lines.append(
                 f"  fits (worst case: every batch {shape_text(configured)}, padded to max_length): {worst} {where}{fits}"
@@ -367,7 +368,7 @@ class MemoryPicture(L.Callback):
               "memory picture: none (matplotlib is not installed: pip install 'lit-memory[plot]')")
 
     def _budget(self) -> Optional[int]:
-        return self.memory.budget.bytes if self.memory.budget else None
+        return self.memory.cap.bytes if self.memory.cap else None
 
 
 class MemorySnapshot(L.Callback):

@@ -9,6 +9,7 @@
 - `key_of`: the one cache key of settings and typed values (JSON with sorted keys).
 - `arguments`: a class's constructor arguments with their defaults, read from its signature as LightningCLI
   reads it, so a description of a run's sections copies no argument list by hand.
+- `patched`: a library's attribute (a switch, a function) set for the length of a ``with`` block, then put back.
 
 The bucket setting has its own type beside the fused step that owns it (`lit_memory.fused.Bucketing`); YAML files
 are read through `lit_memory.bounds.read_yaml`.
@@ -16,6 +17,7 @@ are read through `lit_memory.bounds.read_yaml`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -199,6 +201,25 @@ def overlay(settings: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str,
     for key, value in values.items():
         assign(out, key, plain(value), create=True)
     return out
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name`` is ``value`` inside the block; afterwards it is what it was (an inherited one inherited again)."""
+    getattr(owner, name)  # a name that is not there is a typo, not a patch
+    own = vars(owner)
+    saved = own[name] if name in own else _INHERITED
+    setattr(owner, name, value)
+    try:
+        yield value
+    finally:
+        if saved is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)
+
+
+_INHERITED = object()
 
 
 # -- cache keys --------------------------------------------------------------------------------------------------

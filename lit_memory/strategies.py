@@ -218,24 +218,13 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, AcceleratorDevice, SingleDevi
 
 
 class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
-    """Fully sharded data parallel (FSDP2) over every device of every node, sharding for the user,
-    with the fused backward + optimizer step on each rank's parameter shards when ``fused``.
-
-    Lightning's `ModelParallelStrategy` leaves sharding to ``configure_model``; this one applies
-    ``fully_shard`` to each transformer layer of every Hugging Face model in the LightningModule,
-    then to the model, so each layer's parameters are gathered only while it computes.
-
-    With a bitsandbytes optimizer the fused step updates each rank's local shard (bitsandbytes knows
-    nothing of DTensor); checkpoints keep that state sharded, and resume it exactly on as many ranks and
-    requantised on another number (`lit_memory.eightbit_shards`).
+    """FSDP2 on every device: ``fully_shard`` on each transformer layer, then the model, with the fused
+    step on each rank's shards when ``fused`` (bitsandbytes' state kept sharded: `lit_memory.eightbit_shards`).
 
     Args:
-        fused: step inside backward. Layered after a recipe, ``configs/fsdp.yaml`` keeps the recipe's
-            choice (the module docstring says how).
-        bucket: parameters stepped by one optimizer call: ``layer`` (each transformer layer, as
-            sharded), ``"N MiB"`` or ``param`` (see `lit_memory.fused`).
-        save_distributed_checkpoint: each rank writes its shard (a checkpoint folder); ``false``
-            gathers a single file on rank 0.
+        fused: step inside backward (``configs/fsdp.yaml`` keeps a recipe's choice).
+        bucket: parameters stepped by one optimizer call: ``layer``, ``"N MiB"`` or ``param`` (`lit_memory.fused`).
+        save_distributed_checkpoint: each rank writes its shard; ``false`` gathers a single file on rank 0.
     """
 
     fused_step = False

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from bitsandbytes.nn import StableEmbedding
 
 from lit_memory.anatomy import Anatomy, parameter_units
-from lit_memory.eightbit import keep_embeddings_32bit, swap_stable_embedding
+from lit_memory.eightbit import keep_32bit, swap_stable_embedding
 from lit_memory.fused import OptimizerInBackward
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 
@@ -36,7 +36,7 @@ def train(
 ) -> torch.optim.Optimizer:
     optimizer = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)
     if embeddings_32bit:
-        keep_embeddings_32bit(Anatomy.of(model).embeddings, optimizer)
+        keep_32bit(optimizer, [e.weight for e in Anatomy.of(model).embeddings])
     step = OptimizerInBackward(optimizer, parameter_units(model), streams=streams) if fused else None
     for i in range(steps):
         torch.manual_seed(100 + i)  # the same dropout masks in every run
@@ -72,7 +72,7 @@ def test_without_the_override_embeddings_are_8bit_too():
 def test_the_override_belongs_to_its_optimizer_alone():
     model = tiny_bert()
     first = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)
-    keep_embeddings_32bit(Anatomy.of(model).embeddings, first)
+    keep_32bit(first, [e.weight for e in Anatomy.of(model).embeddings])
     second = bnb.optim.AdamW8bit(weight_decay_groups(model), lr=1e-3)  # e.g. a later model reusing freed ids
     assert id(model.bert.embeddings.word_embeddings.weight) in first.mng.pid2config
     assert id(model.bert.embeddings.word_embeddings.weight) not in second.mng.pid2config

@@ -62,6 +62,19 @@ def test_the_package_root_imports_nothing_at_import_time():
     assert all(not (isinstance(n, ast.ImportFrom) and (n.module or "").startswith("lit_memory")) for n in top_level)
 
 
+def test_the_package_imports_no_test_machinery():
+    """A patch inside the package is `lit_memory.settings.patched`, not `unittest.mock`."""
+    found = [
+        str(path.relative_to(REPO))
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(name.split(".")[0] in ("unittest", "pytest") for name in
+                ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]))
+    ]
+    assert not found, found
+
+
 def test_no_import_cycles():
     edges = graph()
     cycles = []

@@ -27,6 +27,7 @@ from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
 from transformers import AutoModelForSequenceClassification
 from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.monitor import MemoryMonitor, device_memory_used
 from lit_memory.run_memory import BudgetCap, MemoryPredictions, MemoryTable
 
@@ -292,7 +293,7 @@ def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cud
     from lit_memory.memory.hardware.gpus import GPUS, CardReading
 
     calls, trainer = fake_cuda
-    cap = BudgetCap(MemorySettings(budget="4GiB").budget.bytes)
+    cap = BudgetCap(MemorySettings(budget="4GiB").cap)
     cap.read_card = lambda device: CardReading("fake", 16 * 2**30, 15 * 2**30, 512 * 2**20, "nvml (this process)")
     cap.load_kernels = lambda device, half: calls.loaded.append(half)
     trainer.precision = "bf16-mixed"
@@ -306,8 +307,7 @@ def test_a_cuda_budget_caps_the_device_total_and_is_undone_when_it_ends(fake_cud
     assert calls.fractions[2:] == []
     # a card as the budget: its capacity as torch reports it; the budget is the limit, before the tier
     settings = MemorySettings(budget="rtx3050-4gb", tier="t4")
-    assert settings.budget.bytes == settings.limit_bytes == GPUS["rtx3050-4gb"].memory
-    assert settings.limit_words == "memory.budget rtx3050-4gb (3.81 GiB)"
+    assert settings.limit == settings.cap == Limit(GPUS["rtx3050-4gb"].memory, "memory.budget rtx3050-4gb (3.81 GiB)")
 
 
 def test_the_cap_follows_the_context_as_kernels_load_in_the_first_steps(fake_cuda, capsys):
@@ -325,7 +325,7 @@ def test_the_cap_follows_the_context_as_kernels_load_in_the_first_steps(fake_cud
         reads.append(trainer.global_step)
         return CardReading("fake", total, 12 * 2**30, next(contexts), "nvml (this process)")
 
-    cap = BudgetCap(budget, recheck=3)
+    cap = BudgetCap(Limit(budget), recheck=3)
     cap.read_card, cap.load_kernels = read, lambda device, half: None
     trainer.precision = "32-true"
     trainer.global_step = 0
@@ -371,7 +371,7 @@ def test_the_cap_measures_the_context_once_every_nccl_communicator_is_warmed_up(
                    ("reduce_scatter", "world", 4)]
     calls, trainer = fake_cuda  # the cap warms them up, then reads the card
     order = []
-    cap = BudgetCap(4 * 2**30)
+    cap = BudgetCap(Limit(4 * 2**30))
     cap.load_kernels = lambda device, half: order.append("kernels")
     cap.warm_communicators = lambda strategy, device: order.append("communicators")
     cap.read_card = lambda device: order.append("read") or CardReading("fake", 16 * 2**30, 15 * 2**30, 2**30, "nvml")

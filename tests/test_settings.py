@@ -15,7 +15,9 @@ from lit_memory.errors import UserError
 from lit_memory.fused import Bucketing, parse_bucket
 from lit_memory.memory.prediction.step import OptimizerSpec, Step
 from lit_memory.model import SequenceClassifier
-from lit_memory.settings import PRECISIONS, Precision, arguments, assign, key_of, leaves, locate, overlay, plain, section
+from lit_memory.settings import (
+    PRECISIONS, Precision, arguments, assign, key_of, leaves, locate, overlay, patched, plain, section,
+)
 
 
 @pytest.mark.parametrize(
@@ -123,3 +125,21 @@ def test_a_step_is_parsed_once_and_states_the_settings_it_reads_back_from():
     assert Step.from_settings(plain_step.as_settings()) == plain_step and plain_step.as_settings()["trainer"]["strategy"] == "auto"
     assert step.key() == Step.from_settings(step.as_settings()).key() != changed.key()
     assert step.cache_key != step.key() and step.cache_key == replace(step, batch_size=1).cache_key
+
+
+def test_patched_puts_back_what_was_there_an_inherited_attribute_inherited_again_and_refuses_a_typo():
+    class Base:
+        def step(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    with patched(Child, "step", lambda self: "patched"):
+        assert Child().step() == "patched" and Base().step() == "base"
+    assert "step" not in vars(Child) and Child().step() == "base"
+    with pytest.raises(KeyError), patched(Base, "step", lambda self: "patched"):
+        raise KeyError("inside the block")
+    assert Base().step() == "base"
+    with pytest.raises(AttributeError), patched(Base, "stpe", None):
+        pass

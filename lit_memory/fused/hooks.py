@@ -34,24 +34,13 @@ def _allow_a_second_backward() -> None:
 
 
 class BucketHooks:
-    """Step each bucket from its parameters' ``register_post_accumulate_grad_hook`` when backward has
-    accumulated the last of their gradients; `remove` restores normal stepping.
+    """Step each bucket from its parameters' post-accumulate-grad hooks once backward has made the last of
+    their gradients; `remove` restores normal stepping.
 
-    A parameter may get no gradient in some backward (a branch the batch did not use): at the end of
-    every backward, buckets still waiting are stepped with the gradients they have, as an unfused step
-    would skip the parameters without one, so no gradient is held past its backward. The end of
-    backward is an autograd engine callback, as torch's FSDP queues its own.
-
-    ``clipping`` clips every bucket's gradients before its step; by norm, and with ``scaling`` (`LossScaling`),
-    backward must run through `backward`. Where gradients arrive by another route than the hooks (FSDP1 hands
-    them over after reducing a flat parameter), that route calls `arrived`, names the process group in
-    ``groups`` and tidies up in ``after_step``.
-
-    ``streams`` (`DeviceStreams`; by default `device_streams` of the parameters' device, None on the CPU) orders
-    each step after its gradients. A bucket whose gradients were made on another stream than the compute stream
-    its step runs on (FSDP2's reduce-scatter, FSDP1's post-backward) is stepped one bucket later, when the next
-    such bucket completes or at the end of backward, so that communication still overlaps the next layer's
-    backward (docs/fused.md, "Streams"); the cost is one more bucket's (sharded) gradients alive.
+    A bucket still waiting at the end of backward (a branch the batch did not use) steps with what it has.
+    ``clipping`` clips before each step (by norm, and with ``scaling``, backward runs through `backward`);
+    FSDP1 hands gradients over through `arrived`, ``groups`` and ``after_step``. ``streams`` orders each step
+    after its gradients, one bucket late where they came from another stream (docs/fused.md, "Streams").
     """
 
     def __init__(

@@ -175,16 +175,14 @@ def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
     predicted device total against the card's capacity, or against ``memory.budget`` where that caps the card lower
     (the allocator is capped there), named with the card; ``memory.tier`` is what the plan was made for, not a limit
     on this card. On a CPU target, the tensors against the budget or tier (None without one)."""
-    budget = step.memory.budget
+    cap, limit = step.memory.cap, step.memory.limit
     if step.target.cuda_device:
         gpu = step.target.gpu
         card = f"{gpu.label} ({format_bytes(gpu.memory)})"
-        if budget is not None and budget.bytes < gpu.memory:
-            return Fit(level(footprint), budget.bytes, step.margin, f"{card} capped at {budget.words('memory.budget')}")
+        if cap is not None and cap.bytes < gpu.memory:
+            return Fit(level(footprint), cap.bytes, step.margin, f"{card} capped at {cap.words}")
         return Fit(level(footprint), gpu.memory, step.margin, card)
-    if step.memory.limit_bytes is None:
-        return None
-    return Fit(level(footprint), step.memory.limit_bytes, step.margin, step.memory.limit_words)
+    return limit.with_margin(step.margin).fit(level(footprint)) if limit is not None else None
 
 
 # Where the project's GPU records are (`python -m lit_memory bench --gpu-proof`): installed with the package, or a
@@ -401,7 +399,7 @@ def panel(step: Step, prediction: Prediction, title: str) -> Any:
         title=title,
         predicted=points,
         device=prediction.footprint.device,
-        budget=step.memory.budget.bytes if step.memory.budget else None,
+        budget=step.memory.cap.bytes if step.memory.cap else None,
         capacity=gpu.memory if gpu else None,
         margin=step.margin,
         notes=[f"verdict: {fit.line()}"] if fit else [],
@@ -420,15 +418,3 @@ def run_title(fit_args: list[str], step: Step) -> str:
             shown.append(arg[2:])
     where = step.target.gpu.label if step.target.cuda_device else step.device
     return f"{' + '.join(shown) or 'the defaults'}: batch {step.batch_size} x {step.max_length}, {step.precision.name}, on {where}"
-
-
-def device_line(footprint: Optional[Footprint]) -> str:
-    """tensors / reserved / device in words (recipe headers, plan)."""
-    if footprint is None:
-        return "-"
-    if footprint.device is None:
-        return f"tensors {format_bytes(footprint.peak)}"
-    return (
-        f"tensors {format_bytes(footprint.peak)}, reserved {format_bytes(footprint.reserved)}, "
-        f"device {format_bytes(footprint.device)}"
-    )

@@ -163,14 +163,14 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
     from lit_memory.memory.prediction.step import loop
 
     config = cli.settings
-    budget = cli.memory.limit_bytes if cli.memory is not None else None
+    budget = cli.memory.limit if cli.memory is not None else None
     if budget is None:
         raise NoTrainerEquivalent("no Trainer equivalent (its best configuration is chosen for a memory budget)")
     samples = config.data.batch_size * config.trainer.accumulate_grad_batches
     init = config.model.optimizer.init_args
     optimizer = {"class_path": TRAINER_BEST_OPTIMIZER, "init_args": {"lr": init.lr, "weight_decay": init.weight_decay}}
     step = dataclasses.replace(cli.step(target if target is not None else this_target("cuda")), loop=loop("hf-trainer"))
-    limit = int(budget * (1 - step.margin))
+    limit = budget.with_margin(step.margin).usable
     tried = []
     for rung, precision in TRAINER_RUNGS:
         for micro in (b for b in range(samples, 0, -1) if samples % b == 0):
@@ -187,7 +187,7 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
                                       "budget less the margin (lit_memory's memory model, the Trainer's loop)"},
                 }
         tried.append({"configuration": rung, "micro_batch": 1, "predicted_device_bytes": predicted})
-    raise NoTrainerEquivalent(f"no Trainer configuration fits {cli.memory.limit_words}: micro-batch 1 is predicted over it")
+    raise NoTrainerEquivalent(f"no Trainer configuration fits {budget}: micro-batch 1 is predicted over it")
 
 
 class PeerMeter(TrainerCallback):
@@ -356,7 +356,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
 def capped(cli: LitMemoryCLI, cuda: bool) -> Optional[Any]:
     """The run's ``memory.budget`` as ours applies it on CUDA (`BudgetCap`: the allocator capped at the budget less
     the context measured now, the step's kernels loaded first), for the Trainer's process; None without one."""
-    budget = cli.memory.budget.bytes if cli.memory is not None and cli.memory.budget is not None else None
+    budget = cli.memory.cap if cli.memory is not None else None
     if not cuda or budget is None:
         return None
     from lit_memory.run_memory import BudgetCap  # deferred: only a capped peer needs it

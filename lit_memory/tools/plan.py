@@ -40,9 +40,9 @@ from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.planning.choose import RULE, rank
 from lit_memory.memory.planning.recompute import planned
 from lit_memory.memory.planning.recompute import resolve as plan_layers
-from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
+from lit_memory.memory.hardware.budget import Size
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
-from lit_memory.memory.hardware.margin import Fit, usable
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.prediction.predict import device_total, level
 from lit_memory.memory.measure.report import breakdown
 from lit_memory.memory.prediction.simulate import simulate
@@ -212,21 +212,21 @@ CHECKPOINTING = "model.gradient_checkpointing"
 OFFLOADING = "model.offload_activations"
 
 
-def refine(chosen: Candidate, budget: int) -> Candidate:
+def refine(chosen: Candidate, limit: Limit) -> Candidate:
     """A chosen setup that recomputes, with the per-layer checkpointing plan of fewest counted FLOPs predicted
-    to fit ``budget`` (`lit_memory.memory.planning.recompute.resolve`): as many layers left whole or selective as fit."""
+    to fit ``limit`` (`lit_memory.memory.planning.recompute.resolve`): as many layers left whole or selective as fit."""
     if chosen.setup.checkpointing is None:
         return chosen
     # offloading is weighed against recompute as `offload_activations: auto` does (CUDA only)
     probe = replace(chosen.setup, model={**chosen.setup.model, "offload_activations": "auto"})
-    found = plan_layers(probe, budget)
+    found = plan_layers(probe, limit.with_margin(chosen.setup.margin))
     value = found.plan.value() if found.plan else False
     if isinstance(value, dict):  # one line, so the planned recipe keeps one comment per setting
         value = CommentedMap(value)
         value.fa.set_flow_style()
     if found.plan == chosen.setup.checkpointing and found.offload == chosen.setup.offloading:
         return chosen
-    words = f"predicted to fit {format_bytes(budget)} with the {100 * chosen.setup.margin:g} % margin"
+    words = f"predicted to fit {format_bytes(limit.bytes)} with the {100 * chosen.setup.margin:g} % margin"
     blocks = {
         **chosen.blocks,
         CHECKPOINTING: Block(CHECKPOINTING, value, f"activations: per layer, the least recompute (fewest FLOPs) {words}"),
@@ -305,11 +305,11 @@ def _breakdown(prediction: Prediction) -> str:
     return breakdown(prediction.footprint, prediction.device)
 
 
-def _as_written(chosen: Candidate, budget: int, card: Optional[str] = None) -> dict[str, Block]:
-    """The chosen settings as the recipe writes them, with the budget as its ``memory.tier``. A per-layer plan
-    is written as chosen (the one the simulation confirmed), not as a parent's ``auto``: ``auto`` resolves again
+def _as_written(chosen: Candidate, limit: Limit) -> dict[str, Block]:
+    """The chosen settings as the recipe writes them, with the limit as its ``memory.tier`` (a card by its name). A
+    per-layer plan is written as chosen (the one the simulation confirmed), not as a parent's ``auto``: ``auto`` resolves again
     where the recipe runs, for that run's precision (a CPU's bf16 fallback: fp32) and device."""
-    tier = Block(TIER, card or _size(budget), "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)")
+    tier = Block(TIER, limit.words or _size(limit.bytes), "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)")
     return {**chosen.blocks, TIER: tier}
 
 
@@ -326,18 +326,17 @@ def _size(n: int) -> str:
 
 
 def recipe_text(
-    chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str,
-    card: Optional[str] = None,
+    chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], limit: Limit, command: str,
 ) -> str:
     parent, _ = _parent(chosen.blocks, recipes)
-    blocks = _as_written(chosen, budget, card)
+    blocks = _as_written(chosen, limit)
     changes = [
         k for k in dict.fromkeys([*blocks, *parent.blocks])
         if (k == TIER or k not in NOT_COMBINED) and _plain(blocks.get(k)) != _plain(parent.blocks.get(k))
     ]
     theirs = {k: b.plain for k, b in parent.blocks.items()}
     try:  # the parent as it would run at this budget (its `auto` resolved for it)
-        parent_step = planned(chosen.setup.with_settings(theirs), budget)
+        parent_step = planned(chosen.setup.with_settings(theirs), limit)
     except UserError:  # its `auto` finds no plan within the budget: compare with every layer recomputed
         parent_step = chosen.setup.with_settings({**theirs, CHECKPOINTING: True, OFFLOADING: False})
     parent_prediction = analytic(parent_step, levels=False)
@@ -346,8 +345,8 @@ def recipe_text(
     ]
     where = f"{chosen.setup.model.get('model_name_or_path')}, {chosen.setup.target.describe()}"
     header = [
-        f"# planned: the fastest setup predicted to fit {card or format_bytes(budget)} ({where})",
-        f"# fits: {Fit(device_total(chosen.setup), budget, chosen.setup.margin, card or '').line()}",
+        f"# planned: the fastest setup predicted to fit {limit} ({where})",
+        f"# fits: {limit.with_margin(chosen.setup.margin).fit(device_total(chosen.setup)).line()}",
         f"# parent: {parent.name}",
         f"# changes: {', '.join(changes) if changes else 'none'}",
         f"# shrinks: {', '.join(shrinks) if shrinks else 'nothing'} (predicted, against {parent.name})",
@@ -373,7 +372,7 @@ def recipe_text(
 
 def choose(
     base: Step,
-    budget: int,
+    limit: Limit,
     args: list[str],
     recipes: Optional[list[Recipe]] = None,
     confirm: bool = True,
@@ -381,13 +380,13 @@ def choose(
 ) -> tuple[Candidate, Optional[Prediction], list[Candidate]]:
     """Pick the candidate to write: (chosen, its simulation, all candidates). Candidates are taken in the
     rule's order; each one's device total (tensors, the allocator's reserve, the CUDA context) is predicted
-    when the rule reaches it, and the first that fits the budget wins (confirmed by the simulation)."""
+    when the rule reaches it, and the first that fits the limit wins (confirmed by the simulation)."""
     recipes = shipped_recipes() if recipes is None else recipes
     everything = candidates(base, recipes)
     longest = max(c.setup.max_length for c in everything)
     ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
     overhead = base.outside_allocator  # the CUDA context and NCCL's communicators
-    room = usable(budget, base.margin)  # the margin kept free (`lit_memory.memory.hardware.margin`)
+    room = limit.with_margin(base.margin).usable  # the margin kept free (`lit_memory.memory.hardware.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
     wanted = MEASURED if measured else 1
     confirmed: list[tuple[Candidate, Optional[Prediction]]] = []
@@ -403,36 +402,36 @@ def choose(
         smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
         if smallest.prediction.footprint.peak + overhead > room or smallest.total > room:
             raise UserError(
-                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)} with the "
+                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(limit.bytes)} with the "
                 f"{100 * base.margin:g} % margin ({format_bytes(room)}); the "
                 f"smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
             )
         raise UserError(
-            f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} with the "
+            f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(limit.bytes)} with the "
             f"{100 * base.margin:g} % margin do not fit in simulation"
         )
     if measured:
         effective = base.batch_size * base.accumulate_grad_batches
         timed = []
         for candidate, simulated in confirmed:
-            seconds = measure(recipe_text(candidate, simulated, recipes, budget, ""), args, effective)
+            seconds = measure(recipe_text(candidate, simulated, recipes, limit, ""), args, effective)
             print(f"measured {seconds:.3f} s per optimizer step: {candidate.setup.describe()}")
             timed.append((seconds, candidate, simulated))
         _, chosen, simulated = min(timed, key=lambda t: t[0])
         chosen.prediction = analytic(chosen.setup)
-        return (*_refined(chosen, simulated, budget, confirm), everything)
+        return (*_refined(chosen, simulated, limit, confirm), everything)
     chosen, simulated = confirmed[0]
     chosen.prediction = analytic(chosen.setup)  # with the allocator's and the device's levels
-    return (*_refined(chosen, simulated, budget, confirm), everything)
+    return (*_refined(chosen, simulated, limit, confirm), everything)
 
 
-def _refined(chosen: Candidate, simulated: Optional[Prediction], budget: int, confirm: bool) -> tuple[Candidate, Optional[Prediction]]:
+def _refined(chosen: Candidate, simulated: Optional[Prediction], limit: Limit, confirm: bool) -> tuple[Candidate, Optional[Prediction]]:
     """The chosen setup with its per-layer plan (`refine`), kept only if the simulation agrees it fits."""
-    better = refine(chosen, budget)
+    better = refine(chosen, limit)
     if better is chosen:
         return chosen, simulated
     again = simulate(better.setup) if confirm else None
-    if again is None or level(again.footprint) <= usable(budget, better.setup.margin):
+    if again is None or level(again.footprint) <= limit.with_margin(better.setup.margin).usable:
         return better, again
     return chosen, simulated
 
@@ -465,19 +464,19 @@ def main(argv: list[str]) -> None:
             "(it runs confined: docs/sharing.md); pass --trust-recipe only if you trust the configs' source, or plan "
             "without --measure"
         )
-    budget = capacity(ours.budget)
-    card = gpu_key(ours.budget) if is_gpu_name(ours.budget) else None
+    size = Size.parse(ours.budget)
     base = step_of(rest, ours)
+    limit = Limit(size.bytes, size.card or "", base.margin)  # a card by its name (the recipe's tier), else the size
     recipes = shipped_recipes()
     chosen, simulated, everything = choose(
-        base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
+        base, limit, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
-    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command, card))
-    print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(budget)}:")
+    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, limit, command))
+    print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(limit.bytes)}:")
     print(f"  {chosen.setup.describe()}")
     print(f"  analytic:  {_breakdown(chosen.prediction)}")
-    print(f"  {Fit(device_total(chosen.setup), budget, chosen.setup.margin, card or '').line()}")
+    print(f"  {limit.with_margin(chosen.setup.margin).fit(device_total(chosen.setup)).line()}")
     if simulated is not None:
         print(f"  simulated: {_breakdown(simulated)}")
     print(f"wrote {ours.output}: python -m lit_memory fit {shlex.join([*rest, '--config', ours.output])}")

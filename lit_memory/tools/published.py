@@ -120,7 +120,7 @@ def _raschka(label: str, precision: str, gb: float) -> Row:
 
 SEED = Source(
     "HF Trainer tiers, chinese-macbert-large (this project's seed)",
-    "",  # the reference post's tier table (the project brief's seed posts; recipes/*.yaml cite it as `reference:`)
+    "",  # no public address: the reference post's tier table (recipes/*.yaml cite its rows as `reference:`)
     "GPU, driver, CUDA and PyTorch versions not stated: hfl/chinese-macbert-large (BERT-large, vocabulary 21128), "
     "ChnSentiCorp hotel reviews padded to the max length, transformers' Trainer (AdamW of torch, lr 2e-5, weight "
     "decay 0.01, fp32), each tier adding to the one above; eager attention (BERT had no SDPA path in 2023) assumed. "

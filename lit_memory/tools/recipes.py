@@ -74,8 +74,8 @@ def planned_line(path: Path) -> Optional[str]:
     """The header line of a recipe with a ``memory.tier``: what it is planned for and what BERT-large at the
     recipe's batch leaves free there, with the margin kept (`lit_memory.memory.hardware.margin`); None without a tier."""
     step = header_step(path)
-    budget = step.memory.limit_bytes
-    if budget is None:
+    limit = step.memory.limit
+    if limit is None:
         return None
     card = step.target.gpu
     tier = str((step.settings.get("memory") or {}).get("tier") or "")
@@ -83,9 +83,9 @@ def planned_line(path: Path) -> Optional[str]:
         bf16 = "bf16" if card.bf16 else "no bf16"
         where = f"{card.key} ({card.name}, {format_bytes(card.memory)}, sm{card.capability[0]}{card.capability[1]}, {bf16})"
     else:
-        where = format_bytes(budget)
-    fit = Fit(analytic(step).footprint.device, budget, step.margin, where)
-    name = card.key if where != format_bytes(budget) else where
+        where = format_bytes(limit.bytes)
+    fit = Fit(analytic(step).footprint.device, limit.bytes, step.margin, where)
+    name = card.key if where != format_bytes(limit.bytes) else where
     return (
         f"{PLANNED}{name}; BERT-large {step.batch_size} x {step.max_length} {fit.line()} "
         "(python -m lit_memory recipes headers)"

@@ -17,6 +17,7 @@ from lit_memory.memory.measure import records
 from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.planning.choose import rank
 from lit_memory.memory.hardware.gpus import Target
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.prediction.predict import device_total
 from lit_memory.memory.prediction.step import Step
 from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes
@@ -58,7 +59,7 @@ def test_candidates_cover_every_switch_and_micro_batch(minilm_candidates):
 
 def test_when_everything_fits_the_plan_is_the_baseline(minilm_candidates):
     base, _ = minilm_candidates
-    chosen, _, _ = choose(base, 100 * 2**30, [], confirm=False)
+    chosen, _, _ = choose(base, Limit(100 * 2**30), [], confirm=False)
     assert chosen.setup.batch_size == 32 and chosen.setup.accumulate_grad_batches == 1
     assert not chosen.setup.model["gradient_checkpointing"] and chosen.setup.model["freeze"] is None
     assert chosen.setup.optimizer_name == "AdamW" and chosen.setup.max_length == 128
@@ -66,7 +67,7 @@ def test_when_everything_fits_the_plan_is_the_baseline(minilm_candidates):
 
 def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
     base, everything = minilm_candidates
-    chosen, _, _ = choose(base, 600 * MiB, [], confirm=False)  # baseline (1.4 GiB) does not fit
+    chosen, _, _ = choose(base, Limit(600 * MiB), [], confirm=False)  # baseline (1.4 GiB) does not fit
     assert chosen.prediction.footprint.peak <= 600 * MiB
     assert chosen.setup.accumulate_grad_batches == 1 and chosen.setup.model["gradient_checkpointing"]
     assert chosen.setup.model["freeze"] is None and chosen.setup.max_length == 128  # quality kept
@@ -75,7 +76,7 @@ def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
 def test_impossible_budget_names_the_smallest_need(minilm_candidates):
     base, _ = minilm_candidates
     with pytest.raises(UserError, match=r"predicted to fit 1.00 MiB with the 8 % margin \(.*\); the smallest needs .* MiB \(batch"):
-        choose(base, 1 * MiB, [], confirm=False)
+        choose(base, Limit(1 * MiB), [], confirm=False)
 
 
 def header(text: str) -> dict[str, str]:
@@ -153,7 +154,7 @@ def test_plan_finds_2gb_for_bert_large_in_2_gib_of_device_memory():
     does: 2.04 GiB with fixed segments; the recipe's expandable segments fit it.)"""
     base = base_setup("cuda", "--config", str(CONFIGS / "bert-large.yaml"))
     recipes = shipped_recipes()
-    chosen, simulated, _ = choose(base, 2 * 2**30, [], recipes)
+    chosen, simulated, _ = choose(base, Limit(2 * 2**30), [], recipes)
     room = 0.92 * 2 * 2**30  # the 8 % margin kept free
     assert simulated.footprint.device <= room and chosen.prediction.footprint.device <= room
     assert chosen.prediction.footprint.device == device_total(chosen.setup)

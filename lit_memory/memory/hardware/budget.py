@@ -10,9 +10,9 @@ from typing import Any, Mapping, Optional, Union
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, check_recipe_conf
-from lit_memory.memory.hardware.gpus import capacity, is_gpu_name
+from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, check_margin
+from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Limit, check_margin
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,11 @@ class Size:
         """None stays None; anything else is read by `lit_memory.memory.hardware.gpus.capacity` (one error line)."""
         return None if value is None else cls(capacity(value), str(value))
 
+    @property
+    def card(self) -> Optional[str]:
+        """The catalogue key of the card it names (``rtx3050-4gb``), or None for a size."""
+        return gpu_key(self.given) if is_gpu_name(self.given) else None
+
     def words(self, key: str) -> str:
         """``memory.tier rtx3050-4gb (3.81 GiB)``, ``memory.budget 4.00 GiB``."""
         size = format_bytes(self.bytes)
@@ -35,26 +40,16 @@ class Size:
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """Memory in every run: measured, predicted, bounded.
+    """Memory in every run: measured, predicted, bounded (the ``memory:`` block; docs/memory.md).
 
     Args:
-        track_steps: optimizer steps tracked tensor by tensor with torch's MemTracker, per category and phase (its
-            Python dispatch slows them: the first creates the optimizer state, the second is the steady state; of
-            an accumulation window only the first, second and last micro-batch). 0 turns tensor tracking off; on
-            CUDA the allocator's peaks are read every step regardless.
-        budget: a memory limit such as ``4GiB``, or a card (``rtx3050-4gb``: its capacity), enforced: on CUDA the
-            caching allocator is capped at the budget less the CUDA context; on a CPU the tracker raises CUDA's
-            out-of-memory error when the tracked tensors exceed it (every step is then tracked).
-        simulate: also predict by simulation at the start of fit (one training step on fake tensors: seconds on the
-            bundled model, about half a minute on BERT-large).
-        tier: the device memory the recipe is made for, a card or a size: what ``model.gradient_checkpointing:
-            auto`` plans for when no ``budget`` is given. Nothing is enforced.
-        allocator: the CUDA caching allocator settings the recipe is made for (``expandable_segments:True``), in
-            ``PYTORCH_CUDA_ALLOC_CONF``'s form: a CUDA run uses them unless the environment names its own, and
-            predictions use them.
+        track_steps: optimizer steps tracked tensor by tensor, per category and phase (0: off).
+        budget: a limit such as ``4GiB`` or a card (``rtx3050-4gb``), enforced: the allocator's cap on CUDA, an OOM on CPU.
+        simulate: also predict by simulation at the start of fit (seconds; about half a minute on BERT-large).
+        tier: the device memory the recipe is made for (a card or a size), what ``auto`` plans for; not enforced.
+        allocator: the CUDA caching allocator settings the recipe is made for, in ``PYTORCH_CUDA_ALLOC_CONF``'s form.
         margin: the share of a limit every "fits" decision keeps free for the memory model's own error.
-        snapshot: on CUDA, a file for torch's memory snapshot over the first ``snapshot_steps`` optimizer steps
-            (https://pytorch.org/memory_viz draws it); relative to the run folder.
+        snapshot: on CUDA, a file (in the run folder) for torch's memory snapshot of the first ``snapshot_steps``.
         snapshot_steps: the optimizer steps the snapshot records.
         picture: draw ``memory.png`` in the run folder at the end of fit (needs matplotlib).
     """
@@ -94,20 +89,14 @@ class MemorySettings:
         return cls(**block)
 
     @property
-    def limit(self) -> Optional[Size]:
-        """What a run plans for: the budget (enforced), else the tier; None without either."""
-        return self.budget or self.tier
+    def limit(self) -> Optional[Limit]:
+        """What a run plans for: the budget (enforced), else the tier, with the margin; None without either."""
+        return self.cap or (Limit(self.tier.bytes, self.tier.words("memory.tier"), self.margin) if self.tier else None)
 
     @property
-    def limit_bytes(self) -> Optional[int]:
-        return self.limit.bytes if self.limit else None
-
-    @property
-    def limit_words(self) -> str:
-        """The limit in words, for the decisions' lines (empty without one)."""
-        if self.budget is not None:
-            return self.budget.words("memory.budget")
-        return self.tier.words("memory.tier") if self.tier is not None else ""
+    def cap(self) -> Optional[Limit]:
+        """The budget alone, what a run is held to (the allocator's cap on CUDA, the tracker on a CPU)."""
+        return Limit(self.budget.bytes, self.budget.words("memory.budget"), self.margin) if self.budget else None
 
     @property
     def allocator_config(self) -> Optional[AllocatorConfig]:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, environment_conf
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.nccl import NcclSettings
 from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
 
@@ -74,8 +75,8 @@ HOST_GBPS = {"PCIe 3.0 x16": 12.0, "PCIe 4.0 x4": 6.0, "PCIe 4.0 x8": 12.0, "PCI
 GPUS = {
     c.key: c
     for c in (
-        # RTX 3050 Laptop 4 GB (GA107, sm86): "3.81 GiB total capacity" on Linux; 3902 MiB (lead's round-4 brief,
-        # /work/shared/BRIEF.md: published prints); Windows deviceQuery shows 4096 MiB
+        # RTX 3050 Laptop 4 GB (GA107, sm86): "3.81 GiB total capacity" on Linux; 3902 MiB in published
+        # torch.cuda.get_device_properties prints; Windows deviceQuery shows 4096 MiB
         # (4294443008 B, WDDM). Peak: 15.2 TFLOP/s bf16 matmul measured through PyTorch
         # (https://github.com/zzc0721/torch-performance-test-data/issues/57). Link: GA107 has PCIe 4.0 x8.
         _card("rtx3050-4gb", "GeForce RTX 3050 Laptop GPU 4GB", (8, 6), 3902, 15.2, "PCIe 4.0 x8", r"RTX 3050 Laptop"),
@@ -89,10 +90,10 @@ GPUS = {
         # T1000 4 GB (TU117, sm75, no tensor cores): the GTX 1650's chip and 4 GB; no print of its own found,
         # so the 1650's 3902 MiB. fp16 at twice its 2.5 TFLOP/s fp32.
         _card("t1000", "T1000", (7, 5), 3902, 5.0, "PCIe 3.0 x16", r"\bT1000\b"),
-        # MX450 2 GB (TU117, sm75, laptop): 2 GB cards report 1.96-2.00 GiB (round-4 brief); 1.96 GiB taken (the
+        # MX450 2 GB (TU117, sm75, laptop): 2 GB cards report 1.96-2.00 GiB in published prints; 1.96 GiB taken (the
         # 4 GB TU117 boards lose 194 MiB to the driver, a 2 GB one proportionally less). PCIe 4.0 x4.
         _card("mx450", "GeForce MX450", (7, 5), 1.96 * 1024, 5.6, "PCIe 4.0 x4", r"MX450"),
-        # Tesla T4 (sm75): total_memory=15102MB (Colab prints; the round-4 brief), 14.75 GiB in OOM messages;
+        # Tesla T4 (sm75): total_memory=15102MB (Colab prints), 14.75 GiB in OOM messages;
         # 65 TFLOP/s fp16 tensor (datasheet).
         _card("t4", "Tesla T4", (7, 5), 15102, 65, "PCIe 3.0 x16", r"\bT4\b"),
         # L4 (sm89): deviceQuery 22518 MiB (23612293120 B, driver 12.0); 121 TFLOP/s bf16 dense (datasheet).
@@ -421,24 +422,22 @@ class CardReading:
 BARE_CONTEXT = 287_047_680 - 20 * MiB
 
 
-def planning_limit(budget: Optional[int], where: str, card: Optional[CardReading]) -> tuple[Optional[int], str, str]:
-    """What ``auto`` plans for on the run's card: the smaller of ``budget`` (``memory.budget`` or the recipe's
-    ``memory.tier``; None: neither) and what the card has free at start for this process (`CardReading.available`).
-    Returns (limit, the limit in words, one line saying which applied). Without a card (a CPU run) the budget
-    stands as it is. The margin is kept by the plan search itself (`lit_memory.memory.planning.recompute.resolve`)."""
+def planning_limit(limit: Optional[Limit], card: Optional[CardReading], margin: float) -> tuple[Optional[Limit], str]:
+    """What ``auto`` plans for on the run's card: the smaller of ``limit`` (``memory.budget`` or the recipe's
+    ``memory.tier``; None: neither) and what the card has free at start for this process (`CardReading.available`),
+    with ``margin`` kept; and one line saying which applied. Without a card (a CPU run) the limit stands as it is."""
     if card is None:
-        return budget, where, ""
+        return limit, ""
     context = (
         f"this process's context {format_bytes(card.context)} ({card.source})" if card.context is not None
         else f"this process's context not measured (no nvidia-ml-py): {format_bytes(BARE_CONTEXT)} assumed"
     )
     free = f"{card.name} has {format_bytes(card.available)} for this run at start ({format_bytes(card.free)} free + {context})"
-    if budget is not None and budget <= card.available:
-        return budget, where, f"memory: auto plans for {where}: {free}"
-    limit = card.available
-    words = f"{card.name}'s free memory at start ({format_bytes(limit)})"
-    below = f", less than {where}" if budget is not None else ""
-    return limit, words, f"memory: auto plans for what the card has free{below}: {free}"
+    if limit is not None and limit.bytes <= card.available:
+        return limit, f"memory: auto plans for {limit}: {free}"
+    below = f", less than {limit}" if limit is not None else ""
+    available = Limit(card.available, f"{card.name}'s free memory at start ({format_bytes(card.available)})", margin)
+    return available, f"memory: auto plans for what the card has free{below}: {free}"
 
 
 def allocator_limit(budget: int, card: CardReading) -> tuple[int, str]:

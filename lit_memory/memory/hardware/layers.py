@@ -11,16 +11,14 @@ its own ``ffn``/``norm`` kind here, and reads it from the model in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
 from lit_memory.memory.hardware.kernels import AttentionBytes, Kernel, attention_bytes, attention_tensors
 from lit_memory.settings import Precision
 
-FFN_KINDS = ("mlp", "gated")  # in -> activation -> out; gate and up -> activation(gate) * up -> down
-NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_STATS = {"layernorm": 8, "rmsnorm": 4}  # fp32 mean and rstd per token, or rstd alone
 
 
@@ -32,8 +30,8 @@ class LayerSpec:
     hidden: int
     ffn: int
     heads: int
-    ffn_kind: str = "mlp"
-    norm: str = "layernorm"
+    ffn_kind: Literal["mlp", "gated"] = "mlp"  # in -> activation -> out; or activation(gate) * up -> down
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norms: int = 2  # norms over the hidden state (Gemma3's sandwich: 4)
     hidden_dropouts: int = 2  # dropouts on the residual branches (BERT: after attention and after the FFN)
     attention_dropout: bool = True
@@ -328,7 +326,3 @@ def backward_temp_per_token(spec: LayerSpec, x: Shape, k: Kernel) -> int:
     ffn_saved = sum(t.bytes for t in tensors[after:] if t.kept)
     att = attention(spec, x, k)
     return max((spec.ffn + 2 * spec.hidden) * x.compute_b, att.backward + spec.hidden * x.compute_b - ffn_saved)
-
-
-def with_implementation(spec: LayerSpec, implementation: str) -> LayerSpec:
-    return replace(spec, implementation=implementation)

@@ -5,6 +5,8 @@ has free at start) less a share of it kept free: a setup fits when its predicted
 ``limit x (1 - margin)``. Every decision that says "fits" goes through `Fit`: ``auto`` checkpointing
 (`lit_memory.memory.planning.recompute.resolve`), ``plan``, the out-of-memory advice (`lit_memory.memory.planning.choose`), the
 recipe headers and ``estimate``'s verdict, and each says what is left ("fits rtx3050-4gb with 9 % to spare").
+A limit travels as one `Limit` (its bytes, its words, its margin): from the ``memory:`` block
+(`MemorySettings.limit`, ``.cap``) or ``plan --budget`` through the plan, the cap, the monitor and NCCL's settings.
 
 The default is derived from the published GPU measurements the model is checked against (docs/memory.md,
 "Checked against published GPU measurements", `lit_memory.tools.published`): on the rows that are strictly
@@ -17,7 +19,7 @@ and tests/tools/test_published.py fails if a row's error ever outgrows the defau
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.footprint import format_bytes
@@ -41,6 +43,29 @@ def check_margin(value: object) -> float:
 def usable(limit: int, margin: float) -> int:
     """What a setup may be predicted at to fit ``limit`` with ``margin`` kept free."""
     return int(limit * (1 - margin))
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A memory limit as one value: its bytes, the words it was given in, and the share every "fits" keeps free."""
+
+    bytes: int
+    words: str = ""  # "memory.budget 4.00 GiB", "memory.tier rtx3050-4gb (3.81 GiB)", "rtx3050-4gb"; empty: the size
+    margin: float = DEFAULT_MARGIN
+
+    @property
+    def usable(self) -> int:
+        """What a setup may be predicted at to fit this limit with the margin kept free."""
+        return usable(self.bytes, self.margin)
+
+    def fit(self, predicted: int) -> "Fit":
+        return Fit(predicted, self.bytes, self.margin, self.words)
+
+    def with_margin(self, margin: float) -> "Limit":
+        return self if margin == self.margin else replace(self, margin=margin)
+
+    def __str__(self) -> str:
+        return self.words or format_bytes(self.bytes)
 
 
 @dataclass(frozen=True)

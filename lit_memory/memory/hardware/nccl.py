@@ -11,20 +11,20 @@ nor reduces, so lit_memory's FSDP2 strategies keep the process group on gloo the
 
 **What each holds** (`nccl_memory`; NCCL's sources at github.com/NVIDIA/nccl and published measurements):
 
-- *setup*, once per process: 484 MiB, the initialization memory of a one-GPU communicator (NCCL PR 2366: RTX 3090,
+- *setup*, once per process: 484 MiB, the initialization memory of a one-GPU communicator (NVIDIA/nccl#2366: RTX 3090,
   CUDA 13.0; it holds NCCL's kernels and state, and may hold part of the CUDA context: it errs high);
 - *buffers*, per communicator of several ranks: per channel, a ring and a tree connection (2 peers; a ring has 2
-  connections whatever the scale: NCCL issue 986), each with one buffer per protocol: Simple ``NCCL_BUFFSIZE``
+  connections whatever the scale: NVIDIA/nccl#986), each with one buffer per protocol: Simple ``NCCL_BUFFSIZE``
   (4 MiB), LL128 ``NCCL_LL128_BUFFSIZE`` (120 x 640 threads x 8 steps x 8 B = 4.69 MiB), LL ``NCCL_LL_BUFFSIZE``
   (8 lines x 512 threads x 8 steps x 16 B = 512 KiB) (src/init.cc ``DEFAULT_*BUFFSIZE``, src/include/device.h). The
-  memory is linear in the channels (NCCL issue 986): ``NCCL_MAX_NCHANNELS`` where set, else up to 32 over NVLink
+  memory is linear in the channels (NVIDIA/nccl#986): ``NCCL_MAX_NCHANNELS`` where set, else up to 32 over NVLink
   and NVSwitch (data-centre cards) and 4 over PCIe: 0.3 to 0.6 GiB per communicator over NVLink by default;
 - *NVLS*, on NVSwitch systems of sm90 and newer (``NCCL_NVLS_ENABLE`` not 0): per rank of the node, 16 channels (24
   on sm100) x 2 x (128 KiB chunk x 8 steps) (src/transport/nvls.cc, ``ncclNvlsBufferSetup``);
 - *a single-rank communicator's* NET shared buffer: p2p channels (64) x 16 steps x the P2P chunk (512 KiB over
-  NVLink, at most ``NCCL_BUFFSIZE`` / 8) = 512 MiB in NCCL 2.28 (NCCL issue 2363: "Failed to CUDA calloc 536870912
+  NVLink, at most ``NCCL_BUFFSIZE`` / 8) = 512 MiB in NCCL 2.28 (NVIDIA/nccl#2363: "Failed to CUDA calloc 536870912
   bytes", torch 2.11, CUDA 13.0), allocated at its first collective, or at its start with ``NCCL_RUNTIME_CONNECT=0``
-  (PR 2366: 996 MiB against 484). An NCCL without it holds less: the prediction errs high.
+  (#2366: 996 MiB against 484). An NCCL without it holds less: the prediction errs high.
 
 Measured on this project's H200 (docs/gpu.md): FSDP2 on one GPU took the process from 518 MiB outside the allocator
 to 1.29 GiB once its single-rank NCCL communicator started, a 512 MiB buffer and 291 MiB more.
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Optional
 
 from lit_memory.errors import UserError
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -54,7 +55,7 @@ MAX_CHANNELS = 64  # MAXCHANNELS: a single-rank communicator's p2p channels
 SHARED_STEPS = 16  # NCCL_SHARED_STEPS (src/transport/net.cc)
 P2P_NVL_CHUNK = 512 * KiB  # NCCL_P2P_NVL_CHUNKSIZE
 NVLS_CHUNK = 128 * KiB  # NCCL_NVLS_CHUNKSIZE
-SETUP = 484 * MiB  # NCCL PR 2366: a one-GPU communicator's initialization memory
+SETUP = 484 * MiB  # NVIDIA/nccl#2366: a one-GPU communicator's initialization memory
 CHANNELS_NVLINK, CHANNELS_PCIE = 32, 4
 SMALL_TIER = 8 * GiB  # a limit at most this: the run sets `SMALL`
 SMALL = {"NCCL_BUFFSIZE": str(1 * MiB), "NCCL_MAX_NCHANNELS": "2", "NCCL_NVLS_ENABLE": "0"}
@@ -239,15 +240,15 @@ def _pow2_up(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def small(limit: Optional[int], world_size: int) -> bool:
-    """Whether a CUDA run on ``world_size`` ranks within ``limit`` bytes (its memory.budget or tier) takes `SMALL`."""
-    return world_size > 1 and limit is not None and limit <= SMALL_TIER
+def small(limit: Optional[Limit], world_size: int) -> bool:
+    """Whether a CUDA run on ``world_size`` ranks within ``limit`` (its memory.budget or tier) takes `SMALL`."""
+    return world_size > 1 and limit is not None and limit.bytes <= SMALL_TIER
 
 
-def for_run(limit: Optional[int], words: str, world_size: int, environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], str]:
-    """The variables a CUDA run on ``world_size`` ranks within ``limit`` (in ``words``: ``memory.tier rtx3050-4gb
-    (3.81 GiB)``) sets: `SMALL`, but where ``environ`` sets a variable of the same setting (the user's win); and one
-    line saying so. Nothing for a larger tier, or one rank."""
+def for_run(limit: Optional[Limit], world_size: int, environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], str]:
+    """The variables a CUDA run on ``world_size`` ranks within ``limit`` (its memory.budget or tier) sets: `SMALL`,
+    but where ``environ`` sets a variable of the same setting (the user's win); and one line saying so. Nothing for
+    a larger tier, or one rank."""
     settings = NcclSettings.from_env(environ)
     if not small(limit, world_size):
         return {}, ""
@@ -262,7 +263,7 @@ def for_run(limit: Optional[int], words: str, world_size: int, environ: Optional
     theirs = [n for n in settings.given if (NUMBERS.get(n) or FLAGS[n]) in ours]
     kept = f"; from the environment: {', '.join(f'{n}={environ_of(environ)[n]}' for n in theirs)}" if theirs else ""
     return setting, (
-        f"nccl: small buffers for {words}: {' '.join(f'{k}={v}' for k, v in setting.items())} (each communicator's "
+        f"nccl: small buffers for {limit}: {' '.join(f'{k}={v}' for k, v in setting.items())} (each communicator's "
         f"buffers {format_bytes(after.buffers + after.nvls)} instead of up to {format_bytes(before.buffers + before.nvls)} "
         f"on NVLink; fewer channels, less bandwidth){kept}; set them yourself to choose others"
     )

@@ -29,7 +29,7 @@ from typing import Any, Optional
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.prediction.analytic import analytic, device_total
-from lit_memory.memory.hardware.margin import Fit
+from lit_memory.memory.hardware.margin import Fit, Limit
 from lit_memory.memory.planning.recompute import planned, recompute_ratio
 from lit_memory.memory.prediction.step import Prediction, Step
 
@@ -59,9 +59,7 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     )
 
 
-def lightest_fitting(
-    base: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]], where: str = ""
-) -> Optional[tuple[str, Fit]]:
+def lightest_fitting(base: Step, limit: Limit, recipes: list[tuple[str, dict[str, Any]]]) -> Optional[tuple[str, Fit]]:
     """Of ``recipes`` ((name, dotted settings) pairs) laid over ``base``'s settings, the one the rule prefers
     among those predicted to fit ``limit`` (device total) with the margin kept (`lit_memory.memory.hardware.margin`):
     (its name, its fit). A recipe's ``auto`` plans for the smaller of its own budget and ``limit``."""
@@ -69,12 +67,11 @@ def lightest_fitting(
     for name, values in recipes:
         try:
             step = base.with_settings(values)
-            own = step.memory.limit_bytes
-            budget, words = (own, step.memory.limit_words) if own is not None and own < limit else (limit, where)
-            step = planned(step, budget, words)
+            own = step.memory.limit
+            step = planned(step, own if own is not None and own.bytes < limit.bytes else limit)
         except UserError:  # its `auto` checkpointing finds no plan within the limit: it does not fit
             continue
-        fit = Fit(device_total(step), limit, step.margin, where)
+        fit = limit.with_margin(step.margin).fit(device_total(step))
         if fit.fits:
             fitting.append((name, step, analytic(step), fit))
     if not fitting:
@@ -88,7 +85,7 @@ def advise(step: Step, limit: int, recipes: list[tuple[str, dict[str, Any]]]) ->
     """One line for a run that ran out of ``limit`` bytes: the lightest recipe predicted to fit, with what it
     leaves free, or plan."""
     size = format_bytes(limit)
-    found = lightest_fitting(step, limit, recipes, size)
+    found = lightest_fitting(step, Limit(limit, size, step.margin), recipes)
     if found is None:
         budget = size.replace(" ", "")
         return (

@@ -38,7 +38,7 @@ from lit_memory.errors import UserError
 from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.hardware.gpus import planning_limit, target
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Fit, usable
+from lit_memory.memory.hardware.margin import Fit, Limit
 from lit_memory.memory.prediction.analytic import analytic, device_total
 from lit_memory.memory.prediction.simulate import fake_batch
 from lit_memory.memory.prediction.step import Step, build, clips_by_norm, is_fused
@@ -204,7 +204,7 @@ class Resolved:
     """What ``auto`` chose, and why: for the one line a run prints."""
 
     plan: Optional[CheckpointPlan]
-    budget: int
+    limit: Limit
     total: int  # predicted device total (or tensors, on a CPU target)
     flops: float  # per micro-batch
     flops_none: float  # the same step without checkpointing
@@ -212,12 +212,10 @@ class Resolved:
     offload: bool = False
     offloaded: int = 0  # bytes per direction per micro-batch
     exposed: float = 0.0  # modelled seconds the copies add
-    margin: float = DEFAULT_MARGIN
-    where: str = ""  # the budget in words
 
     @property
     def fit(self) -> Fit:
-        return Fit(self.total, self.budget, self.margin, self.where)
+        return self.limit.fit(self.total)
 
     def line(self) -> str:
         chosen = self.plan.describe(self.layers) if self.plan else "no checkpointing"
@@ -233,9 +231,9 @@ class Resolved:
         return f"gradient_checkpointing auto: {chosen}: {self.fit.line()}; {cost}"
 
 
-def resolve(step: Step, budget: int, where: str = "") -> Resolved:
-    """The plan with the least modelled time whose predicted device total fits ``budget`` (bytes) with the
-    step's margin kept free (`lit_memory.memory.hardware.margin`; ``where``: the budget in words): the fewest
+def resolve(step: Step, limit: Limit) -> Resolved:
+    """The plan with the least modelled time whose predicted device total fits ``limit`` with its margin kept
+    free (`lit_memory.memory.hardware.margin`): the fewest
     counted FLOPs, unless ``offload_activations: auto`` lets offloading the checkpointed layers' inputs buy
     room for less recompute where its copies cost less time than that recompute (`seconds`; CUDA only).
 
@@ -270,7 +268,7 @@ def resolve(step: Step, budget: int, where: str = "") -> Resolved:
                 continue
             offloaded = activations(plan, False) - activations(plan, True) if offload and cuda else 0
             candidates.append((seconds(step, costs, plan, offloaded) if costs.base else costs.of(plan), plan, offload, offloaded))
-    room = usable(budget, step.margin)
+    room = limit.usable
     for _, plan, offload, offloaded in sorted(candidates, key=lambda c: (c[0], c[2])):
         candidate = _with_plan(step, plan, offload=offload)
         if analytic(candidate, levels=False).footprint.peak + context > room:
@@ -279,37 +277,36 @@ def resolve(step: Step, budget: int, where: str = "") -> Resolved:
         if total <= room:
             exposed = seconds(step, costs, plan, offloaded) - seconds(step, costs, plan, 0) if offloaded else 0.0
             return Resolved(
-                plan=plan, budget=budget, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n,
-                offload=offload, offloaded=offloaded, exposed=exposed, margin=step.margin, where=where,
+                plan=plan, limit=limit, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n,
+                offload=offload, offloaded=offloaded, exposed=exposed,
             )
     smallest = device_total(_with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1]))
     raise UserError(
-        f"gradient_checkpointing auto: no plan fits {where or format_bytes(budget)} with the {100 * step.margin:g} % "
+        f"gradient_checkpointing auto: no plan fits {limit} with the {100 * limit.margin:g} % "
         f"margin ({format_bytes(room)}); every layer recomputed is predicted at {format_bytes(smallest)} "
         "(python -m lit_memory plan --budget ... finds other settings; --memory.margin sets the margin)"
     )
 
 
-def resolved_setting(step: Step, budget: Optional[int], where: str = "") -> tuple[Any, Resolved]:
+def resolved_setting(step: Step, limit: Optional[Limit]) -> tuple[Any, Resolved]:
     """``auto`` as the setting it resolves to (what the run's config then holds), with the reasons."""
-    if budget is None:
+    if limit is None:
         raise UserError(
             "model.gradient_checkpointing auto needs a device budget: pass --memory.budget (e.g. 4GiB), or use a "
             "recipe that names its tier (memory.tier)"
         )
-    found = resolve(step, budget, where)
+    found = resolve(step, limit)
     return (found.plan.value() if found.plan else False), found
 
 
-def planned(step: Step, budget: Optional[int] = None, where: str = "") -> Step:
-    """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``budget``
-    (default: the run's, `lit_memory.memory.hardware.budget.MemorySettings`): the plan with the fewest FLOPs predicted to
-    fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
+def planned(step: Step, limit: Optional[Limit] = None) -> Step:
+    """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``limit``
+    (default: the run's, `lit_memory.memory.hardware.budget.MemorySettings.limit`): the plan with the fewest FLOPs
+    predicted to fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
-    if budget is None:
-        budget, where = step.memory.limit_bytes, step.memory.limit_words
-    value, found = resolved_setting(step, budget, where)
+    limit = step.memory.limit if limit is None else limit
+    value, found = resolved_setting(step, limit and limit.with_margin(step.margin))  # the step's margin, as it fits
     model = {**step.model, "gradient_checkpointing": value, "offload_activations": found.offload}
     return replace(step, model=model, planned=found.line())
 
@@ -335,10 +332,10 @@ def plan_run(
     card = _card(settings.trainer.strategy, read_card) if device == "cuda" else None
     if card is not None:
         found = replace(found, gpu=card.gpu)
-    budget, where, line = planning_limit(memory.limit_bytes, memory.limit_words, card)
+    limit, line = planning_limit(memory.limit, card, memory.margin)
     if line:
         print(line, file=sys.stderr)  # every rank: each reads its own card
-    step = planned(step_for(found), budget, where)
+    step = planned(step_for(found), limit)
     say(step.planned)
     return {f"model.{key}": step.model[key] for key in ("gradient_checkpointing", "offload_activations")}
 

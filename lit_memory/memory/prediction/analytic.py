@@ -38,16 +38,6 @@ def file_gib(parameters: int, bytes_per_parameter: int) -> float:
     return parameters * bytes_per_parameter / 1024**3
 
 
-def reference_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optimizer_values: int = 2) -> dict[str, int]:
-    """The reference post's accounting for K frozen and N trainable parameters: weights K+N, gradients N, optimizer
-    state 2N values (Adam's two moments). Full fine-tuning is K = 0: 4 values per parameter."""
-    return {
-        "weights": (frozen + trainable) * bytes_per_value,
-        "gradients": trainable * bytes_per_value,
-        "optimizer": optimizer_values * trainable * bytes_per_value,
-    }
-
-
 def _total(categories: dict[str, int]) -> int:
     return sum(categories.values())
 

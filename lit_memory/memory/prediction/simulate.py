@@ -27,7 +27,6 @@ import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
-from unittest import mock
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -44,6 +43,7 @@ from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 from lit_memory.optimizer_state import simulated_step
 from lit_memory.optimizers import library_of, use_device_defaults
+from lit_memory.settings import patched
 
 
 def fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
@@ -186,15 +186,15 @@ def cuda_stand_ins(step: Step):
             return input
         return torch.native_dropout(input, p, True)[0]  # CUDA's kernel: the output and a bool mask
 
-    patches = [
-        mock.patch.object(functional, "scaled_dot_product_attention", attention),
-        mock.patch.object(functional, "dropout", cuda_dropout),
-        mock.patch.object(functional, "softmax", _upcast(functional.softmax)),
-        mock.patch.object(functional, "layer_norm", _upcast(functional.layer_norm)),
-    ]
+    stand_ins = {
+        "scaled_dot_product_attention": attention,
+        "dropout": cuda_dropout,
+        "softmax": _upcast(functional.softmax),
+        "layer_norm": _upcast(functional.layer_norm),
+    }
     with contextlib.ExitStack() as stack:
-        for patch in patches:
-            stack.enter_context(patch)
+        for name, stand_in in stand_ins.items():
+            stack.enter_context(patched(functional, name, stand_in))
         yield chosen
 
 

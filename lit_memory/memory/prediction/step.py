@@ -198,7 +198,7 @@ class Step:
         if memory.allocator and target.cuda_device and not target.allocator_given:  # as a run sets them
             target = replace(target, allocator=memory.allocator_config, allocator_given=True)
         world_size = ranks(trainer["devices"], target.devices) * int(trainer["num_nodes"] or 1) if sharded else 1
-        if target.cuda_device and nccl.small(memory.limit_bytes, world_size):  # as a run sets them (`nccl.for_run`)
+        if target.cuda_device and nccl.small(memory.limit, world_size):  # as a run sets them (`nccl.for_run`)
             target = replace(target, nccl=target.nccl.under(nccl.SMALL))
         step = cls(
             model=model,

@@ -12,12 +12,16 @@ from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.budget import MemorySettings, Size
 from lit_memory.memory.hardware.gpus import capacity
+from lit_memory.memory.hardware.margin import Limit
 
 
 def test_sizes_and_cards_are_read_once_into_sizes():
     memory = MemorySettings(budget="4GiB", tier="rtx3050-4gb", margin="0.1")
     assert memory.budget == Size(4 * 2**30, "4GiB") and memory.tier == Size(capacity("rtx3050-4gb"), "rtx3050-4gb")
-    assert memory.margin == 0.1 and memory.limit is memory.budget and memory.limit_words == "memory.budget 4.00 GiB"
+    assert memory.margin == 0.1 and memory.limit == memory.cap == Limit(4 * 2**30, "memory.budget 4.00 GiB", 0.1)
+    tier = MemorySettings(tier="rtx3050-4gb")  # no budget: the tier is planned for, nothing is capped
+    assert tier.limit == Limit(capacity("rtx3050-4gb"), "memory.tier rtx3050-4gb (3.81 GiB)") and tier.cap is None
+    assert MemorySettings().limit is None and Size.parse("t4").card == "t4" and Size.parse("4GiB").card is None
     assert dataclasses.replace(memory, margin=0.05).budget is memory.budget  # built values are kept, not re-read
 
 

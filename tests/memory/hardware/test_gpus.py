@@ -153,19 +153,21 @@ def reading(free: float, context=300 * MiB, total=GPUS["rtx3050-4gb"].memory):
 
 def test_auto_plans_for_the_smaller_of_the_budget_and_what_the_card_has_free():
     from lit_memory.memory.hardware.gpus import BARE_CONTEXT, planning_limit
+    from lit_memory.memory.hardware.margin import Limit
 
-    tier = GPUS["rtx3050-4gb"].memory
-    # a desktop beside the run holds memory: less free than the tier, the card's limit applies
-    limit, where, line = planning_limit(tier, "memory.tier rtx3050-4gb (3.81 GiB)", reading(3.2))
-    assert limit == int(3.2 * GiB) + 300 * MiB  # free, plus this process's context already in use
-    assert "free memory at start" in where and "less than memory.tier rtx3050-4gb" in line
+    tier = Limit(GPUS["rtx3050-4gb"].memory, "memory.tier rtx3050-4gb (3.81 GiB)", 0.1)
+    # a desktop beside the run holds memory: less free than the tier, the card's limit applies, with the margin
+    limit, line = planning_limit(tier, reading(3.2), 0.1)
+    assert limit.bytes == int(3.2 * GiB) + 300 * MiB and limit.margin == 0.1  # free, plus this process's context
+    assert "free memory at start" in limit.words and "less than memory.tier rtx3050-4gb" in line
     # a bare card: the tier applies
-    limit, where, line = planning_limit(2 * GiB, "memory.tier 2.00 GiB", reading(3.4))
-    assert (limit, where) == (2 * GiB, "memory.tier 2.00 GiB") and line.startswith("memory: auto plans for memory.tier")
+    two = Limit(2 * GiB, "memory.tier 2.00 GiB")
+    limit, line = planning_limit(two, reading(3.4), 0.08)
+    assert limit == two and line.startswith("memory: auto plans for memory.tier")
     # no budget: the card's free memory; no NVML: the smallest published context assumed (errs low)
-    limit, _, line = planning_limit(None, "", reading(3.0, context=None))
-    assert limit == int(3.0 * GiB) + BARE_CONTEXT and "not measured" in line
-    assert planning_limit(4 * GiB, "memory.tier 4.00 GiB", None) == (4 * GiB, "memory.tier 4.00 GiB", "")  # CPU
+    limit, line = planning_limit(None, reading(3.0, context=None), 0.08)
+    assert limit.bytes == int(3.0 * GiB) + BARE_CONTEXT and "not measured" in line
+    assert planning_limit(two, None, 0.08) == (two, "")  # CPU
 
 
 def test_the_budget_caps_the_device_total_the_context_included():

@@ -7,6 +7,7 @@ import pytest
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware import nccl
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.nccl import Communicator, NcclSettings, communicators, for_run, nccl_memory
 
 MiB = 2**20
@@ -67,16 +68,16 @@ def test_each_communicator_holds_its_channels_buffers_and_a_single_rank_one_its_
 
 
 def test_a_small_tiers_distributed_run_sets_nccls_buffers_small_and_says_so():
-    tier = "memory.tier rtx3050-4gb (3.81 GiB)"
-    setting, line = for_run(3902 * MiB, tier, 2, {})
+    tier = Limit(3902 * MiB, "memory.tier rtx3050-4gb (3.81 GiB)")
+    setting, line = for_run(tier, 2, {})
     assert setting == {"NCCL_BUFFSIZE": str(MiB), "NCCL_MAX_NCHANNELS": "2", "NCCL_NVLS_ENABLE": "0"}
     assert line.startswith(f"nccl: small buffers for {tier}: NCCL_BUFFSIZE=1048576 NCCL_MAX_NCHANNELS=2 "
                            "NCCL_NVLS_ENABLE=0 (each communicator's buffers 24.75 MiB instead of up to 652.00 MiB")
-    kept, line = for_run(3902 * MiB, tier, 2, {"NCCL_MAX_NCHANNELS": "4"})  # the user's channels win
+    kept, line = for_run(tier, 2, {"NCCL_MAX_NCHANNELS": "4"})  # the user's channels win
     assert kept == {"NCCL_BUFFSIZE": str(MiB), "NCCL_NVLS_ENABLE": "0"} and "from the environment: NCCL_MAX_NCHANNELS=4" in line
-    assert for_run(3902 * MiB, tier, 1, {}) == ({}, "")  # one rank: no communicator
-    assert for_run(80 * 2**30, "memory.budget 80.00 GiB", 8, {}) == ({}, "")  # a large tier keeps NCCL's defaults
-    assert for_run(None, "", 8, {}) == ({}, "")
+    assert for_run(tier, 1, {}) == ({}, "")  # one rank: no communicator
+    assert for_run(Limit(80 * 2**30, "memory.budget 80.00 GiB"), 8, {}) == ({}, "")  # a large tier keeps NCCL's defaults
+    assert for_run(None, 8, {}) == ({}, "")
     environ = {"NCCL_BUFFSIZE": "7"}
     with nccl.run_settings({"NCCL_BUFFSIZE": "1", "NCCL_MAX_NCHANNELS": "2"}, environ):
         assert environ == {"NCCL_BUFFSIZE": "1", "NCCL_MAX_NCHANNELS": "2"}

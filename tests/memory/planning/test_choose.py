@@ -5,6 +5,7 @@ from __future__ import annotations
 from lit_memory.memory.prediction.analytic import device_total
 from lit_memory.memory.planning.choose import advise, lightest_fitting
 from lit_memory.memory.hardware.gpus import Target
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.prediction.step import OptimizerSpec, Step
 
 TINY = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256, "vocab_size": 512}
@@ -21,7 +22,7 @@ def test_a_recipe_whose_auto_finds_no_plan_within_the_limit_is_not_advised_and_t
         ("auto.yaml", {"model.gradient_checkpointing": "auto"}),  # no plan fits: at fit, one error line
         ("short.yaml", {"model.gradient_checkpointing": True, "data.max_length": 64}),
     ]
-    name, fit = lightest_fitting(base.with_settings({"memory.budget": limit, "memory.margin": 0}), limit, recipes)
+    name, fit = lightest_fitting(base.with_settings({"memory.budget": limit, "memory.margin": 0}), Limit(limit), recipes)
     assert name == "short.yaml" and fit.predicted <= limit and fit.fits
     assert advise(base.with_settings({"memory.budget": limit}), limit, recipes[:1]).startswith("no shipped recipe")
 
@@ -35,7 +36,7 @@ def test_the_advice_keeps_the_margin_and_says_what_is_left():
     short = [("short.yaml", {"model.gradient_checkpointing": True, "data.max_length": 64})]
     total = device_total(base.with_settings(short[0][1]))
     # it fits the limit itself, but not with 8 % of it kept free
-    assert lightest_fitting(base, int(total / 0.95), short) is None
+    assert lightest_fitting(base, Limit(int(total / 0.95)), short) is None
     assert "with the 8 % margin" in advise(base, int(total / 0.95), short)
     line = advise(base, int(total / 0.85), short)
     assert "--config short.yaml (predicted peak: fits" in line and "% to spare" in line

@@ -16,7 +16,7 @@ from lit_memory.memory.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.planning.recompute import flops, layer_costs, plan_run, resolve as plan_for
 from lit_memory.memory.prediction.simulate import simulate
-from lit_memory.memory.hardware.margin import usable
+from lit_memory.memory.hardware.margin import Limit, usable
 from lit_memory.memory.prediction.step import OptimizerSpec, Step
 
 L, H, F, HEADS = 4, 64, 256, 4
@@ -96,7 +96,7 @@ def test_auto_is_the_plan_with_the_fewest_flops_that_fits(fraction):
     full = device_total(tiny("cuda", gradient_checkpointing=True))
     budget = int(full + fraction * (none - full))
     bare = replace(tiny("cuda"), margin=0.0)
-    found = plan_for(bare, budget)
+    found = plan_for(bare, Limit(budget, margin=0.0))
     assert found.total <= budget
     best, _ = brute_force(bare, budget)
     assert found.flops == pytest.approx(best, rel=1e-12)
@@ -104,7 +104,7 @@ def test_auto_is_the_plan_with_the_fewest_flops_that_fits(fraction):
         assert found.plan is None  # no checkpointing fits: nothing recomputed
     kept = replace(tiny("cuda"), margin=0.05)
     room = usable(int(budget / 0.95), 0.05)  # a budget whose 5 % margin leaves the same room
-    found = plan_for(kept, int(budget / 0.95), "a card")
+    found = plan_for(kept, Limit(int(budget / 0.95), "a card", 0.05))
     assert found.total <= room and found.flops == pytest.approx(brute_force(kept, room)[0], rel=1e-12)
     assert found.fit.fits and found.fit.spare >= 0.05
     assert f"fits a card with {math.floor(100 * found.fit.spare)} % to spare" in found.line()
@@ -113,10 +113,10 @@ def test_auto_is_the_plan_with_the_fewest_flops_that_fits(fraction):
 def test_auto_keeps_the_margin_and_says_in_one_line_when_nothing_fits():
     full = device_total(tiny("cuda", gradient_checkpointing=True))
     with pytest.raises(UserError, match=r"^gradient_checkpointing auto: no plan fits .*every layer recomputed is predicted"):
-        plan_for(tiny("cuda"), full - 2**20)
+        plan_for(tiny("cuda"), Limit(full - 2**20))
     # every layer recomputed fits the budget itself, but not with the default 8 % of it kept free
     with pytest.raises(UserError, match=r"no plan fits rtx3050-4gb with the 8 % margin"):
-        plan_for(tiny("cuda"), int(full / 0.95), "rtx3050-4gb")
+        plan_for(tiny("cuda"), Limit(int(full / 0.95), "rtx3050-4gb"))
 
 
 def test_the_command_line_resolves_auto_for_the_runs_budget_and_says_so(capsys):
@@ -191,7 +191,7 @@ def test_a_small_tiers_distributed_cuda_run_plans_with_nccls_small_buffers_it_se
     cli.build(trainer=False)
     assert seen == nccl.SMALL
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nccl: ")]
-    assert lines == [nccl.for_run(3902 * 2**20, "memory.tier rtx3050-4gb (3.81 GiB)", 2, {})[1]]
+    assert lines == [nccl.for_run(Limit(3902 * 2**20, "memory.tier rtx3050-4gb (3.81 GiB)"), 2, {})[1]]
     assert not any(name in os.environ for name in nccl.SMALL)
     step = cli.step(Target(gpu=CardReading("RTX 3050 Laptop", 3902 * 2**20, 0, 0, "", (8, 6)).gpu))
     assert step.communicators.settings.buffsize == 2**20 and step.communicators.total > 480 * 2**20
@@ -223,10 +223,10 @@ def test_a_fused_step_that_measures_first_plans_and_allows_no_selective_layer(ca
     full = device_total(tiny("cuda", gradient_checkpointing=True))
     budget = int(full + 0.5 * (none - full))
     bare = replace(tiny("cuda"), margin=0.0)
-    assert plan_for(bare, budget).plan.selective  # unclipped: the cheapest plan has selective layers
+    assert plan_for(bare, Limit(budget, margin=0.0)).plan.selective  # unclipped: the cheapest plan has selective layers
     measuring = replace(bare, clip_norm=True)
     assert measuring.measures
-    found = plan_for(measuring, budget)
+    found = plan_for(measuring, Limit(budget, margin=0.0))
     assert found.plan is not None and not found.plan.selective and found.total <= budget
     args = ["fit", "--model.model_name_or_path=bundled:bert-large", f"--model.config_overrides={TINY}",
             "--model.pretrained=false", "--model.gradient_checkpointing={full: 1, selective: 2}",

@@ -11,13 +11,23 @@ import torch
 from conftest import CONFIGS, RECIPES
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.prediction.analytic import analytic, file_gib, reference_bytes
+from lit_memory.memory.prediction.analytic import analytic, file_gib
 from lit_memory.memory.prediction.state_model import meta_build
 from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target
 from lit_memory.memory.prediction.simulate import simulate
 from lit_memory.memory.prediction.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
+
+
+def reference_bytes(frozen: int, trainable: int, bytes_per_value: int = 4, optimizer_values: int = 2) -> dict[str, int]:
+    """The reference post's accounting for K frozen and N trainable parameters: weights K+N, gradients N, optimizer
+    state 2N values (Adam's two moments). Full fine-tuning is K = 0: 4 values per parameter."""
+    return {
+        "weights": (frozen + trainable) * bytes_per_value,
+        "gradients": trainable * bytes_per_value,
+        "optimizer": optimizer_values * trainable * bytes_per_value,
+    }
 
 
 def spec(class_path: str, **init_args) -> dict:
