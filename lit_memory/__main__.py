@@ -23,7 +23,7 @@ from lit_memory import cli, trust
 from lit_memory.sandbox import launch
 from lit_memory.sandbox.rules import ENV as CONFINED
 from lit_memory.errors import UserError
-from lit_memory.tools import bench, estimate, plan, proof, recipes
+from lit_memory.tools import bench, cards, estimate, plan, proof, recipes
 
 
 def _bench(argv: list[str]) -> None:
@@ -31,7 +31,7 @@ def _bench(argv: list[str]) -> None:
     (proof.cli if "--gpu-proof" in argv else bench.main)(argv)
 
 
-TOOLS = {"bench": _bench, "estimate": estimate.main, "plan": plan.main, "recipes": recipes.main}
+TOOLS = {"bench": _bench, "estimate": estimate.main, "plan": plan.main, "cards": cards.main, "recipes": recipes.main}
 # One line per command for `python -m lit_memory --help`; `COMMAND --help` has every option.
 LIGHTNING_COMMANDS = {
     "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, checkpoints, hf_model, memory.json",
@@ -42,6 +42,7 @@ LIGHTNING_COMMANDS = {
 TOOL_COMMANDS = {
     "estimate": "a run's memory before running it: tensors, allocator and device, predicted two ways",
     "plan": "the fastest recipe predicted to fit a memory budget (--budget 4GiB)",
+    "cards": "what fits your card: plan's choice (full, LoRA, QLoRA) for the models people fine-tune now, 4-24 GB",
     "bench": "train every recipe in a fresh process and tabulate measured memory and speed",
     "recipes": "list the shipped recipes, show one, or check a recipe someone sent",
 }

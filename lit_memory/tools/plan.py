@@ -25,7 +25,7 @@ import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from ruamel.yaml import YAML
@@ -35,17 +35,18 @@ from lit_memory import files, guard
 from lit_memory.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
+from lit_memory.lora import LoRA
 from lit_memory.optimizers import check_settings
 from lit_memory.memory.prediction.analytic import analytic
-from lit_memory.memory.planning.choose import RULE, rank
+from lit_memory.memory.planning.choose import MODES, RULE, mode_of, rank
 from lit_memory.memory.planning.recompute import planned
 from lit_memory.memory.planning.recompute import resolve as plan_layers
-from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
+from lit_memory.memory.hardware.gpus import GPUS, capacity, gpu_key, is_gpu_name
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
 from lit_memory.memory.hardware.margin import Fit, usable
 from lit_memory.memory.prediction.predict import device_total, level
 from lit_memory.memory.measure.report import breakdown
-from lit_memory.memory.prediction.simulate import simulate
+from lit_memory.memory.prediction.predict import simulate_or_decline
 from lit_memory.memory.prediction.step import Prediction, Step
 from lit_memory.monitor import StepTimer
 from lit_memory.recipes import recipes_dir
@@ -115,8 +116,11 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 def _identity(step: Step) -> tuple:
     """What makes two candidates the same setup (settings a setup ignores dropped: only optimizers with quantised
     state read ``embedding_optimizer_state``, and only for embeddings that train (every freeze setting and LoRA
-    freeze them), unless it swaps in StableEmbedding)."""
+    freeze them), unless it swaps in StableEmbedding; LoRA freezes the whole base, so a freeze setting beside it
+    changes nothing)."""
     model = dict(step.model)
+    if model.get("lora") is not None:
+        model.pop("freeze", None)
     low_bit = step.optimizer.library.quantises_state
     embeddings_train = model.get("freeze") is None and model.get("lora") is None
     if model.get("embedding_optimizer_state") != "stable_embedding" and not (low_bit and embeddings_train):
@@ -162,8 +166,10 @@ def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
     }
 
 
-def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
-    """Every combination of the recipes' differing settings, each micro-batch split, predicted."""
+def candidates(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]] = None) -> list[Candidate]:
+    """Every combination of the recipes' differing settings, each micro-batch split, predicted. ``refused``: where
+    given, what refused a mode of training outright (a LoRA base the model cannot have: a family bitsandbytes cannot
+    quantise), by the mode's name (`mode_of`), for the line that says nothing fits."""
     # A recipe's tier is not a setting to combine (the plan's budget is the tier), its allocator settings are;
     # ``auto`` checkpointing is ranked as every layer full and refined per layer for the budget once chosen (`refine`).
     keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS and k not in NOT_COMBINED))
@@ -188,7 +194,8 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
             blocks = dict(sorted(blocks.items(), key=lambda kv: order.index(kv[0])))
             try:
                 setup = base.with_settings({k: b.plain for k, b in blocks.items()})
-            except UserError:
+            except UserError as err:
+                _refusal(refused, blocks, err)
                 continue  # settings refused together
             if setup.fused and setup.accumulate_grad_batches > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
@@ -201,8 +208,11 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
             try:
                 # settings fit refuses together (stochastic rounding without bf16 weights)
                 check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
+                if setup.model.get("lora"):  # a LoRA base the precision cannot train (QLoRA under bf16-true)
+                    LoRA(**setup.model["lora"]).check_precision(setup.precision)
                 prediction = analytic(setup, levels=False)
-            except UserError:
+            except UserError as err:
+                _refusal(refused, blocks, err)
                 continue  # settings refused together (also offloading without checkpointing, by the module)
             kept[identity] = Candidate(blocks, setup, prediction)
     return list(kept.values())
@@ -210,6 +220,15 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
 
 CHECKPOINTING = "model.gradient_checkpointing"
 OFFLOADING = "model.offload_activations"
+LORA = "model.lora"
+
+
+def _refusal(refused: Optional[dict[str, str]], blocks: dict[str, Block], err: UserError) -> None:
+    """Keep the first reason the model itself refused LoRA or QLoRA (its targets, a base it cannot have)."""
+    lora = blocks[LORA].plain if LORA in blocks else None
+    if refused is None or not isinstance(lora, dict) or not str(err).startswith("model.lora."):
+        return
+    refused.setdefault("QLoRA" if lora.get("base") == "nf4" else "LoRA", str(err))
 
 
 def refine(chosen: Candidate, budget: int) -> Candidate:
@@ -327,7 +346,7 @@ def _size(n: int) -> str:
 
 def recipe_text(
     chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], budget: int, command: str,
-    card: Optional[str] = None,
+    card: Optional[str] = None, everything: Optional[list[Candidate]] = None,
 ) -> str:
     parent, _ = _parent(chosen.blocks, recipes)
     blocks = _as_written(chosen, budget, card)
@@ -348,6 +367,7 @@ def recipe_text(
     header = [
         f"# planned: the fastest setup predicted to fit {card or format_bytes(budget)} ({where})",
         f"# fits: {Fit(device_total(chosen.setup), budget, chosen.setup.margin, card or '').line()}",
+        f"# mode: {why(chosen, everything, budget) if everything else mode_of(chosen.setup)}",
         f"# parent: {parent.name}",
         f"# changes: {', '.join(changes) if changes else 'none'}",
         f"# shrinks: {', '.join(shrinks) if shrinks else 'nothing'} (predicted, against {parent.name})",
@@ -383,7 +403,10 @@ def choose(
     rule's order; each one's device total (tensors, the allocator's reserve, the CUDA context) is predicted
     when the rule reaches it, and the first that fits the budget wins (confirmed by the simulation)."""
     recipes = shipped_recipes() if recipes is None else recipes
-    everything = candidates(base, recipes)
+    refused: dict[str, str] = {}
+    everything = candidates(base, recipes, refused)
+    if not everything:
+        raise UserError(f"no combination of the shipped recipes' settings can train this model{_refused_words(refused)}")
     longest = max(c.setup.max_length for c in everything)
     ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
     overhead = base.target.context_bytes
@@ -394,7 +417,7 @@ def choose(
     for tried, candidate in enumerate(fitting):
         if tried >= (CONFIRMATIONS if confirm else wanted):
             break
-        simulated = simulate(candidate.setup) if confirm else None
+        simulated = simulate_or_decline(candidate.setup)[0] if confirm else None  # None: the analytic stands alone
         if simulated is None or level(simulated.footprint) <= room:
             confirmed.append((candidate, simulated))
         if len(confirmed) == wanted:
@@ -404,8 +427,9 @@ def choose(
         if smallest.prediction.footprint.peak + overhead > room or smallest.total > room:
             raise UserError(
                 f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(budget)} with the "
-                f"{100 * base.margin:g} % margin ({format_bytes(room)}); the "
-                f"smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
+                f"{100 * base.margin:g} % margin ({format_bytes(room)}), in any mode ({', '.join(_modes(everything))}); "
+                f"the smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
+                f"{would_fit(smallest.total, base.margin)}{_refused_words(refused, everything)}"
             )
         raise UserError(
             f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(budget)} with the "
@@ -426,12 +450,47 @@ def choose(
     return (*_refined(chosen, simulated, budget, confirm), everything)
 
 
+def why(chosen: Candidate, everything: list[Candidate], budget: int) -> str:
+    """Why the chosen setup fine-tunes as it does: the modes the rule prefers (full, then LoRA, then QLoRA) and the
+    smallest each needs, where it does not fit ``budget`` with the margin."""
+    mode = mode_of(chosen.setup)
+    before = []
+    for other in MODES[: MODES.index(mode)]:
+        found = [c for c in everything if mode_of(c.setup) == other]
+        if found:
+            smallest = min(found, key=lambda c: c.prediction.footprint.peak)
+            before.append(f"{other} needs {format_bytes(smallest.total)} at the least")
+    if not before:
+        return f"{mode}: the rule's first choice that fits"
+    return f"{mode}: {', '.join(before)}, over {format_bytes(usable(budget, chosen.setup.margin))} (the budget less the margin)"
+
+
+def _modes(found: list[Candidate]) -> list[str]:
+    return [mode for mode in MODES if any(mode_of(c.setup) == mode for c in found)]
+
+
+def _refused_words(refused: dict[str, str], found: Sequence[Candidate] = ()) -> str:
+    """Why a mode has no setup at all (not where only some of its combinations were refused)."""
+    present = {mode_of(c.setup) for c in found}
+    return "".join(f"; {mode} not possible: {reason}" for mode, reason in refused.items() if mode not in present)
+
+
+def would_fit(total: int, margin: float) -> str:
+    """What would hold ``total`` bytes of device memory with ``margin`` kept free: the smallest card of the
+    catalogue (`lit_memory.memory.hardware.gpus.GPUS`), in words (``; it would fit rtx4060 (7.75 GiB) or larger``)."""
+    cards = sorted((gpu.memory, key) for key, gpu in GPUS.items() if usable(gpu.memory, margin) >= total)
+    if not cards:
+        return "; no card of the catalogue holds it: more devices (configs/fsdp.yaml) or a smaller model"
+    memory, key = cards[0]
+    return f"; it would fit {key} ({format_bytes(memory)}) or a larger card"
+
+
 def _refined(chosen: Candidate, simulated: Optional[Prediction], budget: int, confirm: bool) -> tuple[Candidate, Optional[Prediction]]:
     """The chosen setup with its per-layer plan (`refine`), kept only if the simulation agrees it fits."""
     better = refine(chosen, budget)
     if better is chosen:
         return chosen, simulated
-    again = simulate(better.setup) if confirm else None
+    again = simulate_or_decline(better.setup)[0] if confirm else None
     if again is None or level(again.footprint) <= usable(budget, better.setup.margin):
         return better, again
     return chosen, simulated
@@ -467,14 +526,17 @@ def main(argv: list[str]) -> None:
         )
     budget = capacity(ours.budget)
     card = gpu_key(ours.budget) if is_gpu_name(ours.budget) else None
+    if card is not None and ours.gpu is None and ours.device == "cuda":
+        ours.gpu = card  # a card as the budget: its context, kernels and workspace too
     base = step_of(rest, ours)
     recipes = shipped_recipes()
     chosen, simulated, everything = choose(
         base, budget, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
-    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command, card))
+    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command, card, everything))
     print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(budget)}:")
+    print(f"  {why(chosen, everything, budget)}")
     print(f"  {chosen.setup.describe()}")
     print(f"  analytic:  {_breakdown(chosen.prediction)}")
     print(f"  {Fit(device_total(chosen.setup), budget, chosen.setup.margin, card or '').line()}")
