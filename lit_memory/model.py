@@ -276,6 +276,12 @@ class SequenceClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._label_names:
             checkpoint["id2label"] = dict(enumerate(self.label_names))
+        if "state_dict" in checkpoint and self.model is not None:
+            # A 4-bit base's quantisation state (its scales and code maps, which bitsandbytes adds beside each packed
+            # weight) is made again from the checkpoint the run loads, bit for bit: saved, it would be keys the
+            # module cannot load (resume, the best checkpoint restored before the export)
+            for key in qlora.state_keys(self):
+                checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         id2label = checkpoint.get("id2label")

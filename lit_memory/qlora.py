@@ -190,6 +190,15 @@ def largest_quantised(model: nn.Module) -> int:
     return max((m.in_features * m.out_features for m in model.modules() if is_quantised(getattr(m, "weight", None))), default=0)
 
 
+def state_keys(module: nn.Module) -> list[str]:
+    """The keys a module's state dict has beyond its parameters and buffers: the quantisation state bitsandbytes
+    writes beside each 4-bit weight (``<weight>.absmax``, ``.quant_map``, ``.nested_absmax``, ...)."""
+    quantised = [name for name, p in module.named_parameters() if is_quantised(p)]
+    if not quantised:
+        return []
+    return [key for key in module.state_dict() if any(key.startswith(name + ".") for name in quantised)]
+
+
 def has_quantised_base(model: nn.Module) -> bool:
     return any(is_quantised(p) for p in model.parameters())
 

@@ -106,6 +106,10 @@ def test_a_qlora_model_exports_a_plain_model_that_reloads_to_its_predictions(sav
         module.hparams.save_dtype = save_dtype
         if save_dtype == "checkpoint":  # a second export: the module now holds the merged plain model
             assert not any(qlora.is_quantised(p) for p in module.model.parameters())
+            # the hf_model line says the dtype and how it was made
+            assert module._export_words() == (
+                "bf16 (the checkpoint's dtype; trained in fp32 adapters and head over a 4-bit base, merged into it dequantised)"
+            )
         module.export_pretrained(folder)
         config = json.loads((folder / "config.json").read_text())
         assert "quantization_config" not in config and config["dtype"] == ("float32" if save_dtype == "fp32" else "bfloat16")
