@@ -5,7 +5,7 @@ Gemma 3 1B, ModernBERT-large) and each card of `CARDS` (4, 8, 12 and 24 GB cards
 ``plan --budget CARD`` chooses by its rule (full fine-tuning, else LoRA, else QLoRA; within a mode the fastest that
 fits), at batch 32 x 128, predicted analytically on the card (tensors, the allocator's reserve and the CUDA context,
 with ``memory.margin`` kept free). The candidates of a model are predicted once and ranked once; each card walks that
-ranking (the cards are sm86/sm89: the same attention kernels), so the table costs one plan per model.
+ranking (the cards are sm86/sm89: the same attention kernels), so the table costs at most one plan per model.
 
 ``--update-readme`` writes the table into README.md between its markers (a checkout's). The numbers are predictions,
 not measurements: the table says so and names the command.
@@ -23,11 +23,11 @@ from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.hardware.margin import usable
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.planning.choose import mode_of, rank
+from lit_memory.memory.planning.choose import mode_of
 from lit_memory.memory.prediction.analytic import analytic, device_total
 from lit_memory.memory.prediction.step import Step
 from lit_memory.tools.estimate import add_target_arguments, step_of
-from lit_memory.tools.plan import Candidate, candidates, refine, shipped_recipes
+from lit_memory.tools.plan import Candidate, Recipe, ranked, refine, shipped_recipes
 
 # name (bundled:<name>) -> how the table names it
 MODELS = {
@@ -56,29 +56,38 @@ def model_args(name: str) -> list[str]:
     return [f"--model.model_name_or_path=bundled:{name}", "--model.pretrained=false"]
 
 
-def plan_cards(base: Step, cards: tuple[str, ...] = CARDS) -> dict[str, Cell]:
-    """``plan``'s choice for ``base`` on each card (analytic; candidates predicted once)."""
-    everything = candidates(base, shipped_recipes())
-    if not everything:
-        raise UserError(f"no combination of the shipped recipes' settings can train {base.model.get('model_name_or_path')}")
-    longest = max(c.setup.max_length for c in everything)
-    ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
-    smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
+def plan_cards(base: Step, cards: tuple[str, ...] = CARDS, recipes: Optional[list[Recipe]] = None) -> dict[str, Cell]:
+    """``plan``'s choice for ``base`` on each card (analytic): one ranking (`lit_memory.tools.plan.ranked`, predicted a
+    quality class at a time, so the classes after the last card's choice are never predicted) walked per card."""
+    refused: dict[str, str] = {}
+    everything: list[Candidate] = []
+    ordered = ranked(base, shipped_recipes() if recipes is None else recipes, refused, everything)
+    walked: list[Candidate] = []
+
+    def in_order():
+        yield from walked
+        for candidate in ordered:
+            walked.append(candidate)
+            yield candidate
+
     cells = {}
     for card in cards:
         gpu = GPUS[card]
         budget = gpu.memory
         room = usable(budget, base.margin)
         chosen = None
-        for candidate in ordered:  # each with its own allocator settings (a recipe's): on this card
+        for candidate in in_order():  # each with its own allocator settings (a recipe's): on this card
             setup = replace(candidate.setup, target=replace(candidate.setup.target, gpu=gpu))
             if candidate.prediction.footprint.peak + setup.target.context_bytes <= room and device_total(setup) <= room:
                 chosen = refine(Candidate(candidate.blocks, setup, analytic(setup)), budget)
                 break
-        if chosen is None:
-            cells[card] = Cell(None, device_total(replace(smallest.setup, target=replace(smallest.setup.target, gpu=gpu))))
-        else:
+        if chosen is not None:
             cells[card] = Cell(mode_of(chosen.setup), device_total(chosen.setup), chosen.setup)
+            continue
+        if not everything:
+            raise UserError(f"no combination of the shipped recipes' settings can train {base.model.get('model_name_or_path')}")
+        smallest = min(everything, key=lambda c: c.prediction.footprint.peak)  # every class predicted by now
+        cells[card] = Cell(None, device_total(replace(smallest.setup, target=replace(smallest.setup.target, gpu=gpu))))
     return cells
 
 

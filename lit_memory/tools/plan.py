@@ -25,7 +25,7 @@ import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from ruamel.yaml import YAML
@@ -38,7 +38,7 @@ from lit_memory.errors import UserError
 from lit_memory.lora import LoRA
 from lit_memory.optimizers import check_settings
 from lit_memory.memory.prediction.analytic import analytic
-from lit_memory.memory.planning.choose import MODES, RULE, mode_of, rank
+from lit_memory.memory.planning.choose import MODES, RULE, mode_of, quality_class, rank
 from lit_memory.memory.planning.recompute import planned
 from lit_memory.memory.planning.recompute import resolve as plan_layers
 from lit_memory.memory.hardware.gpus import GPUS, capacity, gpu_key, is_gpu_name
@@ -170,6 +170,29 @@ def candidates(base: Step, recipes: list[Recipe], refused: Optional[dict[str, st
     """Every combination of the recipes' differing settings, each micro-batch split, predicted. ``refused``: where
     given, what refused a mode of training outright (a LoRA base the model cannot have: a family bitsandbytes cannot
     quantise), by the mode's name (`mode_of`), for the line that says nothing fits."""
+    found = (_predicted(blocks, setup, refused) for blocks, setup in _setups(base, recipes, refused))
+    return [c for c in found if c is not None]
+
+
+def ranked(base: Step, recipes: list[Recipe], refused: dict[str, str], everything: list[Candidate]) -> Iterator[Candidate]:
+    """`candidates` in the rule's order, predicted one quality class at a time (`quality_class`: 16-bit weights rounded
+    to nearest or not, then full, LoRA, QLoRA): the rule reaches a class only after every setup of the classes before
+    it, so a model that fits in full fine-tuning is never predicted with adapters. ``everything`` collects what has
+    been predicted."""
+    setups = _setups(base, recipes, refused)
+    longest = max((setup.max_length for _, setup in setups), default=0)
+    classes: dict[tuple, list[tuple[dict[str, Block], Step]]] = {}
+    for blocks, setup in setups:
+        classes.setdefault(quality_class(setup), []).append((blocks, setup))
+    for key in sorted(classes):
+        found = [c for c in (_predicted(blocks, setup, refused) for blocks, setup in classes[key]) if c is not None]
+        everything.extend(found)
+        yield from sorted(found, key=lambda c: rank(c.setup, c.prediction, longest))
+
+
+def _setups(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]]) -> list[tuple[dict[str, Block], Step]]:
+    """Every combination of the recipes' differing settings, each micro-batch split, as a setup not yet predicted:
+    one per setup that differs (`_identity`), with the settings closest to a shipped recipe."""
     # A recipe's tier is not a setting to combine (the plan's budget is the tier), its allocator settings are;
     # ``auto`` checkpointing is ranked as every layer full and refined per layer for the budget once chosen (`refine`).
     keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS and k not in NOT_COMBINED))
@@ -186,7 +209,7 @@ def candidates(base: Step, recipes: list[Recipe], refused: Optional[dict[str, st
         options[key] = list(seen.values())
     order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
     effective = base.batch_size * base.accumulate_grad_batches
-    kept: dict[tuple, Candidate] = {}
+    kept: dict[tuple, tuple[dict[str, Block], Step]] = {}
     for combination in itertools.product(*options.values()):
         chosen = {b.key: b for b in combination if b is not None}
         for micro, accumulate in _micro_batches(effective):
@@ -202,20 +225,25 @@ def candidates(base: Step, recipes: list[Recipe], refused: Optional[dict[str, st
             identity = _identity(setup)
             if identity in kept:
                 # Settings that differ only where this setup ignores them: write those closest to a shipped recipe.
-                if _distance(blocks, recipes) < _distance(kept[identity].blocks, recipes):
-                    kept[identity].blocks = blocks
+                if _distance(blocks, recipes) < _distance(kept[identity][0], recipes):
+                    kept[identity] = (blocks, kept[identity][1])
                 continue
-            try:
-                # settings fit refuses together (stochastic rounding without bf16 weights)
-                check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
-                if setup.model.get("lora"):  # a LoRA base the precision cannot train (QLoRA under bf16-true)
-                    LoRA(**setup.model["lora"]).check_precision(setup.precision)
-                prediction = analytic(setup, levels=False)
-            except UserError as err:
-                _refusal(refused, blocks, err)
-                continue  # settings refused together (also offloading without checkpointing, by the module)
-            kept[identity] = Candidate(blocks, setup, prediction)
+            kept[identity] = (blocks, setup)
     return list(kept.values())
+
+
+def _predicted(blocks: dict[str, Block], setup: Step, refused: Optional[dict[str, str]]) -> Optional[Candidate]:
+    """The setup predicted analytically, or None where its settings are refused together."""
+    try:
+        # settings fit refuses together (stochastic rounding without bf16 weights)
+        check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
+        if setup.model.get("lora"):  # a LoRA base the precision cannot train (QLoRA under bf16-true)
+            LoRA(**setup.model["lora"]).check_precision(setup.precision)
+        prediction = analytic(setup, levels=False)
+    except UserError as err:
+        _refusal(refused, blocks, err)
+        return None  # settings refused together (also offloading without checkpointing, by the module)
+    return Candidate(blocks, setup, prediction)
 
 
 CHECKPOINTING = "model.gradient_checkpointing"
@@ -399,16 +427,14 @@ def choose(
     confirm: bool = True,
     measured: bool = False,
 ) -> tuple[Candidate, Optional[Prediction], list[Candidate]]:
-    """Pick the candidate to write: (chosen, its simulation, all candidates). Candidates are taken in the
-    rule's order; each one's device total (tensors, the allocator's reserve, the CUDA context) is predicted
-    when the rule reaches it, and the first that fits the budget wins (confirmed by the simulation)."""
+    """Pick the candidate to write: (chosen, its simulation, the candidates predicted). Candidates are taken in the
+    rule's order (`ranked`: predicted a quality class at a time); each one's device total (tensors, the allocator's
+    reserve, the CUDA context) is predicted when the rule reaches it, and the first that fits the budget wins
+    (confirmed by the simulation)."""
     recipes = shipped_recipes() if recipes is None else recipes
     refused: dict[str, str] = {}
-    everything = candidates(base, recipes, refused)
-    if not everything:
-        raise UserError(f"no combination of the shipped recipes' settings can train this model{_refused_words(refused)}")
-    longest = max(c.setup.max_length for c in everything)
-    ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
+    everything: list[Candidate] = []
+    ordered = ranked(base, recipes, refused, everything)
     overhead = base.target.context_bytes
     room = usable(budget, base.margin)  # the margin kept free (`lit_memory.memory.hardware.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
@@ -423,6 +449,10 @@ def choose(
         if len(confirmed) == wanted:
             break
     if not confirmed:
+        for _ in ordered:  # every mode predicted: the line says what the smallest needs, in any of them
+            pass
+        if not everything:
+            raise UserError(f"no combination of the shipped recipes' settings can train this model{_refused_words(refused)}")
         smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
         if smallest.prediction.footprint.peak + overhead > room or smallest.total > room:
             raise UserError(
@@ -452,17 +482,22 @@ def choose(
 
 def why(chosen: Candidate, everything: list[Candidate], budget: int) -> str:
     """Why the chosen setup fine-tunes as it does: the modes the rule prefers (full, then LoRA, then QLoRA) and the
-    smallest each needs, where it does not fit ``budget`` with the margin."""
-    mode = mode_of(chosen.setup)
+    smallest each needs with the same update semantics (exact, or 16-bit weights rounded to nearest), where it does
+    not fit ``budget`` with the margin."""
+    mode, exact = mode_of(chosen.setup), not chosen.setup.loses_small_updates
     before = []
     for other in MODES[: MODES.index(mode)]:
-        found = [c for c in everything if mode_of(c.setup) == other]
+        found = [c for c in everything if mode_of(c.setup) == other and c.setup.loses_small_updates != exact]
         if found:
             smallest = min(found, key=lambda c: c.prediction.footprint.peak)
             before.append(f"{other} needs {format_bytes(smallest.total)} at the least")
+    semantics = "" if exact else " (16-bit weights rounded to nearest: no exact setup fits)"
     if not before:
-        return f"{mode}: the rule's first choice that fits"
-    return f"{mode}: {', '.join(before)}, over {format_bytes(usable(budget, chosen.setup.margin))} (the budget less the margin)"
+        return f"{mode}{semantics}: the rule's first choice that fits"
+    return (
+        f"{mode}{semantics}: {', '.join(before)}, over {format_bytes(usable(budget, chosen.setup.margin))} (the budget "
+        f"less the margin){' with exact updates (fp32 weights, or bf16 with stochastic rounding)' if exact else ''}"
+    )
 
 
 def _modes(found: list[Candidate]) -> list[str]:
@@ -535,7 +570,7 @@ def main(argv: list[str]) -> None:
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
     files.write_text(ours.output, recipe_text(chosen, simulated, recipes, budget, command, card, everything))
-    print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(budget)}:")
+    print(f"{len(everything)} setups predicted; the fastest by the rule predicted to fit {format_bytes(budget)}:")
     print(f"  {why(chosen, everything, budget)}")
     print(f"  {chosen.setup.describe()}")
     print(f"  analytic:  {_breakdown(chosen.prediction)}")

@@ -267,3 +267,25 @@ def test_a_family_bitsandbytes_cannot_quantise_is_named_in_the_line_that_says_no
     assert "\n" not in message and "in any mode (full);" in message
     assert "; QLoRA not possible: model.lora.base nf4 quantises the linear layers inside the transformer layers" in message
     assert "bitsandbytes cannot quantise this family" in message and "; it would fit" in message
+
+
+def test_the_rule_is_walked_a_quality_class_at_a_time_in_the_order_of_every_candidate_ranked():
+    """`ranked` predicts full fine-tuning first and LoRA/QLoRA only when the walk reaches them, in exactly the order
+    of every candidate predicted and sorted by the rule."""
+    from dataclasses import replace
+
+    from lit_memory.memory.planning.choose import mode_of
+    from lit_memory.tools.plan import ranked
+
+    base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
+                   margin=0.0)
+    recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
+    everything = candidates(base, recipes)
+    longest = max(c.setup.max_length for c in everything)
+    expected = [c.setup.key() for c in sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))]
+    predicted: list = []
+    walk = ranked(base, recipes, {}, predicted)
+    first = next(walk)
+    assert {mode_of(c.setup) for c in predicted} == {"full"}  # nothing with adapters predicted yet
+    assert [c.setup.key() for c in (first, *walk)] == expected
+    assert len(predicted) == len(everything)

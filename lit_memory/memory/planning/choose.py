@@ -53,6 +53,12 @@ def mode_of(step: Step) -> str:
     return "head only" if step.model.get("freeze") == "body" else "full"
 
 
+def quality_class(step: Step) -> tuple[bool, int]:
+    """The rule's first two keys, known before a prediction: 16-bit weights rounded to nearest, then the mode. A
+    planner may predict one class at a time and stop at the first that fits (`lit_memory.tools.plan.ranked`)."""
+    return step.loses_small_updates, MODES.index(mode_of(step))
+
+
 def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     """Sort key of the module docstring's rule: smaller is faster."""
     sixteen_bit = step.precision.compute.itemsize == 2  # computes in 16 bits (autocast or 16-bit weights)
@@ -60,7 +66,7 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     steady_state = prediction.footprint.phases["forward"]["optimizer"]
     frozen = 1 - prediction.trainable / prediction.parameters if prediction.parameters else 0.0
     return (
-        (step.loses_small_updates, MODES.index(mode_of(step)), round(frozen, 2), step.max_length < longest),
+        (*quality_class(step), round(frozen, 2), step.max_length < longest),
         step.accumulate_grad_batches > 1,
         round(recompute_ratio(step), 4),
         bool(step.model.get("offload_activations")),
