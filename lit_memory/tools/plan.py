@@ -3,8 +3,9 @@
 The candidates are the shipped recipes' switches (every setting that differs between recipes:
 precision, checkpointing, optimizer, freezing, sequence length, strategy) in every combination,
 with the configured effective batch split into micro-batches of every power of two. Each is
-predicted analytically (milliseconds); the fastest that fits is confirmed by the simulation and
-written as a recipe, with its predicted breakdown in the header.
+predicted analytically (milliseconds), one quality class of the rule at a time (`ranked`: full fine-tuning
+before LoRA before QLoRA), until one fits; the fastest that fits is confirmed by the simulation and
+written as a recipe, with its predicted breakdown and why its mode (``# mode:``) in the header.
 
 "Fastest" follows the rule stated in `lit_memory.memory.planning.choose` (quality, no accumulation, the least
 recompute, the larger micro-batch, 16-bit compute on CUDA, more optimizer state, Lightning's step before
