@@ -35,7 +35,7 @@ def _tool(name: str):
     return lambda argv: importlib.import_module(f"lit_memory.tools.{name}").main(argv)
 
 
-TOOLS = {"bench": _bench, "estimate": _tool("estimate"), "plan": _tool("plan"), "recipes": _tool("recipes")}
+TOOLS = {"bench": _bench, "estimate": _tool("estimate"), "plan": _tool("plan"), "cards": _tool("cards"), "recipes": _tool("recipes")}
 # One line per command for `python -m lit_memory --help`; `COMMAND --help` has every option.
 LIGHTNING_COMMANDS = {
     "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, checkpoints, hf_model, memory.json",
@@ -46,6 +46,7 @@ LIGHTNING_COMMANDS = {
 TOOL_COMMANDS = {
     "estimate": "a run's memory before running it: tensors, allocator and device, predicted two ways",
     "plan": "the fastest recipe predicted to fit a memory budget (--budget 4GiB)",
+    "cards": "what fits your card: plan's choice (full, LoRA, QLoRA) for the models people fine-tune now, 4-24 GB",
     "bench": "train every recipe in a fresh process and tabulate measured memory and speed",
     "recipes": "list the shipped recipes, show one, or check a recipe someone sent",
 }

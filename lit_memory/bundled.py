@@ -44,7 +44,10 @@ def _distilbert() -> Path:
 # Architectures of other families (config.json from the hub's published config, no weights) with a
 # byte-level tokenizer of ~10 KB (`write_byte_tokenizer`) in place of their 128k-250k-token vocabularies:
 # the model keeps its real vocabulary size (its embedding memory), the tokenizer uses 256 + a few ids of it.
-FAMILY_ASSETS = ("modernbert-large", "deberta-v3-large", "xlm-roberta-large", "qwen3-0.6b")
+FAMILY_ASSETS = (
+    "modernbert-large", "deberta-v3-large", "xlm-roberta-large", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama-3.2-1b",
+    "llama-3.2-3b", "gemma-3-1b",
+)
 
 
 def _asset(name: str):

@@ -43,7 +43,8 @@ from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.predict_file import PredictionWriter
 from lit_memory.run_memory import Advise, Predict, memory_callbacks
-from lit_memory.settings import assign, key_of as settings_key_of, leaves, locate, plain
+from lit_memory.lora import LoRA
+from lit_memory.settings import Precision, assign, key_of as settings_key_of, leaves, locate, plain
 from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
 PREDICT_FOLDER = "predict"  # under lightning_logs/: where predict's folders go
@@ -488,6 +489,9 @@ class LitMemoryCLI(LightningCLI):
         optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
+        lora, trains_with = settings.model.get("lora"), Precision.known(settings.trainer.precision)
+        if lora is not None and trains_with is not None:  # a LoRA base the precision cannot train, before anything is built
+            LoRA(**plain(lora)).check_precision(trains_with)
 
     # -- building and running ------------------------------------------------------------------
 

@@ -96,14 +96,18 @@ def label_names_or_default(names: Optional[list[str]], num_labels: int) -> list[
 def set_pad_token(config, tokenizer_name_or_path: str) -> None:
     """A model without a pad token (most decoders: GPT-2, Llama, Qwen3) gets the tokenizer's, which is
     its EOS where it has none either (`lit_memory.tokenizing.load_tokenizer`): the data is padded with it,
-    and a decoder's classifier finds each sequence's last token as the last one that is not it."""
+    and a decoder's classifier finds each sequence's last token as the last one that is not it. A folder without
+    a tokenizer (a config.json alone, for ``estimate``/``plan``) gets the config's EOS by the same rule."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "pad_token_id", None) is not None:
         return
     try:
         pad = pad_token_id(tokenizer_name_or_path)
-    except UserError:  # no tokenizer (a config-only folder): the data module says so when it needs one
-        return
+    except UserError:  # no tokenizer (a config-only folder): the data module says so when it needs one; its EOS
+        eos = getattr(text, "eos_token_id", None)  # meanwhile, as the tokenizer's rule has it, so a decoder's
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos  # classifier builds and runs (memory work)
+        if not isinstance(pad, int):
+            return
     for part in {id(config): config, id(text): text}.values():
         part.pad_token_id = pad
 

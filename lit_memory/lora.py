@@ -4,6 +4,11 @@ Memory (per the seed's accounting, K frozen + N trainable parameters): weights K
 AdamW state 2N. The adapters are merged into the weights before saving, so the exported model is
 a plain transformers model.
 
+The frozen base (``base``) is held as the trained weights are (the trainer precision's dtype: fp32 under
+``32-true`` and ``bf16-mixed``), in bf16 (2 B per weight, for a run that computes in bf16), or, QLoRA, with the
+layers' linear weights in 4-bit NF4 (`lit_memory.qlora`). The adapters and the head train in full precision
+whatever the base's dtype (peft upcasts 16-bit adapters; the head is cast here).
+
 Which layers get adapters (`lora_targets`) and which head parts train in full come from the model's
 anatomy (`lit_memory.anatomy`), not from BERT's names: peft's own per-architecture defaults where
 it has them (``query``/``value`` for BERT, ``query_proj``/``value_proj`` for DeBERTa-v2/v3,
@@ -16,12 +21,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
+import torch
 from torch import nn
 
 from lit_memory.anatomy import Anatomy, linear_types
 from lit_memory.errors import UserError
+from lit_memory.settings import Precision
+
+Base = Optional[Literal["bf16", "nf4"]]
+BASES = ("bf16", "nf4")
 
 _ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
 
@@ -36,12 +46,17 @@ class LoRA:
         dropout: dropout on the adapter's input.
         target_modules: names of the linear layers that get adapters (a name matches a module whose
             name is it or ends in ``.`` + it); ``null``: the family's default (`lora_targets`).
+        base: how the frozen base is held: ``null`` as the trained weights (the precision's dtype); ``bf16``
+            2 B per weight (a run that computes in bf16: ``bf16-mixed``); ``nf4`` QLoRA, the layers' linear weights
+            in 4-bit NormalFloat with double quantisation (bitsandbytes, about 0.52 B per weight), the rest of the
+            base as the trained weights (``32-true`` or ``bf16-mixed``: the adapters and head train in fp32).
     """
 
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.1
     target_modules: Optional[list[str]] = None
+    base: Base = None
 
     def check(self) -> "LoRA":
         """One line for a value peft would refuse mid-build or take silently (the module calls it: raised
@@ -52,7 +67,35 @@ class LoRA:
             raise UserError(f"model.lora.alpha must be a number > 0, got {self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise UserError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.base is not None and self.base not in BASES:
+            raise UserError(f"model.lora.base {self.base!r} is not one of: null, {', '.join(BASES)}")
         return self
+
+    @property
+    def quantised(self) -> bool:
+        """QLoRA: the base's linear weights in 4 bits."""
+        return self.base == "nf4"
+
+    def check_precision(self, precision: Precision) -> None:
+        """One `UserError` line for a base the precision cannot train with: a bf16 base under a precision that
+        computes in fp32 (its bf16 outputs would meet the fp32 head), a 4-bit base under a precision that casts every
+        weight to 16 bits (``-true``: the adapters and head would train in 16 bits, and bitsandbytes' packed weights
+        cannot be cast)."""
+        if self.base == "bf16" and precision.compute != torch.bfloat16:
+            raise UserError(
+                f"model.lora.base bf16 holds the frozen base in bf16, which computes in bf16: trainer.precision "
+                f"{precision} computes in {str(precision.compute).removeprefix('torch.')}; use bf16-mixed, or "
+                "model.lora.base null"
+            )
+        if self.quantised and precision.half_weights:
+            raise UserError(
+                f"model.lora.base nf4 (QLoRA) trains its adapters and head in fp32 over the 4-bit base: trainer.precision "
+                f"{precision} would cast every weight to 16 bits; use bf16-mixed (bf16 compute) or 32-true"
+            )
+
+    def frozen_dtype(self, trained: torch.dtype) -> torch.dtype:
+        """The dtype of the frozen base's weights that are not 4-bit, the trained weights being ``trained``."""
+        return torch.bfloat16 if self.base == "bf16" else trained
 
 
 def family_targets(anatomy: Anatomy) -> Union[list[str], str]:
@@ -93,9 +136,10 @@ def lora_targets(anatomy: Anatomy, lora: LoRA) -> Union[list[str], str]:
     return targets
 
 
-def apply_lora(model: nn.Module, lora: LoRA) -> nn.Module:
+def apply_lora(model: nn.Module, lora: LoRA, trained: Optional[torch.dtype] = None) -> nn.Module:
     """``model`` with LoRA adapters on `lora_targets`; the head parts a fine-tune initialises
-    (`Anatomy.head`: classifier, DeBERTa's pooler, a decoder's score) train in full."""
+    (`Anatomy.head`: classifier, DeBERTa's pooler, a decoder's score) train in full, in ``trained`` (the trained
+    weights' dtype) where given, whatever the base's."""
     from peft import LoraConfig, TaskType, get_peft_model  # deferred: peft is heavy; only LoRA runs need it
 
     anatomy = Anatomy.of(model)
@@ -107,7 +151,12 @@ def apply_lora(model: nn.Module, lora: LoRA) -> nn.Module:
         target_modules=lora_targets(anatomy, lora),
         modules_to_save=list(anatomy.head_names),
     )
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)  # (adapters in 16 bits are upcast to fp32: autocast_adapter_dtype)
+    if trained is not None:
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != trained:
+                param.data = param.data.to(trained)
+    return model
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -41,6 +41,7 @@ from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_sta
 from lit_memory.errors import UserError
 from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
 from lit_memory.checks import check_optimizer
+from lit_memory import qlora
 from lit_memory.settings import Precision
 from lit_memory.compiling import CUDA_GRAPHS, Compile, compile_layers
 
@@ -198,10 +199,15 @@ class SequenceClassifier(L.LightningModule):
             # Settings that name the model's parts, checked on a meta-device copy before anything is written.
             parts = skeleton(self.hf_config)
             if self.lora is not None:
+                if self.lora.quantised:  # first: nothing else matters where bitsandbytes has nothing to quantise
+                    qlora.check_quantisable(parts)
                 lora_targets(parts, self.lora)
+                self._head_names = parts.head_names  # what a 4-bit base keeps unquantised (it trains)
             if embedding_optimizer_state == "stable_embedding":
                 check_stable_embedding(parts.word_embeddings)
         self.model: Optional[PreTrainedModel] = None
+        # The precision the module is built for where no trainer says it (the memory model's builds): `precision`.
+        self.built_for: Optional[Precision] = None
         # What decides (`lit_memory.thresholds`) and what the loss weighs (`lit_memory.class_weights`): checked here.
         self.tuning = thresholds_.tuning(problem_type, num_labels, tune_threshold, threshold, threshold_metric)
         weights_.check(class_weights, problem_type, num_labels)
@@ -281,6 +287,12 @@ class SequenceClassifier(L.LightningModule):
                                         "origin": self.decision_thresholds.origin}
         if self.loss_weights is not None:
             checkpoint["class_weights"] = self.loss_weights.tolist()
+        if "state_dict" in checkpoint and self.model is not None:
+            # A 4-bit base's quantisation state (its scales and code maps, which bitsandbytes adds beside each packed
+            # weight) is made again from the checkpoint the run loads, bit for bit: saved, it would be keys the
+            # module cannot load (resume, the best checkpoint restored before the export)
+            for key in qlora.state_keys(self):
+                checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         id2label = checkpoint.get("id2label")
@@ -332,6 +344,15 @@ class SequenceClassifier(L.LightningModule):
         self.model = self.build_model(self.hparams.pretrained)
 
     @property
+    def precision(self) -> Optional[Precision]:
+        """The precision the module trains under: its trainer's, else `built_for` (set by a builder without a trainer:
+        the memory model), else None (Python users, the HF Trainer peer: torch's default dtype decides)."""
+        trainer = self._trainer
+        if trainer is not None:
+            return Precision.known(trainer.precision)
+        return self.built_for
+
+    @property
     def weights_dtype(self) -> torch.dtype:
         """The dtype the weights are built and trained in, whatever the checkpoint's (transformers >= 5 would load a
         bf16 checkpoint in bf16): the trainer precision's, fp32 under ``32-true`` and the mixed precisions (the
@@ -339,9 +360,14 @@ class SequenceClassifier(L.LightningModule):
         rounding keeps its small updates); built without a trainer (the memory model, the HF Trainer peer, Python),
         torch's default dtype, which Lightning's init context for a ``-true`` precision sets, and the memory model's
         build too (`lit_memory.memory.prediction.step.build`)."""
-        trainer = self._trainer
-        precision = Precision.known(trainer.precision) if trainer is not None else None
+        precision = self.precision
         return precision.param if precision is not None else torch.get_default_dtype()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype linear layers compute in (autocast's under the mixed precisions): a 4-bit base's matmuls'."""
+        precision = self.precision
+        return precision.compute if precision is not None else self.weights_dtype
 
     @property
     def export_dtype(self) -> torch.dtype:
@@ -354,15 +380,22 @@ class SequenceClassifier(L.LightningModule):
 
     def build_model(self, pretrained: bool) -> nn.Module:
         """The Hugging Face model with the configured switches (freeze, embeddings, checkpointing, LoRA), its
-        weights in `weights_dtype`."""
-        dtype = self.weights_dtype
+        weights in `weights_dtype` (a LoRA base as ``model.lora.base`` holds it)."""
+        dtype, lora = self.weights_dtype, self.lora
+        if lora is not None and self.precision is not None:
+            lora.check_precision(self.precision)
+        base = lora.frozen_dtype(dtype) if lora is not None else dtype
+        quantised = lora is not None and lora.quantised
+        if quantised:
+            compute, skip = self.compute_dtype, self._head_names
         if pretrained:
             path = bundled.resolve_model(self.hparams.model_name_or_path)
+            extra = qlora.loading_kwargs(compute, skip) if quantised else {}
             try:
                 with quiet_transformers():  # its loading report: said below in our own words
                     model, loading = guard.call(
                         AutoModelForSequenceClassification.from_pretrained, repr(self.hparams.model_name_or_path),
-                        path, config=self.hf_config, output_loading_info=True, dtype=dtype,
+                        path, config=self.hf_config, output_loading_info=True, dtype=base, **extra,
                     )
             except pickle.UnpicklingError as err:  # transformers loads pickled weights with weights_only=True
                 raise UserError(
@@ -370,8 +403,13 @@ class SequenceClassifier(L.LightningModule):
                     f"{str(err).splitlines()[0]} (convert them to safetensors from a trusted copy)"
                 ) from None
             report_loading(model, loading, self.report_new_head)
+        elif quantised:
+            with quiet_transformers():
+                model = qlora.random_weights(self.hf_config, base, compute, skip)
         else:
-            model = AutoModelForSequenceClassification.from_config(self.hf_config, dtype=dtype)
+            model = AutoModelForSequenceClassification.from_config(self.hf_config, dtype=base)
+        if quantised:
+            model = qlora.prepare(model)
         model.train()  # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False  # a classifier's training step has no use for a decoder's key/value cache
@@ -382,7 +420,7 @@ class SequenceClassifier(L.LightningModule):
         if self.checkpoint_plan is not None:
             enable_gradient_checkpointing(model, self.checkpoint_plan, anatomy.layers)
         if self.lora is not None:
-            model = apply_lora(model, self.lora)
+            model = apply_lora(model, self.lora, trained=dtype)
         if self._label_names:
             self._name_classes(model.config)  # from_config copies the config it is given
         # Regional: one graph per transformer layer, compiled once and reused by all of them. Each layer's backward
@@ -684,13 +722,17 @@ class SequenceClassifier(L.LightningModule):
         why = "model.save_dtype" if setting != "checkpoint" else (
             "the checkpoint's dtype" if self.checkpoint_dtype is not None else "the checkpoint names none: as trained"
         )
+        if self.lora is not None and self.lora.quantised:
+            trained += " adapters and head over a 4-bit base, merged into it dequantised"
         return f"{saved} ({why}{'' if saved == trained else f'; trained in {trained}'})"
 
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
         sharded = is_sharded(self.model)
         if is_lora(self.model) and not sharded:  # training is over: fold the adapters into the weights
-            self.model = self.model.merge_and_unload()
+            # a 4-bit base: into its weights dequantised (peft would requantise the sum)
+            with quiet_transformers():  # its line on dequantising: said in the hf_model line
+                self.model = qlora.merged(self.model) if qlora.has_quantised_base(self.model) else self.model.merge_and_unload()
         state = full_state_dict(self.model)  # a collective under sharding: every rank calls it
         self._save_on_rank_zero(path, state, sharded)
         if self._trainer is not None:

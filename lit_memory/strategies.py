@@ -263,6 +263,11 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
 
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
+        if getattr(getattr(model, "lora", None), "quantised", False):
+            raise UserError(
+                f"model.lora.base nf4 (QLoRA) runs on one device: bitsandbytes' 4-bit weights are not sharded by "
+                f"{type(self).__name__} here; train it without configs/fsdp.yaml, or with model.lora.base bf16"
+            )
         # Before anything is built where the module says its optimizer (lit_memory's); else in setup_optimizers.
         factory = getattr(model, "optimizer_factory", None)
         if self.fused_step and not self._save_distributed_checkpoint and callable(factory):

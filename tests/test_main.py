@@ -6,7 +6,7 @@ import pytest
 
 from lit_memory.__main__ import LIGHTNING_COMMANDS, TOOL_COMMANDS, TOOLS, main
 
-COMMANDS = ["fit", "validate", "test", "predict", "estimate", "plan", "bench", "recipes"]
+COMMANDS = ["fit", "validate", "test", "predict", "estimate", "plan", "cards", "bench", "recipes"]
 
 
 def test_help_lists_every_command_on_one_line_each(capsys):

@@ -281,6 +281,7 @@ def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoi
     without a master copy under the fp32 and bf16-mixed recipes. The recipe decides now: fp32 weights (the
     optimizer's masters) wherever it keeps fp32 weights, bf16 only under bf16-true (2gb, with stochastic rounding)."""
     from conftest import RECIPES
+    from lit_memory import qlora
 
     recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
     for (family, saved_in), folder in saved.items():  # one test item: a build is tens of milliseconds
@@ -290,7 +291,10 @@ def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoi
             promised = torch.bfloat16 if precision == "bf16-true" else torch.float32
             where = (family, saved_in, recipe)
             assert module.checkpoint_dtype == saved_in, where
-            assert {p.dtype for p in module.model.parameters()} == {promised}, where  # the frozen base too (LoRA)
+            quantised = {id(p) for p in module.model.parameters() if qlora.is_quantised(p)}
+            assert bool(quantised) == (recipe == "qlora"), where  # QLoRA: the layers' matrices in 4 bits
+            dense = [p for p in module.model.parameters() if id(p) not in quantised]
+            assert {p.dtype for p in dense} == {promised}, where  # the frozen base too (LoRA; QLoRA's embeddings, norms)
             stepped = [p for group in optimizer.param_groups for p in group["params"]]
             assert {id(p) for p in stepped} == {id(p) for p in module.model.parameters() if p.requires_grad}, where
             assert {p.dtype for p in stepped} == {promised}, where  # the optimizer updates these: its master copy

@@ -32,6 +32,7 @@ from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.hardware.margin import Fit
 from lit_memory.memory.prediction.predict import level, predict
+from lit_memory.memory.planning.choose import mode_of
 from lit_memory.memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
 from lit_memory.memory.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
@@ -147,6 +148,8 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
             "gradient_checkpointing": step.checkpointing.value() if step.checkpointing else False,
             "offload_activations": bool(step.model.get("offload_activations")),
             "freeze": step.model.get("freeze"),
+            "mode": mode_of(step),  # full, LoRA, QLoRA, head only
+            "lora": step.model.get("lora"),
             "fused": step.fused,
             "measuring_backward": step.measures,
             "sharded": step.sharded,
@@ -275,6 +278,8 @@ def format_report(data: dict) -> str:
         f"checkpointing {setup['gradient_checkpointing'] or 'off'}, "
         f"offloading {'on' if setup.get('offload_activations') else 'off'}, "
         f"freeze {setup['freeze']}, fused step {'on' if setup['fused'] else 'off'}"
+        + (f", {setup['mode']} (LoRA rank {setup['lora'].get('rank', 8)}"
+           f"{', a 4-bit NF4 base' if setup['mode'] == 'QLoRA' else ''})" if setup.get("lora") else "")
         + (" (a measuring backward first)" if setup.get("measuring_backward") else "")
         + (f", per rank of {setup['world_size']} (FSDP)" if setup.get("sharded") else "")
         + (f", {setup['loop']} loop" if setup.get("loop", "lightning") != "lightning" else ""),

@@ -3,8 +3,9 @@
 The candidates are the shipped recipes' switches (every setting that differs between recipes:
 precision, checkpointing, optimizer, freezing, sequence length, strategy) in every combination,
 with the configured effective batch split into micro-batches of every power of two. Each is
-predicted analytically (milliseconds); the fastest that fits is confirmed by the simulation and
-written as a recipe, with its predicted breakdown in the header.
+predicted analytically (milliseconds), one quality class of the rule at a time (`ranked`: full fine-tuning
+before LoRA before QLoRA), until one fits; the fastest that fits is confirmed by the simulation and
+written as a recipe, with its predicted breakdown and why its mode (``# mode:``) in the header.
 
 "Fastest" follows the rule stated in `lit_memory.memory.planning.choose` (quality, no accumulation, the least
 recompute, the larger micro-batch, 16-bit compute on CUDA, more optimizer state, Lightning's step before
@@ -25,7 +26,7 @@ import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from ruamel.yaml import YAML
@@ -35,17 +36,19 @@ from lit_memory import files, guard
 from lit_memory.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
+from lit_memory.lora import LoRA
 from lit_memory.optimizers import check_settings
 from lit_memory.memory.prediction.analytic import analytic
-from lit_memory.memory.planning.choose import RULE, rank
+from lit_memory.memory.planning.choose import MODES, RULE, mode_of, quality_class, rank
 from lit_memory.memory.planning.recompute import planned
 from lit_memory.memory.planning.recompute import resolve as plan_layers
 from lit_memory.memory.hardware.budget import Size
+from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.hardware.margin import Limit, usable
 from lit_memory.memory.prediction.predict import device_total, level
 from lit_memory.memory.measure.report import breakdown
-from lit_memory.memory.prediction.simulate import simulate
+from lit_memory.memory.prediction.predict import simulate_or_decline
 from lit_memory.memory.prediction.step import Prediction, Step
 from lit_memory.monitor import StepTimer
 from lit_memory.recipes import recipes_dir
@@ -115,8 +118,11 @@ def shipped_recipes(folder: Optional[Path] = None) -> list[Recipe]:
 def _identity(step: Step) -> tuple:
     """What makes two candidates the same setup (settings a setup ignores dropped: only optimizers with quantised
     state read ``embedding_optimizer_state``, and only for embeddings that train (every freeze setting and LoRA
-    freeze them), unless it swaps in StableEmbedding)."""
+    freeze them), unless it swaps in StableEmbedding; LoRA freezes the whole base, so a freeze setting beside it
+    changes nothing)."""
     model = dict(step.model)
+    if model.get("lora") is not None:
+        model.pop("freeze", None)
     low_bit = step.optimizer.library.quantises_state
     embeddings_train = model.get("freeze") is None and model.get("lora") is None
     if model.get("embedding_optimizer_state") != "stable_embedding" and not (low_bit and embeddings_train):
@@ -162,8 +168,33 @@ def _batch_blocks(micro: int, accumulate: int) -> dict[str, Block]:
     }
 
 
-def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
-    """Every combination of the recipes' differing settings, each micro-batch split, predicted."""
+def candidates(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]] = None) -> list[Candidate]:
+    """Every combination of the recipes' differing settings, each micro-batch split, predicted. ``refused``: where
+    given, what refused a mode of training outright (a LoRA base the model cannot have: a family bitsandbytes cannot
+    quantise), by the mode's name (`mode_of`), for the line that says nothing fits."""
+    found = (_predicted(blocks, setup, refused) for blocks, setup in _setups(base, recipes, refused))
+    return [c for c in found if c is not None]
+
+
+def ranked(base: Step, recipes: list[Recipe], refused: dict[str, str], everything: list[Candidate]) -> Iterator[Candidate]:
+    """`candidates` in the rule's order, predicted one quality class at a time (`quality_class`: 16-bit weights rounded
+    to nearest or not, then full, LoRA, QLoRA): the rule reaches a class only after every setup of the classes before
+    it, so a model that fits in full fine-tuning is never predicted with adapters. ``everything`` collects what has
+    been predicted."""
+    setups = _setups(base, recipes, refused)
+    longest = max((setup.max_length for _, setup in setups), default=0)
+    classes: dict[tuple, list[tuple[dict[str, Block], Step]]] = {}
+    for blocks, setup in setups:
+        classes.setdefault(quality_class(setup), []).append((blocks, setup))
+    for key in sorted(classes):
+        found = [c for c in (_predicted(blocks, setup, refused) for blocks, setup in classes[key]) if c is not None]
+        everything.extend(found)
+        yield from sorted(found, key=lambda c: rank(c.setup, c.prediction, longest))
+
+
+def _setups(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]]) -> list[tuple[dict[str, Block], Step]]:
+    """Every combination of the recipes' differing settings, each micro-batch split, as a setup not yet predicted:
+    one per setup that differs (`_identity`), with the settings closest to a shipped recipe."""
     # A recipe's tier is not a setting to combine (the plan's budget is the tier), its allocator settings are;
     # ``auto`` checkpointing is ranked as every layer full and refined per layer for the budget once chosen (`refine`).
     keys = list(dict.fromkeys(k for r in recipes for k in r.blocks if k not in BATCH_KEYS and k not in NOT_COMBINED))
@@ -180,7 +211,7 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
         options[key] = list(seen.values())
     order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
     effective = base.batch_size * base.accumulate_grad_batches
-    kept: dict[tuple, Candidate] = {}
+    kept: dict[tuple, tuple[dict[str, Block], Step]] = {}
     for combination in itertools.product(*options.values()):
         chosen = {b.key: b for b in combination if b is not None}
         for micro, accumulate in _micro_batches(effective):
@@ -188,28 +219,46 @@ def candidates(base: Step, recipes: list[Recipe]) -> list[Candidate]:
             blocks = dict(sorted(blocks.items(), key=lambda kv: order.index(kv[0])))
             try:
                 setup = base.with_settings({k: b.plain for k, b in blocks.items()})
-            except UserError:
+            except UserError as err:
+                _refusal(refused, blocks, err)
                 continue  # settings refused together
             if setup.fused and setup.accumulate_grad_batches > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
             identity = _identity(setup)
             if identity in kept:
                 # Settings that differ only where this setup ignores them: write those closest to a shipped recipe.
-                if _distance(blocks, recipes) < _distance(kept[identity].blocks, recipes):
-                    kept[identity].blocks = blocks
+                if _distance(blocks, recipes) < _distance(kept[identity][0], recipes):
+                    kept[identity] = (blocks, kept[identity][1])
                 continue
-            try:
-                # settings fit refuses together (stochastic rounding without bf16 weights)
-                check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
-                prediction = analytic(setup, levels=False)
-            except UserError:
-                continue  # settings refused together (also offloading without checkpointing, by the module)
-            kept[identity] = Candidate(blocks, setup, prediction)
+            kept[identity] = (blocks, setup)
     return list(kept.values())
+
+
+def _predicted(blocks: dict[str, Block], setup: Step, refused: Optional[dict[str, str]]) -> Optional[Candidate]:
+    """The setup predicted analytically, or None where its settings are refused together."""
+    try:
+        # settings fit refuses together (stochastic rounding without bf16 weights)
+        check_settings(blocks["model.optimizer"].plain if "model.optimizer" in blocks else {}, setup.precision, False)
+        if setup.model.get("lora"):  # a LoRA base the precision cannot train (QLoRA under bf16-true)
+            LoRA(**setup.model["lora"]).check_precision(setup.precision)
+        prediction = analytic(setup, levels=False)
+    except UserError as err:
+        _refusal(refused, blocks, err)
+        return None  # settings refused together (also offloading without checkpointing, by the module)
+    return Candidate(blocks, setup, prediction)
 
 
 CHECKPOINTING = "model.gradient_checkpointing"
 OFFLOADING = "model.offload_activations"
+LORA = "model.lora"
+
+
+def _refusal(refused: Optional[dict[str, str]], blocks: dict[str, Block], err: UserError) -> None:
+    """Keep the first reason the model itself refused LoRA or QLoRA (its targets, a base it cannot have)."""
+    lora = blocks[LORA].plain if LORA in blocks else None
+    if refused is None or not isinstance(lora, dict) or not str(err).startswith("model.lora."):
+        return
+    refused.setdefault("QLoRA" if lora.get("base") == "nf4" else "LoRA", str(err))
 
 
 def refine(chosen: Candidate, limit: Limit) -> Candidate:
@@ -327,6 +376,7 @@ def _size(n: int) -> str:
 
 def recipe_text(
     chosen: Candidate, simulated: Optional[Prediction], recipes: list[Recipe], limit: Limit, command: str,
+    everything: Optional[list[Candidate]] = None,
 ) -> str:
     parent, _ = _parent(chosen.blocks, recipes)
     blocks = _as_written(chosen, limit)
@@ -347,6 +397,7 @@ def recipe_text(
     header = [
         f"# planned: the fastest setup predicted to fit {limit} ({where})",
         f"# fits: {limit.with_margin(chosen.setup.margin).fit(device_total(chosen.setup)).line()}",
+        f"# mode: {why(chosen, everything, limit) if everything else mode_of(chosen.setup)}",
         f"# parent: {parent.name}",
         f"# changes: {', '.join(changes) if changes else 'none'}",
         f"# shrinks: {', '.join(shrinks) if shrinks else 'nothing'} (predicted, against {parent.name})",
@@ -378,13 +429,14 @@ def choose(
     confirm: bool = True,
     measured: bool = False,
 ) -> tuple[Candidate, Optional[Prediction], list[Candidate]]:
-    """Pick the candidate to write: (chosen, its simulation, all candidates). Candidates are taken in the
-    rule's order; each one's device total (tensors, the allocator's reserve, the CUDA context) is predicted
-    when the rule reaches it, and the first that fits the limit wins (confirmed by the simulation)."""
+    """Pick the candidate to write: (chosen, its simulation, the candidates predicted). Candidates are taken in the
+    rule's order (`ranked`: predicted a quality class at a time); each one's device total (tensors, the allocator's
+    reserve, the CUDA context) is predicted when the rule reaches it, and the first that fits the limit wins
+    (confirmed by the simulation)."""
     recipes = shipped_recipes() if recipes is None else recipes
-    everything = candidates(base, recipes)
-    longest = max(c.setup.max_length for c in everything)
-    ordered = sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))
+    refused: dict[str, str] = {}
+    everything: list[Candidate] = []
+    ordered = ranked(base, recipes, refused, everything)
     overhead = base.outside_allocator  # the CUDA context and NCCL's communicators
     room = limit.with_margin(base.margin).usable  # the margin kept free (`lit_memory.memory.hardware.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
@@ -393,18 +445,23 @@ def choose(
     for tried, candidate in enumerate(fitting):
         if tried >= (CONFIRMATIONS if confirm else wanted):
             break
-        simulated = simulate(candidate.setup) if confirm else None
+        simulated = simulate_or_decline(candidate.setup)[0] if confirm else None  # None: the analytic stands alone
         if simulated is None or level(simulated.footprint) <= room:
             confirmed.append((candidate, simulated))
         if len(confirmed) == wanted:
             break
     if not confirmed:
+        for _ in ordered:  # every mode predicted: the line says what the smallest needs, in any of them
+            pass
+        if not everything:
+            raise UserError(f"no combination of the shipped recipes' settings can train this model{_refused_words(refused)}")
         smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
         if smallest.prediction.footprint.peak + overhead > room or smallest.total > room:
             raise UserError(
                 f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(limit.bytes)} with the "
-                f"{100 * base.margin:g} % margin ({format_bytes(room)}); the "
-                f"smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
+                f"{100 * base.margin:g} % margin ({format_bytes(room)}), in any mode ({', '.join(_modes(everything))}); "
+                f"the smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
+                f"{would_fit(smallest.total, base.margin)}{_refused_words(refused, everything)}"
             )
         raise UserError(
             f"the {CONFIRMATIONS} fastest setups predicted to fit {format_bytes(limit.bytes)} with the "
@@ -425,12 +482,52 @@ def choose(
     return (*_refined(chosen, simulated, limit, confirm), everything)
 
 
+def why(chosen: Candidate, everything: list[Candidate], limit: Limit) -> str:
+    """Why the chosen setup fine-tunes as it does: the modes the rule prefers (full, then LoRA, then QLoRA) and the
+    smallest each needs with the same update semantics (exact, or 16-bit weights rounded to nearest), where it does
+    not fit ``limit`` with the margin."""
+    mode, exact = mode_of(chosen.setup), not chosen.setup.loses_small_updates
+    before = []
+    for other in MODES[: MODES.index(mode)]:
+        found = [c for c in everything if mode_of(c.setup) == other and c.setup.loses_small_updates != exact]
+        if found:
+            smallest = min(found, key=lambda c: c.prediction.footprint.peak)
+            before.append(f"{other} needs {format_bytes(smallest.total)} at the least")
+    semantics = "" if exact else " (16-bit weights rounded to nearest: no exact setup fits)"
+    if not before:
+        return f"{mode}{semantics}: the rule's first choice that fits"
+    return (
+        f"{mode}{semantics}: {', '.join(before)}, over {format_bytes(limit.with_margin(chosen.setup.margin).usable)} (the limit "
+        f"less the margin){' with exact updates (fp32 weights, or bf16 with stochastic rounding)' if exact else ''}"
+    )
+
+
+def _modes(found: list[Candidate]) -> list[str]:
+    return [mode for mode in MODES if any(mode_of(c.setup) == mode for c in found)]
+
+
+def _refused_words(refused: dict[str, str], found: Sequence[Candidate] = ()) -> str:
+    """Why a mode has no setup at all (not where only some of its combinations were refused)."""
+    present = {mode_of(c.setup) for c in found}
+    return "".join(f"; {mode} not possible: {reason}" for mode, reason in refused.items() if mode not in present)
+
+
+def would_fit(total: int, margin: float) -> str:
+    """What would hold ``total`` bytes of device memory with ``margin`` kept free: the smallest card of the
+    catalogue (`lit_memory.memory.hardware.gpus.GPUS`), in words (``; it would fit rtx4060 (7.75 GiB) or larger``)."""
+    cards = sorted((gpu.memory, key) for key, gpu in GPUS.items() if usable(gpu.memory, margin) >= total)
+    if not cards:
+        return "; no card of the catalogue holds it: more devices (configs/fsdp.yaml) or a smaller model"
+    memory, key = cards[0]
+    return f"; it would fit {key} ({format_bytes(memory)}) or a larger card"
+
+
 def _refined(chosen: Candidate, simulated: Optional[Prediction], limit: Limit, confirm: bool) -> tuple[Candidate, Optional[Prediction]]:
     """The chosen setup with its per-layer plan (`refine`), kept only if the simulation agrees it fits."""
     better = refine(chosen, limit)
     if better is chosen:
         return chosen, simulated
-    again = simulate(better.setup) if confirm else None
+    again = simulate_or_decline(better.setup)[0] if confirm else None
     if again is None or level(again.footprint) <= limit.with_margin(better.setup.margin).usable:
         return better, again
     return chosen, simulated
@@ -465,6 +562,8 @@ def main(argv: list[str]) -> None:
             "without --measure"
         )
     size = Size.parse(ours.budget)
+    if size.card is not None and ours.gpu is None and ours.device == "cuda":
+        ours.gpu = size.card  # a card as the budget: its context, kernels and workspace too
     base = step_of(rest, ours)
     limit = Limit(size.bytes, size.card or "", base.margin)  # a card by its name (the recipe's tier), else the size
     recipes = shipped_recipes()
@@ -472,8 +571,9 @@ def main(argv: list[str]) -> None:
         base, limit, rest, recipes, confirm=not ours.no_simulate, measured=ours.measure
     )
     command = "python -m lit_memory plan " + shlex.join(argv)
-    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, limit, command))
-    print(f"{len(everything)} setups considered; the fastest by the rule predicted to fit {format_bytes(limit.bytes)}:")
+    files.write_text(ours.output, recipe_text(chosen, simulated, recipes, limit, command, everything))
+    print(f"{len(everything)} setups predicted; the fastest by the rule predicted to fit {format_bytes(limit.bytes)}:")
+    print(f"  {why(chosen, everything, limit)}")
     print(f"  {chosen.setup.describe()}")
     print(f"  analytic:  {_breakdown(chosen.prediction)}")
     print(f"  {limit.with_margin(chosen.setup.margin).fit(device_total(chosen.setup)).line()}")

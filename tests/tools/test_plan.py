@@ -14,6 +14,7 @@ from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
+from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.prediction.analytic import analytic
 from lit_memory.memory.planning.choose import rank
 from lit_memory.memory.hardware.gpus import Target
@@ -163,7 +164,9 @@ def test_plan_finds_2gb_for_bert_large_in_2_gib_of_device_memory():
     assert (parent.name, changes) == ("2gb", [])
 
 
-def test_quality_ranks_rounding_to_nearest_then_frozen_share_then_truncation():
+def test_quality_ranks_rounding_to_nearest_then_the_mode_then_frozen_share_then_truncation():
+    """Full fine-tuning before LoRA before QLoRA before the head alone on a frozen body (issue 48's order: the seed's
+    route last); within a mode the fewest frozen, then no truncation."""
     base = base_setup("cuda")
 
     def quality(**values) -> tuple:
@@ -173,13 +176,14 @@ def test_quality_ranks_rounding_to_nearest_then_frozen_share_then_truncation():
     sr = {"class_path": "torchao.optim.AdamW8bit", "init_args": {"lr": 2e-5, "bf16_stochastic_round": True}}
     nearest = {"class_path": "torchao.optim.AdamW8bit", "init_args": {"lr": 2e-5}}
     full = quality()
-    assert full == (False, 0.0, False)
+    assert full == (False, 0, 0.0, False)
     assert quality(**{"trainer.precision": "bf16-true", "model.optimizer": sr}) == full
     embeddings, body = quality(**{"model.freeze": "embeddings"}), quality(**{"model.freeze": "body"})
     lora = quality(**{"model.lora": {"rank": 8}})
+    qlora = quality(**{"model.lora": {"rank": 8, "base": "nf4"}, "trainer.precision": "bf16-mixed"})
     truncated = quality(**{"data.max_length": 64})
     nearest_ = quality(**{"trainer.precision": "bf16-true", "model.optimizer": nearest})
-    assert full < truncated < embeddings < body <= lora < nearest_
+    assert full < truncated < embeddings < lora < qlora < body < nearest_
 
 
 def test_rule_prefers_less_recompute_then_no_offloading():
@@ -210,3 +214,79 @@ def test_a_recipe_with_offloading_adds_candidates_but_never_offloading_without_c
     assert {s.checkpointing.uniform if s.checkpointing else None for s in setups} == {None, "full", "selective"}
     assert any(s.model.get("offload_activations") for s in setups)
     assert not any(s.model.get("offload_activations") and s.checkpointing is None for s in setups)
+
+
+# -- modes: full, LoRA, QLoRA (issue 48) ------------------------------------------------------------------------
+
+# Two 256-wide layers with a small vocabulary: their matrices dominate, as in the decoders people fine-tune.
+WIDE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024, "vocab_size": 1000}
+MODE_RECIPES = ("baseline", "lora", "qlora")
+
+
+def test_plan_fine_tunes_in_full_then_lora_then_qlora_as_the_budget_shrinks_and_says_why():
+    """Full fine-tuning where it fits, else LoRA, else QLoRA, each at the budget its smallest setup needs; the
+    recipe's ``# mode:`` line says what the modes before it need; below every mode one line says what would fit."""
+    from dataclasses import replace
+
+    from lit_memory.memory.planning.choose import mode_of
+    from lit_memory.tools.plan import recipe_text, why
+
+    base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
+                   margin=0.0)
+    recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
+    everything = candidates(base, recipes)
+    need = {mode: min(c.total for c in everything if mode_of(c.setup) == mode) for mode in ("full", "LoRA", "QLoRA")}
+    assert need["full"] > need["LoRA"] > need["QLoRA"], need
+    for mode in need:
+        chosen, _, _ = choose(base, need[mode], [], recipes, confirm=False)
+        assert mode_of(chosen.setup) == mode and chosen.total <= need[mode]
+    assert why(chosen, everything, need["QLoRA"]).startswith(
+        f"QLoRA: full needs {format_bytes(need['full'])} at the least, LoRA needs {format_bytes(need['LoRA'])} at the least"
+    )
+    assert "# mode: QLoRA: full needs" in recipe_text(chosen, None, recipes, need["QLoRA"], "plan", everything=everything)
+    with pytest.raises(UserError) as error:
+        choose(base, need["QLoRA"] - 1, [], recipes, confirm=False)
+    message = str(error.value)
+    assert "\n" not in message and "in any mode (full, LoRA, QLoRA); the smallest needs" in message
+    assert "LoRA rank 8 on a 4-bit NF4 base (QLoRA)" in message and "; it would fit mx450 (1.96 GiB) or a larger card" in message
+
+
+def test_a_family_bitsandbytes_cannot_quantise_is_named_in_the_line_that_says_nothing_fits(tmp_path):
+    """SqueezeBERT's layers are 1x1 convolutions: no LoRA target of peft's kind, nothing bitsandbytes quantises; the
+    one line says so beside what the modes that remain need."""
+    from transformers import SqueezeBertConfig
+
+    folder = tmp_path / "squeezebert"
+    SqueezeBertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      embedding_size=64, num_labels=2).save_pretrained(folder)
+    base = base_setup("cuda", f"--model.model_name_or_path={folder}", "--model.pretrained=false",
+                      "--model.tokenizer_name_or_path=bundled:bert-large")
+    recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
+    with pytest.raises(UserError) as error:
+        choose(base, 512 * MiB, [], recipes, confirm=False)  # under the CUDA context alone
+    message = str(error.value)
+    assert "\n" not in message and "in any mode (full);" in message
+    assert "; QLoRA not possible: model.lora.base nf4 quantises the linear layers inside the transformer layers" in message
+    assert "bitsandbytes cannot quantise this family" in message and "; it would fit" in message
+
+
+def test_the_rule_is_walked_a_quality_class_at_a_time_in_the_order_of_every_candidate_ranked():
+    """`ranked` predicts full fine-tuning first and LoRA/QLoRA only when the walk reaches them, in exactly the order
+    of every candidate predicted and sorted by the rule."""
+    from dataclasses import replace
+
+    from lit_memory.memory.planning.choose import mode_of
+    from lit_memory.tools.plan import ranked
+
+    base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
+                   margin=0.0)
+    recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
+    everything = candidates(base, recipes)
+    longest = max(c.setup.max_length for c in everything)
+    expected = [c.setup.key() for c in sorted(everything, key=lambda c: rank(c.setup, c.prediction, longest))]
+    predicted: list = []
+    walk = ranked(base, recipes, {}, predicted)
+    first = next(walk)
+    assert {mode_of(c.setup) for c in predicted} == {"full"}  # nothing with adapters predicted yet
+    assert [c.setup.key() for c in (first, *walk)] == expected
+    assert len(predicted) == len(everything)

@@ -4,9 +4,10 @@ run that ran out of memory prints (the lightest shipped recipe predicted to fit)
 "Fastest" follows a stated rule; the first difference decides:
 
 1. quality: every update reaches the weights (16-bit weights rounded to nearest drop every update below
-   half a unit in their last place), then the fewest parameters frozen (freezing, LoRA's frozen body; by
-   their share of the model: the embeddings alone cost less than the body), then every token kept (no
-   truncation);
+   half a unit in their last place), then the mode (`MODES`): full fine-tuning, then LoRA, then QLoRA (LoRA over
+   the base's 4-bit rounded weights), then the head alone on a frozen body (the seed's route); within a mode the
+   fewest parameters frozen (by their share of the model: the embeddings alone cost less than the body), then
+   every token kept (no truncation);
 2. no gradient accumulation;
 3. the least recompute, by counted FLOPs (`lit_memory.memory.planning.recompute.recompute_ratio`: no checkpointing,
    then per-layer plans and selective, which recompute only cheap ops and attention, then full, which re-runs
@@ -33,12 +34,29 @@ from lit_memory.memory.hardware.margin import Fit, Limit
 from lit_memory.memory.planning.recompute import planned, recompute_ratio
 from lit_memory.memory.prediction.step import Prediction, Step
 
+# How a setup fine-tunes, in the rule's order (`mode_of`).
+MODES = ("full", "LoRA", "QLoRA", "head only")
 RULE = (
-    "quality (no 16-bit weights rounded to nearest > the fewest parameters frozen (freezing, LoRA) > no truncation) "
+    "quality (no 16-bit weights rounded to nearest > full fine-tuning, then LoRA, then QLoRA, then the head alone > "
+    "the fewest parameters frozen > no truncation) "
     "> no accumulation > "
     "the least recompute (counted FLOPs) > no offloading > larger micro-batch > "
     "16-bit compute on CUDA > more optimizer state > Lightning's optimizer step before the fused step"
 )
+
+
+def mode_of(step: Step) -> str:
+    """How ``step`` fine-tunes, one of `MODES`: LoRA or QLoRA (LoRA on a 4-bit base) where it has adapters, the head
+    alone where the whole body is frozen, else full fine-tuning (embeddings or the first layers may be frozen)."""
+    if step.model.get("lora"):
+        return "QLoRA" if step.quantised_base else "LoRA"
+    return "head only" if step.model.get("freeze") == "body" else "full"
+
+
+def quality_class(step: Step) -> tuple[bool, int]:
+    """The rule's first two keys, known before a prediction: 16-bit weights rounded to nearest, then the mode. A
+    planner may predict one class at a time and stop at the first that fits (`lit_memory.tools.plan.ranked`)."""
+    return step.loses_small_updates, MODES.index(mode_of(step))
 
 
 def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
@@ -48,7 +66,7 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
     steady_state = prediction.footprint.phases["forward"]["optimizer"]
     frozen = 1 - prediction.trainable / prediction.parameters if prediction.parameters else 0.0
     return (
-        (step.loses_small_updates, round(frozen, 2), step.max_length < longest),
+        (*quality_class(step), round(frozen, 2), step.max_length < longest),
         step.accumulate_grad_batches > 1,
         round(recompute_ratio(step), 4),
         bool(step.model.get("offload_activations")),

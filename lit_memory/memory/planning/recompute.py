@@ -76,7 +76,9 @@ _COUNTS: dict[str, tuple[int, int]] = {}
 
 def _count(step: Step) -> tuple[int, int]:
     """(forward, backward) FLOPs of ``step``'s micro-batch, counted on fake tensors."""
-    step = _with_plan(step, step.checkpointing, offload=False)  # where kept tensors wait changes no count
+    # where kept tensors wait changes no count; a 4-bit base runs its dense equivalent's matmuls (and fake tensors
+    # cannot hold bitsandbytes' weights)
+    step = _with_plan(step.dense_equivalent(), step.checkpointing, offload=False)
     # what the count depends on: the model's settings that change its matmuls, its plan among them, and the batch
     # shape (not the optimizer or the precision)
     model = {k: v for k, v in step.model.items() if k not in SequenceClassifier.SAME_FLOPS}

@@ -6,7 +6,7 @@ forward without autograd, and the figures the allocator's replay writes out (`Ac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 import torch
@@ -34,6 +34,7 @@ from lit_memory.memory.hardware.layers import (
 from lit_memory.memory.prediction.state_model import per_build
 from lit_memory.memory.prediction.step import Step
 from lit_memory.model import transformer_layers
+from lit_memory.qlora import is_quantised, largest_quantised
 
 
 # -- the layers --------------------------------------------------------------------------------------
@@ -168,12 +169,15 @@ def _outside_layers_per_token(
 
 
 def _linear_params(modules, trainable_only: bool = False) -> list[torch.Tensor]:
-    """Weights and biases of the linear layers in ``modules``: what autocast casts to 16 bits."""
+    """Weights and biases of the linear layers in ``modules``: what autocast casts to 16 bits (not a 4-bit weight:
+    bitsandbytes dequantises it into the compute dtype itself, keeping nothing for backward)."""
     found = []
     for module in modules:
         for sub in module.modules():
             if isinstance(sub, nn.Linear):
-                found += [p for p in sub.parameters(recurse=False) if p.requires_grad or not trainable_only]
+                found += [
+                    p for p in sub.parameters(recurse=False) if (p.requires_grad or not trainable_only) and not is_quantised(p)
+                ]
     return found
 
 
@@ -370,6 +374,9 @@ def activations(step: Step, model: nn.Module) -> Activations:
     capability = step.target.gpu.capability
     k = kernel(spec, x, capability)
     totals = _totals(model, spec, x, k, step)
+    if dequantised := per_build(model, ("dequantised",), lambda: largest_quantised(model)) * x.compute_b:
+        # a 4-bit base: each matmul's weight dequantised while it runs, in forward and again in backward
+        totals = replace(totals, transient=totals.transient + dequantised, backward_temp=totals.backward_temp + dequantised)
     layers, embeddings, pooler, _, first = _parts(model)
     roles = per_build(model, ("roles",), lambda: _roles(model, spec))
     trained = first < len(layers)

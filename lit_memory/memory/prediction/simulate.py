@@ -41,7 +41,8 @@ from lit_memory.memory.hardware.kernels import Kernel
 from lit_memory.memory.prediction.step import Prediction, Step, build
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
-from lit_memory.optimizer_state import simulated_step
+from lit_memory.optimizer_state import StepNotSimulated, simulated_step
+from lit_memory.qlora import SIMULATION_DECLINED
 from lit_memory.optimizers import library_of, use_device_defaults
 from lit_memory.settings import patched
 
@@ -200,7 +201,9 @@ def cuda_stand_ins(step: Step):
 
 def simulate(step: Step) -> Prediction:
     """One training step of the configured module on fake tensors, tracked per phase on the CPU (with
-    CUDA's kernels stood in for a CUDA target)."""
+    CUDA's kernels stood in for a CUDA target). A 4-bit base (QLoRA) cannot be faked: `StepNotSimulated`."""
+    if step.quantised_base:
+        raise StepNotSimulated(SIMULATION_DECLINED)
     return _tracked_step(step, FakeTensorMode(allow_non_fake_inputs=True))  # the optimizer's own small real tensors
 
 

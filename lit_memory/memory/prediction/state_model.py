@@ -19,6 +19,7 @@ from torch import nn
 from lit_memory.anatomy import parameter_units
 from lit_memory.fused import Bucketing, group_parameters
 from lit_memory.memory.prediction.step import Step, build
+from lit_memory.qlora import values, weight_bytes
 from lit_memory.model import SequenceClassifier, transformer_layers
 from lit_memory.optimizer_state import OptimizerTensors, optimizer_tensors
 
@@ -43,8 +44,9 @@ def per_build(owner: Any, key: tuple, make: Callable[[], T]) -> T:
 
 
 def nbytes(t: torch.Tensor) -> int:
-    """A tensor's bytes (its shape and dtype: meta tensors have no storage)."""
-    return t.numel() * t.element_size()
+    """A tensor's bytes (its shape and dtype: meta tensors have no storage), with a 4-bit weight's quantisation
+    state (QLoRA's base: `lit_memory.qlora.weight_bytes`)."""
+    return weight_bytes(t)
 
 
 def meta_build(step: Step) -> tuple[SequenceClassifier, torch.optim.Optimizer]:
@@ -210,6 +212,6 @@ def state(step: Step, module: SequenceClassifier, optimizer: torch.optim.Optimiz
         unscaling=unscaling,
         sharding=Sharding.of(model, step),
         buckets=buckets,
-        parameters=sum(p.numel() for p in params),
+        parameters=sum(values(p) for p in params),
         trainable=sum(p.numel() for p in trainable),
     )

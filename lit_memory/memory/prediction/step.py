@@ -331,8 +331,23 @@ class Step:
         return weights.itemsize == 2 and not (weights == torch.bfloat16 and self.stochastic_rounding)
 
     def module(self) -> SequenceClassifier:
-        # Always from the config: weights are never loaded to predict memory.
-        return SequenceClassifier(**{**self.model, "pretrained": False}, optimizer=self.optimizer.factory())
+        # Always from the config: weights are never loaded to predict memory. Built for this step's precision (the
+        # weights' dtype, a LoRA base's), as a Trainer of it would build it.
+        module = SequenceClassifier(**{**self.model, "pretrained": False}, optimizer=self.optimizer.factory())
+        module.built_for = self.precision
+        return module
+
+    @property
+    def quantised_base(self) -> bool:
+        """QLoRA: the frozen base's linear weights in 4 bits (``model.lora.base: nf4``)."""
+        return (self.model.get("lora") or {}).get("base") == "nf4"
+
+    def dense_equivalent(self) -> "Step":
+        """This step with a dense frozen base in place of a 4-bit one: the same matmuls (a 4-bit matmul runs the
+        dequantised weight's GEMM), for what counts FLOPs on fake tensors, which bitsandbytes' weights cannot be."""
+        if not self.quantised_base:
+            return self
+        return replace(self, model={**self.model, "lora": {**self.model["lora"], "base": None}})
 
     def describe(self) -> str:
         hp = self.model
@@ -348,6 +363,9 @@ class Step:
             parts.append("activations offloaded")
         if hp.get("freeze") is not None:
             parts.append(f"freeze {hp['freeze']}")
+        if lora := hp.get("lora"):
+            base = {"nf4": " on a 4-bit NF4 base (QLoRA)", "bf16": " on a bf16 base"}.get(lora.get("base"), "")
+            parts.append(f"LoRA rank {lora.get('rank', 8)}{base}")
         if self.fused:
             parts.append(f"fused backward+step ({self.bucket} buckets)")
         if self.measures:
@@ -485,18 +503,17 @@ def build(step: Step, context: contextlib.AbstractContextManager) -> tuple[Seque
     """The configured module and its optimizer, exactly as ``fit`` builds them, with tensors created
     under ``context`` (the ``meta`` device for the analytic model, fake tensors for the simulation)."""
     module = step.module()
-    lora, module.lora = module.lora, None
-    if lora is None:
+    if module.lora is None:
         with context, _tensor_init_context(step.precision):
             module.configure_model()
     else:
         # peft must not meet fake tensors: it cannot create adapters under FakeTensorMode (its .to() goes
         # through torch's tensor swap, which fake tensors refuse), and applied to a model of fake tensors
         # outside the mode it corrupted the C heap (see `adopt`). So the model and its adapters are made on
-        # the meta device, and then made again in ``context``.
+        # the meta device (a 4-bit base by bitsandbytes' meta kernels: `lit_memory.qlora`), and then made again in
+        # ``context``.
         with torch.device("meta"), _tensor_init_context(step.precision):
             module.configure_model()
-        module.lora, module.model = lora, apply_lora(module.model, lora)
         adopt(module.model, context)
     # Outside the context: optimizers may build small lookup tensors from data (bitsandbytes' quantile maps).
     optimizer = module.build_optimizer()

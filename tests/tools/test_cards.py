@@ -1,0 +1,33 @@
+"""cards: plan's choice for each card, and README's table between its markers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from conftest import CONFIGS, RECIPES
+from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.memory.planning.choose import mode_of
+from lit_memory.tools.cards import README_MARKERS, Cell, embed, plan_cards, table
+from lit_memory.tools.plan import choose, load_recipe
+from test_plan import MODE_RECIPES, WIDE, base_setup
+
+
+def test_each_card_gets_what_plan_chooses_for_it_and_the_table_lands_between_the_markers():
+    """The cards share one ranking predicted for the first (sm86/sm89 cards: the same attention kernels); on each the
+    cell is what ``plan --budget CARD`` chooses without simulating."""
+    base = base_setup("cuda", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}")
+    base = replace(base, target=replace(base.target, gpu=GPUS["rtx3050-4gb"]))
+    recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
+    cards = ("rtx3050-4gb", "rtx4060")
+    cells = plan_cards(base, cards, recipes)
+    for card in cards:
+        on_card = replace(base, target=replace(base.target, gpu=GPUS[card]))
+        chosen, _, _ = choose(on_card, GPUS[card].memory, [], recipes, confirm=False)
+        assert (cells[card].mode, cells[card].total) == (mode_of(chosen.setup), chosen.total), card
+    text = table({"wide": {**cells, "rtx4060": Cell(None, 5 * 2**30)}}, {"wide": 3_000_000}, "cards", base.margin)
+    assert "| wide (0.00 B) | full, " in text and "| no: needs 5.00 GiB |" in text
+    start, end = README_MARKERS
+    readme = f"# title\n{start}\nold table\n{end}\nafter\n"
+    assert embed(readme, text) == f"# title\n{start}\n{text}{end}\nafter\n"
+    assert embed("# no markers\n", text) is None
