@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory import bounds, checks, console, environment, guard, option_names, optimizers, precision, recipes, resume
 from lit_memory import training_length, trust
-from lit_memory.best import EarlyStop
+from lit_memory.best import EarlyStop, best_of
 from lit_memory.console import LogProgress, say
 from lit_memory.data import BUNDLED, TextClassificationData, read_training, training_rows_at_most
 from lit_memory.errors import UserError
@@ -672,7 +672,7 @@ class LitMemoryCLI(LightningCLI):
         self._preflight()
 
     def after_fit(self) -> None:
-        console.print_fit_metrics(self.trainer, self.model)
+        console.print_fit_metrics(self.trainer, self.model, best_of(self.trainer))
 
     def after_validate(self) -> None:
         console.print_metrics(self.trainer, "val")
