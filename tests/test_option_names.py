@@ -34,7 +34,7 @@ def imported_by(argv: list[str]) -> tuple[int, str, list[str]]:
 @pytest.mark.parametrize("argv, status, error", [
     (["--help"], 0, None),
     (["recipes", "list"], 0, None),
-    (["fti"], 2, "error: unknown command 'fti'; choose one of: fit, validate, test, predict, bench, estimate, plan, recipes"),
+    (["fti"], 2, "error: unknown command 'fti'; choose one of: fit, validate, test, predict, bench, estimate, plan, cards, recipes"),
     (["fit", "--recipe", "3gb"], 2, "error: unknown recipe '3gb'; choose one of: 2gb, 4gb,"),
     (["fit", "--config", "no/such.yaml"], 2, "error: config file not found: no/such.yaml"),
     (["fit", "--recipe", "4gb", "--data.sourcex", "a.csv"], 2,
