@@ -75,6 +75,9 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     measured = tracked["peak_bytes"]
     assert report["tracked_batches"] == report["batches"] == 2 * min(accumulate, 2)
     predictions = ["analytic", "simulated"]
+    if report["predicted"]["simulated"] is None:  # declined (a 4-bit base: fake tensors cannot hold Params4bit), said
+        assert recipe == "qlora"
+        predictions = ["analytic"]
     for method in predictions:
         assert report["predicted"][method]["peak_bytes"] == pytest.approx(measured, rel=0.10), method
     for footprint in (*(report["predicted"][m] for m in predictions), tracked):
@@ -90,7 +93,7 @@ def test_predictions_are_within_10_percent_of_the_tracked_peak(recipe, tmp_path,
     # The end-of-fit table: predicted and measured side by side, per category, then the process.
     out = capsys.readouterr().out
     table = out[out.index("memory on cpu") :].splitlines()
-    assert table[0].split()[-4:] == ["analytic", "simulated", "tracked", "tensors"]
+    assert table[0].split()[-len(predictions) - 2:] == [*predictions, "tracked", "tensors"]
     rows = {line[:28].strip(): line[28:].split() for line in table[1:8]}
     assert list(rows) == [
         "weights", "gradients", "optimizer state", "activations", "other/temporary", "peak (tensors)", "(phase)"
