@@ -734,12 +734,14 @@ class SequenceClassifier(L.LightningModule):
             with quiet_transformers():  # its line on dequantising: said in the hf_model line
                 self.model = qlora.merged(self.model) if qlora.has_quantised_base(self.model) else self.model.merge_and_unload()
         state = full_state_dict(self.model)  # a collective under sharding: every rank calls it
-        self._save_on_rank_zero(path, state, sharded)
+        trainer = self._trainer
+        run_dir = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None  # every rank asks
+        self._save_on_rank_zero(path, state, sharded, run_dir)
         if self._trainer is not None:
             self.trainer.strategy.barrier("export_pretrained")
 
     @rank_zero_only
-    def _save_on_rank_zero(self, path: Path, state: dict[str, torch.Tensor], sharded: bool) -> None:
+    def _save_on_rank_zero(self, path: Path, state: dict[str, torch.Tensor], sharded: bool, run_dir: Optional[str]) -> None:
         model = self.model
         if is_lora(model) and sharded:
             # peft cannot merge FSDP2's sharded (DTensor) weights: merge a plain copy of the gathered state.
@@ -756,7 +758,7 @@ class SequenceClassifier(L.LightningModule):
             setattr(model.config, thresholds_.CONFIG_KEY, self.decision_thresholds.to_config(self.label_names, self.problem_type))
         elif hasattr(model.config, thresholds_.CONFIG_KEY):  # a base folder's, stale
             delattr(model.config, thresholds_.CONFIG_KEY)
-        card = model_card.build(self, self._trainer)
+        card = model_card.build(self, self._trainer, Path(run_dir) if run_dir else None)
         with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
             files.write_text(Path(folder) / "README.md", card)
             model.save_pretrained(folder, state_dict=state)

@@ -55,9 +55,10 @@ def _device(trainer: Any) -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def build(module: Any, trainer: Any = None) -> str:
+def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> str:
     """The card's text for ``module`` (a `lit_memory.model.SequenceClassifier`) as trained by ``trainer`` (None: a
-    module exported outside a run: what the model itself knows)."""
+    module exported outside a run: what the model itself knows) in ``run_dir`` (its memory record; asked of the
+    trainer by every rank before: ``trainer.log_dir`` is a collective under several processes)."""
     hp = module.hparams
     problem, names = module.problem_type, list(module.label_names)
     data = getattr(trainer, "datamodule", None) if trainer is not None else None
@@ -85,7 +86,7 @@ def build(module: Any, trainer: Any = None) -> str:
     if data is not None:
         lines += _data(data)
     lines += _results(step, metrics)
-    lines += _training(module, trainer, data)
+    lines += _training(module, trainer, data, run_dir)
     lines += _usage(module, problem)
     return str(ModelCard(f"---\n{card.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
 
@@ -119,7 +120,7 @@ def _results(step: Optional[int], metrics: dict[str, float]) -> list[str]:
     return lines + [""]
 
 
-def _training(module: Any, trainer: Any, data: Any) -> list[str]:
+def _training(module: Any, trainer: Any, data: Any, run_dir: Optional[Path]) -> list[str]:
     hp = module.hparams
     lines = ["## Training", ""]
     if trainer is None:
@@ -137,7 +138,7 @@ def _training(module: Any, trainer: Any, data: Any) -> list[str]:
         dh = data.hparams
         lines.append(f"- batch {dh.batch_size} x max_length {dh.max_length} ({dh.padding} padding), long texts "
                      f"`{dh.long_texts}`" + (f" (stride {dh.stride})" if dh.long_texts == "chunk" else ""))
-    run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+    run_dir = Path(run_dir if run_dir is not None else trainer.default_root_dir)
     lines.append("- every setting: `config.yaml` and `recipe.yaml` (to share and rerun) in the run folder")
     peak = records.peak_summary(run_dir)
     lines.append(f"- measured peak memory: {peak or 'not measured'}, on {_device(trainer)}")
