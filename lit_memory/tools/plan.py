@@ -56,8 +56,9 @@ from lit_memory.settings import key_of, leaves, locate, plain
 from lit_memory.tools.estimate import add_target_arguments, step_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
-# memory.* keys that describe the run (its budget, its measuring), not a setting that changes its memory
-NOT_COMBINED = ("memory.tier", "memory.budget", "memory.track_steps", "memory.simulate")
+# Not combined: memory.* keys that describe the run (its budget, its measuring), and model.compile, how a step runs
+# rather than what it holds (the plan predicts the eager step; cudagraphs also needs its recipe's max_length padding)
+NOT_COMBINED = ("memory.tier", "memory.budget", "memory.track_steps", "memory.simulate", "model.compile")
 TIER = "memory.tier"  # written: the budget a planned recipe is made for
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
 MEASURED = 3  # candidates timed with --measure
