@@ -102,7 +102,7 @@ def kill_and_resume(full: Path, interrupted: Path, recipe: str, data: Path, *mor
 
 
 def exported(stderr: str) -> str:
-    return next(line for line in stderr.splitlines() if line.startswith("hf_model: ")).split(", saved to ")[0]
+    return next(line for line in stderr.splitlines() if line.startswith("hf_model: ")).split(", saved ")[0]
 
 
 def val_lines(stdout: str) -> list[str]:
