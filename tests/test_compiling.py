@@ -63,13 +63,14 @@ def test_a_step_under_a_dispatch_mode_leaves_the_layer_compiled_for_the_next(che
     plain(x)
     assert graphs() == before  # the code was declined for good: eager from here on
     torch._dynamo.reset()
+    start = graphs()  # what earlier tests in this process compiled
     ours = Block()
     compiling.compile_layer(ours)
     with FlopCounterMode(display=False) as flops:
         ours(x)
-    assert flops.get_total_flops() == 0 and graphs() == 0  # eager, and dynamo never asked
+    assert flops.get_total_flops() == 0 and graphs() == start  # eager, and dynamo never asked
     torch.testing.assert_close(ours(x), Block()(x))
-    assert graphs() == 1 and not compiling.declined_by_dynamo()
+    assert graphs() == start + 1 and not compiling.declined_by_dynamo()
 
 
 @pytest.mark.parametrize("recipe, mode, extra", [

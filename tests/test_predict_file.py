@@ -39,7 +39,8 @@ def run(tmp_path_factory) -> tuple[Path, str]:
     """A 2-step fit of the bundled model, its output going to a log (not a terminal), with a checkpoint."""
     root = tmp_path_factory.mktemp("fit")
     out = io.StringIO()
-    args = ["--trainer.enable_checkpointing=true", "--trainer.enable_progress_bar=true", "--progress.interval=1e-6"]
+    args = ["--trainer.enable_checkpointing=true", "--trainer.enable_progress_bar=true", "--progress.interval=1e-6",
+            "--trainer.log_every_n_steps=1"]  # the loss is read on the steps the loggers write
     with contextlib.redirect_stdout(out):
         main(["fit", *FAST, *args, f"--trainer.default_root_dir={root}"])
     return root / "lightning_logs" / "version_0", out.getvalue()

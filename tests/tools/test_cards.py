@@ -8,6 +8,7 @@ from dataclasses import replace
 from conftest import CONFIGS, RECIPES
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.planning.choose import mode_of
+from lit_memory.memory.hardware.margin import Limit
 from lit_memory.tools.cards import README_MARKERS, Cell, embed, plan_cards, table
 from lit_memory.tools.plan import choose, load_recipe
 from test_plan import MODE_RECIPES, WIDE, base_setup
@@ -23,7 +24,7 @@ def test_each_card_gets_what_plan_chooses_for_it_and_the_table_lands_between_the
     cells = plan_cards(base, cards, recipes)
     for card in cards:
         on_card = replace(base, target=replace(base.target, gpu=GPUS[card]))
-        chosen, _, _ = choose(on_card, GPUS[card].memory, [], recipes, confirm=False)
+        chosen, _, _ = choose(on_card, Limit(GPUS[card].memory, card, on_card.margin), [], recipes, confirm=False)
         assert (cells[card].mode, cells[card].total) == (mode_of(chosen.setup), chosen.total), card
     text = table({"wide": {**cells, "rtx4060": Cell(None, 5 * 2**30)}}, {"wide": 3_000_000}, "cards", base.margin)
     assert "| wide (0.00 B) | full, " in text and "| no: needs 5.00 GiB |" in text
