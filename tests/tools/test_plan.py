@@ -237,15 +237,16 @@ def test_plan_fine_tunes_in_full_then_lora_then_qlora_as_the_budget_shrinks_and_
     everything = candidates(base, recipes)
     need = {mode: min(c.total for c in everything if mode_of(c.setup) == mode) for mode in ("full", "LoRA", "QLoRA")}
     assert need["full"] > need["LoRA"] > need["QLoRA"], need
+    limits = {mode: Limit(need[mode], margin=0.0) for mode in need}
     for mode in need:
-        chosen, _, _ = choose(base, need[mode], [], recipes, confirm=False)
+        chosen, _, _ = choose(base, limits[mode], [], recipes, confirm=False)
         assert mode_of(chosen.setup) == mode and chosen.total <= need[mode]
-    assert why(chosen, everything, need["QLoRA"]).startswith(
+    assert why(chosen, everything, limits["QLoRA"]).startswith(
         f"QLoRA: full needs {format_bytes(need['full'])} at the least, LoRA needs {format_bytes(need['LoRA'])} at the least"
     )
-    assert "# mode: QLoRA: full needs" in recipe_text(chosen, None, recipes, need["QLoRA"], "plan", everything=everything)
+    assert "# mode: QLoRA: full needs" in recipe_text(chosen, None, recipes, limits["QLoRA"], "plan", everything=everything)
     with pytest.raises(UserError) as error:
-        choose(base, need["QLoRA"] - 1, [], recipes, confirm=False)
+        choose(base, Limit(need["QLoRA"] - 1, margin=0.0), [], recipes, confirm=False)
     message = str(error.value)
     assert "\n" not in message and "in any mode (full, LoRA, QLoRA); the smallest needs" in message
     assert "LoRA rank 8 on a 4-bit NF4 base (QLoRA)" in message and "; it would fit mx450 (1.96 GiB) or a larger card" in message
@@ -263,7 +264,7 @@ def test_a_family_bitsandbytes_cannot_quantise_is_named_in_the_line_that_says_no
                       "--model.tokenizer_name_or_path=bundled:bert-large")
     recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
     with pytest.raises(UserError) as error:
-        choose(base, 512 * MiB, [], recipes, confirm=False)  # under the CUDA context alone
+        choose(base, Limit(512 * MiB), [], recipes, confirm=False)  # under the CUDA context alone
     message = str(error.value)
     assert "\n" not in message and "in any mode (full);" in message
     assert "; QLoRA not possible: model.lora.base nf4 quantises the linear layers inside the transformer layers" in message
