@@ -58,7 +58,7 @@ class BestCheckpoint(ModelCheckpoint):
         )
         self._monitor_given, self._mode_given = monitor, mode
         self.best_metrics: dict[str, float] = {}  # the best validation's metrics (``val_*``)
-        self.best_counts: Optional[list] = None  # its confusion counts (`lit_memory.evaluation.ClassCounts`), as lists
+        self.best_counts: Optional[list] = None  # its confusion counts (`lit_memory.task.evaluation.ClassCounts`), as lists
         self.validated_step: Optional[int] = None  # the step of the last validation seen
 
     @property

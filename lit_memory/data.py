@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
 from lit_memory import bundled, guard, predict_file, text_encoding, training_length, windows
-from lit_memory import class_weights as weights_
+from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
@@ -134,7 +134,7 @@ class TextClassificationData(L.LightningDataModule):
         id_column: the column naming each row in the predictions (default ``id`` or ``idx``, else the text).
         encoding: the training file's Python codec name (``cp1252``, ``utf-16``); null: UTF-8 or the byte-order mark's.
         encoding_errors: ``strict`` or ``replace`` (U+FFFD, lines counted); null: strict (the bundled tweets: replace).
-        class_weights: linked from ``model.class_weights`` by the CLI (`lit_memory.class_weights`).
+        class_weights: linked from ``model.class_weights`` by the CLI (`lit_memory.task.class_weights`).
         predict_encoding: ``predict_path``'s codec name, as ``encoding`` (a run's config.yaml names its training file's).
         predict_encoding_errors: ``strict`` (null) or ``replace``, as ``encoding_errors`` for ``predict_path``.
     """

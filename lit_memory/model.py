@@ -23,10 +23,11 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled, evaluation, files, guard, model_card, optimizers, windows
-from lit_memory import class_weights as weights_
+from lit_memory import bundled, files, guard, model_card, optimizers, windows
+from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
-from lit_memory import thresholds as thresholds_
+from lit_memory.task import evaluation
+from lit_memory.task import thresholds as thresholds_
 from lit_memory.best import best_of, restore_best
 from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
@@ -208,11 +209,11 @@ class SequenceClassifier(L.LightningModule):
         self.model: Optional[PreTrainedModel] = None
         # The precision the module is built for where no trainer says it (the memory model's builds): `precision`.
         self.built_for: Optional[Precision] = None
-        # What decides (`lit_memory.thresholds`) and what the loss weighs (`lit_memory.class_weights`): checked here.
+        # What decides (`lit_memory.task.thresholds`) and what the loss weighs (`lit_memory.task.class_weights`): checked here.
         self.tuning = thresholds_.tuning(problem_type, num_labels, tune_threshold, threshold, threshold_metric)
         weights_.check(class_weights, problem_type, num_labels)
         self.loss_weights: Optional[torch.Tensor] = None  # resolved in `setup` (balanced: the training labels')
-        # Metrics of the problem type (`lit_memory.evaluation`), fed with the model's decisions; per-label F1 and the
+        # Metrics of the problem type (`lit_memory.task.evaluation`), fed with the model's decisions; per-label F1 and the
         # confusion counts beside them; where thresholds decide, the same metrics at 0.5 and the sweep that tunes.
         # (Fed 0/1 decisions, any threshold of theirs in (0, 1) reads them alike: they carry the one set, for the eye.)
         metric_threshold = threshold if threshold is not None else thresholds_.DEFAULT

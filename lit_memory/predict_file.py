@@ -315,7 +315,7 @@ class PredictionWriter(BasePredictionWriter):
 
     def _write(self, rows: list, pl_module: Any, batch_rows: dict[str, Any], labelled: bool) -> None:
         names, problem = pl_module.label_names, pl_module.problem_type
-        # The model's thresholds (`lit_memory.thresholds`), as float32 like the probabilities they are compared with.
+        # The model's thresholds (`lit_memory.task.thresholds`), as float32 like the probabilities they are compared with.
         found = getattr(pl_module, "decision_thresholds", None)
         limits = found.tensor.tolist() if found is not None else None
         if self._header is None:

@@ -209,7 +209,7 @@ def test_predictions_are_written_at_fp32_not_at_the_autocast_precision():
 
 
 def test_the_spearman_caution_is_said_once_and_only_where_an_evaluation_feeds_it(capsys, recwarn):
-    from lit_memory import evaluation
+    from lit_memory.task import evaluation
 
     evaluation.task_metrics("regression", 1)
     evaluation.task_metrics("regression", 1)
@@ -359,7 +359,7 @@ def test_a_save_dtype_that_is_none_of_them_is_one_line():
 
 
 def test_thresholds_travel_with_the_exported_folder_and_the_checkpoint_and_a_set_one_wins(tmp_path):
-    from lit_memory.thresholds import Thresholds
+    from lit_memory.task.thresholds import Thresholds
 
     tiny = {"config_overrides": TINY_BERT, "pretrained": False, "problem_type": "multi_label_classification"}
     module = minilm(num_labels=3, **tiny)
@@ -384,7 +384,7 @@ def test_thresholds_travel_with_the_exported_folder_and_the_checkpoint_and_a_set
 
 
 def test_a_weighted_loss_trains_where_class_weights_are_set():
-    from lit_memory.class_weights import loss
+    from lit_memory.task.class_weights import loss
 
     module = minilm(num_labels=2, class_weights=[1.0, 3.0])
     module.setup("fit")  # no data module: the weights as set

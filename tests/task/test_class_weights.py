@@ -1,4 +1,4 @@
-"""`lit_memory.class_weights`: balanced weights as scikit-learn computes them, the weighted losses as torch's, a
+"""`lit_memory.task.class_weights`: balanced weights as scikit-learn computes them, the weighted losses as torch's, a
 minority class learned better with them, and a setting the task cannot take as one line."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_memory import class_weights as weights
+from lit_memory.task import class_weights as weights
 from lit_memory.errors import UserError
-from lit_memory.evaluation import report
+from lit_memory.task.evaluation import report
 from lit_memory.task import MULTI, REGRESSION, SINGLE
 
 

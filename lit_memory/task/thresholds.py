@@ -180,7 +180,7 @@ def replay(chosen: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, torch
 
 
 def confusion(chosen: torch.Tensor, problem_type: str) -> torch.Tensor:
-    """The counts at the chosen thresholds as `lit_memory.evaluation.ClassCounts` holds them: (labels, 2, 2) as
+    """The counts at the chosen thresholds as `lit_memory.task.evaluation.ClassCounts` holds them: (labels, 2, 2) as
     [[tn, fp], [fn, tp]] (multi-label), or the 2 x 2 confusion matrix, rows the true class (binary)."""
     tp, fp, fn, tn = chosen
     if problem_type == MULTI:

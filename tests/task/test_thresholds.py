@@ -1,4 +1,4 @@
-"""`lit_memory.thresholds`: the sweep counts what torchmetrics counts at every threshold, the chosen thresholds are
+"""`lit_memory.task.thresholds`: the sweep counts what torchmetrics counts at every threshold, the chosen thresholds are
 each label's best, the metrics at them are torchmetrics' own, they travel in config.json by label name, and a
 threshold asked of a task without one is one line."""
 
@@ -9,8 +9,8 @@ import torch
 from torchmetrics.classification import BinaryStatScores, MultilabelStatScores
 from torchmetrics.functional.classification import multilabel_f1_score
 
-from lit_memory import evaluation
-from lit_memory import thresholds as th
+from lit_memory.task import evaluation
+from lit_memory.task import thresholds as th
 from lit_memory.errors import UserError
 from lit_memory.task import MULTI, REGRESSION, SINGLE
 

@@ -3,7 +3,7 @@
 - single-label: ``acc``, ``f1_macro``, ``mcc`` (Matthews, CoLA's metric), and ``f1`` (of class 1, binary);
 - regression: ``mse``, ``pearson``, ``spearman`` (STS-B's);
 - multi-label: ``f1_micro``, ``f1_macro`` and ``f1_<label>`` for each label, at the model's thresholds
-  (`lit_memory.thresholds`: the predictions come decided, one 0/1 per label).
+  (`lit_memory.task.thresholds`: the predictions come decided, one 0/1 per label).
 
 `ClassCounts` keeps the confusion counts of an evaluation (torchmetrics' confusion matrices, synchronised over the
 ranks) for `report` (precision, recall, F1 and support per class, and the loss weight where class weights are set),
