@@ -87,17 +87,6 @@ def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_ty
     return read_training(settings, num_labels, problem_type)[0]
 
 
-def multi_hot(row: dict[str, Any], labels: tuple[str, ...], task: "task_.Task") -> list[float]:
-    """A multi-label row as one 0/1 value per label: several 0/1 columns as they are, or a list of names (or ids)."""
-    if len(labels) > 1:
-        return [float(row[c]) for c in labels]
-    index = {n: i for i, n in enumerate(task.label_names)} if task.label_names else None
-    out = [0.0] * task.num_labels
-    for value in row[labels[0]]:
-        out[index[str(value)] if index is not None else int(value)] = 1.0
-    return out
-
-
 def check_shape(batch_size: int, max_length: int) -> None:
     """The batch shape every step has: checked by the data module, and before a plan is sized for it."""
     if max_length < 2 or batch_size < 1:
@@ -184,8 +173,8 @@ class TextClassificationData(L.LightningDataModule):
         super().__init__()
         if num_labels is not None and num_labels < 1:
             raise UserError(f"num_labels must be at least 1 (1: regression), got {num_labels}")
-        if problem_type is not None and problem_type not in task_.PROBLEM_TYPES:
-            raise UserError(f"problem_type {problem_type!r} is not one of: {', '.join(task_.PROBLEM_TYPES)}")
+        if problem_type is not None:
+            task_.kind_of(problem_type, "problem_type")
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
         check_shape(batch_size, max_length)
@@ -379,34 +368,12 @@ class TextClassificationData(L.LightningDataModule):
 
         split = split.filter(usable)
         dropped[""] = before - len(split)
-        if task.problem_type == task_.SINGLE:
-            index = {str(n): i for i, n in enumerate(task.label_names or ())}
-            column = labels[0]
-
-            def class_id(value: Any) -> int:
-                if isinstance(value, str) and value in index:
-                    return index[value]
-                if isinstance(value, str) and index:
-                    return -1  # not listed: dropped
-                if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-                    value = int(value)
-                return int(value)
-
-            split = split.map(lambda row: {"labels": class_id(row[column])})
-            outside = [str(v) for v, i in zip(split[column], split["labels"]) if not 0 <= i < task.num_labels]
-            dropped.update(outside)
-            split = split.filter(lambda row: 0 <= row["labels"] < task.num_labels)
-            split = split.cast_column("labels", datasets.Value("int64"))
-        elif task.problem_type == task_.REGRESSION:
-            split = split.map(lambda row: {"labels": float(row[labels[0]])})
-            split = split.cast_column("labels", datasets.Value("float32"))
-        else:
-            split = split.map(lambda row: {"labels": multi_hot(row, labels, task)})
-            split = split.cast_column("labels", datasets.Sequence(datasets.Value("float32")))
+        split, outside = task.kind.encode(split, task)  # the labels as the loss takes them
+        dropped.update(outside)
         if len(split) == 0:
             raise UserError(
                 f"the {name} split of {where} is empty after filtering: no row has a text and a label"
-                + (f" in {list(task.label_names)}" if task.label_names and task.problem_type == task_.SINGLE else "")
+                + (f" in {list(task.label_names)}" if task.label_names and task.kind.stratify_classes(task) else "")
             )
         return split.select_columns([*texts, "labels"]), +dropped
 
@@ -431,7 +398,7 @@ class TextClassificationData(L.LightningDataModule):
                 if name != "test":
                     raise
                 unlabelled_test = True  # a hub test split without labels (GLUE's: -1): tested on validation instead
-        classes = task.num_labels if task.problem_type == task_.SINGLE else None
+        classes = task.kind.stratify_classes(task)
         splits, carved = self._split(encoded, classes, present=set(named))
         if unlabelled_test:
             splits["test"] = splits["validation"]

@@ -28,17 +28,15 @@ def load_config(
     if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
         guard.check_model_folder(path, f"model {name_or_path!r}")
     given = {"num_labels": num_labels} if num_labels is not None else {}
-    if problem_type == task_.REGRESSION:
-        given["num_labels"] = 1
+    fixed = task_.kind_of(problem_type).fixed_outputs() if problem_type is not None else None
+    if fixed is not None:
+        given["num_labels"] = fixed
     try:
         config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, **given, **(overrides or {}))
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
     guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build
-    own = getattr(config, "problem_type", None)
-    if problem_type is None and own is not None and (own == task_.REGRESSION) != (config.num_labels == 1):
-        own = None  # a head resized from the config's own: its problem type no longer applies
-    config.problem_type = problem_type or own or (task_.REGRESSION if config.num_labels == 1 else task_.SINGLE)
+    config.problem_type = task_.head_problem_type(problem_type, getattr(config, "problem_type", None), config.num_labels)
     return config
 
 

@@ -142,10 +142,8 @@ class SequenceClassifier(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         if num_labels is not None and (isinstance(num_labels, bool) or num_labels < 1):
             raise UserError(f"model.num_labels must be at least 1 (1: regression), got {num_labels}")
-        if problem_type is not None and problem_type not in task_.PROBLEM_TYPES:
-            raise UserError(f"model.problem_type {problem_type!r} is not one of: {', '.join(task_.PROBLEM_TYPES)}")
-        if problem_type == task_.REGRESSION and num_labels not in (None, 1):
-            raise UserError(f"model.num_labels {num_labels} with problem_type regression: it predicts one value (1)")
+        if problem_type is not None:
+            task_.kind_of(problem_type).check_num_labels(num_labels)
         if threshold is not None and not 0.0 < threshold < 1.0:
             raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
         if lr_scheduler_type not in SCHEDULES:
@@ -219,10 +217,11 @@ class SequenceClassifier(L.LightningModule):
         metric_threshold = threshold if threshold is not None else thresholds_.DEFAULT
         self.val_metrics = evaluation.task_metrics(problem_type, num_labels, metric_threshold).clone(prefix="val_")
         self.test_metrics = self.val_metrics.clone(prefix="test_")
-        self.sweep = thresholds_.Sweep(num_labels if problem_type == task_.MULTI else 1) if self.tuning else None
-        self.per_label_f1 = evaluation.per_label_f1(num_labels, metric_threshold) if problem_type == task_.MULTI else None
+        kind = task_.kind_of(problem_type)
+        self.sweep = thresholds_.Sweep(kind.threshold_count(num_labels)) if self.tuning else None
+        self.per_label_f1 = kind.per_label_f1(num_labels, metric_threshold)
         self.class_counts = (evaluation.ClassCounts(problem_type, num_labels, metric_threshold)
-                             if problem_type != task_.REGRESSION else None)
+                             if kind.has_classes else None)
         self.degenerate: dict[int, str] = {}  # step -> the line saying its validation predicted one class (or none)
         self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
         self.predict_loss: Optional[MeanMetric] = None
@@ -309,10 +308,10 @@ class SequenceClassifier(L.LightningModule):
 
     def _default_thresholds(self) -> Optional[thresholds_.Thresholds]:
         """``model.threshold`` where set, else 0.5 for every label (multi-label) or none (the most probable class)."""
-        count = self.hparams.num_labels if self.problem_type == task_.MULTI else 1
+        count = self.kind.threshold_count(self.hparams.num_labels)
         if self.hparams.threshold is not None:
             return thresholds_.Thresholds((float(self.hparams.threshold),) * count, "model.threshold, as set")
-        if self.problem_type == task_.MULTI:
+        if self.kind.thresholded_by_default:
             return thresholds_.Thresholds((thresholds_.DEFAULT,) * count, "the default")
         return None
 
@@ -465,9 +464,13 @@ class SequenceClassifier(L.LightningModule):
         return self.hparams.problem_type
 
     @property
+    def kind(self) -> task_.ProblemKind:
+        return task_.kind_of(self.hparams.problem_type)
+
+    @property
     def main_metric(self) -> str:
-        """The validation metric the best checkpoint is kept by (`lit_memory.task.MAIN_METRIC`)."""
-        return task_.MAIN_METRIC[self.problem_type]
+        """The validation metric the best checkpoint is kept by (the problem kind's)."""
+        return self.kind.main_metric
 
     def _logits(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """A batch's logits, one row per text (``doc``: its windows' aggregated, `lit_memory.windows`), and the loss
@@ -490,11 +493,11 @@ class SequenceClassifier(L.LightningModule):
 
     def _eval_step(self, batch: dict[str, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
         logits, loss = self._logits(batch)
-        problem = self.problem_type
-        labels = evaluation.targets(batch["labels"], problem)
-        evaluation.buffered(problem)
+        problem, kind = self.problem_type, self.kind
+        labels = kind.metric_targets(batch["labels"])
+        kind.before_evaluation()
         if self._tuning_now():  # its metrics come from the sweep, at the thresholds it chooses (epoch end)
-            self.sweep.update(thresholds_.probabilities(logits, problem), labels if problem == task_.MULTI else labels.unsqueeze(-1))
+            self.sweep.update(kind.probabilities(logits), kind.sweep_targets(labels))
         else:
             limits = self.decision_thresholds.tensor if self.decision_thresholds is not None else None
             predicted = thresholds_.decide(logits, problem, limits)
@@ -506,7 +509,7 @@ class SequenceClassifier(L.LightningModule):
             self.log_dict(metrics, prog_bar=True)
         at_default = self.val_at_default if stage == "val" else self.test_at_default
         if at_default is not None and (self._tuning_now() or self._tuned()):
-            default = torch.full((logits.shape[-1] if problem == task_.MULTI else 1,), thresholds_.DEFAULT)
+            default = torch.full((kind.threshold_count(logits.shape[-1]),), thresholds_.DEFAULT)
             at_default.update(thresholds_.decide(logits, problem, default), labels)
             self.log_dict(at_default)
         # Averaged over the ranks at the epoch's end (the metric objects synchronise themselves).
@@ -545,14 +548,14 @@ class SequenceClassifier(L.LightningModule):
         for name, value in metrics.compute().items():
             self.log(name, float(value), prog_bar=True)
         per_label = None
-        if problem == task_.MULTI:
-            f1 = evaluation.per_label_f1(num_labels, sync_on_compute=False)
+        f1 = self.kind.per_label_f1(num_labels, sync_on_compute=False)
+        if f1 is not None:
             f1.update(preds, targets)
             per_label = f1.compute()
         if not self.trainer.sanity_checking:
             values = tuple(round(v, 2) for v in thresholds_.GRID[index.cpu()].tolist())
             how = "each label's F1" if self.tuning == "per_label" else (
-                "micro-F1" if problem == task_.MULTI else self.hparams.threshold_metric)
+                self.kind.tuned_for(self.tuning, self.hparams.threshold_metric))
             origin = f"tuned on validation at step {self.trainer.global_step} for {how}"
             self.decision_thresholds = thresholds_.Thresholds(values, origin)
         return thresholds_.confusion(chosen, problem), per_label
@@ -598,7 +601,7 @@ class SequenceClassifier(L.LightningModule):
             return
         weights = self.loss_weights.tolist() if self.loss_weights is not None else None
         print(evaluation.report(stage, counts, self.label_names, self.problem_type, title, weights=weights))
-        if self.problem_type == task_.SINGLE and run_dir and Path(run_dir).is_dir():
+        if self.kind.draws_confusion and run_dir and Path(run_dir).is_dir():
             path = Path(run_dir) / f"confusion_matrix_{stage}.png"
             drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}{title}: confusion matrix")
             print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
@@ -610,8 +613,7 @@ class SequenceClassifier(L.LightningModule):
         with fp32_output(self.model):  # what is written is fp32, not a 16-bit autocast's (1.609375)
             logits, _ = self._logits(batch)
         logits = logits.float()
-        problem = self.problem_type
-        shown = logits.softmax(-1) if problem == task_.SINGLE else evaluation.outputs(logits, problem)
+        problem, kind = self.problem_type, self.kind
         labels = batch.get("labels")
         if labels is not None and self.predict_metrics is not None:  # (made by Lightning's predict loop)
             known = batch["known"] if "known" in batch else labels >= 0
@@ -620,12 +622,10 @@ class SequenceClassifier(L.LightningModule):
                 limits = self.decision_thresholds.tensor if self.decision_thresholds is not None else None
                 predicted = thresholds_.decide(logits[known], problem, limits)
                 targets = labels[known]
-                evaluation.buffered(problem)
-                self.predict_metrics.update(predicted, evaluation.targets(targets, problem))
-                self.predict_loss.update(task_loss(logits[known], targets, problem))
-        if problem == task_.REGRESSION:
-            shown = shown.unsqueeze(-1)
-        return {"outputs": shown}
+                kind.before_evaluation()
+                self.predict_metrics.update(predicted, kind.metric_targets(targets))
+                self.predict_loss.update(kind.loss(logits[known], targets, reduction="none"))
+        return {"outputs": kind.written(logits)}
 
     def on_predict_epoch_start(self) -> None:
         self._say_thresholds()
@@ -778,15 +778,6 @@ class SequenceClassifier(L.LightningModule):
 
 
 # -- helpers shared with other modules ---------------------------------------------------------
-
-
-def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
-    """Per-row loss as Hugging Face's heads compute it for their problem type (cross-entropy, MSE, BCE)."""
-    if problem_type == task_.REGRESSION:
-        return torch.nn.functional.mse_loss(logits.squeeze(-1), labels.float(), reduction="none")
-    if problem_type == task_.MULTI:
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
-    return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
 
 
 @contextlib.contextmanager

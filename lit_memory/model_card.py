@@ -20,8 +20,6 @@ from lit_memory.best import best_of
 from lit_memory.memory.measure import records
 
 TAGS = ["lit_memory", "text-classification"]
-KIND = {task_.SINGLE: "single-label classification", task_.MULTI: "multi-label classification",
-        task_.REGRESSION: "regression"}
 # Metrics by the names the hub knows (https://hf.co/metrics), by what this project logs.
 HUB_METRIC = {"acc": "accuracy", "f1": "f1", "f1_macro": "f1", "f1_micro": "f1", "mcc": "matthews_correlation",
               "mse": "mse", "pearson": "pearsonr", "spearman": "spearmanr", "loss": "loss"}
@@ -77,11 +75,11 @@ def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> s
             ))
     base = _hub_name(str(hp.model_name_or_path))
     card = ModelCardData(
-        library_name="transformers", pipeline_tag="text-classification", tags=TAGS + [KIND[problem].replace(" ", "-")],
+        library_name="transformers", pipeline_tag="text-classification", tags=TAGS + [task_.kind_of(problem).title.replace(" ", "-")],
         base_model=base, datasets=[dataset] if dataset else None, model_name="hf_model",
         eval_results=results or None,
     )
-    lines = [f"# A {KIND[problem]} model fine-tuned with lit_memory", ""]
+    lines = [f"# A {task_.kind_of(problem).title} model fine-tuned with lit_memory", ""]
     lines += _task(module, problem, names)
     if data is not None:
         lines += _data(data)
@@ -92,16 +90,16 @@ def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> s
 
 
 def _task(module: Any, problem: str, names: list[str]) -> list[str]:
-    lines = ["## Task", "", f"- problem type: `{problem}` ({KIND[problem]}), base model: `{module.hparams.model_name_or_path}`"]
-    if problem != task_.REGRESSION:
+    kind = task_.kind_of(problem)
+    lines = ["## Task", "", f"- problem type: `{problem}` ({kind.title}), base model: `{module.hparams.model_name_or_path}`"]
+    if kind.has_classes:
         lines.append(f"- labels ({len(names)}, in id order): " + ", ".join(f"`{n}`" for n in names))
     found = module.decision_thresholds
     if found is not None:
         lines.append(f"- {found.describe(names, problem)}; in `config.json` as `thresholds` "
                      "(a label is predicted where its probability is at least its threshold)")
     if module.loss_weights is not None:
-        kind = "pos_weight" if problem == task_.MULTI else "class weights"
-        lines.append(f"- loss {kind} ({module.hparams.class_weights if isinstance(module.hparams.class_weights, str) else 'as set'}): "
+        lines.append(f"- loss {kind.weight_name} ({module.hparams.class_weights if isinstance(module.hparams.class_weights, str) else 'as set'}): "
                      + ", ".join(f"{n} {w:.3g}" for n, w in zip(names, module.loss_weights.tolist())))
     return lines + [""]
 
@@ -150,21 +148,7 @@ def _usage(module: Any, problem: str) -> list[str]:
     lines = ["## How to use", "", "```python", "from transformers import pipeline", "",
              'texts = ["your first text", "your second text"]',
              'classifier = pipeline("text-classification", model="path/to/hf_model", top_k=None)']
-    if problem == task_.MULTI:
-        lines += ["thresholds = classifier.model.config.thresholds  # {label: threshold}",
-                  "for scores in classifier(texts):  # each label's probability (sigmoid)",
-                  '    print([s["label"] for s in scores if s["score"] >= thresholds[s["label"]]])']
-    elif problem == task_.REGRESSION:
-        lines += ['for scores in classifier(texts, function_to_apply="none"):',
-                  '    print(scores[0]["score"])  # the predicted value']
-    elif module.decision_thresholds is not None:
-        lines += [f"threshold = classifier.model.config.thresholds[{names[1]!r}]",
-                  "for scores in classifier(texts):",
-                  '    probability = {s["label"]: s["score"] for s in scores}',
-                  f"    print({names[1]!r} if probability[{names[1]!r}] >= threshold else {names[0]!r})"]
-    else:
-        lines += ["for scores in classifier(texts):  # each class's probability, the most probable first",
-                  '    print(scores[0]["label"])']
+    lines += task_.kind_of(problem).usage(names, module.decision_thresholds is not None)
     lines += ["```", "", "or `python -m lit_memory predict --config RUN/config.yaml --model.model_name_or_path "
               "RUN/hf_model --data.predict_path texts.csv`, which applies the thresholds itself."]
     return lines + [""]

@@ -30,9 +30,10 @@ from lit_memory import files, guard, text_encoding, windows
 from lit_memory.bounds import CHARS_PER_TOKEN
 from lit_memory.errors import UserError
 from lit_memory.local_data import load_local
+from lit_memory import task as task_
+from lit_memory.task import IGNORE
 from lit_memory.text_encoding import Decoding
 
-IGNORE = -100  # a row without a label the model knows (and padding rows): not in the metrics
 FORMATS = {"csv": ",", "tsv": "\t", "jsonl": None}
 JSON_CHUNK = 1 << 16  # characters read at a time from a JSON array
 JSON_LINES_CHUNK = 1 << 20  # bytes of JSON lines parsed at a time
@@ -157,14 +158,14 @@ class Collate:
 
     def __init__(
         self, tokenizer: Any, max_length: int, padding: str, columns: Any, id_: Optional[str],
-        label_names: Sequence[str], problem_type: str = "single_label_classification", encoded: bool = False,
+        label_names: Sequence[str], problem_type: str = task_.SINGLE, encoded: bool = False,
         stride: Optional[int] = None,
     ) -> None:
         self.tokenizer, self.max_length, self.padding, self.stride = tokenizer, max_length, padding, stride
         self.texts, self.labels, self.id = tuple(columns.text), tuple(columns.label), id_
         self.label_names = list(label_names)
         self.ids = {name: i for i, name in enumerate(self.label_names)}
-        self.problem_type, self.encoded = problem_type, encoded
+        self.problem_type, self.kind, self.encoded = problem_type, task_.kind_of(problem_type), encoded
 
     def label_id(self, value: Any) -> int:
         """A given label as the model's id: its name, or an id in range (as an int or its digits)."""
@@ -183,33 +184,14 @@ class Collate:
         if self.encoded:
             value = row["labels"]
             value = value.tolist() if isinstance(value, torch.Tensor) else value
-            shown = self.label_names[value] if self.problem_type == "single_label_classification" else value
-            return value, True, shown
+            return value, True, self.kind.named(value, self.label_names)
         raw = [row.get(c) for c in self.labels]
         if any(v is None or v == "" for v in raw):
             return self.empty(), False, None
-        if self.problem_type == "regression":
-            try:
-                return float(raw[0]), True, raw[0]
-            except (TypeError, ValueError):
-                return self.empty(), False, raw[0]
-        if self.problem_type == "multi_label_classification":
-            if len(raw) > 1:  # one 0/1 column per label
-                return [float(v) for v in raw], all(v in (0, 1, True, False, "0", "1") for v in raw), raw
-            names = raw[0] if isinstance(raw[0], (list, tuple)) else [raw[0]]
-            hot, known = [0.0] * len(self.label_names), True
-            for name in names:
-                index = self.label_id(name)
-                known = known and index != IGNORE
-                if index != IGNORE:
-                    hot[index] = 1.0
-            return hot, known, list(names)
-        index = self.label_id(raw[0])
-        return index, index != IGNORE, raw[0]
+        return self.kind.target(raw, self.label_id, len(self.label_names))
 
     def empty(self) -> Any:
-        return [0.0] * len(self.label_names) if self.problem_type == "multi_label_classification" else (
-            0.0 if self.problem_type == "regression" else IGNORE)
+        return self.kind.unknown(len(self.label_names))
 
     def __call__(self, items: list[tuple[int, Optional[dict[str, Any]]]]) -> dict[str, Any]:
         columns: list[list[str]] = [[] for _ in self.texts]
@@ -239,8 +221,7 @@ class Collate:
             batch = dict(self.tokenizer(*columns, truncation=truncation, max_length=self.max_length, padding=padding,
                                         return_tensors="pt"))
         if self.labels:
-            dtype = torch.long if self.problem_type == "single_label_classification" else torch.float32
-            batch["labels"] = torch.tensor(labels, dtype=dtype)
+            batch["labels"] = torch.tensor(labels, dtype=self.kind.target_dtype)
             batch["known"] = torch.tensor(known, dtype=torch.bool)
         batch["rows"] = {"index": [index for index, _ in items], "key": keys, "given": given or None,
                          "id_column": self.id, "text_columns": self.texts}
@@ -304,17 +285,11 @@ class PredictionWriter(BasePredictionWriter):
     def _header_of(self, pl_module: Any, rows: dict[str, Any], labelled: bool) -> list[str]:
         names = pl_module.label_names
         key = [rows.get("id_column") or ("text" if len(rows.get("text_columns") or ()) < 2 else "pair")]
-        problem = pl_module.problem_type
-        if problem == "regression":
-            out = ["value"]
-        elif problem == "multi_label_classification":
-            out = ["labels", *(f"prob_{n}" for n in names)]
-        else:
-            out = ["label", *(f"prob_{n}" for n in names)]
+        out = task_.kind_of(pl_module.problem_type).header(names)
         return key + out + (["given_label"] if labelled else [])
 
     def _write(self, rows: list, pl_module: Any, batch_rows: dict[str, Any], labelled: bool) -> None:
-        names, problem = pl_module.label_names, pl_module.problem_type
+        names, kind = pl_module.label_names, task_.kind_of(pl_module.problem_type)
         # The model's thresholds (`lit_memory.task.thresholds`), as float32 like the probabilities they are compared with.
         found = getattr(pl_module, "decision_thresholds", None)
         limits = found.tensor.tolist() if found is not None else None
@@ -323,17 +298,7 @@ class PredictionWriter(BasePredictionWriter):
             if self._csv is not None:
                 self._csv.writerow(self._header)
         for _, key, out, scored, raw in rows:
-            if problem == "regression":
-                values = [key, round(out[0], 6)]
-            elif problem == "multi_label_classification":
-                chosen = [n for n, p, t in zip(names, out, limits or [0.5] * len(names)) if p >= t]
-                values = [key, chosen if self._csv is None else "|".join(chosen), *(round(p, 6) for p in out)]
-            else:
-                if limits is not None and len(out) == 2:  # binary with a threshold on class 1's probability
-                    label = names[1] if out[1] >= limits[0] else names[0]
-                else:
-                    label = names[max(range(len(out)), key=out.__getitem__)]
-                values = [key, label, *(round(p, 6) for p in out)]
+            values = [key, *kind.prediction(out, names, limits, joined=self._csv is not None)]
             if labelled:
                 if raw is not None and not scored:
                     self.unknown += 1

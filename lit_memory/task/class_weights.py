@@ -20,7 +20,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from lit_memory.errors import UserError
-from lit_memory.task import MULTI, REGRESSION
+from lit_memory.task.kind import kind_of
 
 ClassWeights = Union[Literal["none", "balanced"], list[float]]
 
@@ -35,30 +35,22 @@ class LabelCounts:
 
 def count(labels: torch.Tensor, problem_type: str, num_labels: int) -> LabelCounts:
     """The counts of a split's ``labels`` column (class ids, or one 0/1 per label)."""
-    if problem_type == MULTI:
-        per_label = labels.round().long().sum(0) if len(labels) else torch.zeros(num_labels, dtype=torch.long)
-    else:
-        per_label = torch.bincount(labels.long(), minlength=num_labels)
-    return LabelCounts(int(labels.shape[0]), tuple(int(c) for c in per_label.tolist()))
+    return LabelCounts(int(labels.shape[0]), kind_of(problem_type).count(labels, num_labels))
 
 
 def check(setting: Optional[ClassWeights], problem_type: str, num_labels: int) -> None:
     """One error line for a setting the task cannot take."""
     if setting is None or setting == "none":
         return
-    if problem_type == REGRESSION:
-        raise UserError("model.class_weights: a regression predicts a value, there are no classes to weigh (use none)")
+    kind = kind_of(problem_type)
+    kind.check_weights(setting)
     if isinstance(setting, str):
         if setting != "balanced":
             raise UserError(f"model.class_weights {setting!r} is not one of: none, balanced, or a list of weights")
         return
-    what = "label" if problem_type == MULTI else "class"
     if len(setting) != num_labels:
         raise UserError(
-            f"model.class_weights has {len(setting)} weight(s) for {num_labels} {what}es: one per {what}, in id order"
-            if what == "class" else
-            f"model.class_weights has {len(setting)} weight(s) for {num_labels} labels: one per label (its positives' "
-            "pos_weight), in label order"
+            f"model.class_weights has {len(setting)} weight(s) for {num_labels} {kind.label_words}: {kind.weights_order}"
         )
     if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and w == w and w != float("inf")
                for w in setting) or not any(w > 0 for w in setting):
@@ -76,24 +68,15 @@ def resolve(setting: Optional[ClassWeights], counts: Optional[LabelCounts], prob
     if counts is None:
         raise UserError("model.class_weights balanced needs the training labels' counts: fit with a data module")
     per = torch.tensor(counts.per_label, dtype=torch.float64)
-    if problem_type == MULTI:  # negatives / positives; a label without positives is left unweighted
-        weights = torch.where(per > 0, (counts.rows - per) / per.clamp(min=1), torch.ones_like(per))
-    else:  # scikit-learn's n / (k * count); a class without rows weighs nothing it could change
-        weights = counts.rows / (num_labels * per.clamp(min=1))
-    return weights.float()
+    return kind_of(problem_type).balanced(counts.rows, per, num_labels).float()
 
 
 def loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str,
          weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The batch's mean loss, weighted where ``weights`` are given: what Hugging Face's heads compute otherwise."""
-    logits = logits.float()
     if weights is not None:
         weights = weights.to(logits.device)
-    if problem_type == REGRESSION:
-        return torch.nn.functional.mse_loss(logits.squeeze(-1), labels.float())
-    if problem_type == MULTI:
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), pos_weight=weights)
-    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), weight=weights)
+    return kind_of(problem_type).loss(logits, labels, weights)
 
 
 def describe(setting: Optional[ClassWeights], weights: Optional[torch.Tensor], counts: Optional[LabelCounts],
@@ -101,7 +84,7 @@ def describe(setting: Optional[ClassWeights], weights: Optional[torch.Tensor], c
     """For the ``data:`` line: each class's (label's) weight with the count it comes from."""
     if weights is None:
         return None
-    kind = "pos_weight" if problem_type == MULTI else "class weights"
+    kind = kind_of(problem_type)
     how = "balanced" if setting == "balanced" else "as set"
     parts = [
         f"{name} {w:.3g}" + (f" ({counts.per_label[i]:,})" if counts is not None else "")
@@ -109,6 +92,5 @@ def describe(setting: Optional[ClassWeights], weights: Optional[torch.Tensor], c
     ]
     shown = ", ".join(parts[:12]) + (f", ... ({len(parts)} in all)" if len(parts) > 12 else "")
     if counts is None:
-        return f"{kind} {how}: {shown}"
-    what = "positives" if problem_type == MULTI else "rows"
-    return f"{kind} {how} (of {counts.rows:,} training rows; their {what} in brackets): {shown}"
+        return f"{kind.weight_name} {how}: {shown}"
+    return f"{kind.weight_name} {how} (of {counts.rows:,} training rows; their {kind.counted} in brackets): {shown}"

@@ -14,25 +14,14 @@ validation that predicts one class for every row, or no label for any).
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from torchmetrics import MeanSquaredError, MetricCollection, PearsonCorrCoef, SpearmanCorrCoef
-from torchmetrics.classification import (
-    BinaryF1Score,
-    MulticlassAccuracy,
-    MulticlassConfusionMatrix,
-    MulticlassF1Score,
-    MulticlassMatthewsCorrCoef,
-    MultilabelConfusionMatrix,
-    MultilabelF1Score,
-)
+from torchmetrics import Metric, MetricCollection
 
 from lit_memory import files
-from lit_memory.console import say
-from lit_memory.task import MULTI, REGRESSION
+from lit_memory.task.kind import kind_of
 
 
 def metric_name(label: str) -> str:
@@ -40,62 +29,29 @@ def metric_name(label: str) -> str:
     return re.sub(r"\W+", "_", str(label)).strip("_") or "label"
 
 
-# torchmetrics' caution at every SpearmanCorrCoef made (each module built, the memory model's meta builds too): said
-# once instead, where an evaluation feeds it (`buffered`), never for a predict without labels.
-SPEARMAN_BUFFER = r".*SpearmanCorrcoef` will save all targets and predictions in the buffer"
-_buffer_said = False
-
-
 def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MetricCollection:
     """The metrics `outputs` feed for a problem type (module docstring); the per-label F1 is `per_label_f1`.
     ``kwargs`` go to every metric (``sync_on_compute=False``: counts already summed over the ranks)."""
-    if problem_type == REGRESSION:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=SPEARMAN_BUFFER)
-            spearman = SpearmanCorrCoef(**kwargs)
-        return MetricCollection({"mse": MeanSquaredError(**kwargs), "pearson": PearsonCorrCoef(**kwargs), "spearman": spearman})
-    if problem_type == MULTI:
-        return MetricCollection({
-            "f1_micro": MultilabelF1Score(num_labels, threshold=threshold, average="micro", **kwargs),
-            "f1_macro": MultilabelF1Score(num_labels, threshold=threshold, average="macro", **kwargs),
-        })
-    metrics = {
-        "acc": MulticlassAccuracy(num_labels, average="micro", **kwargs),
-        "f1_macro": MulticlassF1Score(num_labels, average="macro", **kwargs),
-        "mcc": MulticlassMatthewsCorrCoef(num_labels, **kwargs),
-    }
-    if num_labels == 2:
-        metrics["f1"] = BinaryF1Score(**kwargs)  # F1 of the positive class: the seed's `f1`
-    return MetricCollection(metrics)
+    return kind_of(problem_type).metrics(num_labels, threshold, **kwargs)
 
 
 def buffered(problem_type: str) -> None:
-    """Once per process, where a regression evaluation first feeds its metrics: Spearman's correlation keeps every
-    prediction and label of the evaluation (torchmetrics' caution, made once)."""
-    global _buffer_said
-    if problem_type == REGRESSION and not _buffer_said:
-        _buffer_said = True
-        say("note: spearman keeps every prediction and label of an evaluation in memory until its end "
-            "(torchmetrics' SpearmanCorrCoef: 8 bytes a row)")
+    """Where an evaluation first feeds its metrics: the kind's note, once (regression: Spearman's buffer)."""
+    kind_of(problem_type).before_evaluation()
 
 
-def per_label_f1(num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MultilabelF1Score:
-    return MultilabelF1Score(num_labels, threshold=threshold, average="none", **kwargs)
+def per_label_f1(problem_type: str, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> Optional[Metric]:
+    return kind_of(problem_type).per_label_f1(num_labels, threshold, **kwargs)
 
 
 def outputs(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
     """What a batch's logits predict: class ids, values, or each label's probability."""
-    logits = logits.float()
-    if problem_type == REGRESSION:
-        return logits.squeeze(-1)
-    if problem_type == MULTI:
-        return logits.sigmoid()
-    return logits.argmax(-1)
+    return kind_of(problem_type).outputs(logits)
 
 
 def targets(labels: torch.Tensor, problem_type: str) -> torch.Tensor:
     """Labels as the metrics take them (0/1 integers for multi-label)."""
-    return labels.round().long() if problem_type == MULTI else labels
+    return kind_of(problem_type).metric_targets(labels)
 
 
 class ClassCounts(torch.nn.Module):
@@ -104,10 +60,7 @@ class ClassCounts(torch.nn.Module):
     def __init__(self, problem_type: str, num_labels: int, threshold: float = 0.5) -> None:
         super().__init__()
         self.problem_type = problem_type
-        if problem_type == MULTI:
-            self.matrix = MultilabelConfusionMatrix(num_labels, threshold=threshold)
-        else:
-            self.matrix = MulticlassConfusionMatrix(num_labels)
+        self.matrix = kind_of(problem_type).class_counts(num_labels, threshold)
 
     def update(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
         self.matrix.update(predicted, labels)
@@ -124,18 +77,11 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
     """Precision, recall, F1 and support per class (or label), the loss weight of each where class weights are set
     (multi-label: its positives' ``pos_weight``), and for single-label the confusion matrix; ``title`` follows the
     stage (`` at step 56, exported to hf_model``)."""
-    rows = []
-    if problem_type == MULTI:  # counts: (labels, 2, 2) as [[tn, fp], [fn, tp]]
-        for name, matrix in zip(names, counts.tolist()):
-            (_, fp), (fn, tp) = matrix
-            rows.append((name, tp, fp, fn))
-    else:
-        for i, name in enumerate(names):
-            tp = counts[i, i].item()
-            rows.append((name, tp, counts[:, i].sum().item() - tp, counts[i, :].sum().item() - tp))
+    kind = kind_of(problem_type)
+    rows = kind.report_rows(counts, names)
     width = max(12, *(len(str(r[0])) for r in rows)) + 2
     lines = [f"{stage}{title}:"] if title else []
-    lines += [f"{stage} per {'label' if problem_type == MULTI else 'class'}:".ljust(width)
+    lines += [f"{stage} per {kind.label_word}:".ljust(width)
               + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}" + (f"{'weight':>10}" if weights else "")]
     for i, (name, tp, fp, fn) in enumerate(rows):
         precision = tp / (tp + fp) if tp + fp else 0.0
@@ -143,7 +89,7 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
         weight = f"{weights[i]:>10.3g}" if weights else ""
         lines.append(f"  {str(name)[: width - 3]}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}{weight}")
-    if problem_type != MULTI:
+    if kind.draws_confusion:
         lines.append("confusion matrix (rows: true class, columns: predicted):")
         cell = max(8, *(len(str(n)) + 1 for n in names))
         lines.append(" " * width + "".join(f"{str(n)[: cell - 1]:>{cell}}" for n in names))
@@ -155,19 +101,15 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
 def one_sided(counts: torch.Tensor, names: Sequence[str], problem_type: str, weighted: bool = False) -> Optional[str]:
     """One line where an evaluation's predictions are all one class (single-label) or no label at all
     (multi-label), with what to try (``weighted``: class weights are set already); None otherwise."""
+    kind = kind_of(problem_type)
+    found = kind.one_sided(counts, names)
+    if found is None:
+        return None
+    said, more = found
     tries = ["more epochs (--trainer.max_epochs)", "a higher learning rate (--model.optimizer.init_args.lr 5e-5)"]
     if not weighted:
-        tries.append("--model.class_weights balanced for rare " + ("labels" if problem_type == MULTI else "classes"))
-    if problem_type == MULTI:  # (labels, 2, 2) as [[tn, fp], [fn, tp]]
-        if int(counts[:, :, 1].sum()) > 0:
-            return None
-        said = "the validation predicts no label for any row (every probability below its threshold)"
-        tries.append("--model.tune_threshold per_label")
-    else:
-        predicted = counts.sum(0)
-        if int((predicted > 0).sum()) != 1:
-            return None
-        said = f"every validation prediction is {names[int(predicted.argmax())]!r}"
+        tries.append(f"--model.class_weights balanced for rare {kind.label_words}")
+    tries += more
     return f"warning: {said}: the model has not learned the task yet; try {', '.join(tries[:-1])} or {tries[-1]}"
 
 

@@ -28,9 +28,9 @@ import torch
 from torchmetrics import Metric
 
 from lit_memory.errors import UserError
-from lit_memory.task import MULTI, REGRESSION, SINGLE
+from lit_memory.task.kind import DEFAULT_THRESHOLD as DEFAULT
+from lit_memory.task.kind import kind_of
 
-DEFAULT = 0.5
 CONFIG_KEY = "thresholds"  # in hf_model/config.json: {label name: threshold}
 GRID = torch.arange(1, 100, dtype=torch.float32) / 100  # 0.01 ... 0.99: 0.5 on it
 Tune = Literal["auto", "per_label", "global", "off"]
@@ -41,7 +41,7 @@ OBJECTIVES = ("f1", "mcc", "acc", "f1_macro")
 
 def uses_thresholds(problem_type: str, num_labels: int) -> bool:
     """Whether a threshold can decide this task: multi-label, or single-label with two classes."""
-    return problem_type == MULTI or (problem_type == SINGLE and num_labels == 2)
+    return kind_of(problem_type).uses_thresholds(num_labels)
 
 
 def tuning(problem_type: str, num_labels: int, tune: str, threshold: Optional[float], objective: str) -> Optional[str]:
@@ -53,16 +53,15 @@ def tuning(problem_type: str, num_labels: int, tune: str, threshold: Optional[fl
         raise UserError(f"model.threshold_metric {objective!r} is not one of: {', '.join(OBJECTIVES)}")
     if threshold is not None and not 0.0 < threshold < 1.0:
         raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
+    kind = kind_of(problem_type)
     asked = threshold is not None or tune in ("per_label", "global")
-    if asked and not uses_thresholds(problem_type, num_labels):
-        what = "a regression predicts a value" if problem_type == REGRESSION else (
-            f"a single-label task with {num_labels} classes predicts the most probable one")
+    if asked and not kind.uses_thresholds(num_labels):
+        what = kind.no_threshold(num_labels)
         setting = "model.threshold" if threshold is not None else f"model.tune_threshold {tune}"
         raise UserError(
             f"{setting}: {what}, there is no threshold to set (thresholds decide multi-label and binary tasks)"
         )
-    if problem_type == SINGLE and tune == "per_label":
-        raise UserError("model.tune_threshold per_label: a binary task has one threshold (use global)")
+    kind.check_tuning(tune)
     if threshold is not None and tune in ("per_label", "global"):
         raise UserError(
             f"model.threshold {threshold} fixes the threshold and model.tune_threshold {tune} tunes it: set one of them"
@@ -70,31 +69,20 @@ def tuning(problem_type: str, num_labels: int, tune: str, threshold: Optional[fl
     if threshold is not None or tune == "off":
         return None
     if tune == "auto":
-        return "per_label" if problem_type == MULTI else None
+        return kind.default_tuning()
     return tune
 
 
 def probabilities(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
     """What a threshold is compared with, one column per label: each label's probability (multi-label), or class 1's
     (binary)."""
-    logits = logits.float()
-    if problem_type == MULTI:
-        return logits.sigmoid()
-    return logits.softmax(-1)[:, 1:2]
+    return kind_of(problem_type).probabilities(logits)
 
 
 def decide(logits: torch.Tensor, problem_type: str, thresholds: Optional[torch.Tensor]) -> torch.Tensor:
     """Predictions as the metrics take them: class ids (single-label: class 1 where its probability reaches the
     threshold, else the most probable class), 0/1 per label (multi-label: probability >= its threshold), values."""
-    logits = logits.float()
-    if problem_type == REGRESSION:
-        return logits.squeeze(-1)
-    if problem_type == MULTI:
-        limits = thresholds if thresholds is not None else torch.full((logits.shape[-1],), DEFAULT)
-        return (logits.sigmoid() >= limits.to(logits.device)).float()
-    if thresholds is None:
-        return logits.argmax(-1)
-    return (probabilities(logits, problem_type)[:, 0] >= thresholds.to(logits.device)[0]).long()
+    return kind_of(problem_type).decide(logits, thresholds)
 
 
 class Sweep(Metric):
@@ -145,9 +133,9 @@ def choose(counts: torch.Tensor, mode: str, problem_type: str, objective: str = 
     (``global``: micro-F1 for multi-label, ``objective`` for binary). Of equal scores, the threshold nearest
     ``default``; a label with no positive and no prediction at all keeps ``default``."""
     tp, fp, fn, tn = counts.double()
-    if problem_type == MULTI and mode == "per_label":
+    if mode == "per_label":
         score = _f1(tp, fp, fn)  # (thresholds, labels)
-    elif problem_type == MULTI:
+    elif kind_of(problem_type).thresholds_per_label:  # several labels: their micro-F1
         score = _f1(tp.sum(-1), fp.sum(-1), fn.sum(-1)).unsqueeze(-1).expand_as(tp)
     else:
         score = binary_scores(tp, fp, fn, tn)[objective]
@@ -174,7 +162,7 @@ def replay(chosen: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, torch
         columns_p.append(torch.repeat_interleave(torch.tensor([1, 1, 0, 0]), torch.tensor(counts)))
         columns_t.append(torch.repeat_interleave(torch.tensor([1, 0, 1, 0]), torch.tensor(counts)))
     preds, targets = torch.stack(columns_p, -1), torch.stack(columns_t, -1)
-    if problem_type == MULTI:
+    if kind_of(problem_type).thresholds_per_label:
         return preds.float(), targets
     return preds[:, 0], targets[:, 0]
 
@@ -183,7 +171,7 @@ def confusion(chosen: torch.Tensor, problem_type: str) -> torch.Tensor:
     """The counts at the chosen thresholds as `lit_memory.task.evaluation.ClassCounts` holds them: (labels, 2, 2) as
     [[tn, fp], [fn, tp]] (multi-label), or the 2 x 2 confusion matrix, rows the true class (binary)."""
     tp, fp, fn, tn = chosen
-    if problem_type == MULTI:
+    if kind_of(problem_type).thresholds_per_label:
         return torch.stack([torch.stack([tn, fp], -1), torch.stack([fn, tp], -1)], -2)
     return torch.tensor([[int(tn[0]), int(fp[0])], [int(fn[0]), int(tp[0])]])
 
@@ -200,17 +188,12 @@ class Thresholds:
         return torch.tensor(self.values, dtype=torch.float32)
 
     def describe(self, names: Sequence[str], problem_type: str) -> str:
-        if len(set(self.values)) == 1 and problem_type == MULTI:
-            shown = f"{self.values[0]:g} for every label"
-        elif problem_type == MULTI:
-            shown = ", ".join(f"{n} {v:g}" for n, v in zip(names, self.values))
-        else:
-            shown = f"{names[1]} where its probability is at least {self.values[0]:g}"
+        shown = kind_of(problem_type).describe_thresholds(self.values, names)
         return f"thresholds ({self.origin}): {shown}"
 
     def to_config(self, names: Sequence[str], problem_type: str) -> dict[str, float]:
         """`CONFIG_KEY`'s value: each label's threshold by name (binary: class 1's)."""
-        keys = list(names) if problem_type == MULTI else [names[1]]
+        keys = kind_of(problem_type).threshold_keys(names)
         return {str(k): float(v) for k, v in zip(keys, self.values)}
 
 
@@ -219,7 +202,7 @@ def from_config(saved: object, names: Sequence[str], problem_type: str, where: s
     holds none, or thresholds for other labels (a warning: a head resized for another task)."""
     if not saved:
         return None
-    keys = list(names) if problem_type == MULTI else list(names[1:2])
+    keys = kind_of(problem_type).threshold_keys(names)
     try:
         values = tuple(float(saved[k]) for k in keys)  # type: ignore[index]
         fits = isinstance(saved, dict) and len(saved) == len(keys) and all(0.0 < v < 1.0 for v in values)

@@ -45,18 +45,14 @@ from lit_memory.optimizer_state import StepNotSimulated, simulated_step
 from lit_memory.qlora import SIMULATION_DECLINED
 from lit_memory.optimizers import library_of, use_device_defaults
 from lit_memory.settings import patched
+from lit_memory import task as task_
 
 
 def fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
     """The batch of ``step``'s worst case: every micro-batch full and padded to ``max_length``, with labels."""
     shape = (step.batch_size, step.max_length)
-    problem = getattr(config, "problem_type", None)
-    if problem == "regression":  # labels as the head's loss takes them: a value, one 0/1 per label, a class id
-        labels = torch.zeros(step.batch_size)
-    elif problem == "multi_label_classification":
-        labels = torch.zeros(step.batch_size, config.num_labels)
-    else:
-        labels = torch.zeros(step.batch_size, dtype=torch.long)
+    kind = task_.kind_of(getattr(config, "problem_type", None) or task_.SINGLE)
+    labels = kind.fake_labels(step.batch_size, config.num_labels)  # as the head's loss takes them
     batch = {
         "input_ids": torch.randint(0, config.vocab_size, shape),
         "attention_mask": torch.ones(shape, dtype=torch.long),
