@@ -35,7 +35,7 @@ for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 LAYERS = (
     ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.sandbox", "lit_memory.bounds", "lit_memory.settings")),
     ("memory below the runtime", ("lit_memory.memory", "lit_memory.memory.measure", "lit_memory.memory.hardware")),
-    ("runtime", ("lit_memory",)),  # model, data, fused step, optimizers, strategies, Fabric, the monitor that measures
+    ("runtime", ("lit_memory", "lit_memory.task")),  # model, data, fused step, optimizers, strategies, Fabric, the monitor that measures
     ("memory above the runtime", ("lit_memory.memory.prediction", "lit_memory.memory.planning")),
     ("config", ("lit_memory.trust", "lit_memory.recipes", "lit_memory.cli")),  # from argv to a checked run
     ("tools", ("lit_memory.tools", "lit_memory.sandbox.launch", "lit_memory.sandbox.hub")),  # a sent recipe's run, confined

@@ -214,10 +214,13 @@ def test_the_spearman_caution_is_said_once_and_only_where_an_evaluation_feeds_it
     evaluation.task_metrics("regression", 1)
     evaluation.task_metrics("regression", 1)
     assert not [w for w in recwarn if "SpearmanCorrcoef" in str(w.message)]  # building the metrics: nothing said
-    evaluation._buffer_said = False
-    evaluation.buffered("single_label_classification")
-    evaluation.buffered("regression")
-    evaluation.buffered("regression")
+    from lit_memory.task import kind_of
+    from lit_memory.task.regression import Regression
+
+    Regression._buffer_said = False
+    kind_of("single_label_classification").before_evaluation()
+    kind_of("regression").before_evaluation()
+    kind_of("regression").before_evaluation()
     assert capsys.readouterr().err.count("note: spearman keeps every prediction and label") == 1
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from torchmetrics import Metric, MetricCollection
+from torchmetrics import MetricCollection
 
 from lit_memory import files
 from lit_memory.task.kind import kind_of
@@ -30,28 +30,9 @@ def metric_name(label: str) -> str:
 
 
 def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MetricCollection:
-    """The metrics `outputs` feed for a problem type (module docstring); the per-label F1 is `per_label_f1`.
+    """The metrics of a problem type (module docstring; the kind's), the per-label F1 beside them (multi-label).
     ``kwargs`` go to every metric (``sync_on_compute=False``: counts already summed over the ranks)."""
     return kind_of(problem_type).metrics(num_labels, threshold, **kwargs)
-
-
-def buffered(problem_type: str) -> None:
-    """Where an evaluation first feeds its metrics: the kind's note, once (regression: Spearman's buffer)."""
-    kind_of(problem_type).before_evaluation()
-
-
-def per_label_f1(problem_type: str, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> Optional[Metric]:
-    return kind_of(problem_type).per_label_f1(num_labels, threshold, **kwargs)
-
-
-def outputs(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
-    """What a batch's logits predict: class ids, values, or each label's probability."""
-    return kind_of(problem_type).outputs(logits)
-
-
-def targets(labels: torch.Tensor, problem_type: str) -> torch.Tensor:
-    """Labels as the metrics take them (0/1 integers for multi-label)."""
-    return kind_of(problem_type).metric_targets(labels)
 
 
 class ClassCounts(torch.nn.Module):

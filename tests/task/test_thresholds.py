@@ -12,7 +12,7 @@ from torchmetrics.functional.classification import multilabel_f1_score
 from lit_memory.task import evaluation
 from lit_memory.task import thresholds as th
 from lit_memory.errors import UserError
-from lit_memory.task import MULTI, REGRESSION, SINGLE
+from lit_memory.task import MULTI, REGRESSION, SINGLE, kind_of
 
 
 def multi_label_data(rows: int = 400):
@@ -43,7 +43,7 @@ def test_per_label_thresholds_are_each_labels_best_and_beat_one_half():
     counts = sweep.compute()
     index = th.choose(counts, "per_label", MULTI)
     chosen = th.at(counts, index)
-    f1 = evaluation.per_label_f1(3)
+    f1 = kind_of(MULTI).per_label_f1(3)
     f1.update(*th.replay(chosen, MULTI))
     tuned = f1.compute()
     # the same F1 as torchmetrics computes from the probabilities at those thresholds, and the best of the grid
