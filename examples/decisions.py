@@ -9,7 +9,7 @@ process, as a user runs it), and reads the run's ``val:``/``test:`` lines, its `
   thresholds sit far below 0.5): micro-F1 at the tuned thresholds and at 0.5, and ``predict`` from ``hf_model/``
   applying the thresholds saved in its ``config.json``;
 - ``defaults``: a 600-row pair file for regression with nothing but the file given (the floor of
-  `lit_memory.training_length.MIN_STEPS` optimizer steps), and the same with the recipe's one epoch typed;
+  `lit_memory.run.training_length.MIN_STEPS` optimizer steps), and the same with the recipe's one epoch typed;
 - ``long``: the class word after ``max_length`` tokens: ``data.long_texts`` chunk vs truncate;
 - every run: ``hf_model/README.md`` exists and its validation metrics are the ones the run logged at that step.
 

@@ -1,7 +1,7 @@
 """The analytic activation model against the measured step, per model family: for each tiny random model of
 tests/families.py (hidden 32, 2 layers, 4 heads), fp32, AdamW, CPU target, the analytic peak and forward-phase
-activations over those `lit_memory.memory.prediction.simulate.measure` tracks on real tensors, at each shape
-tests/test_anatomy.py holds within 15 %. Prints the markdown table docs/memory.md shows.
+activations over those `lit_memory.planning.prediction.simulate.measure` tracks on real tensors, at each shape
+tests/hf/test_anatomy.py holds within 15 %. Prints the markdown table docs/memory.md shows.
 
     python examples/family_ratios.py [family ...]
 """
@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import families as fam  # noqa: E402
 
-from lit_memory.memory.prediction.analytic import analytic  # noqa: E402
+from lit_memory.planning.prediction.analytic import analytic  # noqa: E402
 from lit_memory.memory.hardware.gpus import Target  # noqa: E402
-from lit_memory.memory.prediction.simulate import measure  # noqa: E402
-from lit_memory.memory.prediction.step import OptimizerSpec, Step  # noqa: E402
+from lit_memory.planning.prediction.simulate import measure  # noqa: E402
+from lit_memory.planning.prediction.step import OptimizerSpec, Step  # noqa: E402
 
 SHAPES = ((4, 32), (2, 64))  # (batch, length): the test's two shapes
 

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from lit_memory.anatomy import parameter_units
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.model import SequenceClassifier
 

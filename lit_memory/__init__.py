@@ -8,7 +8,7 @@ import sys
 # so the console script and `python -m` import the same code; and every Python this command starts, or a library it
 # calls starts (jsonargparse's typeshed_client runs `python -c` in the working folder while parsing), gets
 # PYTHONSAFEPATH: neither the working folder nor a script's folder on its path, and PATH keeps no entry naming the
-# working folder (`lit_memory.environment.safe_path` holds both for `lit_memory.__main__.main`). (A `lit_memory/`
+# working folder (`lit_memory.run.environment.safe_path` holds both for `lit_memory.__main__.main`). (A `lit_memory/`
 # folder there is found before this file runs: `python -P -m lit_memory` or the `lit-memory` script avoid it.)
 if sys.argv[:1] == ["-m"]:
     os.environ["PYTHONSAFEPATH"] = "1"
@@ -29,16 +29,19 @@ __version__ = "0.1.0"
 for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-# The package's layers, bottom to top: a module imports its own layer and the layers below, never one above,
-# function-level imports included (tests/test_layers.py checks every import). Each layer names its modules and
-# packages; a module falls in the layer of the longest name that holds it, and the runtime holds the rest.
+# The package's layers, bottom to top, one folder (or top-level module) each where it can be: a module imports its own
+# layer and the layers below, never one above, function-level imports included, and no top-level folder or module
+# imports itself back through others (tests/test_layers.py checks every import). A module falls in the layer of the
+# longest name that holds it; the runtime holds the rest.
 LAYERS = (
-    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.sandbox", "lit_memory.bounds", "lit_memory.settings")),
-    ("memory below the runtime", ("lit_memory.memory", "lit_memory.memory.measure", "lit_memory.memory.hardware")),
-    ("runtime", ("lit_memory", "lit_memory.task")),  # model, data, fused step, optimizers, strategies, Fabric, the monitor that measures
-    ("memory above the runtime", ("lit_memory.memory.prediction", "lit_memory.memory.planning")),
-    ("config", ("lit_memory.trust", "lit_memory.recipes", "lit_memory.cli")),  # from argv to a checked run
-    ("tools", ("lit_memory.tools", "lit_memory.sandbox.launch", "lit_memory.sandbox.hub")),  # a sent recipe's run, confined
+    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.settings", "lit_memory.sandbox")),  # + the trust guard
+    ("memory below the runtime", ("lit_memory.memory",)),  # what a run measures; models of the device
+    ("parts", ("lit_memory.task", "lit_memory.console", "lit_memory.hf", "lit_memory.optim", "lit_memory.fused")),
+    ("run", ("lit_memory.run",)),  # a training run's machinery: checkpoints, resume, the monitor, predictions written
+    ("runtime", ("lit_memory",)),  # model, data, strategies, Fabric
+    ("memory above the runtime", ("lit_memory.planning",)),  # predictions and plans: they build the configured model
+    ("config", ("lit_memory.config", "lit_memory.cli")),  # from argv to a checked run
+    ("tools", ("lit_memory.tools", "lit_memory.confine")),  # the tools; a sent recipe's run, confined
     ("entry", ("lit_memory.__main__",)),  # python -m lit_memory
 )
 

@@ -2,7 +2,7 @@
 all listed by ``python -m lit_memory --help``.
 
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
-the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.memory.prediction.predict`,
+the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.planning.prediction.predict`,
 which the CLI hands to the run's memory callbacks itself. A command's trust decision holds from its first line
 to its last, and an untrusted training or evaluation (no ``--trust-recipe``) runs in a child process the kernel
 confines (`lit_memory.sandbox`).
@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 
 # Light: the help, `recipes list` and a mistyped command, recipe or option answer before anything heavy is imported;
 # torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
-from lit_memory import option_names, shipped
+from lit_memory.config import option_names, shipped
 from lit_memory.errors import UserError
 
 
@@ -81,10 +81,11 @@ def confined(args: list[str]) -> bool:
 
 @contextlib.contextmanager
 def session(args: list[str]) -> Iterator[trust.Decision]:
-    """One command's trust decision (`lit_memory.trust.Decision`: every run and tool inside it is judged by it;
+    """One command's trust decision (`lit_memory.config.trust.Decision`: every run and tool inside it is judged by it;
     untrusted unless ``--trust-recipe`` is given), from its first line to its last. Files typed on the command line
     are the user's: read even when they are not regular files (``--config <(...)``)."""
-    from lit_memory import cli, trust  # deferred: the run's libraries (torch, Lightning, jsonargparse)
+    from lit_memory import cli  # deferred: the run's libraries (torch, Lightning, jsonargparse)
+    from lit_memory.config import trust
 
     decision = trust.Decision(trusted=trust.TRUST_FLAG in args)
     with decision.applied(cli.named_files(args), trust.recipe_folders(args)) as decision:
@@ -132,8 +133,9 @@ def _run(args: list[str]) -> None:
     import datasets
     import torch
 
-    from lit_memory import cli, environment
-    from lit_memory.sandbox import launch
+    from lit_memory import cli
+    from lit_memory.run import environment
+    from lit_memory.confine import launch
     from lit_memory.sandbox.rules import ENV as CONFINED
 
     # Per-map progress bars of `datasets` (filter, cast, tokenise) drown the training log.

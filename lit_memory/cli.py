@@ -26,26 +26,31 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_memory import bounds, checks, console, environment, guard, option_names, optimizers, precision, recipes, resume
-from lit_memory import training_length, trust
-from lit_memory.best import EarlyStop, best_of
+from lit_memory.sandbox import bounds, guard
+from lit_memory.run import checks, environment, resume
+from lit_memory import console
+from lit_memory.config import option_names, recipes
+from lit_memory.optim import optimizers, precision
+from lit_memory.run import training_length
+from lit_memory.config import trust
+from lit_memory.run.best import EarlyStop, best_of
 from lit_memory.console import LogProgress, say
 from lit_memory.data import BUNDLED, TextClassificationData, read_training, training_rows_at_most
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.memory.hardware import gpus, nccl
 from lit_memory.memory.hardware.budget import MemorySettings
-from lit_memory.memory.planning.hooks import run_hooks
-from lit_memory.memory.planning.recompute import plan_run
-from lit_memory.memory.prediction.step import Step, ranks
+from lit_memory.planning.hooks import run_hooks
+from lit_memory.planning.recompute import plan_run
+from lit_memory.planning.prediction.step import Step, ranks
 from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
-from lit_memory.noise import quiet_evaluation_noise, quiet_known_noise
-from lit_memory.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
-from lit_memory.predict_file import PredictionWriter
-from lit_memory.run_memory import Advise, Predict, memory_callbacks
-from lit_memory.lora import LoRA
+from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
+from lit_memory.optim.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
+from lit_memory.run.predict_file import PredictionWriter
+from lit_memory.run.run_memory import Advise, Predict, memory_callbacks
+from lit_memory.hf.lora import LoRA
 from lit_memory.settings import Precision, assign, key_of as settings_key_of, leaves, locate, plain
-from lit_memory.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
+from lit_memory.config.shipped import RECIPE_FLAG, TRUST_FLAG, recipe_help
 
 PREDICT_FOLDER = "predict"  # under lightning_logs/: where predict's folders go
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
@@ -242,7 +247,7 @@ class LitMemoryCLI(LightningCLI):
         """The settings the command line's options set, with their values: what a parse of the command line alone
         (`trust.typed_values`: jsonargparse's own reading, so ``--key=value``, abbreviations and a group typed as a
         mapping) gives other than the command's defaults, and every key an option names
-        (`lit_memory.option_names.typed_keys`: a typed value equal to its default counts too). A key a later file
+        (`lit_memory.config.option_names.typed_keys`: a typed value equal to its default counts too). A key a later file
         set again (``--model.threshold 0.25 --config mine.yaml``) is not typed: the run has the file's value
         (kept in ``_typed_over`` to say so). Link targets (``data.tokenizer_name_or_path``) are not typed."""
         self._typed_over = {}
@@ -401,7 +406,7 @@ class LitMemoryCLI(LightningCLI):
         self.memory = MemorySettings(**self.settings.memory.as_dict())
 
     def _follow_device(self) -> None:
-        """A recipe's bf16 on a GPU without bf16 (`lit_memory.precision.follow_device`), unless the user typed it."""
+        """A recipe's bf16 on a GPU without bf16 (`lit_memory.optim.precision.follow_device`), unless the user typed it."""
         trainer = self.settings.trainer
         gpu = precision.training_gpu(trainer.accelerator) if self._gpu is THIS_GPU else self._gpu
         precision.follow_device(trainer, gpu, self._typed)
@@ -710,8 +715,8 @@ def stubs_without_a_subprocess() -> None:
     comes from a ``python -c "import sys, json; ..."`` it starts in the working folder, with that folder first on its
     path: a ``json.py`` in a folder someone sent ran there while `recipes check` said ok. The resolver is made here
     once, with this process's own path (without the working folder), so the parse starts no Python at all
-    (`lit_memory.environment.safe_path` covers the rest). jsonargparse caches it in its private module with no setter;
-    tests/test_trust.py checks the names this uses still exist."""
+    (`lit_memory.run.environment.safe_path` covers the rest). jsonargparse caches it in its private module with no setter;
+    tests/config/test_trust.py checks the names this uses still exist."""
     try:
         from jsonargparse import _stubs_resolver as stubs
         from jsonargparse._common import get_parsing_setting

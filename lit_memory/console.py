@@ -335,9 +335,9 @@ def print_metrics(trainer: Any, stage: str, metrics: Optional[Mapping[str, Any]]
 
 def print_fit_metrics(trainer: Any, module: Any, best: Any) -> None:
     """The end of a fit: the metrics of the model exported to ``hf_model/`` (the best validated step,
-    `lit_memory.best.BestCheckpoint`), its per-class report, and, where the last validation was another step, the
+    `lit_memory.run.best.BestCheckpoint`), its per-class report, and, where the last validation was another step, the
     last one's, named as such; the closing ``val:`` line is the exported model's. ``best``: the run's
-    `lit_memory.best.BestCheckpoint` holding a checkpoint (`lit_memory.best.best_of`), or None."""
+    `lit_memory.run.best.BestCheckpoint` holding a checkpoint (`lit_memory.run.best.best_of`), or None."""
     if best is None or not best.best_metrics:  # nothing validated kept a best: the last weights were exported
         print_metrics(trainer, "val")
         return

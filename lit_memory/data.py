@@ -21,18 +21,20 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
-from lit_memory import bundled, guard, predict_file, text_encoding, training_length, windows
+from lit_memory.hf import bundled, text_encoding, windows
+from lit_memory.sandbox import guard
+from lit_memory.run import predict_file, training_length
 from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
-from lit_memory.bounds import CHARS_PER_TOKEN
+from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
 from lit_memory.errors import UserError
-from lit_memory.hf_loading import label_names_or_default
-from lit_memory.local_data import load_local
+from lit_memory.hf.hf_loading import label_names_or_default
+from lit_memory.hf.local_data import load_local
 from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType
-from lit_memory.resume import ResumableDataLoader, ResumableSampler
-from lit_memory.tokenizing import encode_texts, load_tokenizer
+from lit_memory.run.resume import ResumableDataLoader, ResumableSampler
+from lit_memory.hf.tokenizing import encode_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ DEMO_TRAIN_SAMPLES = 4000  # the bundled demo's training subset: every recipe un
 
 def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
     """A hub dataset (its configuration ``subset``, if named) with all its splits: the one call that downloads data
-    (tests replace it). A confined run reads the copy its parent fetched (`lit_memory.sandbox.launch`)."""
+    (tests replace it). A confined run reads the copy its parent fetched (`lit_memory.confine.launch`)."""
     staged = os.environ.get("LIT_MEMORY_STAGED_DATASET")
     if staged:
         return datasets.load_from_disk(staged)
@@ -546,7 +548,7 @@ class TextClassificationData(L.LightningDataModule):
 
     def check_bounds(self) -> None:
         """Untrusted: the settings that multiply processes or memory are still within what the run started
-        with (`lit_memory.guard`): a callback can change them mid-run."""
+        with (`lit_memory.sandbox.guard`): a callback can change them mid-run."""
         if not guard.restricted():
             return
         for name, bound in self._bounded.items():
@@ -562,7 +564,7 @@ class TextClassificationData(L.LightningDataModule):
         self.tokenizer = tokenizer = load_tokenizer(self.hparams.tokenizer_name_or_path)
         texts, max_length = self.columns.text, self.hparams.max_length
         # Untrusted: each text is cut to what max_length tokens can come from before the tokenizer sees it,
-        # so a single huge row costs no more memory than the rest (`lit_memory.bounds.CHARS_PER_TOKEN`).
+        # so a single huge row costs no more memory than the rest (`lit_memory.sandbox.bounds.CHARS_PER_TOKEN`).
         cap = max_length * CHARS_PER_TOKEN if guard.restricted() else None
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length). The function
         # closes over no `self`: `datasets` hashes it, and hashing `self` would serialise the attached trainer and model.
@@ -598,7 +600,7 @@ class TextClassificationData(L.LightningDataModule):
         return training_length.Length(trainer.max_epochs, per_epoch, trainer.max_steps, self.epochs_raised_from).describe()
 
     def _windows(self, splits: datasets.DatasetDict, tokenizer: Any, texts: tuple, max_length: int, cap: Optional[int]) -> str:
-        """``long_texts: chunk``: every split as windows (`lit_memory.windows`); what the ``data:`` line says of them."""
+        """``long_texts: chunk``: every split as windows (`lit_memory.hf.windows`); what the ``data:`` line says of them."""
         stride, pair = self.hparams.stride, len(texts) == 2
         windows.check_tokenizer(tokenizer, stride, max_length, pair)
         encode = functools.partial(windows.encode, tokenizer=tokenizer, texts=texts, max_length=max_length,

@@ -36,7 +36,8 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lit_memory import eightbit_shards, fused
+from lit_memory.optim import eightbit_shards
+from lit_memory import fused
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware import nccl
 from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling

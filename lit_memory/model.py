@@ -23,28 +23,29 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory import bundled, files, guard, model_card, optimizers, windows
+from lit_memory.hf import bundled, windows
+from lit_memory import files
+from lit_memory.sandbox import guard
+from lit_memory.run import model_card
+from lit_memory.optim import optimizers
 from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
 from lit_memory.task import evaluation
 from lit_memory.task import thresholds as thresholds_
-from lit_memory.best import best_of, restore_best
+from lit_memory.run.best import best_of, restore_best
 from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
-from lit_memory.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
-from lit_memory.anatomy import Anatomy, find_layers, skeleton, unwrap
-from lit_memory.hf_loading import (
-    DTYPES, config_label_names, dtype_name, label_names_or_default, load_config, quiet_transformers, report_loading,
-    saved_dtype, set_pad_token,
-)
-from lit_memory.tokenizing import load_tokenizer
-from lit_memory.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
+from lit_memory.run.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
+from lit_memory.hf.anatomy import Anatomy, find_layers, skeleton, unwrap
+from lit_memory.hf.hf_loading import DTYPES, config_label_names, dtype_name, label_names_or_default, load_config, quiet_transformers, report_loading, saved_dtype, set_pad_token
+from lit_memory.hf.tokenizing import load_tokenizer
+from lit_memory.optim.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
 from lit_memory.errors import UserError
-from lit_memory.lora import LoRA, apply_lora, is_lora, lora_targets
-from lit_memory.checks import check_optimizer
-from lit_memory import qlora
+from lit_memory.hf.lora import LoRA, apply_lora, is_lora, lora_targets
+from lit_memory.run.checks import check_optimizer
+from lit_memory.hf import qlora
 from lit_memory.settings import Precision
-from lit_memory.compiling import CUDA_GRAPHS, Compile, compile_layers
+from lit_memory.run.compiling import CUDA_GRAPHS, Compile, compile_layers
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 # true is "full" (every layer's forward recomputed in backward), as it always was; counts are a per-layer plan
-# (`lit_memory.checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is built.
+# (`lit_memory.run.checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is built.
 Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
 SaveDtype = Literal["checkpoint", "fp32", "bf16", "fp16"]
 
@@ -101,7 +102,7 @@ class SequenceClassifier(L.LightningModule):
 
     # Arguments that change no matrix product or attention a training step computes: the optimizer's state layout
     # (``stable_embedding`` adds a LayerNorm: element-wise), where kept tensors wait, the schedule, the export. A FLOP
-    # count is keyed without them (`lit_memory.memory.planning.recompute`); an argument not named here is counted (tests check
+    # count is keyed without them (`lit_memory.planning.recompute`); an argument not named here is counted (tests check
     # that each named one leaves the count as it is).
     SAME_FLOPS = frozenset({
         "embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained", "save_dtype",
@@ -109,7 +110,7 @@ class SequenceClassifier(L.LightningModule):
     # Arguments the saved weights depend on (their architecture, shapes, modules and vocabulary, what the outputs mean):
     # loading a checkpoint, a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other
     # typed value wins over it. How the optimizer keeps its state is not here: a resumed fit compares it
-    # (`lit_memory.resume.RESUME_KEYS`), and an evaluation does not step.
+    # (`lit_memory.run.resume.RESUME_KEYS`), and an evaluation does not step.
     FIXED_BY_WEIGHTS = frozenset(
         {"model_name_or_path", "tokenizer_name_or_path", "num_labels", "problem_type", "lora", "config_overrides"}
     )
@@ -359,7 +360,7 @@ class SequenceClassifier(L.LightningModule):
         optimizer steps fp32 weights, no update rounds away) and bf16 under ``bf16-true`` (the 2gb tier: stochastic
         rounding keeps its small updates); built without a trainer (the memory model, the HF Trainer peer, Python),
         torch's default dtype, which Lightning's init context for a ``-true`` precision sets, and the memory model's
-        build too (`lit_memory.memory.prediction.step.build`)."""
+        build too (`lit_memory.planning.prediction.step.build`)."""
         precision = self.precision
         return precision.param if precision is not None else torch.get_default_dtype()
 
@@ -473,7 +474,7 @@ class SequenceClassifier(L.LightningModule):
         return self.kind.main_metric
 
     def _logits(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """A batch's logits, one row per text (``doc``: its windows' aggregated, `lit_memory.windows`), and the loss
+        """A batch's logits, one row per text (``doc``: its windows' aggregated, `lit_memory.hf.windows`), and the loss
         where it has labels (weighted where class weights are set)."""
         labels, doc = batch.get("labels"), batch.get("doc")
         if doc is None and self.loss_weights is None and isinstance(labels, torch.Tensor) and "known" not in batch:
@@ -581,7 +582,7 @@ class SequenceClassifier(L.LightningModule):
         if counts is None or trainer is None or trainer.sanity_checking:
             return
         if stage == "val":
-            self.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.best`)
+            self.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.run.best`)
         if trainer.state.fn == "fit" and stage == "val":
             found = evaluation.one_sided(counts, self.label_names, self.problem_type, self.loss_weights is not None)
             if found:
@@ -652,7 +653,7 @@ class SequenceClassifier(L.LightningModule):
         optimizer = self.optimizer_factory(weight_decay_groups(self.model))
         state = self.hparams.embedding_optimizer_state
         kept = [e.weight for e in unquantised(state, Anatomy.of(self.model).embeddings) if e.weight.requires_grad]
-        optimizers.prepare(optimizer, kept, unquantised_dtype(state))  # what its library needs (`lit_memory.optimizers`)
+        optimizers.prepare(optimizer, kept, unquantised_dtype(state))  # what its library needs (`lit_memory.optim.optimizers`)
         return optimizer
 
     def configure_optimizers(self):
@@ -696,7 +697,7 @@ class SequenceClassifier(L.LightningModule):
     # -- export --------------------------------------------------------------------------------
 
     def on_train_start(self) -> None:
-        phase("training")  # a confined run's preparation is over (`lit_memory.sandbox.launch`'s time bound)
+        phase("training")  # a confined run's preparation is over (`lit_memory.confine.launch`'s time bound)
 
     def on_fit_end(self) -> None:
         which = None

@@ -12,7 +12,7 @@
 - `patched`: a library's attribute (a switch, a function) set for the length of a ``with`` block, then put back.
 
 The bucket setting has its own type beside the fused step that owns it (`lit_memory.fused.Bucketing`); YAML files
-are read through `lit_memory.bounds.read_yaml`.
+are read through `lit_memory.sandbox.bounds.read_yaml`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Precision:
 
     @property
     def bf16(self) -> bool:
-        """Computes in bf16 (autocast or bf16 weights): needs bf16 arithmetic (`lit_memory.precision`)."""
+        """Computes in bf16 (autocast or bf16 weights): needs bf16 arithmetic (`lit_memory.optim.precision`)."""
         return self.compute == torch.bfloat16
 
     @property

@@ -45,10 +45,11 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 
-from lit_memory import eightbit_shards, fused
-from lit_memory.anatomy import find_layers, parameter_units
-from lit_memory.anatomy import hugging_face_models as _hugging_face_models
-from lit_memory.optimizers import library_of
+from lit_memory.optim import eightbit_shards
+from lit_memory import fused
+from lit_memory.hf.anatomy import find_layers, parameter_units
+from lit_memory.hf.anatomy import hugging_face_models as _hugging_face_models
+from lit_memory.optim.optimizers import library_of
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware import nccl
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
@@ -74,7 +75,7 @@ class AcceleratorDevice:
 
 class FusedStep:
     """What every fused strategy does, Trainer's and Fabric's alike: the ``bucket`` setting parsed once,
-    the one optimizer fused over the module's parameter units (`lit_memory.anatomy.parameter_units`:
+    the one optimizer fused over the module's parameter units (`lit_memory.hf.anatomy.parameter_units`:
     its transformer layers, found from the model), backward run as clipping needs, the refusals of
     `lit_memory.fused`, and unfusing at teardown. Subclasses connect it to their framework's hooks."""
 
@@ -219,7 +220,7 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, AcceleratorDevice, SingleDevi
 
 class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
     """FSDP2 on every device: ``fully_shard`` on each transformer layer, then the model, with the fused
-    step on each rank's shards when ``fused`` (bitsandbytes' state kept sharded: `lit_memory.eightbit_shards`).
+    step on each rank's shards when ``fused`` (bitsandbytes' state kept sharded: `lit_memory.optim.eightbit_shards`).
 
     Args:
         fused: step inside backward (``configs/fsdp.yaml`` keeps a recipe's choice).
@@ -307,7 +308,7 @@ def _unwrapped(optimizer: Optimizer) -> Optimizer:
 
 
 def shard(model: nn.Module, mesh: Any) -> None:
-    """FSDP2: each transformer layer (`lit_memory.anatomy.find_layers`), then the root (once; a second
+    """FSDP2: each transformer layer (`lit_memory.hf.anatomy.find_layers`), then the root (once; a second
     fit finds it sharded)."""
     if isinstance(model, FSDPModule):
         return

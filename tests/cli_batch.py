@@ -1,4 +1,4 @@
-"""Run several ``python -m lit_memory ARGV`` commands in one fresh process; used by tests/test_trust.py.
+"""Run several ``python -m lit_memory ARGV`` commands in one fresh process; used by tests/config/test_trust.py.
 
     python tests/cli_batch.py CASES.json RESULTS.json
 
@@ -6,7 +6,7 @@ CASES.json: ``{name: {"argv": [...], "env": {...}}}``. Each case is one call of 
 (`lit_memory.__main__.main`, what ``python -m lit_memory`` runs) with its own argv and environment
 variables (restored after it), its stdout and stderr captured; RESULTS.json gets
 ``{name: {"code": exit status, "out": stdout, "err": stderr}}``. Each command's trust decision holds for that
-command only (`lit_memory.trust.Decision.applied`); tests/test_trust.py runs a batch all untrusted and one all
+command only (`lit_memory.config.trust.Decision.applied`); tests/config/test_trust.py runs a batch all untrusted and one all
 ``--trust-recipe`` to compare them. The cases share only what every one of them would set up the same way in a
 process of its own, and a process start (about 10 s here) is paid once.
 """

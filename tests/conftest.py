@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 # Recipes whose layers compile (model.compile): inductor's C++ code generation takes minutes on a CPU, so the tests
-# that fit every recipe leave them to tests/test_compiling.py (the same recipes, trained with dynamo on a cheap backend).
+# that fit every recipe leave them to tests/run/test_compiling.py (the same recipes, trained with dynamo on a cheap backend).
 COMPILED = frozenset(p.stem for p in RECIPES.glob("*.yaml") if "\n  compile: " in p.read_text())
 
 # The test files that take longest on a 2-core CPU without native bf16 (`pytest --durations`), longest first.
@@ -37,9 +37,9 @@ COMPILED = frozenset(p.stem for p in RECIPES.glob("*.yaml") if "\n  compile: " i
 # starts each worker on one of them and fills in with the short files: with the long files last, one worker
 # ran them alone for the last half of the run. (xdist's own reordering sorts files by how many tests they hold.)
 LONGEST_FIRST = (
-    "test_task.py", "test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "test_resume.py", "test_trust.py",
-    "test_lowbit.py", "tools/test_recipe_headers.py", "test_guard.py", "test_fabric.py", "tools/test_bench.py",
-    "test_anatomy.py", "memory/prediction/test_analytic.py", "test_checkpointing.py", "tools/test_estimate.py",
+    "test_task.py", "run/test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "run/test_resume.py", "config/test_trust.py",
+    "optim/test_lowbit.py", "tools/test_recipe_headers.py", "sandbox/test_guard.py", "test_fabric.py", "tools/test_bench.py",
+    "hf/test_anatomy.py", "planning/prediction/test_analytic.py", "run/test_checkpointing.py", "tools/test_estimate.py",
 )
 
 
@@ -47,15 +47,15 @@ LONGEST_FIRST = (
 def pytest_runtest_call(item):
     """A test leaves no launcher's variables behind (it checks, restores nothing): Lightning's launchers set them
     in the process that builds a Trainer and leave them there, and a later test's 2-process run inheriting
-    ``LOCAL_RANK`` starts no second rank and waits for it (`lit_memory.environment`). A test that builds a
+    ``LOCAL_RANK`` starts no second rank and waits for it (`lit_memory.run.environment`). A test that builds a
     Trainer outside ``LitMemoryCLI.scope()`` holds ``environment.restored()``."""
-    from lit_memory.environment import LAUNCHER_VARIABLES
+    from lit_memory.run.environment import LAUNCHER_VARIABLES
 
     before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
     outcome = yield
     left = {name: value for name in LAUNCHER_VARIABLES if (value := os.environ.get(name)) != before[name]}
     if left and outcome.excinfo is None:
-        raise AssertionError(f"this test left {left} in the environment: hold lit_memory.environment.restored()")
+        raise AssertionError(f"this test left {left} in the environment: hold lit_memory.run.environment.restored()")
 
 
 def pytest_collection_modifyitems(items: list) -> None:

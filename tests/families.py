@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from lit_memory.bundled import write_byte_tokenizer
+from lit_memory.hf.bundled import write_byte_tokenizer
 
 VOCAB = 300  # the byte tokenizer's 256 bytes and its special tokens fit
 _ENCODER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": VOCAB}

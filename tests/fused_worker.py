@@ -6,7 +6,7 @@ launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest)
     python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5] [--optimizer torchao-8bit] [--fp16]
 
 The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
-(step 6, ...) with every rank's random-number state (`lit_memory.resume.ExactResume`), so a
+(step 6, ...) with every rank's random-number state (`lit_memory.run.resume.ExactResume`), so a
 resumed run sees exactly the batches and dropout masks the uninterrupted run saw. At the end the
 model is exported as the CLI does it (``OUT/hf_model``, gathered from the shards under FSDP) and
 rank 0 writes the final full parameters to ``OUT/params.pt`` and each step's gradient norm (and with
@@ -30,7 +30,7 @@ if __name__ == "__main__":  # a script: import this checkout's lit_memory
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lit_memory.model import SequenceClassifier, full_state_dict  # noqa: E402
-from lit_memory.resume import ExactResume  # noqa: E402
+from lit_memory.run.resume import ExactResume  # noqa: E402
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}

@@ -1,4 +1,4 @@
-"""Out-of-memory errors inside FSDP2 steps, several runs in one pair of processes; used by tests/test_monitor.py.
+"""Out-of-memory errors inside FSDP2 steps, several runs in one pair of processes; used by tests/run/test_monitor.py.
 
 The test starts this script twice, as torchrun would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` set: Lightning then starts no process of its own), and each process runs every case in turn

@@ -8,12 +8,12 @@ import torch
 import yaml
 
 from conftest import COMPILED, CONFIGS, FAST, RECIPES, the_error
-from lit_memory import recipes
+from lit_memory.config import recipes
 from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
 
-ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in COMPILED)  # those: tests/test_compiling.py
+ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in COMPILED)  # those: tests/run/test_compiling.py
 TINY_BERT = '--model.config_overrides={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
 
 
@@ -206,7 +206,8 @@ def test_a_runs_switches_hold_for_the_run_only(tmp_path):
 
     import jsonargparse
 
-    from lit_memory import guard, trust
+    from lit_memory.sandbox import guard
+    from lit_memory.config import trust
     from lit_memory.cli import resolve
     from lit_memory.memory.hardware.allocator import AllocatorConfig, env_names, environment_conf
 

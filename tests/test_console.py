@@ -1,5 +1,5 @@
 """What a run prints while it runs: progress lines off a terminal (the rich bar on one), the model summary without
-Lightning's column of zero FLOPs. (A fit's progress lines themselves: tests/test_predict_file.py's shared fit.)"""
+Lightning's column of zero FLOPs. (A fit's progress lines themselves: tests/run/test_predict_file.py's shared fit.)"""
 
 from __future__ import annotations
 

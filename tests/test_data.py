@@ -4,7 +4,7 @@ import pytest
 
 from conftest import rows, write_csv, write_jsonl
 from lit_memory.data import FILE_FORMATS, TextClassificationData
-from lit_memory.predict_file import read_texts
+from lit_memory.run.predict_file import read_texts
 from lit_memory.errors import UserError
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from conftest import REPO, StepLog, assert_same
 from fused_worker import FP16_SCALER, RecordingScaler
-from lit_memory import environment
+from lit_memory.run import environment
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
 from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, FSDP1_SCALER, SHARED, STALE_OPTIMIZER, UNOWNED

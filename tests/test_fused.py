@@ -10,11 +10,11 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
 from fused_worker import FP16_SCALER, RecordingScaler, batches, tiny_bert
-from lit_memory.anatomy import parameter_units
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory import fused as fused_module
 from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
-from lit_memory.checkpointing import enable_gradient_checkpointing
+from lit_memory.run.checkpointing import enable_gradient_checkpointing
 from lit_memory.model import SequenceClassifier, weight_decay_groups
 
 

@@ -189,7 +189,7 @@ def test_an_optimizer_that_ignores_the_closure_is_one_line(tmp_path):
 def test_predictions_are_written_at_fp32_not_at_the_autocast_precision():
     """Under a 16-bit autocast (the bf16 recipes') the head's output layer still computes in fp32: a regression value
     is not rounded to bf16's 8 bits (1.609375), and it is what the model computes in fp32 from the same body."""
-    from lit_memory.tokenizing import load_tokenizer
+    from lit_memory.hf.tokenizing import load_tokenizer
 
     torch.manual_seed(0)
     model = SequenceClassifier("bundled:bert-large", num_labels=1, problem_type="regression", pretrained=False,
@@ -236,7 +236,7 @@ def _recipe(name: str) -> tuple[dict, str]:
     import yaml
 
     from conftest import RECIPES
-    from lit_memory.lora import LoRA
+    from lit_memory.hf.lora import LoRA
 
     recipe = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     model = dict(recipe.get("model") or {})
@@ -284,7 +284,7 @@ def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoi
     without a master copy under the fp32 and bf16-mixed recipes. The recipe decides now: fp32 weights (the
     optimizer's masters) wherever it keeps fp32 weights, bf16 only under bf16-true (2gb, with stochastic rounding)."""
     from conftest import RECIPES
-    from lit_memory import qlora
+    from lit_memory.hf import qlora
 
     recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
     for (family, saved_in), folder in saved.items():  # one test item: a build is tens of milliseconds
@@ -311,7 +311,7 @@ def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_t
     trained model predicts with its weights so rounded; a plain reload (bf16) agrees within bf16's rounding."""
     import json
 
-    from lit_memory.hf_loading import quiet_transformers
+    from lit_memory.hf.hf_loading import quiet_transformers
 
     module, optimizer = built_by_lightning("32-true", model_name_or_path=saved["qwen3", torch.bfloat16],
                                            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
@@ -342,8 +342,8 @@ def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_t
 def test_the_bundled_demo_model_loads_as_transformers_loads_it():
     """The demo's quality table stands: MiniLM is saved in fp32 (its config names no dtype; the safetensors header
     says), and the module's weights are what transformers' own default loads, bit for bit; exported in fp32."""
-    from lit_memory import bundled
-    from lit_memory.hf_loading import quiet_transformers
+    from lit_memory.hf import bundled
+    from lit_memory.hf.hf_loading import quiet_transformers
 
     module = minilm(num_labels=2)
     with quiet_transformers():

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO, RECIPES, rows, write_csv
-from lit_memory.sandbox import child, landlock, launch, rules, stage, watchdog
+from lit_memory.sandbox import child, landlock, rules, stage, watchdog
+from lit_memory.confine import launch
 
 pytestmark = pytest.mark.skipif(landlock.abi() < 4, reason="needs Landlock ABI 4 (Linux 6.7) or later")
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -519,7 +520,8 @@ def test_no_python_started_for_a_run_imports_from_the_working_folder(tmp_path, m
     import typeshed_client
     from jsonargparse import _stubs_resolver as stubs
 
-    from lit_memory import cli, environment
+    from lit_memory import cli
+    from lit_memory.run import environment
     from lit_memory.__main__ import TOOLS, main
 
     folder = hostile_folder(tmp_path / "sent")
@@ -638,7 +640,7 @@ def test_the_hub_fetch_for_a_recipe_is_sized_first_and_sends_no_token(tmp_path, 
     """Class D: a repository a recipe names is listed from the Hub's metadata (`hub.listing`, faked here: no network),
     without the user's token, and refused in one line when it is larger than the run's disk budget: nothing fetched.
     A repository the user typed is listed and fetched with their token, into the run's private folder."""
-    from lit_memory.sandbox import hub
+    from lit_memory.confine import hub
 
     listed = []
 

@@ -1,6 +1,6 @@
 """`lit_memory.settings`: settings parsed once into typed values (the precision), dotted keys over the trees
 the CLI and the recipes give, the one cache key, and a run's sections read from the classes' signatures; and the
-step that reads a run's settings through them (`lit_memory.memory.prediction.step.Step`)."""
+step that reads a run's settings through them (`lit_memory.planning.prediction.step.Step`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jsonargparse import Namespace
 
 from lit_memory.errors import UserError
 from lit_memory.fused import Bucketing, parse_bucket
-from lit_memory.memory.prediction.step import OptimizerSpec, Step
+from lit_memory.planning.prediction.step import OptimizerSpec, Step
 from lit_memory.model import SequenceClassifier
 from lit_memory.settings import (
     PRECISIONS, Precision, arguments, assign, key_of, leaves, locate, overlay, patched, plain, section,

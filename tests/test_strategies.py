@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification
 
 import fused_worker as worker
 from conftest import CONFIGS, RECIPES, REPO, HostReads, StepLog, assert_same, the_error
-from lit_memory import environment
+from lit_memory.run import environment
 from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
@@ -31,7 +31,7 @@ from lit_memory.fused import Bucketing
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
-from lit_memory.monitor import MemoryMonitor
+from lit_memory.run.monitor import MemoryMonitor
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
 
 CHECKPOINT = "checkpoints/epoch=0-step=6.ckpt"  # the worker keeps one every 6 steps
@@ -268,7 +268,7 @@ def test_fsdp_fused_matches_unfused_with_clipping_by_norm_and_fp16(tmp_path):
     measuring backward unscales, checks and measures, its overflow flag and norm all-reduced over the ranks
     (both skip the same steps); unfused, GradScaler's unscale of the sharded gradients reduces the flag
     (DTensor) and Lightning clips after it. (Exact to 1e-6 with clipping by value: tests/test_fabric.py.)"""
-    # Resuming FSDP runs (killed mid-epoch, from the sharded checkpoint): tests/test_resume.py.
+    # Resuming FSDP runs (killed mid-epoch, from the sharded checkpoint): tests/run/test_resume.py.
     plain, fusion = tmp_path / "plain", tmp_path / "fused"
     run_worker(plain, "--strategy", "fsdp", "--devices", "2", "--clip", "norm:0.25", "--fp16")
     run_worker(fusion, "--strategy", "fused-fsdp", "--devices", "2", "--clip", "norm:0.25", "--fp16")
@@ -494,7 +494,7 @@ def test_cli_prints_the_refusal_as_one_line_and_writes_nothing(tmp_path, capsys)
 def test_a_single_file_checkpoint_of_sharded_8bit_state_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
     """bitsandbytes' state under FSDP2 is quantised per shard and saved sharded: gathering it into one file on rank
     0 (save_distributed_checkpoint false) is refused before the model is built or a run folder written."""
-    from lit_memory.eightbit_shards import ONE_FILE
+    from lit_memory.optim.eightbit_shards import ONE_FILE
 
     root = tmp_path / "runs"
     args = ["--config", str(RECIPES / "4gb.yaml"), "--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu",

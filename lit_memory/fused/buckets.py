@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from lit_memory.errors import UserError
 from lit_memory.fused.shards import ShardState, local_part, local_shard
-from lit_memory.optimizers import copy_for, library_of
+from lit_memory.optim.optimizers import copy_for, library_of
 
 
 DEFAULT_BUCKET = "layer"  # the setting as written (strategies' signatures and YAML show it as text)
@@ -156,7 +156,7 @@ def gradient_bytes(param: torch.Tensor) -> int:
 def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
     """A bucket stepping ``params`` (some of ``optimizer``'s) with a copy of ``optimizer`` that
     optimises exactly them, as the original would: one group per original group they come from
-    (`lit_memory.optimizers.copy_for`).
+    (`lit_memory.optim.optimizers.copy_for`).
     """
     wanted = {id(p) for p in params}
     entries = [

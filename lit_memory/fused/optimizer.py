@@ -20,7 +20,7 @@ class OptimizerInBackward:
 
     ``optimizer`` stays the one that Lightning, LR schedulers and checkpoints use; its buckets step
     copies of it (`copy_bucket`). ``units``: the model's parameters in the units a ``layer`` bucket
-    steps together, in the model's parameter order (`lit_memory.anatomy.parameter_units`: each
+    steps together, in the model's parameter order (`lit_memory.hf.anatomy.parameter_units`: each
     transformer layer, each other module's own parameters); parameters in no unit are one bucket each.
     ``bucket``: a `Bucketing` or the setting as written (`parse_bucket`).
     ``clipping``: see `Clipping`; by norm, run backward through `backward`.
@@ -76,7 +76,7 @@ class OptimizerInBackward:
     @property
     def steps_shards(self) -> bool:
         """Whether some bucket steps local shards (bitsandbytes under FSDP2): their state is checkpointed by
-        `lit_memory.eightbit_shards`, not by torch's optimizer state dict."""
+        `lit_memory.optim.eightbit_shards`, not by torch's optimizer state dict."""
         return any(bucket.shards for bucket in self.hooks.buckets)
 
     @torch.no_grad()

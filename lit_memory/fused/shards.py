@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
-from lit_memory.optimizers import library_of
+from lit_memory.optim.optimizers import library_of
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

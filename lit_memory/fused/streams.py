@@ -16,7 +16,7 @@ import torch
 # - torch's optimizers (and anything made of torch ops) launch on torch's current stream, which is where the
 #   gradient was made: in order. bitsandbytes 0.50 passes no stream to its optimizer kernels (``_optimizer_update_*``
 #   in bitsandbytes/backends/cuda/ops.py), so they run on the legacy default stream, which a non-blocking stream
-#   does not synchronise with (`lit_memory.optimizers.Library.launch_stream`).
+#   does not synchronise with (`lit_memory.optim.optimizers.Library.launch_stream`).
 # Why the compute stream for torch's optimizers too, rather than the reduce-scatter stream their hook runs on: the
 # caching allocator keeps a pool per stream and reuses no block across them, so a step there would put its
 # temporaries and its first-step state in a second pool (reserved memory growing by a bucket's temporaries per

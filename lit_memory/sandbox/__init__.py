@@ -20,7 +20,7 @@ process and runs it in a child that confines itself first thing (`launch`, the p
 - `watchdog`: the parent's watch (output relayed, status over a pipe, memory, disk and preparation time bounded,
   nothing left running however it ends).
 
-What stays in Python (`lit_memory.trust`, `lit_memory.guard`, `lit_memory.bounds`) is what the kernel cannot judge:
+What stays in Python (`lit_memory.config.trust`, `lit_memory.sandbox.guard`, `lit_memory.sandbox.bounds`) is what the kernel cannot judge:
 the import allowlist, weights-only loading, remote-code refusals, value bounds. docs/sharing.md states the
 guarantee: what is enforced by what, per platform, and what is not covered. Where Landlock is missing an untrusted run
 does not start; each other missing layer is one warning line.

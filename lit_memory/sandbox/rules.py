@@ -4,7 +4,7 @@
 and the few files in ``/etc`` they read, ``/proc``, ``/sys`` and the GPU's device files, the caches, the recipe's
 checked inputs), write roots (the run's folders, its private temporary folder and caches), TCP ports (none but a
 distributed launch's own), bounds (memory, processes, file size, disk, preparation time), the child's ``sys.path``
-(`child_path`) and its status pipe (`phase`). The parent makes it (`lit_memory.sandbox.launch`); the child applies
+(`child_path`) and its status pipe (`phase`). The parent makes it (`lit_memory.confine.launch`); the child applies
 it to itself (`lit_memory.sandbox.child`; `enter`: limits and Landlock), before anything of the run is imported. The
 child's environment holds no secret (`scrubbed`).
 

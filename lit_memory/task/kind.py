@@ -59,7 +59,7 @@ class ProblemKind:
     label_words: ClassVar[str] = "classes"  # and several
     has_classes: ClassVar[bool] = True  # outputs with names (a regression's one value has none)
     weight_name: ClassVar[str] = "class weights"  # what `model.class_weights` sets for this kind's loss
-    window_reduce: ClassVar[str] = "mean"  # how a text's windows' logits make its own (`lit_memory.windows`)
+    window_reduce: ClassVar[str] = "mean"  # how a text's windows' logits make its own (`lit_memory.hf.windows`)
     draws_confusion: ClassVar[bool] = False  # a class x class confusion matrix to print and draw
     thresholds_per_label: ClassVar[bool] = False  # one threshold per label (else one, for class 1)
     thresholded_by_default: ClassVar[bool] = False  # decides at `DEFAULT_THRESHOLD` where nothing else is set

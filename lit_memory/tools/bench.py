@@ -3,7 +3,7 @@
 Each recipe trains in a fresh process (``python -m lit_memory fit``: no memory leaks from one
 recipe into the next) on batches padded to ``max_length`` (as the reference post did) for ``--warmup`` +
 ``--steps`` optimizer steps. Its run folder holds the numbers: ``memory.json`` (the memory monitor:
-predicted and measured peaks) and ``step_times.json`` (`lit_memory.monitor.StepTimer`: wall time of
+predicted and measured peaks) and ``step_times.json`` (`lit_memory.run.monitor.StepTimer`: wall time of
 each optimizer step). ``--peer hf-trainer`` trains the same settings with `transformers.Trainer`
 (`lit_memory.tools.peer`), also in a fresh process. Outputs in ``--out``: bench.md, bench.csv,
 bench.json, bench.png, and per recipe its run folder (runs/) and log (logs/).
@@ -33,17 +33,18 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from lit_memory import files, recipes, shipped
+from lit_memory import files
+from lit_memory.config import recipes, shipped
 from lit_memory.cli import LitMemoryCLI, resolve
-from lit_memory.environment import for_new_job
+from lit_memory.run.environment import for_new_job
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.planning.recompute import count_or_decline, planned
-from lit_memory.monitor import StepTimer
-from lit_memory.precision import runs_on_cpu
-from lit_memory.step_profile import HostOpCounter
+from lit_memory.planning.recompute import count_or_decline, planned
+from lit_memory.run.monitor import StepTimer
+from lit_memory.optim.precision import runs_on_cpu
+from lit_memory.run.step_profile import HostOpCounter
 from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 
 # The reference post's tiers, in its order.
@@ -117,9 +118,9 @@ def bench_overrides(
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
     }
-    timer = {"class_path": "lit_memory.monitor.StepTimer", "init_args": {"warmup": warmup, "steps": steps, "save": True}}
+    timer = {"class_path": "lit_memory.run.monitor.StepTimer", "init_args": {"warmup": warmup, "steps": steps, "save": True}}
     # One more step after the timed ones, its host operators counted (a dispatch mode: not a timed step)
-    counter = {"class_path": "lit_memory.step_profile.HostOpCounter", "init_args": {"step": counted_step(warmup, steps)}}
+    counter = {"class_path": "lit_memory.run.step_profile.HostOpCounter", "init_args": {"step": counted_step(warmup, steps)}}
     args = [
         f"--trainer.max_steps={counted_step(warmup, steps) + 1}",
         "--trainer.max_epochs=-1",  # the step budget decides, however small the data
@@ -141,7 +142,7 @@ def bench_overrides(
 
 def counted_step(warmup: int, steps: int) -> int:
     """The optimizer step (0-based) whose host operators a bench run counts, ours and the peer's: the one after the
-    timed steps (`lit_memory.step_profile.HostOpCounter`)."""
+    timed steps (`lit_memory.run.step_profile.HostOpCounter`)."""
     return warmup + steps
 
 
@@ -213,7 +214,7 @@ def prepare(
 
 def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
     """FLOPs of the step this run trains (its checkpointing plan as the run resolves it, on its device),
-    counted by torch's FLOP counter on fake tensors (`lit_memory.memory.planning.recompute`): per optimizer step (all
+    counted by torch's FLOP counter on fake tensors (`lit_memory.planning.recompute`): per optimizer step (all
     its micro-batches) and per sample. Device-independent: what a GPU computes, not how long it takes.
     Empty where the model's forward cannot run on fake tensors."""
     settings = resolved.settings
@@ -274,7 +275,7 @@ def _val_f1(run_dir: Path) -> Optional[float]:
 
 
 def _host_ops(path: Path, prefix: str = "") -> dict[str, Any]:
-    """The counted step's dispatcher operators (`lit_memory.step_profile.HostOps`), if it was counted."""
+    """The counted step's dispatcher operators (`lit_memory.run.step_profile.HostOps`), if it was counted."""
     if not path.is_file():
         return {}
     counted = json.loads(path.read_text(encoding="utf-8"))
@@ -489,7 +490,7 @@ def markdown(rows: list[dict], info: dict[str, Any], title: str) -> str:
         f"- runs: every recipe in a fresh process, batches padded to max_length, {s['warmup']} warm-up + "
         f"{s['steps']} timed optimizer steps; step time is the median of the timed steps, samples/s = "
         "micro-batch x accumulation / step time; host ops/step: the operators one more optimizer step sends through "
-        "torch's dispatcher (`lit_memory.step_profile.HostOps`), loading to logging"
+        "torch's dispatcher (`lit_memory.run.step_profile.HostOps`), loading to logging"
         + (f"; val f1 after the {s['warmup'] + s['steps'] + 1} steps" if s["eval"] else ""),
         "- measured: "
         + (

@@ -18,14 +18,15 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from lit_memory import files, recipes
+from lit_memory import files
+from lit_memory.config import recipes
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.planning.choose import mode_of
-from lit_memory.memory.prediction.analytic import analytic, device_total
-from lit_memory.memory.prediction.step import Step
+from lit_memory.planning.choose import mode_of
+from lit_memory.planning.prediction.analytic import analytic, device_total
+from lit_memory.planning.prediction.step import Step
 from lit_memory.tools.estimate import add_target_arguments, step_of
 from lit_memory.tools.plan import Candidate, Recipe, ranked, refine, shipped_recipes
 

@@ -1,6 +1,6 @@
 """``python -m lit_memory estimate``: a training step's memory before any run, at three levels (tensors,
 the CUDA caching allocator's reserve, the device as ``nvidia-smi`` shows it), predicted two ways: the
-analytic model and the simulated step (`lit_memory.memory.prediction.predict`), for the run ``fit`` would train with
+analytic model and the simulated step (`lit_memory.planning.prediction.predict`), for the run ``fit`` would train with
 the same arguments, on the GPU the options describe (this machine's when it has one).
 
 ``--plot FILE`` draws the predicted step point by point (`lit_memory.memory.measure.picture`: the predicted half of a
@@ -21,22 +21,22 @@ from typing import Any, Optional
 
 import torch
 
-from lit_memory.anatomy import Anatomy, skeleton
+from lit_memory.hf.anatomy import Anatomy, skeleton
 from lit_memory.cli import resolve
-from lit_memory.eightbit import quantised_embeddings
+from lit_memory.optim.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig
-from lit_memory.memory.prediction.analytic import analytic, file_gib
+from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.memory.hardware.gpus import ALIASES, DEFAULT_GPU, GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.hardware.margin import Fit
-from lit_memory.memory.prediction.predict import level, predict
-from lit_memory.memory.planning.choose import mode_of
-from lit_memory.memory.planning.recompute import Flops, count_or_decline, planned
+from lit_memory.planning.prediction.predict import level, predict
+from lit_memory.planning.choose import mode_of
+from lit_memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
-from lit_memory.memory.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
-from lit_memory.optimizer_state import unquantised_extra
+from lit_memory.planning.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
+from lit_memory.optim.optimizer_state import unquantised_extra
 
 DEFAULT_MODEL = "bundled:minilm"
 DEFAULT_MODEL_WORDS = (
@@ -87,7 +87,7 @@ def step_of(rest: list[str], args: argparse.Namespace) -> Step:
     """The step ``fit`` would train with these arguments, for the options' device and loop: resolved by the
     same parser (`lit_memory.cli.resolve`), built once (`Step.from_settings`). The CPU's bf16 fallback is
     this machine's business, not the predicted device's: it stays off; the target GPU's bf16 support decides
-    the precision as it would for a run there (`lit_memory.precision.on_gpu`, one line when it changes it)."""
+    the precision as it would for a run there (`lit_memory.optim.precision.on_gpu`, one line when it changes it)."""
     fallback = ["--cpu_bf16_fallback=false"] if args.device == "cuda" else []
     device = target_of(args)
     run = resolve(["fit", *rest, *fallback], gpu=device.gpu if device.cuda_device else None)
@@ -96,8 +96,8 @@ def step_of(rest: list[str], args: argparse.Namespace) -> Step:
 
 def embedding_state_notes(step: Step) -> list[str]:
     """What ``embedding_optimizer_state: auto`` did with an optimizer whose state is quantised: which embedding
-    matrices it left on quantised state (`lit_memory.eightbit.unquantised`), and what unquantised state would have
-    added (measured: `lit_memory.optimizer_state.unquantised_extra`; already in the numbers, said so they can be traded)."""
+    matrices it left on quantised state (`lit_memory.optim.eightbit.unquantised`), and what unquantised state would have
+    added (measured: `lit_memory.optim.optimizer_state.unquantised_extra`; already in the numbers, said so they can be traded)."""
     model = step.model
     trained = model.get("freeze") is None and model.get("lora") is None  # every freeze setting and LoRA freeze them
     if model.get("embedding_optimizer_state", "auto") != "auto" or not step.optimizer.library.quantises_state or not trained:
@@ -120,7 +120,7 @@ def embedding_state_notes(step: Step) -> list[str]:
 
 def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flops] = None) -> dict[str, Any]:
     """The --json object; ``predicted`` has the footprints as ``memory.json`` keeps them, and the step's counted
-    FLOPs (`lit_memory.memory.planning.recompute`)."""
+    FLOPs (`lit_memory.planning.recompute`)."""
     analytic_ = predictions["analytic"]
     simulated = predictions.get("simulated")
     params = analytic_.parameters

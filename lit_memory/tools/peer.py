@@ -34,13 +34,13 @@ from transformers import TrainerCallback
 from lit_memory import files
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.prediction.step import is_fused
+from lit_memory.planning.prediction.step import is_fused
 from lit_memory.settings import Precision
 from lit_memory.memory.measure.tracker import Tracker
-from lit_memory.checkpointing import CheckpointPlan
-from lit_memory.monitor import Stamps, device_memory_used
-from lit_memory.optimizers import compiles_its_step, library_of
-from lit_memory.step_profile import HostOps
+from lit_memory.run.checkpointing import CheckpointPlan
+from lit_memory.run.monitor import Stamps, device_memory_used
+from lit_memory.optim.optimizers import compiles_its_step, library_of
+from lit_memory.run.step_profile import HostOps
 
 PEER_JSON = "peer.json"
 # Our optimizer class paths -> the Trainer's `optim` names.
@@ -155,12 +155,12 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
     has no switch for (4gb.yaml's fused step): `TRAINER_BEST`, in the first of `TRAINER_RUNGS` where some micro-batch
     fits, the largest micro-batch dividing the recipe's samples per step whose step lit_memory's memory model predicts
     within the budget less the margin on ``target`` (default: this machine's GPU), in the Trainer's loop
-    (`lit_memory.memory.prediction.step.LOOPS`: its autocast cache, torch's default kernels), accumulating to the
+    (`lit_memory.planning.prediction.step.LOOPS`: its autocast cache, torch's default kernels), accumulating to the
     recipe's samples per step. Returns `TrainingArguments` keywords and, under ``chosen``, the choice and why.
     `NoTrainerEquivalent` without a budget, or where nothing fits."""
     from lit_memory.memory.hardware.gpus import target as this_target
-    from lit_memory.memory.prediction.analytic import device_total
-    from lit_memory.memory.prediction.step import loop
+    from lit_memory.planning.prediction.analytic import device_total
+    from lit_memory.planning.prediction.step import loop
 
     config = cli.settings
     budget = cli.memory.limit if cli.memory is not None else None
@@ -193,7 +193,7 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
 class PeerMeter(TrainerCallback):
     """Step times of `steps` optimizer steps after `warmup`; peak memory (tracked on CPU, allocator on CUDA); the
     host operators of step `count_step` (`HostOps`, from the end of the step before to its own end, as
-    `lit_memory.step_profile.HostOpCounter` counts ours)."""
+    `lit_memory.run.step_profile.HostOpCounter` counts ours)."""
 
     def __init__(self, warmup: int, track_steps: int, cuda: bool, steps: Optional[int] = None,
                  count_step: Optional[int] = None) -> None:
@@ -274,7 +274,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
     """Train `warmup + steps` optimizer steps with `transformers.Trainer` (and step `count_step`, whose host operators
     are counted, where it comes after them); return the measurements. ``best``: the Trainer's best configuration
     within the recipe's budget (`best_under_budget`) instead of the recipe's own settings. A budget caps the
-    Trainer's process as it caps ours (`lit_memory.run_memory.BudgetCap`, the same code)."""
+    Trainer's process as it caps ours (`lit_memory.run.run_memory.BudgetCap`, the same code)."""
     # deferred: transformers.Trainer needs accelerate (optional) and takes ~4 s to import; only a peer run uses it
     from transformers import Trainer, TrainingArguments
 
@@ -359,7 +359,7 @@ def capped(cli: LitMemoryCLI, cuda: bool) -> Optional[Any]:
     budget = cli.memory.cap if cli.memory is not None else None
     if not cuda or budget is None:
         return None
-    from lit_memory.run_memory import BudgetCap  # deferred: only a capped peer needs it
+    from lit_memory.run.run_memory import BudgetCap  # deferred: only a capped peer needs it
 
     cap = BudgetCap(budget)
     precision = "bf16-mixed" if cli.settings.trainer.precision is None else cli.settings.trainer.precision

@@ -7,10 +7,10 @@ predicted analytically (milliseconds), one quality class of the rule at a time (
 before LoRA before QLoRA), until one fits; the fastest that fits is confirmed by the simulation and
 written as a recipe, with its predicted breakdown and why its mode (``# mode:``) in the header.
 
-"Fastest" follows the rule stated in `lit_memory.memory.planning.choose` (quality, no accumulation, the least
+"Fastest" follows the rule stated in `lit_memory.planning.choose` (quality, no accumulation, the least
 recompute, the larger micro-batch, 16-bit compute on CUDA, more optimizer state, Lightning's step before
 the fused step). The budget is a device budget: what ``nvidia-smi`` would show for the process, the
-predicted tensors plus the caching allocator's reserve plus the CUDA context (`lit_memory.memory.prediction.predict`).
+predicted tensors plus the caching allocator's reserve plus the CUDA context (`lit_memory.planning.prediction.predict`).
 
 With ``--measure`` the measured time per optimizer step decides among the first candidates that fit.
 """
@@ -32,26 +32,27 @@ import torch
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from lit_memory import files, guard
-from lit_memory.bounds import read_yaml
+from lit_memory import files
+from lit_memory.sandbox import guard
+from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.lora import LoRA
-from lit_memory.optimizers import check_settings
-from lit_memory.memory.prediction.analytic import analytic
-from lit_memory.memory.planning.choose import MODES, RULE, mode_of, quality_class, rank
-from lit_memory.memory.planning.recompute import planned
-from lit_memory.memory.planning.recompute import resolve as plan_layers
+from lit_memory.hf.lora import LoRA
+from lit_memory.optim.optimizers import check_settings
+from lit_memory.planning.prediction.analytic import analytic
+from lit_memory.planning.choose import MODES, RULE, mode_of, quality_class, rank
+from lit_memory.planning.recompute import planned
+from lit_memory.planning.recompute import resolve as plan_layers
 from lit_memory.memory.hardware.budget import Size
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
 from lit_memory.memory.hardware.margin import Limit, usable
-from lit_memory.memory.prediction.predict import device_total, level
+from lit_memory.planning.prediction.predict import device_total, level
 from lit_memory.memory.measure.report import breakdown
-from lit_memory.memory.prediction.predict import simulate_or_decline
-from lit_memory.memory.prediction.step import Prediction, Step
-from lit_memory.monitor import StepTimer
-from lit_memory.recipes import recipes_dir
+from lit_memory.planning.prediction.predict import simulate_or_decline
+from lit_memory.planning.prediction.step import Prediction, Step
+from lit_memory.run.monitor import StepTimer
+from lit_memory.config.recipes import recipes_dir
 from lit_memory.settings import key_of, leaves, locate, plain
 from lit_memory.tools.estimate import add_target_arguments, step_of
 
@@ -95,7 +96,7 @@ def _yaml() -> YAML:
 
 def load_recipe(path: Path) -> Recipe:
     """A recipe's second-level settings, each with its value and its end-of-line comment (read round-trip, within
-    the bounds a stranger's recipe is read with: `lit_memory.bounds.read_yaml`)."""
+    the bounds a stranger's recipe is read with: `lit_memory.sandbox.bounds.read_yaml`)."""
     data = read_yaml(path, round_trip=True)
     blocks = {}
     for key, value in leaves(data, depth=2):
@@ -264,7 +265,7 @@ def _refusal(refused: Optional[dict[str, str]], blocks: dict[str, Block], err: U
 
 def refine(chosen: Candidate, limit: Limit) -> Candidate:
     """A chosen setup that recomputes, with the per-layer checkpointing plan of fewest counted FLOPs predicted
-    to fit ``limit`` (`lit_memory.memory.planning.recompute.resolve`): as many layers left whole or selective as fit."""
+    to fit ``limit`` (`lit_memory.planning.recompute.resolve`): as many layers left whole or selective as fit."""
     if chosen.setup.checkpointing is None:
         return chosen
     # offloading is weighed against recompute as `offload_activations: auto` does (CUDA only)

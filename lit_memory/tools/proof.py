@@ -32,9 +32,10 @@ from typing import Any, Optional
 
 import torch
 
-from lit_memory import files, shipped
-from lit_memory.bounds import read_yaml
-from lit_memory.bundled import resolve_model
+from lit_memory import files
+from lit_memory.config import shipped
+from lit_memory.sandbox.bounds import read_yaml
+from lit_memory.hf.bundled import resolve_model
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
@@ -62,7 +63,7 @@ class Variant:
 _LOSS_PER_STEP = "--trainer.log_every_n_steps=1"  # the loss curve of the fp16 pair, compared step by step
 VARIANTS = {
     # Every layer checkpointed in full in both: the same recompute, so the loss curves compare step by step (selective
-    # layers cannot run the fused step's measuring backward: `lit_memory.memory.planning.recompute.check_twice`).
+    # layers cannot run the fused step's measuring backward: `lit_memory.planning.recompute.check_twice`).
     "4gb-fp16": Variant(
         "4gb", ("--trainer.precision=16-mixed", "--memory.budget=gtx1650", "--model.gradient_checkpointing=true",
                 _LOSS_PER_STEP),
@@ -170,7 +171,7 @@ def profile_args(entry: str) -> list[str]:
     if entry not in PROFILED:
         return []
     step = counted_step(WARMUP, STEPS) + 1
-    callback = {"class_path": "lit_memory.step_profile.StepProfiler", "init_args": {"warmup": step, "trace": True}}
+    callback = {"class_path": "lit_memory.run.step_profile.StepProfiler", "init_args": {"warmup": step, "trace": True}}
     return [f"--trainer.max_steps={step + 1}", f"--trainer.callbacks+={json.dumps(callback)}"]
 
 
@@ -234,7 +235,7 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
         row["within_budget"] = measured["device"] <= limit
         row["spare"] = round(1 - measured["device"] / limit, 4)
         row.update(every_step(cuda.get("device_bytes_by_step") or [], memory.get("optimizer_steps"), limit))
-    snapshot = run_dir / "memory_snapshot.pickle"  # the 4gb-snapshot variant's (`lit_memory.run_memory.MemorySnapshot`)
+    snapshot = run_dir / "memory_snapshot.pickle"  # the 4gb-snapshot variant's (`lit_memory.run.run_memory.MemorySnapshot`)
     if snapshot.is_file():
         row["snapshot"] = {"file": str(snapshot), "bytes": snapshot.stat().st_size}
     profile = run_dir / "profile.json"
@@ -397,8 +398,8 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         "peer_rows": {name: {"recipe": v.recipe, "flags": list(v.flags), "why": v.why} for name, v in PEER_ROWS.items()},
         "optimizer_kernels": "fused",  # torch's Adam/AdamW on their fused CUDA kernel (lit_memory's default since 2026-11-27)
         # host_ops_per_step: dispatcher operators of the step after the timed ones, ours and the peer's counted alike
-        # (lit_memory.step_profile.HostOps); every step's end read (null: not read); allocator counts per step
-        "host_ops": "lit_memory.step_profile.HostOps, one step after the timed ones, loading to logging",
+        # (lit_memory.run.step_profile.HostOps); every step's end read (null: not read); allocator counts per step
+        "host_ops": "lit_memory.run.step_profile.HostOps, one step after the timed ones, loading to logging",
     }
     card = {"name": torch.cuda.get_device_name(), "total_bytes": torch.cuda.get_device_properties(0).total_memory}
 

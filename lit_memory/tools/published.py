@@ -1,7 +1,7 @@
 """Published GPU measurements beside lit_memory's predictions: ``python -m lit_memory estimate --published``.
 
 Each row is someone else's measurement of a training run, with the settings they stated, expressed as
-``fit`` arguments (plus the loop, GPU, CUDA and PyTorch version of their setup, `lit_memory.memory.prediction.step.Loop`
+``fit`` arguments (plus the loop, GPU, CUDA and PyTorch version of their setup, `lit_memory.planning.prediction.step.Loop`
 and `lit_memory.memory.hardware.gpus.Target`), and lit_memory's analytic prediction at the level they measured:
 ``nvidia-smi``/NVML (device), ``torch.cuda.max_memory_reserved`` (reserved) or ``max_memory_allocated``
 (tensors). Rows whose settings lit_memory cannot express, or whose measurement cannot be a single run's,
@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Optional
 
 from lit_memory import files
-from lit_memory.bounds import read_yaml
+from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.cli import resolve
-from lit_memory.memory.prediction.analytic import analytic
+from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.memory.hardware.gpus import GPUS, MiB, Target, match
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
 from lit_memory.memory.measure.footprint import Footprint
-from lit_memory.memory.planning.recompute import planned
-from lit_memory.memory.prediction.step import Loop, LOOPS, Step
-from lit_memory.recipes import recipe_path
+from lit_memory.planning.recompute import planned
+from lit_memory.planning.prediction.step import Loop, LOOPS, Step
+from lit_memory.config.recipes import recipe_path
 from lit_memory.tools.proof import MODEL
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"

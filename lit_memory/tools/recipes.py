@@ -16,24 +16,25 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lit_memory import bounds, files, guard
+from lit_memory.sandbox import bounds, guard
+from lit_memory import files
 from lit_memory.cli import ImportRefused, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
 from lit_memory.memory.hardware.margin import Fit
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.planning.recompute import flops, planned
-from lit_memory.memory.prediction.analytic import analytic
-from lit_memory.memory.prediction.step import Step
-from lit_memory.recipes import names, recipe_path, recipes_dir
-from lit_memory.shipped import listing
+from lit_memory.planning.recompute import flops, planned
+from lit_memory.planning.prediction.analytic import analytic
+from lit_memory.planning.prediction.step import Step
+from lit_memory.config.recipes import names, recipe_path, recipes_dir
+from lit_memory.config.shipped import listing
 from lit_memory.sandbox import roots, rules
 from lit_memory.settings import leaves, locate
-from lit_memory.trust import HINT, TRUST_FLAG
+from lit_memory.config.trust import HINT, TRUST_FLAG
 
 
 def list_recipes() -> None:
-    """Every shipped recipe, parents before children, with the latest bench run's numbers (`lit_memory.shipped.listing`)."""
+    """Every shipped recipe, parents before children, with the latest bench run's numbers (`lit_memory.config.shipped.listing`)."""
     print(listing())
 
 
@@ -62,7 +63,7 @@ def _header_step(path: str, text: str) -> "Step":  # the text keys the cache: a 
     settings = resolve(argv, gpu=Target().gpu).settings.as_dict()
     tier = (settings.get("memory") or {}).get("tier")
     target = Target(gpu=gpu(tier)) if is_gpu_name(tier) else Target()
-    if target.gpu.bf16 != Target().gpu.bf16:  # the precision a run there trains with (`lit_memory.precision`)
+    if target.gpu.bf16 != Target().gpu.bf16:  # the precision a run there trains with (`lit_memory.optim.precision`)
         settings = resolve(argv, gpu=target.gpu).settings.as_dict()
     return planned(Step.from_settings(settings, target))
 
@@ -295,8 +296,8 @@ BOUNDED_DURING_RUN = ("num_workers", "max_length")
 
 
 def later_refusals(settings: Namespace, folders: Optional[list[str]] = None) -> list[str]:
-    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.guard.preflight`,
-    `lit_memory.guard.RunBounds`) or before its confined child starts (`lit_memory.sandbox`), found from the settings
+    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.sandbox.guard.preflight`,
+    `lit_memory.sandbox.guard.RunBounds`) or before its confined child starts (`lit_memory.sandbox`), found from the settings
     alone: a checkpoint Lightning would resume from by itself (an OnExceptionCheckpoint's file; SLURM's
     ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model folder that cannot load without running its code or
     unpickling more than weights, a run folder the recipe chooses that is not new under the working folder, a link on

@@ -11,13 +11,13 @@ import shutil
 import pytest
 from conftest import RECIPES
 
-from lit_memory import recipes
-from lit_memory import shipped as shipped_files
+from lit_memory.config import recipes
+from lit_memory.config import shipped as shipped_files
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.monitor import StepTimer
+from lit_memory.run.monitor import StepTimer
 from lit_memory.tools import bench
 from lit_memory.tools import recipes as recipe_commands
 

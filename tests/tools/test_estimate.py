@@ -1,5 +1,5 @@
 """`python -m lit_memory estimate`: the run's settings read from recipes, the bars the recipes promise, the outputs.
-The memory model itself: tests/memory/prediction/test_analytic.py."""
+The memory model itself: tests/planning/prediction/test_analytic.py."""
 
 from __future__ import annotations
 

@@ -15,12 +15,12 @@ from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.prediction.analytic import analytic
-from lit_memory.memory.planning.choose import rank
+from lit_memory.planning.prediction.analytic import analytic
+from lit_memory.planning.choose import rank
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.hardware.margin import Limit
-from lit_memory.memory.prediction.predict import device_total
-from lit_memory.memory.prediction.step import Step
+from lit_memory.planning.prediction.predict import device_total
+from lit_memory.planning.prediction.step import Step
 from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes
 from test_recipes import flatten
 
@@ -228,7 +228,7 @@ def test_plan_fine_tunes_in_full_then_lora_then_qlora_as_the_budget_shrinks_and_
     recipe's ``# mode:`` line says what the modes before it need; below every mode one line says what would fit."""
     from dataclasses import replace
 
-    from lit_memory.memory.planning.choose import mode_of
+    from lit_memory.planning.choose import mode_of
     from lit_memory.tools.plan import recipe_text, why
 
     base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
@@ -276,7 +276,7 @@ def test_the_rule_is_walked_a_quality_class_at_a_time_in_the_order_of_every_cand
     of every candidate predicted and sorted by the rule."""
     from dataclasses import replace
 
-    from lit_memory.memory.planning.choose import mode_of
+    from lit_memory.planning.choose import mode_of
     from lit_memory.tools.plan import ranked
 
     base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),

@@ -28,7 +28,7 @@ MiB = 2**20
 class Gpu:
     """What a card exposes to a PyTorch process: ``torch.cuda.get_device_properties``' name, compute capability
     and ``total_memory`` (cudaDeviceProp.totalGlobalMem: on Linux a little less than the sticker, the driver's
-    reserve taken out), and, for choosing between recompute and offloading only (`lit_memory.memory.planning.recompute`),
+    reserve taken out), and, for choosing between recompute and offloading only (`lit_memory.planning.recompute`),
     the datasheet's dense 16-bit peak with fp32 accumulation (what autocast's matmuls run at; tensor cores where
     the card has them) and the host link's bandwidth one way (pinned copies, as bandwidthTest measures them:
     PCIe 3.0 x16 about 12 GB/s, 4.0 x16 about 25, 5.0 x16 about 50; fewer lanes, proportionally less)."""

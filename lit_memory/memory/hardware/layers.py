@@ -6,7 +6,7 @@ computed); `Shape` says how it runs (batch, length, the precision, the device);
 lists, per token and in the order the forward pass makes them, the tensors a layer keeps for backward and
 the temporaries it frees on the way; `layer_bytes_per_token` and its siblings sum them. A model family adds
 its own ``ffn``/``norm`` kind here, and reads it from the model in
-`lit_memory.memory.prediction.activation_model.layer_spec`.
+`lit_memory.planning.prediction.activation_model.layer_spec`.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def layer_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[t
 
 def selective_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> int:
     """Bytes selective checkpointing keeps per layer per token besides the layer's input
-    (`lit_memory.checkpointing.selective_policy`): the outputs of the six linear layers (Q, K, V,
+    (`lit_memory.run.checkpointing.selective_policy`): the outputs of the six linear layers (Q, K, V,
     attention output, FFN in and out), ``(5h + f) * c`` for BERT (q, k, v at their widths; gated FFN: one
     more ``f*c``), and, where a fused attention kernel runs without dropout, its output and log-sum-exp. An
     attention kernel with dropout is recomputed (it draws random numbers), as is eager or math attention.

@@ -3,7 +3,7 @@
 A prediction is fitted against a limit (a card's capacity, ``memory.budget``, ``memory.tier``, what the card
 has free at start) less a share of it kept free: a setup fits when its predicted device total is at most
 ``limit x (1 - margin)``. Every decision that says "fits" goes through `Fit`: ``auto`` checkpointing
-(`lit_memory.memory.planning.recompute.resolve`), ``plan``, the out-of-memory advice (`lit_memory.memory.planning.choose`), the
+(`lit_memory.planning.recompute.resolve`), ``plan``, the out-of-memory advice (`lit_memory.planning.choose`), the
 recipe headers and ``estimate``'s verdict, and each says what is left ("fits rtx3050-4gb with 9 % to spare").
 A limit travels as one `Limit` (its bytes, its words, its margin): from the ``memory:`` block
 (`MemorySettings.limit`, ``.cap``) or ``plan --budget`` through the plan, the cap, the monitor and NCCL's settings.

@@ -1,6 +1,6 @@
 """A training step as the caching allocator sees it: the analytic model's allocations and frees, in order.
 
-The analytic model (`lit_memory.memory.prediction.analytic`) knows each phase's tensors; the allocator's reserved
+The analytic model (`lit_memory.planning.prediction.analytic`) knows each phase's tensors; the allocator's reserved
 memory depends on the order and sizes in which they come and go. `events` writes them out: the parameters
 and buffers as the model is moved to the device, then two optimizer steps (the first creates the optimizer
 state lazily, as torch's optimizers do, so it lands in whatever the first step's activations freed), each
@@ -41,7 +41,7 @@ class LayerRun:
     tensors: list[Tensor]  # per token, in forward order
     trains: bool  # has a backward (at or above the first trainable layer)
     input_kept: bool  # the layer's input is among what it keeps (no autocast)
-    checkpoint: Optional[str] = None  # "full", "selective" (`lit_memory.checkpointing.CheckpointPlan`) or None
+    checkpoint: Optional[str] = None  # "full", "selective" (`lit_memory.run.checkpointing.CheckpointPlan`) or None
 
 
 @dataclass
@@ -65,7 +65,7 @@ class StepModel:
     fused: bool = False
     measures: bool = False  # fused: a first backward that only measures (clipping by norm, loss scaling)
     accumulate: int = 1
-    gradients: str = "after_step"  # the loop's release (`lit_memory.memory.prediction.step.Loop`)
+    gradients: str = "after_step"  # the loop's release (`lit_memory.planning.prediction.step.Loop`)
     autocast_cache: bool = False
     backward_temp: int = 0  # per token: gradients of activations in flight in a layer's backward
     workspace: int = 0  # cuBLAS workspace per thread (CUDA)

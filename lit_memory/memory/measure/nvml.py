@@ -1,7 +1,7 @@
 """NVML for this process, initialised once: what ``nvidia-smi`` shows this process holding on a GPU.
 
 Read by the run's card reading at start (`lit_memory.memory.hardware.gpus.read_card`) and by the monitor at every phase
-boundary (`lit_memory.monitor.device_memory_used`); ``pynvml`` (nvidia-ml-py) is optional.
+boundary (`lit_memory.run.monitor.device_memory_used`); ``pynvml`` (nvidia-ml-py) is optional.
 """
 
 from __future__ import annotations

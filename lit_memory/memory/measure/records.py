@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_memory import bounds, files
+from lit_memory.sandbox import bounds
+from lit_memory import files
 from lit_memory.memory.measure.footprint import Footprint, format_bytes
 
 MEMORY_JSON = "memory.json"
 MEMORY_SCHEMA = 3  # 3: predictions at three levels (reserved_bytes, device_bytes), measured CUDA device peak
 BENCH_JSON = "bench.json"
-METHODS = ("analytic", "simulated")  # the predictions, by the names memory.json and `lit_memory.memory.prediction.predict` give them
+METHODS = ("analytic", "simulated")  # the predictions, by the names memory.json and `lit_memory.planning.prediction.predict` give them
 
 
 def memory_record(

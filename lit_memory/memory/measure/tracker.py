@@ -3,8 +3,8 @@
 `Tracker` is torch's `MemTracker` (``torch.distributed._tools.mem_tracker``, which labels each
 tensor a parameter, buffer, gradient, optimizer state, activation or temporary from its dispatch
 mode and hooks) with per-phase peaks (``enter_phase``) and an optional budget. The same tracker
-measures real runs (`lit_memory.monitor`) and, on fake tensors, simulates them
-(`lit_memory.memory.prediction.simulate`), so predicted and measured numbers share one definition of each
+measures real runs (`lit_memory.run.monitor`) and, on fake tensors, simulates them
+(`lit_memory.planning.prediction.simulate`), so predicted and measured numbers share one definition of each
 category. Its numbers are *tracked tensors*: what the process holds beyond them (the Python
 runtime, libraries, allocator caches) is `ProcessPeak`'s.
 """
@@ -76,7 +76,7 @@ class Tracker(MemTracker):
         self.budget = budget
         self.footprint = Footprint()
         self.phase: Optional[str] = None
-        # Which optimizers' step runs torch.compile'd kernels (torchao's: `lit_memory.optimizers.compiles_its_step`,
+        # Which optimizers' step runs torch.compile'd kernels (torchao's: `lit_memory.optim.optimizers.compiles_its_step`,
         # given by the caller: this layer knows no optimizer library): dynamo refuses to run compiled code under a
         # Python dispatch mode, so their update runs with this tracker paused. Their kernels' buffers are allocated
         # outside the dispatcher and are not tracked tensors in any case; the state they create is labelled after

@@ -215,7 +215,7 @@ def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
     or an explicit one stays."""
     from lit_memory.memory.hardware.allocator import CUDA_ENV as ENV, UNIFIED_ENV
     from lit_memory.memory.hardware.gpus import target
-    from lit_memory.memory.prediction.step import Step
+    from lit_memory.planning.prediction.step import Step
 
     settings = {"model": {"model_name_or_path": "bundled:minilm"}, "memory": {"allocator": "expandable_segments:True"}}
     monkeypatch.delenv(ENV, raising=False)

@@ -90,7 +90,7 @@ def test_devices_auto_counts_the_same_processes_for_the_run_and_its_plan():
     the same two ranks and their communicators. For another machine (`estimate`) auto counts one."""
     from lit_memory.memory.hardware.budget import MemorySettings
     from lit_memory.memory.hardware.gpus import Target
-    from lit_memory.memory.prediction.step import Step
+    from lit_memory.planning.prediction.step import Step
 
     settings = {"trainer": {"devices": "auto", "strategy": "lit_memory.strategies.FSDP2Strategy"}}
     memory = MemorySettings(budget="3.5GiB")

@@ -12,7 +12,7 @@ from torch import nn
 from conftest import REPO
 from lit_memory.memory.measure.footprint import PHASES
 from lit_memory.memory.measure.tracker import MemoryBudgetExceeded, Tracker
-from lit_memory.optimizers import compiles_its_step
+from lit_memory.optim.optimizers import compiles_its_step
 
 
 def tiny_step(tracker: Tracker):
@@ -103,7 +103,7 @@ def test_only_the_stepped_optimizers_state_is_labelled_after_a_step():
 
 
 def compiled_step(tracker: Tracker, closure: bool) -> None:
-    """One torchao AdamW8bit step on a (64, 64) matrix and its bias (shapes tests/test_lowbit.py compiles
+    """One torchao AdamW8bit step on a (64, 64) matrix and its bias (shapes tests/optim/test_lowbit.py compiles
     too), tracked by ``tracker``: with Lightning's closure (forward and backward inside the step) or, as a
     fused bucket is stepped, without one."""
     from torchao.optim import AdamW8bit
@@ -122,7 +122,7 @@ def compiled_step(tracker: Tracker, closure: bool) -> None:
         return loss
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as tests/test_lowbit.py: its compiled kernels are reused, not compiled anew
+    torch.set_num_threads(1)  # as tests/optim/test_lowbit.py: its compiled kernels are reused, not compiled anew
     try:
         with tracker:
             if closure:

@@ -1,0 +1,714 @@
+"""The trust guard at the sinks: where a run unpickles, imports model code or picks a checkpoint.
+
+`lit_memory.config.trust` decides, once per run, whether the files a run was given (recipes, configs,
+checkpoints, model folders, run folders) are trusted (``--trust-recipe``), and the run holds `enforced` for its
+length. Checks on
+parsed values cannot see what is loaded later by paths they never saw (a checkpoint Lightning finds by
+itself, a rank-local metadata file, a pickled item inside a checkpoint folder), so untrusted, the rules
+hold where the loading happens:
+
+- **every** ``torch.load`` in the process is weights-only (tensors and plain data) while the run lasts: torch's
+  own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which overrides ``weights_only=False`` at every call site (Lightning's ``meta.pt``, the non-tensor items torch's distributed-checkpoint
+  planner loads, transformers' ``.bin`` weights);
+- the two unpicklers that bypass ``torch.load`` are restricted: torch's distributed-checkpoint reader
+  reads ``.metadata`` and rank-local ``__N.metadata`` with plain `pickle.load`, and Lightning's FSDP
+  strategy reads single-file checkpoints with an unpickler of its own (`harden`);
+- every strategy's checkpoint IO (Lightning's built-in ones a recipe may name included) goes through
+  `GuardedCheckpointIO`: local paths only, weights-only loads, saves that never follow a link;
+- before a run starts, `preflight` refuses a checkpoint Lightning would pick by itself (SLURM's
+  ``hpc_ckpt_N.ckpt``, an ``OnExceptionCheckpoint``'s file) and checks the one it will load with the
+  restricted readers;
+- checkpoint cadence and count over all of a run's checkpoint callbacks (`RunBounds`): at most
+  `MAX_KEPT_CHECKPOINTS` kept together and on average at least `MIN_CHECKPOINT_STEPS` optimizer steps apart, judged
+  once the training data is loaded (an epoch's length decides an every-N-epochs cadence) and counted again at every
+  save, whatever callback asks (one ``error:`` line: N callbacks saving every epoch of one batch kept 28 checkpoints
+  in 24 steps);
+- Hugging Face loaders get ``trust_remote_code=False`` unless the user typed otherwise
+  (`pretrained_kwargs`); a local model folder is checked before transformers reads it (files within
+  their bounds, no Hub kernel or quantizer in its config.json, a tokenizer that does not multiply
+  texts: `check_model_folder`), and the loaded config and tokenizer again whatever their source
+  (`check_config`, `check_normalizer`).
+
+Where an untrusted run reads and writes, what it reaches and how much memory, disk and time it takes, the kernel
+and the sandbox's watchdog enforce (`lit_memory.sandbox`): nothing here judges a path the run writes.
+
+Checkpoints are read within bounds (`lit_memory.sandbox.bounds`): metadata files are regular and of bounded
+size, zip records do not expand past a ratio, before anything is unpickled or inflated.
+
+lit_memory's own checkpoints (a single file; FSDP2 folders with RNG and sampler state) are tensors and
+plain data, so resuming one's own run never needs ``--trust-recipe``. Without a decision (lit_memory
+used as a library, by the caller's own code) nothing here restricts anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities import load as lightning_load
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import _weights_only_unpickler as unpickler
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from transformers import CONFIG_MAPPING
+
+from lit_memory.sandbox import bounds
+from lit_memory import files
+from lit_memory.config.shipped import TRUST_FLAG
+from lit_memory.errors import UserError
+
+HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization reads it at every torch.load
+NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+# Lightning's own names for checkpoints it finds itself.
+SPECIAL_CKPT = ("last", "best", "hpc")
+
+_trusted: Optional[bool] = None  # None: no run's decision holds now (library use)
+_own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
+
+
+@contextlib.contextmanager
+def enforced(trusted: bool) -> Iterator[None]:
+    """Apply a run's trust decision to every sink in this process for the length of the block (`lit_memory.config.trust`
+    makes sure a trusted decision never lifts an untrusted one inside it). Untrusted, torch's weights-only switch
+    is set for every ``torch.load`` (children started meanwhile inherit it); at the end the switch, the decision
+    and what the run recorded here (the folders and settings the user typed) are as they were before it."""
+    global _trusted, _typed
+    harden()
+    global _typed_values
+    saved = (_trusted, list(_own_folders), _typed, _typed_values)
+    switches = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
+    _trusted = trusted
+    if not trusted:
+        os.environ[FORCE_WEIGHTS_ONLY] = "1"
+        os.environ.pop(NO_WEIGHTS_ONLY, None)  # torch refuses both set
+    try:
+        yield
+    finally:
+        _trusted, own, _typed, _typed_values = saved
+        _own_folders[:] = own
+        for name, value in switches.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def restricted() -> bool:
+    """Whether the untrusted rules hold in this process."""
+    return _trusted is False
+
+
+# -- paths -------------------------------------------------------------------------------------
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(value: str) -> bool:
+    """A URL, an fsspec chain (``simplecache::s3://...``) or Lightning's model registry: not a local path."""
+    return bool(_SCHEME.match(value)) or "::" in value or value.startswith("registry:")
+
+
+# -- checkpoints, read without running anything ----------------------------------------------
+
+
+def checkpoint_problem(path: Any, files_too: bool = True) -> Optional[str]:
+    """Why loading a local checkpoint under the untrusted rules fails, or None. It is read only
+    through the restricted readers the sinks use: nothing in it is imported or run. ``files_too=False``
+    leaves a single file to the caller's own weights-only read."""
+    path = Path(path)
+    if path.is_file():
+        return _file_problem(path) if files_too else None
+    if path.is_dir():
+        return _folder_problem(path)
+    if path.exists():  # a device, a pipe: reading it may never end
+        return "it is neither a regular file nor a folder"
+    return None  # not there: the loader reports it
+
+
+def _file_problem(path: Path, data: Optional[bytes] = None) -> Optional[str]:
+    if data is None:
+        try:
+            bounds.regular(path, "checkpoint")
+        except UserError as err:
+            return str(err).split(": ", 1)[-1]
+        if problem := bounds.zip_problem(path):  # before torch's reader decompresses a record whole
+            return problem
+    try:
+        if data is not None:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        else:
+            try:  # memory-mapped: the tensors' bytes are not read, only the pickle
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap" not in str(err):
+                    raise
+                torch.load(path, map_location="cpu", weights_only=True)  # torch's legacy format
+    except Exception as err:  # every way it fails means: not loadable under the rules
+        return f"it cannot be loaded with weights_only=True (tensors and plain data only): {load_error(err)}"
+    return None
+
+
+def load_error(err: Exception) -> str:
+    """The line of a failed weights-only load that says what was refused (torch puts it after its advice)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return next((line for line in lines if line), type(err).__name__)
+
+
+def _folder_problem(path: Path) -> Optional[str]:
+    """A distributed checkpoint: every metadata file (global and rank-local), every non-tensor item
+    they point at, and Lightning's ``meta.pt``."""
+    metadata_files = sorted(p for p in path.iterdir() if p.name == ".metadata" or re.fullmatch(r"__\d+\.metadata", p.name))
+    for file in metadata_files:
+        try:  # a regular file within its bound: a link to /dev/zero or a FIFO would never end
+            data = bounds.read_bytes(file, bounds.METADATA_BYTES, "checkpoint metadata")
+        except UserError as err:
+            return f"its {file.name}: {str(err).split(': ', 1)[-1]}"
+        try:
+            metadata = load_metadata(io.BytesIO(data))
+        except Exception as err:
+            return f"its {file.name} names code to run when unpickled ({err})"
+        for index, info in (metadata.storage_data or {}).items():
+            if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                continue  # tensors: torch's reader loads them weights-only itself
+            if getattr(info, "transform_descriptors", None):
+                continue  # compressed: the forced weights-only load covers it when it is read
+            if info.length > bounds.PICKLE_BYTES:
+                return f"its item {index.fqn!r} ({info.relative_path}): {info.length} bytes of pickle, more than the bound"
+            try:
+                item = bounds.regular(path / info.relative_path, "checkpoint item")
+            except UserError as err:
+                return f"its item {index.fqn!r}: {str(err).split(': ', 1)[-1]}"
+            with open(item, "rb") as f:
+                f.seek(info.offset)
+                problem = _file_problem(path, f.read(info.length))
+            if problem:
+                return f"its item {index.fqn!r} ({info.relative_path}): {problem}"
+    meta = path / "meta.pt"
+    if (meta.exists() or meta.is_symlink()) and (problem := _file_problem(meta)):
+        return f"its {meta.name}: {problem}"
+    return None
+
+
+def _metadata_globals() -> set[tuple[str, str]]:
+    allowed = {
+        (dcp_metadata.__name__, name)
+        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    allowed |= {(filesystem.__name__, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+    allowed |= {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}  # checkpoint_id
+    allowed |= {("collections", "OrderedDict")}
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict unpickling (`find_class`): torch's weights-only unpickler
+    cannot read the pickle protocol torch writes distributed-checkpoint metadata with (4: FRAME)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in _metadata_globals():
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def load_metadata(file: io.BufferedIOBase) -> Any:
+    """A distributed checkpoint's metadata, unpickled with its own types alone allowed, whose items
+    name files inside the checkpoint folder only."""
+    metadata = _MetadataUnpickler(file).load()
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = str(getattr(info, "relative_path", ""))
+        if not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise pickle.UnpicklingError(f"an item is stored outside the checkpoint folder ({relative!r})")
+    return metadata
+
+
+# -- the unpicklers that bypass torch.load ---------------------------------------------------
+
+_hardened = False
+
+
+def harden() -> None:
+    """Route the two unpicklers that bypass ``torch.load`` through the restricted ones while `restricted`.
+
+    Both are replaced on their classes, once per process, because Lightning builds them inside its
+    strategies where no argument reaches them; each replacement behaves as the original when trusted.
+    tests/sandbox/test_guard.py checks that both targets still exist in the installed versions.
+    """
+    global _hardened
+    if _hardened:
+        return
+    read_metadata = filesystem.FileSystemReader.read_metadata
+
+    def guarded_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not restricted():
+            return read_metadata(self, *args, **kwargs)
+        # torch's own method, with the restricted unpickler in place of pickle.load
+        path = self._get_metadata_path(kwargs.get("rank"))
+        metadata = load_metadata(io.BytesIO(bounds.read_bytes(path, bounds.METADATA_BYTES, "checkpoint metadata")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    filesystem.FileSystemReader.read_metadata = guarded_read_metadata
+
+    find_class = lightning_load._LazyLoadingUnpickler.find_class
+
+    def guarded_find_class(self: Any, module: str, name: str) -> Any:
+        if restricted() and f"{module}.{name}" not in _weights_only_globals():
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not allowed by weights_only=True loading; {TRUST_FLAG} lifts this"
+            )
+        return find_class(self, module, name)
+
+    lightning_load._LazyLoadingUnpickler.find_class = guarded_find_class
+    _hardened = True
+
+
+def _weights_only_globals() -> set[str]:
+    """What torch's weights-only unpickler allows: its defaults plus `torch.serialization.add_safe_globals`."""
+    return set(unpickler._get_allowed_globals()) | set(unpickler._get_user_allowed_globals())
+
+
+# -- Lightning's checkpoint IO ---------------------------------------------------------------
+
+
+class GuardedCheckpointIO(CheckpointIO):
+    """Any strategy's checkpoint IO under the guard. Always: a save never writes through a link
+    (`lit_memory.files`). While `restricted`: loads of local paths only, weights-only. (Where an untrusted run
+    writes is the kernel's to enforce: `lit_memory.sandbox`.)"""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if type(self.inner) is not TorchCheckpointIO or is_remote(str(path)) or storage_options is not None:
+            files.refuse_link(path)
+            return self.inner.save_checkpoint(checkpoint, path, storage_options)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()  # as TorchCheckpointIO: serialise first, then write the file at once
+        torch.save(checkpoint, buffer)
+        files.write_bytes(path, buffer.getvalue())
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if restricted():
+            if is_remote(str(path)):
+                raise UserError(f"refusing to load checkpoint {path}: it is not a local file; {HINT}")
+            weights_only = True
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if os.path.islink(path):
+            os.unlink(path)  # the link, not what it points at
+            return
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+
+def install(trainer: Any) -> None:
+    """Put a trainer under the guard: its strategy's checkpoint IO (whichever strategy a recipe named),
+    and the one place Lightning decides which checkpoint a run loads (``_select_ckpt_path``, private: the
+    check must see exactly the path Lightning picks, including the ones it picks by itself)."""
+    strategy = trainer.strategy
+    if not isinstance(strategy.checkpoint_io, GuardedCheckpointIO):
+        strategy.checkpoint_io = GuardedCheckpointIO(strategy.checkpoint_io)
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_lit_memory_guarded", False):
+        return
+    select = connector._select_ckpt_path
+
+    def guarded_select(state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        found = select(state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
+        if restricted():
+            check_selected(connector, ckpt_path, found)
+        return found
+
+    connector._select_ckpt_path = guarded_select
+    connector._lit_memory_guarded = True
+
+
+# -- checkpoint cadence and count over all callbacks ------------------------------------------------
+
+MIN_CHECKPOINT_STEPS = 50  # on average, over every callback: at most one checkpoint per this many optimizer steps
+MAX_KEPT_CHECKPOINTS = 10  # kept at once, over every callback
+
+
+def checkpoint_load(trainer: Any, exempt: Callable[[Any], bool] = lambda c: False) -> Optional[str]:
+    """Why the run's checkpoint callbacks, together, would save too often or keep too many, or None.
+    Each callback's interval in optimizer steps (``every_n_train_steps``, or ``every_n_epochs`` times the
+    optimizer steps of an epoch, known once the training data is loaded); the saves over the run
+    (``max_steps``, else ``max_epochs`` epochs) may exceed one per callback by at most one per
+    `MIN_CHECKPOINT_STEPS` steps. ``exempt``: callbacks the user typed, and lit_memory's own."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if not exempt(c)]
+    if not callbacks:
+        return None
+    batches = trainer.num_training_batches
+    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if batches not in (None, float("inf")) else None
+    if trainer.max_steps and trainer.max_steps > 0:
+        total = trainer.max_steps
+    elif per_epoch is not None and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        total = per_epoch * trainer.max_epochs
+    else:
+        total = None  # endless: every cadence counts
+    saves, kept, rate = 0.0, 0, 0.0
+    for c in callbacks:
+        steps = getattr(c, "_every_n_train_steps", 0) or 0
+        epochs = getattr(c, "_every_n_epochs", 0) or 0
+        interval = steps if steps > 0 else (epochs * per_epoch if epochs > 0 and per_epoch else None)
+        copies = 2 if c.save_last is True else 1  # last.ckpt written again beside each save (a link costs nothing)
+        if interval:
+            rate += copies / interval
+            saves += copies * (total // interval if total is not None else float("inf"))
+        top_k = c.save_top_k if c.monitor is not None else min(c.save_top_k, 1)
+        kept += (top_k if top_k >= 0 else MAX_KEPT_CHECKPOINTS + 1) + (1 if c.save_last is True else 0)
+    if kept > MAX_KEPT_CHECKPOINTS:
+        return (f"the checkpoint callbacks together keep {kept} checkpoints, more than {MAX_KEPT_CHECKPOINTS} "
+                "(save_top_k and save_last summed over trainer.callbacks)")
+    allowed = len(callbacks) + (total // MIN_CHECKPOINT_STEPS if total is not None else 0)
+    if rate * MIN_CHECKPOINT_STEPS > 1 and saves > allowed:
+        return (f"the checkpoint callbacks together save a checkpoint every {1 / rate:.1f} optimizer steps "
+                f"({'endlessly' if total is None else f'{saves:.0f} times in {total} steps'}), more often than every "
+                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over trainer.callbacks)")
+    return None
+
+
+def save_budget(step: int, callbacks: int) -> int:
+    """How many checkpoints a run may have saved by optimizer step ``step`` over its ``callbacks`` counted
+    checkpoint callbacks: two per callback (a save and last.ckpt's copy) and two more (a batch-size finder's, an
+    exception's), plus two per `MIN_CHECKPOINT_STEPS` steps."""
+    return 2 * callbacks + 2 + 2 * (step // MIN_CHECKPOINT_STEPS)
+
+
+class RunBounds(Callback):
+    """The bounds that hold for a fit's whole length, untrusted: checkpoints over all callbacks, judged once the
+    training data is loaded (`checkpoint_load`) and counted at every save the strategy makes, whichever callback asks
+    (`save_budget`: an every-N-epochs cadence or a validation every step is seen here whatever its settings said).
+    ``exempt``: the callbacks the user typed and lit_memory's own, whose saves are not counted."""
+
+    def __init__(self, exempt: Callable[[Any], bool] = lambda c: False) -> None:
+        self.exempt = exempt
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if restricted() and stage == "fit":
+            self._count_saves(trainer)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if restricted() and (problem := checkpoint_load(trainer, self.exempt)):
+            raise UserError(f"refusing {problem}; {HINT}")
+
+    def _count_saves(self, trainer: Any) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy, "_lit_memory_counted", False):
+            return
+        save, saves, inside = strategy.save_checkpoint, [], [0]
+        for callback in trainer.checkpoint_callbacks:
+            if self.exempt(callback):  # what it saves is not counted
+                callback._save_checkpoint = _not_counted(callback._save_checkpoint, inside)
+        counted = sum(1 for c in trainer.checkpoint_callbacks if not self.exempt(c))
+
+        def counted_save(checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> Any:
+            if restricted() and not inside[0]:
+                saves.append(trainer.global_step)
+                if len(saves) > save_budget(trainer.global_step, counted):
+                    raise UserError(
+                        f"refusing to save {filepath}: checkpoint {len(saves)} by step {trainer.global_step}, more than "
+                        f"one per {MIN_CHECKPOINT_STEPS} optimizer steps over all checkpoint callbacks; {HINT}")
+            return save(checkpoint, filepath, *args, **kwargs)
+
+        strategy.save_checkpoint = counted_save
+        strategy._lit_memory_counted = True
+
+
+def _not_counted(method: Callable[..., Any], inside: list[int]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        inside[0] += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    return call
+
+
+# -- before a run starts ---------------------------------------------------------------------
+
+
+def preflight(
+    trainer: Any, subcommand: str, ckpt_path: Optional[str], own_folders: tuple[Any, ...] = (), model: Any = None
+) -> None:
+    """Untrusted: refuse, before anything is read, the checkpoint Lightning will pick when the run would load it
+    unsafely (asked exactly as ``Trainer.<subcommand>`` will ask, through `install`'s check). ``own_folders``:
+    folders the user typed (``--trainer.default_root_dir``, a callback's ``dirpath``): a checkpoint Lightning picks
+    by itself there (SLURM's requeued job resuming) is theirs, and still read with the restricted readers."""
+    if not restricted():
+        return
+    _own_folders[:] = [Path(os.path.realpath(f)) for f in own_folders if f and not is_remote(str(f))]
+    state = trainer.state
+    fn, state.fn = state.fn, TrainerFn(subcommand)  # Lightning resumes by itself only while fitting
+    try:
+        trainer._checkpoint_connector._select_ckpt_path(state.fn, ckpt_path, model_provided=True, model_connected=False)
+    except UserError:
+        raise
+    except ValueError:
+        pass  # e.g. "best" without a checkpoint callback: Lightning says so when it runs
+    finally:
+        state.fn = fn
+
+
+def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
+    """Refuse a checkpoint Lightning picked by itself (``ckpt_path`` unset: SLURM's ``hpc_ckpt_N.ckpt`` in
+    the run's root folder, an ``OnExceptionCheckpoint``'s file), a remote one, or one the restricted
+    readers cannot read."""
+    if found is None:
+        return
+    if ckpt_path is None and Path(os.path.realpath(os.path.dirname(os.path.abspath(found)))) not in _own_folders:
+        why = (
+            "SLURM's hpc checkpoint in trainer.default_root_dir"
+            if SLURMEnvironment.detect() and str(found) == str(connector._hpc_resume_path)
+            else "an OnExceptionCheckpoint's file, resumed automatically"
+        )
+        raise UserError(
+            f"refusing to resume from {found}: Lightning picked it by itself ({why}) in a folder the recipe chose; "
+            f"resume from it with --ckpt_path {found}, or pass {TRUST_FLAG} only if you trust its source"
+        )
+    if is_remote(str(found)):
+        raise UserError(f"refusing ckpt_path={str(found)!r} (found for {ckpt_path!r}): it is not a local file or folder; {HINT}")
+    if problem := checkpoint_problem(found):
+        raise UserError(f"refusing ckpt_path={str(found)!r}: {problem}; {HINT}")
+
+
+# Settings that name where a run writes (the user's own when typed: `lit_memory.config.trust.Decision`).
+WRITE_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir", "exclude_batches_path", "output_dir")
+
+
+def pretrained_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments for a Hugging Face ``from_pretrained``: untrusted, ``trust_remote_code=False``
+    unless given (only a value the user typed gets here: `lit_memory.config.trust` refuses it from files), so
+    transformers neither imports a model folder's ``auto_map`` code nor asks at the terminal."""
+    if restricted():
+        kwargs.setdefault("trust_remote_code", False)
+    return kwargs
+
+
+def hugging_face_error(err: Exception) -> Optional[str]:
+    """The first line of transformers' refusal to run custom code, or None for other errors."""
+    text = str(err)
+    if "trust_remote_code" in text or "custom code" in text:
+        return f"it needs the Python code shipped with it (transformers' trust_remote_code): {text.strip().splitlines()[0]}"
+    return None
+
+
+WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+# Hugging Face settings that fetch or run code (config.json, config overrides, from_pretrained options).
+KERNEL_SETTINGS = ("attn_implementation", "experts_implementation")
+KERNEL_PATTERN = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")  # transformers' `is_kernel`: org/name[@rev][:fn]
+CODE_SETTINGS = {
+    "quantization_config": "transformers picks a quantizer by it, which imports (and can download) code of its own",
+    "use_kernels": "it makes transformers download kernels from the Hugging Face Hub and import them",
+    "kernel_config": "it makes transformers download kernels from the Hugging Face Hub and import them",
+    "allow_all_kernels": "it lets transformers import kernels from any Hub repository",
+    "custom_pipelines": "it names Python code to run the model with",
+}
+
+
+def code_setting(name: str, value: Any) -> Optional[str]:
+    """Why a Hugging Face config setting (a config.json key, a config override, a config attribute) would
+    make transformers fetch or run code, or None: an attention or experts implementation naming a kernel
+    on the Hub (``kernels-community/flash-attn``: downloaded and imported where the ``kernels`` package
+    is installed), a quantization config, kernel options."""
+    bare = name.lstrip("_").removesuffix("_internal")
+    if bare in KERNEL_SETTINGS:
+        values = value.values() if isinstance(value, dict) else [value]
+        kernels = [v for v in values if isinstance(v, str) and KERNEL_PATTERN.match(v)]
+        if kernels:
+            return f"{kernels[0]!r} names a kernel on the Hugging Face Hub that transformers downloads and imports"
+        return None
+    if bare in CODE_SETTINGS and value not in (None, False, {}):
+        return CODE_SETTINGS[bare]
+    return None
+
+
+def config_code_problems(config: Any, where: str, depth: int = 0) -> list[str]:
+    """`code_setting` over a config as a dict (config.json) or a transformers config, with its sub-configs."""
+    found = []
+    items = config.items() if isinstance(config, dict) else [
+        (name, getattr(config, name, None)) for name in ("_attn_implementation", "_experts_implementation", "quantization_config")
+    ]
+    for name, value in items:
+        if isinstance(name, str) and (reason := code_setting(name, value)):
+            found.append(f"{where}: {name.lstrip('_').removesuffix('_internal')}: {reason}")
+    if depth < 4:
+        subs = [v for v in config.values() if isinstance(v, dict)] if isinstance(config, dict) else [
+            getattr(config, n, None) for n in (getattr(config, "sub_configs", None) or {})]
+        for sub in subs:
+            if sub is not None and sub is not config:
+                found += config_code_problems(sub, where, depth + 1)
+    return found
+
+
+_typed: frozenset[str] = frozenset()  # dotted keys the user typed (`set_typed`)
+_typed_values: frozenset[str] = frozenset()  # the values they typed for them (a repository named on the command line)
+_local_only = 0  # inside `local_only`: Hugging Face loads read the caches, never the Hub
+
+
+def set_typed(keys: Any) -> None:
+    """The settings the user typed (a dict of key to value, or the keys), for the checks made after parsing (a typed
+    config override is theirs; a repository typed is loaded with their token)."""
+    global _typed, _typed_values
+    _typed = frozenset(keys)
+    _typed_values = frozenset(str(v) for v in keys.values()) if isinstance(keys, dict) else frozenset()
+
+
+@contextlib.contextmanager
+def local_only() -> Iterator[None]:
+    """For the length of the block, Hugging Face loads through `call` read local files and the caches only: what the
+    parent of a confined run estimates for a recipe reaches no server (`lit_memory.confine.hub` fetches, bounded)."""
+    global _local_only
+    _local_only += 1
+    try:
+        yield
+    finally:
+        _local_only -= 1
+
+
+def check_config(config: Any, overrides: Optional[dict[str, Any]] = None) -> None:
+    """Untrusted: refuse a loaded Hugging Face config (its file, the Hub's or a folder's, with the overrides)
+    that would fetch or run code when the model is built, or name a model too large to build. An override
+    the user typed is theirs."""
+    if not restricted():
+        return
+    typed = {k.rsplit(".", 1)[-1] for k in _typed if k.startswith("model.config_overrides.")}
+    for problem in config_code_problems(config, "the model config"):
+        name = problem.split(": ", 2)[1]
+        if name not in typed and f"_{name}" not in typed:
+            raise UserError(f"refusing {problem}; {HINT}")
+    if problem := bounds.model_size_problem(config, exempt=tuple(typed)):
+        raise UserError(f"refusing the model config: {problem}; {HINT}")
+
+
+def check_normalizer(tokenizer: Any, what: str) -> None:
+    """Untrusted: refuse a loaded tokenizer whose normalizers would multiply every text (`bounds`)."""
+    if not restricted():
+        return
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is None:
+        return
+    if problem := bounds.normalizer_problem(json.loads(normalizer.__getstate__())):
+        raise UserError(f"refusing {what}: {problem}; {HINT}")
+
+
+WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TEXT_SUFFIXES = {".json": bounds.JSON_BYTES, ".txt": bounds.TOKENIZER_BYTES, ".model": bounds.TOKENIZER_BYTES}
+
+
+def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str]:
+    """What loading a local Hugging Face model folder would refuse untrusted, found without loading it:
+    files that are not regular (a FIFO, a device) or beyond their size bound (`bounds`), settings in
+    its config.json that fetch or run code (`code_setting`), Python code it names (``auto_map``) for a
+    model type transformers does not know (so it cannot load without running that code), a tokenizer
+    whose normalizers multiply texts, and pickled weights that expand without bound or name anything
+    weights-only loading refuses (torch's static scan of the pickle,
+    `torch.serialization.get_unsafe_globals_in_checkpoint`). ``loaders_refuse=False`` leaves out what the
+    loaders refuse by themselves when they get there (``auto_map`` code, pickles: `call`, weights-only loads)."""
+    problems = []
+    entries = sorted(folder.iterdir())
+    for entry in entries:
+        if entry.is_dir():
+            continue
+        limit = bounds.TOKENIZER_BYTES if entry.name == "tokenizer.json" else TEXT_SUFFIXES.get(entry.suffix)
+        try:
+            bounds.regular(entry, "model file", limit)
+        except UserError as err:
+            problems.append(str(err).removeprefix("refusing to read ").removeprefix("cannot read "))
+    for name in ("config.json", "tokenizer_config.json"):
+        if not os.path.lexists(folder / name):
+            continue
+        try:
+            config = bounds.read_json(folder / name, what="model file")
+        except UserError as err:
+            problems.append(str(err).removeprefix("refusing to read "))
+            continue
+        except ValueError:
+            continue  # not JSON: transformers says so
+        if loaders_refuse and isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+            problems.append(f"{folder / name} names Python code to load it with (auto_map) for a model type "
+                            f"transformers does not know ({config.get('model_type')!r})")
+        if name == "config.json" and isinstance(config, dict):
+            problems += config_code_problems(config, str(folder / name))
+    if os.path.lexists(folder / "tokenizer.json") and (problem := bounds.tokenizer_problem(folder / "tokenizer.json")):
+        problems.append(f"{folder / 'tokenizer.json'}: {problem}")
+    for file in (p for p in entries if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        try:
+            unsafe = bounds.unsafe_globals(file) if loaders_refuse else _zip_bounds(file)
+        except bounds.BoundExceeded as err:
+            problems.append(f"{file}: {err}")
+            continue
+        except Exception as err:  # noqa: BLE001  not a torch zip file: weights-only loading reads no more of it
+            unsafe = [f"unreadable as a torch file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
+        if unsafe and loaders_refuse:
+            problems.append(f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it")
+    return problems
+
+
+def _zip_bounds(file: Path) -> list[str]:
+    if problem := bounds.zip_problem(file):
+        raise bounds.BoundExceeded(problem)
+    return []
+
+
+_checked_folders: dict[str, list[str]] = {}
+
+
+def check_model_folder(name_or_path: Any, what: str) -> None:
+    """Untrusted: refuse a local model or tokenizer folder with any of `model_folder_problems`, before
+    transformers reads it (checked once per folder and process)."""
+    if not restricted() or not isinstance(name_or_path, (str, os.PathLike)):
+        return
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return
+    key = os.path.realpath(folder)
+    if key not in _checked_folders:
+        _checked_folders[key] = model_folder_problems(folder, loaders_refuse=False)
+    if _checked_folders[key]:
+        raise UserError(f"refusing {what}: {_checked_folders[key][0]}; {HINT}")
+
+
+def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+    """``load(*args, **kwargs)`` with a refusal to run shipped code as one line. Untrusted, a repository the user did
+    not type is loaded without their token (a recipe's choice of repository must not receive it: a private one of
+    theirs, or a server that logs it); inside `local_only`, from the caches only."""
+    if restricted() and args and str(args[0]) not in _typed_values:
+        kwargs.setdefault("token", False)
+    if _local_only:
+        kwargs["local_files_only"] = True
+    try:
+        return load(*args, **pretrained_kwargs(**kwargs))
+    except UserError:
+        raise
+    except ValueError as err:  # transformers' word for a folder it cannot load as asked
+        if (reason := hugging_face_error(err)) is None:
+            raise UserError(f"cannot load {what}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+        raise UserError(f"refusing to load {what}: {reason}; pass {TRUST_FLAG} only if you trust its source") from None
