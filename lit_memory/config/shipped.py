@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
+from lit_memory.sandbox import TRUST_FLAG
 
 PACKAGED = Path(__file__).resolve().parents[1] / "assets" / "recipes"  # where the wheel puts `recipes/`
 CHECKOUT = Path(__file__).resolve().parents[2] / "recipes"  # a repo checkout or an editable install
 MEASURED = records.BENCH_JSON  # the latest bench run's rows, beside the recipes (bench --update-readme)
 RECIPE_FLAG = "--recipe"
-TRUST_FLAG = "--trust-recipe"
 
 
 def recipes_dir() -> Path:

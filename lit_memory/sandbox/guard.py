@@ -63,10 +63,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 from transformers import CONFIG_MAPPING
 
-from lit_memory.sandbox import bounds
 from lit_memory import files
-from lit_memory.config.shipped import TRUST_FLAG
 from lit_memory.errors import UserError
+from lit_memory.sandbox import TRUST_FLAG, bounds
 
 HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization reads it at every torch.load
