@@ -2,7 +2,8 @@
 it is unbounded, and the child is held by more than paths.
 
 Without ``--trust-recipe``, ``python -m lit_memory fit|validate|test|predict`` judges the command in its own
-process and runs it in a child that confines itself first thing (`launch`, the parent's side; `child`, the child's):
+process and runs it in a child that confines itself first thing (`lit_memory.confine.launch`, the parent's side, above
+the runtime; `child`, the child's). This package is the base layer: the runtime imports it, it imports none of it.
 
 - `rules`: the confinement a run gets (`rules.Spec`: read roots, write roots, TCP ports, bounds, the child's path
   and status pipe), the child's environment without secrets, and the values a recipe may not choose (run folders
@@ -11,8 +12,6 @@ process and runs it in a child that confines itself first thing (`launch`, the p
 - `roots`: the run's folders made beneath the working folder without following a link, logger names of one component;
 - `stage`: every file a recipe names, checked as a regular file beneath its folder with no link on the way
   (``openat2``), an index's shards included;
-- `hub`: what a run names on the Hugging Face Hub, sized from its metadata against the disk budget, fetched into the
-  run's private folder within the time bound, with the user's token only for a repository they typed;
 - `cgroup`: the run's memory (tmpfs and memfd included) and processes bounded by the kernel, all killed at the end;
 - `namespaces`: network (loopback only), IPC, process ids, and a mount namespace whose view holds only the run's
   roots, a fresh ``/proc`` and a private ``/dev/shm``;
@@ -20,8 +19,9 @@ process and runs it in a child that confines itself first thing (`launch`, the p
 - `watchdog`: the parent's watch (output relayed, status over a pipe, memory, disk and preparation time bounded,
   nothing left running however it ends).
 
-What stays in Python (`lit_memory.config.trust`, `lit_memory.sandbox.guard`, `lit_memory.sandbox.bounds`) is what the kernel cannot judge:
-the import allowlist, weights-only loading, remote-code refusals, value bounds. docs/sharing.md states the
+What stays in Python is what the kernel cannot judge: the decision (`lit_memory.config.trust`: the import allowlist,
+value bounds) enforced where things load (`guard`: weights-only loading, remote-code refusals) and files read within
+bounds (`bounds`); what a run names on the Hub is fetched for it by `lit_memory.confine.hub`. docs/sharing.md states the
 guarantee: what is enforced by what, per platform, and what is not covered. Where Landlock is missing an untrusted run
 does not start; each other missing layer is one warning line.
 """
