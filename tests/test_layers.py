@@ -94,19 +94,55 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
 
 
+def unit(module: str) -> str:
+    """The top-level folder or module of the package that holds a module: ``lit_memory.<first name>``."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_loop_between_top_level_folders_and_modules():
+    """The folders are the layers: no top-level folder or module imports itself back through others (a module
+    loop inside one folder would show in `test_no_import_cycles`; here two folders reaching into each other do)."""
+    units: dict[str, set[str]] = {}
+    for source, targets in graph().items():
+        if source != "lit_memory":
+            units.setdefault(unit(source), set()).update(unit(t) for t in targets if unit(t) != unit(source))
+    loops = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for target in units.get(node, ()):
+            if target in path:
+                loops.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(units):
+        if start not in done:
+            visit(start, [start])
+    assert not loops, "top-level import loops:\n" + "\n".join(sorted(set(loops)))
+    assert len(units) > 10  # the graph was built: the package has that many top-level folders and modules
+
+
+def test_the_top_of_the_package_is_short():
+    """Modules live in the folder of their layer; the top keeps the entry points, the base and the runtime's classes
+    that recipes name by path (`lit_memory.model`, `lit_memory.data`, `lit_memory.strategies`, `lit_memory.fabric`)."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 16, top
+
+
 def test_every_module_is_placed_where_the_map_and_the_docstrings_say():
-    """The map names real modules, each sub-package of memory/ says what it holds (its docstring names each of
-    its modules), and the memory packages sit where their docstring says: two below the runtime, two above."""
+    """The map names real modules; each package of memory accounting says what it holds (its docstring names each
+    of its modules and sub-packages), memory/ sits below the runtime and planning/ above it."""
     for _, names in lit_memory.LAYERS:
         for name in names:
             assert module_exists(name), name
     runtime = lit_memory.layer_of("lit_memory.model")
-    for package in (PACKAGE / "memory").iterdir():
-        if not (package / "__init__.py").is_file():
-            continue
-        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
-        for module in package.glob("*.py"):
-            if module.stem != "__init__":
-                assert f"`{module.stem}`" in doc, f"{package.name}/__init__ does not name {module.stem}"
-        below = package.name in ("measure", "hardware")
-        assert (layer(f"lit_memory.memory.{package.name}") < runtime) == below, package.name
+    for root, below in (("memory", True), ("planning", False)):
+        for init in (PACKAGE / root).rglob("__init__.py"):
+            doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+            held = [p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"]
+            held += [p.parent.name for p in init.parent.glob("*/__init__.py")]
+            for name in held:
+                assert f"`{name}`" in doc, f"{init.relative_to(PACKAGE)} does not name {name}"
+            assert (layer(module_name(init)) < runtime) == below, module_name(init)
