@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
@@ -211,29 +212,45 @@ def _setups(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]]
                 block = None  # weighed against recompute once a setup is chosen (`refine`)
             seen.setdefault(key_of(block.plain if block else "<absent>"), block)
         options[key] = list(seen.values())
-    order = list(dict.fromkeys(k for r in recipes for k in r.blocks))  # the recipes' own order of settings
+    order = {k: i for i, k in enumerate(dict.fromkeys(k for r in recipes for k in r.blocks))}  # the recipes' order
     effective = base.batch_size * base.accumulate_grad_batches
-    kept: dict[tuple, tuple[dict[str, Block], Step]] = {}
-    for combination in itertools.product(*options.values()):
+    splits = [_batch_blocks(micro, accumulate) for micro, accumulate in _micro_batches(effective)]
+    # How far each combination and split is from each recipe (the keys they differ in, as `_parent` counts them):
+    # sums of one table per setting, so each option's plain value is compared once, not once per combination.
+    differences = np.zeros([*map(len, options.values()), len(recipes)], dtype=np.int32)
+    for axis, (key, choices) in enumerate(options.items()):
+        table = np.array([[not _same(key, block, recipe) for recipe in recipes] for block in choices], dtype=np.int32)
+        differences += table.reshape([len(choices) if i == axis else 1 for i in range(len(options))] + [len(recipes)])
+    differences = differences.reshape(-1, len(recipes))  # in itertools.product's order
+    split_differences = np.array(
+        [[sum(not _same(key, split[key], recipe) for key in BATCH_KEYS) for recipe in recipes] for split in splits],
+        dtype=np.int32,
+    )
+    kept: dict[tuple, tuple[dict[str, Block], Step, int]] = {}
+    for index, combination in enumerate(itertools.product(*options.values())):
         chosen = {b.key: b for b in combination if b is not None}
-        for micro, accumulate in _micro_batches(effective):
-            blocks = {**chosen, **_batch_blocks(micro, accumulate)}
-            blocks = dict(sorted(blocks.items(), key=lambda kv: order.index(kv[0])))
-            try:
-                setup = base.with_settings({k: b.plain for k, b in blocks.items()})
-            except UserError as err:
-                _refusal(refused, blocks, err)
-                continue  # settings refused together
-            if setup.fused and setup.accumulate_grad_batches > 1:
+        try:
+            # Laid over once per combination; each micro-batch split is the same step with its two fields replaced
+            # (neither changes what else a step reads from its settings).
+            combined = base.with_settings({k: b.plain for k, b in chosen.items()})
+        except UserError as err:
+            _refusal(refused, chosen, err)
+            continue  # settings refused together
+        same_setting = _identity(combined)  # but for the two fields each split replaces
+        for split, split_difference in zip(splits, split_differences):
+            micro, accumulate = split["data.batch_size"].value, split["trainer.accumulate_grad_batches"].value
+            if combined.fused and accumulate > 1:
                 continue  # the fused step applies each gradient as it arrives: nothing to accumulate into
-            identity = _identity(setup)
+            identity = (same_setting, micro, accumulate)
+            distance = int((differences[index] + split_difference).min())
+            if identity in kept and distance >= kept[identity][2]:
+                continue  # the same setup (it ignores where they differ): keep the settings closest to a recipe
+            blocks = dict(sorted({**chosen, **split}.items(), key=lambda kv: order[kv[0]]))
             if identity in kept:
-                # Settings that differ only where this setup ignores them: write those closest to a shipped recipe.
-                if _distance(blocks, recipes) < _distance(kept[identity][0], recipes):
-                    kept[identity] = (blocks, kept[identity][1])
-                continue
-            kept[identity] = (blocks, setup)
-    return list(kept.values())
+                kept[identity] = (blocks, kept[identity][1], distance)
+            else:
+                kept[identity] = (blocks, replace(combined, batch_size=micro, accumulate_grad_batches=accumulate), distance)
+    return [(blocks, setup) for blocks, setup, _ in kept.values()]
 
 
 def _predicted(blocks: dict[str, Block], setup: Step, refused: Optional[dict[str, str]]) -> Optional[Candidate]:
@@ -291,10 +308,6 @@ def refine(chosen: Candidate, limit: Limit) -> Candidate:
     return Candidate(blocks, setup, analytic(setup))
 
 
-def _distance(blocks: dict[str, Block], recipes: list[Recipe]) -> int:
-    return len(_parent(blocks, recipes)[1])
-
-
 # -- measuring ----------------------------------------------------------------------------------
 
 
@@ -339,17 +352,19 @@ def _parent(blocks: dict[str, Block], recipes: list[Recipe]) -> tuple[Recipe, li
     """The recipe the chosen settings differ least from, and the keys they differ in. A recipe's ``auto``
     (checkpointing, offloading) is whatever plan the budget resolved it to; its tier is the plan's budget."""
 
-    def same(key: str, recipe: Recipe) -> bool:
-        mine = blocks[key].plain if key in blocks else None
-        theirs = recipe.blocks[key].plain if key in recipe.blocks else None
-        return mine == theirs or (key in (CHECKPOINTING, OFFLOADING) and theirs == "auto")
-
     def differences(recipe: Recipe) -> list[str]:
         keys = dict.fromkeys([*blocks, *recipe.blocks])
-        return [k for k in keys if k not in NOT_COMBINED and not same(k, recipe)]
+        return [k for k in keys if k not in NOT_COMBINED and not _same(k, blocks.get(k), recipe)]
 
     parent = min(recipes, key=lambda r: len(differences(r)))
     return parent, differences(parent)
+
+
+def _same(key: str, block: Optional[Block], recipe: Recipe) -> bool:
+    """Whether ``block`` (None: not set) is what ``recipe`` sets for ``key``; a recipe's ``auto`` is any plan."""
+    mine = block.plain if block is not None else None
+    theirs = recipe.blocks[key].plain if key in recipe.blocks else None
+    return mine == theirs or (key in (CHECKPOINTING, OFFLOADING) and theirs == "auto")
 
 
 def _breakdown(prediction: Prediction) -> str:
