@@ -43,7 +43,8 @@ from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.planning.hooks import run_hooks
 from lit_memory.planning.recompute import plan_run
 from lit_memory.planning.prediction.step import Step, ranks
-from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.optim.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
 from lit_memory.run.predict_file import PredictionWriter
