@@ -72,7 +72,7 @@ ALLOWLIST = (
 DENYLIST = (
     "lightning.pytorch.cli",
     "lightning.fabric.cli",
-    "lit_memory.cli",
+    "lit_memory.cli", "lit_memory.config.arguments",
     "lit_memory.__main__",
     "lit_memory.config.trust",
     "lit_memory.config.recipes.SaveRecipe",
