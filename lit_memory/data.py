@@ -8,7 +8,6 @@ bad input fails with one line and leaves nothing behind.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from collections import Counter
@@ -17,13 +16,11 @@ from typing import Any, Literal, Optional, Union
 
 import datasets
 import lightning as L
-import torch
 from torch.utils.data import DataLoader
-from transformers import DataCollatorWithPadding
 
 from lit_memory.hf import bundled, text_encoding, windows
 from lit_memory.sandbox import guard
-from lit_memory.run import predict_file, training_length
+from lit_memory.run import loaders, predict_file, training_length
 from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
 from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
@@ -33,7 +30,8 @@ from lit_memory.hf.hf_loading import label_names_or_default
 from lit_memory.hf.local_data import load_local
 from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType
-from lit_memory.run.resume import ResumableDataLoader, ResumableSampler
+from lit_memory.task import splits as splits_
+from lit_memory.task.splits import SPLITS
 from lit_memory.hf.tokenizing import encode_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,7 +47,6 @@ FILE_FORMATS = {
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
 }
-SPLITS = ("train", "validation", "test")
 DEMO_TRAIN_SAMPLES = 4000  # the bundled demo's training subset: every recipe under 10 minutes on a 2-core CPU
 
 
@@ -282,7 +279,8 @@ class TextClassificationData(L.LightningDataModule):
         self._decoding = text_encoding.decoding(self._local_file, self.hparams.encoding, self.hparams.encoding_errors)
         try:
             if builder == "json" and not self._decoding.ascii_compatible:
-                raw = datasets.DatasetDict(train=self._json_as_text())
+                rows = predict_file.json_dataset(self._local_file, self._decoding, self.where)
+                raw = datasets.DatasetDict(train=rows)
             else:
                 raw = load_local(builder, self._local_file, **kwargs, **self._decoding.for_datasets())
         except UserError:
@@ -292,19 +290,6 @@ class TextClassificationData(L.LightningDataModule):
                 raise UserError(f"data file {self.where} has no rows" + (" (only its header)" if builder == "csv" else "")) from None
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw
-
-    def _json_as_text(self) -> datasets.Dataset:
-        """A JSON file in UTF-16 or UTF-32 (`datasets` cuts JSON lines at newline bytes, half such a newline), its
-        rows read as text (`predict_file.json_rows`) into a dataset cached under the file's path, size and time."""
-        path, decoding = self._local_file, self._decoding
-        stat = path.stat()
-        fingerprint = hashlib.sha256(
-            repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, decoding.encoding, decoding.errors)).encode()
-        ).hexdigest()[:32]
-        gen_kwargs = {"path": str(path), "encoding": decoding.encoding, "errors": decoding.errors}
-        if next(predict_file.json_rows(**gen_kwargs), None) is None:
-            raise UserError(f"data file {self.where} has no rows")
-        return datasets.Dataset.from_generator(predict_file.json_rows, gen_kwargs=gen_kwargs, fingerprint=fingerprint)
 
     def _named_splits(self, raw: datasets.DatasetDict) -> dict[str, datasets.Dataset]:
         """The source's splits under our names (train, validation, test) as ``*_split`` name them."""
@@ -400,31 +385,21 @@ class TextClassificationData(L.LightningDataModule):
                 if name != "test":
                     raise
                 unlabelled_test = True  # a hub test split without labels (GLUE's: -1): tested on validation instead
-        classes = task.kind.stratify_classes(task)
-        splits, carved = self._split(encoded, classes, present=set(named))
+        fractions = {"validation": self.hparams.val_fraction, "test": self.hparams.test_fraction}
+        splits, carved = splits_.carve(encoded, task.kind.stratify_classes(task), fractions, self.hparams.seed,
+                                       present=set(named))
         if unlabelled_test:
             splits["test"] = splits["validation"]
         limits = {"train": self.hparams.limit_train_samples, "validation": self.hparams.limit_eval_samples,
                   "test": self.hparams.limit_eval_samples}
-        available = {name: len(splits[name]) for name in SPLITS}
-        for name in SPLITS:
-            limit = limits[name]
-            if limit is not None and limit < len(splits[name]):
-                splits[name] = splits[name].shuffle(seed=self.hparams.seed).select(range(limit))
+        available = splits_.subsample(splits, limits, self.hparams.seed)
         self.task, self.columns = task, columns
         self.resolved_label_names = list(task.label_names) if task.label_names else None
         self.summary = self._summary(splits, available, carved, dropped, unlabelled_test)
         return datasets.DatasetDict(splits)
 
     def _summary(self, splits: dict, available: dict, carved: dict, dropped: dict, unlabelled_test: bool) -> str:
-        parts = []
-        for name in SPLITS:
-            rows = len(splits[name])
-            part = f"{name} {rows:,}"
-            if rows < available[name]:
-                part += f" of {available[name]:,}"
-            parts.append(part)
-        line = f"data: {' · '.join(parts)} rows of {self.where} ({self.task.describe()})"
+        line = f"data: {splits_.rows_words(splits, available)} rows of {self.where} ({self.task.describe()})"
         notes = []
         if carved:
             notes.append(" and ".join(carved) + " carved out of train " + " / ".join(f"{100 * f:.0f} %" for f in carved.values()))
@@ -439,30 +414,8 @@ class TextClassificationData(L.LightningDataModule):
             notes.append(f"training on data.limit_train_samples={limit}{demo}; null trains on all")
         lost = sum(dropped.values(), Counter())
         if lost:
-            notes.append(dropped_words(lost, self.task))
+            notes.append(splits_.dropped_words(lost, self.task))
         return line + ("; " + "; ".join(notes) if notes else "")
-
-    def _split(
-        self, encoded: dict[str, datasets.Dataset], classes: Optional[int], present: set[str] = frozenset()
-    ) -> tuple[dict[str, datasets.Dataset], dict[str, float]]:
-        """Use the source's own splits; carve the missing validation/test splits out of train (stratified by class
-        where there are classes). Returns the splits and what was carved (name: fraction)."""
-        splits = dict(encoded)
-        fractions = {"validation": self.hparams.val_fraction, "test": self.hparams.test_fraction}
-        carve = {name: f for name, f in fractions.items() if name not in encoded and name not in present and f > 0}
-        if carve:
-            held_out = sum(carve.values())
-            parts = _train_test_split(encoded["train"], held_out, self.hparams.seed, classes)
-            splits["train"] = parts["train"]
-            if len(carve) == 2:
-                rest = _train_test_split(parts["test"], carve["test"] / held_out, self.hparams.seed, classes)
-                splits["validation"], splits["test"] = rest["train"], rest["test"]
-            else:
-                splits[next(iter(carve))] = parts["test"]
-        if "validation" not in splits:  # val_fraction > 0 always carves one; a source with test only
-            splits["validation"] = splits["test"]
-        splits.setdefault("test", splits["validation"])  # test_fraction 0: test on the validation split
-        return {name: splits[name] for name in SPLITS}, carve
 
     # -- LightningDataModule hooks ---------------------------------------------------------------
 
@@ -569,7 +522,7 @@ class TextClassificationData(L.LightningDataModule):
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length). The function
         # closes over no `self`: `datasets` hashes it, and hashing `self` would serialise the attached trainer and model.
         if self.hparams.long_texts == "chunk":
-            cut = self._windows(splits, tokenizer, texts, max_length, cap)
+            self.splits, cut = windows.encode_splits(splits, tokenizer, texts, max_length, self.hparams.stride, cap)
         else:
             encode = functools.partial(encode_texts, tokenizer=tokenizer, texts=texts, max_length=max_length, cap=cap)
             self.splits = splits.map(encode, batched=True, remove_columns=list(texts), desc="tokenising")
@@ -599,52 +552,14 @@ class TextClassificationData(L.LightningDataModule):
             len(self.splits["train"]), self.hparams.batch_size, trainer.accumulate_grad_batches, trainer.world_size)
         return training_length.Length(trainer.max_epochs, per_epoch, trainer.max_steps, self.epochs_raised_from).describe()
 
-    def _windows(self, splits: datasets.DatasetDict, tokenizer: Any, texts: tuple, max_length: int, cap: Optional[int]) -> str:
-        """``long_texts: chunk``: every split as windows (`lit_memory.hf.windows`); what the ``data:`` line says of them."""
-        stride, pair = self.hparams.stride, len(texts) == 2
-        windows.check_tokenizer(tokenizer, stride, max_length, pair)
-        encode = functools.partial(windows.encode, tokenizer=tokenizer, texts=texts, max_length=max_length,
-                                   stride=stride, cap=cap)
-        out = {}
-        for name, split in splits.items():
-            feature = split.features["labels"]
-            cut = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names,
-                            desc="cutting into windows")
-            out[name] = cut if cut.features["labels"] == feature else cut.cast_column("labels", feature)
-        train = out["train"]
-        documents = len(splits["train"])
-        split_docs = len({d for d, more in zip(train["doc"], train["split"]) if more})
-        out["train"] = train.remove_columns(["doc", "split"])  # a training row is a window
-        self.splits = datasets.DatasetDict({n: (s if n == "train" else s.remove_columns("split")) for n, s in out.items()})
-        return (f"{split_docs:,} of {documents:,} training " + ("pairs" if pair else "texts")
-                + f" cut into windows of max_length {max_length} sharing {stride} tokens: {len(train):,} windows to train "
-                f"on (the rows of every batch), validation and test scored per text")
-
-    def _collator(self) -> DataCollatorWithPadding:
-        if self.hparams.padding == "max_length":
-            return DataCollatorWithPadding(self.tokenizer, padding="max_length", max_length=self.hparams.max_length)
-        return DataCollatorWithPadding(self.tokenizer, padding="longest")
-
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         self.check_bounds()
-        # A generator of its own: a DataLoader otherwise draws its workers' seed from the global
-        # random state at every epoch, which would shift the dropout masks that follow.
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        kwargs = {"collate_fn": self._collator(), "num_workers": self.hparams.num_workers, "generator": generator,
-                  "pin_memory": self.pins_memory()}
-        # The loaders read rows as Python lists: the collator makes one tensor per column and batch, where rows in the
-        # splits' torch format cost a tensor per row and column, turned back into lists to pad (BERT's columns at
-        # batch 32 on this project's CPU: 232 dispatcher operators and 2.7 ms a batch against 6 and 1.1 ms).
-        rows = self.splits[split].with_format(None)
-        if not shuffle and self.hparams.long_texts == "chunk" and split != "train":  # whole texts, <= batch_size windows
-            kwargs["collate_fn"] = windows.GroupCollate(kwargs["collate_fn"])
-            return DataLoader(windows.Groups(rows, batch_size), batch_size=1, shuffle=False, **kwargs)
-        if not shuffle:
-            return DataLoader(rows, batch_size=batch_size, shuffle=False, **kwargs)
-        # Sharded here under DDP/FSDP (as Lightning's DistributedSampler would), by (seed, epoch).
-        shards = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
-        sampler = ResumableSampler(rows, seed=self.hparams.seed, **shards)
-        return ResumableDataLoader(rows, batch_size=batch_size, sampler=sampler, **kwargs)
+        hp = self.hparams
+        collate = loaders.collator(self.tokenizer, hp.padding, hp.max_length)
+        grouped = hp.long_texts == "chunk" and split != "train"  # evaluation scores whole texts
+        shards = getattr(self.trainer, "distributed_sampler_kwargs", None) if shuffle else None
+        return loaders.loader(self.splits[split], batch_size, shuffle, collate, num_workers=hp.num_workers,
+                              seed=hp.seed, pin_memory=self.pins_memory(), grouped=grouped, shards=shards)
 
     def pins_memory(self) -> bool:
         """``pin_memory`` resolved: as set, else whether the run trains on CUDA."""
@@ -683,32 +598,3 @@ class TextClassificationData(L.LightningDataModule):
             stride=self.hparams.stride if chunk else None,
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
-
-
-def dropped_words(dropped: Counter, task: "task_.Task") -> str:
-    """The rows dropped, by why: ``15,018 rows dropped: labelled neutral (15,018), not in data.label_names
-    (negative, positive)``; ``3 with an empty text or no label``."""
-    total = sum(dropped.values())
-    parts = []
-    unlisted = [(label, n) for label, n in dropped.most_common() if label]
-    if unlisted:
-        shown = ", ".join(f"{label} ({n:,})" for label, n in unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
-        names = ", ".join(task.label_names or ())
-        parts.append(f"labelled {shown}, not in data.label_names ({names})")
-    if dropped[""]:
-        parts.append(f"{dropped['']:,} with an empty text or no label")
-    return f"{total:,} row{'s' if total != 1 else ''} dropped: " + "; ".join(parts)
-
-
-def _train_test_split(split: datasets.Dataset, test_size: float, seed: int, num_labels: Optional[int]) -> datasets.DatasetDict:
-    """Stratified on the label so small classes land in every split (single-label); plain when a class is too rare,
-    and for regression and multi-label."""
-    if len(split) < 2:
-        raise UserError(f"only {len(split)} usable row(s) left: too few to split into train/validation/test")
-    if num_labels is None:
-        return split.train_test_split(test_size=test_size, seed=seed)
-    split = split.cast_column("labels", datasets.ClassLabel(num_classes=num_labels))
-    try:
-        return split.train_test_split(test_size=test_size, seed=seed, stratify_by_column="labels")
-    except ValueError:
-        return split.train_test_split(test_size=test_size, seed=seed)

@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory.hf import bundled, windows
-from lit_memory import files
+from lit_memory.hf import bundled
 from lit_memory.sandbox import guard
-from lit_memory.run import model_card
-from lit_memory.optim import optimizers
+from lit_memory.run import evaluating, export
+from lit_memory.optim import configure, optimizers
+from lit_memory.optim.configure import default_optimizer
 from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
 from lit_memory.task import evaluation
@@ -37,39 +34,26 @@ from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
 from lit_memory.run.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
 from lit_memory.hf.anatomy import Anatomy, find_layers, skeleton, unwrap
-from lit_memory.hf.hf_loading import DTYPES, config_label_names, dtype_name, label_names_or_default, load_config, quiet_transformers, report_loading, saved_dtype, set_pad_token
-from lit_memory.hf.tokenizing import load_tokenizer
-from lit_memory.optim.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding, unquantised, unquantised_dtype
+from lit_memory.hf.hf_loading import DTYPES, config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, saved_dtype, set_pad_token
+from lit_memory.optim.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding
 from lit_memory.errors import UserError
-from lit_memory.hf.lora import LoRA, apply_lora, is_lora, lora_targets
+from lit_memory.hf.lora import LoRA, apply_lora, lora_targets
 from lit_memory.run.checks import check_optimizer
 from lit_memory.hf import qlora
 from lit_memory.settings import Precision
 from lit_memory.run.compiling import CUDA_GRAPHS, Compile, compile_layers
+# Named here too, for the examples that import them from the model's module.
+from lit_memory.optim.configure import weight_decay_groups  # noqa: F401
+from lit_memory.run.export import full_state_dict  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-# transformers schedules that need nothing beyond warmup and total steps.
-SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
 Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 # true is "full" (every layer's forward recomputed in backward), as it always was; counts are a per-layer plan
 # (`lit_memory.run.checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is built.
 Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
 SaveDtype = Literal["checkpoint", "fp32", "bf16", "fp16"]
 
-
-CLOSURE_NOT_CALLED = (
-    "the optimizer {name} did not call the closure its step is given: Lightning runs the forward and backward inside "
-    "it, so a torch-style optimizer's step(closure) must call it (with torch.enable_grad(): loss = closure()) before "
-    "it updates the parameters (docs/memory.md, Adding an optimizer)"
-)
-# The reference post's optimizer (lr 2e-5, weight decay 0.01): the module's default, and the CLI's.
-DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-5, "weight_decay": 0.01}}
-
-
-def default_optimizer(params) -> torch.optim.Optimizer:
-    """`DEFAULT_OPTIMIZER` as a callable, for a module built in Python."""
-    return torch.optim.AdamW(params, **DEFAULT_OPTIMIZER["init_args"])
 
 
 class SequenceClassifier(L.LightningModule):
@@ -147,10 +131,7 @@ class SequenceClassifier(L.LightningModule):
             task_.kind_of(problem_type).check_num_labels(num_labels)
         if threshold is not None and not 0.0 < threshold < 1.0:
             raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
-        if lr_scheduler_type not in SCHEDULES:
-            raise UserError(f"unknown lr_scheduler_type {lr_scheduler_type!r}; choose one of: {', '.join(SCHEDULES)}")
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise UserError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        configure.check_schedule(lr_scheduler_type, warmup_ratio)
         if save_dtype != "checkpoint" and save_dtype not in DTYPES:
             raise UserError(f"model.save_dtype {save_dtype!r} is not one of: checkpoint, {', '.join(DTYPES)}")
         if offload_activations == "auto":
@@ -227,7 +208,7 @@ class SequenceClassifier(L.LightningModule):
         self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
         self.predict_loss: Optional[MeanMetric] = None
         self.predict_results: dict[str, float] = {}  # the metrics of the last predict over labelled inputs
-        self._labelled = False
+        self.predict_labelled = False
         self._amp_scaling = False  # GradScaler's scale taken by the fused kernel (`configure_optimizers`)
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
         self.validation_counts: Optional[torch.Tensor] = None  # the last validation's confusion counts
@@ -236,7 +217,9 @@ class SequenceClassifier(L.LightningModule):
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
-        self.decision_thresholds: Optional[thresholds_.Thresholds] = self._first_thresholds()
+        saved, where = getattr(self.hf_config, thresholds_.CONFIG_KEY, None), f"{model_name_or_path}'s config.json"
+        self.decision_thresholds: Optional[thresholds_.Thresholds] = thresholds_.first(
+            problem_type, num_labels, threshold, saved, self.label_names, where)
         # The metrics at 0.5 beside those at the thresholds in use, where thresholds are tuned or may differ from it.
         beside = self.decision_thresholds is not None or self.tuning is not None
         at_default = f"_at_{thresholds_.DEFAULT:g}"
@@ -260,9 +243,10 @@ class SequenceClassifier(L.LightningModule):
             return
         self._label_names = list(names)
         for config in {id(c): c for c in (self.hf_config, getattr(self.model, "config", None)) if c is not None}.values():
-            self._name_classes(config)
+            self.name_classes(config)
 
-    def _name_classes(self, config) -> None:
+    def name_classes(self, config) -> None:
+        """Write the class names into a Hugging Face config (id2label, label2id)."""
         id2label = dict(enumerate(self.label_names))
         config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
 
@@ -274,7 +258,7 @@ class SequenceClassifier(L.LightningModule):
         elif self._label_names is None:  # else the model's own, then the data's (a checkpoint's come later)
             self.set_label_names(resolved or getattr(data, "hparams", {}).get("label_names"))
         if stage == "fit" and self.hparams.threshold is None:  # a new fine-tune: a base folder's thresholds are stale
-            self.decision_thresholds = self._default_thresholds()
+            self.decision_thresholds = thresholds_.default_for(self.problem_type, self.hparams.num_labels, None)
         counts = getattr(data, "label_counts", None)
         if counts is not None or self.hparams.class_weights not in (None, "none", "balanced"):
             self.loss_weights = weights_.resolve(self.hparams.class_weights, counts, self.problem_type,
@@ -304,38 +288,6 @@ class SequenceClassifier(L.LightningModule):
             self.decision_thresholds = thresholds_.Thresholds(tuple(saved["values"]), saved["origin"])
         if checkpoint.get("class_weights") is not None:
             self.loss_weights = torch.tensor(checkpoint["class_weights"], dtype=torch.float32)
-
-    # -- thresholds: they travel with the model too -----------------------------------------------
-
-    def _default_thresholds(self) -> Optional[thresholds_.Thresholds]:
-        """``model.threshold`` where set, else 0.5 for every label (multi-label) or none (the most probable class)."""
-        count = self.kind.threshold_count(self.hparams.num_labels)
-        if self.hparams.threshold is not None:
-            return thresholds_.Thresholds((float(self.hparams.threshold),) * count, "model.threshold, as set")
-        if self.kind.thresholded_by_default:
-            return thresholds_.Thresholds((thresholds_.DEFAULT,) * count, "the default")
-        return None
-
-    def _first_thresholds(self) -> Optional[thresholds_.Thresholds]:
-        """The thresholds the model starts with: those set, else those its config saved (an exported folder's)."""
-        if not thresholds_.uses_thresholds(self.problem_type, self.hparams.num_labels):
-            return None
-        if self.hparams.threshold is None:
-            where = f"{self.hparams.model_name_or_path}'s config.json"
-            saved = thresholds_.from_config(getattr(self.hf_config, thresholds_.CONFIG_KEY, None), self.label_names,
-                                            self.problem_type, where)
-            if saved is not None:
-                return thresholds_.Thresholds(saved, f"saved in {where}")
-        return self._default_thresholds()
-
-    def _tuned(self) -> bool:
-        """Whether the thresholds in use differ from 0.5 (tuned or saved): the metrics at 0.5 are shown beside."""
-        found = self.decision_thresholds
-        return found is not None and any(v != thresholds_.DEFAULT for v in found.values)
-
-    def _say_thresholds(self) -> None:
-        if self.decision_thresholds is not None and self._trainer is not None and self.trainer.is_global_zero:
-            say(self.decision_thresholds.describe(self.label_names, self.problem_type))
 
     # -- model ---------------------------------------------------------------------------------
 
@@ -423,7 +375,7 @@ class SequenceClassifier(L.LightningModule):
         if self.lora is not None:
             model = apply_lora(model, self.lora, trained=dtype)
         if self._label_names:
-            self._name_classes(model.config)  # from_config copies the config it is given
+            self.name_classes(model.config)  # from_config copies the config it is given
         # Regional: one graph per transformer layer, compiled once and reused by all of them. Each layer's backward
         # still hands its gradients over as it ends, so the fused step's bound holds.
         compile_layers(anatomy.layers, self.hparams.compile)
@@ -473,226 +425,57 @@ class SequenceClassifier(L.LightningModule):
         """The validation metric the best checkpoint is kept by (the problem kind's)."""
         return self.kind.main_metric
 
-    def _logits(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """A batch's logits, one row per text (``doc``: its windows' aggregated, `lit_memory.hf.windows`), and the loss
-        where it has labels (weighted where class weights are set)."""
-        labels, doc = batch.get("labels"), batch.get("doc")
-        if doc is None and self.loss_weights is None and isinstance(labels, torch.Tensor) and "known" not in batch:
-            out = self.model(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
-            return out.logits, out.loss
-        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known", "doc")}
-        logits = self.model(**inputs).logits
-        if doc is not None:
-            logits = windows.aggregate(logits, doc, self.problem_type)
-        if not isinstance(labels, torch.Tensor) or "known" in batch:
-            return logits, None
-        return logits, weights_.loss(logits, labels, self.problem_type, self.loss_weights)
-
-    def _tuning_now(self) -> bool:
-        """Thresholds are chosen at every validation of ``fit`` (its sanity check's are not kept)."""
-        return self.sweep is not None and self._trainer is not None and self.trainer.state.fn == "fit"
-
-    def _eval_step(self, batch: dict[str, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
-        logits, loss = self._logits(batch)
-        problem, kind = self.problem_type, self.kind
-        labels = kind.metric_targets(batch["labels"])
-        kind.before_evaluation()
-        if self._tuning_now():  # its metrics come from the sweep, at the thresholds it chooses (epoch end)
-            self.sweep.update(kind.probabilities(logits), kind.sweep_targets(labels))
-        else:
-            limits = self.decision_thresholds.tensor if self.decision_thresholds is not None else None
-            predicted = thresholds_.decide(logits, problem, limits)
-            metrics.update(predicted, labels)
-            if self.per_label_f1 is not None:
-                self.per_label_f1.update(predicted, labels)
-            if self.class_counts is not None:
-                self.class_counts.update(predicted, labels)
-            self.log_dict(metrics, prog_bar=True)
-        at_default = self.val_at_default if stage == "val" else self.test_at_default
-        if at_default is not None and (self._tuning_now() or self._tuned()):
-            default = torch.full((kind.threshold_count(logits.shape[-1]),), thresholds_.DEFAULT)
-            at_default.update(thresholds_.decide(logits, problem, default), labels)
-            self.log_dict(at_default)
-        # Averaged over the ranks at the epoch's end (the metric objects synchronise themselves).
-        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=labels.shape[0], sync_dist=True)
-
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, self.val_metrics, "val")
+        evaluating.step(self, batch, self.val_metrics, "val")
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, self.test_metrics, "test")
+        evaluating.step(self, batch, self.test_metrics, "test")
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":
-            self._say_thresholds()
+            evaluating.say_thresholds(self, self._trainer)
 
     def on_test_start(self) -> None:
-        self._say_thresholds()
+        evaluating.say_thresholds(self, self._trainer)
 
     def on_validation_epoch_end(self) -> None:
-        self._end_of_evaluation("val")
+        evaluating.end(self, "val", self._trainer)
 
     def on_test_epoch_end(self) -> None:
-        self._end_of_evaluation("test")
-
-    def _tune(self, stage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The thresholds this validation's sweep chooses (kept, unless a sanity check), its metrics at them logged;
-        returns the confusion counts and per-label F1 there."""
-        counts = self.sweep.compute()  # a collective under several processes: every rank computes
-        self.sweep.reset()
-        problem, num_labels = self.problem_type, self.hparams.num_labels
-        index = thresholds_.choose(counts, self.tuning, problem, self.hparams.threshold_metric)
-        chosen = thresholds_.at(counts, index)
-        preds, targets = thresholds_.replay(chosen, problem)  # counts summed over the ranks already: no sync
-        metrics = evaluation.task_metrics(problem, num_labels, sync_on_compute=False).clone(prefix=f"{stage}_")
-        metrics.update(preds, targets)
-        for name, value in metrics.compute().items():
-            self.log(name, float(value), prog_bar=True)
-        per_label = None
-        f1 = self.kind.per_label_f1(num_labels, sync_on_compute=False)
-        if f1 is not None:
-            f1.update(preds, targets)
-            per_label = f1.compute()
-        if not self.trainer.sanity_checking:
-            values = tuple(round(v, 2) for v in thresholds_.GRID[index.cpu()].tolist())
-            how = "each label's F1" if self.tuning == "per_label" else (
-                self.kind.tuned_for(self.tuning, self.hparams.threshold_metric))
-            origin = f"tuned on validation at step {self.trainer.global_step} for {how}"
-            self.decision_thresholds = thresholds_.Thresholds(values, origin)
-        return thresholds_.confusion(chosen, problem), per_label
-
-    def _end_of_evaluation(self, stage: str) -> None:
-        """Per-label F1 logged (multi-label); at the end of ``validate`` and ``test``, the per-class report and the
-        confusion matrix (printed, and a PNG in the run folder); during ``fit``, the thresholds tuned, and a
-        validation that predicts one class only (or no label at all) noted."""
-        counts, per_label = None, None
-        if self._tuning_now():
-            counts, per_label = self._tune(stage)
-        else:
-            if self.per_label_f1 is not None:
-                per_label = self.per_label_f1.compute()
-                self.per_label_f1.reset()
-            if self.class_counts is not None:
-                counts = self.class_counts.compute()  # a collective under several processes: every rank computes
-                self.class_counts.reset()
-        if per_label is not None:
-            for name, score in zip(self.label_names, per_label.tolist()):
-                self.log(f"{stage}_f1_{evaluation.metric_name(name)}", score)
-        trainer = self._trainer
-        if counts is None or trainer is None or trainer.sanity_checking:
-            return
-        if stage == "val":
-            self.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.run.best`)
-        if trainer.state.fn == "fit" and stage == "val":
-            found = evaluation.one_sided(counts, self.label_names, self.problem_type, self.loss_weights is not None)
-            if found:
-                self.degenerate[trainer.global_step] = found
-        if trainer.state.fn not in ("validate", "test"):
-            return
-        self.report_evaluation(stage, counts)
+        evaluating.end(self, "test", self._trainer)
 
     def report_evaluation(self, stage: str, counts: torch.Tensor, title: str = "") -> None:
-        """The per-class report of an evaluation's confusion counts, printed by the global-zero process, and for
-        single-label its confusion matrix drawn into the run folder (``fit`` reports its exported step's so)."""
-        trainer = self._trainer
-        if trainer is None:
-            return
-        run_dir = trainer.log_dir or trainer.default_root_dir  # a collective under several processes: every rank asks
-        if not trainer.is_global_zero:
-            return
-        weights = self.loss_weights.tolist() if self.loss_weights is not None else None
-        print(evaluation.report(stage, counts, self.label_names, self.problem_type, title, weights=weights))
-        if self.kind.draws_confusion and run_dir and Path(run_dir).is_dir():
-            path = Path(run_dir) / f"confusion_matrix_{stage}.png"
-            drawn = evaluation.draw_confusion(counts, self.label_names, path, f"{stage}{title}: confusion matrix")
-            print(f"confusion matrix: {drawn}" if drawn else "confusion matrix: no picture (matplotlib is not installed)")
+        """The per-class report of an evaluation's confusion counts (`lit_memory.run.evaluating.report`)."""
+        evaluating.report(self, stage, counts, self._trainer, title)
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
-        """A batch's predictions (``outputs``: class probabilities, the value, or each label's probability); where
-        it has ``labels``, the metrics of the rows the model can score (``known``) are accumulated too, for
-        `on_predict_epoch_end`. Windows of one text (``doc``) are aggregated first: one prediction per text."""
-        with fp32_output(self.model):  # what is written is fp32, not a 16-bit autocast's (1.609375)
-            logits, _ = self._logits(batch)
-        logits = logits.float()
-        problem, kind = self.problem_type, self.kind
-        labels = batch.get("labels")
-        if labels is not None and self.predict_metrics is not None:  # (made by Lightning's predict loop)
-            known = batch["known"] if "known" in batch else labels >= 0
-            self._labelled = True
-            if known.any():
-                limits = self.decision_thresholds.tensor if self.decision_thresholds is not None else None
-                predicted = thresholds_.decide(logits[known], problem, limits)
-                targets = labels[known]
-                kind.before_evaluation()
-                self.predict_metrics.update(predicted, kind.metric_targets(targets))
-                self.predict_loss.update(kind.loss(logits[known], targets, reduction="none"))
-        return {"outputs": kind.written(logits)}
+        return evaluating.predict_step(self, batch)
 
     def on_predict_epoch_start(self) -> None:
-        self._say_thresholds()
-        self._labelled = False
-        self.predict_results = {}
-        self.predict_metrics = self.val_metrics.clone(prefix="predict_").to(self.device)
-        self.predict_metrics.reset()
-        self.predict_loss = MeanMetric().to(self.device)
+        evaluating.say_thresholds(self, self._trainer)
+        evaluating.predict_start(self)
 
     def on_predict_epoch_end(self) -> None:
-        # Every rank has as many batches, labelled or not alike, and joins the metrics' synchronisation (even one
-        # whose rows all had labels the model does not know: its loss is then NaN, and nothing is reported).
-        if self._labelled:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method")
-                results = {**self.predict_metrics.compute(), "predict_loss": self.predict_loss.compute()}
-            if not math.isnan(float(results["predict_loss"])):
-                self.predict_results = {k: float(v) for k, v in results.items()}
+        evaluating.predict_end(self)
 
     # -- optimisation --------------------------------------------------------------------------
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The configured optimizer over the trainable parameters (no trainer needed: memory estimates use it)."""
-        optimizer = self.optimizer_factory(weight_decay_groups(self.model))
-        state = self.hparams.embedding_optimizer_state
-        kept = [e.weight for e in unquantised(state, Anatomy.of(self.model).embeddings) if e.weight.requires_grad]
-        optimizers.prepare(optimizer, kept, unquantised_dtype(state))  # what its library needs (`lit_memory.optim.optimizers`)
-        return optimizer
+        return configure.build(self.model, self.optimizer_factory, self.hparams.embedding_optimizer_state)
 
     def configure_optimizers(self):
-        # deferred: transformers.optimization pulls in peft and bitsandbytes (1.5 s at start-up)
-        from transformers import get_scheduler
-
         optimizer = self.build_optimizer()
-        # torch's Adam/AdamW: one kernel per group, taking GradScaler's scale where there is one (16-mixed) unless
-        # Lightning clips after backward (it refuses to clip for an optimizer that unscales itself)
-        clips = bool(self.trainer.gradient_clip_val) and not getattr(self.trainer.strategy, "fused_step", False)
-        self._amp_scaling = getattr(self.trainer.precision_plugin, "scaler", None) is not None and not clips
+        self._amp_scaling = configure.takes_amp_scale(self.trainer)
         optimizers.use_fused_kernels(optimizer, self.device, amp_scaling=self._amp_scaling)
         total = self.trainer.estimated_stepping_batches
-        schedule = get_scheduler(
-            self.hparams.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=math.ceil(self.hparams.warmup_ratio * total),
-            num_training_steps=total,
-        )
+        schedule = configure.schedule(optimizer, self.hparams.lr_scheduler_type, self.hparams.warmup_ratio, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper around the user's optimizer
-        optimizers.mark_amp_scaling(inner, self._amp_scaling)  # its groups may have changed
-        # What its library's step runs inside (bitsandbytes: no device sync after every parameter).
-        context = optimizers.library_of(inner).step_context(inner, [p for g in inner.param_groups for p in g["params"]])
-        ran: list[bool] = []
-
-        def closure() -> Any:
-            ran.append(True)
-            return optimizer_closure()
-
-        with context if context is not None else contextlib.nullcontext():
-            super().optimizer_step(epoch, batch_idx, optimizer, None if optimizer_closure is None else closure)
-        if optimizer_closure is not None and not ran:  # Lightning's own message is a traceback about its loop
-            raise UserError(CLOSURE_NOT_CALLED.format(name=f"{type(inner).__module__}.{type(inner).__qualname__}"))
-        # Free the gradients now, as the HF Trainer does: Lightning zeroes them only after the next
-        # training_step, so they would sit through the next forward (4 B per trainable parameter).
-        optimizer.zero_grad(set_to_none=True)
+        parent = super().optimizer_step
+        configure.step(optimizer, self._amp_scaling, optimizer_closure,
+                       lambda closure: parent(epoch, batch_idx, optimizer, closure))
 
     # -- export --------------------------------------------------------------------------------
 
@@ -707,7 +490,7 @@ class SequenceClassifier(L.LightningModule):
             path = Path(run_dir) / "hf_model"
             self.export_pretrained(path)
             say(f"hf_model: {which or 'the last weights (no validation kept a best checkpoint)'}, saved in "
-                f"{self._export_words()} to {path} (loads with AutoModelForSequenceClassification.from_pretrained; "
+                f"{export.dtype_words(self)} to {path} (loads with AutoModelForSequenceClassification.from_pretrained; "
                 "model card: README.md)")
             if self.decision_thresholds is not None:
                 say(self.decision_thresholds.describe(self.label_names, self.problem_type)
@@ -717,92 +500,12 @@ class SequenceClassifier(L.LightningModule):
         if step in self.degenerate:  # the exported step's validation predicted one class, or no label
             say(self.degenerate[step])
 
-    def _export_words(self) -> str:
-        """The dtype ``hf_model/`` is saved in, and why: ``bf16 (the checkpoint's dtype; trained in fp32)``."""
-        saved, trained = dtype_name(self.export_dtype), dtype_name(self.weights_dtype)
-        setting = self.hparams.save_dtype
-        why = "model.save_dtype" if setting != "checkpoint" else (
-            "the checkpoint's dtype" if self.checkpoint_dtype is not None else "the checkpoint names none: as trained"
-        )
-        if self.lora is not None and self.lora.quantised:
-            trained += " adapters and head over a 4-bit base, merged into it dequantised"
-        return f"{saved} ({why}{'' if saved == trained else f'; trained in {trained}'})"
-
     def export_pretrained(self, path: Path) -> None:
         """Save model + tokenizer so ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it."""
-        sharded = is_sharded(self.model)
-        if is_lora(self.model) and not sharded:  # training is over: fold the adapters into the weights
-            # a 4-bit base: into its weights dequantised (peft would requantise the sum)
-            with quiet_transformers():  # its line on dequantising: said in the hf_model line
-                self.model = qlora.merged(self.model) if qlora.has_quantised_base(self.model) else self.model.merge_and_unload()
-        state = full_state_dict(self.model)  # a collective under sharding: every rank calls it
-        trainer = self._trainer
-        run_dir = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else None  # every rank asks
-        self._save_on_rank_zero(path, state, sharded, run_dir)
-        if self._trainer is not None:
-            self.trainer.strategy.barrier("export_pretrained")
-
-    @rank_zero_only
-    def _save_on_rank_zero(self, path: Path, state: dict[str, torch.Tensor], sharded: bool, run_dir: Optional[str]) -> None:
-        model = self.model
-        if is_lora(model) and sharded:
-            # peft cannot merge FSDP2's sharded (DTensor) weights: merge a plain copy of the gathered state.
-            model = self.build_model(pretrained=False)
-            model.load_state_dict(state)
-            model = model.merge_and_unload()
-            state = model.state_dict()
-        if self._label_names:
-            self._name_classes(model.config)
-        dtype = self.export_dtype
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        built = model.config.dtype
-        if self.decision_thresholds is not None:  # read back by `_first_thresholds` (predict from this folder)
-            setattr(model.config, thresholds_.CONFIG_KEY, self.decision_thresholds.to_config(self.label_names, self.problem_type))
-        elif hasattr(model.config, thresholds_.CONFIG_KEY):  # a base folder's, stale
-            delattr(model.config, thresholds_.CONFIG_KEY)
-        card = model_card.build(self, self._trainer, Path(run_dir) if run_dir else None)
-        with quiet_transformers(), files.replacing_folder(path) as folder:  # whole, never through a link
-            files.write_text(Path(folder) / "README.md", card)
-            model.save_pretrained(folder, state_dict=state)
-            # save_pretrained names the module's own dtype in config.json: name the one saved, which from_pretrained's
-            # dtype="auto" then loads in
-            model.config.dtype = dtype
-            try:
-                model.config.save_pretrained(folder)
-            finally:
-                model.config.dtype = built
-            tokenizer = load_tokenizer(self.tokenizer_name_or_path)
-            # Written from the tokenizer the run uses, nothing more: a classifier has no use for a chat template, and a
-            # sent folder's (a link to a private file, once) is not copied into what the user shares.
-            tokenizer.chat_template = None
-            tokenizer.save_pretrained(folder)
+        export.export_pretrained(self, path, self._trainer)
 
 
 # -- helpers shared with other modules ---------------------------------------------------------
-
-
-@contextlib.contextmanager
-def fp32_output(model: nn.Module):
-    """For the length of the block, the model's output layer (its head's last linear layer: the logits) computes in
-    fp32 outside autocast, from its input and weights upcast: predictions written at fp32's precision, not bf16's 8
-    bits (the body runs as the recipe says)."""
-    anatomy = Anatomy.of(model)
-    linears = [m for _, part in anatomy.head for m in part.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        yield
-        return
-    layer = linears[-1]
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = layer.bias.float() if layer.bias is not None else None
-            return torch.nn.functional.linear(hidden.float(), layer.weight.float(), bias)
-
-    layer.forward = forward  # an instance attribute over the class's forward, removed after
-    try:
-        yield
-    finally:
-        del layer.forward
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
@@ -828,32 +531,3 @@ def freeze_modules(model: PreTrainedModel, freeze: Freeze, anatomy: Optional[Ana
         parts = [*anatomy.embedding_modules, *anatomy.layers[:freeze]]
     for part in parts:
         part.requires_grad_(False)
-
-
-def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """Trainable parameters in two groups: matrices with weight decay, biases/norms (1-D) without."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 has sharded the model (its parameters are DTensors)."""
-    from torch.distributed.tensor import DTensor  # deferred: about 1 s to import; only sharded runs have them
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state on CPU, gathering shards when parameters are DTensors (FSDP2)."""
-    if is_sharded(model):
-        # deferred: torch's distributed checkpointing, for sharded models only
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}

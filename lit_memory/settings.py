@@ -151,6 +151,12 @@ def leaves(tree: Any, key: str = "", depth: Optional[int] = None, lists: bool = 
         yield key, tree
 
 
+def at(tree: Any, key: str) -> Any:
+    """The value at a dotted key (`locate`); KeyError if it is not there."""
+    container, last = locate(tree, key)
+    return container[last]
+
+
 def locate(tree: Any, key: str) -> tuple[Any, Any]:
     """(container, key or index in it) of a dotted key named by `leaves`: through Namespaces by jsonargparse's own
     dotted access, then into dicts and lists. KeyError if it is not there."""

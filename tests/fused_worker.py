@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader
 if __name__ == "__main__":  # a script: import this checkout's lit_memory
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lit_memory.model import SequenceClassifier, full_state_dict  # noqa: E402
+from lit_memory.model import SequenceClassifier  # noqa: E402
+from lit_memory.run.export import full_state_dict  # noqa: E402
 from lit_memory.run.resume import ExactResume  # noqa: E402
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy  # noqa: E402
 

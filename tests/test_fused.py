@@ -15,7 +15,8 @@ from lit_memory import fused as fused_module
 from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
 from lit_memory.run.checkpointing import enable_gradient_checkpointing
-from lit_memory.model import SequenceClassifier, weight_decay_groups
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim.configure import weight_decay_groups
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models

@@ -5,7 +5,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from lit_memory.errors import UserError
-from lit_memory.model import SequenceClassifier, transformer_layers, weight_decay_groups
+from lit_memory.run import export
+from lit_memory.model import SequenceClassifier, transformer_layers
+from lit_memory.optim.configure import weight_decay_groups
 
 TINY_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 
@@ -334,9 +336,9 @@ def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_t
         expected = module.model(**inputs).logits
         assert torch.equal(upcast(**inputs).logits, expected)
         torch.testing.assert_close(plain(**inputs).logits.float(), expected, atol=2e-2, rtol=2e-2)  # bf16: 8 bits
-    assert module._export_words() == "bf16 (the checkpoint's dtype; trained in fp32)"
+    assert export.dtype_words(module) == "bf16 (the checkpoint's dtype; trained in fp32)"
     module.hparams.save_dtype = "fp32"
-    assert module.export_dtype == torch.float32 and module._export_words() == "fp32 (model.save_dtype)"
+    assert module.export_dtype == torch.float32 and export.dtype_words(module) == "fp32 (model.save_dtype)"
 
 
 def test_the_bundled_demo_model_loads_as_transformers_loads_it():

@@ -51,7 +51,7 @@ from jsonargparse import Path as ConfigPath
 from jsonargparse import _common
 from jsonargparse._optionals import _get_config_read_mode
 
-from lit_memory.sandbox import bounds, guard
+from lit_memory.sandbox import bounds, checkpoint_reading, guard
 from lit_memory.optim.optimizers import IMPORTABLE
 from lit_memory.errors import UserError
 from lit_memory.settings import assign, leaves
@@ -72,11 +72,11 @@ ALLOWLIST = (
 DENYLIST = (
     "lightning.pytorch.cli",
     "lightning.fabric.cli",
-    "lit_memory.cli",
+    "lit_memory.cli", "lit_memory.config.arguments",
     "lit_memory.__main__",
     "lit_memory.config.trust",
     "lit_memory.config.recipes.SaveRecipe",
-    "lit_memory.sandbox.guard",
+    "lit_memory.sandbox.guard", "lit_memory.sandbox.checkpoint_reading",
     "lit_memory.files",
     "lit_memory.tools",
 )
@@ -421,7 +421,7 @@ def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint not found: {ckpt_path} (a relative path is read from {Path.cwd()})")
-    if problem := guard.checkpoint_problem(path, files_too=False):
+    if problem := checkpoint_reading.checkpoint_problem(path, files_too=False):
         return [Refusal("ckpt_path", ckpt_path, problem)]
     return []
 

@@ -15,6 +15,7 @@ windows of ``max_length`` tokens, consecutive windows sharing ``stride`` tokens 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Optional
 
 import torch
@@ -102,6 +103,31 @@ def encode(rows: dict, indices: list[int], tokenizer: Any, texts: tuple[str, ...
     out["labels"] = [rows["labels"][row] for row in owner]
     out["split"] = [windows[row] > 1 for row in owner]
     return out
+
+
+def encode_splits(splits: Any, tokenizer: Any, texts: tuple[str, ...], max_length: int, stride: int,
+                  cap: Optional[int]) -> tuple[Any, str]:
+    """Every split of a `datasets.DatasetDict` as windows (a training row is a window; validation and test keep
+    each window's text, ``doc``), and what the ``data:`` line says of them."""
+    import datasets  # deferred: the model imports this module for `aggregate` alone
+
+    pair = len(texts) == 2
+    check_tokenizer(tokenizer, stride, max_length, pair)
+    window = functools.partial(encode, tokenizer=tokenizer, texts=texts, max_length=max_length, stride=stride, cap=cap)
+    out = {}
+    for name, split in splits.items():
+        feature = split.features["labels"]
+        found = split.map(window, batched=True, with_indices=True, remove_columns=split.column_names,
+                          desc="cutting into windows")
+        out[name] = found if found.features["labels"] == feature else found.cast_column("labels", feature)
+    train = out["train"]
+    documents = len(splits["train"])
+    split_docs = len({d for d, more in zip(train["doc"], train["split"]) if more})
+    out["train"] = train.remove_columns(["doc", "split"])  # a training row is a window
+    encoded = datasets.DatasetDict({n: (s if n == "train" else s.remove_columns("split")) for n, s in out.items()})
+    return encoded, (f"{split_docs:,} of {documents:,} training " + ("pairs" if pair else "texts")
+                     + f" cut into windows of max_length {max_length} sharing {stride} tokens: {len(train):,} windows "
+                     "to train on (the rows of every batch), validation and test scored per text")
 
 
 def groups(doc: list[int], limit: int) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import math
 import sys
@@ -67,6 +68,21 @@ def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]], 
         return load_local(builder, path, streaming=True, split="train", **kwargs)
     except Exception as err:
         raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from err
+
+
+def json_dataset(path: Path, decoding: Decoding, where: str) -> Any:
+    """A JSON file in UTF-16 or UTF-32 (`datasets` cuts JSON lines at newline bytes, half such a newline), its
+    rows read as text (`json_rows`) into a `datasets.Dataset` cached under the file's path, size and time."""
+    import datasets  # deferred: predict streams its rows without it
+
+    stat = path.stat()
+    fingerprint = hashlib.sha256(
+        repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, decoding.encoding, decoding.errors)).encode()
+    ).hexdigest()[:32]
+    gen_kwargs = {"path": str(path), "encoding": decoding.encoding, "errors": decoding.errors}
+    if next(json_rows(**gen_kwargs), None) is None:
+        raise UserError(f"data file {where} has no rows")
+    return datasets.Dataset.from_generator(json_rows, gen_kwargs=gen_kwargs, fingerprint=fingerprint)
 
 
 def json_rows(path: str, encoding: str = "utf-8", errors: str = "strict") -> Iterator[dict[str, Any]]:

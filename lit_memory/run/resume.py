@@ -48,7 +48,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_memory.sandbox import guard
+from lit_memory.sandbox import checkpoint_reading, guard
 from lit_memory.run.best import BestCheckpoint, ValidationStep
 from lit_memory.errors import UserError
 from lit_memory.optim.precision import trains_with
@@ -429,7 +429,7 @@ def saved_settings(path: Path) -> Optional[dict[str, Any]]:
     try:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=not path.is_dir())
     except Exception as err:
-        raise UserError(f"cannot load checkpoint {path} with weights_only=True: {guard.load_error(err)}") from None
+        raise UserError(f"cannot load checkpoint {path} with weights_only=True: {checkpoint_reading.load_error(err)}") from None
     return checkpoint.get(RESUME_STATE) if isinstance(checkpoint, dict) else None
 
 

@@ -213,3 +213,32 @@ def from_config(saved: object, names: Sequence[str], problem_type: str, where: s
                       f"labels {keys}: not used")
         return None
     return values
+
+
+def default_for(problem_type: str, num_labels: int, threshold: Optional[float]) -> Optional[Thresholds]:
+    """``model.threshold`` where set, else 0.5 for every label (multi-label) or none (the most probable class)."""
+    kind = kind_of(problem_type)
+    count = kind.threshold_count(num_labels)
+    if threshold is not None:
+        return Thresholds((float(threshold),) * count, "model.threshold, as set")
+    if kind.thresholded_by_default:
+        return Thresholds((DEFAULT,) * count, "the default")
+    return None
+
+
+def first(problem_type: str, num_labels: int, threshold: Optional[float], saved: object, names: Sequence[str],
+          where: str) -> Optional[Thresholds]:
+    """The thresholds a model starts with: those set, else those its config saved (``saved``, read from ``where``:
+    an exported folder's), else `default_for`'s."""
+    if not uses_thresholds(problem_type, num_labels):
+        return None
+    if threshold is None:
+        found = from_config(saved, names, problem_type, where)
+        if found is not None:
+            return Thresholds(found, f"saved in {where}")
+    return default_for(problem_type, num_labels, threshold)
+
+
+def differ_from_default(found: Optional[Thresholds]) -> bool:
+    """Whether the thresholds in use differ from 0.5 (tuned or saved): the metrics at 0.5 are shown beside."""
+    return found is not None and any(v != DEFAULT for v in found.values)

@@ -18,7 +18,6 @@ import importlib.util
 import io
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -28,9 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import lightning
-import torch
-import transformers
 from tqdm import tqdm
 
 from lit_memory import files
@@ -40,12 +36,12 @@ from lit_memory.run.environment import for_new_job
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.measure import records
-from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.recompute import count_or_decline, planned
 from lit_memory.run.monitor import StepTimer
 from lit_memory.optim.precision import runs_on_cpu
 from lit_memory.run.step_profile import HostOpCounter
 from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
+from lit_memory.tools.bench_table import embed, machine, markdown, write_outputs
 
 # The reference post's tiers, in its order.
 REFERENCE_TIERS = ("baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq")
@@ -53,7 +49,6 @@ PEERS = ("hf-trainer",)
 # The memory callback tracks the first optimizer steps tensor by tensor (a slow Python dispatch
 # mode): warm-up covers them, so only untracked steps are timed.
 MIN_WARMUP = 2
-LIMIT_GIB = 4  # the line drawn on the chart: the 4 GB GPU the project targets
 
 
 # -- what to run --------------------------------------------------------------------------------
@@ -386,192 +381,6 @@ def bench(
             rows.append(row)
             done(rows)
     return rows
-
-
-# -- outputs ------------------------------------------------------------------------------------
-
-
-def machine(rows: list[dict]) -> dict[str, Any]:
-    """Where the numbers come from: the device the runs reported, the CPU, the software."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    device = next((r["device"] for r in rows if r.get("device")), "cpu")
-    return {
-        "device": device,
-        "kind": "cpu" if device == "cpu" else "gpu",
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "os": f"{platform.system()} {platform.machine()}",
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def _gib(n: Optional[int]) -> str:
-    return "-" if n is None else format_bytes(n)
-
-
-def _num(fmt: str) -> Callable[[Any], str]:
-    return lambda v: "-" if v is None else format(v, fmt)
-
-
-@dataclass(frozen=True)
-class Column:
-    key: str  # the CSV/JSON name
-    header: str  # the Markdown header
-    cell: Callable[[Any], str]
-
-
-def columns(rows: list[dict], evaluate: bool, peer: Optional[str]) -> list[Column]:
-    cuda = any(r.get("reserved_bytes") is not None for r in rows)
-    cols = [
-        Column("recipe", "recipe", lambda v: f"`{v}`"),
-        Column("peak_measured_bytes", "peak allocated" if cuda else "tracked tensors", _gib),
-        Column("peak_predicted_bytes", "peak predicted", _gib),
-        Column("peak_phase", "peak in", lambda v: v or "-"),
-    ]
-    if cuda:
-        cols.append(Column("reserved_bytes", "reserved", _gib))
-    else:
-        cols.append(Column("process_growth_bytes", "process RSS growth", _gib))
-    cols += [Column("step_time_s", "step time (s)", _num(".3f")), Column("samples_per_s", "samples/s", _num(".1f"))]
-    if any(r.get("compile_s") for r in rows):  # torch.compile's time, spent in the warm-up steps
-        cols.append(Column("compile_s", "compile (s)", _num(".1f")))
-    if any(r.get("host_ops_per_step") for r in rows):
-        cols.append(Column("host_ops_per_step", "host ops/step", _num("d")))
-    if any(r.get("flops_per_step") for r in rows):  # counted, device-independent (see `counted_flops`)
-        giga = lambda v: "-" if v is None else f"{v / 1e9:.3g}"  # noqa: E731
-        cols += [
-            Column("flops_per_step", "GFLOP/step (counted)", giga),
-            Column("flops_per_sample", "GFLOP/sample", giga),
-            Column("recompute_share", "recompute", lambda v: "-" if v is None else f"{100 * v:.0f} %"),
-        ]
-    if evaluate:
-        cols.append(Column("val_f1", "val f1", _num(".3f")))
-    if peer:
-        cols.append(Column("peer_peak_bytes", f"{peer} peak", _gib))
-        if cuda:
-            cols.append(Column("peer_reserved_bytes", f"{peer} reserved", _gib))
-        cols += [
-            Column("peer_samples_per_s", f"{peer} samples/s", _num(".1f")),
-            Column("memory_ours_over_peer", "memory ours/peer", _num(".2f")),
-            Column("samples_per_s_ours_over_peer", "samples/s ours/peer", _num(".2f")),
-        ]
-        if any(r.get("peer_host_ops_per_step") for r in rows):
-            cols += [
-                Column("peer_host_ops_per_step", f"{peer} host ops/step", _num("d")),
-                Column("host_ops_ours_over_peer", "host ops ours/peer", _num(".2f")),
-            ]
-    return cols
-
-
-def _note(row: dict) -> str:
-    notes = [f"error: {row['error']}" if row.get("error") else ""]
-    if row.get("predicted_by") == "analytic":
-        notes.append("predicted: analytic")
-    notes.append(row.get("peer_note") or "")
-    return "; ".join(n for n in notes if n).replace("|", "/")
-
-
-def markdown(rows: list[dict], info: dict[str, Any], title: str) -> str:
-    m, s = info["machine"], info["settings"]
-    cols = columns(rows, s["eval"], s["peer"])
-    on_cuda = m["kind"] == "gpu"
-    lines = [
-        f"# {title}",
-        "",
-        f"Generated by `{info['command']}` (lit_memory/tools/bench.py); rerun it rather than editing by hand.",
-        "",
-        f"- machine: {m['device']}; CPU {m['cpu']}, {m['cores']} cores; {m['os']}",
-        f"- software: torch {m['torch']}, lightning {m['lightning']}, transformers {m['transformers']}",
-        f"- runs: every recipe in a fresh process, batches padded to max_length, {s['warmup']} warm-up + "
-        f"{s['steps']} timed optimizer steps; step time is the median of the timed steps, samples/s = "
-        "micro-batch x accumulation / step time; host ops/step: the operators one more optimizer step sends through "
-        "torch's dispatcher (`lit_memory.run.step_profile.HostOps`), loading to logging"
-        + (f"; val f1 after the {s['warmup'] + s['steps'] + 1} steps" if s["eval"] else ""),
-        "- measured: "
-        + (
-            "peak allocated is `torch.cuda.max_memory_allocated` (reserved: `max_memory_reserved`)"
-            if on_cuda
-            else "tracked tensors is the peak of the tensors live at once, tracked by torch's MemTracker over the "
-            "first optimizer steps; process RSS growth is the process's max RSS over its size when training "
-            "started (tensors plus the Python runtime, libraries and allocator caches): CPU numbers, not a GPU's"
-        )
-        + "; peak predicted: the simulated step of `python -m lit_memory estimate` (analytic where noted)",
-    ]
-    if s["peer"]:
-        lines.append(
-            f"- {s['peer']}: the same model, data and settings through `transformers.Trainer` (lit_memory/tools/peer.py), "
-            "measured the same way; ours/peer < 1 is less memory, > 1 more samples/s"
-        )
-    lines += ["", "| " + " | ".join([c.header for c in cols] + ["note"]) + " |"]
-    lines.append("|" + "|".join(["---"] + ["---:"] * (len(cols) - 1) + ["---"]) + "|")
-    for row in rows:
-        cells = [c.cell(row.get(c.key)) for c in cols] + [_note(row)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-README_MARKERS = ("<!-- bench table: generated by python -m lit_memory bench --update-readme -->", "<!-- /bench table -->")
-
-
-def embed(text: str, block: str) -> Optional[str]:
-    """``text`` with ``block`` between the `README_MARKERS`, or None when it has no such place."""
-    start, end = README_MARKERS
-    if start not in text or end not in text.split(start, 1)[1]:
-        return None
-    head, rest = text.split(start, 1)
-    return f"{head}{start}\n{block}{end}{rest.split(end, 1)[1]}"
-
-
-def plot(rows: list[dict], info: dict[str, Any], path: Path) -> None:
-    """Peak memory against samples/s, one labelled point per recipe (and per peer run), the 4 GiB line."""
-    from matplotlib.figure import Figure  # deferred: optional and heavy; no pyplot: no GUI backend, no global state
-
-    fig = Figure(figsize=(9, 5.5), layout="constrained")
-    ax = fig.subplots()
-    peer = info["settings"]["peer"]
-    series = [("peak_measured_bytes", "samples_per_s", "lit_memory", "o", "")]
-    if peer:
-        series.append(("peer_peak_bytes", "peer_samples_per_s", peer, "x", f" ({peer})"))
-    top = LIMIT_GIB
-    for peak_key, speed_key, label, marker, suffix in series:
-        points = [
-            (r[speed_key], r[peak_key] / 2**30, r["recipe"])
-            for r in rows if r.get(peak_key) and r.get(speed_key)
-        ]
-        if points:
-            ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-            for x, y, name in points:
-                ax.annotate(name + suffix, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-            top = max(top, *(p[1] for p in points))
-    ax.axhline(LIMIT_GIB, color="red", linestyle="--", linewidth=1, label=f"{LIMIT_GIB} GiB")
-    ax.set_ylim(0, top * 1.1)
-    ax.set_xlim(left=0)
-    ax.set_xlabel("samples/s")
-    ax.set_ylabel("peak memory (GiB), " + ("allocated" if info["machine"]["kind"] == "gpu" else "tracked tensors"))
-    ax.set_title(f"lit_memory recipes on {info['machine']['device']} ({info['machine']['cpu']})", fontsize=9)
-    ax.legend(fontsize=8)
-    with files.replacing(path, "wb") as f:
-        fig.savefig(f, dpi=120, format="png")
-
-
-def write_outputs(rows: list[dict], info: dict[str, Any], out: Path) -> None:
-    cols = columns(rows, info["settings"]["eval"], info["settings"]["peer"])
-    # The table's columns, then what the table folds into its note column.
-    keys = [c.key for c in cols] + ["predicted_by", "error"]
-    if info["settings"]["peer"]:
-        keys += ["peer_step_time_s", "peer_note"]
-    with files.replacing(out / "bench.csv") as f:
-        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    records.write_bench(out, info, rows)
-    files.write_text(out / "bench.md", markdown(rows, info, "lit_memory bench"))
-    plot(rows, info, out / "bench.png")
 
 
 def main(argv: list[str]) -> None:

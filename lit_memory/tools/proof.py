@@ -39,7 +39,8 @@ from lit_memory.hf.bundled import resolve_model
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
-from lit_memory.tools.bench import bench, counted_step, machine, ordered, prepare, recipe_file
+from lit_memory.tools.bench import bench, counted_step, ordered, prepare, recipe_file
+from lit_memory.tools.bench_table import machine
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "gpu"

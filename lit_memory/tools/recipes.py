@@ -18,7 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from lit_memory.sandbox import bounds, guard
 from lit_memory import files
-from lit_memory.cli import ImportRefused, resolve
+from lit_memory.cli import resolve
+from lit_memory.config.arguments import ImportRefused
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
 from lit_memory.memory.hardware.margin import Fit

@@ -29,7 +29,7 @@ from conftest import REPO
 from jsonargparse import Namespace
 
 from lit_memory.run import environment
-from lit_memory.sandbox import guard
+from lit_memory.sandbox import checkpoint_reading, guard
 from lit_memory.config import trust
 from lit_memory.__main__ import main
 
@@ -337,7 +337,7 @@ def test_a_distributed_checkpoint_whose_metadata_runs_code_is_refused(tmp_path, 
 
 
 def test_a_distributed_checkpoint_of_plain_metadata_is_accepted(tmp_path):
-    assert guard.checkpoint_problem(distributed_checkpoint(tmp_path / "ours")) is None
+    assert checkpoint_reading.checkpoint_problem(distributed_checkpoint(tmp_path / "ours")) is None
 
 
 def test_weights_pickled_in_a_model_folder_are_refused_by_weights_only(tmp_path, capsys):

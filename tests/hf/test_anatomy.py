@@ -30,7 +30,8 @@ from lit_memory.hf.lora import LoRA, family_targets
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.planning.prediction.predict import simulate_or_decline
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
-from lit_memory.model import SequenceClassifier, freeze_modules, weight_decay_groups
+from lit_memory.model import SequenceClassifier, freeze_modules
+from lit_memory.optim.configure import weight_decay_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on two shared cores
 FAMILIES = list(fam.FAMILIES)

@@ -16,6 +16,7 @@ from lit_memory.hf import qlora
 from lit_memory.errors import UserError
 from lit_memory.hf.hf_loading import quiet_transformers
 from lit_memory.hf.lora import LoRA
+from lit_memory.run import export
 from lit_memory.settings import Precision
 from test_model import built_by_lightning
 
@@ -107,7 +108,7 @@ def test_a_qlora_model_exports_a_plain_model_that_reloads_to_its_predictions(sav
         if save_dtype == "checkpoint":  # a second export: the module now holds the merged plain model
             assert not any(qlora.is_quantised(p) for p in module.model.parameters())
             # the hf_model line says the dtype and how it was made
-            assert module._export_words() == (
+            assert export.dtype_words(module) == (
                 "bf16 (the checkpoint's dtype; trained in fp32 adapters and head over a 4-bit base, merged into it dequantised)"
             )
         module.export_pretrained(folder)

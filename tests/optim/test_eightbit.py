@@ -13,7 +13,8 @@ from bitsandbytes.nn import StableEmbedding
 from lit_memory.hf.anatomy import Anatomy, parameter_units
 from lit_memory.optim.eightbit import keep_32bit, swap_stable_embedding
 from lit_memory.fused import OptimizerInBackward
-from lit_memory.model import SequenceClassifier, weight_decay_groups
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim.configure import weight_decay_groups
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 

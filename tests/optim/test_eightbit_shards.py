@@ -85,7 +85,8 @@ def test_state_saved_as_dtensors_loads_back_bit_for_bit_into_existing_state(one_
     from fused_worker import batches
     from lit_memory.hf.anatomy import parameter_units
     from lit_memory.fused import OptimizerInBackward
-    from lit_memory.model import SequenceClassifier, weight_decay_groups
+    from lit_memory.model import SequenceClassifier
+    from lit_memory.optim.configure import weight_decay_groups
 
     def built(lr: float = 1e-3):
         torch.manual_seed(0)

@@ -28,7 +28,8 @@ from lit_memory.errors import UserError
 from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import OptimizerInBackward
 from lit_memory.optim.optimizer_state import optimizer_tensors
-from lit_memory.model import SequenceClassifier, weight_decay_groups
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim.configure import weight_decay_groups
 from lit_memory.optim.lowbit import keep_plain_state
 from lit_memory.planning.prediction.step import OptimizerSpec
 

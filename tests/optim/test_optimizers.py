@@ -19,7 +19,7 @@ from lit_memory.config import trust
 from lit_memory.run.checks import check_optimizer
 from lit_memory.errors import UserError
 from lit_memory.planning.prediction.step import OptimizerSpec
-from lit_memory.model import weight_decay_groups
+from lit_memory.optim.configure import weight_decay_groups
 from lit_memory.optim.optimizers import IMPORTABLE, Library, library_of, prepare, use_fused_kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models

@@ -22,7 +22,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 from conftest import CONFIGS, FAST, RECIPES, REPO
 from lit_memory.run import environment
-from lit_memory.sandbox import guard
+from lit_memory.sandbox import checkpoint_reading, guard
 from lit_memory.errors import UserError
 
 
@@ -78,7 +78,7 @@ def test_a_distributed_checkpoints_non_tensor_items_load_weights_only(decision, 
         with pytest.raises(CheckpointException, match="GLOBAL io.open was not an allowed global"):
             dcp.load(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert marker.exists() == decision
-    assert guard.checkpoint_problem(tmp_path / "c").startswith("its item 'extra'")
+    assert checkpoint_reading.checkpoint_problem(tmp_path / "c").startswith("its item 'extra'")
 
 
 @pytest.mark.parametrize("name", [".metadata", "__0.metadata"])
@@ -92,17 +92,17 @@ def test_a_distributed_checkpoints_metadata_files_are_read_with_the_restricted_u
     with pytest.raises(CheckpointException):  # torch's loader fails either way: the payload is no metadata
         dcp.load({"w": torch.zeros(2)}, checkpoint_id=str(folder), no_dist=True)
     assert marker.exists() == decision
-    assert guard.checkpoint_problem(folder) == f"its {name} names code to run when unpickled (io.open is not checkpoint metadata)"
+    assert checkpoint_reading.checkpoint_problem(folder) == f"its {name} names code to run when unpickled (io.open is not checkpoint metadata)"
 
 
 def test_metadata_naming_files_outside_its_folder_is_refused(tmp_path):
     folder = tmp_path / "c"
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(folder), no_dist=True)
-    metadata = guard.load_metadata(io.BytesIO((folder / ".metadata").read_bytes()))
+    metadata = checkpoint_reading.load_metadata(io.BytesIO((folder / ".metadata").read_bytes()))
     for info in metadata.storage_data.values():
         info.relative_path = "../../elsewhere.distcp"
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    assert "outside the checkpoint folder" in guard.checkpoint_problem(folder)
+    assert "outside the checkpoint folder" in checkpoint_reading.checkpoint_problem(folder)
 
 
 def test_lightnings_own_unpickler_for_fsdp_checkpoints_is_restricted(decision, tmp_path):
@@ -212,7 +212,7 @@ def test_resuming_ones_own_sharded_run_needs_no_trust(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     [last] = tmp_path.glob("lightning_logs/version_0/checkpoints/last.ckpt")
     assert (last.resolve() / "meta.pt").is_file()
-    assert guard.checkpoint_problem(last.resolve()) is None
+    assert checkpoint_reading.checkpoint_problem(last.resolve()) is None
     meta = torch.load(last.resolve() / "meta.pt", weights_only=True)
     assert len(meta["callbacks"]["ExactResume"]["rng"]) == 2  # each rank's random state
     resumed = fit(tmp_path, *more, "--ckpt_path=last", "--trainer.max_steps=4")

@@ -18,7 +18,7 @@ from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.run.monitor import StepTimer
-from lit_memory.tools import bench
+from lit_memory.tools import bench, bench_table
 from lit_memory.tools import recipes as recipe_commands
 
 # A 2-layer BERT with random weights on a few short samples: each recipe runs in seconds.
@@ -39,7 +39,7 @@ def shipped(tmp_path_factory):
     """A copy of a checkout's recipes folder, so --update-readme writes there."""
     folder = tmp_path_factory.mktemp("shipped") / "recipes"
     shutil.copytree(RECIPES, folder, ignore=shutil.ignore_patterns("README.md", records.BENCH_JSON))
-    start, end = bench.README_MARKERS
+    start, end = bench_table.README_MARKERS
     (folder.parent / "README.md").write_text(f"# project\n\n{start}\nold table\n{end}\n\n## next section\n")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(shipped_files, "PACKAGED", folder.parent / "not-installed")

@@ -43,7 +43,8 @@ from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
 from lit_memory.run.checkpointing import CheckpointPlan, is_auto
-from lit_memory.model import DEFAULT_OPTIMIZER, SequenceClassifier
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.optim.optimizers import Library, library_of
 from lit_memory.optim.precision import trains_on
 from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, plain, section
