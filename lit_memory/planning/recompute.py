@@ -78,6 +78,9 @@ def _count(step: Step) -> tuple[int, int]:
     """(forward, backward) FLOPs of ``step``'s micro-batch, counted on fake tensors."""
     # where kept tensors wait changes no count; a 4-bit base runs its dense equivalent's matmuls (and fake tensors
     # cannot hold bitsandbytes' weights)
+    if step.batch_size > 1:  # every op FlopCounterMode counts (matmuls, attention) is linear in the batch: one sample
+        forward, backward = _count(replace(step, batch_size=1))
+        return forward * step.batch_size, backward * step.batch_size
     step = _with_plan(step.dense_equivalent(), step.checkpointing, offload=False)
     # what the count depends on: the model's settings that change its matmuls, its plan among them, and the batch
     # shape (not the optimizer or the precision)
