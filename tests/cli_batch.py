@@ -5,7 +5,7 @@
 CASES.json: ``{name: {"argv": [...], "env": {...}}}``. Each case is one call of the entry point
 (`lit_memory.__main__.main`, what ``python -m lit_memory`` runs) with its own argv and environment
 variables (restored after it), its stdout and stderr captured; RESULTS.json gets
-``{name: {"code": exit status, "out": stdout, "err": stderr}}``. Each command's trust decision holds for that
+``{name: {"code": exit status, "out": stdout, "err": stderr, "seconds": its wall time}}``. Each command's trust decision holds for that
 command only (`lit_memory.config.trust.Decision.applied`); tests/config/test_trust.py runs a batch all untrusted and one all
 ``--trust-recipe`` to compare them. The cases share only what every one of them would set up the same way in a
 process of its own, and a process start (about 10 s here) is paid once.
@@ -18,6 +18,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__":  # a script: import this checkout's lit_memory
@@ -30,7 +31,7 @@ def run_case(argv: list[str], env: dict[str, str]) -> dict:
     saved = dict(os.environ)
     os.environ.update(env)
     out, err = io.StringIO(), io.StringIO()
-    code = 0
+    code, started = 0, time.perf_counter()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main(argv)
@@ -41,7 +42,7 @@ def run_case(argv: list[str], env: dict[str, str]) -> dict:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue(), "seconds": round(time.perf_counter() - started, 1)}
 
 
 if __name__ == "__main__":
