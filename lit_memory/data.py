@@ -589,7 +589,7 @@ class TextClassificationData(L.LightningDataModule):
             names = label_names_or_default(self.hparams.label_names, self.hparams.num_labels)
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         module = getattr(trainer, "lightning_module", None)
-        problem = getattr(module, "problem_type", None) or task_.SINGLE
+        problem = getattr(module, "problem_type", None)
         rows = self.predict_rows(rank, world_size)
         columns, id_, encoded = self._predict_columns
         chunk = self.hparams.long_texts == "chunk"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -177,3 +178,24 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
+
+
+# -- helpers tests in several folders share -------------------------------------------------------
+
+
+def flatten(tree: dict) -> dict[str, object]:
+    """Dotted keys down to the values a recipe writes (a list is one value)."""
+    from lit_memory.settings import leaves
+
+    return dict(leaves(tree, lists=False))
+
+
+def deflate_bomb(path: Path, size: int = 300 << 20) -> Path:
+    """A torch-looking zip whose pickle record is a few hundred KiB deflated and `size` bytes inflated."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
+        with archive.open("archive/data.pkl", "w", force_zip64=True) as f:
+            chunk = b"\0" * (1 << 20)
+            for _ in range(size >> 20):
+                f.write(chunk)
+        archive.writestr("archive/version", "3\n")
+    return path

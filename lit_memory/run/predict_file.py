@@ -176,14 +176,14 @@ class Collate:
 
     def __init__(
         self, tokenizer: Any, max_length: int, padding: str, columns: Any, id_: Optional[str],
-        label_names: Sequence[str], problem_type: str = task_.SINGLE, encoded: bool = False,
+        label_names: Sequence[str], problem_type: Optional[str] = None, encoded: bool = False,
         stride: Optional[int] = None,
     ) -> None:
         self.tokenizer, self.max_length, self.padding, self.stride = tokenizer, max_length, padding, stride
         self.texts, self.labels, self.id = tuple(columns.text), tuple(columns.label), id_
         self.label_names = list(label_names)
         self.ids = {name: i for i, name in enumerate(self.label_names)}
-        self.problem_type, self.kind, self.encoded = problem_type, task_.kind_of(problem_type), encoded
+        self.kind, self.encoded = task_.kind_of(problem_type), encoded
 
     def label_id(self, value: Any) -> int:
         """A given label as the model's id: its name, or an id in range (as an int or its digits)."""

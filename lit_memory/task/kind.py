@@ -244,9 +244,13 @@ def register(kind: type[ProblemKind]) -> type[ProblemKind]:
     return kind
 
 
-def kind_of(problem_type: str, setting: str = "model.problem_type") -> ProblemKind:
-    """The registered kind of a ``problem_type``; one error line naming the ``setting`` for any other value."""
-    found = KINDS.get(problem_type)
+DEFAULT_PROBLEM_TYPE = "single_label_classification"  # where a module or model config states none
+
+
+def kind_of(problem_type: Optional[str], setting: str = "model.problem_type") -> ProblemKind:
+    """The registered kind of a ``problem_type`` (None: `DEFAULT_PROBLEM_TYPE`); one error line naming the
+    ``setting`` for any other value."""
+    found = KINDS.get(problem_type or DEFAULT_PROBLEM_TYPE)
     if found is None:
         raise UserError(f"{setting} {problem_type!r} is not one of: {', '.join(KINDS)}")
     return found

@@ -10,11 +10,10 @@ import zipfile
 import pytest
 import yaml
 
-from conftest import RECIPES, REPO
+from conftest import RECIPES, REPO, flatten
 from lit_memory.config import recipes
 from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
-from lit_memory.settings import leaves
 
 SEED_TIERS = ["baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq"]
 
@@ -23,11 +22,6 @@ def header(name: str) -> dict[str, str]:
     lines = (RECIPES / f"{name}.yaml").read_text().splitlines()
     fields = dict(re.match(r"# (\w[\w-]*): (.*)", line).groups() for line in lines if re.match(r"# (\w[\w-]*): ", line))
     return fields
-
-
-def flatten(tree: dict) -> dict[str, object]:
-    """Dotted keys down to the values a recipe writes (a list is one value)."""
-    return dict(leaves(tree, lists=False))
 
 
 def load(name: str) -> dict[str, object]:

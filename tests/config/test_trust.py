@@ -647,7 +647,7 @@ def hostile(tmp_path_factory):
     (chain / "tokenizer.json").write_text(json.dumps(tokenizer))
     normalizers = recipe("normalizers", f"model:\n  model_name_or_path: {chain}\n  pretrained: false\n")
     bomb_folder = model_folder("deflate")
-    from test_bounds import deflate_bomb
+    from conftest import deflate_bomb
 
     deflate_bomb(bomb_folder / "pytorch_model.bin")
     deflate = recipe("deflate", f"model:\n  model_name_or_path: {bomb_folder}\n")

@@ -7,14 +7,13 @@ import json
 import os
 import time
 import tracemalloc
-import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import CONFIGS, RECIPES, REPO
+from conftest import CONFIGS, RECIPES, REPO, deflate_bomb
 from lit_memory.sandbox import bounds
 
 LAUGHS = 'a: &a ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
@@ -59,17 +58,6 @@ def test_reads_are_of_regular_files_within_a_size(tmp_path):
     assert "nested too deeply" in within(5, 200, bounds.read_json, tmp_path / "deep.json")
     (tmp_path / "ok.json").write_text('{"a": 1}')
     assert bounds.read_json(tmp_path / "ok.json") == {"a": 1}
-
-
-def deflate_bomb(path: Path, size: int = 300 << 20) -> Path:
-    """A torch-looking zip whose pickle record is a few hundred KiB deflated and `size` bytes inflated."""
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
-        with archive.open("archive/data.pkl", "w", force_zip64=True) as f:
-            chunk = b"\0" * (1 << 20)
-            for _ in range(size >> 20):
-                f.write(chunk)
-        archive.writestr("archive/version", "3\n")
-    return path
 
 
 def test_a_decompression_bomb_in_weights_is_refused_from_the_zip_directory(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CONFIGS, FAST, RECIPES
+from conftest import CONFIGS, FAST, RECIPES, flatten
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
@@ -22,7 +22,6 @@ from lit_memory.memory.hardware.margin import Limit
 from lit_memory.planning.prediction.predict import device_total
 from lit_memory.planning.prediction.step import Step
 from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes
-from test_recipes import flatten
 
 MiB = 2**20
 

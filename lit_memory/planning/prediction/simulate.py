@@ -51,7 +51,7 @@ from lit_memory import task as task_
 def fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
     """The batch of ``step``'s worst case: every micro-batch full and padded to ``max_length``, with labels."""
     shape = (step.batch_size, step.max_length)
-    kind = task_.kind_of(getattr(config, "problem_type", None) or task_.SINGLE)
+    kind = task_.kind_of(getattr(config, "problem_type", None))
     labels = kind.fake_labels(step.batch_size, config.num_labels)  # as the head's loss takes them
     batch = {
         "input_ids": torch.randint(0, config.vocab_size, shape),
