@@ -33,14 +33,15 @@ CONFIGS = REPO / "configs"
 # that fit every recipe leave them to tests/run/test_compiling.py (the same recipes, trained with dynamo on a cheap backend).
 COMPILED = frozenset(p.stem for p in RECIPES.glob("*.yaml") if "\n  compile: " in p.read_text())
 
-# The test files that take longest on a 2-core CPU without native bf16 (`pytest --durations`), longest first.
+# The test files that take longest on the 2-core CPU (`pytest --durations`), longest first.
 # They are collected first, so that xdist's file scheduling (README: ``--dist loadfile --no-loadscope-reorder``)
 # starts each worker on one of them and fills in with the short files: with the long files last, one worker
 # ran them alone for the last half of the run. (xdist's own reordering sorts files by how many tests they hold.)
 LONGEST_FIRST = (
-    "test_task.py", "run/test_monitor.py", "tools/test_plan.py", "test_strategies.py", "test_cli.py", "run/test_resume.py", "config/test_trust.py",
-    "optim/test_lowbit.py", "tools/test_recipe_headers.py", "sandbox/test_guard.py", "test_fabric.py", "tools/test_bench.py",
-    "hf/test_anatomy.py", "planning/prediction/test_analytic.py", "run/test_checkpointing.py", "tools/test_estimate.py",
+    "run/test_checks.py", "test_strategies.py", "config/test_trust.py", "run/test_resume.py", "run/test_monitor.py",
+    "hf/test_anatomy.py", "tools/test_plan.py", "test_task.py", "test_cli.py", "test_sandbox.py",
+    "tools/test_recipe_headers.py", "tools/test_bench.py", "optim/test_lowbit.py", "sandbox/test_guard.py",
+    "tools/test_proof.py", "test_fabric.py", "run/test_predict_file.py", "planning/prediction/test_analytic.py",
 )
 
 
