@@ -128,11 +128,13 @@ def fit(out: Path, name: str, data: Path, *more: str) -> tuple[dict, Path, str, 
     return lines(done.stdout, "val: "), run, output, seconds
 
 
-def evaluate(out: Path, run: Path, subcommand: str = "test") -> dict:
+def evaluate(out: Path, run: Path, data: Path, subcommand: str = "test") -> dict:
     best = next((run / "checkpoints").glob("best-*.ckpt"))
+    # The data typed again: a file a config names outside its folder and the working folder is read only when typed
+    # (docs/sharing.md), and these runs live in --out.
     done = subprocess.run(
         [sys.executable, "-m", "lit_memory", subcommand, "--config", str(run / "config.yaml"), f"--ckpt_path={best}",
-         f"--trainer.default_root_dir={out / 'eval'}"], capture_output=True, text=True)
+         f"--data.source={data}", f"--trainer.default_root_dir={out / 'eval'}"], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
     return lines(done.stdout, f"{subcommand}: ")
@@ -148,7 +150,7 @@ def case_imbalance(out: Path, results: dict) -> None:
         val, run, output, seconds = fit(out, f"imbalance-{weights}", data, f"--model.class_weights={weights}",
                                         "--data.max_length=32", "--trainer.max_epochs=3", "--data.val_fraction=0.2",
                                         "--data.test_fraction=0.2")
-        test = evaluate(out, run)
+        test = evaluate(out, run, data)
         results[f"imbalance {weights}"] = {"val f1 (rare)": val.get("f1"), "test f1 (rare)": test.get("f1"),
                                            "test f1_macro": test.get("f1_macro"), "seconds": round(seconds),
                                            "card = log": card_matches_log(run, output)}
@@ -160,7 +162,7 @@ def case_thresholds(out: Path, results: dict) -> None:
     saved = json.loads((run / "hf_model" / "config.json").read_text())["thresholds"]
     texts = write(out / "weak-texts.jsonl", [{"text": r["text"]} for r in weak_labels(random.Random(1), 50)])
     done = subprocess.run(
-        [sys.executable, "-m", "lit_memory", "predict", "--config", str(run / "config.yaml"),
+        [sys.executable, "-m", "lit_memory", "predict", "--config", str(run / "config.yaml"), f"--data.source={data}",
          f"--model.model_name_or_path={run / 'hf_model'}", f"--data.predict_path={texts}", "--predictions.format=jsonl",
          f"--trainer.default_root_dir={out / 'predict'}"], capture_output=True, text=True)
     if done.returncode != 0:

@@ -112,6 +112,77 @@ def test_native_writers_cannot_write_outside_the_run_folders(tmp_path):
     assert f"torch wrote {outside}" in free.stdout and f"safetensors wrote {outside}" in free.stdout
 
 
+@pytest.mark.skipif(landlock.abi() < 5, reason="Landlock mediates ioctl on devices from ABI 5 (Linux 6.10)")
+def test_a_gpus_device_files_can_be_driven_by_ioctl_and_no_other_device_can(tmp_path):
+    """CUDA and NVML drive the GPU by ioctl on its device files; with ABI 5 Landlock refuses ioctl on every device no
+    rule grants it on (CUDA then fails with error 304 and a confined run trained on the CPU or not at all, as the H200
+    showed). A device in ``Spec.devices`` takes ioctl; one only written (``/dev/null`` as every run has it) does not.
+    /dev/null stands in for a GPU here: its ioctl answers ENOTTY when let through, EACCES when Landlock refuses it."""
+    code = """
+        import errno, fcntl, os, termios
+        fd = os.open("/dev/null", os.O_RDWR)
+        try:
+            fcntl.ioctl(fd, termios.TIOCGWINSZ, bytes(8))
+            print("ioctl ran")
+        except OSError as err:
+            print("ioctl", errno.errorcode[err.errno])
+    """
+    written = run_python(code, spec_for(tmp_path))
+    assert "ioctl EACCES" in written.stdout, written.stdout + written.stderr[-2000:]
+    spec = spec_for(tmp_path)
+    spec.devices = ["/dev/null"]
+    driven = run_python(code, spec)
+    assert "ioctl ENOTTY" in driven.stdout, driven.stdout + driven.stderr[-2000:]
+
+
+THREAD_NAMES = """
+    import ctypes, errno, os, subprocess, sys, threading
+    libc = ctypes.CDLL(None, use_errno=True)
+    def name_another_thread():  # what CUDA's cuInit does: glibc writes /proc/self/task/<tid>/comm
+        done = threading.Event()
+        worker = threading.Thread(target=done.wait)
+        worker.start()
+        code = libc.pthread_setname_np(ctypes.c_ulong(worker.ident), b"cuda-like")
+        name = open(f"/proc/self/task/{worker.native_id}/comm").read().strip() if code == 0 else ""
+        done.set()
+        worker.join()
+        return errno.errorcode.get(code, "ok"), name
+    print("named", *name_another_thread(), flush=True)
+    if len(sys.argv) < 2:  # a process it starts (a distributed launch's rank) names its threads too
+        print(subprocess.run([sys.executable, "-c", CODE, "child"], capture_output=True,
+                             text=True).stdout.replace("named", "child named"), end="")
+    for path in ("/proc/sys/vm/drop_caches", "/proc/sysrq-trigger"):
+        try:
+            os.close(os.open(path, os.O_WRONLY))  # opened, never written
+            print("opened", path)
+        except OSError as err:
+            print("refused", path, errno.errorcode[err.errno])
+"""
+
+
+def test_a_confined_run_names_its_threads_and_cannot_touch_the_kernels_settings(tmp_path, tmp_path_factory):
+    """cuInit names the threads it starts through /proc/<pid>/task/<tid>/comm and fails with error 304 where
+    Landlock refuses it (seen on an H200). A confined process and one it starts (a rank) may; the kernel's settings
+    and the SysRq trigger in the run's /proc stay read only, though it runs as root."""
+    require(tmp_path_factory, "pid", "mount")
+    code = "CODE = " + repr(textwrap.dedent(THREAD_NAMES)) + "\nexec(CODE)\n"
+    result = run_python(code, spec_for(tmp_path))
+    assert "named ok cuda-like" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "child named ok cuda-like" in result.stdout, result.stdout + result.stderr[-2000:]
+    for path in ("/proc/sys/vm/drop_caches", "/proc/sysrq-trigger"):
+        assert f"refused {path}" in result.stdout, result.stdout
+
+
+def test_a_runs_spec_lets_it_drive_the_machines_gpu(monkeypatch):
+    """Every NVIDIA device file there is (``nvidiaN`` found by listing /dev), ROCm's, and no other device."""
+    listing = ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "null", "sda", "nvidia-caps", "nvme0n1"]
+    monkeypatch.setattr(rules, "_listdir", lambda path: listing if path == "/dev" else [])
+    present = {f"/dev/{n}" for n in listing} | {"/dev/dri"}
+    monkeypatch.setattr(rules.os.path, "lexists", lambda p: p in present)
+    assert rules.gpu_devices() == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-caps", "/dev/dri",
+                                   "/dev/nvidia0", "/dev/nvidia1"]
+
+
 def test_reads_outside_the_roots_are_refused_through_a_link_and_proc(tmp_path):
     """A private file, a link inside a readable folder pointing at it, and the environment of the process that
     started the run (its secrets): all refused to the confined child; the child's own environment holds none
@@ -263,7 +334,7 @@ def alive(marker: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0"):  # an argument: not code naming it
                     found.append(int(entry))
             except OSError:
                 continue
@@ -342,18 +413,21 @@ def test_the_run_ends_with_its_parent_however_the_parent_ends(tmp_path, tmp_path
         sys.path.insert(0, {str(REPO)!r})
         from lit_memory.sandbox import rules, watchdog
         spec = rules.Spec(**{rules.asdict(spec)!r})
-        code = {(with_marker(marker) + chr(10) + "import time; time.sleep(300)")!r}
+        code = {(textwrap.dedent(with_marker(marker)) + "import time; time.sleep(300)" + chr(10))!r}
         command = [sys.executable, "-I", "-B", "-c", {PROBE!r} + __import__("textwrap").dedent(code)]
         watchdog.watch(command, dict(__import__("os").environ), spec, watchdog.Bounds(8 << 30, 1 << 30, 600), [])
     """)
     environ = {k: v for k, v in os.environ.items() if k != rules.ENV}
-    helper = subprocess.Popen([sys.executable, "-c", parent], env={**environ, **ENV}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    log = tmp_path / "helper.log"
+    with log.open("wb") as out:
+        helper = subprocess.Popen([sys.executable, "-c", parent], env={**environ, **ENV}, stdout=out,
+                                  stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a loaded 2-core machine: the child's interpreter and confinement first
         while not alive(marker) and time.monotonic() < deadline and helper.poll() is None:
             time.sleep(0.2)
-        assert alive(marker), "the run's process never started"
+        assert alive(marker), (f"the run's process never started (the parent: exit status {helper.poll()}): "
+                               + log.read_text(errors="replace")[-3000:])
         helper.send_signal(signal.SIGKILL)
         helper.wait()
         deadline = time.monotonic() + 10

@@ -145,7 +145,7 @@ def make_plan(run: Any) -> Plan:
     env = child_environment(env, private, distributed=bool(connect), nodes=nodes)
     spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
                       path=rules.child_path(), network=nodes == 1, inet=bool(connect), shm=_shm_bytes(bounds),
-                      view=str(private / "view"))
+                      view=str(private / "view"), devices=rules.gpu_devices())
     return Plan(spec, env, bounds, private, [*written, str(private)], made)
 
 

@@ -24,6 +24,7 @@ no terminal to write into.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -118,10 +119,11 @@ def confine(spec: Optional[Spec] = None) -> Held:
         held.missing["network"] = "a launch over several nodes reaches them over the network"
     if "pid" not in missing:
         _fork_init()
+    own_proc = False
     if "mount" not in missing and spec.view:
         try:
-            namespaces.build_view(spec.view, [*spec.read, *spec.write], [p for p in spec.read + spec.write
-                                                                         if p.startswith("/dev/")], spec.shm, os.getcwd())
+            devices = [p for p in spec.read + spec.write + spec.devices if p.startswith("/dev/")]
+            own_proc = namespaces.build_view(spec.view, [*spec.read, *spec.write], devices, spec.shm, os.getcwd())
         except OSError as err:
             held.missing["mount"] = str(err)
     elif "mount" not in missing:
@@ -129,7 +131,7 @@ def confine(spec: Optional[Spec] = None) -> Held:
     if spec.network and "network" not in missing:
         if why := namespaces.loopback_up():
             held.missing["network"] = why
-    enter(spec)  # resource limits, then Landlock: raises where the kernel refuses
+    enter(spec, _thread_names(own_proc))  # resource limits, then Landlock: raises where the kernel refuses
     if why := privileges.drop():
         held.missing["capabilities"] = why
     try:
@@ -143,6 +145,23 @@ def confine(spec: Optional[Spec] = None) -> Held:
         _refuse_unix_sockets_outside(spec.write)
     set_status(spec.status_fd)
     return held
+
+
+_PINNED: list[int] = []  # descriptors held open for the life of the process (`_thread_names`)
+
+
+def _thread_names(own_proc: bool) -> list[str]:
+    """Where the run may name its threads (CUDA's cuInit does, in ``/proc/<pid>/task/<tid>/comm``, and fails with
+    error 304 where it cannot). In a ``/proc`` of its own (its process namespace, the machine's settings read only:
+    `namespaces.View.proc`) every process of the run may, the ranks of a distributed launch too. Else only this
+    process, beneath its own ``task`` folder: a Landlock rule holds an inode, and procfs makes a new one when a
+    dentry is dropped, so a descriptor keeps that folder's dentry for the life of the process."""
+    if own_proc:
+        return ["/proc"]
+    task = os.path.join(os.path.realpath("/proc/self"), "task")  # (the pid /proc knows it by, in any namespace)
+    with contextlib.suppress(OSError):
+        _PINNED.append(os.open(task, os.O_PATH | os.O_CLOEXEC))
+    return [task]
 
 
 def _refuse_unix_sockets_outside(roots: list[str]) -> None:

@@ -39,6 +39,12 @@ SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
 READ = ("execute", "read_file", "read_dir")
 WRITE = ("write_file", "remove_dir", "remove_file", "make_dir", "make_reg", "make_sym", "refer", "truncate")
 FILE_RIGHTS = ("execute", "write_file", "read_file", "truncate", "ioctl_dev")  # what a rule on a file may grant
+# A GPU's device files: the driver is driven by ioctl (ABI 5 refuses it on any device no rule grants it on: CUDA
+# then fails with "OS call failed", error 304, and NVML does not start).
+DEVICE = ("read_file", "write_file", "read_dir", "ioctl_dev")
+# Its threads' files in /proc: CUDA names the threads it starts (/proc/<pid>/task/<tid>/comm, opened read-write),
+# and cuInit fails with error 304 where it cannot.
+THREADS = ("read_file", "write_file", "read_dir")
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -78,10 +84,14 @@ def _mask(names: Iterable[str], table: dict, version: int) -> int:
 @dataclass
 class Ruleset:
     """What a confined process may still do. ``read``/``write``: paths beneath which it may read (and run), or also
-    write; ``connect``: TCP ports it may connect to (ABI 4 and later: none else); ``bind``: ports it may listen on."""
+    write; ``devices``: device files (or folders of them) it may also drive by ioctl; ``connect``: TCP ports it may
+    connect to (ABI 4 and later: none else); ``bind``: ports it may listen on; ``threads``: folders of /proc whose
+    files it may read and write (its threads' names)."""
 
     read: list[str] = field(default_factory=list)
     write: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    threads: list[str] = field(default_factory=list)
     connect: list[int] = field(default_factory=list)
     bind: list[int] = field(default_factory=list)
 
@@ -102,7 +112,8 @@ class Ruleset:
             raise OSError(ctypes.get_errno(), "landlock_create_ruleset: " + os.strerror(ctypes.get_errno()))
         try:
             reads, writes = _mask(READ, FS, version), _mask(READ + WRITE, FS, version)
-            for paths, rights in ((self.read, reads), (self.write, writes)):
+            for paths, rights in ((self.read, reads), (self.write, writes), (self.devices, _mask(DEVICE, FS, version)),
+                                  (self.threads, _mask(THREADS, FS, version))):
                 for path in dict.fromkeys(paths):
                     if rights == writes and os.path.lexists(path) and os.path.realpath(path) != os.path.abspath(path):
                         raise OSError(f"the write root {path} is reached through a link (it was not when it was judged)")

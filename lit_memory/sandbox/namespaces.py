@@ -32,7 +32,13 @@ from typing import Iterable, Optional
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
+MS_REMOUNT = 32
 MNT_DETACH = 2
+# What of a fresh /proc stays read only, as container engines leave it: the kernel's settings (sysctls), the
+# SysRq trigger (no capability check: uid 0 could reboot the machine), interrupts, buses and file systems. The
+# run may write its own processes' files there (CUDA names its threads in /proc/<pid>/task/<tid>/comm).
+READ_ONLY_PROC = ("sys", "sysrq-trigger", "irq", "bus", "fs", "acpi", "scsi", "asound", "latency_stats",
+                  "timer_list", "sched_debug")
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
 # The namespaces a run gets, by the name a missing one is reported with.
@@ -171,15 +177,23 @@ class View:
         size = max(shm_bytes, 1 << 20)
         _mount("tmpfs", self._place("/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={size}")
 
-    def proc(self) -> None:
-        """A ``/proc`` of this process namespace (only the run's processes), or the user's where it cannot be
-        mounted (no process namespace, or a container that masks parts of its own)."""
+    def proc(self) -> bool:
+        """A ``/proc`` of this process namespace (only the run's processes), the machine's settings in it read only
+        (`READ_ONLY_PROC`, as container engines leave them); or the user's where it cannot be mounted (no process
+        namespace, or a container that masks parts of its own). Whether it is the run's own."""
         place = self._place("/proc")
         os.makedirs(place, exist_ok=True)
         try:
             _mount("proc", place, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         except OSError:
             _mount("/proc", place, None, MS_BIND | MS_REC)
+            return False
+        for name in READ_ONLY_PROC:
+            path = os.path.join(place, name)
+            if os.path.lexists(path):
+                _mount(path, path, None, MS_BIND | MS_REC)
+                _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        return True
 
     def enter(self, cwd: str) -> None:
         """Make the view this process's root (``pivot_root``; the old root detached), and ``cwd`` its folder."""
@@ -206,16 +220,18 @@ class View:
             raise RuntimeError(f"the view is half entered: {err}") from None
 
 
-def build_view(root: str, paths: Iterable[str], devices: Iterable[str], shm_bytes: int, cwd: str) -> None:
+def build_view(root: str, paths: Iterable[str], devices: Iterable[str], shm_bytes: int, cwd: str) -> bool:
     """Make this process's root a view holding ``paths`` (read and write roots, bound at their own paths, parents
-    first), ``devices``, a private ``/dev/shm`` and ``/proc``, and enter it in ``cwd``. Raises OSError where the kernel
-    refuses a step before the root is switched (the process keeps its root; what was mounted stays in its own mount
-    namespace), RuntimeError after (the process must not run on)."""
+    first), ``devices``, a private ``/dev/shm`` and ``/proc``, and enter it in ``cwd``; whether that ``/proc`` is the
+    run's own (`View.proc`). Raises OSError where the kernel refuses a step before the root is switched (the process
+    keeps its root; what was mounted stays in its own mount namespace), RuntimeError after (the process must not run
+    on)."""
     view = View(root)
     wanted = [p for p in dict.fromkeys(paths) if not p.startswith(("/proc/", "/dev/")) and p not in ("/proc", "/dev")]
     for path in sorted(wanted, key=lambda p: (len(os.path.realpath(p)), p)):
         # A folder holding the view's own root would copy the view into itself: bound without what is mounted below.
         view.bind(path, recursive=not (root == path or root.startswith(path.rstrip("/") + "/")))
     view.devices(devices, shm_bytes)
-    view.proc()
+    own = view.proc()
     view.enter(cwd)
+    return own

@@ -24,7 +24,7 @@ import string
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from lit_memory.errors import UserError
 from lit_memory.sandbox.landlock import Ruleset
@@ -41,9 +41,12 @@ SYSTEM = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/opt", "/sys", "
 # whole: another process's environ (the shell that started the run holds its tokens) would be readable there.
 PROC = ("/proc/self", "/proc/thread-self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg",
         "/proc/uptime", "/proc/version", "/proc/filesystems", "/proc/sys", "/proc/driver", "/proc/pressure")
-DEVICES_READ = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/nvidiactl", "/dev/nvidia-uvm",
-                "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/dri", "/dev/nvidia-caps")
-DEVICES_WRITE = ("/dev/null", "/dev/shm", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+DEVICES_READ = ("/dev/null", "/dev/urandom", "/dev/random")
+DEVICES_WRITE = ("/dev/null", "/dev/shm")
+# The GPU's device files, read, written and driven by ioctl (`landlock.Ruleset.devices`): NVIDIA's (nvidia0.. are
+# added as found), AMD ROCm's (kfd, and dri's render nodes).
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia-caps",
+               "/dev/kfd", "/dev/dri")
 
 
 SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|APIKEY|PRIVATE)", re.IGNORECASE)
@@ -78,6 +81,7 @@ class Spec:
     inet: bool = False  # IPv4/IPv6 sockets (a distributed launch's ranks)
     shm: int = 0  # bytes of the private /dev/shm
     view: str = ""  # an empty folder the view of the file system is built on (`lit_memory.sandbox.namespaces`)
+    devices: list[str] = field(default_factory=list)  # GPU device files: read, written and driven by ioctl
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -114,12 +118,17 @@ def child_path() -> list[str]:
 
 
 def system_roots() -> list[str]:
-    devices = [f"/dev/{name}" for name in _listdir("/dev") if re.fullmatch(r"nvidia\d+", name)]
-    return [*SYSTEM, *ETC, *PROC, *DEVICES_READ, *devices]
+    return [*SYSTEM, *ETC, *PROC, *DEVICES_READ]
 
 
 def device_write_roots() -> list[str]:
-    return [*DEVICES_WRITE, *(f"/dev/{n}" for n in _listdir("/dev") if re.fullmatch(r"nvidia\d+", n))]
+    return list(DEVICES_WRITE)
+
+
+def gpu_devices() -> list[str]:
+    """This machine's GPU device files (`GPU_DEVICES` and every ``/dev/nvidiaN``) that exist."""
+    numbered = sorted(f"/dev/{n}" for n in _listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
+    return [p for p in (*GPU_DEVICES, *numbered) if os.path.lexists(p)]
 
 
 def _listdir(path: str) -> list[str]:
@@ -132,8 +141,9 @@ def _listdir(path: str) -> list[str]:
 # -- the child: the confinement applied to itself ---------------------------------------------------------
 
 
-def enter(spec: Spec) -> None:
-    """Apply ``spec`` to this process: resource limits, then Landlock; nothing can lift it afterwards."""
+def enter(spec: Spec, threads: Sequence[str] = ()) -> None:
+    """Apply ``spec`` to this process: resource limits, then Landlock (``threads``: folders of /proc it may also
+    write, `landlock.Ruleset.threads`); nothing can lift it afterwards."""
     if spec.nproc:
         _limit(resource.RLIMIT_NPROC, spec.nproc)
     if spec.fsize:
@@ -141,7 +151,8 @@ def enter(spec: Spec) -> None:
     def ports(ranges: list[list[int]]) -> list[int]:
         return [port for first, last in ranges for port in range(first, last + 1)]
 
-    Ruleset(read=spec.read, write=spec.write, connect=ports(spec.connect), bind=ports(spec.bind)).enforce()
+    Ruleset(read=spec.read, write=spec.write, devices=spec.devices, threads=list(threads), connect=ports(spec.connect),
+            bind=ports(spec.bind)).enforce()
 
 
 def _limit(which: int, value: int) -> None:

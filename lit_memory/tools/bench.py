@@ -18,6 +18,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -227,6 +228,10 @@ def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
 # -- running ------------------------------------------------------------------------------------
 
 
+# A traceback's exception line: ``RuntimeError: ...``, ``torch.OutOfMemoryError: ...``.
+EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(: |$)")
+
+
 def _run(command: list[str], log: Path) -> Optional[str]:
     """Run a command with its output in `log`; the error (its ``error:`` line, else its last line) or None."""
     with files.open_log(log) as f:
@@ -236,7 +241,10 @@ def _run(command: list[str], log: Path) -> Optional[str]:
     lines = [line.strip() for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     message = errors[-1][len("error:") :].strip() if errors else (lines[-1] if lines else "")
-    return f"exit status {code}: {message}"[:300]
+    raised = [line for line in lines if EXCEPTION.match(line)]
+    if not errors and len(raised) > 1 and raised[0] != message:  # a chained traceback: its first exception is the cause
+        message = f"{message} (cause: {raised[0]})"
+    return f"exit status {code}: {message}"[:600]
 
 
 def _speed(record: dict[str, Any]) -> dict[str, Optional[float]]:

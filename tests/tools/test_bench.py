@@ -204,3 +204,19 @@ def test_recipe_files_join_the_shipped_recipes_under_their_own_names(tmp_path):
     clash.write_text(variant.read_text())
     with pytest.raises(UserError, match="two recipes named 4gb in --recipes"):
         bench.ordered(f"4gb,{clash}")
+
+
+def test_a_runs_error_names_the_cause_of_a_chained_traceback(tmp_path):
+    """A run that dies in a traceback whose last exception wraps another (transformers' lazy import turns any import
+    failure into "Could not import module ..."): the row's error names the first exception, the cause, too."""
+    import sys
+
+    from lit_memory.tools import bench
+
+    code = ("try:\n    raise RuntimeError('cuInit: operation not permitted')\n"
+            "except RuntimeError as e:\n    raise ModuleNotFoundError(\"Could not import module 'PreTrainedModel'\") from e\n")
+    error = bench._run([sys.executable, "-c", code], tmp_path / "log")
+    assert error == ("exit status 1: ModuleNotFoundError: Could not import module 'PreTrainedModel' "
+                     "(cause: RuntimeError: cuInit: operation not permitted)")
+    assert bench._run([sys.executable, "-c", "import sys; print('error: no such column'); sys.exit(2)"],
+                      tmp_path / "log2") == "exit status 2: no such column"

@@ -143,6 +143,10 @@ def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
     (tmp_path / "h100.json").write_text(json.dumps(old))
     (tmp_path / "h200-speed.json").write_text(json.dumps(new))
     assert proof.newest_record(tmp_path).name == "h200-speed.json"  # dated: newer than a record without a date
+    failed = {**new, "date": "2026-12-02", "recipes": [{"recipe": "bf16", "error": "exit status 1: ..."},
+                                                        {"recipe": "4gb-peer", "peer_of": "4gb", "samples_per_s": 186.4}]}
+    (tmp_path / "h200-sandboxed.json").write_text(json.dumps(failed))
+    assert proof.newest_record(tmp_path).name == "h200-speed.json"  # newer, but none of ours trained: not the source
     text = proof.speed_table(new, "docs/gpu/h200-speed.json")
     assert text.startswith("Measured on one NVIDIA H200 on 2026-12-01")
     rows = {line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| `")}
