@@ -35,10 +35,11 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4
 MS_REMOUNT = 32
 MNT_DETACH = 2
 # What of a fresh /proc stays read only, as container engines leave it: the kernel's settings (sysctls), the
-# SysRq trigger (no capability check: uid 0 could reboot the machine), interrupts, buses and file systems. The
-# run may write its own processes' files there (CUDA names its threads in /proc/<pid>/task/<tid>/comm).
-READ_ONLY_PROC = ("sys", "sysrq-trigger", "irq", "bus", "fs", "acpi", "scsi", "asound", "latency_stats",
-                  "timer_list", "sched_debug")
+# SysRq trigger (no capability check: uid 0 could reboot the machine), interrupts, buses, file systems, drivers'
+# controls (NVIDIA's suspend file among them) and pressure triggers. The run may write its own processes' files
+# there (CUDA names its threads in /proc/<pid>/task/<tid>/comm).
+READ_ONLY_PROC = ("sys", "sysrq-trigger", "irq", "bus", "fs", "driver", "pressure", "tty", "acpi", "scsi", "asound",
+                  "latency_stats", "timer_list", "sched_debug")
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
 # The namespaces a run gets, by the name a missing one is reported with.
