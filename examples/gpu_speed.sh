@@ -5,12 +5,12 @@
 # row, so what a timeout cuts keeps what was measured; brings back the record, its table, the logs, profiles and
 # 4gb's CUDA memory snapshot in $OUT. Run there from the repository root with .carry carried
 # (examples/gpu_carry.sh, built beforehand on a machine with PyPI):
-#   bash examples/gpu_speed.sh [SECONDS]      # the proof's own limit, default 500 (the call: at least SECONDS + 60:
+#   bash examples/gpu_speed.sh [SECONDS]      # the proof's own limit, default 480 (the call: at least SECONDS + 60:
 #                                             # the probe, the tables and the archives after the proof need that)
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.carry/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-LIMIT=${1:-500}
+LIMIT=${1:-480}
 # issue 46's rows, then issue 49's (fsdp: FSDP2 on one GPU within its card; 4gb-fp16: capped as a GTX 1650;
 # 2gb-2560mib: 2gb.yaml at 2.5 GiB; 4gb-snapshot: torch's memory history of 4gb's first steps)
 ROWS=${ROWS:-bf16,4gb,4gb-peer,bf16-compile,4gb-compile,fsdp,4gb-fp16,2gb-2560mib,4gb-snapshot}
