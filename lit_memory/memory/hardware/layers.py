@@ -143,8 +143,10 @@ def attention(spec: LayerSpec, shape: Shape, k: Kernel, training: bool = True) -
 def _kv_kept(spec: LayerSpec, x: Shape, k: Kernel) -> int:
     """The width of k and v as attention receives them: transformers repeats grouped-query k/v to every
     head for eager attention, and for SDPA wherever it passes a mask (padding, a sliding window:
-    ``use_gqa_in_sdpa``)."""
-    if spec.kv_wide < spec.q_wide and (k.name == "eager" or x.masked or spec.window):
+    ``use_gqa_in_sdpa``). On the CPU only a window's mask counts: the CPU's prediction is of the unpadded
+    batch `lit_memory.planning.prediction.simulate.measure` runs, where the other layers get no mask."""
+    padded = x.masked and not k.name.startswith("cpu-")
+    if spec.kv_wide < spec.q_wide and (k.name == "eager" or padded or spec.window):
         return spec.q_wide
     return spec.kv_wide
 

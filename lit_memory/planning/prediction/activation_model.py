@@ -367,6 +367,36 @@ class Activations:
     made_at: Mapping[int, str]  # by parameter ``id``: where in its layer's backward its gradient is made
 
 
+def _windowed(layers: list) -> list[Optional[bool]]:
+    """Per layer: None where its attention has no sliding window, else whether the window is bidirectional
+    (ModernBERT's local attention: ``is_causal`` False) rather than causal (Gemma 3's sliding)."""
+    found = [[m for m in layer.modules() if getattr(m, "sliding_window", None)] for layer in layers]
+    return [any(getattr(m, "is_causal", True) is False for m in ms) if ms else None for ms in found]
+
+
+def _cpu_window_masks(model: nn.Module, first: int, modes: list, x: Shape, k: Kernel) -> Optional[tuple[int, int, int]]:
+    """The sliding-window mask on the CPU, O(L^2) though the window is linear: (kept, alive, building) bytes.
+
+    transformers builds one bool (batch, 1, L, L) mask per forward for the windowed layers
+    (`masking_utils.sdpa_mask`), alive through the forward pass (alive). SDPA's CPU fused kernel converts it
+    to the query's dtype, a new (batch, 1, L, L) tensor per call, and keeps it for backward (kept: per
+    trained windowed layer left whole); the math kernel (dropout) adds it to the scores and frees it. A
+    bidirectional window is built from ``abs(q_idx - kv_idx)``: two int64 (L, L) tensors at once (building);
+    a causal one from bool comparisons, less than the forward keeps later. Unwindowed layers of the unpadded
+    batch `lit_memory.planning.prediction.simulate.measure` runs get no mask (``is_causal``, or none).
+    None where no layer is windowed, or on a GPU (the memory-efficient kernel's bias is a per-layer tensor
+    of `lit_memory.memory.hardware.kernels`)."""
+    if not k.name.startswith("cpu-"):
+        return None
+    windowed = per_build(model, ("windowed",), lambda: _windowed(_parts(model)[0]))
+    if all(w is None for w in windowed):
+        return None
+    square = x.length * x.length
+    keeping = sum(1 for w, mode in zip(windowed[first:], modes[first:]) if w is not None and not mode) if k.fused else 0
+    building = 2 * 8 * square if any(windowed) else 0
+    return keeping * x.batch * square * x.compute_b, x.batch * square, building
+
+
 def activations(step: Step, model: nn.Module) -> Activations:
     """The activations of ``step`` on ``model``, its build on the ``meta`` device."""
     x = shape_of(model.config, step)
@@ -378,6 +408,13 @@ def activations(step: Step, model: nn.Module) -> Activations:
         # a 4-bit base: each matmul's weight dequantised while it runs, in forward and again in backward
         totals = replace(totals, transient=totals.transient + dequantised, backward_temp=totals.backward_temp + dequantised)
     layers, embeddings, pooler, _, first = _parts(model)
+    if masks := _cpu_window_masks(model, first, _modes(step, len(layers)), x, k):
+        kept, alive, building = masks
+        forward = totals.forward + kept
+        # the forward's peak: at its end (with the bool mask), or while the mask is built, before the layers
+        outside = x.tokens * _outside_layers_per_token(model, spec, x, _trains(embeddings), first < len(layers))
+        transient = max(totals.transient + alive, outside + building - forward)
+        totals = replace(totals, forward=forward, backward=totals.backward + kept, transient=transient)
     roles = per_build(model, ("roles",), lambda: _roles(model, spec))
     trained = first < len(layers)
     lora = _lora_adapters(layers[first]) if trained else None
