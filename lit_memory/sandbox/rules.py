@@ -39,6 +39,7 @@ ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd"
 SYSTEM = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/opt", "/sys", "/usr/local/cuda")
 # Of /proc, what the runtime reads: the machine's files and the confined process's own folder. Not /proc as a
 # whole: another process's environ (the shell that started the run holds its tokens) would be readable there.
+# (A run with a /proc of its own, where only its processes are, gets it whole: `child._thread_names`.)
 PROC = ("/proc/self", "/proc/thread-self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg",
         "/proc/uptime", "/proc/version", "/proc/filesystems", "/proc/sys", "/proc/driver", "/proc/pressure")
 DEVICES_READ = ("/dev/null", "/dev/urandom", "/dev/random")
