@@ -4,8 +4,10 @@ all listed by ``python -m lit_memory --help``.
 The top of the package: the one place that imports both the runtime (through `lit_memory.cli`) and
 the tools. A run's memory predictions and out-of-memory advice come from `lit_memory.planning.prediction.predict`,
 which the CLI hands to the run's memory callbacks itself. A command's trust decision holds from its first line
-to its last, and an untrusted training or evaluation (no ``--trust-recipe``) runs in a child process the kernel
-confines (`lit_memory.sandbox`).
+to its last: shipped recipes, files the user trusted and ``--trust-recipe`` run here, as Lightning runs them
+(`lit_memory.config.trusted`); the training or evaluation of a config nobody trusted runs in a child process the
+kernel confines (`lit_memory.sandbox`), or is refused where an outside launcher started it
+(`lit_memory.confine.launchers`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 # Light: the help, `recipes list` and a mistyped command, recipe or option answer before anything heavy is imported;
 # torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
@@ -48,7 +50,7 @@ TOOL_COMMANDS = {
     "plan": "the fastest recipe predicted to fit a memory budget (--budget 4GiB)",
     "cards": "what fits your card: plan's choice (full, LoRA, QLoRA) for the models people fine-tune now, 4-24 GB",
     "bench": "train every recipe in a fresh process and tabulate measured memory and speed",
-    "recipes": "list the shipped recipes, show one, or check a recipe someone sent",
+    "recipes": "list the shipped recipes, show one, check a recipe someone sent, trust your own (recipes trust FILE)",
 }
 
 
@@ -71,23 +73,27 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def confined(args: list[str]) -> bool:
+def confined(args: list[str], decision: Optional[Any] = None) -> bool:
     """Whether the command runs in a confined child: a training or evaluation (``fit``, ``validate``, ``test``,
-    ``predict``) without ``--trust-recipe``, not already inside one."""
+    ``predict``) whose configs nobody trusted (``decision``, `lit_memory.config.trust.Decision.of`: shipped recipes,
+    files trusted with ``recipes trust`` and ``--trust-recipe`` run in this process), not already inside one."""
+    from lit_memory.config.trust import Decision
     from lit_memory.sandbox.rules import ENV as CONFINED  # the variable a confined child is started with
 
-    return shipped.TRUST_FLAG not in args and args[:1] != [] and args[0] in LIGHTNING_COMMANDS and not os.environ.get(CONFINED)
+    if not args or args[0] not in LIGHTNING_COMMANDS or os.environ.get(CONFINED):
+        return False
+    return (decision or Decision.of(args[1:])).confined
 
 
 @contextlib.contextmanager
-def session(args: list[str]) -> Iterator[trust.Decision]:
+def session(args: list[str]) -> Iterator[Any]:
     """One command's trust decision (`lit_memory.config.trust.Decision`: every run and tool inside it is judged by it;
-    untrusted unless ``--trust-recipe`` is given), from its first line to its last. Files typed on the command line
-    are the user's: read even when they are not regular files (``--config <(...)``)."""
+    ``--trust-recipe``, or its configs judged by content), from its first line to its last. Files typed on the command
+    line are the user's: read even when they are not regular files (``--config <(...)``)."""
     from lit_memory import cli  # deferred: the run's libraries (torch, Lightning, jsonargparse)
     from lit_memory.config import trust
 
-    decision = trust.Decision(trusted=trust.TRUST_FLAG in args)
+    decision = trust.Decision.of(args[1:])
     with decision.applied(cli.named_files(args), trust.recipe_folders(args)) as decision:
         yield decision
 
@@ -115,6 +121,11 @@ def quick(args: list[str]) -> bool:
     if command == "recipes" and args[1:] in ([], ["list"]):
         print(shipped.listing())
         return True
+    if command == "recipes" and args[1:2] in (["trust"], ["untrust"], ["trusted"]) and not {"-h", "--help"} & set(args):
+        from lit_memory.config import trusted  # light: the trust store is read and written without torch
+
+        trusted.main(args[1:])
+        return True
     if command in LIGHTNING_COMMANDS and not {"-h", "--help"} & set(args):
         expanded = shipped.expand_recipes([a for a in args[1:] if a != shipped.TRUST_FLAG])
         for i, token in enumerate(expanded):
@@ -135,20 +146,28 @@ def _run(args: list[str]) -> None:
 
     from lit_memory import cli
     from lit_memory.run import environment
-    from lit_memory.confine import launch
+    from lit_memory.confine import launch, launchers
     from lit_memory.sandbox.rules import ENV as CONFINED
 
     # Per-map progress bars of `datasets` (filter, cast, tokenise) drown the training log.
     datasets.disable_progress_bars()
     code = 0
     try:
-        with environment.safe_path(), session(args):
+        with environment.safe_path(), session(args) as decision:
             if args and args[0] in TOOLS:
                 TOOLS[args[0]](args[1:])
-            elif confined(args):  # judged here, run in a child the kernel confines
-                code = launch.run(args, cli.resolve(args))
+            elif confined(args, decision):  # judged here, run in a child the kernel confines
+                launchers.check(decision.why)  # before anything starts: a launcher's ranks are not one sandbox
+                run = cli.resolve(args)
+                launchers.check(decision.why, run.settings.trainer.num_nodes)
+                print(decision.why, file=sys.stderr)
+                code = launch.run(args, run)
             else:
                 cli.resolve(args).launch()
+    except launchers.LauncherRefused as err:
+        if not err.first:
+            sys.exit(2)
+        _fail(str(err))
     except UserError as err:
         _fail(str(err))
     except RecursionError:

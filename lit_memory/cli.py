@@ -72,6 +72,7 @@ class LitMemoryCLI(LightningCLI):
         predict: Optional[Predict] = None,
         advise: Optional[Advise] = None,
         gpu: Any = THIS_GPU,
+        trust_configs: bool = True,
         **kwargs: Any,
     ) -> None:
         self._gpu = gpu
@@ -81,7 +82,7 @@ class LitMemoryCLI(LightningCLI):
             self.decision = trust.Decision(trusted=False)
         else:
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
-            self.decision = trust.Decision(trusted=TRUST_FLAG in argv)
+            self.decision = trust.Decision.of(argv, trust_configs)  # ``--trust-recipe``, or its configs by content
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
@@ -104,8 +105,9 @@ class LitMemoryCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 42)
         kwargs.setdefault("save_config_callback", recipes.SaveRecipe)
         kwargs.setdefault("parser_class", arguments.Parser)
-        if kwargs["save_config_callback"] is recipes.SaveRecipe:
-            kwargs["save_config_kwargs"] = {"command": self.command, **(kwargs.get("save_config_kwargs") or {})}
+        if kwargs["save_config_callback"] is recipes.SaveRecipe:  # a trusted run's config.yaml is as trusted as it
+            kwargs["save_config_kwargs"] = {"command": self.command, "trusted": not self.decision.confined,
+                                            **(kwargs.get("save_config_kwargs") or {})}
         stubs_without_a_subprocess()
         with self.scope():
             super().__init__(
@@ -152,8 +154,10 @@ class LitMemoryCLI(LightningCLI):
         if self.argv is not None:
             self._typed_alone = trust.typed_values(self.argv, self._parse_alone, subcommand)
         self.typed_settings = self._typed_settings(subcommand)
-        if self.argv is not None and not self.decision.trusted:
+        if self.argv is not None and self.decision.confined:
             self.decision = dataclasses.replace(self.decision, typed=self._typed_alone)
+        elif self.argv is not None and not self.decision.trusted:  # trusted configs: every value they give is the user's
+            self.decision = dataclasses.replace(self.decision, typed=self.settings_of(self.config).clone())
         self._check_values()
         self._problem(self._parse_memory)
         self._problem(self._follow_device)  # before resuming compares the precision a checkpoint was made with
@@ -225,7 +229,8 @@ class LitMemoryCLI(LightningCLI):
         setting a config file gave that the checkpoint's replaces is said in one line too."""
         subcommand = self.config.get("subcommand")
         before = self.settings.model.clone() if subcommand and self.settings.get("model") is not None else None
-        super()._parse_ckpt_path()
+        with self.decision.reading_a_checkpoint(self.settings):  # not the user's, though their configs are trusted
+            super()._parse_ckpt_path()
         if not subcommand or self.config[subcommand].get("ckpt_path") is None:
             return
         self._check_values()  # a checkpoint someone sent is refused for what it holds before it is compared
@@ -523,7 +528,7 @@ class LitMemoryCLI(LightningCLI):
         if self.subcommand == "fit":  # exact resume, and a checkpoint every few hundred steps unless configured
             configured = list(trainer.get("callbacks") or [])
             kwargs["callbacks"] = resume.fit_callbacks(configured, trainer.get("enable_checkpointing"))
-            if not self.decision.trusted:  # checkpoint cadence and count over all callbacks, for the whole run
+            if self.decision.confined:  # checkpoint cadence and count over all callbacks, for the whole run
                 typed = self.decision.typed_callbacks(self.settings, configured)
                 ours = {id(c) for c in kwargs["callbacks"]} - {id(c) for c in configured}  # lit_memory's own defaults
                 kwargs["callbacks"].append(guard.RunBounds(exempt=lambda c: id(c) in typed or id(c) in ours))

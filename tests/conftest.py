@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import tempfile
 import zipfile
 from collections import defaultdict
 from pathlib import Path
@@ -17,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The trust store (`lit_memory.config.trusted`): the tests' own, never the user's ~/.config.
+os.environ["LIT_MEMORY_CONFIG_DIR"] = tempfile.mkdtemp(prefix="lit_memory-config-")
 
 
 # Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads, and the processes its

@@ -507,6 +507,15 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
+def sent_recipe(folder: Path, text: str = "") -> Path:
+    """A recipe as someone would send it, nobody trusted (so it runs confined): ``text``, or by default a shipped
+    recipe with a line added."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "sent.yaml"
+    path.write_text("# sent by someone\n" + (textwrap.dedent(text) if text else (RECIPES / "fused.yaml").read_text()))
+    return path
+
+
 def test_a_fifo_an_index_names_is_refused_before_the_run_reads_it(tmp_path):
     """A sharded model's index naming a FIFO one folder down: safetensors' reader would block on it forever. Every
     file an index names must be a regular file beneath the folder (`stage.check`), said in one line."""
@@ -516,8 +525,8 @@ def test_a_fifo_an_index_names_is_refused_before_the_run_reads_it(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shards/model-00001.safetensors"}}))
     with pytest.raises(Exception, match=r"model-00001.safetensors is not a regular file"):
         stage.check(folder, "model")
-    result = lit_memory_command(tmp_path, "fit", f"--model.model_name_or_path={folder}", "--trainer.max_steps=1",
-                                timeout=120)
+    sent = sent_recipe(tmp_path, f"model:\n  model_name_or_path: {folder}\n")
+    result = lit_memory_command(tmp_path, "fit", "--config", str(sent), "--trainer.max_steps=1", timeout=120)
     assert result.returncode == 2 and len(error_lines(result)) == 1, result.stderr[-3000:]
     assert "shards/model-00001.safetensors is not a regular file" in error_lines(result)[0]
 
@@ -532,18 +541,18 @@ def test_a_backtracking_tokenizer_is_stopped_by_the_preparation_limit(tmp_path):
     config = json.loads((folder / "tokenizer_config.json").read_text())  # its tokenizer.json, not a BERT rebuilt from vocab.txt
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
     data = write_csv(tmp_path / "data.csv", [{"text": ("a" * 21 + "! ") * 80, "label": i % 2} for i in range(40)])
-    result = lit_memory_command(
-        tmp_path, "fit", f"--model.model_name_or_path={folder}", "--model.pretrained=false", f"--data.source={data}",
-        "--trainer.max_steps=1", env={launch.LIMIT_VARIABLES["prepare"]: "15"}, timeout=400,
-    )
+    sent = sent_recipe(tmp_path, f"model:\n  model_name_or_path: {folder}\n  pretrained: false\ndata:\n  source: {data}\n")
+    result = lit_memory_command(tmp_path, "fit", "--config", str(sent), "--trainer.max_steps=1",
+                                env={launch.LIMIT_VARIABLES["prepare"]: "15"}, timeout=400)
     assert result.returncode == 2, result.stderr[-3000:]
     assert error_lines(result)[-1].startswith("error: stopped: preparing: tokenising took longer than 15 s"), result.stderr[-2000:]
 
 
 def test_memory_growth_is_stopped_by_the_watchdog(tmp_path):
     """The run's processes together held past their bound (here set low by the user's environment): stopped, one line."""
-    result = lit_memory_command(tmp_path, "fit", "--trainer.max_steps=2", "--data.limit_train_samples=16",
-                                env={launch.LIMIT_VARIABLES["rss"]: str(200 * 2**20)}, timeout=300)
+    result = lit_memory_command(tmp_path, "fit", "--config", str(sent_recipe(tmp_path)), "--trainer.max_steps=2",
+                                "--data.limit_train_samples=16", env={launch.LIMIT_VARIABLES["rss"]: str(200 * 2**20)},
+                                timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert error_lines(result)[-1].startswith("error: stopped: the run's processes held"), result.stderr[-2000:]
     assert f"set by {launch.LIMIT_VARIABLES['rss']}" in error_lines(result)[-1]
@@ -823,7 +832,7 @@ def test_an_untrusted_run_trains_the_same_weights_as_a_trusted_one(tmp_path):
     from safetensors.torch import load_file
 
     data = write_csv(tmp_path / "reviews.csv", rows(40))
-    args = ["fit", "--config", str(RECIPES / "fused.yaml"), f"--data.source={data}", "--data.batch_size=4",
+    args = ["fit", "--config", str(sent_recipe(tmp_path / "sent")), f"--data.source={data}", "--data.batch_size=4",
             "--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
     weights = {}
     for name, more in (("untrusted", []), ("trusted", ["--trust-recipe"])):
@@ -834,14 +843,18 @@ def test_an_untrusted_run_trains_the_same_weights_as_a_trusted_one(tmp_path):
     assert all((weights["untrusted"][k] == weights["trusted"][k]).all() for k in weights["trusted"])
 
 
-def test_only_an_untrusted_training_or_evaluation_runs_confined(monkeypatch):
+def test_only_an_untrusted_training_or_evaluation_runs_confined(monkeypatch, tmp_path):
+    """A config nobody trusted is confined; a shipped recipe, only typed values, --trust-recipe and the tools are not
+    (`lit_memory.config.trusted`)."""
     from lit_memory.__main__ import confined
 
+    sent = str(sent_recipe(tmp_path))
     monkeypatch.delenv(rules.ENV, raising=False)
-    assert confined(["fit"]) and confined(["predict", "--data.predict_path", "x.csv"])
-    assert not confined(["fit", "--trust-recipe"]) and not confined(["estimate"])
+    assert confined(["fit", "--config", sent]) and confined(["predict", "--config", sent, "--data.predict_path", "x.csv"])
+    assert not confined(["fit", "--config", sent, "--trust-recipe"]) and not confined(["estimate", "--config", sent])
+    assert not confined(["fit", "--recipe", "4gb"]) and not confined(["fit", "--data.source", "x.csv"])
     monkeypatch.setenv(rules.ENV, "{}")  # the child itself: it runs the command
-    assert not confined(["fit"])
+    assert not confined(["fit", "--config", sent])
 
 
 def test_without_landlock_an_untrusted_run_stops_with_one_line(tmp_path, monkeypatch, capsys):
@@ -849,10 +862,11 @@ def test_without_landlock_an_untrusted_run_stops_with_one_line(tmp_path, monkeyp
 
     monkeypatch.delenv(rules.ENV, raising=False)
     monkeypatch.setattr(landlock, "abi", lambda: 0)
+    sent = sent_recipe(tmp_path / "sent")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--trainer.max_steps=1"])
+        main(["fit", "--config", str(sent), "--trainer.max_steps=1"])
     assert exit_.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: an untrusted run is confined by the kernel (Landlock") and "--trust-recipe" in line
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["sent"]

@@ -25,7 +25,7 @@ import lit_memory
 from lit_memory.sandbox import bounds
 from lit_memory import files
 from lit_memory.run import resume
-from lit_memory.config import trust
+from lit_memory.config import trust, trusted
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.settings import leaves
@@ -64,9 +64,10 @@ class SaveRecipe(SaveConfigCallback):
     that would need ``--trust-recipe`` made safe. Both are written whole and never through a link
     (`lit_memory.files`). Checkpoints carry the settings a resume must match (`lit_memory.run.resume`)."""
 
-    def __init__(self, *args: Any, command: str = "", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, command: str = "", trusted: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.command = command
+        self.trusted = trusted  # the run's configs were trusted: so is the config.yaml it writes (`trusted.record_run_config`)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # SaveConfigCallback.setup, writing config.yaml through lit_memory.files instead of jsonargparse's open().
@@ -81,6 +82,8 @@ class SaveRecipe(SaveConfigCallback):
             if trainer.is_global_zero:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 files.write_text(path, self.parser.dump(self.config, skip_none=False))
+                if self.trusted:  # ``predict --config RUN/config.yaml`` then runs as this run did (unconfined)
+                    trusted.record_run_config(path)
         if trainer.is_global_zero:
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True

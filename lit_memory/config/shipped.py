@@ -20,6 +20,9 @@ from lit_memory.sandbox import TRUST_FLAG
 
 PACKAGED = Path(__file__).resolve().parents[1] / "assets" / "recipes"  # where the wheel puts `recipes/`
 CHECKOUT = Path(__file__).resolve().parents[2] / "recipes"  # a repo checkout or an editable install
+# The model and launch configs a recipe is layered with (``--config configs/fsdp.yaml``), installed beside the recipes.
+PACKAGED_CONFIGS = PACKAGED.parent / "configs"
+CHECKOUT_CONFIGS = CHECKOUT.parent / "configs"
 MEASURED = records.BENCH_JSON  # the latest bench run's rows, beside the recipes (bench --update-readme)
 RECIPE_FLAG = "--recipe"
 
@@ -29,6 +32,11 @@ def recipes_dir() -> Path:
         if folder.is_dir():
             return folder
     raise UserError(f"no recipes folder found (looked in {PACKAGED} and {CHECKOUT}): reinstall lit-memory")
+
+
+def configs_dir() -> Optional[Path]:
+    """The shipped configs (``configs/``): installed with the package, or the checkout's; None where neither is."""
+    return next((folder for folder in (PACKAGED_CONFIGS, CHECKOUT_CONFIGS) if folder.is_dir()), None)
 
 
 def names() -> list[str]:

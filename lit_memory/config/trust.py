@@ -1,8 +1,11 @@
 """The trust decision: what a run given files by someone else may make this process do.
 
 A recipe, a config, a checkpoint or a run folder someone sent is not trusted; the command line the user
-types is. One `Decision` per run says which of the two the run's settings came from and whether the
-user passed ``--trust-recipe``; it is applied where things happen, in three places:
+types is, and so are the configs they trusted by content (shipped ones, ``recipes trust``: `lit_memory.config.trusted`).
+One `Decision` per run says which of them the run's settings came from and whether the user passed
+``--trust-recipe``. With trusted configs the run is not confined and their values are the user's; what they did not
+approve (a checkpoint, a model folder) is still judged at the sinks. Otherwise the decision is applied where things
+happen, in these places:
 
 - **imports**, while jsonargparse parses: its import-path policy (`import_policy`) refuses any
   class or callable outside `ALLOWLIST` (and where the object is really defined: a re-export such as
@@ -37,11 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jsonargparse
 import torch
@@ -88,9 +92,10 @@ _policy_depth = 0  # untrusted runs holding the import policy now (nested: a too
 
 
 @contextlib.contextmanager
-def import_policy() -> Iterator[None]:
-    """For the length of the block, jsonargparse refuses every import path outside `ALLOWLIST` (while parsing and
-    while instantiating), and keeps values typed ``Any`` as data; then its settings are as they were.
+def import_policy(extra: Sequence[str] = ()) -> Iterator[None]:
+    """For the length of the block, jsonargparse refuses every import path outside `ALLOWLIST` (and ``extra``: the
+    class paths a trusted config names) while parsing and while instantiating, and keeps values typed ``Any`` as data;
+    then its settings are as they were.
 
     jsonargparse (4.53) keeps these settings in one process-wide table that its API only adds to
     (``set_parsing_settings``: a denied ``*`` cannot be taken back), has no public getter, and its ``parser_context``
@@ -100,7 +105,7 @@ def import_policy() -> Iterator[None]:
     saved = {key: _common.parsing_settings[key] for key in POLICY_SETTINGS}
     jsonargparse.set_parsing_settings(
         import_path_denylist=["*", *DENYLIST],
-        import_path_allowlist=list(ALLOWLIST),
+        import_path_allowlist=[*ALLOWLIST, *extra],
         instantiate_subclass_spec_in_any=False,
     )
     _policy_depth += 1
@@ -109,6 +114,18 @@ def import_policy() -> Iterator[None]:
     finally:
         _policy_depth -= 1
         _common.parsing_settings.update(saved)
+
+
+@contextlib.contextmanager
+def plain_any_values() -> Iterator[None]:
+    """For the length of the block, jsonargparse keeps a class spec inside a value typed ``Any`` as data (a key of
+    ``model.config_overrides`` named ``class_path`` is a model setting, never a class to build), whoever wrote it."""
+    saved = _common.parsing_settings["instantiate_subclass_spec_in_any"]
+    jsonargparse.set_parsing_settings(instantiate_subclass_spec_in_any=False)
+    try:
+        yield
+    finally:
+        _common.parsing_settings["instantiate_subclass_spec_in_any"] = saved
 
 
 def import_policy_enforced() -> bool:
@@ -178,6 +195,35 @@ def bounded_config_reading(typed_files: Iterator[str] = (), folders: Iterator[st
         _typed_files.update(saved_typed)
         _recipe_folders.clear()
         _recipe_folders.update(saved_folders)
+
+
+@contextlib.contextmanager
+def pinned_config_reading(pinned: Mapping[str, str]) -> Iterator[None]:
+    """For the length of the block, a config file the user trusted by content (``pinned``: real path -> sha256,
+    `lit_memory.config.trusted.Verdict.pinned`) is read as bytes, checked against its digest and parsed from those
+    same bytes: a file changed between the verdict and the parse is refused, not run."""
+    read_text = ConfigPath.read_text
+
+    def pinned_read_text(self: Any) -> str:
+        local = not (self._std_io or self._is_url or self._is_fsspec)
+        real = os.path.realpath(self._absolute) if local else ""
+        if real not in pinned:
+            text = read_text(self)
+        else:
+            data = bounds.read_bytes(self._absolute, bounds.CONFIG_BYTES, "config")
+            if hashlib.sha256(data).hexdigest() != pinned[real]:
+                raise UserError(f"refusing the config {self._absolute}: it changed while the run was starting; run "
+                                "the command again")
+            text = data.decode("utf-8")
+        if local:
+            _files_read.add(str(self._absolute))
+        return text
+
+    ConfigPath.read_text = pinned_read_text
+    try:
+        yield
+    finally:
+        ConfigPath.read_text = read_text
 
 
 def _outside(path: str, real: str) -> None:
@@ -401,11 +447,12 @@ def _on_cpu(accelerator: Any) -> bool:
     return not torch.cuda.is_available()
 
 
-def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
+def checkpoint_refusals(ckpt_path: Any, typed: bool = False, approved: Mapping[str, str] = {}) -> list[Refusal]:
     """Refusals for a ``ckpt_path`` as Lightning resolves it: a path relative to the working folder,
     a URL or fsspec chain, a model registry name, or one of Lightning's special names. What a path
-    points at is never the user's: checked wherever it was set. A single file is read by the resume
-    check (`lit_memory.run.resume.check_resume`), weights-only."""
+    points at is never the user's: checked wherever it was set, unless a config the user trusted named it (its content
+    approved with the config: ``approved``). A single file is read by the resume check
+    (`lit_memory.run.resume.check_resume`), weights-only."""
     if ckpt_path is None:
         return []
     ckpt_path = str(ckpt_path)
@@ -421,6 +468,8 @@ def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint not found: {ckpt_path} (a relative path is read from {Path.cwd()})")
+    if guard.approved(path):  # named by a config the user trusted, whose content they approved with it
+        return []
     if problem := checkpoint_reading.checkpoint_problem(path, files_too=False):
         return [Refusal("ckpt_path", ckpt_path, problem)]
     return []
@@ -428,11 +477,40 @@ def checkpoint_refusals(ckpt_path: Any, typed: bool = False) -> list[Refusal]:
 
 @dataclass(frozen=True)
 class Decision:
-    """One run's trust decision: ``trusted`` (``--trust-recipe`` given) and ``typed``, the values a parse
-    of the command line alone produces (one subcommand's settings)."""
+    """One run's trust decision: ``trusted`` (``--trust-recipe`` given: nothing is checked), ``configs_trusted`` (every
+    config the run reads is shipped or trusted by the user by content, `lit_memory.config.trusted`: the run is not
+    confined, its configs' values are the user's, and what they did not approve, a checkpoint or a model folder, is
+    still read by the guard's rules) and ``typed``, the values that are the user's own (a parse of the command line
+    alone; with trusted configs, every value they give too: `LitMemoryCLI.parse_arguments`). ``pinned``: real path ->
+    sha256 of every file of the user's the verdict approved."""
 
     trusted: bool
     typed: Namespace = field(default_factory=Namespace)
+    configs_trusted: bool = False
+    pinned: Mapping[str, str] = field(default_factory=dict)
+    why: str = ""  # the line an untrusted run's confinement starts with (`lit_memory.config.trusted.Verdict.line`)
+
+    @classmethod
+    def of(cls, argv: Sequence[str], trust_configs: bool = True) -> "Decision":
+        """The decision for a command line (``--recipe NAME`` not yet expanded): trusted with ``--trust-recipe``;
+        else its configs judged by content (`lit_memory.config.trusted.judge`), unless ``trust_configs`` is False
+        (``recipes check`` judges a file as if nobody trusted it)."""
+        from lit_memory.config import shipped, trusted  # light; here so that this module's import stays as it was
+
+        argv = [str(a) for a in argv]
+        if TRUST_FLAG in argv:
+            return cls(trusted=True)
+        if not trust_configs:
+            return cls(trusted=False)
+        verdict = trusted.judge(shipped.expand_recipes(argv))
+        return cls(trusted=False, configs_trusted=verdict.trusted, pinned=verdict.pinned,
+                   why="" if verdict.trusted else verdict.line())
+
+    @property
+    def confined(self) -> bool:
+        """Whether a training or evaluation under this decision runs in the sandbox (`lit_memory.confine.launch`), its
+        values judged as a stranger's: nobody trusted its configs."""
+        return not (self.trusted or self.configs_trusted)
 
     @contextlib.contextmanager
     def applied(self, typed_files: Iterator[str] = (), folders: Iterator[str] = ()) -> Iterator["Decision"]:
@@ -440,7 +518,8 @@ class Decision:
         parsing, and every sink (`lit_memory.sandbox.guard.enforced`); at the end all of it is as it was before.
         ``typed_files``: files named on the command line (the user's); ``folders``: where a config a recipe names may
         lie (`recipe_folders`). Inside an untrusted run, a trusted decision is refused: it would lift the rules the
-        enclosing run holds."""
+        enclosing run holds. Trusted configs are read as approved (`pinned_config_reading`), and every sink keeps
+        the untrusted rules for what they did not approve."""
         if self.trusted and import_policy_enforced():
             raise UserError(
                 f"{TRUST_FLAG} cannot lift the import allowlist inside an untrusted run: run the trusted command in "
@@ -448,12 +527,26 @@ class Decision:
             )
         with contextlib.ExitStack() as held:
             _files_read.clear()  # this command's configs from here on
-            if not self.trusted:
+            if self.confined:
                 held.enter_context(import_policy())
                 held.enter_context(bounded_config_reading(typed_files, folders))
+            elif not self.trusted:
+                held.enter_context(pinned_config_reading(self.pinned))
             held.enter_context(remote_configs_off())
-            held.enter_context(guard.enforced(self.trusted))
+            held.enter_context(plain_any_values())
+            held.enter_context(guard.enforced(self.trusted, approved=self.pinned))
             yield self
+
+    @contextlib.contextmanager
+    def reading_a_checkpoint(self, settings: Namespace) -> Iterator[None]:
+        """While LightningCLI lays a checkpoint's hyper-parameters over a run of trusted configs: the checkpoint is
+        not theirs, so it may name no import outside the allowlist and the classes the configs name."""
+        if self.trusted or self.confined:  # trusted: nothing; untrusted: the run's own policy holds already
+            yield
+            return
+        named = [v for k, v in leaves(settings) if k.endswith("class_path") and isinstance(v, str)]
+        with import_policy(extra=named):
+            yield
 
     def confine(self, settings: Namespace) -> None:
         """Tell the guard which settings the user typed (theirs: a checkpoint Lightning finds in a folder they
@@ -478,7 +571,8 @@ class Decision:
         typed = dict(leaves(self.typed))
         refusals = [r for r in value_refusals(settings) if not (r.key in typed and _same(typed[r.key], r.value))]
         ckpt_path = settings.get("ckpt_path")
-        return refusals + checkpoint_refusals(ckpt_path, typed=_same(typed.get("ckpt_path"), ckpt_path))
+        typed_ckpt = _same(typed.get("ckpt_path"), ckpt_path)
+        return refusals + checkpoint_refusals(ckpt_path, typed=typed_ckpt, approved=self.pinned)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -49,7 +49,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -78,24 +78,26 @@ _own_folders: list[Path] = []  # folders the user typed: what Lightning finds th
 
 
 @contextlib.contextmanager
-def enforced(trusted: bool) -> Iterator[None]:
+def enforced(trusted: bool, approved: Mapping[str, str] = {}) -> Iterator[None]:
     """Apply a run's trust decision to every sink in this process for the length of the block (`lit_memory.config.trust`
     makes sure a trusted decision never lifts an untrusted one inside it). Untrusted, torch's weights-only switch
     is set for every ``torch.load`` (children started meanwhile inherit it); at the end the switch, the decision
-    and what the run recorded here (the folders and settings the user typed) are as they were before it."""
-    global _trusted, _typed
+    and what the run recorded here (the folders and settings the user typed) are as they were before it.
+    ``approved``: real paths of files whose content the user approved with a trusted config (`approved`)."""
+    global _trusted, _typed, _approved
     harden()
     global _typed_values
-    saved = (_trusted, list(_own_folders), _typed, _typed_values)
+    saved = (_trusted, list(_own_folders), _typed, _typed_values, _approved)
     switches = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
     _trusted = trusted
+    _approved = frozenset(approved)
     if not trusted:
         os.environ[FORCE_WEIGHTS_ONLY] = "1"
         os.environ.pop(NO_WEIGHTS_ONLY, None)  # torch refuses both set
     try:
         yield
     finally:
-        _trusted, own, _typed, _typed_values = saved
+        _trusted, own, _typed, _typed_values, _approved = saved
         _own_folders[:] = own
         for name, value in switches.items():
             if value is None:
@@ -107,6 +109,21 @@ def enforced(trusted: bool) -> Iterator[None]:
 def restricted() -> bool:
     """Whether the untrusted rules hold in this process."""
     return _trusted is False
+
+
+_approved: frozenset[str] = frozenset()  # files the user approved by content with a trusted config (`enforced`)
+
+
+def approved(path: Any) -> bool:
+    """Whether the user approved ``path``'s content with a config they trusted (a file, or a folder all of whose files
+    they approved): what it holds is theirs, read as theirs."""
+    if not _approved:
+        return False
+    real = Path(os.path.realpath(path))
+    if real.is_dir():
+        found = [str(p) for p in real.rglob("*") if p.is_file()]
+        return bool(found) and all(f in _approved for f in found)
+    return str(real) in _approved
 
 
 # -- paths -------------------------------------------------------------------------------------
@@ -538,6 +555,8 @@ def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str
                             f"transformers does not know ({config.get('model_type')!r})")
         if name == "config.json" and isinstance(config, dict):
             problems += config_code_problems(config, str(folder / name))
+    for index in (p for p in entries if p.name.endswith(".index.json") and p.is_file()):
+        problems += _shard_problems(folder, index)
     if os.path.lexists(folder / "tokenizer.json") and (problem := bounds.tokenizer_problem(folder / "tokenizer.json")):
         problems.append(f"{folder / 'tokenizer.json'}: {problem}")
     for file in (p for p in entries if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
@@ -551,6 +570,26 @@ def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str
         if unsafe and loaders_refuse:
             problems.append(f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it")
     return problems
+
+
+def _shard_problems(folder: Path, index: Path) -> list[str]:
+    """The shards a sharded model's index names that are not regular files (a FIFO blocks safetensors' reader
+    forever, a device never ends) or lie outside the folder."""
+    try:
+        weight_map = bounds.read_json(index, what="model file").get("weight_map") or {}
+    except (UserError, ValueError, AttributeError):
+        return []  # not an index transformers can read: it says so
+    problems = []
+    for shard in dict.fromkeys(str(v) for v in weight_map.values()):
+        relative = os.path.normpath(shard)
+        if os.path.isabs(relative) or relative.split(os.sep)[0] == os.pardir:  # (a link inside may lead out: a cache's)
+            problems.append(f"{index} names {shard}, outside the folder")
+            continue
+        try:
+            bounds.regular(folder / relative, "model file")
+        except UserError as err:
+            problems.append(str(err).removeprefix("refusing to read ").removeprefix("cannot read "))
+    return problems[:1]
 
 
 def _zip_bounds(file: Path) -> list[str]:
@@ -568,7 +607,7 @@ def check_model_folder(name_or_path: Any, what: str) -> None:
     if not restricted() or not isinstance(name_or_path, (str, os.PathLike)):
         return
     folder = Path(name_or_path)
-    if not folder.is_dir():
+    if not folder.is_dir() or approved(folder):
         return
     key = os.path.realpath(folder)
     if key not in _checked_folders:

@@ -34,9 +34,9 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
 from lit_memory import files
-from lit_memory.sandbox import guard
 from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.cli import resolve
+from lit_memory.config import trust
 from lit_memory.errors import UserError
 from lit_memory.hf.lora import LoRA
 from lit_memory.optim.optimizers import check_settings
@@ -572,11 +572,11 @@ def main(argv: list[str]) -> None:
         "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
     )
     ours, rest = parser.parse_known_args(argv)
-    if ours.measure and guard.restricted():
+    if ours.measure and trust.Decision.of(argv).confined:
         raise UserError(
-            "plan --measure trains each candidate in this process, which an untrusted command's training never does "
-            "(it runs confined: docs/sharing.md); pass --trust-recipe only if you trust the configs' source, or plan "
-            "without --measure"
+            "plan --measure trains each candidate in this process, which the training of a config nobody trusted never "
+            "does (it runs confined: docs/sharing.md); trust it first (python -m lit_memory recipes trust FILE), pass "
+            "--trust-recipe only if you trust the configs' source, or plan without --measure"
         )
     size = Size.parse(ours.budget)
     if size.card is not None and ours.gpu is None and ours.device == "cuda":

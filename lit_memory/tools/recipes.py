@@ -28,6 +28,7 @@ from lit_memory.planning.recompute import flops, planned
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.step import Step
 from lit_memory.config.recipes import names, recipe_path, recipes_dir
+from lit_memory.config import trusted as trusted_files
 from lit_memory.config.shipped import listing
 from lit_memory.sandbox import roots, rules
 from lit_memory.settings import leaves, locate
@@ -257,7 +258,8 @@ def check(path: Path, trusted: bool) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         while run is None:
             try:
-                run = resolve(["fit", "--config", str(source), *([TRUST_FLAG] if trusted else [])], collect=True)
+                run = resolve(["fit", "--config", str(source), *([TRUST_FLAG] if trusted else [])], collect=True,
+                              trust_configs=False)  # judged as a stranger's, whoever trusted it
             except ImportRefused as err:
                 # jsonargparse stops at the first refusal: drop that key and parse again, to find them all.
                 refused += [f"import {p}  ({k})" for p, k, _ in err.denied]
@@ -288,6 +290,18 @@ def check(path: Path, trusted: bool) -> None:
         hint = f"; pass {TRUST_FLAG} only if you trust its source" if refused and not trusted else ""
         raise UserError(f"{path}: {', '.join(verdict)}{hint}")
     print(f"ok: {path} parses against the `fit` schema" + ("" if refused else " and needs no " + TRUST_FLAG))
+
+
+def trust_status(path: Path) -> str:
+    """How a run of ``path`` is judged now: shipped, trusted by the user, or confined (and why)."""
+    verdict = trusted_files.judge(["--config", str(path)])
+    if not verdict.trusted:
+        why = verdict.untrusted[0][1]
+        return (f"trust: a run of {path} is confined: it {why}; if you trust its source: "
+                f"{trusted_files.COMMAND} {path}")
+    shipped_as = trusted_files.shipped_digests().get(trusted_files.digest(path))
+    what = f"is byte-identical to the shipped {shipped_as}" if shipped_as else "is trusted by you"
+    return f"trust: {path} {what}: a run of it is not confined"
 
 
 # Keys whose value is a place a run writes into (the run folder, loggers', checkpoints', a profiler's, ...).
@@ -418,13 +432,25 @@ def main(argv: list[str]) -> None:
     check_ = commands.add_parser("check", help="validate a recipe file without running it")
     check_.add_argument("file", type=Path)
     check_.add_argument(TRUST_FLAG, dest="trusted", action="store_true", help="parse it even if it names other code")
+    trust_ = commands.add_parser("trust", help="run these files (and what they name beneath their folder) unconfined, "
+                                               "as long as they do not change")
+    trust_.add_argument("files", type=Path, nargs="+")
+    untrust_ = commands.add_parser("untrust", help="forget files trusted with `recipes trust`")
+    untrust_.add_argument("files", type=Path, nargs="+")
+    commands.add_parser("trusted", help="every file you trusted, and whether it is still as trusted")
     headers_ = commands.add_parser("headers", help="write each shipped recipe's predicted memory into its header")
     headers_.add_argument("--check", action="store_true", help="only compare, and fail on a stale header")
     args = parser.parse_args(argv)
     if args.command == "show":
         print(recipe_path(args.name).read_text(encoding="utf-8"), end="")
     elif args.command == "check":
-        check(args.file, args.trusted)
+        try:
+            check(args.file, args.trusted)
+        finally:  # what a stranger's would refuse, then how a run of it is judged now
+            if _is_file(args.file):
+                print(trust_status(args.file))
+    elif args.command in ("trust", "untrust", "trusted"):
+        trusted_files.main([args.command, *map(str, getattr(args, "files", []))])
     elif args.command == "headers":
         headers(args.check)
     else:

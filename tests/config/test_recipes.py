@@ -154,9 +154,11 @@ def test_check_passes_every_shipped_recipe_and_says_what_it_imports(name, capsys
     assert code == 0
     optimizer = load(name)["model.optimizer.class_path"]
     assert f"model.optimizer: {optimizer}" in out.splitlines()[0]
-    assert out.strip().splitlines()[-1] == (
-        f"ok: {RECIPES / f'{name}.yaml'} parses against the `fit` schema and needs no --trust-recipe"
-    )
+    assert out.strip().splitlines()[-2:] == [
+        f"ok: {RECIPES / f'{name}.yaml'} parses against the `fit` schema and needs no --trust-recipe",
+        f"trust: {RECIPES / f'{name}.yaml'} is byte-identical to the shipped recipes/{name}.yaml: a run of it is not "
+        "confined",
+    ]
 
 
 def test_check_reports_unknown_keys_and_type_errors(tmp_path, capsys):

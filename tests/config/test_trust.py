@@ -136,7 +136,12 @@ def test_fit_and_check_refuse_a_recipe_importing_code_outside_the_allowlist(case
 
 
 def test_command_line_overrides_are_parsed_under_the_same_allowlist(boom, capsys):
-    code, _, err = run_main(["fit", f"--trainer.callbacks+={boom.name}.Boom", f"--trainer.default_root_dir={boom.runs}"], capsys)
+    """In the run of a recipe nobody trusted, what is typed over it is parsed under its allowlist too (a command line
+    with no config, or a trusted one, is the user's own: it imports what they name, as Lightning does)."""
+    recipe = boom.dir / "shared.yaml"
+    recipe.write_text("trainer:\n  max_steps: 1\n")
+    code, _, err = run_main(["fit", "--config", str(recipe), f"--trainer.callbacks+={boom.name}.Boom",
+                             f"--trainer.default_root_dir={boom.runs}"], capsys)
     assert code == 2
     assert refused(err)[0].startswith(f"error: refusing to import {boom.name}.Boom (trainer.callbacks)")
     assert not boom.marker.exists() and not boom.runs.exists()
@@ -160,13 +165,17 @@ def test_check_reports_every_refused_import_not_only_the_first(boom, capsys):
 
 
 def test_a_class_spec_in_a_free_form_dict_stays_data(boom, tmp_path, capsys):
-    # config_overrides is a dict of anything: jsonargparse would otherwise instantiate class specs in it
-    overrides = json.dumps({"x": {"class_path": f"{boom.name}.Boom"}})
-    argv = ["fit", f"--model.config_overrides={overrides}", "--print_config"]
-    code, out, _ = run_main(argv, capsys)
-    assert code == 0
-    assert yaml.safe_load(out)["model"]["config_overrides"] == {"x": {"class_path": f"{boom.name}.Boom"}}
+    """config_overrides is a dict of anything: a class spec in it is a model setting, never built (jsonargparse would
+    otherwise instantiate it), whoever wrote it; from a recipe nobody trusted, its module is not even imported."""
+    overrides = {"x": {"class_path": f"{boom.name}.Boom"}}
+    recipe = boom.dir / "shared.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"config_overrides": overrides}}))
+    code, out, _ = run_main(["fit", "--config", str(recipe), "--print_config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["model"]["config_overrides"] == overrides
     assert not boom.marker.exists()
+    typed = ["fit", f"--model.config_overrides={json.dumps(overrides)}", "--print_config"]  # the user's own: as data too
+    code, out, _ = run_main(typed, capsys)
+    assert code == 0 and yaml.safe_load(out)["model"]["config_overrides"] == overrides
 
 
 def test_trust_recipe_lets_the_parser_import_it(boom):
@@ -365,7 +374,9 @@ def test_a_shared_recipe_never_carries_a_refused_value_onward(tmp_path, capsys):
     assert settings["weights_only"] is True
     assert settings["model"]["config_overrides"] == {"trust_remote_code": False}
     code, out, _ = run_main(["recipes", "check", str(shared)], capsys)
-    assert code == 0 and out.strip().splitlines()[-1].endswith(f"needs no {trust.TRUST_FLAG}")
+    *_, verdict, judged = out.strip().splitlines()
+    assert code == 0 and verdict.endswith(f"needs no {trust.TRUST_FLAG}")
+    assert judged.startswith(f"trust: a run of {shared} is confined: it is not a shipped recipe and nobody trusted it")
 
 
 def test_denied_imports_are_read_with_their_keys_from_a_nested_parse_error():

@@ -188,6 +188,29 @@ def test_a_model_folder_is_inspected_without_loading_it(tmp_path):
     assert not (tmp_path / "RAN").exists()
 
 
+def test_a_model_folder_whose_index_names_a_fifo_or_a_file_outside_is_refused(tmp_path):
+    """A sharded model's index naming a FIFO one folder down (safetensors' reader would block on it forever), or a
+    shard outside the folder: refused before transformers reads it, in a trusted command's process too (a folder the
+    user typed). A shard reached through a link to a regular file (the Hugging Face cache's layout) is fine."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(REPO / "lit_memory" / "assets" / "bert-large-uncased", folder)
+    (folder / "shards").mkdir()
+    (tmp_path / "blob").write_bytes(b"x")
+    (folder / "shards" / "b.safetensors").symlink_to(tmp_path / "blob")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "shards/b.safetensors"}}))
+    assert guard.model_folder_problems(folder) == []
+    os.mkfifo(folder / "shards" / "a.safetensors")
+    index.write_text(json.dumps({"weight_map": {"w": "shards/a.safetensors", "v": "shards/b.safetensors"}}))
+    [problem] = guard.model_folder_problems(folder)
+    assert problem.endswith("shards/a.safetensors: it is a FIFO, not a regular file")
+    index.write_text(json.dumps({"weight_map": {"w": "../../etc/passwd"}}))
+    assert guard.model_folder_problems(folder) == [f"{index} names ../../etc/passwd, outside the folder"]
+
+
 # -- lit_memory's own checkpoints resume under the untrusted rules -------------------------------------
 
 

@@ -126,10 +126,13 @@ def test_plan_writes_a_recipe_that_fits_and_runs(tmp_path, capsys):
 
 
 def test_measure_is_refused_untrusted_in_one_line_and_writes_nothing(tmp_path, capsys):
-    """``--measure`` trains each candidate in this process: an untrusted command's training runs only confined."""
-    out = tmp_path / "planned.yaml"
+    """``--measure`` trains each candidate in this process: the training of a config nobody trusted runs only
+    confined (a shipped config, as TINY's, is trusted: `lit_memory.config.trusted`)."""
+    out, sent = tmp_path / "planned.yaml", tmp_path / "sent.yaml"
+    sent.write_text((CONFIGS / "bert-large.yaml").read_text() + "# sent by someone\n")
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--budget", "8GiB", "--device", "cpu", "--measure", "--output", str(out), *TINY])
+        main(["plan", "--budget", "8GiB", "--device", "cpu", "--measure", "--output", str(out), "--config", str(sent),
+              *TINY[2:]])
     assert exit_.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: plan --measure trains each candidate in this process") and "--trust-recipe" in line
