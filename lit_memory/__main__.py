@@ -158,6 +158,8 @@ def _run(args: list[str]) -> None:
                 TOOLS[args[0]](args[1:])
             elif confined(args, decision):  # judged here, run in a child the kernel confines
                 launchers.check(decision.why)  # before anything starts: a launcher's ranks are not one sandbox
+                if why := launch.unsupported():  # no Landlock: one line, nothing parsed
+                    raise UserError(why)
                 run = cli.resolve(args)
                 launchers.check(decision.why, run.settings.trainer.num_nodes)
                 print(decision.why, file=sys.stderr)
