@@ -57,7 +57,7 @@ def usage() -> str:
     width = max(map(len, [*LIGHTNING_COMMANDS, *TOOL_COMMANDS]))
     lines = [
         "usage: python -m lit_memory COMMAND [options]",
-        "       python -m lit_memory COMMAND --help     (a command's options; fit --help all: every one)",
+        "       python -m lit_memory COMMAND --help     (its options; fit, validate, test, predict: --help all for every one)",
         "",
         "Fine-tune Hugging Face sequence classifiers with PyTorch Lightning in as little GPU memory as possible.",
         "",
