@@ -41,12 +41,12 @@ def check(command: str, argv: list[str], trusted: bool) -> None:
     except Unread:
         return
     source = settings.get("source", data_file.BUNDLED)
-    if not isinstance(source, str) or source == data_file.BUNDLED:
+    if not isinstance(source, str):
         return
     path = data_file.local_file(source)  # as the data module checks its source first, whatever the command
+    if path is None and (settings.get("encoding") is not None or settings.get("encoding_errors") == "replace"):
+        return  # a hub dataset with a file's settings: the data module says so first
     predict_path = settings.get("predict_path")
-    if path is None:
-        return  # a hub dataset
     if predict_path is not None:
         predict = data_file.predict_file(predict_path)
         if command == "predict":
@@ -54,6 +54,8 @@ def check(command: str, argv: list[str], trusted: bool) -> None:
             if errors in (None, "strict", "replace"):
                 data_file.predict_decoding(predict, settings.get("predict_encoding"), errors)
             return  # the training file is not read
+    if path is None or source == data_file.BUNDLED:
+        return  # a hub dataset; the bundled tweets
     errors = settings.get("encoding_errors")
     if settings.get("subset") is not None or errors not in (None, "strict", "replace"):
         return

@@ -64,6 +64,7 @@ def _typed(value) -> str:
     ("fit", {"source": "good.csv", "label_column": "class"}),
     ("fit", {"source": "good.csv", "text_column": ["text", "second"]}),
     ("fit", {"source": "good.csv", "predict_path": "missing.csv"}),
+    ("predict", {"predict_path": "missing.csv"}),  # beside the bundled tweets
     ("predict", {"source": "good.csv", "predict_path": "empty.csv"}),
     ("predict", {"source": "good.csv", "predict_path": "latin1.csv"}),  # names --data.predict_encoding
 ])
@@ -71,6 +72,7 @@ def test_each_refusal_is_the_data_modules_line(tmp_path, monkeypatch, command, d
     names = files(tmp_path)
     monkeypatch.chdir(tmp_path)
     data = {k: (names[v] if k in ("source", "predict_path") else v) for k, v in data.items()}
+    data.setdefault("source", "bundled")
     assert light(command, data) == heavy(command, data)
 
 
