@@ -20,10 +20,11 @@ import os
 import sys
 from typing import Any, Iterator, Optional
 
-# Light: the help, `recipes list` and a mistyped command, recipe or option answer before anything heavy is imported;
-# torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
-from lit_memory.config import option_names, shipped
+# Light: every help, `recipes list` and a mistyped command, recipe, option or data file answer before anything heavy is
+# imported; torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
+from lit_memory.config import data_check, option_names, shipped, short_help
 from lit_memory.errors import UserError
+from lit_memory.tools import arguments as tool_arguments
 
 
 def _bench(argv: list[str]) -> None:
@@ -58,7 +59,7 @@ def usage() -> str:
     width = max(map(len, [*LIGHTNING_COMMANDS, *TOOL_COMMANDS]))
     lines = [
         "usage: python -m lit_memory COMMAND [options]",
-        "       python -m lit_memory COMMAND --help     (every option of one command)",
+        "       python -m lit_memory COMMAND --help     (its options; fit, validate, test, predict: --help all for every one)",
         "",
         "Fine-tune Hugging Face sequence classifiers with PyTorch Lightning in as little GPU memory as possible.",
         "",
@@ -112,8 +113,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def quick(args: list[str]) -> bool:
-    """What is answered before anything heavy is imported: ``recipes`` and ``recipes list`` (True), a command,
-    recipe name, config file or option that does not exist (a `UserError`). False: the command runs."""
+    """What is answered before anything heavy is imported: ``recipes`` and ``recipes list``, a command's help (True);
+    a command, recipe name, config file, option or data file that does not exist, or a data file the run would refuse
+    (a `UserError`). False: the command runs."""
     command = args[0]
     if command not in LIGHTNING_COMMANDS and command not in TOOLS:
         raise UserError(f"unknown command {command!r}; choose one of: {', '.join([*LIGHTNING_COMMANDS, *TOOLS])} "
@@ -121,12 +123,14 @@ def quick(args: list[str]) -> bool:
     if command == "recipes" and args[1:] in ([], ["list"]):
         print(shipped.listing())
         return True
-    if command == "recipes" and args[1:2] in (["trust"], ["untrust"], ["trusted"]) and not {"-h", "--help"} & set(args):
+    if {"-h", "--help"} & set(args):
+        return _help(command, args)
+    if command == "recipes" and args[1:2] in (["trust"], ["untrust"], ["trusted"]):
         from lit_memory.config import trusted  # light: the trust store is read and written without torch
 
         trusted.main(args[1:])
         return True
-    if command in LIGHTNING_COMMANDS and not {"-h", "--help"} & set(args):
+    if command in LIGHTNING_COMMANDS:
         expanded = shipped.expand_recipes([a for a in args[1:] if a != shipped.TRUST_FLAG])
         for i, token in enumerate(expanded):
             path = expanded[i + 1] if token in ("--config", "-c") and i + 1 < len(expanded) else None
@@ -136,6 +140,23 @@ def quick(args: list[str]) -> bool:
             if named and not os.path.exists(path):
                 raise UserError(f"config file not found: {path}")
         option_names.check(command, expanded)
+        data_check.check(command, expanded, trusted=shipped.TRUST_FLAG in args)
+    return False
+
+
+def _help(command: str, args: list[str]) -> bool:
+    """``COMMAND --help`` before anything heavy is imported (True): a training command's short help
+    (`lit_memory.config.short_help`), a tool's parser's. False: the full parser prints it (``COMMAND --help all``,
+    ``bench --gpu-proof --help``)."""
+    at = next(i for i, a in enumerate(args) if a in ("-h", "--help"))
+    if command in LIGHTNING_COMMANDS:
+        if args[at + 1 : at + 2] == [short_help.ALL]:
+            return False
+        print(short_help.short_help(command))
+        return True
+    if command not in tool_arguments.PARSERS or "--gpu-proof" in args:
+        return False
+    tool_arguments.PARSERS[command]().parse_known_args(args[1:])  # prints the help and exits, as the tool would
     return False
 
 

@@ -390,7 +390,9 @@ class LitMemoryCLI(LightningCLI):
         checks.check_compile(settings.model, settings.data)
         optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
         if settings.cpu_bf16_fallback:
-            settings.trainer.precision = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
+            settings.trainer.precision, warning = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
+            if warning:  # said when the run is built (`_prepare`): a confined run is parsed here twice
+                self.notes.append(warning)
         lora, trains_with = settings.model.get("lora"), Precision.known(settings.trainer.precision)
         if lora is not None and trains_with is not None:  # a LoRA base the precision cannot train, before anything is built
             LoRA(**plain(lora)).check_precision(trains_with)

@@ -4,8 +4,10 @@ summary without a column of zeros.
 - `LogProgress`: Lightning draws its rich progress bar only on a terminal; in a log file (nohup, SLURM, CI) it
   leaves nothing until the end. Off a terminal the CLI installs this progress "bar" instead: one line every
   ``interval`` seconds (and at the first step and the end) with the optimizer step of the total, the epoch, the
-  loss, samples per second, the time left and the memory peak; a line per validation with its metrics; and
-  evaluation/prediction batches every ``interval`` seconds. On a terminal (or in a notebook) the rich bar stays.
+  loss (the mean since the last line), samples per second and the time left (from the steps after the first,
+  which pays for warm-up: allocation, compilation, caches), and the memory peak; a line per validation with its
+  metrics; and evaluation/prediction batches every ``interval`` seconds. On a terminal (or in a notebook) the rich
+  bar stays.
 - `ModelSummary`: Lightning 2.6's summary prints a FLOPs column and "Total FLOPs: 0" unless the module has an
   ``example_input_array``, which would run a forward at every fit's start (a collective under FSDP, on rank 0
   only). lit_memory counts a step's FLOPs itself (``estimate``, the recipe headers), so the summary leaves the
@@ -69,6 +71,8 @@ class LogProgress(ProgressBar):
         self._started = self._last = 0.0
         self._samples = 0
         self._first_step = 0
+        self._warm: Optional[tuple[float, int, int]] = None  # (time, step, samples) when the first step was done
+        self._loss: Optional[float] = None  # the module's mean training loss, at the last line
         self._shown = False
         self._eval_batches = 0
         self._eval_samples = 0
@@ -96,36 +100,50 @@ class LogProgress(ProgressBar):
         self._started = self._last = time.monotonic()
         self._samples = 0
         self._first_step = trainer.global_step
+        self._warm = self._loss = None
         self._shown = False
+        if isinstance(getattr(pl_module, "progress_loss", None), RunningLoss):
+            pl_module.progress_loss.mean()  # from this fit's first step on
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._samples += batch_size(batch) * trainer.world_size
         now = time.monotonic()
+        if self._warm is None and trainer.global_step > self._first_step:
+            self._warm = (now, trainer.global_step, self._samples)
         first = not self._shown and trainer.global_step > self._first_step  # a line once training is under way
         if first or now - self._last >= self.interval:
             self._last, self._shown = now, True
-            self._line(self.train_line(trainer, now))
+            self._line(self.train_line(trainer, now, module=pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._line(self.train_line(trainer, time.monotonic(), done=True))
+        self._line(self.train_line(trainer, time.monotonic(), done=True, module=pl_module))
 
-    def train_line(self, trainer, now: float, done: bool = False) -> str:
+    def train_line(self, trainer, now: float, done: bool = False, module: Any = None) -> str:
+        """The progress line: the loss is the mean over the steps since the last line (the module's `progress_loss`,
+        else what Lightning's progress bar shows); speed and time left are measured over the steps after the first
+        (warm-up), where there are any."""
         step, total = trainer.global_step, trainer.estimated_stepping_batches
         elapsed = now - self._started
         parts = [f"train step {step}/{_count(total)}" + (f" ({100 * step / total:.0f}%)" if _finite(total) and total else "")]
         epochs = total_epochs(trainer)
         epoch = trainer.current_epoch + 1  # after the last epoch Lightning has counted it: not one more
         parts.append(f"epoch {min(epoch, epochs) if epochs else epoch}/{epochs or '?'}")
-        loss = _loss(trainer.progress_bar_metrics)
+        losses = getattr(module, "progress_loss", None)
+        if isinstance(losses, RunningLoss):
+            mean = losses.mean()
+            self._loss = float(mean) if mean is not None else self._loss  # no step since the last line: its loss
+        loss = self._loss if self._loss is not None else _loss(trainer.progress_bar_metrics)
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
-        if elapsed > 0:
-            parts.append(f"{self._samples / elapsed:.1f} samples/s")
-        done_steps = step - self._first_step
+        warm_at, warm_step, warm_samples = self._warm or (now, step, self._samples)
+        warmed = step > warm_step and now > warm_at and not done  # steps measured after the first (the end: all)
+        seconds, samples = (now - warm_at, self._samples - warm_samples) if warmed else (elapsed, self._samples)
+        if seconds > 0:
+            parts.append(f"{samples / seconds:.1f} samples/s")
         if done:
             parts.append(f"took {_duration(elapsed)}")
-        elif _finite(total) and done_steps > 0:
-            parts.append(f"ETA {_duration(elapsed / done_steps * max(total - step, 0))}")
+        elif _finite(total) and warmed:
+            parts.append(f"ETA {_duration((now - warm_at) / (step - warm_step) * max(total - step, 0))}")
         parts.append(memory_peak(trainer.strategy.root_device))
         return " | ".join(parts)
 

@@ -18,7 +18,7 @@ import datasets
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lit_memory.hf import bundled, text_encoding, windows
+from lit_memory.hf import data_file, text_encoding, windows
 from lit_memory.sandbox import guard
 from lit_memory.run import loaders, predict_file, training_length
 from lit_memory.task import class_weights as weights_
@@ -36,17 +36,11 @@ from lit_memory.hf.tokenizing import encode_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-BUNDLED = "bundled"
+BUNDLED = data_file.BUNDLED
 # The bundled tweets: their own column names, and the label order used for ids.
 BUNDLED_COLUMNS = ("text", "sentiment")
 BUNDLED_LABELS = {2: ["negative", "positive"], 3: ["negative", "neutral", "positive"]}
-# File suffix -> (datasets builder, extra builder kwargs).
-FILE_FORMATS = {
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"delimiter": "\t"}),
-    ".json": ("json", {}),
-    ".jsonl": ("json", {}),
-}
+FILE_FORMATS = data_file.FILE_FORMATS  # file suffix -> (datasets builder, extra builder kwargs)
 DEMO_TRAIN_SAMPLES = 4000  # the bundled demo's training subset: every recipe under 10 minutes on a 2-core CPU
 
 
@@ -214,7 +208,7 @@ class TextClassificationData(L.LightningDataModule):
             given = f"data.encoding {encoding!r}" if encoding is not None else "data.encoding_errors 'replace'"
             raise UserError(f"{given} is for a local data file: data.source {source!r} is a hub dataset, read as it is "
                             "published (leave it out, or download the file and give its path)")
-        self._predict_file = self._check_predict_file(predict_path) if predict_path is not None else None
+        self._predict_file = data_file.predict_file(predict_path) if predict_path is not None else None
         self._predict_columns: Optional[tuple[task_.Columns, Optional[str]]] = None
         self._predict_rows: Optional[datasets.Dataset] = None
         self._predict_decoding: Optional[text_encoding.Decoding] = None  # how the file to predict is read
@@ -240,18 +234,7 @@ class TextClassificationData(L.LightningDataModule):
     @staticmethod
     def local_file(source: str) -> Optional[Path]:
         """A source with a known file suffix (or an existing path) is a local file: check it now."""
-        if source == BUNDLED:
-            return bundled.tweets_csv()
-        path = Path(source).expanduser()
-        if path.suffix.lower() not in FILE_FORMATS and not path.exists():
-            return None  # a hub dataset name
-        if not path.is_file():
-            if path.exists():  # a FIFO, a device: reading it may never end
-                raise UserError(f"data file {source} is not a regular file")
-            raise UserError(f"data file not found: {source}")
-        if path.suffix.lower() not in FILE_FORMATS:
-            raise UserError(f"unsupported data file {source}: use one of " + ", ".join(FILE_FORMATS))
-        return path
+        return data_file.local_file(source)
 
     def _load_raw(self) -> datasets.DatasetDict:
         key = (self.hparams.source, self.hparams.subset, str(self._local_file), self.hparams.encoding,
@@ -274,9 +257,8 @@ class TextClassificationData(L.LightningDataModule):
         if self.hparams.subset is not None:
             raise UserError(f"data.subset {self.hparams.subset!r} names a hub dataset's configuration: {self.where} is a file")
         builder, kwargs = FILE_FORMATS[self._local_file.suffix.lower()]
-        if text_encoding.blank(self._local_file):
-            raise UserError(f"data file {self.where} is empty")
-        self._decoding = text_encoding.decoding(self._local_file, self.hparams.encoding, self.hparams.encoding_errors)
+        hp = self.hparams
+        self._decoding = data_file.decoding(self._local_file, self.where, hp.encoding, hp.encoding_errors)
         try:
             if builder == "json" and not self._decoding.ascii_compatible:
                 rows = predict_file.json_dataset(self._local_file, self._decoding, self.where)
@@ -442,27 +424,14 @@ class TextClassificationData(L.LightningDataModule):
 
     # -- predict: a file of texts, or the test split, streamed --------------------------------------
 
-    @staticmethod
-    def _check_predict_file(path: str) -> Path:
-        found = Path(path).expanduser()
-        if not found.is_file():
-            raise UserError(f"data.predict_path: file not found: {path}")
-        if found.suffix.lower() not in FILE_FORMATS:
-            raise UserError(f"data.predict_path: unsupported file {path}: use one of " + ", ".join(FILE_FORMATS))
-        return found
-
     def _prepare_predict(self) -> None:
         """The columns of the file to predict (read from its first row: the file is streamed later), or the test
         split of the training data; and the tokenizer."""
         if self._predict_columns is None:
             if self._predict_file is not None:
                 text, label, id_ = self._given_columns
-                if text_encoding.blank(self._predict_file):
-                    raise UserError(f"data.predict_path: {self._predict_file} is empty")
-                self._predict_decoding = text_encoding.decoding(
-                    self._predict_file, self.hparams.predict_encoding, self.hparams.predict_encoding_errors or "strict",
-                    flag="data.predict_encoding",
-                )
+                self._predict_decoding = data_file.predict_decoding(
+                    self._predict_file, self.hparams.predict_encoding, self.hparams.predict_encoding_errors)
                 if note := self._predict_decoding.note(str(self._predict_file)):
                     say(f"predict: {note}")
                 try:

@@ -213,6 +213,7 @@ class SequenceClassifier(L.LightningModule):
         self.report_new_head = True  # off where a checkpoint is loaded after the model is built (the CLI says)
         self.validation_counts: Optional[torch.Tensor] = None  # the last validation's confusion counts
         self.running_loss = RunningLoss()  # the training loss since it was last logged (`on_train_batch_end`)
+        self.progress_loss = RunningLoss()  # ... since the last progress line (`lit_memory.console.LogProgress`)
         self._progress_step = -1
         # Class names in id order: the data's (set in `setup` when fitting), a checkpoint's, or the model config's
         # own (a fine-tuned folder's id2label); None: transformers' default names.
@@ -396,6 +397,7 @@ class SequenceClassifier(L.LightningModule):
                 logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
                 loss = weights_.loss(logits, batch["labels"], self.problem_type, self.loss_weights)
         self.running_loss.add(loss)  # read on the logging steps only (`on_train_batch_end`): no device sync per step
+        self.progress_loss.add(loss)  # read when a progress line is written
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -76,3 +76,34 @@ def test_the_interval_is_checked_and_the_epochs_follow_max_steps():
     trainer.max_epochs = 3
     assert total_epochs(trainer) == 3
     assert total_epochs(SimpleNamespace(max_epochs=None, max_steps=-1, num_training_batches=float("inf"), accumulate_grad_batches=1)) is None
+
+
+def test_progress_lines_give_the_mean_loss_since_the_last_line_and_time_the_steps_after_the_first(monkeypatch, capsys):
+    """A first step of 100 s (warm-up), then 10 s steps: the time left follows the 10 s steps, and each line's loss is
+    the mean of the steps since the line before."""
+    import torch
+
+    clock = [0.0]
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(console_module, "memory_peak", lambda device: "peak RSS 1 GiB")
+    trainer = SimpleNamespace(global_step=0, estimated_stepping_batches=10, current_epoch=0, max_epochs=1, max_steps=-1,
+                              num_training_batches=10, accumulate_grad_batches=1, world_size=1, progress_bar_metrics={},
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    module = SimpleNamespace(progress_loss=console_module.RunningLoss())
+    progress = LogProgress(interval=25)
+    progress.on_train_start(trainer, module)
+    batch = {"input_ids": torch.zeros(4, 3)}
+    for step, (seconds, loss) in enumerate([(100, 1.0), (10, 0.5), (10, 0.3), (10, 0.1), (10, 0.9)], start=1):
+        clock[0] += seconds
+        module.progress_loss.add(torch.tensor(loss))
+        trainer.global_step = step
+        progress.on_train_batch_end(trainer, module, None, batch, step - 1)
+    progress.on_train_end(trainer, module)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["train step 1/10 (10%)", "train step 4/10 (40%)",
+                                                        "train step 5/10 (50%)"]
+    first, fourth, last = (dict(part.split(" ", 1) for part in line.split(" | ")[1:]) for line in lines)
+    assert first["loss"] == "1.0000" and "ETA" not in first  # one step: all warm-up
+    assert fourth["loss"] == "0.3000" and fourth["ETA"] == "0:01:00"  # (0.5 + 0.3 + 0.1) / 3; 6 steps of 10 s
+    assert " | 0.4 samples/s | " in lines[1]  # 12 samples in the 30 s after the first step
+    assert last["loss"] == "0.9000" and last["took"] == "0:02:20" and "ETA" not in last

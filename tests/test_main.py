@@ -25,7 +25,10 @@ def test_help_lists_every_command_on_one_line_each(capsys):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_command_has_its_own_help(command, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main([command, "--help"])
-    assert exit_.value.code == 0
-    assert "usage:" in capsys.readouterr().out
+    code = 0
+    try:
+        main([command, "--help"])  # a training command's short help returns; a tool's parser exits
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m lit_memory {command} ")

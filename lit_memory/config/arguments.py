@@ -11,8 +11,7 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lit_memory.config import trust
-from lit_memory.config.shipped import RECIPE_FLAG, TRUST_FLAG
+from lit_memory.config import short_help, trust
 from lit_memory.console import LogProgress
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.budget import MemorySettings
@@ -20,14 +19,6 @@ from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.run.best import EarlyStop
 from lit_memory.run.predict_file import PredictionWriter
 
-# What a user of this project sets first, at the top of ``COMMAND --help`` (Lightning's full list follows): the
-# recipe, the data, the model and its task, memory, how long; then the command's own.
-FIRST_OPTIONS = (
-    "--config", "--data.source", "--data.text_column", "--data.label_column", "--model.model_name_or_path",
-    "--model.problem_type", "--model.num_labels", "--model.threshold", "--memory.budget", "--memory.tier",
-    "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
-)
-COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
 # One source of truth: the model decides the classes and the tokenizer, the data follows (the parser's links, as
 # (source, target, compute_fn); a target is never typed: `LitMemoryCLI.typed_settings` leaves it out).
 LINKS = (
@@ -64,27 +55,15 @@ class Parser(LightningArgumentParser):
         raise UserError(" ".join(message.split()))
 
     def format_help(self) -> str:
-        """A command's help: the options a user of this project sets first, then every option (Lightning's too)."""
+        """A command's full help (``COMMAND --help all``): the options a user of this project sets first, as
+        ``COMMAND --help`` shows them (`lit_memory.config.short_help`), then every option (Lightning's too)."""
         full = super().format_help()
         command = self.prog.split()[-1]
         if not self.toplevel or command not in ("fit", "validate", "test", "predict"):
             return full
         helps = {option: a.help or "" for a in self._actions for option in a.option_strings}
-        wanted = [*FIRST_OPTIONS, *COMMAND_FIRST_OPTIONS.get(command, ())]
-        rows = [(RECIPE_FLAG + " NAME", "a shipped recipe, as --config <its file> (python -m lit_memory recipes)")]
-        rows += [(key, first_sentence(helps[key])) for key in wanted if key in helps]
-        rows.append((TRUST_FLAG, "run a recipe, config or checkpoint someone sent as it says (only from a source you trust)"))
-        width = max(len(key) for key, _ in rows) + 2
-        lines = [f"usage: python -m lit_memory {command} [options]", "", "the options you set first (every option follows):"]
-        lines += [f"  {key:<{width}}{text}" for key, text in rows]
+        lines = short_help.section(command, helps, "the options you set first (every option follows):")
         return "\n".join(lines) + "\n\n" + full
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of an option's help, on one line, without its reST quotes."""
-    text = " ".join(text.replace("``", "").split())
-    end = text.find(". ")
-    return text[: end + 1] if end > 0 else text
 
 
 class ProbeFailed(Exception):

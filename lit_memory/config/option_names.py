@@ -99,7 +99,7 @@ def check(command: str, argv: list[str]) -> None:
             close = difflib.get_close_matches(f"--{key}", everything, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise UserError(
-                f"unknown option --{key} for {command}{hint}; every option: python -m lit_memory {command} --help"
+                f"unknown option --{key} for {command}{hint}; every option: python -m lit_memory {command} --help all"
             )
 
 

@@ -6,6 +6,6 @@ them, they import none of it; predictions and plans over them are `lit_memory.pl
   (`records`), the memory picture (`picture`) and the one table that shows footprints side by side (`report`);
 - `hardware`: models of the device: the GPU catalogue and the target a prediction is for (`gpus`), the caching
   allocator (`allocator`), the attention kernel (`kernels`), what one transformer layer keeps (`layers`), a step
-  as the allocator sees it (`program`), collectives' buffers (`nccl`), the margin every "fits" keeps (`margin`)
-  and the memory settings of a run (`budget`).
+  as the allocator sees it (`program`), collectives' buffers (`nccl`), the training loop around a step (`loops`),
+  the margin every "fits" keeps (`margin`) and the memory settings of a run (`budget`).
 """

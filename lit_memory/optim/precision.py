@@ -4,7 +4,8 @@ Recipes ask for bf16 because GPUs from compute capability 8.0 (Ampere) and recen
 
 - **A CPU** without AVX512-BF16 or AMX emulates bf16 arithmetic: autocast measured about 18x slower than
   fp32 on such a machine (AVX2) for MiniLM, so the CLI switches those runs to fp32 with one warning line
-  (`cpu_fallback`); ``--cpu_bf16_fallback false`` keeps bf16 anyway.
+  (`cpu_fallback`: said by the process that trains, once, though a confined run is parsed twice);
+  ``--cpu_bf16_fallback false`` keeps bf16 anyway.
 - **A GPU below compute capability 8.0** (Pascal, Volta, Turing: P100, V100, T4, GTX 10xx/16xx, RTX 20xx) has
   no bf16 tensor cores; ``torch.cuda.is_bf16_supported()`` still answers True (emulation), so nothing would
   stop a bf16 run there, without tensor cores, and SDPA's fused attention kernels refuse bf16 below sm80, so
@@ -64,16 +65,16 @@ def trains_with(precision: Any, accelerator: Any, fallback: bool = True) -> Any:
     return "32-true"
 
 
-def cpu_fallback(precision: Any, accelerator: Any) -> Any:
-    """`trains_with`, with one warning line where it changes the precision."""
+def cpu_fallback(precision: Any, accelerator: Any) -> tuple[Any, Optional[str]]:
+    """`trains_with`, and the warning line to say where it changes the precision (else None): the caller says it
+    when the run is built, so that a run parsed twice (judged, then run in its confined child) says it once."""
     if trains_with(precision, accelerator) == precision:
-        return precision
-    _warn(
+        return precision, None
+    return "32-true", (
         f"warning: this CPU has no native bf16 (AVX512-BF16 or AMX), where bf16 runs about 18x slower than "
         f"fp32: training with trainer.precision=32-true instead of {precision} (memory numbers are fp32's; "
         f"--cpu_bf16_fallback false keeps {precision})"
     )
-    return "32-true"
 
 
 @rank_zero_only

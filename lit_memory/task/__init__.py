@@ -10,7 +10,7 @@ set is one error line naming the column and what was expected.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.task.columns import (  # noqa: F401  (re-exported: `from lit_memory.task import find_columns`)
@@ -24,19 +24,49 @@ from lit_memory.task.columns import (  # noqa: F401  (re-exported: `from lit_mem
     find_columns,
     id_column,
 )
-from lit_memory.task.kind import IGNORE, KINDS, ProblemKind, Task, kind_of, register  # noqa: F401
 
-# Each module registers its kind on import; this order is the settings' and the error lines' (a new kind: its line).
-from lit_memory.task import single_label  # noqa: E402  isort: skip
-from lit_memory.task import multi_label  # noqa: E402  isort: skip
-from lit_memory.task import regression  # noqa: E402  isort: skip
+if TYPE_CHECKING:
+    from lit_memory.task.kind import IGNORE, KINDS, ProblemKind, Task, kind_of, register  # noqa: F401
 
-PROBLEM_TYPES: tuple[str, ...] = tuple(KINDS)  # the registered kinds' names, in the order above
-ProblemType = Literal[PROBLEM_TYPES]  # type: ignore[valid-type]  (the settings' choices: every registered kind)
-SINGLE, MULTI, REGRESSION = (kind.name for kind in (single_label.SingleLabel, multi_label.MultiLabel,
-                                                     regression.Regression))
-# The metric each problem type keeps its best checkpoint by (higher is better for all).
-MAIN_METRIC = {name: kind.main_metric for name, kind in KINDS.items()}
+# The kinds import torch and torchmetrics: they load with the first name that needs them (`__getattr__`), so that
+# finding a file's columns (the check `python -m lit_memory` makes before importing torch) costs none of it.
+KIND_NAMES = ("IGNORE", "KINDS", "ProblemKind", "Task", "kind_of", "register")  # `lit_memory.task.kind`'s
+MADE_NAMES = ("PROBLEM_TYPES", "ProblemType", "SINGLE", "MULTI", "REGRESSION", "MAIN_METRIC")
+
+
+def _load() -> None:
+    """Import the kinds, each registering itself, and define the names made of them; once."""
+    if "PROBLEM_TYPES" in globals():
+        return
+    from lit_memory.task import kind
+
+    # Each module registers its kind on import; this order is the settings' and the error lines' (a new kind: its
+    # line), kept also where a kind's module was imported on its own first.
+    from lit_memory.task import single_label  # isort: skip
+    from lit_memory.task import multi_label  # isort: skip
+    from lit_memory.task import regression  # isort: skip
+
+    ours = [single_label.SingleLabel.name, multi_label.MultiLabel.name, regression.Regression.name]
+    ordered = {name: kind.KINDS[name] for name in [*ours, *kind.KINDS]}
+    kind.KINDS.clear()
+    kind.KINDS.update(ordered)
+    names = {name: getattr(kind, name) for name in KIND_NAMES}
+    problem_types = tuple(kind.KINDS)  # the registered kinds' names, in the order above
+    globals().update(
+        names,
+        PROBLEM_TYPES=problem_types,
+        ProblemType=Literal[problem_types],  # the settings' choices: every registered kind
+        SINGLE=ours[0], MULTI=ours[1], REGRESSION=ours[2],
+        # The metric each problem type keeps its best checkpoint by (higher is better for all).
+        MAIN_METRIC={name: found.main_metric for name, found in kind.KINDS.items()},
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in KIND_NAMES or name in MADE_NAMES:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def infer(
@@ -47,6 +77,7 @@ def infer(
     ``problem_type`` set or the one its labels show (a list of names per row, or several label columns:
     multi-label; a number with a fraction: regression; else single-label), ``num_labels`` and the class names
     set or read from the labels. A label the problem type cannot take is one error line."""
+    _load()
     kind = kind_of(problem_type) if problem_type is not None else None
     labels = columns.label
     if not labels:
@@ -69,6 +100,7 @@ def head_problem_type(given: Optional[str], own: Optional[str], num_labels: int)
     """The problem type a model config ends with: the one ``given``, else the config's ``own`` where its head
     (``num_labels`` outputs) can still be of it, else transformers' rule (one output: regression; else
     single-label)."""
+    _load()
     if given is not None:
         return given
     if own is not None and (KINDS[own].fits_head(num_labels) if own in KINDS else num_labels != 1):

@@ -41,15 +41,13 @@ from lit_memory.planning.recompute import count_or_decline, planned
 from lit_memory.run.monitor import StepTimer
 from lit_memory.optim.precision import runs_on_cpu
 from lit_memory.run.step_profile import HostOpCounter
+from lit_memory.tools import arguments
+from lit_memory.tools.arguments import MIN_WARMUP, PEERS
 from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 from lit_memory.tools.bench_table import embed, machine, markdown, write_outputs
 
 # The reference post's tiers, in its order.
 REFERENCE_TIERS = ("baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq")
-PEERS = ("hf-trainer",)
-# The memory callback tracks the first optimizer steps tensor by tensor (a slow Python dispatch
-# mode): warm-up covers them, so only untracked steps are timed.
-MIN_WARMUP = 2
 
 
 # -- what to run --------------------------------------------------------------------------------
@@ -392,33 +390,7 @@ def bench(
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m lit_memory bench",
-        allow_abbrev=False,
-        description="Run recipes, each in a fresh process, and tabulate predicted and measured peak memory, "
-        "step time and samples/s. Every other argument goes to each recipe's fit after the recipe: "
-        "--config FILE (model/data configs), dotted overrides such as --trainer.accelerator=cuda. "
-        "bench --gpu-proof [--dry-run]: the memory model against this GPU in one command (docs/gpu.md).",
-    )
-    parser.add_argument(
-        "--recipes",
-        default="all",
-        help="`all` (the reference post's tiers in its order, then ours) or a,b,c: shipped recipe names, or paths "
-        "to recipe files (dir/mine.yaml) to compare in the same run",
-    )
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per recipe (default 5)")
-    parser.add_argument(
-        "--warmup", type=int, default=3, help=f"untimed optimizer steps first (default 3, at least {MIN_WARMUP})"
-    )
-    parser.add_argument("--eval", action="store_true", help="validate after the steps; adds val f1")
-    parser.add_argument("--peer", help=f"also train each recipe with: {', '.join(PEERS)}")
-    parser.add_argument("--out", type=Path, default=Path("bench"), help="output folder (default bench/)")
-    parser.add_argument(
-        "--update-readme",
-        action="store_true",
-        help="also write the table into a checkout's recipes/README.md (and README.md) and its rows into "
-        f"recipes/{recipes.MEASURED}, which `recipes list` reads",
-    )
+    parser = arguments.bench()
     args, user_args = parser.parse_known_args(argv)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")

@@ -27,7 +27,7 @@ from lit_memory.optim.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig
 from lit_memory.planning.prediction.analytic import analytic, file_gib
-from lit_memory.memory.hardware.gpus import ALIASES, DEFAULT_GPU, GPUS, Target, target
+from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.hardware.margin import Fit
@@ -35,8 +35,10 @@ from lit_memory.planning.prediction.predict import level, predict
 from lit_memory.planning.choose import mode_of
 from lit_memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
-from lit_memory.planning.prediction.step import DEVICES, LOOPS, Prediction, Step, build, loop
+from lit_memory.planning.prediction.step import Prediction, Step, build, loop
 from lit_memory.optim.optimizer_state import unquantised_extra
+from lit_memory.tools import arguments
+from lit_memory.tools.arguments import add_target_arguments  # noqa: F401  (plan, cards and tests take it from here)
 
 DEFAULT_MODEL = "bundled:minilm"
 DEFAULT_MODEL_WORDS = (
@@ -47,34 +49,6 @@ CUDA_NOTES = (
     "the CPU simulation runs CPU kernels; CUDA's stand in where their memory differs (attention kernel, dropout "
     "masks, autocast's fp32 ops); the analytic model predicts CUDA's directly"
 )
-
-
-def add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that say which device a prediction is for (estimate and plan)."""
-    parser.add_argument(
-        "--device", choices=DEVICES, default="cuda", help="device the prediction is for (default: cuda)"
-    )
-    parser.add_argument(
-        "--gpu", choices=sorted([*GPUS, *ALIASES]), default=None, metavar="GPU",
-        help=f"the GPU (default: this machine's, else {DEFAULT_GPU}): its capacity is what the verdict fits, its "
-        "architecture picks the attention kernel and the cuBLAS workspace, its generation the CUDA context; one of "
-        f"{', '.join(GPUS)} (MIG slices as <gpu>-<profile>)",
-    )
-    parser.add_argument("--cuda", default=None, help="CUDA version PyTorch is built with (default: this machine's, else 12.4)")
-    parser.add_argument(
-        "--cuda-context", default=None,
-        help="CUDA context and loaded kernels of your setup (e.g. 1343MiB: nvidia-smi after the first CUDA "
-        "op and a matmul); default: the documented table (docs/memory.md)",
-    )
-    parser.add_argument(
-        "--allocator-conf", default=None,
-        help="allocator settings to predict for (default: this environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, "
-        "as torch reads them), e.g. expandable_segments:True",
-    )
-    parser.add_argument(
-        "--loop", choices=sorted(LOOPS), default="lightning",
-        help="the training loop whose memory behaviour to predict (default: lightning, lit_memory's fit)",
-    )
 
 
 def target_of(args: argparse.Namespace) -> Target:
@@ -312,29 +286,7 @@ def format_report(data: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m lit_memory estimate",
-        description="Predict a training step's memory per category and at three levels (tensors, reserved, device). "
-        "Every other argument is a fit argument: --config FILE (repeatable), dotted overrides.",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--no-simulate", action="store_true", help="analytic only (milliseconds instead of seconds)")
-    add_target_arguments(parser)
-    parser.add_argument(
-        "--published", action="store_true",
-        help="print published GPU measurements beside lit_memory's predictions (docs/memory.md's table)",
-    )
-    parser.add_argument("--update-docs", action="store_true", help="with --published: write the table into docs/memory.md")
-    parser.add_argument(
-        "--plot", metavar="FILE", default=None,
-        help="draw the predicted step into the PNG FILE: each category's bytes layer by layer through forward, "
-        "backward and the optimizer step, against the card and the budget (needs matplotlib)",
-    )
-    parser.add_argument(
-        "--vs", action="store_true",
-        help="what follows is another run, drawn beside the first with --plot (it inherits the options before it, "
-        "e.g. --gpu; give it its own --config)",
-    )
+    parser = arguments.estimate()
     segments = split_runs(argv)
     ours, rest = parser.parse_known_args(segments[0])
     if len(segments) > 1 and ours.plot is None:

@@ -55,7 +55,9 @@ from lit_memory.planning.prediction.step import Prediction, Step
 from lit_memory.run.monitor import StepTimer
 from lit_memory.config.recipes import recipes_dir
 from lit_memory.settings import key_of, leaves, locate, plain
-from lit_memory.tools.estimate import add_target_arguments, step_of
+from lit_memory.tools import arguments
+from lit_memory.tools.arguments import MEASURED
+from lit_memory.tools.estimate import step_of
 
 BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 # Not combined: memory.* keys that describe the run (its budget, its measuring), and model.compile, how a step runs
@@ -63,7 +65,6 @@ BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
 NOT_COMBINED = ("memory.tier", "memory.budget", "memory.track_steps", "memory.simulate", "model.compile")
 TIER = "memory.tier"  # written: the budget a planned recipe is made for
 CONFIRMATIONS = 5  # candidates simulated, in rule order, before giving up
-MEASURED = 3  # candidates timed with --measure
 COMMENT_COLUMN = 34
 
 
@@ -551,26 +552,7 @@ def _refined(chosen: Candidate, simulated: Optional[Prediction], limit: Limit, c
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m lit_memory plan",
-        description="Write the fastest recipe predicted to fit a memory budget. Every other argument is a fit "
-        "argument (--config FILE for the model/data, dotted overrides).",
-    )
-    parser.add_argument(
-        "--budget", required=True,
-        help="device memory to fit (what nvidia-smi would show for the process), e.g. 4GiB, 8GB, 6000MiB, or a "
-        "GPU (rtx3050-4gb: its capacity); a setup fits with --memory.margin (default 0.08) of it kept free",
-    )
-    add_target_arguments(parser)
-    parser.add_argument("--output", default="planned.yaml", help="where to write the recipe (default: planned.yaml)")
-    parser.add_argument(
-        "--measure",
-        action="store_true",
-        help=f"time the {MEASURED} best candidates on this machine and keep the fastest",
-    )
-    parser.add_argument(
-        "--no-simulate", action="store_true", help="trust the analytic model without simulating the choice"
-    )
+    parser = arguments.plan()
     ours, rest = parser.parse_known_args(argv)
     if ours.measure and trust.Decision.of(argv).confined:
         raise UserError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import os
@@ -33,6 +32,7 @@ from lit_memory.config.shipped import listing
 from lit_memory.sandbox import roots, rules
 from lit_memory.settings import leaves, locate
 from lit_memory.config.trust import HINT, TRUST_FLAG
+from lit_memory.tools import arguments
 
 
 def list_recipes() -> None:
@@ -425,21 +425,7 @@ def _is_file(path: Path) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_memory recipes", description="List, show and check recipes.")
-    commands = parser.add_subparsers(dest="command")
-    commands.add_parser("list", help="the shipped recipes (the default)")
-    commands.add_parser("show", help="print a shipped recipe with its comments").add_argument("name")
-    check_ = commands.add_parser("check", help="validate a recipe file without running it")
-    check_.add_argument("file", type=Path)
-    check_.add_argument(TRUST_FLAG, dest="trusted", action="store_true", help="parse it even if it names other code")
-    trust_ = commands.add_parser("trust", help="run these files (and what they name beneath their folder) unconfined, "
-                                               "as long as they do not change")
-    trust_.add_argument("files", type=Path, nargs="+")
-    untrust_ = commands.add_parser("untrust", help="forget files trusted with `recipes trust`")
-    untrust_.add_argument("files", type=Path, nargs="+")
-    commands.add_parser("trusted", help="every file you trusted, and whether it is still as trusted")
-    headers_ = commands.add_parser("headers", help="write each shipped recipe's predicted memory into its header")
-    headers_.add_argument("--check", action="store_true", help="only compare, and fail on a stale header")
+    parser = arguments.recipes()
     args = parser.parse_args(argv)
     if args.command == "show":
         print(recipe_path(args.name).read_text(encoding="utf-8"), end="")

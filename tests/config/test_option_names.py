@@ -38,9 +38,13 @@ def imported_by(argv: list[str]) -> tuple[int, str, list[str]]:
     (["fit", "--recipe", "3gb"], 2, "error: unknown recipe '3gb'; choose one of: 2gb, 4gb,"),
     (["fit", "--config", "no/such.yaml"], 2, "error: config file not found: no/such.yaml"),
     (["fit", "--recipe", "4gb", "--data.sourcex", "a.csv"], 2,
-     "error: unknown option --data.sourcex for fit (did you mean --data.source?); every option: python -m lit_memory fit --help"),
+     "error: unknown option --data.sourcex for fit (did you mean --data.source?); every option: python -m lit_memory fit --help all"),
     (["predict", "--model.treshold=0.3"], 2, "error: unknown option --model.treshold for predict (did you mean --model.threshold?)"),
     (["validate", "--trainer.max_epoch", "1", "--modle.threshold", "0.3"], 2, "error: unknown option --modle.threshold"),
+    *(([command, "--help"], 0, None) for command in ("fit", "validate", "test", "estimate", "plan", "cards", "bench")),
+    (["predict", "-h"], 0, None),
+    (["recipes", "check", "--help"], 0, None),
+    (["fit", "--recipe", "4gb", "--data.source", "no/such.csv"], 2, "error: data file not found: no/such.csv"),
 ])
 def test_help_listing_and_argument_errors_import_nothing_heavy(argv, status, error):
     code, stderr, heavy = imported_by(argv)

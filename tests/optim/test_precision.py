@@ -16,32 +16,33 @@ def no_native_bf16(monkeypatch):
 
 
 def test_bf16_on_a_cpu_without_it_falls_back_to_fp32_with_one_warning(no_native_bf16, capsys):
-    assert precision.cpu_fallback("bf16-mixed", "cpu") == "32-true"
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("warning: this CPU has no native bf16")
+    fallen, warning = precision.cpu_fallback("bf16-mixed", "cpu")
+    assert fallen == "32-true" and warning.startswith("warning: this CPU has no native bf16") and "\n" not in warning
+    assert capsys.readouterr().err == ""  # the caller says it, once (`LitMemoryCLI._prepare`)
 
 
 @pytest.mark.parametrize("setting", [("bf16-mixed", "gpu"), ("bf16-mixed", "cuda"), ("32-true", "cpu"), ("16-mixed", "cpu")])
 def test_gpu_runs_and_other_precisions_are_never_changed(no_native_bf16, setting, capsys):
-    assert precision.cpu_fallback(*setting) == setting[0]
+    assert precision.cpu_fallback(*setting) == (setting[0], None)
     assert capsys.readouterr().err == ""
 
 
 def test_cpus_with_native_bf16_keep_it(monkeypatch):
     monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)
-    assert precision.cpu_fallback("bf16-mixed", "cpu") == "bf16-mixed"
+    assert precision.cpu_fallback("bf16-mixed", "cpu") == ("bf16-mixed", None)
 
 
 @pytest.mark.parametrize("fallback, expected", [("true", "32-true"), ("false", "bf16-mixed")])
-def test_cli_applies_the_fallback_unless_told_not_to(no_native_bf16, fallback, expected, tmp_path):
-    cli = LitMemoryCLI(
-        args=[
-            "--config", str(RECIPES / "4gb.yaml"), "--trainer.accelerator=cpu",
-            f"--cpu_bf16_fallback={fallback}", f"--trainer.default_root_dir={tmp_path}",
-        ],
-        run=False,
-    )
+def test_cli_applies_the_fallback_unless_told_not_to_and_says_it_once(no_native_bf16, fallback, expected, tmp_path,
+                                                                       capsys):
+    args = ["--config", str(RECIPES / "4gb.yaml"), "--trainer.accelerator=cpu", f"--cpu_bf16_fallback={fallback}",
+            f"--trainer.default_root_dir={tmp_path}"]
+    judged = resolve(["fit", *args])  # a confined run is parsed in the parent first: it says nothing
+    assert judged.settings.trainer.precision == expected and capsys.readouterr().err == ""
+    cli = LitMemoryCLI(args=args, run=False)  # the run, built
     assert cli.trainer.precision == expected
+    said = [line for line in capsys.readouterr().err.splitlines() if "no native bf16" in line]
+    assert len(said) == (expected == "32-true")
 
 
 # -- a GPU without bf16 (compute capability below 8.0) ----------------------------------------------

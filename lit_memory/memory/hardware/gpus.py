@@ -21,6 +21,8 @@ from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.nccl import NcclSettings
 from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
 
+DEVICES = ("cuda", "cpu")  # the devices a prediction is for (`Target.type`)
+
 MiB = 2**20
 
 

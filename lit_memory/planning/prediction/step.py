@@ -39,7 +39,8 @@ from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
 from lit_memory.hf.lora import apply_lora
 from lit_memory.memory.hardware import nccl
 from lit_memory.memory.hardware.budget import MemorySettings
-from lit_memory.memory.hardware.gpus import Target
+from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVICES: the tools' choices)
+from lit_memory.memory.hardware.loops import LOOPS, Loop, loop  # noqa: F401  (re-exported: a step's loop)
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
 from lit_memory.run.checkpointing import CheckpointPlan, is_auto
@@ -49,7 +50,6 @@ from lit_memory.optim.optimizers import Library, library_of
 from lit_memory.optim.precision import trains_on
 from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, plain, section
 
-DEVICES = ("cuda", "cpu")
 # The sections of a run's settings a step reads, by the class LightningCLI builds from each: what they hold and
 # their defaults are those classes' signatures (`lit_memory.settings.section`).
 SECTIONS = {"model": SequenceClassifier, "data": TextClassificationData, "trainer": Trainer}
@@ -106,44 +106,6 @@ def _factory(key: str) -> Callable:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--optimizer", type=OptimizerCallable)
     return parser.instantiate(parser.parse_object({"optimizer": json.loads(key)})).optimizer
-
-
-@dataclass(frozen=True)
-class Loop:
-    """The training loop around the step, where it changes memory: whether autocast caches its 16-bit
-    weight copies for the whole forward pass, and when the previous step's gradients are released.
-
-    lit_memory's fit (Lightning's Trainer) runs autocast without its cache and frees the gradients right
-    after each optimizer step (`SequenceClassifier.optimizer_step`). Other loops differ: Lightning Fabric and
-    the HF Trainer (through accelerate) keep torch's default cache; torch 1.x's ``zero_grad()`` zeroed the
-    gradients in place (they stay allocated through the next forward); a loop that calls ``zero_grad()``
-    after the forward pass keeps them through it."""
-
-    name: str = "lightning"
-    autocast_cache: bool = False
-    gradients: str = "after_step"  # "after_step" | "before_backward" | "zeroed"
-    # lit_memory's fit gives torch's Adam/AdamW their fused CUDA kernel where the config leaves it unset
-    # (`lit_memory.optim.optimizers.use_fused_kernels`); other loops keep torch's default (foreach on CUDA).
-    fused_kernels: bool = True
-
-    def __post_init__(self) -> None:
-        if self.gradients not in ("after_step", "before_backward", "zeroed"):
-            raise UserError(f"unknown gradient release {self.gradients!r}")
-
-
-LOOPS = {
-    "lightning": Loop(),
-    "fabric": Loop("fabric", autocast_cache=True, fused_kernels=False),
-    "hf-trainer": Loop("hf-trainer", autocast_cache=True, fused_kernels=False),
-    # transformers' Trainer with torch 1.x: model.zero_grad() zeroed in place (set_to_none=False then).
-    "hf-trainer-torch1": Loop("hf-trainer-torch1", autocast_cache=True, gradients="zeroed", fused_kernels=False),
-}
-
-
-def loop(name: str) -> Loop:
-    if name not in LOOPS:
-        raise UserError(f"unknown training loop {name!r}; choose one of: {', '.join(LOOPS)}")
-    return LOOPS[name]
 
 
 @dataclass(frozen=True)
