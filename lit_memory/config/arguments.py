@@ -27,7 +27,7 @@ FIRST_OPTIONS = (
     "--model.problem_type", "--model.num_labels", "--model.threshold", "--memory.budget", "--memory.tier",
     "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
 )
-COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
+COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--output", "--predictions.format")}
 # One source of truth: the model decides the classes and the tokenizer, the data follows (the parser's links, as
 # (source, target, compute_fn); a target is never typed: `LitMemoryCLI.typed_settings` leaves it out).
 LINKS = (
@@ -37,6 +37,9 @@ LINKS = (
     (("model.tokenizer_name_or_path", "model.model_name_or_path"), "data.tokenizer_name_or_path",
      lambda tokenizer, model: tokenizer or model),
 )
+
+# A command's own links: ``predict --output`` is where its `PredictionWriter` writes (one option for it).
+COMMAND_LINKS = {"predict": (("output", "predictions.output", None),)}
 
 
 class Parser(LightningArgumentParser):
@@ -176,3 +179,11 @@ def add_command_arguments(parser: LightningArgumentParser, command: str) -> None
         # Predictions go to a file batch by batch (`predictions:`), so Lightning need not keep them all in memory.
         parser.set_defaults(return_predictions=False)
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+        parser.add_argument(
+            "--output", type=Optional[str], default=None,
+            help="the predictions' file (.csv, .tsv, .jsonl: the format) or a folder for predictions.<format>; default: "
+                 "beside the model, RUN/predictions.csv in its checkpoint's or hf_model's run folder (the next call "
+                 "replaces it, and says so).",
+        )
+    for source, target, compute_fn in COMMAND_LINKS.get(command, ()):
+        parser.link_arguments(source, target, compute_fn=compute_fn)
