@@ -166,7 +166,8 @@ def case_thresholds(out: Path, results: dict) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lit_memory", "predict", "--config", str(run / "config.yaml"), f"--data.source={data}",
          f"--model.model_name_or_path={run / 'hf_model'}", f"--data.predict_path={texts}",
-         f"--output={out / 'predict' / 'predictions.jsonl'}"], capture_output=True, text=True)
+         f"--output={out / 'predict' / 'predictions.jsonl'}", f"--trainer.default_root_dir={out / 'predict'}"],
+        capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
     predicted = [json.loads(line) for line in (out / "predict" / "predictions.jsonl").read_text().splitlines()]

@@ -203,7 +203,7 @@ def test_every_problem_type_trains_predicts_and_exports_what_transformers_reload
     predicted = subprocess.run(
         [sys.executable, "-m", "lit_memory", "predict", "--config", str(run / "config.yaml"),
          f"--ckpt_path={next((run / 'checkpoints').glob('best-*.ckpt'))}", f"--data.predict_path={inputs}",
-         f"--output={tmp_path / 'predict' / 'predictions.jsonl'}",
+         f"--output={tmp_path / 'predict' / 'predictions.jsonl'}", f"--trainer.default_root_dir={tmp_path / 'predict'}",
          "--trainer.precision=32-true"],  # as transformers runs the reloaded model below
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
