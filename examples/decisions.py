@@ -165,11 +165,12 @@ def case_thresholds(out: Path, results: dict) -> None:
     texts = write(out / "weak-texts.jsonl", [{"text": r["text"]} for r in weak_labels(random.Random(1), 50)])
     done = subprocess.run(
         [sys.executable, "-m", "lit_memory", "predict", "--config", str(run / "config.yaml"), f"--data.source={data}",
-         f"--model.model_name_or_path={run / 'hf_model'}", f"--data.predict_path={texts}", "--predictions.format=jsonl",
-         f"--trainer.default_root_dir={out / 'predict'}"], capture_output=True, text=True)
+         f"--model.model_name_or_path={run / 'hf_model'}", f"--data.predict_path={texts}",
+         f"--output={out / 'predict' / 'predictions.jsonl'}", f"--trainer.default_root_dir={out / 'predict'}"],
+        capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
-    predicted = [json.loads(line) for line in next((out / "predict").rglob("predictions.jsonl")).read_text().splitlines()]
+    predicted = [json.loads(line) for line in (out / "predict" / "predictions.jsonl").read_text().splitlines()]
     applied = all(row["labels"] == [a for a in sorted(saved) if row[f"prob_{a}"] >= saved[a]] for row in predicted)
     results["thresholds"] = {
         "val f1_micro (tuned)": val.get("f1_micro"), "val f1_micro at 0.5": val.get("f1_micro_at_0.5"),

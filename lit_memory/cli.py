@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -22,7 +21,6 @@ import torch
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory.sandbox import bounds, guard
@@ -31,7 +29,7 @@ from lit_memory import console
 from lit_memory.config import arguments, option_names, recipes
 from lit_memory.config.arguments import LINKS, config_files, named_files, stubs_without_a_subprocess
 from lit_memory.optim import optimizers, precision
-from lit_memory.run import training_length
+from lit_memory.run import predict_file, training_length
 from lit_memory.config import trust
 from lit_memory.run.best import best_of
 from lit_memory.console import say
@@ -51,7 +49,6 @@ from lit_memory.hf.lora import LoRA
 from lit_memory.settings import Precision, assign, at, key_of as settings_key_of, leaves, plain
 from lit_memory.config.shipped import TRUST_FLAG, recipe_help
 
-PREDICT_FOLDER = "predict"  # under lightning_logs/: where predict's folders go
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
 HELP = recipe_help(trust.ALLOWLIST)
@@ -264,7 +261,19 @@ class LitMemoryCLI(LightningCLI):
                 f"as {typed!r} (leave --{key} out to use the checkpoint's, or train a new model)"
             )
         back[key] = typed
-        self.notes.append(f"{key}={typed!r} as typed, over {saved!r} saved in checkpoint {ckpt_path}")
+        self.notes.append(f"{key}={typed!r} as typed, over {self._saved_words(name, saved, ckpt_path)} saved in "
+                          f"checkpoint {ckpt_path}")
+
+    @staticmethod
+    def _saved_words(name: str, saved: Any, ckpt_path: str) -> str:
+        """A checkpoint's value of a model setting, in words: no ``threshold`` set, the thresholds it saved beside
+        the weights (tuned on validation), as ``0.21-0.40 (tuned on validation ...)``."""
+        kept = resume.saved_entry(Path(ckpt_path), "thresholds") if name == "threshold" and saved is None else None
+        if not kept or not kept.get("values"):
+            return repr(saved)
+        low, high = min(kept["values"]), max(kept["values"])
+        values = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+        return f"the threshold{'s' if len(kept['values']) > 1 else ''} {values} ({kept.get('origin', 'saved')})"
 
     def _effective(self, name: str, value: Any) -> Any:
         """What a model setting means: no tokenizer is the model's own."""
@@ -389,6 +398,8 @@ class LitMemoryCLI(LightningCLI):
         checks.check_trainer(settings.trainer)
         checks.check_compile(settings.model, settings.data)
         optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
+        if self.config.get("subcommand") == "predict":  # the file, beside the model unless --output names one
+            settings.predictions.output, settings.predictions.format = map(str, predict_file.destination_of(settings))
         if settings.cpu_bf16_fallback:
             settings.trainer.precision, warning = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
             if warning:  # said when the run is built (`_prepare`): a confined run is parsed here twice
@@ -535,10 +546,10 @@ class LitMemoryCLI(LightningCLI):
                 ours = {id(c) for c in kwargs["callbacks"]} - {id(c) for c in configured}  # lit_memory's own defaults
                 kwargs["callbacks"].append(guard.RunBounds(exempt=lambda c: id(c) in typed or id(c) in ours))
         if self.subcommand == "predict" and trainer.get("logger") in (None, True):
-            # Predictions are not a training run: their folders (predictions, config) apart, lightning_logs/predict/
-            # version_N, not among the runs' version_N (Lightning's default logger's folder, so the same rules hold).
-            root = trainer.get("default_root_dir") or os.getcwd()
-            kwargs["logger"] = CSVLogger(save_dir=root, name=os.path.join("lightning_logs", PREDICT_FOLDER))
+            # Predictions are not a training run: one file where `predict_file.destination` says, no run folder
+            # (a version_N per call) for a log or a config beside it.
+            kwargs["logger"] = False
+            self.save_config_kwargs = {**self.save_config_kwargs, "save_to_log_dir": False}
         kwargs.update(fp16_under_fsdp2(trainer))
         try:
             trainer = super().instantiate_trainer(**kwargs)

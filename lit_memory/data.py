@@ -32,7 +32,7 @@ from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType
 from lit_memory.task import splits as splits_
 from lit_memory.task.splits import SPLITS
-from lit_memory.hf.tokenizing import encode_texts, load_tokenizer
+from lit_memory.hf.tokenizing import encode_texts, load_tokenizer, unknown_share, unknown_words
 
 log = logging.getLogger(__name__)
 
@@ -500,6 +500,7 @@ class TextClassificationData(L.LightningDataModule):
             share = truncated / max(len(self.splits["train"]), 1)
             cut = (f"{100 * share:.1f} % of training " + ("pairs" if len(texts) == 2 else "texts")
                    + f" truncated at max_length {max_length}")
+        unknown = unknown_words(unknown_share(self.splits["train"], tokenizer), tokenizer)
         self.splits.set_format("torch")
         self.label_counts = weights_.count(self.splits["train"]["labels"][:], self.task.problem_type, self.task.num_labels)
         names = label_names_or_default(self.resolved_label_names or self.hparams.label_names, self.task.num_labels)
@@ -508,7 +509,7 @@ class TextClassificationData(L.LightningDataModule):
             setting, weights_.resolve(setting, self.label_counts, self.task.problem_type, self.task.num_labels),
             self.label_counts, names, self.task.problem_type,
         )
-        self.summary = "; ".join(p for p in (self.summary or "", cut, weighed, self._length()) if p)
+        self.summary = "; ".join(p for p in (self.summary or "", cut, unknown, weighed, self._length()) if p)
         counts = ", ".join(f"{name} {len(self.splits[name])}" for name in SPLITS)
         log.info(f"data: {counts} samples from {self.hparams.source}")
 

@@ -265,6 +265,21 @@ def test_a_typed_setting_wins_over_the_checkpoints_saved_one(command, multi_labe
     assert model.hparams.threshold == 0.25 and model.val_metrics["val_f1_micro"].threshold == 0.25
 
 
+def test_a_typed_threshold_names_the_tuned_thresholds_it_wins_over(tmp_path):
+    """A checkpoint of a fit that tuned its thresholds holds no model.threshold (None) and the tuned ones beside the
+    weights: the line says those, not None."""
+    from lit_memory.cli import resolve
+    from lit_memory.model import SequenceClassifier
+
+    module = SequenceClassifier(num_labels=3, problem_type="multi_label_classification")
+    path = tmp_path / "best-step=8.ckpt"
+    origin = "tuned on validation at step 8 for each label's F1"
+    torch.save({"hyper_parameters": dict(module.hparams), "state_dict": {},
+                "thresholds": {"values": [0.21, 0.4, 0.33], "origin": origin}}, path)
+    run = resolve(["validate", f"--ckpt_path={path}", "--model.threshold", "0.3", f"--trainer.default_root_dir={tmp_path}"])
+    assert run.notes == [f"model.threshold=0.3 as typed, over the thresholds 0.21-0.4 ({origin}) saved in checkpoint {path}"]
+
+
 @pytest.mark.parametrize("spelling, typed, threshold", [
     (["--model", '{"threshold": 0.25}'], {"model.threshold": 0.25}, 0.25),  # the group as a mapping
     (['--model={"threshold": 0.5}'], {"model.threshold": 0.5}, 0.5),  # equal to the default: typed all the same

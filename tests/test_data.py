@@ -191,6 +191,28 @@ def test_a_users_file_trains_on_all_its_rows_and_the_line_says_where_they_went(t
     assert "15,018 rows dropped: labelled neutral (15,018), not in data.label_names (negative, positive)" in demo.summary
 
 
+def test_the_data_line_says_what_share_of_the_tokens_the_tokenizer_does_not_know_when_it_is_large(tmp_path):
+    """Kaomoji the MiniLM tokenizer reads as its unknown token: the share of the training split's text tokens that
+    are [UNK] (special tokens left out), counted, on the data: line from 5 %; a file of plain words: no word of it."""
+    from lit_memory.hf.tokenizing import unknown_share
+
+    faces = ["(╯°□°)╯︵ ┻━┻", "ʕ•ᴥ•ʔ", "(｡◕‿◕｡)", "¯\\_(ツ)_/¯"]
+    data = [{"review": f"{faces[i % 4]} {'nice' if i % 2 else 'bad'} day", "label": i % 2} for i in range(60)]
+    dm = make(write_csv(tmp_path / "faces.csv", data))
+    dm.prepare_data()
+    tokenizer, train = dm.tokenizer, dm.splits["train"]
+    unk, special = tokenizer.unk_token_id, set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}
+    tokens = [t for ids in train["input_ids"] for t in ids.tolist() if t not in special]
+    share = sum(t == unk for t in tokens) / len(tokens)
+    assert share > 0.05 and unknown_share(train.with_format(None), tokenizer) == pytest.approx(share)
+    assert (f"; {100 * share:.1f} % of the training tokens are the tokenizer's unknown token [UNK] (characters it "
+            "does not know: emoji, kaomoji, another script)") in dm.summary
+    plain = make(write_csv(tmp_path / "plain.csv", rows(60)))
+    plain.prepare_data()
+    assert unknown_share(plain.splits["train"].with_format(None), plain.tokenizer) < 0.05
+    assert "unknown token" not in plain.summary
+
+
 def test_a_hub_dataset_is_named_with_its_configuration_and_its_own_splits(tmp_path, monkeypatch):
     """``--data.source nyu-mll/glue --data.subset mnli --data.validation_split validation_matched``: the configuration
     reaches the loader (the one place that downloads: replaced here by local files), the splits are taken by their

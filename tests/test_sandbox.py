@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import REPO, RECIPES, rows, write_csv
 from lit_memory.sandbox import child, landlock, rules, stage, watchdog
@@ -674,6 +675,31 @@ def test_a_run_folder_is_made_beneath_the_working_folder_without_following_a_lin
         with pytest.raises(Exception, match=r"refusing trainer\.(logger|callbacks)"):
             roots.check_components([(key, value)])
     roots.check_components([("trainer.logger.init_args.name", "my_run"), ("trainer.logger.init_args.version", 3)])
+
+
+def test_a_confined_predict_writes_its_file_beside_the_model_or_where_the_user_typed(tmp_path, capsys, monkeypatch):
+    """predict's file is a write root of the confined run: beside the checkpoint the user typed (its run folder), or
+    the folder of an ``--output`` they typed, also outside the working folder and when the file is there already
+    (a second call). An output a recipe chooses outside the working folder is one line, nothing started."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    run = work / "lightning_logs" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    elsewhere.mkdir()
+    torch.save({"state_dict": {}}, run / "checkpoints" / "last.ckpt")
+    (work / "texts.csv").write_text("text\nhello\n")
+    (elsewhere / "mine.csv").write_text("an earlier call's\n")
+    seen = {}
+    monkeypatch.setattr(watchdog, "watch", lambda command, env, spec, *a, **k: seen.update(write=spec.write) or 0)
+    typed = ["predict", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--data.predict_path", "texts.csv"]
+    code, err = in_process(typed, capsys, monkeypatch, work)
+    assert code == 0 and str(run) in seen["write"], err
+    code, err = in_process([*typed, "--output", str(elsewhere / "mine.csv")], capsys, monkeypatch, work)
+    assert code == 0 and str(elsewhere) in seen["write"] and str(run) not in seen["write"], err
+    (work / "recipe.yaml").write_text(f"output: {elsewhere / 'theirs.csv'}\n")
+    seen.clear()
+    code, err = in_process([*typed, "--config", "recipe.yaml"], capsys, monkeypatch, work)
+    assert code == 2 and not seen, err
+    assert err.strip().splitlines()[-1].startswith(f"error: refusing output={elsewhere}: a run folder a recipe chooses")
 
 
 # -- what a run reads: the recipe's files, and what the parent fetches for it (classes C, D) ----------------

@@ -203,12 +203,12 @@ def test_every_problem_type_trains_predicts_and_exports_what_transformers_reload
     predicted = subprocess.run(
         [sys.executable, "-m", "lit_memory", "predict", "--config", str(run / "config.yaml"),
          f"--ckpt_path={next((run / 'checkpoints').glob('best-*.ckpt'))}", f"--data.predict_path={inputs}",
-         "--predictions.format=jsonl", f"--trainer.default_root_dir={tmp_path / 'predict'}",
+         f"--output={tmp_path / 'predict' / 'predictions.jsonl'}", f"--trainer.default_root_dir={tmp_path / 'predict'}",
          "--trainer.precision=32-true"],  # as transformers runs the reloaded model below
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert predicted.returncode == 0, predicted.stderr[-3000:]
-    out = [json.loads(line) for line in next((tmp_path / "predict").rglob("predictions.jsonl")).read_text().splitlines()]
+    out = [json.loads(line) for line in (tmp_path / "predict" / "predictions.jsonl").read_text().splitlines()]
     assert len(out) == len(texts)
     model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model").eval()
     tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")

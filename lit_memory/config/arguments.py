@@ -29,6 +29,9 @@ LINKS = (
      lambda tokenizer, model: tokenizer or model),
 )
 
+# A command's own links: ``predict --output`` is where its `PredictionWriter` writes (one option for it).
+COMMAND_LINKS = {"predict": (("output", "predictions.output", None),)}
+
 
 class Parser(LightningArgumentParser):
     """A parse error is one line: a refused import names the path and the key, a config named by URL is
@@ -155,3 +158,11 @@ def add_command_arguments(parser: LightningArgumentParser, command: str) -> None
         # Predictions go to a file batch by batch (`predictions:`), so Lightning need not keep them all in memory.
         parser.set_defaults(return_predictions=False)
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+        parser.add_argument(
+            "--output", type=Optional[str], default=None,
+            help="the predictions' file (.csv, .tsv, .jsonl: the format) or a folder for predictions.<format>; default: "
+                 "beside the model, RUN/predictions.csv in its checkpoint's or hf_model's run folder (the next call "
+                 "replaces it, and says so).",
+        )
+    for source, target, compute_fn in COMMAND_LINKS.get(command, ()):
+        parser.link_arguments(source, target, compute_fn=compute_fn)

@@ -30,6 +30,7 @@ GROUPS = {
     "early_stopping": ("lit_memory.run.best", "EarlyStop", "__init__"),
 }
 COMMAND_GROUPS = {"predict": {"predictions": ("lit_memory.run.predict_file", "PredictionWriter", "__init__")}}
+COMMAND_OPTIONS = {"predict": ("output",)}  # a command's own top-level options (`lit_memory.config.arguments`)
 # Every command's own options: jsonargparse's and LightningCLI's, and `lit_memory.cli.LitMemoryCLI`'s.
 COMMON = ("config", "c", "print_config", "help", "h", "seed_everything", "cpu_bf16_fallback")
 # The Trainer method a command calls: its parameters are options too, but for what LightningCLI passes itself.
@@ -71,7 +72,8 @@ def parameters(module: str, cls: str, method: Optional[str]) -> tuple[str, ...]:
 def options(command: str) -> dict[str, tuple[str, ...]]:
     """A command's options by level: ``""`` holds the top level's names, each group its parameters."""
     groups = {**GROUPS, **COMMAND_GROUPS.get(command, {})}
-    top = (*COMMON, *groups, *parameters("lightning.pytorch.trainer.trainer", "Trainer", command))
+    top = (*COMMON, *COMMAND_OPTIONS.get(command, ()), *groups,
+           *parameters("lightning.pytorch.trainer.trainer", "Trainer", command))
     return {"": top, **{name: parameters(*where) for name, where in groups.items()}}
 
 

@@ -23,13 +23,14 @@ FIRST_OPTIONS = (
     "--model.problem_type", "--model.num_labels", "--model.threshold", "--memory.budget", "--memory.tier",
     "--data.batch_size", "--data.max_length", "--trainer.max_epochs", "--ckpt_path",
 )
-COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--predictions.format")}
+COMMAND_FIRST_OPTIONS = {"predict": ("--data.predict_path", "--output", "--predictions.format")}
 ALL = "all"  # ``COMMAND --help all``: every option
 RECIPE_ROW = (shipped.RECIPE_FLAG + " NAME", "a shipped recipe, as --config <its file> (python -m lit_memory recipes)")
 TRUST_ROW = (shipped.TRUST_FLAG,
              "run a recipe, config or checkpoint someone sent as it says (only from a source you trust)")
-# Where LightningCLI defines ``--config``, with its help.
-CONFIG_SOURCE = ("lightning.pytorch.cli", "--config")
+# Where the options that are no class's parameter are defined, with their help: LightningCLI's ``--config``, the
+# commands' own (`lit_memory.config.arguments.add_command_arguments`).
+ARGUMENT_SOURCES = {"--config": "lightning.pytorch.cli", "--output": "lit_memory.config.arguments"}
 
 
 def wanted(command: str) -> list[str]:
@@ -71,8 +72,8 @@ def read_helps(command: str) -> dict[str, str]:
     for option in wanted(command):
         key = option[2:]
         group, _, name = key.partition(".")
-        if option == CONFIG_SOURCE[1]:
-            text = _config_help()
+        if option in ARGUMENT_SOURCES:
+            text = _argument_help(ARGUMENT_SOURCES[option], option)
         elif not name:  # the command's own: an argument of the Trainer method it calls
             text = _parameter_docs("lightning.pytorch.trainer.trainer", "Trainer", command).get(key)
         elif group in groups:
@@ -118,15 +119,16 @@ def _class_node(module: str, cls: str) -> Optional[ast.ClassDef]:
     return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
 
 
-def _config_help() -> Optional[str]:
-    """The help LightningCLI gives ``--config``, from its ``add_argument`` call."""
-    path = option_names.source_of(CONFIG_SOURCE[0])
+def _argument_help(module: str, option: str) -> Optional[str]:
+    """The help an ``add_argument(option, ...)`` call in ``module``'s source gives (LightningCLI's ``--config``,
+    predict's ``--output`` in `lit_memory.config.arguments`)."""
+    path = option_names.source_of(module)
     if path is None:
         return None
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.Call):
             continue
-        if CONFIG_SOURCE[1] in [a.value for a in node.args if isinstance(a, ast.Constant)]:
+        if option in [a.value for a in node.args if isinstance(a, ast.Constant)]:
             helps = [k.value.value for k in node.keywords if k.arg == "help" and isinstance(k.value, ast.Constant)]
             return helps[0] if helps else None
     return None

@@ -31,7 +31,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from huggingface_hub import constants
 
@@ -40,6 +40,7 @@ from lit_memory.config import trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
+from lit_memory.run import predict_file
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
 from lit_memory.sandbox import cgroup, child, landlock, roots, rules, stage, watchdog
@@ -117,7 +118,7 @@ def make_plan(run: Any) -> Plan:
     rules.check_free_kwargs(chosen)
     roots.check_components(chosen.items())
     reads, fetches = inputs(run)
-    rules.check_write_paths(chosen, run_folders(settings, typed, create=False))
+    rules.check_write_paths(chosen, run_folders(settings, typed, create=False, argv=run.argv or []))
     env = rules.scrubbed(dict(os.environ))
     connect, bind = _ports(settings, env)
     sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
@@ -133,7 +134,7 @@ def make_plan(run: Any) -> Plan:
         for name in (*PRIVATE, "view"):
             (private / name).mkdir()
         env.update(hub.fetch(sized, private, dict(os.environ), bounds.disk, bounds.prepare))
-        written = run_folders(settings, typed, create=True, made=made)
+        written = run_folders(settings, typed, create=True, made=made, argv=run.argv or [])
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
         roots.remove_empty(made.folders)
@@ -214,11 +215,14 @@ def _shm_bytes(bounds: Limits) -> int:
     return int(min(bounds.rss, _mem_total() // 2))
 
 
-def run_folders(settings: Any, decision: Any, create: bool, made: Optional[roots.Made] = None) -> list[str]:
+def run_folders(
+    settings: Any, decision: Any, create: bool, made: Optional[roots.Made] = None, argv: Sequence[str] = (),
+) -> list[str]:
     """The folders the run writes below (and whose size counts): its default root (the working folder's
-    ``lightning_logs`` when none is set), loggers' and checkpoints' folders. Each beneath the working folder is made
-    (``create``) or judged there without following a link (`lit_memory.sandbox.roots`); one elsewhere is the user's
-    where they typed it, and a recipe's is refused (`rules.check_roots`). Returns their real paths."""
+    ``lightning_logs`` when none is set), loggers' and checkpoints' folders, and predict's output folder. Each beneath
+    the working folder is made (``create``) or judged there without following a link (`lit_memory.sandbox.roots`); one
+    elsewhere is the user's where they typed it (``argv``: the command line), and a recipe's is refused
+    (`rules.check_roots`). Returns their real paths."""
     work = os.path.realpath(os.getcwd())
     named: list[tuple[str, str, bool]] = []  # (setting, path, typed)
     root = settings.get("trainer.default_root_dir")
@@ -231,6 +235,8 @@ def run_folders(settings: Any, decision: Any, create: bool, made: Optional[roots
     for key, value in leaves(settings):
         if key.rsplit(".", 1)[-1] in ("save_dir", "dirpath", "log_dir", "output_dir") and isinstance(value, str) and value:
             named.append((key, value, decision.is_typed(key, value)))
+    if settings.get("predictions") is not None:  # predict: the folder its file goes into
+        named.append(predictions_folder(settings, decision, list(argv)))
     chosen = [(key, path) for key, path, typed in named if not typed and key != DEFAULT_ROOT and "unset" not in key]
     out = []
     for key, path, typed in named:
@@ -243,6 +249,27 @@ def run_folders(settings: Any, decision: Any, create: bool, made: Optional[roots
     if not create:  # judged once, before anything is made (made, a recipe's folders exist and one may hold another)
         rules.check_roots(chosen, work, rules.owned_folders())
     return list(dict.fromkeys(out))
+
+
+def predictions_folder(settings: Any, decision: Any, argv: list[str]) -> tuple[str, str, bool]:
+    """(the setting, the folder predict's file goes into, whether it is the user's): theirs where they typed
+    ``--output``, or, beside the model, typed the checkpoint, the model folder or the root it is beside."""
+    path, _ = predict_file.destination_of(settings)
+
+    def typed(key: str) -> bool:
+        value = settings.get(key)
+        return value is not None and (decision.is_typed(key, value) or trust.typed_option(argv, key) == str(value))
+
+    if settings.get("output"):
+        return "output", str(path.parent), typed("output")
+    root = settings.get("trainer.default_root_dir")
+    if path.parent == predict_file.beside_the_model(None, None, root):  # a model from the Hub: beneath the root
+        if root is None:  # the working folder's lightning_logs, as the run's default root
+            return "output (unset: lightning_logs/predict)", str(path.parent), False
+        return "output (beneath trainer.default_root_dir)", str(path.parent), typed("trainer.default_root_dir")
+    # Beside a checkpoint or model folder: the user's where they typed it; a recipe's is judged as a folder it chose.
+    source = "ckpt_path" if settings.get("ckpt_path") else "model.model_name_or_path"
+    return f"output (beside {source})", str(path.parent), typed(source)
 
 
 def _ports(settings: Any, env: dict[str, str]) -> tuple[list[list[int]], list[list[int]]]:

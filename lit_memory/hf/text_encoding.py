@@ -137,10 +137,16 @@ def _first_undecodable(path: Path, codec: str) -> tuple[Optional[int], int, str]
                 data, start = bytes(err.object), max(err.start, 0)
                 line_start = data.rfind(b"\n", 0, start) + 1
                 shown = data[max(line_start, start - 30) : start + 10].decode(codec, errors="backslashreplace")
-                return lines + data[:start].count(b"\n"), data[start], f"near {shown.splitlines()[0].strip()!r}"
+                return lines + data[:start].count(b"\n"), data[start], f"near '{_visible(shown.splitlines()[0].strip())}'"
             if not chunk:
                 return None, 0, ""
             lines += chunk.count(b"\n")
+
+
+def _visible(text: str) -> str:
+    """``text`` as one line shows it: a byte that does not decode as its escape (``Caf\\xe9``, once, as
+    ``backslashreplace`` left it), control characters escaped, the rest as it is (no repr: it doubles backslashes)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _lines_undecodable(path: Path, codec: str) -> int:

@@ -51,3 +51,33 @@ def encode_texts(rows: dict, tokenizer: Any, texts: tuple[str, ...], max_length:
                      verbose=False)["input_ids"]
     encoded["truncated"] = [len(ids) > max_length for ids in full]
     return encoded
+
+
+UNKNOWN_SHARE = 0.05  # the data: line says what share of the tokens the tokenizer does not know from here on
+
+
+def unknown_share(split: Any, tokenizer: Any) -> Optional[float]:
+    """The share of a tokenised split's text tokens (its special tokens left out) that are the tokenizer's unknown
+    token, counted over the whole ``input_ids`` column at once (Arrow); None for a tokenizer without one (a byte-level
+    one never needs it) or a split without tokens."""
+    import pyarrow as pa  # deferred: with `datasets`, which only reading data needs
+    import pyarrow.compute as pc
+
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return None
+    ids = pc.list_flatten(split.with_format("arrow")["input_ids"])
+    special = pa.array([i for i in tokenizer.all_special_ids if i != unk], type=ids.type)
+    text = len(ids) - (pc.sum(pc.is_in(ids, value_set=special)).as_py() or 0)
+    unknown = pc.sum(pc.equal(ids, unk)).as_py() or 0
+    return unknown / text if text else None
+
+
+def unknown_words(share: Optional[float], tokenizer: Any, where: str = "training") -> Optional[str]:
+    """What the ``data:`` line says of a large share of unknown tokens (`UNKNOWN_SHARE` or more), else None."""
+    if share is None or share < UNKNOWN_SHARE:
+        return None
+    return (f"{100 * share:.1f} % of the {where} tokens are the tokenizer's unknown token {tokenizer.unk_token} "
+            "(characters it does not know: emoji, kaomoji, another script), which the model cannot tell apart: a "
+            "model whose tokenizer knows them (a byte-level one, such as --model.model_name_or_path roberta-large) may "
+            "learn more")

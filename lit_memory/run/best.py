@@ -45,16 +45,22 @@ class BestCheckpoint(ModelCheckpoint):
         monitor: the logged metric (``val_acc``, ``val_mcc``, ``val_loss``); null: the problem type's main metric.
         mode: ``max`` or ``min``; null: ``min`` for losses and errors (``val_loss``, ``val_mse``), else ``max``.
         filename: the file's name in the run's ``checkpoints/`` folder (Lightning's format fields).
+
+    The record is kept at the end of every validation, also of one that ends an epoch (Lightning's `ModelCheckpoint`
+    would wait for the epoch's end there): the resume checkpoint written again right after a validation
+    (`lit_memory.run.resume.ResumeCheckpoint`) must hold it, or a run resumed from it exports another step.
     """
 
     def __init__(
         self, monitor: Optional[str] = None, mode: Optional[Literal["max", "min"]] = None,
         filename: str = "best-step={step}", **kwargs: Any,
     ) -> None:
+        if kwargs.pop("save_on_train_epoch_end", None):
+            raise UserError("BestCheckpoint keeps the best at each validation's end: save_on_train_epoch_end must be false")
         super().__init__(
             monitor=monitor or "val_best_placeholder", mode=mode or (mode_of(monitor) if monitor else "max"),
             filename=filename, save_top_k=1, save_weights_only=True, save_last=False, auto_insert_metric_name=False,
-            **kwargs,
+            save_on_train_epoch_end=False, **kwargs,
         )
         self._monitor_given, self._mode_given = monitor, mode
         self.best_metrics: dict[str, float] = {}  # the best validation's metrics (``val_*``)
@@ -174,6 +180,10 @@ class EarlyStop(EarlyStopping):
     Args:
         patience: validations in a row without improvement after which ``fit`` stops; null: never stop early.
         min_delta: the least change that counts as an improvement.
+
+    It counts at the end of every validation, as `BestCheckpoint` keeps its record (not at the epoch's end, where
+    Lightning would count a validation that ends an epoch): the checkpoint written right after the validation holds
+    the count, and a run resumed from it stops where the uninterrupted run stops.
     """
 
     def __init__(self, patience: Optional[int] = None, min_delta: float = 0.0) -> None:
@@ -181,7 +191,8 @@ class EarlyStop(EarlyStopping):
             raise UserError(f"early_stopping.patience must be a number of validations >= 1 (or null: off), got {patience}")
         if min_delta < 0:
             raise UserError(f"early_stopping.min_delta must be >= 0, got {min_delta}")
-        super().__init__(monitor="val_best_placeholder", patience=patience or 1, min_delta=min_delta, mode="max")
+        super().__init__(monitor="val_best_placeholder", patience=patience or 1, min_delta=min_delta, mode="max",
+                         check_on_train_epoch_end=False)
         self.enabled = patience is not None
 
     @property
@@ -200,10 +211,6 @@ class EarlyStop(EarlyStopping):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled:
             super().on_validation_end(trainer, pl_module)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.enabled:
-            super().on_train_epoch_end(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled and self.stopped_epoch and trainer.is_global_zero:

@@ -105,7 +105,7 @@ def tune(module: Any, stage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]
 def end(module: Any, stage: str, trainer: Any) -> None:
     """Per-label F1 logged (multi-label); at the end of ``validate`` and ``test``, the per-class report and the
     confusion matrix (printed, and a PNG in the run folder); during ``fit``, the thresholds tuned, and a
-    validation that predicts one class only (or no label at all) noted."""
+    validation that predicts one class only (multi-label: the same labels for every row) noted."""
     counts, per_label = None, None
     if tuning_now(module, trainer):
         counts, per_label = tune(module, stage)

@@ -8,8 +8,12 @@
 - **Out**: `PredictionWriter`, Lightning's `BasePredictionWriter` at every batch (the CLI runs ``predict`` with
   ``return_predictions=false``, so Lightning collects nothing): rank 0 writes one row per input (its id, or its
   text; the predicted label's name; a probability per label; the given label where there is one) in input order
-  into ``predictions.<csv|tsv|jsonl>`` in the run folder, through a temporary file renamed at the end
-  (`lit_memory.files`): the file is whole or absent.
+  into one file, through a temporary file renamed at the end (`lit_memory.files`): the file is whole or absent.
+- **Where**: `destination`: ``--output`` (a file, or a folder holding ``predictions.<format>``), else beside the
+  model predicted with: the run folder of its checkpoint (``RUN/checkpoints/x.ckpt`` -> ``RUN/``) or of its exported
+  folder (``RUN/hf_model`` -> ``RUN/``), where the run's logs, config and model are, and never inside the model
+  folder, which is what gets shared or pushed to the Hub; a model from the Hub: ``lightning_logs/predict/``. One path
+  per model, not a new folder per call: the next call replaces the file and says so.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,6 +43,58 @@ from lit_memory.task import IGNORE
 from lit_memory.hf.text_encoding import Decoding
 
 FORMATS = {"csv": ",", "tsv": "\t", "jsonl": None}
+FILE_NAME = "predictions"  # predictions.<format> in a folder
+PREDICT_FOLDER = ("lightning_logs", "predict")  # beneath the default root: a model that is not a local file or folder
+
+
+def destination(
+    output: Optional[str], format: Optional[str], ckpt_path: Optional[str] = None, model: Optional[str] = None,
+    root: Optional[str] = None,
+) -> tuple[Path, str]:
+    """The file predictions go to and its format: ``output`` (a file, or a folder: an existing one, one ending with a
+    separator or a name without a suffix, holding ``predictions.<format>``), else `beside_the_model`. The format is
+    ``format``, else the file's suffix where it is one of `FORMATS`, else csv; a format the file's suffix contradicts is
+    one error line."""
+    if output:
+        given = Path(output).expanduser()
+        folder = given.is_dir() or output.endswith(("/", os.sep)) or not given.suffix
+        path = given / FILE_NAME if folder else given
+    else:
+        path = beside_the_model(ckpt_path, model, root) / FILE_NAME
+        folder = True
+    suffix = path.suffix.lower().lstrip(".") if not folder else ""
+    if format is not None and format not in FORMATS:
+        raise UserError(f"predictions.format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if format is not None and suffix in FORMATS and suffix != format:
+        raise UserError(f"--output {output} is a .{suffix} file and predictions.format is {format}: name a .{format} "
+                        f"file, or leave predictions.format out")
+    chosen = format or (suffix if suffix in FORMATS else "csv")
+    return (path.with_name(f"{FILE_NAME}.{chosen}") if folder else path), chosen
+
+
+def beside_the_model(ckpt_path: Optional[str], model: Optional[str], root: Optional[str]) -> Path:
+    """The folder beside the model predicted with: its checkpoint's run folder (the folder holding ``checkpoints/``, a
+    sharded checkpoint being a folder itself), else the folder holding its local model folder (``RUN/hf_model``:
+    ``RUN``), else ``lightning_logs/predict`` beneath ``root`` (the working folder where null)."""
+    if ckpt_path and ckpt_path not in guard.SPECIAL_CKPT and not guard.is_remote(str(ckpt_path)):
+        folder = Path(ckpt_path).expanduser().parent
+        return folder.parent if folder.name == "checkpoints" else folder
+    if model and not model.startswith("bundled:") and Path(model).expanduser().is_dir():
+        return Path(model).expanduser().resolve().parent
+    return Path(root or ".").joinpath(*PREDICT_FOLDER)
+
+
+def destination_of(settings: Any) -> tuple[Path, str]:
+    """`destination` for a ``predict`` command's settings (`lit_memory.cli.LitMemoryCLI.settings`); one error line where
+    it is the file predicted."""
+    path, format = destination(
+        settings.get("predictions.output"), settings.get("predictions.format"), settings.get("ckpt_path"),
+        settings.get("model.model_name_or_path"), settings.get("trainer.default_root_dir"),
+    )
+    texts = settings.get("data.predict_path")
+    if texts and os.path.realpath(os.path.expanduser(str(texts))) == os.path.realpath(path):
+        raise UserError(f"the predictions would replace {texts}, the file predicted: name another file with --output")
+    return path, format
 JSON_CHUNK = 1 << 16  # characters read at a time from a JSON array
 JSON_LINES_CHUNK = 1 << 20  # bytes of JSON lines parsed at a time
 
@@ -247,19 +304,22 @@ class Collate:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Write every prediction batch as it comes into one file in the run folder (written whole: a temporary
-    file renamed when the last batch is in, removed if the run fails).
+    """Write every prediction batch as it comes into one file (written whole: a temporary file renamed when the
+    last batch is in, removed if the run fails).
 
     Args:
-        format: ``csv`` (default), ``tsv`` or ``jsonl``. The file is ``predictions.<format>`` in the run folder.
+        format: ``csv``, ``tsv`` or ``jsonl``; null: the output file's suffix where it is one of them, else csv.
+        output: the file, or a folder to hold ``predictions.<format>`` (``predict --output PATH``); null: the run
+            folder (``predict`` sets it beside the model predicted with: `destination`).
     """
 
-    def __init__(self, format: Literal["csv", "tsv", "jsonl"] = "csv") -> None:
+    def __init__(self, format: Optional[Literal["csv", "tsv", "jsonl"]] = None, output: Optional[str] = None) -> None:
         super().__init__("batch")
-        if format not in FORMATS:
+        self.output = output
+        self.path, self.format = destination(output, format, root=".") if output else (None, format or "csv")
+        if format is not None and format not in FORMATS:  # (destination says so where there is an output)
             raise UserError(f"predictions.format must be one of {', '.join(FORMATS)}, got {format!r}")
-        self.format = format
-        self.path: Optional[Path] = None
+        self.replaced = False  # a file was there before
         self.rows = 0
         self.unknown = 0  # given labels the model does not know
         self._stack: Optional[contextlib.ExitStack] = None
@@ -269,14 +329,16 @@ class PredictionWriter(BasePredictionWriter):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
+        if self.output is None:
+            run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
+            self.path = run_dir / f"{FILE_NAME}.{self.format}"
 
     def on_predict_start(self, trainer, pl_module) -> None:
         self.rows = self.unknown = 0
         self._header = None
         if trainer.is_global_zero:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.path = self.run_dir / f"predictions.{self.format}"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.replaced = self.path.exists()
             self._stack = contextlib.ExitStack()
             self._out = self._stack.enter_context(files.replacing(self.path))
             if FORMATS[self.format]:
@@ -335,7 +397,7 @@ class PredictionWriter(BasePredictionWriter):
             return
         stack, self._stack = self._stack, None
         stack.close()  # the temporary file takes its name
-        print(f"predictions: {self.rows} rows written to {self.path}")
+        print(f"predictions: {self.rows} rows written to {self.path}" + (" (replacing the file there)" if self.replaced else ""))
         if self.unknown:
             print(
                 f"note: {self.unknown} row(s) have a label the model does not know (its labels: "

@@ -423,6 +423,12 @@ def _set(settings: Namespace, key: str, value: Any) -> None:
 def saved_settings(path: Path) -> Optional[dict[str, Any]]:
     """The settings a checkpoint was made with, read with ``weights_only=True`` (a distributed
     checkpoint folder keeps them in Lightning's ``meta.pt``)."""
+    return saved_entry(path, RESUME_STATE)
+
+
+def saved_entry(path: Path, key: str) -> Any:
+    """One top-level entry of a checkpoint (None where it has none), read with ``weights_only=True``; a distributed
+    checkpoint folder keeps everything but the weights and optimizer state in Lightning's ``meta.pt``."""
     file = path / "meta.pt" if path.is_dir() else path
     if not file.is_file():
         return None
@@ -430,7 +436,7 @@ def saved_settings(path: Path) -> Optional[dict[str, Any]]:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=not path.is_dir())
     except Exception as err:
         raise UserError(f"cannot load checkpoint {path} with weights_only=True: {checkpoint_reading.load_error(err)}") from None
-    return checkpoint.get(RESUME_STATE) if isinstance(checkpoint, dict) else None
+    return checkpoint.get(key) if isinstance(checkpoint, dict) else None
 
 
 def _canonical(key: str, value: Any) -> str:

@@ -8,7 +8,7 @@
 `ClassCounts` keeps the confusion counts of an evaluation (torchmetrics' confusion matrices, synchronised over the
 ranks) for `report` (precision, recall, F1 and support per class, and the loss weight where class weights are set),
 `draw_confusion` (a PNG; matplotlib is optional: without it, no picture and one line saying so) and `one_sided` (a
-validation that predicts one class for every row, or no label for any).
+validation that predicts one class for every row; multi-label: the same labels for every row, every label or none).
 """
 
 from __future__ import annotations
@@ -60,28 +60,40 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type:
     stage (`` at step 56, exported to hf_model``)."""
     kind = kind_of(problem_type)
     rows = kind.report_rows(counts, names)
-    width = max(12, *(len(str(r[0])) for r in rows)) + 2
+    header = f"{stage} per {kind.label_word}:"
+    width = max(len(header) + 1, *(len(shown_name(r[0])) + 4 for r in rows))  # "  name  ", every name whole
     lines = [f"{stage}{title}:"] if title else []
-    lines += [f"{stage} per {kind.label_word}:".ljust(width)
+    lines += [header.ljust(width)
               + f"{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}" + (f"{'weight':>10}" if weights else "")]
     for i, (name, tp, fp, fn) in enumerate(rows):
         precision = tp / (tp + fp) if tp + fp else 0.0
         recall = tp / (tp + fn) if tp + fn else 0.0
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
         weight = f"{weights[i]:>10.3g}" if weights else ""
-        lines.append(f"  {str(name)[: width - 3]}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}{weight}")
+        lines.append(f"  {shown_name(name)}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}{weight}")
     if kind.draws_confusion:
         lines.append("confusion matrix (rows: true class, columns: predicted):")
-        cell = max(8, *(len(str(n)) + 1 for n in names))
-        lines.append(" " * width + "".join(f"{str(n)[: cell - 1]:>{cell}}" for n in names))
-        for name, row in zip(names, counts.tolist()):
-            lines.append(f"  {str(name)[: width - 3]}".ljust(width) + "".join(f"{v:>{cell}}" for v in row))
+        table = counts.tolist()
+        cells = [max(8, len(shown_name(n)) + 2, *(len(str(row[j])) + 2 for row in table)) for j, n in enumerate(names)]
+        lines.append(" " * width + "".join(f"{shown_name(n):>{c}}" for n, c in zip(names, cells)))
+        for name, row in zip(names, table):
+            lines.append(f"  {shown_name(name)}".ljust(width) + "".join(f"{v:>{c}}" for v, c in zip(row, cells)))
     return "\n".join(lines)
 
 
+NAME_WIDTH = 40  # a class name longer than this is cut, its last character an ellipsis
+
+
+def shown_name(name: Any) -> str:
+    """A class name as the report shows it: whole, up to `NAME_WIDTH` characters."""
+    text = str(name)
+    return text if len(text) <= NAME_WIDTH else text[: NAME_WIDTH - 1] + "\u2026"
+
+
 def one_sided(counts: torch.Tensor, names: Sequence[str], problem_type: str, weighted: bool = False) -> Optional[str]:
-    """One line where an evaluation's predictions are all one class (single-label) or no label at all
-    (multi-label), with what to try (``weighted``: class weights are set already); None otherwise."""
+    """One line where an evaluation's predictions are all one class (single-label) or the same labels for every row
+    (multi-label: every label, or none), with what to try (``weighted``: class weights are set already); None
+    otherwise."""
     kind = kind_of(problem_type)
     found = kind.one_sided(counts, names)
     if found is None:

@@ -147,10 +147,18 @@ class MultiLabel(ProblemKind):
         return rows
 
     def one_sided(self, counts: torch.Tensor, names: Sequence[str]) -> Optional[tuple[str, list[str]]]:
-        if int(counts[:, :, 1].sum()) > 0:  # (labels, 2, 2) as [[tn, fp], [fn, tp]]
+        # The predictions do not depend on the input: each label predicted for every row or for none.
+        predicted = counts[:, :, 1].sum(-1)  # (labels, 2, 2) as [[tn, fp], [fn, tp]]: rows predicted, per label
+        everywhere, nowhere = predicted == counts[0].sum(), predicted == 0
+        if not bool((everywhere | nowhere).all()):
             return None
-        said = "the validation predicts no label for any row (every probability below its threshold)"
-        return said, ["--model.tune_threshold per_label"]
+        if bool(nowhere.all()):
+            said = "the validation predicts no label for any row (every probability below its threshold)"
+            return said, ["--model.tune_threshold per_label"]
+        if bool(everywhere.all()):
+            return "the validation predicts every label for every row (every probability at or above its threshold)", []
+        on = [str(n) for n, every in zip(names, everywhere.tolist()) if every]
+        return f"the validation predicts the same labels for every row ({', '.join(on)}; no other)", []
 
     def header(self, names: Sequence[str]) -> list[str]:
         return ["labels", *(f"prob_{n}" for n in names)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +31,9 @@ from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
-from lit_memory.memory.hardware.margin import Fit
+from lit_memory.memory.hardware.margin import Fit, Limit
+from lit_memory.config.recipes import recipes_dir
+from lit_memory.config.shipped import RECIPE_FLAG
 from lit_memory.planning.prediction.predict import level, predict
 from lit_memory.planning.choose import mode_of
 from lit_memory.planning.recompute import Flops, count_or_decline, planned
@@ -57,15 +60,35 @@ def target_of(args: argparse.Namespace) -> Target:
     return target(args.device, args.gpu, args.cuda, context, allocator)
 
 
-def step_of(rest: list[str], args: argparse.Namespace) -> Step:
+def step_of(rest: list[str], args: argparse.Namespace, for_card: bool = False) -> Step:
     """The step ``fit`` would train with these arguments, for the options' device and loop: resolved by the
     same parser (`lit_memory.cli.resolve`), built once (`Step.from_settings`). The CPU's bf16 fallback is
     this machine's business, not the predicted device's: it stays off; the target GPU's bf16 support decides
-    the precision as it would for a run there (`lit_memory.optim.precision.on_gpu`, one line when it changes it)."""
+    the precision as it would for a run there (`lit_memory.optim.precision.on_gpu`, one line when it changes it).
+    ``auto`` is planned as the run would plan it; ``for_card`` (estimate's own): for the card ``--gpu`` names
+    (`card_limit`)."""
     fallback = ["--cpu_bf16_fallback=false"] if args.device == "cuda" else []
     device = target_of(args)
     run = resolve(["fit", *rest, *fallback], gpu=device.gpu if device.cuda_device else None)
-    return planned(Step.from_settings(run.settings.as_dict(), device, loop(args.loop)))
+    step = Step.from_settings(run.settings.as_dict(), device, loop(args.loop))
+    limit = card_limit(step, args.gpu, "memory.tier" in run.typed_settings) if for_card else None
+    found = planned(step, limit)
+    if limit is not None and found.planned and step.memory.limit is not None:
+        tier = step.memory.limit.words
+        found = replace(found, planned=f"{found.planned} (planned for the card asked about; a run there plans for "
+                                       f"{tier} unless given --memory.tier {step.target.gpu.label})")
+    return found
+
+
+def card_limit(step: Step, gpu: Optional[str], tier_typed: bool) -> Optional[Limit]:
+    """What ``auto`` plans for in an estimate for the card ``--gpu`` names: that card's memory, as the verdict fits
+    it, in place of a recipe's ``memory.tier`` (the card the recipe was made for, not the one asked about); None (the
+    run's own limit) without ``--gpu``, on a CPU target, or where ``memory.budget`` (enforced) or a typed
+    ``memory.tier`` says what to plan for."""
+    if gpu is None or not step.target.cuda_device or step.memory.cap is not None or tier_typed:
+        return None
+    card = step.target.gpu
+    return Limit(card.memory, f"{card.label} ({format_bytes(card.memory)}, --gpu)", step.margin)
 
 
 def embedding_state_notes(step: Step) -> list[str]:
@@ -167,10 +190,8 @@ def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
 GPU_RECORDS = (Path(__file__).resolve().parents[1] / "assets" / "gpu", Path(__file__).resolve().parents[2] / "docs" / "gpu")
 
 
-def mfu_assumption(kind: str, recomputes: bool) -> Optional[tuple[float, str]]:
-    """The model FLOPs utilisation to assume for a step of peak ``kind`` (``bf16/fp16 dense`` or ``fp32``), and where
-    it comes from: the median over the project's GPU records of the rows of that kind, those that recompute (or not)
-    as the step does where there are any; None without a record."""
+def record_rows() -> list[tuple[dict[str, Any], str]]:
+    """Every measured recipe row of the cards' current GPU records, with its record's file name."""
     folder = next((f for f in GPU_RECORDS if f.is_dir()), None)
     rows = []
     for path in sorted(folder.glob("*.json")) if folder else []:
@@ -180,21 +201,44 @@ def mfu_assumption(kind: str, recomputes: bool) -> Optional[tuple[float, str]]:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        rows += [(row, path.name) for row in record.get("recipes", []) if row.get("mfu") and row.get("peak_kind") == kind]
-    alike = [(row, name) for row, name in rows if bool(row.get("recompute_share")) == recomputes]
-    rows = alike or rows
+        rows += [(row, path.name) for row in record.get("recipes", []) if row.get("samples_per_s") and row.get("hfu")]
+    return rows
+
+
+def busy_utilisation(rows: list[tuple[dict[str, Any], str]]) -> Optional[tuple[float, str]]:
+    """The share of its dense peak a card computes at where the card, not the host, sets the pace: the highest
+    utilisation (counted FLOPs, recompute included, per second over the peak: a record's ``hfu``) the records measured
+    for a whole step, and which row. The records' 16-bit steps on an H200 wait on the host (its profile: the device
+    idle most of the step), so their own utilisation says little about a card with a fraction of that peak."""
     if not rows:
         return None
-    rows.sort(key=lambda item: item[0]["mfu"])
-    row, name = rows[len(rows) // 2]
-    return float(row["mfu"]), f"{row['recipe']} on {name}"
+    row, name = max(rows, key=lambda item: item[0]["hfu"])
+    return float(row["hfu"]), f"{row['recipe']} ({row.get('peak_kind')}) on {name}"
 
 
-def throughput(step: Step, counted: Flops) -> dict[str, Any]:
-    """Training samples per second on the target card, an estimate: its dense peak for the step's precision (the
-    catalogue, `lit_memory.memory.hardware.gpus`) times the model FLOPs utilisation this project measured for such
-    steps (`mfu_assumption`), over the step's model FLOPs per sample (counted, without recompute); ``why`` says what
-    is missing where there is no estimate."""
+def host_bound(rows: list[tuple[dict[str, Any], str]], recipe: Optional[str], step: Step,
+               model_flops: float) -> Optional[tuple[float, str]]:
+    """The samples per second the host let the same recipe train at on a record's card (its step time, whatever the
+    card computed meanwhile), for a step with the same model FLOPs per sample (the records' model and shape, within
+    2 %), scaled to this step's samples per optimizer step; None where no record has such a row."""
+    found = []
+    for row, name in rows:
+        if row.get("recipe") != recipe or not row.get("flops_per_step") or not row.get("step_time_s"):
+            continue
+        per_step = row["samples_per_s"] * row["step_time_s"]  # samples per optimizer step
+        theirs = row["flops_per_step"] * (1 - (row.get("recompute_share") or 0)) / per_step
+        if abs(theirs - model_flops) <= 0.02 * model_flops:
+            found.append((step.batch_size * step.accumulate_grad_batches / row["step_time_s"], f"{recipe} on {name}"))
+    return max(found) if found else None
+
+
+def throughput(step: Step, counted: Flops, recipe: Optional[str] = None) -> dict[str, Any]:
+    """Training samples per second on the target card, an estimate from the project's GPU records: the step's
+    counted FLOPs per sample (recompute and any measuring backward included: what the card computes) at the share
+    of the card's dense peak for the step's precision (the catalogue, `lit_memory.memory.hardware.gpus`) that a busy
+    card reached (`busy_utilisation`), and no faster than the host let ``recipe`` train on a record's card
+    (`host_bound`); ``utilisation`` is the share of the peak that rate is. ``why`` says what is missing where there is
+    no estimate."""
     if not step.target.cuda_device:
         return {"samples_per_s": None, "why": "a GPU estimate (the CPU is not a GPU)"}
     gpu = step.target.gpu
@@ -203,13 +247,19 @@ def throughput(step: Step, counted: Flops) -> dict[str, Any]:
     peak = gpu.tflops if half else gpu.fp32_tflops
     if not peak:
         return {"samples_per_s": None, "why": f"no {kind} peak for {gpu.label} in the catalogue"}
-    found = mfu_assumption(kind, counted.recompute > 0)
-    if found is None:
+    rows = record_rows()
+    busy = busy_utilisation(rows)
+    if busy is None:
         return {"samples_per_s": None, "why": "no GPU record (docs/gpu) to take a utilisation from"}
-    mfu, source = found
-    model_flops = (counted.total - counted.recompute - counted.measuring) / counted.samples
-    return {"samples_per_s": mfu * peak * 1e12 / model_flops, "gpu": gpu.label, "peak_tflops": peak, "peak_kind": kind,
-            "mfu": mfu, "mfu_from": source, "model_flops_per_sample": model_flops}
+    per_sample = counted.per_sample
+    compute = busy[0] * peak * 1e12 / per_sample
+    host = host_bound(rows, recipe, step, (counted.total - counted.recompute - counted.measuring) / counted.samples)
+    bound = "host" if host is not None and host[0] < compute else "card"
+    rate = host[0] if bound == "host" else compute
+    return {"samples_per_s": rate, "gpu": gpu.label, "peak_tflops": peak, "peak_kind": kind,
+            "utilisation": rate * per_sample / (peak * 1e12), "bound": bound, "flops_per_sample": per_sample,
+            "busy_utilisation": busy[0], "busy_from": busy[1],
+            "host_samples_per_s": host[0] if host else None, "host_from": host[1] if host else None}
 
 
 def flops_fields(counted: Flops) -> dict[str, Any]:
@@ -266,16 +316,22 @@ def format_report(data: dict) -> str:
         found = data["predicted"]["flops"]
         lines.append(
             f"FLOPs per step (counted, device-independent): {data['predicted']['flops_per_step'] / 1e12:.2f} TFLOP "
-            f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} %"
+            f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} % of them"
             + (f", measuring backward {found['measuring'] / 1e12:.2f} TFLOP" if found.get("measuring") else "")
         )
     speed = data.get("throughput") or {}
     if speed.get("samples_per_s"):
+        if speed["bound"] == "card":
+            why = (f"the utilisation a busy card reached in this project's GPU records ({speed['busy_from']}, docs/gpu)"
+                   + (f"; the host let {speed['host_from']} train at {speed['host_samples_per_s']:,.0f} samples/s, no "
+                      "limit here" if speed.get("host_from") else ""))
+        else:
+            why = (f"as fast as the host let {speed['host_from']} train (docs/gpu), its card waiting on the host; a busy "
+                   f"card reached {100 * speed['busy_utilisation']:.1f} % ({speed['busy_from']})")
         lines.append(
             f"throughput on {speed['gpu']}: about {speed['samples_per_s']:,.0f} samples/s, an estimate, not a measurement: "
-            f"its {speed['peak_kind']} peak {speed['peak_tflops']:g} TFLOP/s x {100 * speed['mfu']:.1f} % model FLOPs "
-            f"utilisation (measured for {speed['mfu_from']}, docs/gpu; a card whose step is less host-bound than there "
-            f"uses more of its peak) / {speed['model_flops_per_sample'] / 1e9:.1f} GFLOP per sample"
+            f"{speed['flops_per_sample'] / 1e9:.1f} GFLOP per sample (counted above) at {100 * speed['utilisation']:.1f} % "
+            f"of its {speed['peak_kind']} peak {speed['peak_tflops']:g} TFLOP/s: {why}"
         )
     elif speed.get("why"):
         lines.append(f"throughput: no estimate ({speed['why']})")
@@ -302,7 +358,7 @@ def main(argv: list[str]) -> None:
         return
     if ours.update_docs:
         raise UserError("--update-docs goes with --published")
-    step = step_of(rest, ours)
+    step = step_of(rest, ours, for_card=True)
     predictions = predict(step, simulated=not ours.no_simulate)
     predictions["analytic"].notes += embedding_state_notes(step)
     counted, declined = count_or_decline(step)
@@ -310,8 +366,25 @@ def main(argv: list[str]) -> None:
         predictions["analytic"].notes.append(declined)
     data = report(step, predictions, counted)
     if counted is not None:
-        data["throughput"] = throughput(step, counted)
+        data["throughput"] = throughput(step, counted, recipe_named(rest))
     print(json.dumps(data, indent=2) if ours.json else format_report(data))
+
+
+def recipe_named(argv: list[str]) -> Optional[str]:
+    """The shipped recipe the arguments train with (``--recipe NAME``, or ``--config`` naming a file of the recipes'
+    folder; the last one), as the GPU records name their rows."""
+    found = None
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg in (RECIPE_FLAG, "--config") and i + 1 < len(argv) else None
+        if arg.startswith((f"{RECIPE_FLAG}=", "--config=")):
+            value = arg.split("=", 1)[1]
+        if value is None:
+            continue
+        if arg.startswith(RECIPE_FLAG):
+            found = value
+        elif Path(value).suffix in (".yaml", ".yml") and Path(value).resolve().parent == recipes_dir().resolve():
+            found = Path(value).stem
+    return found
 
 
 def split_runs(argv: list[str]) -> list[list[str]]:
@@ -338,7 +411,7 @@ def plot(parser: argparse.ArgumentParser, ours: argparse.Namespace, rest: list[s
         runs.append(parser.parse_known_args(argv, namespace=argparse.Namespace(**vars(runs[-1][0]))))
     panels = []
     for i, (options, fit_args) in enumerate(runs):
-        step = step_of(fit_args, options)
+        step = step_of(fit_args, options, for_card=True)
         predictions = predict(step, simulated=False)
         data = report(step, predictions)
         print(("\n" if i else "") + (json.dumps(data) if ours.json else format_report(data)))

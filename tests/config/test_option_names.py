@@ -92,7 +92,7 @@ def test_the_names_read_from_the_sources_are_the_parsers(command):
     read = option_names.options(command)
     ours = {*(f"{g}.{n}" for g, names in read.items() if g for n in names), *(n for n in read[""] if len(n) > 1)}
     # the data module's linked settings follow the model's (`LitMemoryCLI.add_arguments_to_parser`): no options
-    from lit_memory.config.arguments import LINKS
+    from lit_memory.config.arguments import COMMAND_LINKS, LINKS
 
-    linked = {target for _, target, _ in LINKS}
+    linked = {target for _, target, _ in (*LINKS, *COMMAND_LINKS.get(command, ()))}
     assert real == ours - linked

@@ -28,7 +28,7 @@ def test_a_latin1_file_is_refused_in_one_line_naming_the_line_and_the_encoding_t
     with pytest.raises(UserError) as refused:
         decoding(path)
     assert str(refused.value) == (
-        f"{path} is not utf-8 text: line 2 has the byte 0xe9 (near '\"Caf\\\\xe9 owner pa'); name the file's encoding "
+        f"{path} is not utf-8 text: line 2 has the byte 0xe9 (near '\"Caf\\xe9 owner pa'); name the file's encoding "
         "with --data.encoding ENCODING (it decodes as cp1252, Windows' Western encoding: --data.encoding cp1252), or "
         "replace what does not decode with --data.encoding_errors replace (the lines changed are counted)"
     )

@@ -109,3 +109,12 @@ def test_early_stopping_is_off_unless_patience_is_set_and_a_bad_patience_is_one_
     stop.on_validation_end(SimpleNamespace(), None)  # does nothing: no metric asked for, no trainer touched
     with pytest.raises(UserError, match=r"^early_stopping.patience must be a number of validations >= 1"):
         EarlyStop(patience=0)
+
+
+def test_the_best_and_the_early_stopping_count_are_kept_at_each_validations_end():
+    """Not at the epoch's end, where Lightning would keep them after a validation that ends an epoch: the resume
+    checkpoint written right after the validation must hold them (tests/run/test_resume.py resumes from one)."""
+    assert BestCheckpoint()._save_on_train_epoch_end is False and EarlyStop(patience=2)._check_on_train_epoch_end is False
+    with pytest.raises(UserError, match=r"^BestCheckpoint keeps the best at each validation's end: "
+                                        r"save_on_train_epoch_end must be false$"):
+        BestCheckpoint(save_on_train_epoch_end=True)

@@ -117,7 +117,7 @@ def predict(argv: list[str], capsys) -> tuple[Path, str]:
     assert cli.trainer.predict_loop.return_predictions is False  # written per batch, never all kept
     captured = capsys.readouterr()
     (line,) = [line for line in captured.out.splitlines() if line.startswith("predictions: ")]
-    return Path(line.rsplit(" written to ", 1)[1]), captured.out + captured.err
+    return Path(line.rsplit(" written to ", 1)[1].removesuffix(" (replacing the file there)")), captured.out + captured.err
 
 
 def reference_probs(model_dir: Path, texts: list[str]) -> torch.Tensor:
@@ -135,15 +135,17 @@ def test_predict_from_the_checkpoint_writes_a_row_per_input_and_the_metrics(run,
     run_dir, _ = run
     texts = write_csv(tmp_path / "texts.csv", ROWS)
     root = tmp_path / "predict"
-    path, out = predict(
-        ["--config", str(run_dir / "config.yaml"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
-         "--data.predict_path", str(texts), f"--trainer.default_root_dir={root}"],
-        capsys,
-    )
-    # apart from the training runs' version_N: under lightning_logs/predict/
-    assert path == root / "lightning_logs" / "predict" / "version_0" / "predictions.csv"
-    assert sorted(p.name for p in (root / "lightning_logs").iterdir()) == ["predict"]
-    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    command = ["--config", str(run_dir / "config.yaml"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
+               "--data.predict_path", str(texts), f"--trainer.default_root_dir={root}"]
+    before = sorted(p.name for p in run_dir.iterdir())
+    path, out = predict(command, capsys)
+    # beside the model: in its checkpoint's run folder, and nothing else written (no run folder of its own)
+    assert path == run_dir / "predictions.csv" and "replacing" not in out
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*before, "predictions.csv"]) and not root.exists()
+    first = path.read_bytes()
+    again, out_again = predict(command, capsys)  # the same call again: the same file, replaced, and said so
+    assert again == path and path.read_bytes() == first and "(replacing the file there)" in out_again
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*before, "predictions.csv"]) and not root.exists()
     with open(path, newline="", encoding="utf-8") as f:
         written = list(csv.DictReader(f))
     assert list(written[0]) == ["id", "label", "prob_negative", "prob_positive", "given_label"]
@@ -171,11 +173,12 @@ def test_predict_from_the_exported_folder_without_labels_or_a_checkpoint(run, tm
     texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": r["text"]} for r in ROWS])
     path, out = predict(
         ["--config", str(run_dir / "config.yaml"), "--model.model_name_or_path", str(run_dir / "hf_model"),
-         "--data.predict_path", str(texts), "--predictions.format=jsonl", f"--trainer.default_root_dir={tmp_path}"],
+         "--data.predict_path", str(texts), "--output", str(tmp_path / "out" / "labelled.jsonl")],
         capsys,
     )
     written = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    assert path.name == "predictions.jsonl" and [r["text"] for r in written] == [r["text"] for r in ROWS]
+    assert path == tmp_path / "out" / "labelled.jsonl"  # the file named, in the format its suffix names
+    assert [r["text"] for r in written] == [r["text"] for r in ROWS]
     assert list(written[0]) == ["text", "label", "prob_negative", "prob_positive"]  # the names came with the folder
     probs = torch.tensor([[r["prob_negative"], r["prob_positive"]] for r in written])
     torch.testing.assert_close(probs, reference_probs(run_dir / "hf_model", [r["text"] for r in ROWS]), atol=2e-6, rtol=0)
@@ -200,6 +203,45 @@ def test_bad_input_to_predict_is_one_line_and_writes_nothing(run, tmp_path, caps
         assert exit_.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected)
         assert not root.exists()
+
+
+def test_predictions_go_to_the_output_named_else_beside_the_model(tmp_path):
+    """``--output`` a file (its suffix the format) or a folder (``predictions.<format>`` inside); by default the run
+    folder of the checkpoint or of the exported model folder, or beneath the root for a model from the Hub."""
+    run = tmp_path / "lightning_logs" / "version_3"
+    (run / "hf_model").mkdir(parents=True)
+    (tmp_path / "existing").mkdir()
+    where = predictions.destination
+    assert where(None, None, str(run / "checkpoints" / "best-step=8.ckpt")) == (run / "predictions.csv", "csv")
+    assert where(None, "tsv", str(run / "checkpoints" / "last.ckpt")) == (run / "predictions.tsv", "tsv")
+    assert where(None, None, str(tmp_path / "model.ckpt")) == (tmp_path / "predictions.csv", "csv")  # no checkpoints/
+    assert where(None, "jsonl", None, str(run / "hf_model")) == (run / "predictions.jsonl", "jsonl")
+    assert where(None, None, None, "bundled:minilm", str(tmp_path)) == (
+        tmp_path / "lightning_logs" / "predict" / "predictions.csv", "csv")
+    assert where(None, None, None, "org/model", None) == (Path("lightning_logs/predict/predictions.csv"), "csv")
+    assert where(str(tmp_path / "a.jsonl"), None) == (tmp_path / "a.jsonl", "jsonl")
+    assert where(str(tmp_path / "a.txt"), "tsv") == (tmp_path / "a.txt", "tsv")
+    assert where(str(tmp_path / "existing"), None) == (tmp_path / "existing" / "predictions.csv", "csv")
+    assert where(str(tmp_path / "new") + "/", "jsonl") == (tmp_path / "new" / "predictions.jsonl", "jsonl")
+    assert where(str(tmp_path / "results"), None) == (tmp_path / "results" / "predictions.csv", "csv")  # no suffix
+    with pytest.raises(UserError, match=r"^--output .*a.csv is a .csv file and predictions.format is jsonl: name a "
+                                         r"\.jsonl file, or leave predictions.format out$"):
+        where(str(tmp_path / "a.csv"), "jsonl")
+    with pytest.raises(UserError, match=r"^predictions.format must be one of csv, tsv, jsonl, got 'xml'$"):
+        where(None, "xml", str(run / "checkpoints" / "last.ckpt"))
+
+
+def test_predict_says_where_its_output_goes_in_its_help_and_refuses_to_replace_the_texts(tmp_path, capsys):
+    texts = write_csv(tmp_path / "texts.csv", ROWS)
+    with pytest.raises(SystemExit):
+        main(["predict", "--help"])
+    first = capsys.readouterr().out.split("\n\n")[1]  # the options set first
+    assert "--output" in first and "beside the model" in first
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", "--data.predict_path", str(texts), "--output", str(texts)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the predictions would replace {texts}, the file predicted: name another file with --output")
 
 
 # -- reading: every format, streamed --------------------------------------------------------------

@@ -140,6 +140,38 @@ def test_a_run_killed_mid_epoch_resumes_exactly(recipe, reviews, tmp_path):
     assert_log_goes_on(run(tmp_path / "full"), run(tmp_path / "interrupted", 1))
 
 
+def val_scores(run_dir: Path, metric: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[metric]) for r in csv.DictReader(open(run_dir / "metrics.csv")) if r.get(metric)}
+
+
+@pytest.mark.parametrize("strategy", ["fused", "4gb-fsdp"])
+def test_a_tie_at_an_epoch_end_validation_exports_the_uninterrupted_runs_step_after_a_resume(strategy, reviews, tmp_path):
+    """Validations at the ends of 5-step epochs (Lightning's default schedule) that tie (the recipes' learning rate
+    moves no prediction of the tiny model), a checkpoint at each: the uninterrupted run exports the first of the tied
+    steps, 5. Killed after step 6 and resumed from step 5's checkpoint, the run must hold step 5's validation in its
+    best-model record, or it exports step 10 (the issue's 4gb + FSDP run: steps 4 and 8 tied, weights 1.3e-4 apart).
+    ``fused`` on one device; ``4gb-fsdp``: 4gb (8-bit AdamW) + configs/fsdp.yaml on 2 CPU processes."""
+    recipe, more = ("fused", ()) if strategy == "fused" else (
+        "4gb", ("--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=2",
+                "--data.batch_size=2"))
+    schedule = ["--trainer.limit_train_batches=5", "--trainer.check_val_every_n_epoch=1", "--trainer.val_check_interval=1.0",
+                "--model.optimizer.init_args.lr=2e-5", "--model.lr_scheduler_type=constant", *more]
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    done = fit(full, recipe, reviews, *schedule)
+    assert done.returncode == 0, done.stderr[-4000:]
+    scores = val_scores(run(full), "val_f1_macro")
+    assert sorted(scores) == [5, 10] and scores[5] == scores[10]  # the tie
+    assert exported(done.stderr).startswith(f"hf_model: the best validated weights: step 5, val_f1_macro={scores[5]:.4f}")
+    killed = fit(interrupted, recipe, reviews, *schedule, "--trainer.callbacks+=interrupt.KillAfterStep",
+                 "--trainer.callbacks.step=6")
+    assert killed.returncode != 0, killed.stderr[-4000:]
+    assert (run(interrupted) / "checkpoints" / "last.ckpt").resolve().name == "epoch=0-step=5.ckpt"  # the epoch's end
+    resumed = fit(interrupted, recipe, reviews, *schedule, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert exported(resumed.stderr) == exported(done.stderr) and val_lines(resumed.stdout) == val_lines(done.stdout)
+    assert max_weight_difference(run(full), run(interrupted, 1)) <= 1e-6
+
+
 def two_nodes(root: Path, recipe: str, data: Path, *more: str) -> list[subprocess.CompletedProcess]:
     """README's multi-node command, ``torchrun --nnodes 2 ... --rdzv-backend c10d --rdzv-endpoint HEAD:PORT -m
     lit_memory fit ... --trainer.num_nodes 2``, as two "nodes" of one process each on this machine: two torchrun
@@ -491,19 +523,25 @@ def test_validates_next_is_lightnings_decision(tmp_path):
     assert spy.validated == [] and len(spy.said) == 12 and not any(spy.said)
 
 
+# Validations every 5 steps inside 8-step epochs, or at the end of 5-step epochs (Lightning's default schedule, where a
+# ModelCheckpoint of its own would keep its best only at the epoch's end, after the step's checkpoint was written again).
+SCHEDULES = {"interval": {}, "epoch end": {"limit_train_batches": 5, "val_check_interval": 1.0, "check_val_every_n_epoch": 1}}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("kill", ["validation", "train"])
-def test_a_run_killed_at_a_checkpoints_step_resumes_there_and_keeps_the_uninterrupted_runs_best(kill, tmp_path):
+def test_a_run_killed_at_a_checkpoints_step_resumes_there_and_keeps_the_uninterrupted_runs_best(kill, schedule, tmp_path):
     """Validations after steps 5 and 10, a checkpoint at each, step 10 the best. Killed during step 10's validation, the
     run resumes from step 10 (written before it, no step lost) and runs that validation; killed after it (at step 11),
     from step 10's checkpoint written again after it, which holds it in the record."""
-    full = boring_fit(tmp_path, "full", Scored())
-    boring_fit(tmp_path, "killed", Scored(kill, at=10 if kill == "validation" else 11))
+    full = boring_fit(tmp_path, "full", Scored(), **SCHEDULES[schedule])
+    boring_fit(tmp_path, "killed", Scored(kill, at=10 if kill == "validation" else 11), **SCHEDULES[schedule])
     last = tmp_path / "lightning_logs" / "killed" / "checkpoints" / "last.ckpt"
     assert last.resolve().name == "epoch=1-step=10.ckpt"
     saved = torch.load(last, weights_only=True)["callbacks"]
     owed = next(v["validation_owed"] for k, v in saved.items() if k.startswith("ResumeCheckpoint"))
     assert (owed, saved["BestCheckpoint"]["validated_step"]) == ((10, 5) if kill == "validation" else (None, 10))
-    resumed = boring_fit(tmp_path, "resumed", Scored(), ckpt_path=last)
+    resumed = boring_fit(tmp_path, "resumed", Scored(), ckpt_path=last, **SCHEDULES[schedule])
     assert (best_of(resumed).best_step(), best_of(resumed).best_model_score) == (10, best_of(full).best_model_score)
     log = tmp_path / "lightning_logs" / "resumed" / "metrics.csv"  # none where nothing was logged
     val_steps = [int(r["step"]) for r in csv.DictReader(open(log)) if r.get("val_score")] if log.exists() else []
@@ -520,3 +558,27 @@ def test_a_checkpoints_step_is_written_when_its_validation_has_no_batch(tmp_path
     folder = tmp_path / "lightning_logs" / "a" / "checkpoints"
     assert (folder / "last.ckpt").resolve().name == "epoch=1-step=10.ckpt"
     assert sorted(p.name for p in folder.iterdir()) == ["epoch=1-step=10.ckpt", "last.ckpt"]
+
+
+class Flat(Scored):
+    """Every validation scores the same: a tie at each."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_score", 1.0)
+        return BoringModel.validation_step(self, batch, batch_idx)
+
+
+def test_a_run_killed_after_an_epoch_end_validation_stops_early_where_the_uninterrupted_run_stops(tmp_path):
+    """Validations at the ends of 5-step epochs, every one a tie, patience 2: the uninterrupted run stops at step 15
+    (no improvement at 10 and 15) and exports step 5. Killed after step 11 and resumed from step 10's checkpoint, the
+    early-stopping count and the best-model record must hold step 10's validation, or the run goes on to step 20."""
+    from lit_memory.run.best import EarlyStop
+
+    epochs = {**SCHEDULES["epoch end"], "max_steps": 40}
+    full = boring_fit(tmp_path, "full", Flat(), EarlyStop(patience=2), **epochs)
+    assert full.global_step == 15 and best_of(full).best_step() == 5
+    boring_fit(tmp_path, "killed", Flat("train", at=11), EarlyStop(patience=2), **epochs)
+    last = tmp_path / "lightning_logs" / "killed" / "checkpoints" / "last.ckpt"
+    assert last.resolve().name == "epoch=1-step=10.ckpt"
+    resumed = boring_fit(tmp_path, "resumed", Flat(), EarlyStop(patience=2), ckpt_path=last, **epochs)
+    assert (resumed.global_step, best_of(resumed).best_step()) == (15, 5)
