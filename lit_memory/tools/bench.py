@@ -11,7 +11,6 @@ bench.json, bench.png, and per recipe its run folder (runs/) and log (logs/).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import importlib.util

@@ -13,7 +13,6 @@ not measurements: the table says so and names the command.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from dataclasses import dataclass, replace
 from typing import Optional

@@ -28,7 +28,7 @@ from lit_memory.optim.eightbit import quantised_embeddings
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig
 from lit_memory.planning.prediction.analytic import analytic, file_gib
-from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target, target
+from lit_memory.memory.hardware.gpus import GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.hardware.margin import Fit, Limit

@@ -17,7 +17,6 @@ With ``--measure`` the measured time per optimizer step decides among the first 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import io
