@@ -126,6 +126,7 @@ CALLS = {
     "call1": (PROBE, "bf16", "4gb", "4gb-peer", "baseline", "8bit"),
     "call2": ("bf16-compile", "4gb-compile", "fsdp", "4gb-fp16", "2gb-2560mib", "4gb-snapshot"),
 }
+LEAST_S = 30  # a process started with less is stopped before its numbers exist (the H100's rows took 26-35 s)
 REHEARSAL_S = 0.05  # what each faked process of a rehearsal takes
 ROWS = 1280  # synthetic texts: one epoch holds every step a run takes (no epoch boundary inside the timed steps)
 WORDS = 200  # per text: more WordPiece tokens than max_length, so every row is full
@@ -405,7 +406,8 @@ def write_proof(rows: list[dict[str, Any]], info: dict[str, Any], path: Path) ->
 def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", peer: bool = False,
          record: Optional[str] = None, deadline: Optional[float] = None, mirror: Optional[Path] = None,
          append: bool = False, rehearse: bool = False) -> None:
-    limit = Deadline(deadline) if deadline else None  # from the proof's start: resolving the runs takes of it too
+    # from the proof's start (resolving the runs takes of it too); no process starts with less than a row needs
+    limit = Deadline(deadline, least=LEAST_S) if deadline else None
     if not dry_run and not rehearse and not torch.cuda.is_available():
         raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere; "
                         "--rehearse runs a call's plumbing with every process faked)")
