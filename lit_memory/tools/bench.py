@@ -248,7 +248,10 @@ def _run(command: list[str], log: Path, timeout: Optional[float] = None) -> Opti
             _stop(process)
             return f"stopped after {timeout:.0f} s: the time the call had left for it"
         except BaseException:  # interrupted: nothing of it outlives this process
-            _stop(process) if alone else process.kill()
+            if alone:
+                _stop(process)
+            else:
+                process.kill()
             raise
     if code == 0:
         return None

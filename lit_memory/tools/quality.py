@@ -158,7 +158,7 @@ def measure(routes: list[str], seeds: list[int], rows: int, out: Path, eval_rows
             command = (peer_command(route, seed, rows, run_dir, eval_rows, configuration) if route.peer
                        else fit_command(route, seed, rows, run_dir, eval_rows))
             error = run(command, out / "logs" / f"{name}-seed{seed}.log")
-            found: dict[str, Any] = {"seed": seed, "command": shlex.join(command[1:])}
+            found: dict[str, Any] = {"seed": seed, "command": shlex.join(command[1:]).replace(f"{ROOT}/", "")}
             try:
                 if error:
                     raise ValueError(error)
@@ -200,7 +200,7 @@ def caption(record: dict[str, Any]) -> str:
     steps = math.ceil(record["rows"] / 32)
     peer = record.get("peer_configuration") or {}
     chosen = (f" `4gb-peer` trains as `best_under_budget` chooses for BERT-large on an {PEER_CARD} "
-              f"({peer['configuration']}; micro-batch {peer['per_device_train_batch_size']} x "
+              f"({peer['configuration'].split(' (')[0]}; micro-batch {peer['per_device_train_batch_size']} x "
               f"{peer['gradient_accumulation_steps']}, {peer['optim']}, gradient checkpointing "
               f"{'on' if peer['gradient_checkpointing'] else 'off'}).") if peer else ""
     where = record.get("machine") or {}

@@ -101,3 +101,12 @@ def test_the_trainers_route_trains_bf16_weights_and_is_validated_as_ours_on_two_
     metrics = validated(args, arguments, 2, tmp_path)
     assert {"val_acc", "val_f1", "val_f1_macro"} <= set(metrics)
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("val_acc", "val_f1", "val_f1_macro"))
+
+
+def test_the_committed_quality_table_and_readme_line_are_the_committed_records():
+    record = json.loads((quality.ROOT / "docs" / "quality" / "quality.json").read_text())
+    benchmarks = (quality.ROOT / "docs" / "benchmarks.md").read_text()
+    assert f"{quality.MARKERS[0]}\n{quality.caption(record)}\n\n{quality.table(record)}\n{quality.MARKERS[1]}" in benchmarks
+    readme = (quality.ROOT / "README.md").read_text()
+    assert f"{quality.LINE_MARKERS[0]}\n{quality.readme_line(record)}\n{quality.LINE_MARKERS[1]}" in readme
+    assert all(len(entry["runs"]) == 3 and not any("error" in run for run in entry["runs"]) for entry in record["routes"].values())
