@@ -287,25 +287,16 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
     t.free(*[k for k, x in zip(emb, m.embeddings) if not x.kept])
     previous = t.alloc(m.hidden_bytes * tokens, "activations")  # the embeddings' output: the first layer's input
     t.mark("forward: embeddings")
-    held: Optional[int] = None  # an offloaded layer input whose copy to the host may still run (`OffloadActivations`)
     for index, layer in enumerate(m.layers):
         if gather:
             keys["gathered"][index] = t.alloc(sum(m.params[i].bytes for i in layer_params.get(index, [])), "weights")
         layer_copies = copies(index, layer.trains)
         kept = _run_layer(t, layer, tokens)
-        t.free(held)  # the copy of the layer before ran beside this layer's forward: its block is free again
-        held = None
         if not layer.trains:
             t.free(*[key for _, key in kept])
             kept = []
         output = t.alloc(m.hidden_bytes * tokens, "activations")
-        offloaded = m.offload and bool(layer.checkpoint) and layer.trains
-        if offloaded:
-            # record_stream: the allocator reuses the input's block only once its copy to the host is done, which
-            # runs beside the next layer's forward: held through it (one layer's copy in flight, as a host that
-            # issues the step no faster than the device runs it leaves it)
-            held = previous
-        elif layer.input_kept and layer.trains:
+        if layer.input_kept and layer.trains:
             kept.insert(0, ("input", previous))
         else:
             t.free(previous)  # consumed by the layer's residual add
@@ -323,7 +314,6 @@ def _forward(t: _Trace, m: StepModel, layer_params) -> dict:
         previous = output
         t.mark(f"forward: layer {index + 1}")
     keys["head"] = [t.alloc(size, "activations") for size in m.head]
-    t.free(held)
     t.mark("forward: head and loss")
     keys["last"] = previous  # the last hidden state (the pooler's input)
     t.free(*cache)  # autocast's context ends with the forward pass
