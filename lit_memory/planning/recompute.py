@@ -288,10 +288,13 @@ def resolve(step: Step, limit: Limit) -> Resolved:
                 plan=plan, limit=limit, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n,
                 offload=offload, offloaded=offloaded, exposed=exposed,
             )
-    smallest = total_of(_with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1]))
+    everything = _with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1])
+    smallest, device = total_of(everything), device_total(everything)
+    room_words = (f" (device {format_bytes(device)} and {format_bytes(smallest - device)} of room the allocator needs "
+                  "under the cap)" if smallest > device else "")
     raise UserError(
         f"gradient_checkpointing auto: no plan fits {limit} with the {100 * limit.margin:g} % "
-        f"margin ({format_bytes(room)}); every layer recomputed is predicted at {format_bytes(smallest)} "
+        f"margin ({format_bytes(room)}); every layer recomputed is predicted at {format_bytes(smallest)}{room_words} "
         "(python -m lit_memory plan --budget ... finds other settings; --memory.margin sets the margin)"
     )
 

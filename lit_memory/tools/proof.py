@@ -601,6 +601,8 @@ def _how(run: Any) -> dict[str, Any]:
         command = ["python", "-m", "lit_memory.tools.peer", *peer.flags, *run.peer_args]
         return {"peer": shlex.join(command), "peer_of": peer.recipe, "why": peer.why}
     found = {"fit": shlex.join(["python", "-m", "lit_memory", "fit", *run.fit_args])}
+    if run.error is not None:
+        found["refused"] = run.error
     if run.recipe in VARIANTS:
         found.update(variant_of=VARIANTS[run.recipe].recipe, why=VARIANTS[run.recipe].why)
     return found
