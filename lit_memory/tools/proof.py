@@ -672,16 +672,16 @@ def speed_table(record: dict[str, Any], source: str) -> str:
         "the card's dense bf16 peak, the HF Trainer in the same run (ours/Trainer > 1: faster), the allocator's cache "
         "released and a request retried per step (`-`: not counted in that record).",
         "",
-        "| recipe | samples/s | MFU | HF Trainer samples/s | ours/Trainer | step ms (min / median / max) | retries/step "
-        "| compile s | host ops/step | note |",
+        "| recipe | samples/s | MFU | HF Trainer samples/s | ours/Trainer | step ms (min / median / max) "
+        "| retries/step | compile s | host ops/step | note |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in record["recipes"]:
         if not row.get("samples_per_s") and not row.get("error"):
             continue
         num = lambda key, fmt: format(row[key], fmt) if row.get(key) is not None else "-"  # noqa: E731
-        spread = (f"{1e3 * row['step_time_min_s']:.0f} / {1e3 * row['step_time_s']:.0f} / {1e3 * row['step_time_max_s']:.0f}"
-                  if row.get("step_time_s") and row.get("step_time_min_s") else "-")
+        timed = ("step_time_min_s", "step_time_s", "step_time_max_s")
+        spread = " / ".join(f"{1e3 * row[key]:.0f}" for key in timed) if all(row.get(key) for key in timed) else "-"
         note = row.get("error") or ((f"the HF Trainer alone: {(row.get('chosen') or {}).get('configuration', '')}, "
                                      f"micro-batch {(row.get('training_arguments') or {}).get('per_device_train_batch_size', '?')}")
                                     if row.get("peer_of") else _card_note(row))

@@ -58,13 +58,16 @@ class Route:
 
 
 ROUTES = {
-    "4gb": Route("4gb", (), "recipes/4gb.yaml: fp32 master weights, bf16 autocast, bitsandbytes 8-bit AdamW, fused step"),
+    "4gb": Route("4gb", (), "recipes/4gb.yaml: fp32 master weights, bf16 autocast, bitsandbytes 8-bit AdamW, "
+                 "fused step"),
     "4gb-peer": Route("4gb", (), "the HF Trainer's 4 GB configuration (4gb-peer): bf16 weights without stochastic "
                       "rounding, adamw_bnb_8bit, every layer recomputed", peer=True),
     "bf16-sr": Route("4gb", ("--trainer.precision=bf16-true", "--model.optimizer.class_path=torchao.optim.AdamW8bit",
                              "--model.optimizer.init_args.bf16_stochastic_round=true"),
-                     "4gb.yaml with bf16 weights and torchao 8-bit AdamW, stochastic rounding (2gb.yaml's weight route)"),
-    "2gb": Route("2gb", (), "recipes/2gb.yaml: bf16 weights, torchao 4-bit AdamW, stochastic rounding, embeddings frozen"),
+                     "4gb.yaml with bf16 weights and torchao 8-bit AdamW, stochastic rounding "
+                     "(2gb.yaml's weight route)"),
+    "2gb": Route("2gb", (), "recipes/2gb.yaml: bf16 weights, torchao 4-bit AdamW, stochastic rounding, "
+                 "embeddings frozen"),
 }
 DEFAULT_ROUTES = "4gb,4gb-peer,bf16-sr,2gb"
 DEFAULT_SEEDS = "1,2,3"
@@ -95,8 +98,9 @@ def fit_command(route: Route, seed: int, rows: int, run_dir: Path, eval_rows: Op
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
               "init_args": {"save_dir": str(run_dir), "name": "", "version": ""}}
     return [sys.executable, "-m", "lit_memory", "fit", *recipe_args(route), *data_args(rows, eval_rows),
-            f"--seed_everything={seed}", f"--trainer.logger={json.dumps(logger)}", "--trainer.enable_checkpointing=false",
-            "--trainer.enable_progress_bar=false", "--model.save_pretrained=false",
+            f"--seed_everything={seed}", f"--trainer.logger={json.dumps(logger)}",
+            "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+            "--model.save_pretrained=false",
             f"--trainer.default_root_dir={run_dir}"]
 
 
@@ -179,8 +183,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def table(record: dict[str, Any]) -> str:
     """The markdown table: per route and metric, mean ± standard deviation over the seeds and the range."""
-    lines = ["| route | what it is | seeds | " + " | ".join(f"{label} (mean ± std; min-max)" for _, label in METRICS) + " |",
-             "|---|---|---:|" + "---:|" * len(METRICS)]
+    heads = " | ".join(f"{label} (mean ± std; min-max)" for _, label in METRICS)
+    lines = [f"| route | what it is | seeds | {heads} |", "|---|---|---:|" + "---:|" * len(METRICS)]
     for name, entry in record["routes"].items():
         good = [run for run in entry["runs"] if "error" not in run]
         cells = []
@@ -208,7 +212,8 @@ def caption(record: dict[str, Any]) -> str:
             f"{where.get('cores', 2)}-core CPU ({where.get('cpu', 'CPU')}, torch {where.get('torch', '?')}, "
             f"transformers {where.get('transformers', '?')}): the bundled MiniLM on the bundled tweets, "
             f"{record['rows']:,} training rows, one epoch ({steps} optimizer steps of 32 samples for every route), "
-            f"validated on the same held-out tweets (F1 of the positive class), seeds {', '.join(map(str, record['seeds']))} "
+            "validated on the same held-out tweets (F1 of the positive class), seeds "
+            f"{', '.join(map(str, record['seeds']))} "
             f"(`--seed_everything`; the split's seed stays 42).{chosen}")
 
 
@@ -221,8 +226,9 @@ def readme_line(record: dict[str, Any]) -> str:
             s = spread(good)
             parts.append(f"`{name}` {s['mean']:.4f} ({s['min']:.4f}-{s['max']:.4f})")
     seeds = len(record["seeds"])
-    return (f"At equal memory ({seeds} seed{'s' if seeds > 1 else ''}, macro-F1 mean and range, the bundled demo on this "
-            f"project's CPU): " + ", ".join(parts) + " ([docs/benchmarks.md](docs/benchmarks.md#quality-at-equal-memory)).")
+    return (f"At equal memory ({seeds} seed{'s' if seeds > 1 else ''}, macro-F1 mean and range, the bundled demo on "
+            "this project's CPU): " + ", ".join(parts)
+            + " ([docs/benchmarks.md](docs/benchmarks.md#quality-at-equal-memory)).")
 
 
 def between(text: str, markers: tuple[str, str], body: str, where: Path) -> str:
@@ -253,7 +259,8 @@ def cli(argv: list[str]) -> None:
     parser.add_argument("--eval-rows", type=int, default=None, help="held-out rows (default: all of the split)")
     parser.add_argument("--out", type=Path, default=Path("bench/quality"), help="runs, logs, quality.json")
     parser.add_argument("--update-docs", action="store_true", help="write the table and README's line (a checkout)")
-    parser.add_argument("--show", type=Path, metavar="RECORD", help="print a quality.json's table and line; run nothing")
+    parser.add_argument("--show", type=Path, metavar="RECORD",
+                        help="print a quality.json's table and line; run nothing")
     args = parser.parse_args(argv)
     if args.show:
         record = json.loads(args.show.read_text(encoding="utf-8"))

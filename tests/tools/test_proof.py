@@ -202,7 +202,8 @@ def test_a_call_saves_its_record_after_every_row_and_gives_each_row_what_is_left
     (out / "logs").mkdir(parents=True)
     target = tmp_path / "docs" / "h100-speed.json"
     card = {"name": "NVIDIA H100 80GB HBM3", "total_bytes": GPUS["h100"].memory}
-    call = proof.Call(target, mirror, card, {"command": "python -m lit_memory bench --gpu-proof --recipes=call1"}, out / "logs")
+    info = {"command": "python -m lit_memory bench --gpu-proof --recipes=call1"}
+    call = proof.Call(target, mirror, card, info, out / "logs")
     runs = [_run_of("bf16", out), _run_of("4gb", out, "no Trainer equivalent (fused backward + step)"),
             _run_of("4gb-peer", out, peer_only=True, peer_flags=("--best-under-budget",)), _run_of("baseline", out)]
     takes = {"sandbox-probe.log": 20, "bf16.log": 30, "bf16.peer.log": 30, "4gb.log": 40, "4gb-peer.log": 60}
@@ -286,4 +287,5 @@ def test_readmes_speed_table_regenerates_from_the_newest_committed_record(capsys
     readme = (proof.ROOT / "README.md").read_text()
     start, end = proof.SPEED_MARKERS
     assert readme.split(start, 1)[1].split(end, 1)[0] == f"\n{text}", (
-        "README's speed table is not the newest record's: python -m lit_memory bench --gpu-proof --speed-table --update-readme")
+        "README's speed table is not the newest record's: "
+        "python -m lit_memory bench --gpu-proof --speed-table --update-readme")

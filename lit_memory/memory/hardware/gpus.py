@@ -270,7 +270,9 @@ class Target:
         return f"{card}, CUDA {self.cuda}, {context}, {self.allocator.describe()}"
 
 
-def add_levels(footprint: Any, reserved: int, phase: str, target: Target, communicators: int = 0, room: int = 0) -> None:
+def add_levels(
+    footprint: Any, reserved: int, phase: str, target: Target, communicators: int = 0, room: int = 0
+) -> None:
     """A CUDA step's ``footprint`` (`lit_memory.memory.measure.footprint.Footprint`) given its reserved and device levels:
     ``reserved``, what the allocator holds at its peak as the prediction replayed it (at ``phase``), plus the cuBLAS
     workspaces (through the allocator), in whole MiB; the device adds the CUDA context and ``communicators``, NCCL's
