@@ -1,41 +1,74 @@
 #!/usr/bin/env bash
-# Issue 46's GPU round in one call on this project's lent machine (docs/gpu.md, "Speed where people train"): the
-# proof's speed rows first (bf16 beside its HF Trainer peer, 4gb beside the Trainer's best under the same cap, both
-# compiled recipes), then issue 49's rows where time is left. Writes docs/gpu/<gpu>-speed.json, rewritten after each
-# row, so what a timeout cuts keeps what was measured; brings back the record, its table, the logs, profiles and
-# 4gb's CUDA memory snapshot in $OUT. Run there from the repository root with .carry carried
+# Issue 59's GPU round as two calls on a lent machine (docs/gpu.md, "Two calls that cannot be wasted"), the most
+# important rows first (`lit_memory.tools.proof.CALLS`):
+#   call 1: the sandbox probe (45 s at most), bf16 beside its HF Trainer peer, 4gb beside 4gb-peer, baseline, 8bit;
+#   call 2: bf16-compile, 4gb-compile, fsdp, 4gb-fp16, 2gb-2560mib, 4gb-snapshot (added to call 1's record).
+# Every row gets what is left of SECONDS less what the call has spent already (`bench --gpu-proof --deadline`); the
+# record docs/gpu/<gpu>-speed.json, its tables and the rows' logs are copied into $OUT after every row, so a call cut
+# short still brings back each row it finished. Run there from the repository root with .carry carried
 # (examples/gpu_carry.sh, built beforehand on a machine with PyPI):
-#   bash examples/gpu_speed.sh [SECONDS]      # the proof's own limit, default 480 (the call: at least SECONDS + 60:
-#                                             # the probe, the tables and the archives after the proof need that)
+#   bash examples/gpu_speed.sh call1 [SECONDS]   # default 420: the device call's timeout_s 450
+#   bash examples/gpu_speed.sh call2 [SECONDS]   # default 300: timeout_s 330, right after call 1 (same machine)
+# On any machine, every process faked (the plumbing: rows in order, the record after each, the limits):
+#   REHEARSE=1 OUT=/tmp/out bash examples/gpu_speed.sh call1 [SECONDS]
 set -uo pipefail
+START=$(date +%s)
+CALL=${1:-}
+case "$CALL" in
+  call1) LIMIT=${2:-420} ;;
+  call2) LIMIT=${2:-300} ;;
+  *) echo "usage: bash examples/gpu_speed.sh call1|call2 [SECONDS]" >&2; exit 2 ;;
+esac
 export PYTHONPATH=$PWD:$PWD/.carry/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-LIMIT=${1:-480}
-# issue 46's rows, then issue 49's (fsdp: FSDP2 on one GPU within its card; 4gb-fp16: capped as a GTX 1650;
-# 2gb-2560mib: 2gb.yaml at 2.5 GiB; 4gb-snapshot: torch's memory history of 4gb's first steps)
-ROWS=${ROWS:-bf16,4gb,4gb-peer,bf16-compile,4gb-compile,fsdp,4gb-fp16,2gb-2560mib,4gb-snapshot}
+TAIL=20  # kept after the proof: the archives of the runs
 mkdir -p "$OUT"
 {
-  date -u +%FT%TZ
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, lightning; p = torch.cuda.get_device_properties(0); print(torch.__version__, torch.version.cuda, transformers.__version__, lightning.__version__, p.name, p.total_memory, f'sm{p.major}{p.minor}')"
-  # a confined run's use of the GPU first (seconds): every run without --trust-recipe is one, and the proof's are
-  echo "== examples/gpu_sandbox_probe.py"
-  timeout 120 python3 examples/gpu_sandbox_probe.py
-  echo "probe exit status $?" | tee /tmp/probe.status
+  echo "== $CALL, $(date -u +%FT%TZ), $LIMIT s"
+  timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "nvidia-smi: none"
+  # the stack, Triton and the C compiler it builds its launchers with (compiled rows), pyseccomp (the sandbox's filter)
+  timeout 60 python3 - <<'EOF'
+import importlib, os, shutil, subprocess
+import torch, transformers, lightning
+line = [torch.__version__, torch.version.cuda, transformers.__version__, lightning.__version__]
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    line += [p.name, p.total_memory, f"sm{p.major}{p.minor}"]
+print("torch, CUDA, transformers, lightning, device:", *line)
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as err:  # noqa: BLE001  what the compiled rows will meet
+    print("triton: not importable:", repr(err))
+found = {name: shutil.which(name) for name in ("cc", "gcc", "clang", "g++")}
+print("CC:", os.environ.get("CC"), "; on PATH:", found)
+compiler = os.environ.get("CC") or found["cc"] or found["gcc"] or found["clang"]
+if compiler:
+    print("C compiler:", subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1])
+else:
+    print("C compiler: none (Triton cannot build its launchers: the compiled rows will fail)")
+for name in ("pyseccomp", "bitsandbytes", "torchao", "jsonargparse"):
+    try:
+        module = importlib.import_module(name)
+        print(name, "imports", getattr(module, "__version__", ""))
+    except Exception as err:  # noqa: BLE001
+        print(name, "does not import:", repr(err))
+EOF
 } > "$OUT/machine.txt" 2>&1
-# Where a confined run cannot use this GPU, the speed rows still come: every run trusted, as the record's command says
-TRUST=()
-grep -q "status 0" /tmp/probe.status || TRUST=(--trust-recipe)
-timeout "$LIMIT" python3 -m lit_memory bench --gpu-proof --peer --record speed --recipes "$ROWS" --out /tmp/proof \
-  "${TRUST[@]}" > "$OUT/proof.log" 2>&1
-echo "proof exit status $?" >> "$OUT/proof.log"
-cp docs/gpu/*-speed.json "$OUT/" 2>/dev/null
-for record in docs/gpu/*-speed.json; do
-  python3 -m lit_memory bench --gpu-proof --show "$record" > "$OUT/table.md" 2>&1
-  python3 -m lit_memory bench --gpu-proof --speed-table "$record" > "$OUT/speed-table.md" 2>&1
-done
-tar czf "$OUT/runs.tgz" --exclude='*.trace.json.gz' --exclude='synthetic.csv' --exclude='*.ckpt' --exclude='*.pickle' -C /tmp proof
-find /tmp/proof -name 'profile.trace.json.gz' | tar czf "$OUT/traces.tgz" -T - 2>/dev/null
-find /tmp/proof -name 'memory_snapshot.pickle' -size -60M -exec gzip -c {} \; > "$OUT/4gb-memory_snapshot.pickle.gz" 2>/dev/null
+SPENT=$(( $(date +%s) - START ))
+APPEND=()
+[ "$CALL" = call2 ] && APPEND=(--append)  # call 2's rows go into call 1's record of the same card
+REHEARSAL=()
+[ -n "${REHEARSE:-}" ] && REHEARSAL=(--rehearse)
+# The shipped recipes run as they ship (trusted: no sandbox); the sandbox has its own row, the probe, in call 1.
+timeout $(( LIMIT - SPENT )) python3 -m lit_memory bench --gpu-proof --peer --record speed --recipes "$CALL" \
+  --deadline $(( LIMIT - SPENT - TAIL )) --mirror "$OUT" --out /tmp/proof "${APPEND[@]}" "${REHEARSAL[@]}" \
+  > "$OUT/proof.log" 2>&1
+echo "proof exit status $?, $(( $(date +%s) - START )) s into the call" >> "$OUT/proof.log"
+# what is left of the call: the runs' folders (memory.json, step times, profiles), 4gb's memory snapshot
+timeout 10 tar czf "$OUT/runs.tgz" --exclude='*.trace.json.gz' --exclude='synthetic.csv' --exclude='*.ckpt' \
+  --exclude='*.pickle' -C /tmp proof 2>/dev/null
+timeout 5 sh -c "find /tmp/proof -name 'profile.trace.json.gz' | tar czf '$OUT/traces.tgz' -T -" 2>/dev/null
+timeout 5 sh -c "find /tmp/proof -name 'memory_snapshot.pickle' -size -60M -exec gzip -c {} \; > '$OUT/4gb-memory_snapshot.pickle.gz'" 2>/dev/null
+echo "$CALL: $(( $(date +%s) - START )) s of $LIMIT" >> "$OUT/machine.txt"
 ls -la "$OUT"

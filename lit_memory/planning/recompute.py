@@ -39,7 +39,7 @@ from lit_memory.memory.hardware.budget import MemorySettings
 from lit_memory.memory.hardware.gpus import planning_limit, target
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.hardware.margin import Fit, Limit
-from lit_memory.planning.prediction.analytic import analytic, device_total
+from lit_memory.planning.prediction.analytic import analytic, capped_total, device_total
 from lit_memory.planning.prediction.simulate import fake_batch
 from lit_memory.planning.prediction.step import Step, build, clips_by_norm, is_fused
 from lit_memory.optim.precision import runs_on_cpu
@@ -246,7 +246,9 @@ def resolve(step: Step, limit: Limit) -> Resolved:
     the first that fits wins. The allocator's rounding makes the device total move a little against the layer
     counts (a plan with one more selective layer can reserve a few MiB more), so no plan is skipped by assuming
     it does not; a plan whose tensors alone leave no room for the CUDA context is skipped before its replay
-    (milliseconds each). No plan fits: one error line with the total of every layer recomputed."""
+    (milliseconds each). Under a cap (``memory.budget`` on CUDA) a plan must also leave the allocator's room beyond
+    its reserve (`capped_total`), so that the cap never makes it release its cache and retry. No plan fits: one
+    error line with the total of every layer recomputed."""
     costs = layer_costs(step)
     n = costs.layers
     setting = step.model.get("offload_activations")
@@ -274,21 +276,25 @@ def resolve(step: Step, limit: Limit) -> Resolved:
             offloaded = activations(plan, False) - activations(plan, True) if offload and cuda else 0
             candidates.append((seconds(step, costs, plan, offloaded) if costs.base else costs.of(plan), plan, offload, offloaded))
     room = limit.usable
+    total_of = capped_total if step.memory.cap is not None and cuda else device_total
     for _, plan, offload, offloaded in sorted(candidates, key=lambda c: (c[0], c[2])):
         candidate = _with_plan(step, plan, offload=offload)
         if analytic(candidate, levels=False).footprint.peak + context > room:
             continue
-        total = device_total(candidate)
+        total = total_of(candidate)
         if total <= room:
             exposed = seconds(step, costs, plan, offloaded) - seconds(step, costs, plan, 0) if offloaded else 0.0
             return Resolved(
                 plan=plan, limit=limit, total=total, flops=costs.of(plan), flops_none=float(costs.base), layers=n,
                 offload=offload, offloaded=offloaded, exposed=exposed,
             )
-    smallest = device_total(_with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1]))
+    everything = _with_plan(step, CheckpointPlan(rest="full"), offload=offloads[-1])
+    smallest, device = total_of(everything), device_total(everything)
+    room_words = (f" (device {format_bytes(device)} and {format_bytes(smallest - device)} of room the allocator needs "
+                  "under the cap)" if smallest > device else "")
     raise UserError(
         f"gradient_checkpointing auto: no plan fits {limit} with the {100 * limit.margin:g} % "
-        f"margin ({format_bytes(room)}); every layer recomputed is predicted at {format_bytes(smallest)} "
+        f"margin ({format_bytes(room)}); every layer recomputed is predicted at {format_bytes(smallest)}{room_words} "
         "(python -m lit_memory plan --budget ... finds other settings; --memory.margin sets the margin)"
     )
 

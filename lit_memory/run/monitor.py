@@ -247,6 +247,9 @@ class MemoryMonitor(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.cuda is not None:  # after the last step (a validation after it): the run's peak, before teardown
             self._read_device(self._device(trainer), None)
+            cap = allocator_cap(self._device(trainer))  # before `BudgetCap.teardown` gives the process its own back
+            if cap is not None:
+                self.cuda["allocator_cap_bytes"] = cap
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         ranks = None
@@ -451,6 +454,17 @@ ALLOCATOR_COUNTS = {
     "num_alloc_retries": "alloc_retries_by_step", "num_device_alloc": "device_allocs_by_step",
     "num_device_free": "device_frees_by_step",
 }
+
+
+def allocator_cap(device: torch.device) -> Optional[int]:
+    """The caching allocator's cap now (``set_per_process_memory_fraction``: `lit_memory.run.run_memory.BudgetCap`
+    sets it from memory.budget), bytes; None where none is set. Its cap less ``max_reserved_bytes`` is the room the
+    allocator never used: a request is refused, the cache released and the request retried, only where the reserve
+    plus the request's segment passes it (`lit_memory.memory.hardware.allocator`)."""
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction >= 1:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
 
 
 def allocator_counts(stats: Mapping[str, Any]) -> dict[str, int]:

@@ -20,9 +20,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -229,10 +231,25 @@ def counted_flops(resolved: LitMemoryCLI) -> dict[str, Any]:
 EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(: |$)")
 
 
-def _run(command: list[str], log: Path) -> Optional[str]:
-    """Run a command with its output in `log`; the error (its ``error:`` line, else its last line) or None."""
+def _run(command: list[str], log: Path, timeout: Optional[float] = None) -> Optional[str]:
+    """Run a command with its output in `log`; the error (its ``error:`` line, else its last line) or None.
+    ``timeout``: seconds, after which the command and every process it started are stopped (a session of its own)."""
+    alone = timeout is not None  # a session of its own, to stop its children with it; else Ctrl-C reaches them all
     with files.open_log(log) as f:
-        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=for_new_job()).returncode
+        process = subprocess.Popen(
+            command, stdout=f, stderr=subprocess.STDOUT, env=for_new_job(), start_new_session=alone
+        )
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            return f"stopped after {timeout:.0f} s: the time the call had left for it"
+        except BaseException:  # interrupted: nothing of it outlives this process
+            if alone:
+                _stop(process)
+            else:
+                process.kill()
+            raise
     if code == 0:
         return None
     lines = [line.strip() for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
@@ -242,6 +259,13 @@ def _run(command: list[str], log: Path) -> Optional[str]:
     if not errors and len(raised) > 1 and raised[0] != message:  # a chained traceback: its first exception is the cause
         message = f"{message} (cause: {raised[0]})"
     return f"exit status {code}: {message}"[:600]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a process started in a session of its own, and every process it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _speed(record: dict[str, Any]) -> dict[str, Optional[float]]:
@@ -312,14 +336,16 @@ def read_run(run_dir: Path, evaluate: bool) -> dict[str, Any]:
     return row
 
 
-def run_peer(run: BenchRun, out: Path, log: Path, warmup: int, steps: int) -> dict[str, Any]:
+def run_peer(run: BenchRun, out: Path, log: Path, warmup: int, steps: int, deadline: Optional[Deadline] = None,
+             runner: Runner = _run) -> dict[str, Any]:
     folder = out / "runs" / f"{run.recipe}.peer"
     shutil.rmtree(folder, ignore_errors=True)
     command = [sys.executable, "-m", "lit_memory.tools.peer", "--out", str(folder), f"--warmup={warmup}", f"--steps={steps}",
                f"--count-step={counted_step(warmup, steps)}", *run.peer_flags]
-    error = _run(command + run.peer_args, log)
+    error, limit = _limited(deadline, runner, command + run.peer_args, log)
+    timed = {} if limit is None else {"peer_limit_s": limit}
     if error:
-        return {"peer_note": f"peer failed: {error}"}
+        return {"peer_note": f"peer failed: {error}", **timed}
     record = json.loads((folder / PEER_JSON).read_text(encoding="utf-8"))
     speed = _speed(record)
     found = {
@@ -328,8 +354,9 @@ def run_peer(run: BenchRun, out: Path, log: Path, warmup: int, steps: int) -> di
         **{f"peer_{k}": v for k, v in speed.items() if k != "clock"},
         **_ops_of(record.get("host_ops") or {}, "peer_"),
         "peer_training_arguments": record.get("training_arguments"),
+        **timed,
     }
-    for key in ("chosen", "device_bytes_by_step", "allocator_limit_bytes"):
+    for key in ("chosen", "device_bytes_by_step", "allocator_limit_bytes", "alloc_retries_by_step"):
         if record.get(key) is not None:
             found[f"peer_{key}"] = record[key]
     return found
@@ -339,11 +366,51 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+@dataclass
+class Deadline:
+    """A time limit for a whole list of runs (a lent GPU's call): each run may take what is left of it, less
+    ``reserve`` seconds kept for what comes after the runs (the record, the tables); a run that would get less than
+    ``least`` is not started, and its row says so. ``clock``: the seam a test replaces."""
+
+    seconds: float
+    reserve: float = 15.0
+    least: float = 20.0
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.start = self.clock()
+
+    def spent(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        """Seconds the next run may take: the limit less what was spent since the start, less the reserve."""
+        return self.seconds - self.spent() - self.reserve
+
+
+Runner = Callable[..., Optional[str]]  # (command, log, timeout) -> the error or None: `_run`, or a test's fake
+
+
+def _limited(
+    deadline: Optional[Deadline], run: Runner, command: list[str], log: Path
+) -> tuple[Optional[str], Optional[float]]:
+    """Run ``command`` within what is left of ``deadline`` (not at all where too little is): (error, its limit)."""
+    if deadline is None:
+        return run(command, log), None
+    limit = deadline.left()
+    if limit < deadline.least:
+        return (f"not run: {max(limit, 0):.0f} s of the call's time left (a run needs at least {deadline.least:.0f})",
+                round(limit, 1))
+    return run(command, log, timeout=limit), round(limit, 1)
+
+
 def bench(
     runs: list[BenchRun], out: Path, warmup: int, steps: int, evaluate: bool, peer: Optional[str],
-    done: Callable[[list[dict]], None] = lambda rows: None,
+    done: Callable[[list[dict]], None] = lambda rows: None, deadline: Optional[Deadline] = None, run: Runner = _run,
 ) -> list[dict]:
-    """Run every recipe (and its peer), each in a fresh process; `done` gets the rows so far after each."""
+    """Run every recipe (and its peer), each in a fresh process; `done` gets the rows so far after each. Under a
+    ``deadline`` each process gets what is left of it (`Deadline.left`: ``limit_s``, and ``peer_limit_s`` for the
+    peer, in the row, with the seconds the row took, ``row_s``); ``run`` runs a process (`_run`; a test's fake)."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     total = len(runs) + (sum(r.peer_note is None and not r.peer_only for r in runs) if peer else 0)
@@ -353,6 +420,7 @@ def bench(
             bar.set_postfix_str(p.recipe)
             shutil.rmtree(p.run_dir, ignore_errors=True)
             row: dict[str, Any] = {"recipe": p.recipe, "precision": p.precision, **p.flops}
+            started = time.monotonic() if deadline is None else deadline.clock()
             if p.error is not None:
                 row["error"] = f"refused before training: {p.error}"
                 rows.append(row)
@@ -360,14 +428,20 @@ def bench(
                 done(rows)
                 continue
             if p.peer_only:  # the peer's own row: nothing of ours runs
-                row.update(run_peer(p, out, logs / f"{p.recipe}.log", p.warmup, p.steps))
+                row.update(run_peer(p, out, logs / f"{p.recipe}.log", p.warmup, p.steps, deadline, run))
                 if row.get("peer_note"):
                     row["error"] = row.pop("peer_note")
+                if "peer_limit_s" in row:
+                    row["limit_s"] = row.pop("peer_limit_s")
+                _timed(row, started, deadline)
                 rows.append(row)
                 bar.update()
                 done(rows)
                 continue
-            error = _run([sys.executable, "-m", "lit_memory", "fit", *p.fit_args], logs / f"{p.recipe}.log")
+            fit = [sys.executable, "-m", "lit_memory", "fit", *p.fit_args]
+            error, limit = _limited(deadline, run, fit, logs / f"{p.recipe}.log")
+            if limit is not None:
+                row["limit_s"] = limit
             try:
                 row.update(read_run(p.run_dir, evaluate) if error is None else {"error": error})
             except (OSError, ValueError, KeyError) as err:  # finished, but left no readable record
@@ -376,19 +450,30 @@ def bench(
             if peer:
                 if p.peer_note is None:
                     bar.set_postfix_str(f"{p.recipe} ({peer})")
-                    row.update(run_peer(p, out, logs / f"{p.recipe}.peer.log", p.warmup, p.steps))
+                    row.update(run_peer(p, out, logs / f"{p.recipe}.peer.log", p.warmup, p.steps, deadline, run))
                     bar.update()
                 else:
                     row["peer_note"] = p.peer_note
                 row["memory_ours_over_peer"] = _ratio(row.get("peak_measured_bytes"), row.get("peer_peak_bytes"))
                 row["samples_per_s_ours_over_peer"] = _ratio(row.get("samples_per_s"), row.get("peer_samples_per_s"))
                 row["host_ops_ours_over_peer"] = _ratio(row.get("host_ops_per_step"), row.get("peer_host_ops_per_step"))
+            _timed(row, started, deadline)
             rows.append(row)
             done(rows)
     return rows
 
 
+def _timed(row: dict[str, Any], started: float, deadline: Optional[Deadline]) -> None:
+    if deadline is not None:  # what the row took of the call's time
+        row["row_s"] = round(deadline.clock() - started, 1)
+
+
 def main(argv: list[str]) -> None:
+    if "--quality" in argv:  # accuracy at equal memory, several seeds (`lit_memory.tools.quality`)
+        from lit_memory.tools import quality
+
+        quality.cli(argv)
+        return
     parser = arguments.bench()
     args, user_args = parser.parse_known_args(argv)
     if args.steps < 1:

@@ -159,7 +159,7 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
     recipe's samples per step. Returns `TrainingArguments` keywords and, under ``chosen``, the choice and why.
     `NoTrainerEquivalent` without a budget, or where nothing fits."""
     from lit_memory.memory.hardware.gpus import target as this_target
-    from lit_memory.planning.prediction.analytic import device_total
+    from lit_memory.planning.prediction.analytic import capped_total
     from lit_memory.planning.prediction.step import loop
 
     config = cli.settings
@@ -176,7 +176,7 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
         for micro in (b for b in range(samples, 0, -1) if samples % b == 0):
             settings = {**TRAINER_BEST, "trainer.precision": precision, "model.optimizer": optimizer,
                         "data.batch_size": micro, "trainer.accumulate_grad_batches": samples // micro}
-            predicted = device_total(step.with_settings(settings))
+            predicted = capped_total(step.with_settings(settings))  # under the cap ours runs under: its room too
             if predicted <= limit:
                 return {
                     "per_device_train_batch_size": micro, "gradient_accumulation_steps": samples // micro,
@@ -204,12 +204,15 @@ class PeerMeter(TrainerCallback):
         self.micro_batch = 0
         self.count_step = count_step
         self.device_bytes_by_step: list[Optional[int]] = []
+        self.alloc_retries_by_step: list[int] = []  # the allocator's cache released and a request retried
+        self._retries = 0
         self.counting: Optional[HostOps] = None
         self.counted: Optional[dict[str, Any]] = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            self._retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
     # One tracker per micro-batch (MemTracker follows one forward per module), and as the memory callback
     # does, of an accumulation window only the micro-batches that differ: the first, the second, the last.
@@ -240,9 +243,12 @@ class PeerMeter(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.tracker is not None:
             self._stop_tracking()
-        if self.cuda:  # the device level at every step's end, as our monitor reads it
+        if self.cuda:  # the device level and the allocator's retries at every step's end, as our monitor reads them
             used, _ = device_memory_used(torch.device("cuda", torch.cuda.current_device()))
             self.device_bytes_by_step.append(used)
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            self.alloc_retries_by_step.append(retries - self._retries)
+            self._retries = retries
         if state.global_step >= self.warmup:
             self.stamps.mark()
         if self.counting is not None and state.global_step > self.count_step:
@@ -263,6 +269,7 @@ class PeerMeter(TrainerCallback):
             "step_times_s": self.stamps.intervals()[: self.steps],
             "host_ops": self.counted,
             "device_bytes_by_step": self.device_bytes_by_step if self.cuda else None,
+            "alloc_retries_by_step": self.alloc_retries_by_step if self.cuda else None,
             "clock": self.stamps.kind,
             "samples_per_step": samples_per_step,
             "device": torch.cuda.get_device_name() if self.cuda else "cpu",
@@ -353,6 +360,42 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
 
 
 
+QUALITY_JSON = "quality.json"
+
+
+def validated(fit_args: list[str], arguments: dict[str, Any], steps: int, out: Path) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps with `transformers.Trainer` in a configuration chosen elsewhere (``arguments``:
+    `TrainingArguments` keywords, with ``precision``, lit_memory's name for the weights' precision: ``bf16-true``
+    casts the model), on the run's model and data, then validate it as ours validates (`SequenceClassifier`'s
+    metrics on the same held-out split, through a Lightning validation loop). Returns the validation metrics.
+    What `lit_memory.tools.quality` measures the Trainer's 4 GB configuration by."""
+    import lightning as L
+    from transformers import Trainer, TrainingArguments
+
+    arguments = dict(arguments)
+    precision = arguments.pop("precision")
+    run_ = resolve(["fit", *fit_args])
+    with run_.scope():
+        cli = run_.build(trainer=False)
+        module, data = cli.model, cli.datamodule
+        module.checkpoint_plan = None  # the Trainer switches its own checkpointing on (`gradient_checkpointing`)
+        module.configure_model()
+        weights = Precision.of(precision).param
+        if weights != torch.float32:
+            module.model.to(weights)
+        data.prepare_data()
+        loader = data.train_dataloader()
+        kwargs = {**trainer_arguments(cli, best=True), **arguments}
+        args = TrainingArguments(output_dir=str(out), max_steps=steps, report_to=[], save_strategy="no",
+                                 eval_strategy="no", logging_strategy="no", disable_tqdm=True, **kwargs)
+        Trainer(model=module.model, args=args, train_dataset=loader.dataset, data_collator=loader.collate_fn).train()
+        checker = L.Trainer(accelerator="cpu" if kwargs["use_cpu"] else "auto", devices=1, precision=precision,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(out))
+        (metrics,) = checker.validate(module, datamodule=data, verbose=False)
+    return {key: float(value) for key, value in metrics.items()}
+
+
 def capped(cli: LitMemoryCLI, cuda: bool) -> Optional[Any]:
     """The run's ``memory.budget`` as ours applies it on CUDA (`BudgetCap`: the allocator capped at the budget less
     the context measured now, the step's kernels loaded first), for the Trainer's process; None without one."""
@@ -377,12 +420,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--count-step", type=int, default=None, help="the optimizer step whose host operators to count")
     parser.add_argument("--best-under-budget", action="store_true",
                         help="the Trainer's best configuration within the recipe's memory budget (best_under_budget)")
+    parser.add_argument("--validate-with", metavar="JSON",
+                        help="train --steps steps with these TrainingArguments (and precision), then validate as ours "
+                        f"does; writes {QUALITY_JSON} (`validated`)")
     ours, fit_args = parser.parse_known_args(argv)
+    ours.out.mkdir(parents=True, exist_ok=True)
     try:
+        if ours.validate_with is not None:
+            metrics = validated(fit_args, json.loads(ours.validate_with), ours.steps, ours.out)
+            files.write_text(ours.out / QUALITY_JSON, json.dumps(metrics, indent=2) + "\n")
+            return
         record = run(fit_args, ours.out, ours.warmup, ours.steps, count_step=ours.count_step, best=ours.best_under_budget)
     except (UserError, NoTrainerEquivalent) as err:
         raise SystemExit(f"error: {err}") from err
-    ours.out.mkdir(parents=True, exist_ok=True)
     files.write_text(ours.out / PEER_JSON, json.dumps(record, indent=2) + "\n")
 
 

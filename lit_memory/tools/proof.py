@@ -13,6 +13,13 @@ GPU, their ratios, samples/s, and for the capped tiers whether the device total 
 
 ``--dry-run`` resolves every run and writes the synthetic data and the commands, trains nothing: it works on a
 CPU (the tests run it).
+
+A lent GPU's call (docs/gpu.md, examples/gpu_speed.sh): ``--recipes call1`` or ``call2`` (`CALLS`: the rows in order
+of importance, call 1 starting with the sandbox probe, `PROBE`), ``--deadline SECONDS`` (each row may take what is
+left of the call, `lit_memory.tools.bench.Deadline`; a row that cannot start says so), ``--mirror DIR`` (the record,
+its tables and the logs copied there after every row: what a cut call brings back), ``--append`` (call 2's rows
+added to call 1's record of the same card). ``--rehearse`` runs all of it on a CPU with every process faked
+(`rehearsal_runner`): the record goes to ``--out``, not docs/gpu/.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import json
 import random
 import re
 import shlex
+import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -39,7 +48,7 @@ from lit_memory.hf.bundled import resolve_model
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
-from lit_memory.tools.bench import bench, counted_step, ordered, prepare, recipe_file
+from lit_memory.tools.bench import Deadline, Runner, _run, bench, counted_step, ordered, prepare, recipe_file
 from lit_memory.tools.bench_table import machine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +115,19 @@ PEER_ROWS = {
         "bf16 weights where fp32 ones cannot fit), capped exactly as ours (`lit_memory.tools.peer.best_under_budget`)",
     ),
 }
+# The sandbox probe (examples/gpu_sandbox_probe.py): a child confined as an untrusted config's run is, using the GPU;
+# a row of its own, bounded, first in call 1: the shipped recipes the proof runs are trusted (no confinement), so
+# the speed rows never wait on it.
+PROBE = "sandbox-probe"
+PROBE_SECONDS = 45
+PROBE_STEPS = ("cuda", "matmul", "nvml", "transformers", "lit_memory.model")
+# A lent GPU's two calls (docs/gpu.md): the rows in order of importance, each call within its limit (`Deadline`).
+CALLS = {
+    "call1": (PROBE, "bf16", "4gb", "4gb-peer", "baseline", "8bit"),
+    "call2": ("bf16-compile", "4gb-compile", "fsdp", "4gb-fp16", "2gb-2560mib", "4gb-snapshot"),
+}
+LEAST_S = 30  # a process started with less is stopped before its numbers exist (the H100's rows took 26-35 s)
+REHEARSAL_S = 0.05  # what each faked process of a rehearsal takes
 ROWS = 1280  # synthetic texts: one epoch holds every step a run takes (no epoch boundary inside the timed steps)
 WORDS = 200  # per text: more WordPiece tokens than max_length, so every row is full
 
@@ -177,17 +199,19 @@ def profile_args(entry: str) -> list[str]:
 
 
 def entries_of(names: str) -> list[str]:
-    """``all``: every shipped recipe (the seed's tiers first), every variant and peer row; else the names as given,
-    in order."""
+    """``all``: every shipped recipe (the seed's tiers first), every variant and peer row; ``call1``/``call2``: a lent
+    GPU's call (`CALLS`); else the names as given, in order (`PROBE` among them)."""
     if names.strip() == "all":
         return [*ordered("all"), *VARIANTS, *PEER_ROWS]
+    if names.strip() in CALLS:
+        return list(CALLS[names.strip()])
     entries = [n.strip() for n in names.split(",") if n.strip()]
     for entry in entries:
-        if entry not in VARIANTS and entry not in PEER_ROWS:
+        if entry not in VARIANTS and entry not in PEER_ROWS and entry != PROBE:
             ordered(entry)  # an unknown recipe: one error line
     if len(set(entries)) != len(entries) or not entries:
-        raise UserError(f"--recipes {names!r}: give `all` or distinct recipe, variant and peer row names "
-                        f"({', '.join([*VARIANTS, *PEER_ROWS])})")
+        raise UserError(f"--recipes {names!r}: give `all`, {' or '.join(CALLS)}, or distinct recipe, variant and peer "
+                        f"row names ({', '.join([*VARIANTS, *PEER_ROWS, PROBE])})")
     return entries
 
 
@@ -197,10 +221,14 @@ def gpu_name() -> str:
     return card.key or re.sub(r"[^a-z0-9.-]+", "-", card.name.lower()).strip("-")
 
 
+CALL_KEYS = ("limit_s", "peer_limit_s", "row_s")  # a row's share of a call (`lit_memory.tools.bench.Deadline`)
+
+
 def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Optional[str]) -> dict[str, Any]:
     """One recipe's measured levels against its prediction (from its ``memory.json``), its speed and, under a
     budget, whether the device total stayed within it."""
-    row: dict[str, Any] = {"recipe": recipe, "budget": budget, "error": bench_row.get("error")}
+    row: dict[str, Any] = {"recipe": recipe, "budget": budget, "error": bench_row.get("error"),
+                           **{k: bench_row[k] for k in CALL_KEYS if k in bench_row}}
     try:
         memory = records.read_memory(run_dir)
     except (OSError, ValueError, KeyError):
@@ -259,13 +287,24 @@ def every_step(by_step: list[Optional[int]], steps: Optional[int], limit: int) -
 
 def allocator_counts(cuda: dict[str, Any]) -> dict[str, Any]:
     """The allocator's per-step counts the monitor recorded (cudaMalloc retries near a cap, cudaMalloc/cudaFree calls),
-    and the retries per 10 steps after warm-up (the GPU goal: at most 1)."""
+    the retries per step after warm-up (the GPU goal: none), and under a cap the room it never used: its cap less
+    its reserved peak (`lit_memory.run.monitor.allocator_cap`)."""
     found = {key: cuda[key] for key in ("alloc_retries_by_step", "device_allocs_by_step", "device_frees_by_step")
              if cuda.get(key) is not None}
-    retries = [r for r in (found.get("alloc_retries_by_step") or [])[WARMUP:] if r is not None]
-    if retries:
-        found["alloc_retries_per_10_steps"] = round(10 * sum(retries) / len(retries), 3)
+    found.update(retry_rates(found.get("alloc_retries_by_step")))
+    cap, reserved = cuda.get("allocator_cap_bytes"), cuda.get("max_reserved_bytes")
+    if cap:
+        found.update(allocator_cap_bytes=cap, cap_headroom_bytes=cap - reserved if reserved else None)
     return found
+
+
+def retry_rates(by_step: Optional[list[Optional[int]]]) -> dict[str, float]:
+    """Retries per step and per 10 steps after the warm-up steps (a step not read left out)."""
+    retries = [r for r in (by_step or [])[WARMUP:] if r is not None]
+    if not retries:
+        return {}
+    return {"alloc_retries_per_step": round(sum(retries) / len(retries), 3),
+            "alloc_retries_per_10_steps": round(10 * sum(retries) / len(retries), 3)}
 
 
 def peer_row(name: str, bench_row: dict[str, Any], budget: Optional[str], card: dict[str, Any]) -> dict[str, Any]:
@@ -274,13 +313,20 @@ def peer_row(name: str, bench_row: dict[str, Any], budget: Optional[str], card: 
     the model's FLOPs (the recipe's samples per step; recompute apart) on ``card`` (name, total_bytes)."""
     peer = {k[len("peer_"):]: v for k, v in bench_row.items() if k.startswith("peer_")}
     row: dict[str, Any] = {"recipe": name, "budget": budget, "error": bench_row.get("error"), "peer_of": PEER_ROWS[name].recipe,
-                           "precision": (peer.get("chosen") or {}).get("precision")}
+                           "precision": (peer.get("chosen") or {}).get("precision"),
+                           **{k: bench_row[k] for k in CALL_KEYS if k in bench_row}}
     row.update({k: v for k, v in peer.items() if k in SPEED_KEYS or k in PEER_KEYS})
     share = bench_row.get("recompute_share") or 0.0
     speed = {"flops_per_step": (bench_row.get("flops_per_step") or 0) * (1 - share) or None,
              "step_time_s": row.get("step_time_s"), "precision": "bf16-mixed"}
     found = utilisation(speed, {"device": card})
     row.update({k: v for k, v in found.items() if k not in ("hfu", "tflops_achieved")})  # its own recompute: not counted
+    if peer.get("alloc_retries_by_step") is not None:  # counted as ours are
+        row["alloc_retries_by_step"] = peer["alloc_retries_by_step"]
+        row.update(retry_rates(peer["alloc_retries_by_step"]))
+    if peer.get("allocator_limit_bytes") and peer.get("reserved_bytes"):
+        row.update(allocator_cap_bytes=peer["allocator_limit_bytes"],
+                   cap_headroom_bytes=peer["allocator_limit_bytes"] - peer["reserved_bytes"])
     by_step = peer.get("device_bytes_by_step")
     if budget and by_step:
         limit = capacity(budget)
@@ -358,12 +404,28 @@ def write_proof(rows: list[dict[str, Any]], info: dict[str, Any], path: Path) ->
 
 
 def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", peer: bool = False,
-         record: Optional[str] = None) -> None:
-    if not dry_run and not torch.cuda.is_available():
-        raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere)")
+         record: Optional[str] = None, deadline: Optional[float] = None, mirror: Optional[Path] = None,
+         append: bool = False, rehearse: bool = False) -> None:
+    # from the proof's start (resolving the runs takes of it too); no process starts with less than a row needs
+    limit = Deadline(deadline, least=LEAST_S) if deadline else None
+    if not dry_run and not rehearse and not torch.cuda.is_available():
+        raise UserError("--gpu-proof trains on a CUDA GPU and this machine has none (--dry-run resolves it anywhere; "
+                        "--rehearse runs a call's plumbing with every process faked)")
     if shipped.recipes_dir() != shipped.CHECKOUT:
         raise UserError("--gpu-proof writes docs/gpu/ of a checkout: run it from a clone of the repository")
     entries = entries_of(names)
+    probe = PROBE in entries
+    entries = [e for e in entries if e != PROBE]
+    command = shlex.join(["python", "-m", "lit_memory", "bench", "--gpu-proof", *(["--dry-run"] if dry_run else []),
+                          *(["--rehearse"] if rehearse else []), *(["--peer"] if peer else []),
+                          *([] if names == "all" else [f"--recipes={names}"]),
+                          *([f"--deadline={deadline:g}"] if deadline else []), *user_args])
+    run: Runner = rehearsal_runner if rehearse else _run
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    call = None if dry_run else new_call(out, record, mirror, append, rehearse, entries, _info(command, deadline))
+    first = [probe_row(out, limit, run)] if call is not None and probe else []
+    if first:
+        call.save(first)
     data = synthetic_csv(out / "synthetic.csv")
     extras = {e: extra_args(e) for e in entries}
     runs = prepare(
@@ -373,21 +435,64 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
     )
     runs = [dataclasses.replace(r, peer_only=True, peer_flags=PEER_ROWS[r.recipe].flags, peer_note=None)
             if r.recipe in PEER_ROWS else r for r in runs]
-    command = shlex.join(["python", "-m", "lit_memory", "bench", "--gpu-proof", *(["--dry-run"] if dry_run else []),
-                          *(["--peer"] if peer else []), *([] if names == "all" else [f"--recipes={names}"]), *user_args])
     plan = [{"recipe": r.recipe, **_how(r)} for r in runs]
     if dry_run:
         files.write_text(out / "gpu-proof-runs.json", json.dumps({"command": command, "runs": plan}, indent=2) + "\n")
-        for run in plan:
-            print(run.get("fit") or run["peer"])
+        for run_ in plan:
+            print(run_.get("fit") or run_["peer"])
         print(f"dry run: {len(plan)} runs resolved; the data is {data}; nothing trained")
         return
-    target = DOCS / f"{gpu_name()}{f'-{record}' if record else ''}.json"
-    if not target.parent.is_dir():  # a checkout has it (docs/gpu/README.md); a copy without it gets it back
-        target.parent.mkdir(parents=True)
-    info: dict[str, Any] = {
+
+    rows = run_call(call, runs, first, out, peer, limit, run)
+    print(f"wrote {call.target}" + (f" (and its copy, tables and logs in {mirror})" if mirror else ""))
+    for row in json.loads(call.target.read_text(encoding="utf-8"))["recipes"]:
+        levels = row.get("measured_over_predicted") or {}
+        print(f"{row['recipe']:>16}: measured/predicted " + ", ".join(f"{k} {v}" for k, v in levels.items())
+              + (f"; {row['samples_per_s']:.1f} samples/s" if row.get("samples_per_s") else "")
+              + (f", mfu {row['mfu']:.1%}" if row.get("mfu") else "")
+              + (f"; peer {row['peer_samples_per_s']:.1f}" if row.get("peer_samples_per_s") else "")
+              + (f"; took {row['row_s']:.0f} s" if row.get("row_s") is not None else "")
+              + (f"; error: {row['error']}" if row.get("error") else ""))
+    failed = [r["recipe"] for r in rows if r.get("error")]
+    if failed:
+        print(f"failed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
+
+
+def new_call(out: Path, record: Optional[str], mirror: Optional[Path], append: bool, rehearse: bool,
+             entries: list[str], info: dict[str, Any]) -> "Call":
+    """This call's record: docs/gpu/<gpu>[-record].json (a rehearsal's in ``out``), with an earlier call's rows on the
+    same card where ``append`` (but those this call runs again)."""
+    card = ({"name": "rehearsal (no GPU)", "total_bytes": 0} if rehearse else
+            {"name": torch.cuda.get_device_name(), "total_bytes": torch.cuda.get_device_properties(0).total_memory})
+    name = "rehearsal" if rehearse else gpu_name()
+    target = (out if rehearse else DOCS) / f"{name}{f'-{record}' if record else ''}.json"
+    earlier = previous_record(target, card) if append else None
+    kept = [row for row in earlier["recipes"] if row["recipe"] not in entries] if earlier else []
+    calls = (earlier.get("calls") or [earlier["command"]]) if earlier else []
+    return Call(target, mirror, card, info, out / "logs", kept, calls)
+
+
+def run_call(call: "Call", runs: list[Any], first: list[dict[str, Any]], out: Path, peer: bool,
+             deadline: Optional[Deadline], run: Runner) -> list[dict[str, Any]]:
+    """The proof's rows after ``first`` (the probe's), in order, each within what is left of ``deadline``, the call's
+    record saved after every row (`Call.save`: an interrupted proof keeps what it measured); ``run`` runs a process."""
+
+    def save(done: list[dict]) -> None:
+        rows = [peer_row(r["recipe"], r, budget_of(p.fit_args), call.card) if p.peer_only
+                else proof_row(r["recipe"], r, p.run_dir, budget_of(p.fit_args)) for r, p in zip(done, runs)]
+        call.save([*first, *rows], machine(done))
+
+    rows = bench(runs, out, WARMUP, STEPS, False, "hf-trainer" if peer else None, save, deadline=deadline, run=run)
+    if not rows:
+        call.save(first)
+    return rows
+
+
+def _info(command: str, deadline: Optional[float]) -> dict[str, Any]:
+    return {
         "command": command,
         "date": datetime.date.today().isoformat(),  # the newest record is the README's (`lit_memory.tools.speed`)
+        **({"deadline_s": deadline} if deadline else {}),
         "note": "BERT-large from its config (random weights), batch as each recipe states, synthetic 128-token rows; "
         f"{WARMUP} warm-up + {STEPS} timed optimizer steps ({ACCUMULATING_STEPS} for recipes that accumulate), timed "
         "with CUDA events (median, min, max, quartiles); a recipe with memory.tier runs with it as memory.budget "
@@ -395,7 +500,9 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         "max_memory_allocated (tensors), max_memory_reserved, the device level as device_source says; mfu: counted "
         "FLOPs without recompute per second over the card's dense peak for the precision (hfu: recompute counted); "
         f"{', '.join(PROFILED)}: one more step under torch.profiler (profile); peer: transformers.Trainer, same "
-        "settings, timed the same way",
+        "settings, timed the same way; alloc_retries_by_step: the allocator's cache released and a request retried, "
+        "per optimizer step; cap_headroom_bytes: the allocator's cap less its reserved peak; limit_s, row_s: the "
+        "seconds a row was given of its call and took",
         "variants": {name: {"recipe": v.recipe, "args": list(v.args), "why": v.why} for name, v in VARIANTS.items()},
         "peer_rows": {name: {"recipe": v.recipe, "flags": list(v.flags), "why": v.why} for name, v in PEER_ROWS.items()},
         "optimizer_kernels": "fused",  # torch's Adam/AdamW on their fused CUDA kernel (lit_memory's default since 2026-11-27)
@@ -403,25 +510,88 @@ def main(user_args: list[str], out: Path, dry_run: bool, names: str = "all", pee
         # (lit_memory.run.step_profile.HostOps); every step's end read (null: not read); allocator counts per step
         "host_ops": "lit_memory.run.step_profile.HostOps, one step after the timed ones, loading to logging",
     }
-    card = {"name": torch.cuda.get_device_name(), "total_bytes": torch.cuda.get_device_properties(0).total_memory}
 
-    def save(done: list[dict]) -> None:  # after every recipe: an interrupted proof keeps what it measured
-        rows = [peer_row(r["recipe"], r, budget_of(p.fit_args), card) if p.peer_only
-                else proof_row(r["recipe"], r, p.run_dir, budget_of(p.fit_args)) for r, p in zip(done, runs)]
-        write_proof(with_peer_rows(rows), {**info, "machine": {**machine(done), "device": card["name"]}}, target)
 
-    rows = bench(runs, out, WARMUP, STEPS, False, "hf-trainer" if peer else None, save)
-    print(f"wrote {target}")
-    for row in json.loads(target.read_text(encoding="utf-8"))["recipes"]:
-        levels = row.get("measured_over_predicted") or {}
-        print(f"{row['recipe']:>16}: measured/predicted " + ", ".join(f"{k} {v}" for k, v in levels.items())
-              + (f"; {row['samples_per_s']:.1f} samples/s" if row.get("samples_per_s") else "")
-              + (f", mfu {row['mfu']:.1%}" if row.get("mfu") else "")
-              + (f"; peer {row['peer_samples_per_s']:.1f}" if row.get("peer_samples_per_s") else "")
-              + (f"; error: {row['error']}" if row.get("error") else ""))
-    failed = [r["recipe"] for r in rows if r.get("error")]
-    if failed:
-        print(f"failed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
+@dataclass
+class Call:
+    """Where one call's record goes after every row: ``target`` (docs/gpu/<gpu>[-NAME].json), and with ``mirror``
+    (the lent machine's $OUT) a copy of it, its two tables and the rows' logs so far; rows of an earlier call on the
+    same card (``previous``, `--append`) stay in it, but for those run again."""
+
+    target: Path
+    mirror: Optional[Path]
+    card: dict[str, Any]
+    info: dict[str, Any]
+    logs: Optional[Path] = None  # the rows' logs (``<out>/logs``)
+    previous: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    calls: list[str] = dataclasses.field(default_factory=list)  # the earlier calls' commands
+
+    def save(self, rows: list[dict[str, Any]], machine_: Optional[dict[str, Any]] = None) -> None:
+        names = {row["recipe"] for row in rows}
+        kept = [row for row in self.previous if row["recipe"] not in names]
+        info = {**self.info, "machine": {**(machine_ or machine([])), "device": self.card["name"]}}
+        if self.calls:
+            info["calls"] = [*self.calls, self.info["command"]]
+        self.target.parent.mkdir(parents=True, exist_ok=True)  # a checkout has docs/gpu (its README); a copy may not
+        write_proof(with_peer_rows([*kept, *rows]), info, self.target)
+        if self.mirror is not None:
+            mirror_call(self.target, self.mirror, self.logs)
+
+
+def previous_record(target: Path, card: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """An earlier call's record at ``target`` (`--append`), where it is of the same card; else None."""
+    if not target.is_file():
+        return None
+    record = json.loads(target.read_text(encoding="utf-8"))
+    return record if (record.get("machine") or {}).get("device") == card["name"] else None
+
+
+def mirror_call(target: Path, mirror: Path, logs: Optional[Path] = None) -> None:
+    """The record, its tables (``--show``'s, ``--speed-table``'s) and the last 256 KiB of each of its rows' logs
+    (``logs``) into ``mirror``: what a call cut by its limit still brings back."""
+    mirror.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(target, mirror / target.name)
+    record = json.loads(target.read_text(encoding="utf-8"))
+    files.write_text(mirror / "table.md", table(record) + "\n")
+    source = f"docs/gpu/{target.name}"
+    files.write_text(mirror / "speed-table.md", speed_table(record, source) if _trained(record) else
+                     "no row of ours trained: no speed table\n")
+    if logs is not None and logs.is_dir():
+        (mirror / "logs").mkdir(exist_ok=True)
+        for log in logs.glob("*.log"):
+            with open(log, "rb") as f:
+                f.seek(max(log.stat().st_size - 256 * 1024, 0))
+                files.write_bytes(mirror / "logs" / log.name, f.read())
+
+
+def probe_row(out: Path, deadline: Optional[Deadline], run: Runner) -> dict[str, Any]:
+    """The sandbox probe (examples/gpu_sandbox_probe.py) as a row: at most `PROBE_SECONDS` (less where the call has
+    less left), each of its steps ok, failed or not reached, its output in ``logs/sandbox-probe.log``."""
+    log = out / "logs" / f"{PROBE}.log"
+    left = deadline.left() if deadline is not None else PROBE_SECONDS
+    limit = max(min(PROBE_SECONDS, left), 1.0)
+    clock = deadline.clock if deadline is not None else time.monotonic
+    started = clock()
+    error = run([sys.executable, str(ROOT / "examples" / "gpu_sandbox_probe.py")], log, timeout=limit)
+    text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
+    return {"recipe": PROBE, "error": error, "limit_s": round(limit, 1), "row_s": round(clock() - started, 1),
+            "probe": probe_steps(text)}
+
+
+def probe_steps(text: str) -> dict[str, str]:
+    """Each probe step's outcome from its output (``cuda ok ...``, ``nvml FAILED``): ok, failed, or not reached."""
+    found = {}
+    for step in PROBE_STEPS:
+        line = next((line for line in text.splitlines() if line.startswith(f"{step} ")), "")
+        found[step] = "ok" if line.startswith(f"{step} ok") else "failed" if "FAILED" in line else "not reached"
+    return found
+
+
+def rehearsal_runner(command: list[str], log: Path, timeout: Optional[float] = None) -> Optional[str]:
+    """A process of a rehearsal (``--rehearse``): not run; its log says what would have run, within which limit."""
+    files.write_text(log, f"rehearsal: would run {shlex.join(command)}\nlimit: {timeout} s\n")
+    time.sleep(REHEARSAL_S)
+    return "rehearsal: not run" + (f" (its limit {timeout:.0f} s)" if timeout is not None else "")
 
 
 def _how(run: Any) -> dict[str, Any]:
@@ -431,6 +601,8 @@ def _how(run: Any) -> dict[str, Any]:
         command = ["python", "-m", "lit_memory.tools.peer", *peer.flags, *run.peer_args]
         return {"peer": shlex.join(command), "peer_of": peer.recipe, "why": peer.why}
     found = {"fit": shlex.join(["python", "-m", "lit_memory", "fit", *run.fit_args])}
+    if run.error is not None:
+        found["refused"] = run.error
     if run.recipe in VARIANTS:
         found.update(variant_of=VARIANTS[run.recipe].recipe, why=VARIANTS[run.recipe].why)
     return found
@@ -491,29 +663,32 @@ def _trained(record: dict[str, Any]) -> bool:
 
 def speed_table(record: dict[str, Any], source: str) -> str:
     """README's speed table: each recipe's samples/s and MFU, the HF Trainer in the same run (its row, or its peer's
-    speed) and ours/theirs, the step's spread, compile time and the host's operators per step, with the card."""
+    speed) and ours/theirs, the spread of the timed steps (fastest, median, slowest), the allocator's retries per step
+    after warm-up, compile time and the host's operators per step, with the card."""
     card = (record.get("machine") or {}).get("device") or "the GPU"
     lines = [
         f"Measured on one {card}" + (f" on {record['date']}" if record.get("date") else "") + " "
         f"(`{record['command']}`; [{source}]({source})): samples/s over {STEPS} steps timed with CUDA events, MFU against "
-        "the card's dense bf16 peak, the HF Trainer in the same run (ours/Trainer > 1: faster).",
+        "the card's dense bf16 peak, the HF Trainer in the same run (ours/Trainer > 1: faster), the allocator's cache "
+        "released and a request retried per step (`-`: not counted in that record).",
         "",
-        "| recipe | samples/s | MFU | HF Trainer samples/s | ours/Trainer | step ms (min-max) | compile s | host ops/step | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| recipe | samples/s | MFU | HF Trainer samples/s | ours/Trainer | step ms (min / median / max) "
+        "| retries/step | compile s | host ops/step | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in record["recipes"]:
         if not row.get("samples_per_s") and not row.get("error"):
             continue
         num = lambda key, fmt: format(row[key], fmt) if row.get(key) is not None else "-"  # noqa: E731
-        spread = (f"{1e3 * row['step_time_s']:.0f} ({1e3 * row['step_time_min_s']:.0f}-{1e3 * row['step_time_max_s']:.0f})"
-                  if row.get("step_time_s") and row.get("step_time_min_s") else "-")
+        timed = ("step_time_min_s", "step_time_s", "step_time_max_s")
+        spread = " / ".join(f"{1e3 * row[key]:.0f}" for key in timed) if all(row.get(key) for key in timed) else "-"
         note = row.get("error") or ((f"the HF Trainer alone: {(row.get('chosen') or {}).get('configuration', '')}, "
                                      f"micro-batch {(row.get('training_arguments') or {}).get('per_device_train_batch_size', '?')}")
                                     if row.get("peer_of") else _card_note(row))
         lines.append(
             f"| `{row['recipe']}` | {num('samples_per_s', '.1f')} | {num('mfu', '.1%')} | {num('peer_samples_per_s', '.1f')} "
-            f"| {num('samples_per_s_ours_over_peer', '.2f')} | {spread} | {num('compile_s', '.0f')} | {num('host_ops_per_step', 'd')} "
-            f"| {str(note).replace('|', '/')} |"
+            f"| {num('samples_per_s_ours_over_peer', '.2f')} | {spread} | {num('alloc_retries_per_step', '.2f')} "
+            f"| {num('compile_s', '.0f')} | {num('host_ops_per_step', 'd')} | {str(note).replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -538,13 +713,22 @@ def cli(argv: list[str]) -> None:
     parser.add_argument("--gpu-proof", action="store_true", required=True)
     parser.add_argument("--dry-run", action="store_true", help="resolve every run and write the data; train nothing")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="runs, logs and data (default bench/)")
-    parser.add_argument("--recipes", default="all", help=f"`all` or a,b,c: recipes and variants ({', '.join(VARIANTS)}), in that order")
+    parser.add_argument("--recipes", default="all", help=f"`all`, {' or '.join(CALLS)} (a lent GPU's call), or a,b,c: "
+                        f"recipes, variants ({', '.join(VARIANTS)}), peer rows and {PROBE}, in that order")
     parser.add_argument("--peer", action="store_true", help="also train each recipe with transformers.Trainer where it has an equivalent")
     parser.add_argument("--show", type=Path, metavar="RECORD", help="print a record (docs/gpu/<gpu>.json) as a table")
     parser.add_argument("--record", metavar="NAME", help="write docs/gpu/<gpu>-NAME.json (a record of its own) instead of <gpu>.json")
     parser.add_argument("--speed-table", nargs="?", const=True, type=Path, metavar="RECORD",
                         help="print README's speed table from a record (default: the newest in docs/gpu/)")
     parser.add_argument("--update-readme", action="store_true", help="with --speed-table: write it into README.md")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="the time the rows may take in all, from the start: each row gets what is left of it")
+    parser.add_argument("--mirror", type=Path, metavar="DIR",
+                        help="after every row, copy the record, its tables and the rows' logs into DIR ($OUT)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of an earlier call's record on the same card, but for those run again")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run the rows' plumbing on any machine, every process faked; the record goes to --out")
     args, user_args = parser.parse_known_args(argv)
     if args.show:
         print(table(json.loads(args.show.read_text(encoding="utf-8"))))
@@ -559,4 +743,7 @@ def cli(argv: list[str]) -> None:
         return
     if args.record is not None and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", args.record):
         raise UserError(f"--record {args.record!r}: a name of lowercase letters, digits, dots and dashes")
-    main(user_args, args.out, args.dry_run, args.recipes, args.peer, args.record)
+    if args.deadline is not None and args.deadline <= 0:
+        raise UserError(f"--deadline {args.deadline:g}: the seconds the rows may take, more than 0")
+    main(user_args, args.out, args.dry_run, args.recipes, args.peer, args.record, args.deadline, args.mirror,
+         args.append, args.rehearse)

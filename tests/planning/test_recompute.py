@@ -253,3 +253,28 @@ def test_plan_run_returns_the_plan_and_leaves_the_parsed_settings_as_they_were()
     assert plan_run(cli.settings, cli.memory, False, None, None) == {
         "model.gradient_checkpointing": False, "model.offload_activations": False,
     }
+
+
+def test_under_a_cap_a_plan_leaves_the_allocators_room_and_for_a_tier_it_need_not(monkeypatch):
+    """``memory.budget`` caps the allocator, whose check counts a request's whole segment (`Replay.room`): the plan
+    fits the device total and that room; ``memory.tier`` is a card, uncapped, where the device total alone fits."""
+    from lit_memory.memory.hardware.budget import MemorySettings
+    from lit_memory.planning import recompute
+
+    full = device_total(tiny("cuda", gradient_checkpointing=True))
+    none = device_total(tiny("cuda"))
+    room = (none - full) // 3  # stood for: a request whose whole segment passes the cap where its pages would not
+    monkeypatch.setattr(recompute, "capped_total", lambda step: device_total(step) + room)
+    budget = Limit(int(full + 0.5 * (none - full)), margin=0.0)
+    tier = replace(tiny("cuda"), margin=0.0, memory=MemorySettings(tier=str(budget.bytes)))
+    capped = replace(tiny("cuda"), margin=0.0, memory=MemorySettings(budget=str(budget.bytes)))
+    for_tier, for_cap = plan_for(tier, budget), plan_for(capped, budget)
+    assert for_tier.total <= budget.bytes and for_cap.total <= budget.bytes
+    assert for_cap.total == device_total(_with(capped, for_cap)) + room  # the room is in what it fitted
+    assert for_cap.flops > for_tier.flops  # more recompute: the room is memory the plan cannot have
+
+
+def _with(step, found):
+    from lit_memory.planning.recompute import _with_plan
+
+    return _with_plan(step, found.plan, offload=found.offload)

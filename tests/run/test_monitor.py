@@ -437,6 +437,11 @@ def test_after_the_first_steps_the_device_is_read_once_at_every_step_end_with_th
     trainer.global_step = 7
     monitor.on_train_batch_end(trainer, None, None, {}, 6)
     assert cuda["device_bytes_by_step"][5:] == [None, None] and cuda["alloc_retries_by_step"][5:] == [None, 0]
+    # the run's end, before the cap is given back: the allocator's cap (what it never used: the cap less its peak)
+    monitor.on_train_end(trainer, None)
+    assert cuda["allocator_cap_bytes"] == int(0.9 * 16 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    assert monitor_module.allocator_cap(torch.device("cuda", 0)) is None  # no cap set
 
 
 def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predicted_levels(fake_cuda, capsys):

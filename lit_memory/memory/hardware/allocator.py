@@ -16,7 +16,13 @@ with ``cudaMalloc`` and keeps, used or not. The rules are those of ``c10/cuda/CU
   the driver (that only happens on an out-of-memory retry or ``torch.cuda.empty_cache()``, which a
   prediction of the peak does not need);
 - ``expandable_segments:True``: one segment per pool that grows by mapping 2 MiB (small pool) or
-  20 MiB (large pool) pages at its end; blocks split whenever 512 B or more is left.
+  20 MiB (large pool) pages at its end; blocks split whenever 512 B or more is left;
+- under a cap (``torch.cuda.set_per_process_memory_fraction``, what ``memory.budget`` sets), a request no cached
+  block serves first passes the cap's check: the reserve plus the request's whole segment size
+  (``get_allocation_size``) must be within the cap, even where expandable segments then map only the pages past
+  their free tail (``alloc_block`` in c10/core/CachingDeviceAllocator.h). A request that fails it makes the
+  allocator synchronise, release every cached block (unmap every free page) and retry: ``num_alloc_retries``.
+  ``peak_checked`` is the highest level that check saw, what a cap must allow for no retry.
 
 Written here rather than taken from torch because torch has no CPU-side simulator of it (its memory
 snapshot tools read a real CUDA allocator). One stream is modelled: a step's kernels run on one.
@@ -263,6 +269,7 @@ class CachingAllocator:
         self.pools = {True: _Pool(small=True), False: _Pool(small=False)}
         self.live: dict[Hashable, _Block] = {}
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.peak_checked = 0  # the cap's check: the reserve plus a request's whole segment size (module docstring)
         self._next_segment = 0
         if config.expandable_segments:  # one growing segment per pool, far apart in address space
             self.pools[True].base, self.pools[False].base = 0, 1 << 50
@@ -316,6 +323,7 @@ class CachingAllocator:
 
     def _grow(self, pool: _Pool, size: int) -> _Block:
         """A new segment (``cudaMalloc``), or more pages mapped at the end of the expandable segment."""
+        self.peak_checked = max(self.peak_checked, self.reserved + segment_size(size))
         if not self.config.expandable_segments:
             total = segment_size(size)
             block = _Block(self._next_segment, total, pool)
@@ -394,6 +402,14 @@ class Replay:
     peak_allocated: int
     peak_reserved: int
     peak_phase: Optional[str]  # the phase in which reserved last grew
+    peak_checked: int = 0  # the highest level a cap's check saw (`CachingAllocator.peak_checked`)
+
+    @property
+    def room(self) -> int:
+        """What a cap must allow beyond the reserved peak for the allocator never to release its cache and retry:
+        none with fixed segments (a new segment is what the check counts); with expandable segments, the most a
+        request's whole segment size passed what its pages past the free tail added."""
+        return max(self.peak_checked - self.peak_reserved, 0)
 
 
 def replay(events: Iterable[Event], config: AllocatorConfig = AllocatorConfig()) -> Replay:
@@ -424,4 +440,6 @@ def replay(events: Iterable[Event], config: AllocatorConfig = AllocatorConfig())
             close()
             phase, phase_peak = event[1], allocator.allocated
     close()
-    return Replay(allocated, reserved, allocator.peak_allocated, allocator.peak_reserved, grew_in)
+    return Replay(
+        allocated, reserved, allocator.peak_allocated, allocator.peak_reserved, grew_in, allocator.peak_checked
+    )

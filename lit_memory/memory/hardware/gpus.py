@@ -272,18 +272,23 @@ class Target:
         return f"{card}, CUDA {self.cuda}, {context}, {self.allocator.describe()}"
 
 
-def add_levels(footprint: Any, reserved: int, phase: str, target: Target, communicators: int = 0) -> None:
+def add_levels(
+    footprint: Any, reserved: int, phase: str, target: Target, communicators: int = 0, room: int = 0
+) -> None:
     """A CUDA step's ``footprint`` (`lit_memory.memory.measure.footprint.Footprint`) given its reserved and device levels:
     ``reserved``, what the allocator holds at its peak as the prediction replayed it (at ``phase``), plus the cuBLAS
     workspaces (through the allocator), in whole MiB; the device adds the CUDA context and ``communicators``, NCCL's
     memory (`lit_memory.memory.hardware.nccl`). The allocator caches what it reserves: in the steady state every phase
-    holds that peak. The one place both predictions add the levels."""
+    holds that peak. ``room``: what a cap must allow beyond that reserve for the allocator never to release its cache
+    and retry (`lit_memory.memory.hardware.allocator.Replay.room`), in whole MiB. The one place both predictions add
+    the levels."""
     workspaces = CUBLAS_THREADS * target.cublas_workspace
     footprint.reserved = -(-(reserved + workspaces) // MiB) * MiB
     footprint.reserved_phase = phase if phase in footprint.phases else footprint.peak_phase
     footprint.context = target.context_bytes
     footprint.communicators = communicators
     footprint.workspaces = workspaces  # allocated too: max_memory_allocated counts them (`Footprint.allocated`)
+    footprint.room = -(-room // MiB) * MiB
 
 
 def cuda_tuple(version: str) -> tuple[int, int]:

@@ -66,6 +66,9 @@ class Footprint:
     context: Optional[int] = None  # CUDA context and loaded kernels (device = reserved + context + communicators)
     workspaces: Optional[int] = None  # cuBLAS workspaces: allocated through the allocator, not tensors of the step
     communicators: Optional[int] = None  # NCCL's communicators, outside the allocator (distributed CUDA runs)
+    # under a cap (memory.budget on CUDA): what the allocator's check counts beyond its reserve, for it never to release
+    # its cache and retry (`lit_memory.memory.hardware.allocator.Replay.room`); not memory the device holds
+    room: Optional[int] = None
 
     @property
     def allocated(self) -> int:
@@ -77,6 +80,13 @@ class Footprint:
         if self.reserved is None or self.context is None:
             return None
         return self.reserved + self.context + (self.communicators or 0)
+
+    @property
+    def capped(self) -> Optional[int]:
+        """What a cap on the device (``memory.budget``) must allow: the device level and the allocator's room beyond
+        its reserve, so that it never releases its cache and retries. Every "fits" of a budget compares this."""
+        device = self.device
+        return None if device is None else device + (self.room or 0)
 
     def add(self, phase: str, categories: dict[str, int]) -> None:
         """Keep, per phase, the composition with the largest total (the peak over steps)."""
@@ -105,6 +115,8 @@ class Footprint:
         if self.reserved is not None:
             out.update(levels, reserved_phase=self.reserved_phase, context_bytes=self.context,
                        workspace_bytes=self.workspaces, allocated_bytes=self.allocated)
+            if self.room:
+                out["room_bytes"] = self.room
             if self.communicators:
                 out["communicator_bytes"] = self.communicators
         out.update(peak_phase=self.peak_phase, categories=self.categories)
@@ -123,4 +135,5 @@ class Footprint:
             context=data.get("context_bytes"),
             workspaces=data.get("workspace_bytes"),
             communicators=data.get("communicator_bytes"),
+            room=data.get("room_bytes"),
         )

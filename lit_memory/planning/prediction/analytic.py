@@ -140,7 +140,7 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
         # the allocator's reserve beyond what it holds, over the tensors' peak (its replay, not the model's sum)
         found = replay(program.events(step_model(step, module.model, kept, act)), step.target.allocator)
         reserve = footprint.peak + max(found.peak_reserved - found.peak_allocated, 0)
-        add_levels(footprint, reserve, found.peak_phase, step.target, step.communicators.total)
+        add_levels(footprint, reserve, found.peak_phase, step.target, step.communicators.total, found.room)
     prediction.seconds = time.perf_counter() - start
     return prediction
 
@@ -203,13 +203,24 @@ def device_total(step: Step) -> int:
     """What ``nvidia-smi`` would show for this step's process at its peak, predicted analytically: tensors,
     the allocator's reserve and the CUDA context (bytes). Cached per step; cheap enough for a search
     over hundreds of setups."""
+    return _levels(step)[0]
+
+
+def capped_total(step: Step) -> int:
+    """What a budget must allow this step (`Footprint.capped`): its `device_total` and, under a cap, the allocator's
+    room beyond its reserve so that it never releases its cache and retries. What a plan fits to a budget."""
+    return _levels(step)[1]
+
+
+def _levels(step: Step) -> tuple[int, int]:
     key = step.key()
     if key not in _TOTALS:
-        prediction = analytic(step)
-        _TOTALS[key] = prediction.footprint.device if prediction.footprint.device is not None else prediction.footprint.peak
+        footprint = analytic(step).footprint
+        device = footprint.device if footprint.device is not None else footprint.peak
+        _TOTALS[key] = (device, device + (footprint.room or 0))
         if len(_TOTALS) > 4096:
             _TOTALS.pop(next(iter(_TOTALS)))
     return _TOTALS[key]
 
 
-_TOTALS: dict[str, int] = {}
+_TOTALS: dict[str, tuple[int, int]] = {}

@@ -275,7 +275,7 @@ def _tracked_step(step: Step, mode) -> Prediction:
         notes.append(STAND_IN_NOTE.format(kernel=kernel))
         found = steady_replay(tracker.events, step)
         add_levels(footprint, max(found.peak_reserved, footprint.peak), found.peak_phase, step.target,
-                   step.communicators.total)
+                   step.communicators.total, found.room)
     return Prediction(
         method="simulated",  # `measure` renames its own
         device=step.device,

@@ -230,3 +230,20 @@ def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
     monkeypatch.delenv(ENV)
     monkeypatch.setenv(UNIFIED_ENV, "max_split_size_mb:128")  # the unified name is read as well
     assert Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator.max_split_size == 128 * MiB
+
+
+def test_under_a_cap_the_check_counts_a_requests_whole_segment_and_expandable_segments_need_room_for_it():
+    """c10/core/CachingDeviceAllocator.h, ``alloc_block``: with a fraction set, reserve + the request's whole
+    segment size (``get_allocation_size``) must be within the cap, before expandable segments map only the pages
+    past their free tail; a request that fails it makes the allocator release its cache and retry."""
+    fixed, expandable = CachingAllocator(), CachingAllocator(AllocatorConfig(expandable_segments=True))
+    for allocator in (fixed, expandable):
+        allocator.malloc("a", 40 * MiB)
+        allocator.malloc("b", 40 * MiB)
+        allocator.free("b")  # 40 MiB free at the end
+        allocator.malloc("c", 50 * MiB)  # fits nowhere cached: a new segment, or 20 MiB more mapped past the tail
+    assert fixed.peak_reserved == fixed.peak_checked == 130 * MiB  # what the check counts is what it reserves
+    assert expandable.peak_reserved == 100 * MiB and expandable.peak_checked == 80 * MiB + 50 * MiB
+    events = [("+", "a", 40 * MiB), ("+", "b", 40 * MiB), ("-", "b"), ("+", "c", 50 * MiB)]
+    assert replay(events).room == 0
+    assert replay(events, AllocatorConfig(expandable_segments=True)).room == 30 * MiB  # a cap of 100 MiB retries
