@@ -211,11 +211,15 @@ def test_a_runs_switches_hold_for_the_run_only(tmp_path):
     from lit_memory.cli import resolve
     from lit_memory.memory.hardware.allocator import AllocatorConfig, env_names, environment_conf
 
+    import sklearn  # noqa: F401  (its import sets KMP_DUPLICATE_LIB_OK for good: imported before the snapshot)
+
     policy, environment = dict(jsonargparse._common.parsing_settings), dict(os.environ)
     runtime = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
     assert environment_conf() is None  # (this test needs an environment that sets no allocator settings)
+    sent = tmp_path / "sent.yaml"  # a recipe nobody trusted: its run switches the confined run's policy on
+    sent.write_text("seed_everything: 42\n")
     for conf in ("expandable_segments:True", "max_split_size_mb:64"):  # two candidates in turn
-        run = resolve(["fit", "--model.pretrained=false", "--trainer.accelerator=cuda", f"--memory.allocator={conf}",
+        run = resolve(["fit", "--config", str(sent), "--model.pretrained=false", "--trainer.accelerator=cuda", f"--memory.allocator={conf}",
                        f"--trainer.default_root_dir={tmp_path}"])
         assert dict(os.environ) == environment  # parsing alone switches nothing that outlives it
         with run.scope():

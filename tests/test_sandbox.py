@@ -690,7 +690,9 @@ def test_a_confined_predict_writes_its_file_beside_the_model_or_where_the_user_t
     (elsewhere / "mine.csv").write_text("an earlier call's\n")
     seen = {}
     monkeypatch.setattr(watchdog, "watch", lambda command, env, spec, *a, **k: seen.update(write=spec.write) or 0)
-    typed = ["predict", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--data.predict_path", "texts.csv"]
+    (work / "sent.yaml").write_text("seed_everything: 42\n")  # a recipe nobody trusted: the run is confined
+    typed = ["predict", "--config", "sent.yaml", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+             "--data.predict_path", "texts.csv"]
     code, err = in_process(typed, capsys, monkeypatch, work)
     assert code == 0 and str(run) in seen["write"], err
     code, err = in_process([*typed, "--output", str(elsewhere / "mine.csv")], capsys, monkeypatch, work)

@@ -41,8 +41,8 @@ def check(command: str, argv: list[str], trusted: bool) -> None:
     except Unread:
         return
     source = settings.get("source", data_file.BUNDLED)
-    if not isinstance(source, str):
-        return
+    if not isinstance(source, str) or "://" in source:
+        return  # a remote location: the full parse refuses it from a sent recipe, names it otherwise
     path = data_file.local_file(source)  # as the data module checks its source first, whatever the command
     if path is None and (settings.get("encoding") is not None or settings.get("encoding_errors") == "replace"):
         return  # a hub dataset with a file's settings: the data module says so first
