@@ -43,7 +43,7 @@ from lit_memory.memory.hardware.gpus import target
 from lit_memory.run import predict_file
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
-from lit_memory.sandbox import cgroup, child, landlock, roots, rules, stage, watchdog
+from lit_memory.sandbox import cgroup, child, landlock, namespaces, roots, rules, stage, watchdog
 from lit_memory.confine import hub
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
 from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
@@ -120,6 +120,7 @@ def make_plan(run: Any) -> Plan:
     reads, fetches = inputs(run)
     rules.check_write_paths(chosen, run_folders(settings, typed, create=False, argv=run.argv or []))
     env = rules.scrubbed(dict(os.environ))
+    check_one_machine(settings, os.environ, distributed=_many(settings))
     connect, bind = _ports(settings, env)
     sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
     with guard.local_only():  # estimated from what is at hand: nothing reaches the Hub here but `hub`'s listing
@@ -142,12 +143,25 @@ def make_plan(run: Any) -> Plan:
     if "LIT_MEMORY_STAGED_DATASET" in env:
         reads.append(env["LIT_MEMORY_STAGED_DATASET"])
     writes = [*written, *(str(private / name) for name in PRIVATE), *rules.device_write_roots()]
-    nodes = int(settings.get("trainer.num_nodes") or 1)
-    env = child_environment(env, private, distributed=bool(connect), nodes=nodes)
-    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
-                      path=rules.child_path(), network=nodes == 1, inet=bool(connect), shm=_shm_bytes(bounds),
+    _check_placeable(str(private / "view"), [*reads, *writes, os.getcwd()], private, made)
+    env = child_environment(env, private, distributed=bool(connect))
+    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(),
+                      fsize=max(8 * GiB, 3 * size), path=rules.child_path(), inet=bool(connect), shm=_shm_bytes(bounds),
                       view=str(private / "view"), devices=rules.gpu_devices())
     return Plan(spec, env, bounds, private, [*written, str(private)], made)
+
+
+def _check_placeable(view: str, paths: list[str], private: Path, made: roots.Made) -> None:
+    """Every path the child binds into its view fits there (`namespaces.unplaceable`), or one error line before the
+    child starts (what was made for the run removed)."""
+    if (path := namespaces.unplaceable(view, paths)) is None:
+        return
+    shutil.rmtree(private, ignore_errors=True)
+    roots.remove_empty(made.folders)
+    shown = path if len(path) <= 120 else f"{path[:60]}...{path[-40:]} ({len(path)} characters)"
+    raise UserError(f"refusing to run confined with {shown}: its path is too long to be placed in the sandbox's view "
+                    f"of the file system (the kernel's limit, {namespaces.PATH_MAX} bytes, less {len(view)} for the "
+                    f"view's own folder); move it to a shorter path, or {rules.HINT}")
 
 
 def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
@@ -178,10 +192,10 @@ def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
     return reads, fetches
 
 
-def child_environment(env: dict[str, str], private: Path, distributed: bool, nodes: int) -> dict[str, str]:
+def child_environment(env: dict[str, str], private: Path, distributed: bool) -> dict[str, str]:
     """The child's environment (``env``: this one without secrets): offline, its temporary folder and caches in
     ``private``, the user's Hugging Face cache read only unless a fetch made one there, every Python it starts without
-    the working folder on its path; a single-node distributed launch's ranks meet on the loopback."""
+    the working folder on its path; a distributed launch's ranks meet on the loopback."""
     env = dict(env)
     env.setdefault("HF_HUB_CACHE", constants.HF_HUB_CACHE)  # (`hub.fetch` sets the private one where it fetched)
     env.update({
@@ -192,7 +206,7 @@ def child_environment(env: dict[str, str], private: Path, distributed: bool, nod
         "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(env.get("PYTHONPATH", "")),
     })
-    if distributed and nodes == 1:  # its own network namespace holds only the loopback: the ranks meet there
+    if distributed:  # its own network namespace holds only the loopback: the ranks meet there
         env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
     return env
 
@@ -272,14 +286,29 @@ def predictions_folder(settings: Any, decision: Any, argv: list[str]) -> tuple[s
     return f"output (beside {source})", str(path.parent), typed(source)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "ip6-localhost")
+
+
+def check_one_machine(settings: Any, environ: Any, distributed: bool) -> None:
+    """A confined run is one process tree in a network namespace of its own that holds only the loopback, whatever it
+    asks: what would need the host's network is refused in one line before anything starts, never a weaker sandbox.
+    ``trainer.num_nodes`` > 1 (the command line's refusal comes first, `lit_memory.confine.launchers.check`; this one
+    holds for any caller of `make_plan`) and a rendezvous address off this machine (``MASTER_ADDR``)."""
+    nodes = settings.get("trainer.num_nodes") or 1
+    if not isinstance(nodes, int) or nodes != 1:
+        raise UserError(f"refusing trainer.num_nodes={nodes}: a confined run holds one machine's processes in a "
+                        f"network namespace of its own (loopback only), and a launch over several nodes meets over "
+                        f"the network; {rules.HINT}")
+    address = environ.get("MASTER_ADDR")
+    if distributed and address and address.lower() not in LOOPBACK and not address.startswith("127."):
+        raise UserError(f"refusing MASTER_ADDR={address}: a confined run's ranks meet on its own loopback (127.0.0.1) "
+                        f"and reach no other address; unset it, or {rules.HINT}")
+
+
 def _ports(settings: Any, env: dict[str, str]) -> tuple[list[list[int]], list[list[int]]]:
     """TCP for a distributed launch alone: its rendezvous port (the user's ``MASTER_PORT``, else one chosen here)
     and the ephemeral ports its process group connects on; none for one process."""
-    devices, nodes = settings.get("trainer.devices"), settings.get("trainer.num_nodes") or 1
-    many = nodes > 1 or (isinstance(devices, int) and devices > 1) or (isinstance(devices, (list, str)) and
-                                                                      str(devices) not in ("1", "auto", "[0]"))
-    strategy = str(settings.get("trainer.strategy") or "")
-    if not many and not re.search(r"ddp|fsdp|deepspeed", strategy, re.IGNORECASE):
+    if not _many(settings):
         return [], []
     port = int(env.get("MASTER_PORT") or _free_port())
     env.setdefault("MASTER_PORT", str(port))
@@ -287,6 +316,15 @@ def _ports(settings: Any, env: dict[str, str]) -> tuple[list[list[int]], list[li
     low, high = _ephemeral()
     ranges = [[port, port], [low, high]]
     return ranges, [[0, 0], *ranges]
+
+
+def _many(settings: Any) -> bool:
+    """Whether the run starts several processes that meet over TCP (a distributed launch)."""
+    devices, nodes = settings.get("trainer.devices"), settings.get("trainer.num_nodes") or 1
+    many = nodes > 1 or (isinstance(devices, int) and devices > 1) or (isinstance(devices, (list, str)) and
+                                                                      str(devices) not in ("1", "auto", "[0]"))
+    strategy = str(settings.get("trainer.strategy") or "")
+    return many or bool(re.search(r"ddp|fsdp|deepspeed", strategy, re.IGNORECASE))
 
 
 def _free_port() -> int:
@@ -349,7 +387,7 @@ def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
 
 def _mem_total() -> int:
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal:"))
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
         return int(line.split()[1]) * 1024
     return 16 * GiB
 

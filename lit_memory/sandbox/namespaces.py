@@ -60,11 +60,12 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def enter(network: bool) -> dict[str, str]:
-    """Move this process (single-threaded) into new namespaces: IPC, mount, process ids (for its children) and, with
-    ``network``, network. Returns the ones it could not make, each with the reason."""
+def enter() -> dict[str, str]:
+    """Move this process (single-threaded) into new namespaces: network (loopback only), IPC, mount and process ids
+    (for its children), always all four: no setting of a run keeps the host's network. Returns the ones the kernel or
+    its container does not offer, each with the reason."""
     libc = _libc()
-    wanted = {name: flag for name, flag in NAMESPACES.items() if network or name != "network"}
+    wanted = dict(NAMESPACES)
     missing: dict[str, str] = {}
     if os.geteuid() != 0:  # a user namespace first: the capabilities to make the others, over them only
         uid, gid = os.geteuid(), os.getegid()
@@ -219,6 +220,20 @@ class View:
             os.chdir(cwd)
         except OSError as err:
             raise RuntimeError(f"the view is half entered: {err}") from None
+
+
+PATH_MAX = 4096  # the kernel's longest path, its closing NUL included (include/uapi/linux/limits.h)
+
+
+def unplaceable(root: str, paths: Iterable[str]) -> Optional[str]:
+    """The first of ``paths`` that cannot be bound into a view on ``root`` (its place there, ``root`` + the path as
+    named or as resolved, would pass the kernel's PATH_MAX), or None. Asked by the parent before the child starts:
+    the child would fail to build its view, and does not run without one."""
+    for path in dict.fromkeys(paths):
+        for form in (os.path.abspath(path), os.path.realpath(path)):
+            if len(os.fsencode(root + form)) >= PATH_MAX:
+                return path
+    return None
 
 
 def build_view(root: str, paths: Iterable[str], devices: Iterable[str], shm_bytes: int, cwd: str) -> bool:

@@ -78,8 +78,7 @@ class Spec:
     status_fd: int = -1  # the pipe the child writes its phases into (`phase`), inherited; never a path
     cgroups: list[str] = field(default_factory=list)  # the run's cgroup.procs files (`lit_memory.sandbox.cgroup`)
     no_cgroup: str = ""  # why there is none
-    network: bool = True  # a network namespace of its own (loopback only); False for a launch over several nodes
-    inet: bool = False  # IPv4/IPv6 sockets (a distributed launch's ranks)
+    inet: bool = False  # IPv4/IPv6 sockets (a distributed launch's ranks), in its own loopback-only network namespace
     shm: int = 0  # bytes of the private /dev/shm
     view: str = ""  # an empty folder the view of the file system is built on (`lit_memory.sandbox.namespaces`)
     devices: list[str] = field(default_factory=list)  # GPU device files: read, written and driven by ioctl
