@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from lit_memory.sandbox import landlock, namespaces, rules
 
 pytestmark = pytest.mark.skipif(landlock.abi() < 4, reason="needs Landlock ABI 4 (Linux 6.7) or later")
