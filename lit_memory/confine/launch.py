@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from lit_memory.run import predict_file
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
 from lit_memory.sandbox import cgroup, child, landlock, namespaces, roots, rules, stage, watchdog
-from lit_memory.confine import hub
+from lit_memory.confine import gpu, hub
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
 from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
 from lit_memory.settings import leaves
@@ -54,7 +55,7 @@ PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before th
 # Settings that name files a run reads.
 INPUTS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path")
 # The child's own folders, in its private one (its temporary folder and caches).
-PRIVATE = ("tmp", "datasets", "inductor", "triton", "matplotlib", "hub", "cache")
+PRIVATE = ("tmp", "datasets", "inductor", "triton", "cuda", "matplotlib", "hub", "cache")
 DEFAULT_ROOT = "trainer.default_root_dir (unset: the working folder's lightning_logs)"
 
 
@@ -75,6 +76,7 @@ class Plan:
     private: Path  # the run's temporary folder and caches, removed at the end
     watched: list[str] = field(default_factory=list)  # folders whose size the disk budget covers
     made: roots.Made = field(default_factory=roots.Made)  # run folders made here (removed at the end where left empty)
+    own: list[str] = field(default_factory=list)  # the write roots made new for this run: its links are checked after
 
 
 def run(args: list[str], run: Any) -> int:
@@ -96,6 +98,10 @@ def run(args: list[str], run: Any) -> int:
         if group is not None:
             group.remove()
         shutil.rmtree(plan.private, ignore_errors=True)
+        for folder in plan.own:  # no later command follows a link the run made out of its own folder
+            if removed := roots.links_out(folder):
+                print(f"warning: sandbox: removed {len(removed)} link(s) the run made out of its folder {folder} "
+                      f"(first: {removed[0]})", file=sys.stderr)
         roots.remove_empty(plan.made.folders)
 
 
@@ -136,6 +142,8 @@ def make_plan(run: Any) -> Plan:
             (private / name).mkdir()
         env.update(hub.fetch(sized, private, dict(os.environ), bounds.disk, bounds.prepare))
         written = run_folders(settings, typed, create=True, made=made, argv=run.argv or [])
+        if made.version is not None:  # the child's logger takes the version folder made for it
+            env[roots.VERSION_VARIABLE] = str(made.version)
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
         roots.remove_empty(made.folders)
@@ -145,10 +153,12 @@ def make_plan(run: Any) -> Plan:
     writes = [*written, *(str(private / name) for name in PRIVATE), *rules.device_write_roots()]
     _check_placeable(str(private / "view"), [*reads, *writes, os.getcwd()], private, made)
     env = child_environment(env, private, distributed=bool(connect))
+    if line := gpu.uvm():  # before the device files are listed: the child's view holds only those that exist
+        print(line, file=sys.stderr)
     spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(),
                       fsize=max(8 * GiB, 3 * size), path=rules.child_path(), inet=bool(connect), shm=_shm_bytes(bounds),
-                      view=str(private / "view"), devices=rules.gpu_devices())
-    return Plan(spec, env, bounds, private, [*written, str(private)], made)
+                      view=str(private / "view"), tmp=str(private / "tmp"), devices=rules.gpu_devices())
+    return Plan(spec, env, bounds, private, [*written, str(private)], made, [w for w in written if w in made.folders])
 
 
 def _check_placeable(view: str, paths: list[str], private: Path, made: roots.Made) -> None:
@@ -202,6 +212,7 @@ def child_environment(env: dict[str, str], private: Path, distributed: bool) -> 
         "HF_HOME": constants.HF_HOME, "XDG_CACHE_HOME": str(private / "cache"),  # fontconfig's cache, among others
         "TMPDIR": str(private / "tmp"), "HF_DATASETS_CACHE": str(private / "datasets"),
         "TORCHINDUCTOR_CACHE_DIR": str(private / "inductor"), "TRITON_CACHE_DIR": str(private / "triton"),
+        "CUDA_CACHE_PATH": str(private / "cuda"),  # CUDA's ComputeCache (its JIT's kernels)
         "MPLCONFIGDIR": str(private / "matplotlib"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(env.get("PYTHONPATH", "")),
@@ -232,16 +243,20 @@ def _shm_bytes(bounds: Limits) -> int:
 def run_folders(
     settings: Any, decision: Any, create: bool, made: Optional[roots.Made] = None, argv: Sequence[str] = (),
 ) -> list[str]:
-    """The folders the run writes below (and whose size counts): its default root (the working folder's
-    ``lightning_logs`` when none is set), loggers' and checkpoints' folders, and predict's output folder. Each beneath
-    the working folder is made (``create``) or judged there without following a link (`lit_memory.sandbox.roots`); one
-    elsewhere is the user's where they typed it (``argv``: the command line), and a recipe's is refused
-    (`rules.check_roots`). Returns their real paths."""
+    """The folders the run writes below (and whose size counts): with Lightning's default logger its own new
+    ``version_N`` folder in its root's ``lightning_logs`` (the root: the working folder when none is set; made empty
+    for it, `roots.new_version`, ``made.version`` its number), else its default root; loggers' and checkpoints'
+    folders, and predict's output folder. Each beneath the working folder is made (``create``) or judged there without
+    following a link (`lit_memory.sandbox.roots`); one elsewhere is the user's where they typed it (``argv``: the
+    command line), and a recipe's is refused (`rules.check_roots`). Returns their real paths."""
     work = os.path.realpath(os.getcwd())
     named: list[tuple[str, str, bool]] = []  # (setting, path, typed)
     root = settings.get("trainer.default_root_dir")
+    predict = settings.get("predictions") is not None  # predict: no logger, its file alone (`cli.instantiate_trainer`)
+    versioned = settings.get("trainer.logger") in (None, True) and not predict
     if root is None:
-        named.append((DEFAULT_ROOT, "lightning_logs", False))
+        if not predict:
+            named.append((DEFAULT_ROOT, "lightning_logs", False))
         if settings.get("trainer.logger") is False:  # checkpoints then go straight into the root
             named.append((DEFAULT_ROOT.replace("lightning_logs", "checkpoints"), "checkpoints", False))
     else:
@@ -249,17 +264,24 @@ def run_folders(
     for key, value in leaves(settings):
         if key.rsplit(".", 1)[-1] in ("save_dir", "dirpath", "log_dir", "output_dir") and isinstance(value, str) and value:
             named.append((key, value, decision.is_typed(key, value)))
-    if settings.get("predictions") is not None:  # predict: the folder its file goes into
+    if predict:  # the folder its file goes into
         named.append(predictions_folder(settings, decision, list(argv)))
     chosen = [(key, path) for key, path, typed in named if not typed and key != DEFAULT_ROOT and "unset" not in key]
     out = []
     for key, path, typed in named:
+        logs = versioned and key in (DEFAULT_ROOT, "trainer.default_root_dir")  # the default logger's root
+        if logs and root is not None:
+            path = os.path.join(os.path.expanduser(str(path)), "lightning_logs")
         if roots.relative_to_work(path, work) is not None:
-            out.append(roots.make(path, work, key, made, create=create))
+            folder = roots.make(path, work, key, made, create=create)
         elif not typed:
             rules.check_roots([(key, path)], work, rules.owned_folders())  # outside the working folder: refused
+            continue
         else:  # the user's own folder elsewhere, as they named it
-            out.append(roots.make_elsewhere(path, made) if create else os.path.realpath(os.path.expanduser(path)))
+            folder = roots.make_elsewhere(path, made) if create else os.path.realpath(os.path.expanduser(path))
+        if logs and create and made is not None:  # its own version folder, not the other runs' (nor a link by them)
+            folder = roots.new_version(folder, made)
+        out.append(folder)
     if not create:  # judged once, before anything is made (made, a recipe's folders exist and one may hold another)
         rules.check_roots(chosen, work, rules.owned_folders())
     return list(dict.fromkeys(out))
@@ -374,8 +396,10 @@ def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
     total = _mem_total()
     on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
     peak = peak if on_cpu and peak else 2 * size
-    rss = min(int(0.9 * total), 3 * peak + 6 * GiB)
-    why = f"3 x its host-memory estimate ({peak / GiB:.2f} GiB) + 6 GiB for the runtime, at most 90 % of this machine's"
+    ranks = _ranks(run.settings)  # each rank holds its own copy; pages they share count once (`watchdog.rss`: PSS)
+    rss = min(int(0.9 * total), ranks * (3 * peak + 2 * GiB) + 4 * GiB)
+    why = (f"3 x its host-memory estimate ({peak / GiB:.2f} GiB) + 2 GiB per rank ({ranks}) + 4 GiB for the runtime, "
+           "at most 90 % of this machine's")
     disk = max(20 * GiB, 12 * size)
     env = os.environ
     return Limits(
@@ -383,6 +407,18 @@ def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
         prepare=float(env.get(LIMIT_VARIABLES["prepare"], PREPARE_SECONDS)),
         why_rss="set by " + LIMIT_VARIABLES["rss"] if LIMIT_VARIABLES["rss"] in env else why,
     )
+
+
+def _ranks(settings: Any) -> int:
+    """How many processes of the run train on this machine (Lightning's launcher starts one per device)."""
+    devices = settings.get("trainer.devices")
+    if isinstance(devices, str):
+        devices = devices.strip().strip("[]")
+        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else devices
+        devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices
+    if isinstance(devices, (list, tuple)):
+        return max(len(devices), 1)
+    return devices if isinstance(devices, int) and devices > 1 else 1
 
 
 def _mem_total() -> int:

@@ -12,7 +12,7 @@ has it (each missing one said in one line, `MISSING`; one the kernel has and tha
    recipe asks: a launch over several nodes is refused before, `lit_memory.confine.launchers`), mount, and
    process ids: it forks the namespace's first process, which runs the run; when that one ends the kernel kills every
    process left in the namespace, and it dies with the forking process (killed with the parent);
-3. the view: only the run's roots, devices, a fresh ``/proc`` and a private ``/dev/shm`` visible;
+3. the view: only the run's roots, devices, a fresh ``/proc``, a private ``/dev/shm`` and a private ``/tmp`` visible;
 4. resource limits and Landlock (`lit_memory.sandbox.rules.enter`): the one layer without which it does not run;
 5. every capability dropped (`lit_memory.sandbox.privileges`), then the seccomp filter
    (`lit_memory.sandbox.seccomp`);
@@ -128,15 +128,18 @@ def confine(spec: Optional[Spec] = None) -> Held:
                       f"to the run, and this kernel or container offers none ({missing['network']})")
     if "pid" not in missing:
         _fork_init()
-    own_proc = False
+    own_proc, tmp = False, 0
     if "mount" not in missing:
         if not spec.view:
             raise Refused("no folder for the view of the file system")
         devices = [p for p in spec.read + spec.write + spec.devices if p.startswith("/dev/")]
-        own_proc = namespaces.build_view(spec.view, [*spec.read, *spec.write], devices, spec.shm, os.getcwd())
+        tmp = spec.shm if spec.tmp and namespaces.tmp_allowed(spec.read, spec.write) else 0
+        own_proc = namespaces.build_view(spec.view, [*spec.read, *spec.write], devices, spec.shm, os.getcwd(),
+                                         writes=spec.write, tmp_bytes=tmp)
     if "network" not in missing and (why := namespaces.loopback_up()):
         raise Refused(why)
-    enter(spec, _thread_names(own_proc))  # resource limits, then Landlock: raises where the kernel refuses
+    # Resource limits, then Landlock (its own /tmp written; sockets and FIFOs made in TMPDIR): raises where refused.
+    enter(spec, _thread_names(own_proc), sockets=[spec.tmp] if spec.tmp else [], writes=[namespaces.TMP] if tmp else [])
     if why := privileges.drop():
         raise Refused(why)
     if why := seccomp.unavailable():

@@ -125,13 +125,20 @@ def _children(pid: int) -> list[int]:
 
 def rss(pid: int, group: Optional[Group] = None) -> int:
     """The resident memory of ``pid``'s process tree and of every process in ``group`` (a process that left the tree
-    by starting a session of its own is still in the group), in bytes."""
+    by starting a session of its own is still in the group), in bytes: each process's proportional share (PSS), so
+    pages the ranks and workers share (CUDA's and torch's libraries, a fork's copy-on-write pages) count once; its
+    resident size where the kernel gives no share."""
     processes = set(_children(pid)) | (group.members() if group is not None else set())
-    total = 0
-    for process in processes:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int(Path(f"/proc/{process}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return total
+    return sum(_resident(process) for process in processes)
+
+
+def _resident(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+            return int(next(line for line in f if line.startswith("Pss:")).split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
 
 
 def disk(folders: list[str]) -> tuple[int, int]:

@@ -47,3 +47,73 @@ def test_an_input_the_view_cannot_hold_is_refused_before_the_child_starts(tmp_pa
     assert f"({len(long_path)} characters)" in line and len(line) < 600
     assert not private.exists() and not Path(made.folders[0]).exists()
     assert namespaces.unplaceable("/v", [long_path]) is None  # short view: it fits
+
+
+class Nobody:
+    """A decision where the user typed nothing."""
+
+    def is_typed(self, key, value) -> bool:
+        return False
+
+
+def settings(**values):
+    from jsonargparse import Namespace
+
+    found = Namespace()
+    for key, value in {"trainer.default_root_dir": None, "trainer.logger": None, **values}.items():
+        found[key.replace("__", ".")] = value
+    return found
+
+
+def test_a_confined_run_writes_only_its_own_new_version_folder(tmp_path, monkeypatch):
+    """Class C: with no run folder set, the whole ``lightning_logs`` was the write root, and a confined run rewrote
+    the user's earlier ``version_0`` (its last.ckpt, its hf_model) and planted ``lightning_logs/predict -> ~/.config``.
+    Now the parent makes the run's own ``version_N`` empty, numbered as Lightning would, and that alone is written;
+    the child's logger takes that version (`confined_logs`)."""
+    monkeypatch.chdir(tmp_path)
+    earlier = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    earlier.mkdir(parents=True)
+    (earlier / "last.ckpt").write_bytes(b"the user's")
+    (tmp_path / "lightning_logs" / "version_7x").mkdir()  # not a version Lightning counts
+    made = roots.Made()
+    judged = launch.run_folders(settings(), Nobody(), create=False)
+    assert judged == [str(tmp_path / "lightning_logs")] and not (tmp_path / "lightning_logs" / "version_1").exists()
+    written = launch.run_folders(settings(), Nobody(), create=True, made=made)
+    assert written == [str(tmp_path / "lightning_logs" / "version_1")] and made.version == 1
+    assert not os.listdir(written[0])  # made empty, for this run
+    again = roots.Made()  # a second run meanwhile: a folder of its own, never the first one's
+    assert launch.run_folders(settings(), Nobody(), create=True, made=again) == [
+        str(tmp_path / "lightning_logs" / "version_2")]
+    # A root the user typed elsewhere: its lightning_logs' new version, not the root.
+    typed = tmp_path.parent / f"{tmp_path.name}-typed"
+    (typed / "lightning_logs" / "version_4").mkdir(parents=True)
+
+    class Typed(Nobody):
+        def is_typed(self, key, value) -> bool:
+            return key == "trainer.default_root_dir"
+
+    assert launch.run_folders(settings(trainer__default_root_dir=str(typed)), Typed(), create=True,
+                              made=roots.Made()) == [str(typed / "lightning_logs" / "version_5")]
+    # The child's logger numbers itself with the folder made for it; predict and a configured logger are left alone.
+    from lit_memory.run import confined_logs
+
+    monkeypatch.setenv(roots.VERSION_VARIABLE, "1")
+    logger = confined_logs.logger_kwargs({"logger": None, "default_root_dir": None}, "fit")["logger"]
+    assert logger.log_dir == str(tmp_path / "lightning_logs" / "version_1")
+    assert confined_logs.logger_kwargs({"logger": None}, "predict") == {}
+    assert confined_logs.logger_kwargs({"logger": False}, "fit") == {}
+
+
+def test_no_link_a_confined_run_made_out_of_its_folder_is_left(tmp_path):
+    """Class C: a later trusted command never follows a link a confined run made. Its own folder is all it could
+    write; what it linked out of it (to ``~/.config``) is removed when it ends, Lightning's ``last.ckpt`` link to a
+    checkpoint beside it kept."""
+    run = tmp_path / "version_1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step=2.ckpt").write_bytes(b"w")
+    (run / "checkpoints" / "last.ckpt").symlink_to("step=2.ckpt")
+    (run / "predict").symlink_to(Path.home() / ".config")
+    (run / "checkpoints" / "up").symlink_to("../../elsewhere")
+    removed = roots.links_out(str(run))
+    assert sorted(removed) == sorted([str(run / "predict"), str(run / "checkpoints" / "up")])
+    assert (run / "checkpoints" / "last.ckpt").is_symlink() and not os.path.lexists(run / "predict")

@@ -110,3 +110,47 @@ def test_an_input_the_view_cannot_hold_stops_the_child(tmp_path):
     assert "ran on" in fine.stdout, fine.stdout + fine.stderr[-2000:]
     missing = json.loads(fine.stdout.splitlines()[0].split(" ", 1)[1])
     assert "mount" not in missing or "unshare" in missing["mount"]  # missing only where the kernel lacks it
+
+
+def test_a_run_has_what_a_python_ml_run_expects(tmp_path):
+    """Issue 57 item 5: a writable /tmp of its own and TMPDIR, sockets and FIFOs in its temporary folder (DataLoader
+    workers' resource sharer binds one; refused, the run hung), /dev/zero, /dev/full and /dev/urandom. An input that
+    lies beneath the host's /tmp stays read only in the writable /tmp, and nothing reaches the host's /tmp."""
+    private = tmp_path / "private-tmp"
+    private.mkdir()
+    data = tmp_path / "data.csv"
+    data.write_text("text,label\n")
+    spec = spec_for(tmp_path, str(data), tmp=str(private))
+    spec.write.append(str(private))
+    code = f"""
+        import os, socket, tempfile
+        def attempt(name, fn):
+            try:
+                fn()
+                print(name, "ok")
+            except OSError as err:
+                print(name, "refused", type(err).__name__, err.errno)
+        def bind(path):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(path)
+        attempt("tmp", lambda: open("/tmp/scratch", "w").write("x"))
+        attempt("tmpdir", lambda: tempfile.mkdtemp(dir={str(private)!r}))
+        attempt("socket", lambda: bind({str(private / 'listener')!r}))
+        attempt("fifo", lambda: os.mkfifo({str(private / 'queue')!r}))
+        attempt("tmp-socket", lambda: bind("/tmp/listener"))
+        attempt("socket-elsewhere", lambda: bind({str(tmp_path / 'run' / 'listener')!r}))
+        attempt("input", lambda: open({str(data)!r}, "a").write("planted"))
+        attempt("zero", lambda: open("/dev/zero", "rb").read(4))
+        attempt("urandom", lambda: open("/dev/urandom", "rb").read(4))
+        attempt("full", lambda: open("/dev/full", "wb", buffering=0).write(b"x"))
+    """
+    result = confined(code, spec, tmp_path)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines()[1:])
+    assert lines.get("tmp") == "ok", result.stdout + result.stderr[-2000:]
+    for name in ("tmpdir", "socket", "fifo", "zero", "urandom"):
+        assert lines[name] == "ok", (name, result.stdout)
+    assert lines["full"].startswith("refused OSError 28")  # ENOSPC: /dev/full is there, and full
+    assert lines["socket-elsewhere"].startswith("refused") and lines["tmp-socket"].startswith("refused")  # TMPDIR
+    assert lines["input"].startswith("refused")  # read only, though beneath the writable /tmp
+    assert data.read_text() == "text,label\n" and not Path("/tmp/scratch").exists()
+    assert (private / "listener").exists() and (private / "queue").exists()
