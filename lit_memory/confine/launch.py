@@ -259,6 +259,7 @@ def run_folders(
             named.append((DEFAULT_ROOT, "lightning_logs", False))
         if settings.get("trainer.logger") is False:  # checkpoints then go straight into the root
             named.append((DEFAULT_ROOT.replace("lightning_logs", "checkpoints"), "checkpoints", False))
+            _check_new(os.path.join(work, "checkpoints"))
     else:
         named.append(("trainer.default_root_dir", str(root), decision.is_typed("trainer.default_root_dir", root)))
     for key, value in leaves(settings):
@@ -285,6 +286,14 @@ def run_folders(
     if not create:  # judged once, before anything is made (made, a recipe's folders exist and one may hold another)
         rules.check_roots(chosen, work, rules.owned_folders())
     return list(dict.fromkeys(out))
+
+
+def _check_new(folder: str) -> None:
+    """A shared folder a run without a logger writes into is new or empty: never another run's checkpoints."""
+    if os.path.isdir(folder) and not os.path.islink(folder) and os.listdir(folder):
+        raise UserError(f"refusing to run confined with trainer.logger=false and no trainer.default_root_dir: its "
+                        f"checkpoints would go into {folder}, which holds another run's files; name a new "
+                        f"--trainer.default_root_dir, or {rules.HINT}")
 
 
 def predictions_folder(settings: Any, decision: Any, argv: list[str]) -> tuple[str, str, bool]:

@@ -117,3 +117,14 @@ def test_no_link_a_confined_run_made_out_of_its_folder_is_left(tmp_path):
     removed = roots.links_out(str(run))
     assert sorted(removed) == sorted([str(run / "predict"), str(run / "checkpoints" / "up")])
     assert (run / "checkpoints" / "last.ckpt").is_symlink() and not os.path.lexists(run / "predict")
+
+
+def test_without_a_logger_another_runs_checkpoints_are_not_shared(tmp_path, monkeypatch):
+    """Class C without a version folder: ``trainer.logger: false`` puts checkpoints in the working folder's
+    ``checkpoints``; holding another run's, it is one error line before anything is made."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    assert launch.run_folders(settings(trainer__logger=False), Nobody(), create=False)  # empty: fine
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"the user's")
+    with pytest.raises(UserError, match=r"^refusing to run confined with trainer.logger=false .*another run's"):
+        launch.run_folders(settings(trainer__logger=False), Nobody(), create=False)
