@@ -128,3 +128,23 @@ def test_without_a_logger_another_runs_checkpoints_are_not_shared(tmp_path, monk
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"the user's")
     with pytest.raises(UserError, match=r"^refusing to run confined with trainer.logger=false .*another run's"):
         launch.run_folders(settings(trainer__logger=False), Nobody(), create=False)
+
+
+def test_a_recipe_asking_for_several_nodes_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Class A end to end, as the hunt ran it: a recipe nobody trusted with ``num_nodes: 2`` and ``strategy: ddp``
+    (the child kept the host's network) is one error line, and no child starts."""
+    from lit_memory.__main__ import main
+    from lit_memory.sandbox import rules, watchdog
+
+    (tmp_path / "sent.yaml").write_text("trainer:\n  num_nodes: 2\n  strategy: ddp\n")
+    started = []
+    monkeypatch.setattr(watchdog, "watch", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.delenv(rules.ENV, raising=False)
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC", "LSB_", "JSM_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main(["fit", "--config", "sent.yaml", "--trainer.accelerator=cpu"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert ended.value.code == 2 and not started
+    assert len(errors) == 1 and "spans 2 nodes" in errors[0] and "recipes trust" in errors[0], errors
