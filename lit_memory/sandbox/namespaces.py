@@ -250,9 +250,9 @@ def build_view(root: str, paths: Iterable[str], devices: Iterable[str], shm_byte
     first), ``devices``, a private ``/dev/shm`` and ``/proc``, and enter it in ``cwd``; whether that ``/proc`` is the
     run's own (`View.proc`). ``tmp_bytes``: a fresh ``/tmp`` of that size, the run's to write (Landlock grants it, and
     grants are inherited below: a read root beneath ``/tmp``, one of ``paths`` not in ``writes``, is bound read only;
-    `tmp_allowed` says where that holds). Raises OSError where the kernel refuses a step
-    before the root is switched (the process keeps its root; what was mounted stays in its own mount namespace),
-    RuntimeError after (the process must not run on)."""
+    `tmp_allowed` says where that holds). Raises OSError where the kernel refuses a step before the root is switched
+    (the process keeps its root; what was mounted stays in its own mount namespace), RuntimeError after (the process
+    must not run on)."""
     view = View(root, tmp_bytes)
     writes = {os.path.realpath(w) for w in writes}
     wanted = [p for p in dict.fromkeys(paths) if not p.startswith(("/proc/", "/dev/")) and p not in ("/proc", "/dev")]
