@@ -24,7 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory.sandbox import bounds, guard
-from lit_memory.run import checks, environment, resume
+from lit_memory.run import checks, confined_logs, environment, resume
 from lit_memory import console
 from lit_memory.config import arguments, option_names, recipes
 from lit_memory.config.arguments import LINKS, config_files, named_files, stubs_without_a_subprocess
@@ -550,7 +550,7 @@ class LitMemoryCLI(LightningCLI):
             # (a version_N per call) for a log or a config beside it.
             kwargs["logger"] = False
             self.save_config_kwargs = {**self.save_config_kwargs, "save_to_log_dir": False}
-        kwargs.update(fp16_under_fsdp2(trainer))
+        kwargs.update(fp16_under_fsdp2(trainer), **confined_logs.logger_kwargs(trainer, self.subcommand))
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except UserError:

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +44,8 @@ from lit_memory.memory.hardware.gpus import target
 from lit_memory.run import predict_file
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
-from lit_memory.sandbox import cgroup, child, landlock, roots, rules, stage, watchdog
-from lit_memory.confine import hub
+from lit_memory.sandbox import cgroup, child, landlock, namespaces, roots, rules, stage, watchdog
+from lit_memory.confine import gpu, hub
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
 from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
 from lit_memory.settings import leaves
@@ -54,7 +55,7 @@ PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before th
 # Settings that name files a run reads.
 INPUTS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path")
 # The child's own folders, in its private one (its temporary folder and caches).
-PRIVATE = ("tmp", "datasets", "inductor", "triton", "matplotlib", "hub", "cache")
+PRIVATE = ("tmp", "datasets", "inductor", "triton", "cuda", "matplotlib", "hub", "cache")
 DEFAULT_ROOT = "trainer.default_root_dir (unset: the working folder's lightning_logs)"
 
 
@@ -75,6 +76,7 @@ class Plan:
     private: Path  # the run's temporary folder and caches, removed at the end
     watched: list[str] = field(default_factory=list)  # folders whose size the disk budget covers
     made: roots.Made = field(default_factory=roots.Made)  # run folders made here (removed at the end where left empty)
+    own: list[str] = field(default_factory=list)  # the write roots made new for this run: its links are checked after
 
 
 def run(args: list[str], run: Any) -> int:
@@ -96,6 +98,10 @@ def run(args: list[str], run: Any) -> int:
         if group is not None:
             group.remove()
         shutil.rmtree(plan.private, ignore_errors=True)
+        for folder in plan.own:  # no later command follows a link the run made out of its own folder
+            if removed := roots.links_out(folder):
+                print(f"warning: sandbox: removed {len(removed)} link(s) the run made out of its folder {folder} "
+                      f"(first: {removed[0]})", file=sys.stderr)
         roots.remove_empty(plan.made.folders)
 
 
@@ -120,6 +126,7 @@ def make_plan(run: Any) -> Plan:
     reads, fetches = inputs(run)
     rules.check_write_paths(chosen, run_folders(settings, typed, create=False, argv=run.argv or []))
     env = rules.scrubbed(dict(os.environ))
+    check_one_machine(settings, os.environ, distributed=_many(settings))
     connect, bind = _ports(settings, env)
     sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
     with guard.local_only():  # estimated from what is at hand: nothing reaches the Hub here but `hub`'s listing
@@ -135,6 +142,8 @@ def make_plan(run: Any) -> Plan:
             (private / name).mkdir()
         env.update(hub.fetch(sized, private, dict(os.environ), bounds.disk, bounds.prepare))
         written = run_folders(settings, typed, create=True, made=made, argv=run.argv or [])
+        if made.version is not None:  # the child's logger takes the version folder made for it
+            env[roots.VERSION_VARIABLE] = str(made.version)
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
         roots.remove_empty(made.folders)
@@ -142,12 +151,27 @@ def make_plan(run: Any) -> Plan:
     if "LIT_MEMORY_STAGED_DATASET" in env:
         reads.append(env["LIT_MEMORY_STAGED_DATASET"])
     writes = [*written, *(str(private / name) for name in PRIVATE), *rules.device_write_roots()]
-    nodes = int(settings.get("trainer.num_nodes") or 1)
-    env = child_environment(env, private, distributed=bool(connect), nodes=nodes)
-    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(), fsize=max(8 * GiB, 3 * size),
-                      path=rules.child_path(), network=nodes == 1, inet=bool(connect), shm=_shm_bytes(bounds),
-                      view=str(private / "view"), devices=rules.gpu_devices())
-    return Plan(spec, env, bounds, private, [*written, str(private)], made)
+    _check_placeable(str(private / "view"), [*reads, *writes, os.getcwd()], private, made)
+    env = child_environment(env, private, distributed=bool(connect))
+    if line := gpu.uvm():  # before the device files are listed: the child's view holds only those that exist
+        print(line, file=sys.stderr)
+    spec = rules.Spec(read=reads, write=writes, connect=connect, bind=bind, nproc=_nproc(),
+                      fsize=max(8 * GiB, 3 * size), path=rules.child_path(), inet=bool(connect), shm=_shm_bytes(bounds),
+                      view=str(private / "view"), tmp=str(private / "tmp"), devices=rules.gpu_devices())
+    return Plan(spec, env, bounds, private, [*written, str(private)], made, [w for w in written if w in made.folders])
+
+
+def _check_placeable(view: str, paths: list[str], private: Path, made: roots.Made) -> None:
+    """Every path the child binds into its view fits there (`namespaces.unplaceable`), or one error line before the
+    child starts (what was made for the run removed)."""
+    if (path := namespaces.unplaceable(view, paths)) is None:
+        return
+    shutil.rmtree(private, ignore_errors=True)
+    roots.remove_empty(made.folders)
+    shown = path if len(path) <= 120 else f"{path[:60]}...{path[-40:]} ({len(path)} characters)"
+    raise UserError(f"refusing to run confined with {shown}: its path is too long to be placed in the sandbox's view "
+                    f"of the file system (the kernel's limit, {namespaces.PATH_MAX} bytes, less {len(view)} for the "
+                    f"view's own folder); move it to a shorter path, or {rules.HINT}")
 
 
 def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
@@ -178,21 +202,22 @@ def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
     return reads, fetches
 
 
-def child_environment(env: dict[str, str], private: Path, distributed: bool, nodes: int) -> dict[str, str]:
+def child_environment(env: dict[str, str], private: Path, distributed: bool) -> dict[str, str]:
     """The child's environment (``env``: this one without secrets): offline, its temporary folder and caches in
     ``private``, the user's Hugging Face cache read only unless a fetch made one there, every Python it starts without
-    the working folder on its path; a single-node distributed launch's ranks meet on the loopback."""
+    the working folder on its path; a distributed launch's ranks meet on the loopback."""
     env = dict(env)
     env.setdefault("HF_HUB_CACHE", constants.HF_HUB_CACHE)  # (`hub.fetch` sets the private one where it fetched)
     env.update({
         "HF_HOME": constants.HF_HOME, "XDG_CACHE_HOME": str(private / "cache"),  # fontconfig's cache, among others
         "TMPDIR": str(private / "tmp"), "HF_DATASETS_CACHE": str(private / "datasets"),
         "TORCHINDUCTOR_CACHE_DIR": str(private / "inductor"), "TRITON_CACHE_DIR": str(private / "triton"),
+        "CUDA_CACHE_PATH": str(private / "cuda"),  # CUDA's ComputeCache (its JIT's kernels)
         "MPLCONFIGDIR": str(private / "matplotlib"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(env.get("PYTHONPATH", "")),
     })
-    if distributed and nodes == 1:  # its own network namespace holds only the loopback: the ranks meet there
+    if distributed:  # its own network namespace holds only the loopback: the ranks meet there
         env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
     return env
 
@@ -218,37 +243,57 @@ def _shm_bytes(bounds: Limits) -> int:
 def run_folders(
     settings: Any, decision: Any, create: bool, made: Optional[roots.Made] = None, argv: Sequence[str] = (),
 ) -> list[str]:
-    """The folders the run writes below (and whose size counts): its default root (the working folder's
-    ``lightning_logs`` when none is set), loggers' and checkpoints' folders, and predict's output folder. Each beneath
-    the working folder is made (``create``) or judged there without following a link (`lit_memory.sandbox.roots`); one
-    elsewhere is the user's where they typed it (``argv``: the command line), and a recipe's is refused
-    (`rules.check_roots`). Returns their real paths."""
+    """The folders the run writes below (and whose size counts): with Lightning's default logger its own new
+    ``version_N`` folder in its root's ``lightning_logs`` (the root: the working folder when none is set; made empty
+    for it, `roots.new_version`, ``made.version`` its number), else its default root; loggers' and checkpoints'
+    folders, and predict's output folder. Each beneath the working folder is made (``create``) or judged there without
+    following a link (`lit_memory.sandbox.roots`); one elsewhere is the user's where they typed it (``argv``: the
+    command line), and a recipe's is refused (`rules.check_roots`). Returns their real paths."""
     work = os.path.realpath(os.getcwd())
     named: list[tuple[str, str, bool]] = []  # (setting, path, typed)
     root = settings.get("trainer.default_root_dir")
+    predict = settings.get("predictions") is not None  # predict: no logger, its file alone (`cli.instantiate_trainer`)
+    versioned = settings.get("trainer.logger") in (None, True) and not predict
     if root is None:
-        named.append((DEFAULT_ROOT, "lightning_logs", False))
+        if not predict:
+            named.append((DEFAULT_ROOT, "lightning_logs", False))
         if settings.get("trainer.logger") is False:  # checkpoints then go straight into the root
             named.append((DEFAULT_ROOT.replace("lightning_logs", "checkpoints"), "checkpoints", False))
+            _check_new(os.path.join(work, "checkpoints"))
     else:
         named.append(("trainer.default_root_dir", str(root), decision.is_typed("trainer.default_root_dir", root)))
     for key, value in leaves(settings):
         if key.rsplit(".", 1)[-1] in ("save_dir", "dirpath", "log_dir", "output_dir") and isinstance(value, str) and value:
             named.append((key, value, decision.is_typed(key, value)))
-    if settings.get("predictions") is not None:  # predict: the folder its file goes into
+    if predict:  # the folder its file goes into
         named.append(predictions_folder(settings, decision, list(argv)))
     chosen = [(key, path) for key, path, typed in named if not typed and key != DEFAULT_ROOT and "unset" not in key]
     out = []
     for key, path, typed in named:
+        logs = versioned and key in (DEFAULT_ROOT, "trainer.default_root_dir")  # the default logger's root
+        if logs and root is not None:
+            path = os.path.join(os.path.expanduser(str(path)), "lightning_logs")
         if roots.relative_to_work(path, work) is not None:
-            out.append(roots.make(path, work, key, made, create=create))
+            folder = roots.make(path, work, key, made, create=create)
         elif not typed:
             rules.check_roots([(key, path)], work, rules.owned_folders())  # outside the working folder: refused
+            continue
         else:  # the user's own folder elsewhere, as they named it
-            out.append(roots.make_elsewhere(path, made) if create else os.path.realpath(os.path.expanduser(path)))
+            folder = roots.make_elsewhere(path, made) if create else os.path.realpath(os.path.expanduser(path))
+        if logs and create and made is not None:  # its own version folder, not the other runs' (nor a link by them)
+            folder = roots.new_version(folder, made)
+        out.append(folder)
     if not create:  # judged once, before anything is made (made, a recipe's folders exist and one may hold another)
         rules.check_roots(chosen, work, rules.owned_folders())
     return list(dict.fromkeys(out))
+
+
+def _check_new(folder: str) -> None:
+    """A shared folder a run without a logger writes into is new or empty: never another run's checkpoints."""
+    if os.path.isdir(folder) and not os.path.islink(folder) and os.listdir(folder):
+        raise UserError(f"refusing to run confined with trainer.logger=false and no trainer.default_root_dir: its "
+                        f"checkpoints would go into {folder}, which holds another run's files; name a new "
+                        f"--trainer.default_root_dir, or {rules.HINT}")
 
 
 def predictions_folder(settings: Any, decision: Any, argv: list[str]) -> tuple[str, str, bool]:
@@ -272,14 +317,29 @@ def predictions_folder(settings: Any, decision: Any, argv: list[str]) -> tuple[s
     return f"output (beside {source})", str(path.parent), typed(source)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "ip6-localhost")
+
+
+def check_one_machine(settings: Any, environ: Any, distributed: bool) -> None:
+    """A confined run is one process tree in a network namespace of its own that holds only the loopback, whatever it
+    asks: what would need the host's network is refused in one line before anything starts, never a weaker sandbox.
+    ``trainer.num_nodes`` > 1 (the command line's refusal comes first, `lit_memory.confine.launchers.check`; this one
+    holds for any caller of `make_plan`) and a rendezvous address off this machine (``MASTER_ADDR``)."""
+    nodes = settings.get("trainer.num_nodes") or 1
+    if not isinstance(nodes, int) or nodes != 1:
+        raise UserError(f"refusing trainer.num_nodes={nodes}: a confined run holds one machine's processes in a "
+                        f"network namespace of its own (loopback only), and a launch over several nodes meets over "
+                        f"the network; {rules.HINT}")
+    address = environ.get("MASTER_ADDR")
+    if distributed and address and address.lower() not in LOOPBACK and not address.startswith("127."):
+        raise UserError(f"refusing MASTER_ADDR={address}: a confined run's ranks meet on its own loopback (127.0.0.1) "
+                        f"and reach no other address; unset it, or {rules.HINT}")
+
+
 def _ports(settings: Any, env: dict[str, str]) -> tuple[list[list[int]], list[list[int]]]:
     """TCP for a distributed launch alone: its rendezvous port (the user's ``MASTER_PORT``, else one chosen here)
     and the ephemeral ports its process group connects on; none for one process."""
-    devices, nodes = settings.get("trainer.devices"), settings.get("trainer.num_nodes") or 1
-    many = nodes > 1 or (isinstance(devices, int) and devices > 1) or (isinstance(devices, (list, str)) and
-                                                                      str(devices) not in ("1", "auto", "[0]"))
-    strategy = str(settings.get("trainer.strategy") or "")
-    if not many and not re.search(r"ddp|fsdp|deepspeed", strategy, re.IGNORECASE):
+    if not _many(settings):
         return [], []
     port = int(env.get("MASTER_PORT") or _free_port())
     env.setdefault("MASTER_PORT", str(port))
@@ -287,6 +347,15 @@ def _ports(settings: Any, env: dict[str, str]) -> tuple[list[list[int]], list[li
     low, high = _ephemeral()
     ranges = [[port, port], [low, high]]
     return ranges, [[0, 0], *ranges]
+
+
+def _many(settings: Any) -> bool:
+    """Whether the run starts several processes that meet over TCP (a distributed launch)."""
+    devices, nodes = settings.get("trainer.devices"), settings.get("trainer.num_nodes") or 1
+    many = nodes > 1 or (isinstance(devices, int) and devices > 1) or (isinstance(devices, (list, str)) and
+                                                                      str(devices) not in ("1", "auto", "[0]"))
+    strategy = str(settings.get("trainer.strategy") or "")
+    return many or bool(re.search(r"ddp|fsdp|deepspeed", strategy, re.IGNORECASE))
 
 
 def _free_port() -> int:
@@ -336,8 +405,10 @@ def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
     total = _mem_total()
     on_cpu = runs_on_cpu(run.settings.trainer.accelerator)
     peak = peak if on_cpu and peak else 2 * size
-    rss = min(int(0.9 * total), 3 * peak + 6 * GiB)
-    why = f"3 x its host-memory estimate ({peak / GiB:.2f} GiB) + 6 GiB for the runtime, at most 90 % of this machine's"
+    ranks = _ranks(run.settings)  # each rank holds its own copy; pages they share count once (`watchdog.rss`: PSS)
+    rss = min(int(0.9 * total), ranks * (3 * peak + 2 * GiB) + 4 * GiB)
+    why = (f"3 x its host-memory estimate ({peak / GiB:.2f} GiB) + 2 GiB per rank ({ranks}) + 4 GiB for the runtime, "
+           "at most 90 % of this machine's")
     disk = max(20 * GiB, 12 * size)
     env = os.environ
     return Limits(
@@ -347,9 +418,21 @@ def limits(run: Any, size: int, peak: Optional[int] = None) -> Limits:
     )
 
 
+def _ranks(settings: Any) -> int:
+    """How many processes of the run train on this machine (Lightning's launcher starts one per device)."""
+    devices = settings.get("trainer.devices")
+    if isinstance(devices, str):
+        devices = devices.strip().strip("[]")
+        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else devices
+        devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices
+    if isinstance(devices, (list, tuple)):
+        return max(len(devices), 1)
+    return devices if isinstance(devices, int) and devices > 1 else 1
+
+
 def _mem_total() -> int:
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal:"))
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
         return int(line.split()[1]) * 1024
     return 16 * GiB
 

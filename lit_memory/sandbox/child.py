@@ -4,14 +4,15 @@ The parent starts ``python -I -B -c BOOT ARGS`` (`command`): isolated mode puts 
 user's site folder on ``sys.path`` and reads no ``PYTHON*`` variable, and BOOT sets ``sys.path`` to the parent's own
 (`lit_memory.sandbox.rules.child_path`), so nothing in the folder someone sent is imported, not even before
 confinement (a ``lit_memory.py`` or ``json.py`` beside the recipe). Then, in this order, each layer where the kernel
-has it (each missing one said in one line, `MISSING`):
+has it (each missing one said in one line, `MISSING`; one the kernel has and that cannot be built stops the run):
 
 1. its life tied to the parent's (``PR_SET_PDEATHSIG``: killed when the parent ends, however it ends), and into the
    run's cgroup (`lit_memory.sandbox.cgroup`), so everything it starts is bounded and killed with it;
-2. namespaces of its own (`lit_memory.sandbox.namespaces`): IPC, network (loopback only, brought up), mount, and
+2. namespaces of its own (`lit_memory.sandbox.namespaces`): IPC, network (loopback only, brought up, whatever the
+   recipe asks: a launch over several nodes is refused before, `lit_memory.confine.launchers`), mount, and
    process ids: it forks the namespace's first process, which runs the run; when that one ends the kernel kills every
    process left in the namespace, and it dies with the forking process (killed with the parent);
-3. the view: only the run's roots, devices, a fresh ``/proc`` and a private ``/dev/shm`` visible;
+3. the view: only the run's roots, devices, a fresh ``/proc``, a private ``/dev/shm`` and a private ``/tmp`` visible;
 4. resource limits and Landlock (`lit_memory.sandbox.rules.enter`): the one layer without which it does not run;
 5. every capability dropped (`lit_memory.sandbox.privileges`), then the seccomp filter
    (`lit_memory.sandbox.seccomp`);
@@ -44,7 +45,8 @@ MISSING = {
     "cgroup": "memory outside processes (tmpfs, memfd) is not bounded and processes that left the run's session are "
               "killed only with its process namespace",
     "pid": "a process of the run that started a session of its own can outlive it",
-    "network": "UDP and other protocols than TCP can reach this machine's and other hosts' listeners",
+    "network": "IPv4 and IPv6 sockets are refused by the seccomp filter alone, and a run of several processes does "
+               "not start",
     "ipc": "System V IPC objects of other processes are refused by the seccomp filter alone",
     "mount": "UNIX sockets by path, other users' files and the host's /dev/shm stay reachable to what Landlock "
              "does not mediate",
@@ -102,42 +104,48 @@ def _fork_init() -> None:
     os._exit(code if code >= 0 else 128 - code)
 
 
+class Refused(RuntimeError):
+    """A layer this kernel offers could not be built: the run does not start (fail closed)."""
+
+
 def confine(spec: Optional[Spec] = None) -> Held:
     """Confine this process (single-threaded, nothing of the run imported yet) as ``spec`` (default: the
-    environment's) says; returns in the confined process only. Raises where Landlock cannot be enforced."""
+    environment's) says; returns in the confined process only. A layer the kernel (or its container) does not offer
+    is one `Held.line`; one it offers and that cannot be built raises (`Refused`, OSError): never a run with a layer
+    quietly left out, whatever its inputs (a path too long for the view turned the view off, and the run went on)."""
     spec = spec or Spec.from_env(os.environ[ENV])
     held = Held()
     _die_with_parent(spec.parent)
     if spec.cgroups:
-        why = cgroup.join(spec.cgroups)
-        held.missing["cgroup"] = why if why else ""
+        if why := cgroup.join(spec.cgroups):  # the parent made the group: the kernel offers it
+            raise Refused(why)
     else:
         held.missing["cgroup"] = spec.no_cgroup or "none was made"
-    missing = namespaces.enter(spec.network)
+    missing = namespaces.enter()  # always its own network: no setting of a run keeps the host's
     held.missing.update(missing)
-    if not spec.network:
-        held.missing["network"] = "a launch over several nodes reaches them over the network"
+    if spec.inet and "network" in missing:  # a distributed launch's TCP would reach the host's network
+        raise Refused(f"a launch of several processes meets over TCP, which only a network namespace of its own keeps "
+                      f"to the run, and this kernel or container offers none ({missing['network']})")
     if "pid" not in missing:
         _fork_init()
-    own_proc = False
-    if "mount" not in missing and spec.view:
-        try:
-            devices = [p for p in spec.read + spec.write + spec.devices if p.startswith("/dev/")]
-            own_proc = namespaces.build_view(spec.view, [*spec.read, *spec.write], devices, spec.shm, os.getcwd())
-        except OSError as err:
-            held.missing["mount"] = str(err)
-    elif "mount" not in missing:
-        held.missing["mount"] = "no folder for the view"
-    if spec.network and "network" not in missing:
-        if why := namespaces.loopback_up():
-            held.missing["network"] = why
-    enter(spec, _thread_names(own_proc))  # resource limits, then Landlock: raises where the kernel refuses
+    own_proc, tmp = False, 0
+    if "mount" not in missing:
+        if not spec.view:
+            raise Refused("no folder for the view of the file system")
+        devices = [p for p in spec.read + spec.write + spec.devices if p.startswith("/dev/")]
+        tmp = spec.shm if spec.tmp and namespaces.tmp_allowed(spec.read, spec.write) else 0
+        own_proc = namespaces.build_view(spec.view, [*spec.read, *spec.write], devices, spec.shm, os.getcwd(),
+                                         writes=spec.write, tmp_bytes=tmp)
+    if "network" not in missing and (why := namespaces.loopback_up()):
+        raise Refused(why)
+    # Resource limits, then Landlock (its own /tmp written; sockets and FIFOs made in TMPDIR): raises where refused.
+    enter(spec, _thread_names(own_proc), sockets=[spec.tmp] if spec.tmp else [], writes=[namespaces.TMP] if tmp else [])
     if why := privileges.drop():
-        held.missing["capabilities"] = why
-    try:
-        seccomp.install(spec.inet)
-    except (OSError, RuntimeError, ImportError, AttributeError) as err:
-        held.missing["seccomp"] = str(err) or type(err).__name__
+        raise Refused(why)
+    if why := seccomp.unavailable():
+        held.missing["seccomp"] = why
+    else:
+        seccomp.install(spec.inet)  # the kernel has seccomp: a filter it refuses stops the run
     held.missing = {k: v for k, v in held.missing.items() if v}
     held.layers = [name for name in ("cgroup", *namespaces.NAMESPACES, "capabilities", "seccomp")
                    if name not in held.missing]
@@ -193,7 +201,7 @@ def main(argv: list[str]) -> None:
 
     try:
         held = confine()
-    except (OSError, RuntimeError) as err:  # Landlock refused, or the view could not be entered whole: never run on
+    except (OSError, RuntimeError) as err:  # a layer this kernel offers could not be built: never run on
         print(f"error: the sandbox could not confine the run ({err}); pass --trust-recipe only if you trust the "
               "recipe's source", file=sys.stderr)
         sys.exit(2)

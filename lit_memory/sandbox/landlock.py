@@ -35,9 +35,11 @@ FS = {
 NET = {"bind_tcp": (1 << 0, 4), "connect_tcp": (1 << 1, 4)}
 # ABI 6: no connecting to abstract UNIX sockets, nor signalling processes, outside the confined ones.
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
-# What a read-only root grants, and what a writable one adds (no devices, FIFOs or sockets made anywhere).
+# What a read-only root grants, and what a writable one adds (no devices made anywhere, FIFOs and sockets only in the
+# run's temporary folders: multiprocessing's resource sharer, DataLoader workers' queues, `SOCKETS`).
 READ = ("execute", "read_file", "read_dir")
 WRITE = ("write_file", "remove_dir", "remove_file", "make_dir", "make_reg", "make_sym", "refer", "truncate")
+SOCKETS = ("make_sock", "make_fifo")
 FILE_RIGHTS = ("execute", "write_file", "read_file", "truncate", "ioctl_dev")  # what a rule on a file may grant
 # A GPU's device files: the driver is driven by ioctl (ABI 5 refuses it on any device no rule grants it on: CUDA
 # then fails with "OS call failed", error 304, and NVML does not start).
@@ -86,12 +88,14 @@ class Ruleset:
     """What a confined process may still do. ``read``/``write``: paths beneath which it may read (and run), or also
     write; ``devices``: device files (or folders of them) it may also drive by ioctl; ``connect``: TCP ports it may
     connect to (ABI 4 and later: none else); ``bind``: ports it may listen on; ``threads``: folders of /proc whose
-    files it may read and write (its threads' names)."""
+    files it may read and write (its threads' names); ``sockets``: folders it may write and make UNIX sockets and FIFOs
+    in (its temporary folders)."""
 
     read: list[str] = field(default_factory=list)
     write: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
     threads: list[str] = field(default_factory=list)
+    sockets: list[str] = field(default_factory=list)
     connect: list[int] = field(default_factory=list)
     bind: list[int] = field(default_factory=list)
 
@@ -113,10 +117,13 @@ class Ruleset:
         try:
             reads, writes = _mask(READ, FS, version), _mask(READ + WRITE, FS, version)
             for paths, rights in ((self.read, reads), (self.write, writes), (self.devices, _mask(DEVICE, FS, version)),
-                                  (self.threads, _mask(THREADS, FS, version))):
+                                  (self.threads, _mask(THREADS, FS, version)),
+                                  (self.sockets, _mask(READ + WRITE + SOCKETS, FS, version))):
                 for path in dict.fromkeys(paths):
-                    if rights == writes and os.path.lexists(path) and os.path.realpath(path) != os.path.abspath(path):
-                        raise OSError(f"the write root {path} is reached through a link (it was not when it was judged)")
+                    linked = os.path.lexists(path) and os.path.realpath(path) != os.path.abspath(path)
+                    if rights & writes == writes and linked:
+                        raise OSError(f"the write root {path} is reached through a link (it was not when it was "
+                                      "judged)")
                     self._add_path(libc, fd, path, rights, version)
             if handled_net:
                 for ports, right in ((self.connect, "connect_tcp"), (self.bind, "bind_tcp")):

@@ -60,11 +60,12 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def enter(network: bool) -> dict[str, str]:
-    """Move this process (single-threaded) into new namespaces: IPC, mount, process ids (for its children) and, with
-    ``network``, network. Returns the ones it could not make, each with the reason."""
+def enter() -> dict[str, str]:
+    """Move this process (single-threaded) into new namespaces: network (loopback only), IPC, mount and process ids
+    (for its children), always all four: no setting of a run keeps the host's network. Returns the ones the kernel or
+    its container does not offer, each with the reason."""
     libc = _libc()
-    wanted = {name: flag for name, flag in NAMESPACES.items() if network or name != "network"}
+    wanted = dict(NAMESPACES)
     missing: dict[str, str] = {}
     if os.geteuid() != 0:  # a user namespace first: the capabilities to make the others, over them only
         uid, gid = os.geteuid(), os.getegid()
@@ -128,11 +129,16 @@ def _links_on(path: str) -> Iterable[tuple[str, str]]:
 class View:
     """An empty root (a small tmpfs on ``root``) the run's paths are bound into at their own paths."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, tmp_bytes: int = 0) -> None:
         self.root = root
         self.bound: list[str] = []  # real paths bound so far (folders: what is below them is there already)
         _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the user's namespace
         _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=4m")
+        self.tmp = bool(tmp_bytes)  # a /tmp of its own (`TMP`), the roots beneath the host's bound into it
+        if self.tmp:
+            os.makedirs(self._place(TMP))
+            size = max(tmp_bytes, 1 << 20)
+            _mount("tmpfs", self._place(TMP), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={size}")
 
     def _inside(self, real: str) -> bool:
         return any(real == b or real.startswith(b.rstrip("/") + "/") for b in self.bound)
@@ -140,8 +146,9 @@ class View:
     def _place(self, path: str) -> str:
         return self.root + path
 
-    def bind(self, path: str, recursive: bool = True) -> None:
-        """``path`` (and what it resolves through) at the same path in the view; nothing where it does not exist."""
+    def bind(self, path: str, recursive: bool = True, read_only: bool = False) -> None:
+        """``path`` (and what it resolves through) at the same path in the view; nothing where it does not exist;
+        ``read_only``: the bind itself read only (a read root in the run's writable /tmp)."""
         if not os.path.lexists(path):
             return
         for link, target in _links_on(path):
@@ -162,6 +169,8 @@ class View:
         _mount(real, place, None, MS_BIND | (MS_REC if recursive else 0))
         if os.path.isdir(real):
             self.bound.append(real)
+        if read_only:
+            _read_only(real, place)
 
     def devices(self, paths: Iterable[str], shm_bytes: int) -> None:
         """``/dev`` with only ``paths`` (device files, bound), the standard links, and a private ``/dev/shm`` of
@@ -198,7 +207,7 @@ class View:
 
     def enter(self, cwd: str) -> None:
         """Make the view this process's root (``pivot_root``; the old root detached), and ``cwd`` its folder."""
-        for path in ("/tmp", cwd):
+        for path in (TMP, cwd):
             place = self._place(path)
             if not os.path.lexists(place) and not self._inside(path):
                 os.makedirs(place, exist_ok=True)
@@ -221,18 +230,67 @@ class View:
             raise RuntimeError(f"the view is half entered: {err}") from None
 
 
-def build_view(root: str, paths: Iterable[str], devices: Iterable[str], shm_bytes: int, cwd: str) -> bool:
+PATH_MAX = 4096  # the kernel's longest path, its closing NUL included (include/uapi/linux/limits.h)
+
+
+def unplaceable(root: str, paths: Iterable[str]) -> Optional[str]:
+    """The first of ``paths`` that cannot be bound into a view on ``root`` (its place there, ``root`` + the path as
+    named or as resolved, would pass the kernel's PATH_MAX), or None. Asked by the parent before the child starts:
+    the child would fail to build its view, and does not run without one."""
+    for path in dict.fromkeys(paths):
+        for form in (os.path.abspath(path), os.path.realpath(path)):
+            if len(os.fsencode(root + form)) >= PATH_MAX:
+                return path
+    return None
+
+
+def build_view(root: str, paths: Iterable[str], devices: Iterable[str], shm_bytes: int, cwd: str,
+               writes: Iterable[str] = (), tmp_bytes: int = 0) -> bool:
     """Make this process's root a view holding ``paths`` (read and write roots, bound at their own paths, parents
     first), ``devices``, a private ``/dev/shm`` and ``/proc``, and enter it in ``cwd``; whether that ``/proc`` is the
-    run's own (`View.proc`). Raises OSError where the kernel refuses a step before the root is switched (the process
-    keeps its root; what was mounted stays in its own mount namespace), RuntimeError after (the process must not run
-    on)."""
-    view = View(root)
+    run's own (`View.proc`). ``tmp_bytes``: a fresh ``/tmp`` of that size, the run's to write (Landlock grants it, and
+    grants are inherited below: a read root beneath ``/tmp``, one of ``paths`` not in ``writes``, is bound read only;
+    `tmp_allowed` says where that holds). Raises OSError where the kernel refuses a step before the root is switched
+    (the process keeps its root; what was mounted stays in its own mount namespace), RuntimeError after (the process
+    must not run on)."""
+    view = View(root, tmp_bytes)
+    writes = {os.path.realpath(w) for w in writes}
     wanted = [p for p in dict.fromkeys(paths) if not p.startswith(("/proc/", "/dev/")) and p not in ("/proc", "/dev")]
     for path in sorted(wanted, key=lambda p: (len(os.path.realpath(p)), p)):
+        real = os.path.realpath(path)
+        read_only = view.tmp and _beneath(real, TMP) and real not in writes
         # A folder holding the view's own root would copy the view into itself: bound without what is mounted below.
-        view.bind(path, recursive=not (root == path or root.startswith(path.rstrip("/") + "/")))
+        view.bind(path, recursive=not (root == path or root.startswith(path.rstrip("/") + "/")), read_only=read_only)
     view.devices(devices, shm_bytes)
     own = view.proc()
     view.enter(cwd)
     return own
+
+
+TMP = "/tmp"
+# statvfs's flags and the mount flags a bind's read-only remount keeps (a user namespace may not clear them).
+_KEPT = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: 1024,
+         os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}
+
+
+def tmp_allowed(reads: Iterable[str], writes: Iterable[str]) -> bool:
+    """Whether the run may have a writable ``/tmp`` of its own: no read root beneath the host's ``/tmp`` holds a write
+    root (bound read only, it would hold the write root read only too; bound writable, the grant on ``/tmp`` would
+    reach the rest of it)."""
+    writes = {os.path.realpath(w) for w in writes}
+    for path in reads:
+        real = os.path.realpath(path)
+        if real not in writes and _beneath(real, TMP) and any(_beneath(w, real) for w in writes):
+            return False
+    return True
+
+
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _read_only(real: str, place: str) -> None:
+    """Make the bind of ``real`` on ``place`` read only, keeping the flags its mount has."""
+    flags = os.statvfs(real).f_flag
+    kept = sum(mount for st, mount in _KEPT.items() if flags & st)
+    _mount(None, place, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept)

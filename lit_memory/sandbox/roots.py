@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional
 from lit_memory.errors import UserError
 
 HINT = "pass --trust-recipe only if you trust its source"
+# The confined child's logger version: the ``version_N`` folder the parent made for it (`new_version`).
+VERSION_VARIABLE = "LIT_MEMORY_RUN_VERSION"
 # Settings whose value becomes one folder below a logger's save_dir (``save_dir/name/version``, TensorBoard's sub_dir).
 COMPONENT_KEYS = ("name", "version", "sub_dir")
 
@@ -32,6 +34,7 @@ class Made:
     """What `make` made: folders, deepest last (removed at the end of a run where left empty)."""
 
     folders: list[str] = field(default_factory=list)
+    version: Optional[int] = None  # the run's logger version, where `new_version` made its folder
 
 
 def relative_to_work(path: str, work: str) -> Optional[list[str]]:
@@ -87,6 +90,54 @@ def make(path: str, work: str, key: str, made: Optional[Made] = None, create: bo
     finally:
         os.close(fd)
     return os.path.join(work, *parts)
+
+
+def next_version(names: Iterable[str]) -> int:
+    """The version Lightning's loggers give a new run among folder ``names``: one past the highest ``version_N``."""
+    found = [int(name[8:]) for name in names if name.startswith("version_") and name[8:].isdigit()]
+    return max(found) + 1 if found else 0
+
+
+def new_version(logs: str, made: Made) -> str:
+    """A new, empty ``version_N`` folder in ``logs`` (a real path, made without following a link), numbered as
+    Lightning would (`next_version`): the one folder of the logs a confined run writes, so no earlier run's
+    checkpoint or exported model is within its reach, nor ``logs`` itself (no link planted beside the runs). ``mkdir``
+    fails where the name exists: a folder another run made meanwhile is never shared. Its path."""
+    fd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        number = next_version(os.listdir(fd))
+        while True:
+            try:
+                os.mkdir(f"version_{number}", 0o777, dir_fd=fd)
+                break
+            except FileExistsError:
+                number += 1
+    finally:
+        os.close(fd)
+    path = os.path.join(logs, f"version_{number}")
+    made.folders.append(path)
+    made.version = number
+    return path
+
+
+def links_out(folder: str) -> list[str]:
+    """Remove the links in ``folder`` (a run's own, after it ended) that lead outside it; the ones removed. A later
+    trusted command that writes beside a run's model or reads its checkpoint then never follows a link a confined run
+    made to a place of the user's (Lightning's own ``last.ckpt`` link, to a checkpoint beside it, stays)."""
+    removed: list[str] = []
+    base = os.path.realpath(folder)
+    with contextlib.suppress(OSError):
+        for path, dirs, names, fd in os.fwalk(folder, follow_symlinks=False):
+            for name in [*dirs, *names]:
+                with contextlib.suppress(OSError):
+                    if not os.path.islink(os.path.join(path, name)):
+                        continue
+                    target = os.path.normpath(os.path.join(path, os.readlink(name, dir_fd=fd)))
+                    where = os.path.realpath(target)
+                    if not (where == base or where.startswith(base + os.sep)):
+                        os.unlink(name, dir_fd=fd)
+                        removed.append(os.path.join(path, name))
+    return removed
 
 
 def make_elsewhere(path: str, made: Optional[Made] = None) -> str:

@@ -43,7 +43,7 @@ SYSTEM = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/opt", "/sys", "
 PROC = ("/proc/self", "/proc/thread-self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg",
         "/proc/uptime", "/proc/version", "/proc/filesystems", "/proc/sys", "/proc/driver", "/proc/pressure")
 DEVICES_READ = ("/dev/null", "/dev/urandom", "/dev/random")
-DEVICES_WRITE = ("/dev/null", "/dev/shm")
+DEVICES_WRITE = ("/dev/null", "/dev/zero", "/dev/full", "/dev/shm")
 # The GPU's device files, read, written and driven by ioctl (`landlock.Ruleset.devices`): NVIDIA's (nvidia0.. are
 # added as found), AMD ROCm's (kfd, and dri's render nodes).
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia-caps",
@@ -78,10 +78,10 @@ class Spec:
     status_fd: int = -1  # the pipe the child writes its phases into (`phase`), inherited; never a path
     cgroups: list[str] = field(default_factory=list)  # the run's cgroup.procs files (`lit_memory.sandbox.cgroup`)
     no_cgroup: str = ""  # why there is none
-    network: bool = True  # a network namespace of its own (loopback only); False for a launch over several nodes
-    inet: bool = False  # IPv4/IPv6 sockets (a distributed launch's ranks)
+    inet: bool = False  # IPv4/IPv6 sockets (a distributed launch's ranks), in its own loopback-only network namespace
     shm: int = 0  # bytes of the private /dev/shm
     view: str = ""  # an empty folder the view of the file system is built on (`lit_memory.sandbox.namespaces`)
+    tmp: str = ""  # its private temporary folder (TMPDIR): sockets and FIFOs are made there (DataLoader workers)
     devices: list[str] = field(default_factory=list)  # GPU device files: read, written and driven by ioctl
 
     def to_env(self) -> str:
@@ -142,9 +142,10 @@ def _listdir(path: str) -> list[str]:
 # -- the child: the confinement applied to itself ---------------------------------------------------------
 
 
-def enter(spec: Spec, threads: Sequence[str] = ()) -> None:
+def enter(spec: Spec, threads: Sequence[str] = (), sockets: Sequence[str] = (), writes: Sequence[str] = ()) -> None:
     """Apply ``spec`` to this process: resource limits, then Landlock (``threads``: folders of /proc it may also
-    write, `landlock.Ruleset.threads`); nothing can lift it afterwards."""
+    write, `landlock.Ruleset.threads`; ``sockets``: its temporary folder, written and where it makes sockets and
+    FIFOs; ``writes``: more write roots, its own /tmp); nothing can lift it afterwards."""
     if spec.nproc:
         _limit(resource.RLIMIT_NPROC, spec.nproc)
     if spec.fsize:
@@ -152,8 +153,8 @@ def enter(spec: Spec, threads: Sequence[str] = ()) -> None:
     def ports(ranges: list[list[int]]) -> list[int]:
         return [port for first, last in ranges for port in range(first, last + 1)]
 
-    Ruleset(read=spec.read, write=spec.write, devices=spec.devices, threads=list(threads), connect=ports(spec.connect),
-            bind=ports(spec.bind)).enforce()
+    Ruleset(read=spec.read, write=[*spec.write, *writes], devices=spec.devices, threads=list(threads), sockets=list(sockets),
+            connect=ports(spec.connect), bind=ports(spec.bind)).enforce()
 
 
 def _limit(which: int, value: int) -> None:

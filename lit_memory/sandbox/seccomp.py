@@ -19,14 +19,18 @@ refuses (``EPERM``, so a library that probes gets an error, not a crash):
 Built with libseccomp through pyseccomp (ctypes over ``libseccomp.so.2``, API-compatible with libseccomp's own
 bindings): libseccomp resolves the numbers per architecture and refuses the other ABIs a process could switch to
 (i386 and x32 on x86-64), which a hand-written BPF program gets wrong easily. Where the library or the kernel's
-seccomp is missing, `install` raises and the child says so in one line.
+seccomp is missing (`unavailable`), the child says so in one line; where both are there and `install` fails, the
+run does not start.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import socket
+from typing import Optional
 
+PR_GET_SECCOMP = 21
 AF_NETLINK = 16
 AF_MAX = 46  # the kernel's count of address families (include/linux/socket.h)
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
@@ -52,6 +56,19 @@ def families(inet: bool) -> set[int]:
     if inet:
         allowed |= {socket.AF_INET, socket.AF_INET6, AF_NETLINK}
     return allowed
+
+
+def unavailable() -> Optional[str]:
+    """Why this machine offers no seccomp filter (a kernel built without it, no libseccomp), or None."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_GET_SECCOMP, 0, 0, 0, 0) < 0:
+        return f"the kernel has no seccomp (prctl: {os.strerror(ctypes.get_errno())})"
+    try:
+        import pyseccomp  # noqa: F401  (loads libseccomp)
+    except (OSError, ImportError, AttributeError) as err:
+        return f"no libseccomp ({err or type(err).__name__})"
+    return None
 
 
 def install(inet: bool) -> None:

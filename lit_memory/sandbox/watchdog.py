@@ -123,15 +123,23 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def rss(pid: int, group: Optional[Group] = None) -> int:
+def rss(pid: int, group: Optional[Group] = None, shared_once: bool = False) -> int:
     """The resident memory of ``pid``'s process tree and of every process in ``group`` (a process that left the tree
-    by starting a session of its own is still in the group), in bytes."""
+    by starting a session of its own is still in the group), in bytes. ``shared_once``: each process's proportional
+    share (PSS), so pages the ranks and workers share (CUDA's and torch's libraries, a fork's copy-on-write pages)
+    count once; the kernel walks the page tables for it, so the watch asks only where the resident sum is over."""
     processes = set(_children(pid)) | (group.members() if group is not None else set())
-    total = 0
-    for process in processes:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int(Path(f"/proc/{process}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return total
+    return sum(_resident(process, shared_once) for process in processes)
+
+
+def _resident(pid: int, shared_once: bool) -> int:
+    if shared_once:
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+                return int(next(line for line in f if line.startswith("Pss:")).split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
 
 
 def disk(folders: list[str]) -> tuple[int, int]:
@@ -248,6 +256,8 @@ def _watch(child: subprocess.Popen, status: Status, bounds: Bounds, watched: lis
                 return (f"stopped: {phase or 'starting'} took longer than {bounds.prepare:.0f} s, the bound on "
                         f"preparing a run (tokenizer, data, model; {LIMIT_VARIABLES['prepare']} sets it)"), None
             held = rss(child.pid, group)
+            if held > bounds.rss:  # over, counting shared pages once per process: once in all
+                held = rss(child.pid, group, shared_once=True)
             if held > bounds.rss:
                 return (f"stopped: the run's processes held {held / GiB:.2f} GiB of host memory, over its bound of "
                         f"{bounds.rss / GiB:.2f} GiB ({bounds.why_rss})"), None
