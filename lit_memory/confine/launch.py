@@ -92,12 +92,21 @@ def run(args: list[str], run: Any) -> int:
             plan.spec.cgroups = group.procs()
             if group.pids:
                 plan.spec.nproc = 0  # the group bounds the run's processes (RLIMIT_NPROC counts all of the user's)
-        return watchdog.watch(child.command(args), plan.env, plan.spec, plan.limits, plan.watched, group)
+        code = watchdog.watch(child.command(args), plan.env, plan.spec, plan.limits, plan.watched, group)
+        if watchdog.over_disk(watchdog.usage(plan.watched), plan.limits):  # stopped for it: space left is freed
+            for folder in _outermost(plan.made.folders):
+                watchdog.remove(folder)
+        return code
     finally:
         if group is not None:
             group.remove()
-        shutil.rmtree(plan.private, ignore_errors=True)
+        watchdog.remove(str(plan.private))  # a folder the run made unreadable too
         roots.remove_empty(plan.made.folders)
+
+
+def _outermost(folders: list[str]) -> list[str]:
+    """The folders of ``folders`` not inside another of them."""
+    return [f for f in folders if not any(f != o and f.startswith(o.rstrip("/") + "/") for o in folders)]
 
 
 def cgroup_bytes(rss: int) -> int:
