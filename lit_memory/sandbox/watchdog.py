@@ -25,7 +25,6 @@ import codecs
 import contextlib
 import errno
 import os
-import re
 import shutil
 import signal
 import stat
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from lit_memory.errors import CONTROL, shown  # what a terminal acts on: removed from the child's output
 from lit_memory.sandbox.cgroup import Group
 from lit_memory.sandbox.rules import ENV, Spec
 
@@ -49,7 +49,6 @@ MAX_DEPTH = 64  # folders below a run folder (a run's are a few deep); deeper, t
 STATUS_BYTES = 4096  # of the status pipe kept at once; a phase is one short line
 GRACE_SECONDS = 30.0  # after Ctrl-C, for the run to stop on its own before it is killed
 TRAINING = "training"  # the phase after which preparation's bound no longer holds (`lit_memory.model`)
-CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab, newline, return
 
 
 @dataclass
@@ -324,7 +323,7 @@ def watch(command: list[str], env: dict[str, str], spec: Spec, bounds: Bounds, w
                    f"GiB, its bound of {group.memory / GiB:.2f} GiB, and the kernel killed them "
                    f"({bounds.why_rss or 'the run memory bound'})")
     if stopped:
-        print(f"error: {stopped}; pass --trust-recipe only if you trust the recipe's source", file=sys.stderr)
+        print(f"error: {shown(stopped)}; pass --trust-recipe only if you trust the recipe's source", file=sys.stderr)
         return 2
     if interrupted is not None:
         raise interrupted
