@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,3 +122,35 @@ def test_a_confined_run_holding_space_it_unlinked_is_stopped(tmp_path):
     assert code_ == 2, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("error: stopped: the run held 0.06 GiB on disk"), err[-2000:]
     assert not list((tmp_path / "run").iterdir())
+
+
+@pytest.mark.skipif(landlock.abi() < 4, reason="needs Landlock ABI 4 (Linux 6.7) or later")
+def test_space_a_confined_run_left_at_size_zero_is_refused_and_freed(tmp_path, capsys, monkeypatch):
+    """The hunt's case through ``fit --config sent.yaml``: the confined child holds 128 MiB with FALLOC_FL_KEEP_SIZE at
+    size 0 in its run folder against a 32 MiB budget and ends at once. One ``error:`` line says what it held, and the
+    run folder made for it is gone with the space."""
+    from test_sandbox import probe_command
+
+    from lit_memory.__main__ import main
+    from lit_memory.sandbox import child, rules
+
+    code = """
+        import ctypes, os
+        run = json.loads(os.environ["LIT_MEMORY_SANDBOX"])["write"][0]
+        fd = os.open(os.path.join(run, "held.bin"), os.O_WRONLY | os.O_CREAT, 0o600)
+        assert ctypes.CDLL(None).fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(128 << 20)) == 0
+    """
+    monkeypatch.setattr(child, "command", lambda args: probe_command(code))  # the run's child, as a recipe's code
+    monkeypatch.setenv(launch.LIMIT_VARIABLES["disk"], str(32 * MiB))
+    monkeypatch.delenv(rules.ENV, raising=False)
+    (tmp_path / "sent.yaml").write_text("# sent by someone\nseed_everything: 7\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "sent.yaml", "--model.model_name_or_path", "bundled:minilm",
+              "--trainer.accelerator", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err[-2000:]
+    # counted while it ran, or once it ended (it may end before the watchdog's next count)
+    last = err.strip().splitlines()[-1]
+    assert re.match(r"error: stopped: the run (held|left) 0\.1\d GiB on disk", last), err[-2000:]
+    assert not (tmp_path / "lightning_logs").exists()
