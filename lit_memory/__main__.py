@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 # Light: every help, `recipes list` and a mistyped command, recipe, option or data file answer before anything heavy is
 # imported; torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
 from lit_memory.config import data_check, option_names, shipped, short_help
-from lit_memory.errors import UserError
+from lit_memory.errors import UserError, shown
 from lit_memory.tools import arguments as tool_arguments
 
 
@@ -101,6 +101,7 @@ def session(args: list[str]) -> Iterator[Any]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
+    _show_warnings()
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         sys.exit(0 if args else 2)
@@ -183,7 +184,7 @@ def _run(args: list[str]) -> None:
                     raise UserError(why)
                 run = cli.resolve(args)
                 launchers.check(decision.why, run.settings.trainer.num_nodes)
-                print(decision.why, file=sys.stderr)
+                print(shown(decision.why), file=sys.stderr)
                 code = launch.run(args, run)
             else:
                 cli.resolve(args).launch()
@@ -197,7 +198,7 @@ def _run(args: list[str]) -> None:
         _fail("refusing an input nested too deeply to read (a recipe, config or checkpoint value)")
     except torch.OutOfMemoryError as err:
         # The memory monitor has printed the breakdown at the failure and a recipe that fits.
-        print(f"error: out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
+        print(f"error: out of memory: {shown(str(err).splitlines()[0])}", file=sys.stderr)
         sys.exit(1)
     except (SystemExit, KeyboardInterrupt):
         raise
@@ -225,9 +226,26 @@ def _user_error_behind(err: BaseException) -> Optional[UserError]:
     return None
 
 
+def _show_warnings() -> None:
+    """Python's warnings (jsonargparse's, Lightning's, the guard's) may quote a recipe's value: their message is
+    printed through `shown` too, once installed for the process."""
+    import warnings
+
+    original = warnings.formatwarning
+    if getattr(original, "shows", False):
+        return
+
+    def formatted(message: Any, *args: Any, **kwargs: Any) -> str:
+        return original(shown(str(message)), *args, **kwargs)
+
+    formatted.shows = True  # type: ignore[attr-defined]
+    warnings.formatwarning = formatted
+
+
 def _fail(message: str) -> None:
+    """One ``error:`` line per line of ``message``, a recipe's escape sequences in it shown, never acted on."""
     for line in message.splitlines():
-        print(f"error: {line}", file=sys.stderr)
+        print(f"error: {shown(line)}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
     get_human_readable_count,
 )
 
+from lit_memory import errors
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.measure.tracker import ProcessPeak
@@ -379,4 +380,5 @@ def say(line: str) -> None:
     """A line on stderr from the process of global rank 0 only: Lightning's launcher runs a command again for every
     other rank (``LOCAL_RANK``/``RANK`` set), which would repeat it once per process."""
     if rank_zero_only.rank == 0:
-        print(line, file=sys.stderr)
+        for part in line.splitlines():  # a warning may quote a recipe's value: its escape sequences shown
+            print(errors.shown(part), file=sys.stderr)

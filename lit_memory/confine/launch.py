@@ -11,8 +11,9 @@
    run's private folder (`lit_memory.confine.hub`);
 3. every folder the run writes below (the default ``lightning_logs`` too) is made beneath the working folder without
    following a link (`lit_memory.sandbox.roots`), a cgroup bounds its memory and processes
-   (`lit_memory.sandbox.cgroup`), and the child is started isolated from the working folder, with the environment
-   scrubbed of secrets, offline, with a private temporary folder and caches; it confines itself first thing
+   (`lit_memory.sandbox.cgroup`), and the child is started isolated from the working folder, with only the
+   environment a run needs (`lit_memory.sandbox.environment`: an allowlist), offline, with a private temporary folder
+   and caches; it confines itself first thing
    (`lit_memory.sandbox.child`: namespaces, a view of only its roots, Landlock, no capabilities, seccomp);
 4. the watchdog (`lit_memory.sandbox.watchdog`) relays its output, bounds its memory, disk and preparation time,
    each ending with one ``error:`` line, and leaves none of its processes behind.
@@ -44,7 +45,7 @@ from lit_memory.memory.hardware.gpus import target
 from lit_memory.run import predict_file
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
-from lit_memory.sandbox import cgroup, child, landlock, namespaces, roots, rules, stage, watchdog
+from lit_memory.sandbox import cgroup, child, environment, landlock, namespaces, roots, rules, stage, watchdog
 from lit_memory.confine import gpu, hub
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
 from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
@@ -93,16 +94,25 @@ def run(args: list[str], run: Any) -> int:
             plan.spec.cgroups = group.procs()
             if group.pids:
                 plan.spec.nproc = 0  # the group bounds the run's processes (RLIMIT_NPROC counts all of the user's)
-        return watchdog.watch(child.command(args), plan.env, plan.spec, plan.limits, plan.watched, group)
+        code = watchdog.watch(child.command(args), plan.env, plan.spec, plan.limits, plan.watched, group)
+        if watchdog.over_disk(watchdog.usage(plan.watched), plan.limits):  # stopped for it: space left is freed
+            for folder in _outermost(plan.made.folders):
+                watchdog.remove(folder)
+        return code
     finally:
         if group is not None:
             group.remove()
-        shutil.rmtree(plan.private, ignore_errors=True)
+        watchdog.remove(str(plan.private))  # a folder the run made unreadable too
         for folder in plan.own:  # no later command follows a link the run made out of its own folder
             if removed := roots.links_out(folder):
                 print(f"warning: sandbox: removed {len(removed)} link(s) the run made out of its folder {folder} "
                       f"(first: {removed[0]})", file=sys.stderr)
         roots.remove_empty(plan.made.folders)
+
+
+def _outermost(folders: list[str]) -> list[str]:
+    """The folders of ``folders`` not inside another of them."""
+    return [f for f in folders if not any(f != o and f.startswith(o.rstrip("/") + "/") for o in folders)]
 
 
 def cgroup_bytes(rss: int) -> int:
@@ -125,7 +135,7 @@ def make_plan(run: Any) -> Plan:
     roots.check_components(chosen.items())
     reads, fetches = inputs(run)
     rules.check_write_paths(chosen, run_folders(settings, typed, create=False, argv=run.argv or []))
-    env = rules.scrubbed(dict(os.environ))
+    env = environment.allowed(os.environ)  # what a run needs, nothing else (class D: no secret by another name)
     check_one_machine(settings, os.environ, distributed=_many(settings))
     connect, bind = _ports(settings, env)
     sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
@@ -203,9 +213,10 @@ def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
 
 
 def child_environment(env: dict[str, str], private: Path, distributed: bool) -> dict[str, str]:
-    """The child's environment (``env``: this one without secrets): offline, its temporary folder and caches in
-    ``private``, the user's Hugging Face cache read only unless a fetch made one there, every Python it starts without
-    the working folder on its path; a distributed launch's ranks meet on the loopback."""
+    """The child's environment (``env``: this one's allowlisted variables, `environment.allowed`): offline, its
+    temporary folder and caches in ``private``, the user's Hugging Face cache read only unless a fetch made one
+    there, every Python it starts without the working folder on its path; a distributed launch's ranks meet on the
+    loopback."""
     env = dict(env)
     env.setdefault("HF_HUB_CACHE", constants.HF_HUB_CACHE)  # (`hub.fetch` sets the private one where it fetched)
     env.update({
@@ -215,7 +226,7 @@ def child_environment(env: dict[str, str], private: Path, distributed: bool) -> 
         "CUDA_CACHE_PATH": str(private / "cuda"),  # CUDA's ComputeCache (its JIT's kernels)
         "MPLCONFIGDIR": str(private / "matplotlib"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(env.get("PYTHONPATH", "")),
+        "PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(os.environ.get("PYTHONPATH", "")),
     })
     if distributed:  # its own network namespace holds only the loopback: the ranks meet there
         env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})

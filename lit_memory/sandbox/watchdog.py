@@ -8,7 +8,10 @@
   link (``os.fwalk``), and stops at `MAX_ENTRIES`.
 - Bounds, each ending the run with one ``error:`` line: the processes' resident memory (and, where the run has a
   cgroup, what the kernel's memory controller killed for: tmpfs and memfd pages too), the run folders' disk use and
-  the time spent preparing (tokenizer, data, model).
+  the time spent preparing (tokenizer, data, model). Disk is counted in allocated blocks (`usage`: space held at
+  size 0 with ``fallocate`` counts), with the files its processes hold open after unlinking them; a folder the walk
+  cannot enter stops the run (fails closed), and what a run left over its budget once it ended is said too (its
+  folders are then freed: `lit_memory.confine.launch.run`).
 - Every way out of `watch` (the run's end, a bound, Ctrl-C, SIGTERM or SIGHUP to this process, an exception) kills the
   whole run: its cgroup, its process group, and with them its process namespace; and the child dies with this process
   however this one ends (SIGKILL included: the child's parent-death signal, `lit_memory.sandbox.child`).
@@ -22,16 +25,18 @@ import codecs
 import contextlib
 import errno
 import os
-import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
+from lit_memory.errors import CONTROL, shown  # what a terminal acts on: removed from the child's output
 from lit_memory.sandbox.cgroup import Group
 from lit_memory.sandbox.rules import ENV, Spec
 
@@ -44,7 +49,6 @@ MAX_DEPTH = 64  # folders below a run folder (a run's are a few deep); deeper, t
 STATUS_BYTES = 4096  # of the status pipe kept at once; a phase is one short line
 GRACE_SECONDS = 30.0  # after Ctrl-C, for the run to stop on its own before it is killed
 TRAINING = "training"  # the phase after which preparation's bound no longer holds (`lit_memory.model`)
-CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab, newline, return
 
 
 @dataclass
@@ -142,25 +146,120 @@ def _resident(pid: int, shared_once: bool) -> int:
     return 0
 
 
-def disk(folders: list[str]) -> tuple[int, int]:
-    """(bytes, entries) below ``folders``, walked by file descriptor without following a link (``os.fwalk`` checks
-    each folder it opens is the one it listed); stops counting past `MAX_ENTRIES` entries, and returns more than
-    `MAX_ENTRIES` where the tree is deeper than `MAX_DEPTH` or cannot be walked whole (what it holds would go
-    uncounted)."""
-    total = entries = 0
+def processes(pid: int, group: Optional[Group] = None) -> set[int]:
+    """``pid``'s process tree and every process in ``group`` (one that started a session of its own is still there)."""
+    return set(_children(pid)) | (group.members() if group is not None else set())
+
+
+@dataclass
+class Usage:
+    """What a run's folders hold on disk."""
+
+    bytes: int = 0  # allocated blocks, not apparent sizes
+    entries: int = 0  # files and folders
+    why: str = ""  # why it could not be counted whole (a folder it cannot enter): the run is stopped then
+
+
+def usage(folders: list[str], pids: Iterable[int] = ()) -> Usage:
+    """The disk ``folders`` take, counted in allocated blocks (``st_blocks``: space held with
+    ``fallocate(FALLOC_FL_KEEP_SIZE)`` at size 0 counts, a sparse file's holes do not), plus files the processes
+    ``pids`` hold open after unlinking them on the same file systems (``/proc/<pid>/fd``). Walked by file descriptor
+    without following a link (``os.fwalk`` checks each folder it opens is the one it listed). Fails closed: a folder
+    or file it cannot enter or stat (``chmod 000``) is `Usage.why`, never counted as empty; past `MAX_ENTRIES`
+    entries or `MAX_DEPTH` folders deep it stops (``entries`` more than `MAX_ENTRIES`)."""
+    found, seen, devices = Usage(), set(), set()
     for folder in folders:
         failed: list[OSError] = []
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(FileNotFoundError):
+            devices.add(os.stat(folder).st_dev)
+        try:
             for path, dirs, names, fd in os.fwalk(folder, follow_symlinks=False, onerror=failed.append):
-                entries += len(dirs) + len(names)
-                if entries > MAX_ENTRIES or path[len(folder):].count(os.sep) > MAX_DEPTH:
-                    return total, MAX_ENTRIES + 1
-                if any(err.errno in (errno.EMFILE, errno.ENFILE, errno.ENAMETOOLONG, errno.ELOOP) for err in failed):
-                    return total, MAX_ENTRIES + 1
-                for name in names:
-                    with contextlib.suppress(OSError):
-                        total += os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
-    return total, entries
+                found.entries += len(dirs) + len(names)
+                if found.entries > MAX_ENTRIES or path[len(folder):].count(os.sep) > MAX_DEPTH:
+                    found.entries = MAX_ENTRIES + 1
+                    return found
+                for name in (*dirs, *names):
+                    try:
+                        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError as err:
+                        failed.append(OSError(err.errno, err.strerror, os.path.join(path, name)))
+                        continue
+                    found.bytes += _allocated(info, seen)
+        except OSError as err:  # the folder itself (a missing one holds nothing)
+            failed.append(err)
+        if why := _unwalked(failed, folder):
+            found.why = why
+            return found
+    held, found.why = _unlinked(pids, devices, seen)
+    found.bytes += held
+    return found
+
+
+def _allocated(info: os.stat_result, seen: set) -> int:
+    """A file's allocated bytes, once per inode (a hard link is not counted twice)."""
+    if info.st_nlink > 1:
+        if (info.st_dev, info.st_ino) in seen:
+            return 0
+        seen.add((info.st_dev, info.st_ino))
+    return info.st_blocks * 512
+
+
+def _unwalked(failed: list[OSError], top: str) -> str:
+    """Why the walk below ``top`` missed something (one line), or "": a file or folder removed while walked (or a run
+    folder not made yet) holds nothing, any other error could hide what it holds."""
+    for err in failed:
+        if err.errno != errno.ENOENT:
+            return f"{err.filename or top}: {err.strerror or err}"
+    return ""
+
+
+def _unlinked(pids: Iterable[int], devices: set, seen: set) -> tuple[int, str]:
+    """(bytes of regular files the processes ``pids`` hold open with no name left, on the file systems of ``devices``
+    (the run's folders'; tmpfs and memfd pages are memory, bounded by the run's cgroup); why a process's open files
+    could not be listed, or "")."""
+    total = 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it ended
+        except OSError as err:
+            return total, f"the open files of process {pid}: {err.strerror}"
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                info = os.stat(f"/proc/{pid}/fd/{fd}")  # the open file itself, its name gone or not
+                key = (info.st_dev, info.st_ino)
+                if stat.S_ISREG(info.st_mode) and info.st_nlink == 0 and info.st_dev in devices and key not in seen:
+                    seen.add(key)
+                    total += info.st_blocks * 512
+    return total, ""
+
+
+def disk(folders: list[str]) -> tuple[int, int]:
+    """(bytes allocated, entries) below ``folders`` (`usage`); entries more than `MAX_ENTRIES` where they could not
+    be counted whole."""
+    found = usage(folders)
+    return found.bytes, MAX_ENTRIES + 1 if found.why else found.entries
+
+
+def remove(path: str) -> None:
+    """Remove ``path`` and all below it, no link followed, a folder the run made unreadable (``chmod 000``) included:
+    the parent owns what the run wrote, and gives itself back the right to enter it."""
+    def retry(function: Any, failed: str, _exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            parent = os.path.dirname(failed) if function in (os.unlink, os.rmdir) else failed
+            if not os.path.islink(parent):
+                os.chmod(parent, 0o700)
+            if function in (os.unlink, os.rmdir):
+                function(failed)
+            else:
+                shutil.rmtree(failed, onerror=lambda *_: None)
+
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    shutil.rmtree(path, onerror=retry)
 
 
 def _kill(child: subprocess.Popen, group: Optional[Group], sig: int = signal.SIGKILL) -> None:
@@ -225,16 +324,32 @@ def watch(command: list[str], env: dict[str, str], spec: Spec, bounds: Bounds, w
             for thread in threads:
                 thread.join(timeout=5)
             status.close()
+    if not stopped and not interrupted:  # what it left: written between two counts, or just before it ended
+        stopped = over_disk(usage(watched), bounds, left=True)
     if group is not None and group.oom_kills() and not stopped:
         stopped = (f"stopped: the run's processes and their memory files (tmpfs, memfd) reached {group.peak() / GiB:.2f} "
                    f"GiB, its bound of {group.memory / GiB:.2f} GiB, and the kernel killed them "
                    f"({bounds.why_rss or 'the run memory bound'})")
     if stopped:
-        print(f"error: {stopped}; pass --trust-recipe only if you trust the recipe's source", file=sys.stderr)
+        print(f"error: {shown(stopped)}; pass --trust-recipe only if you trust the recipe's source", file=sys.stderr)
         return 2
     if interrupted is not None:
         raise interrupted
     return child.returncode
+
+
+def over_disk(found: Usage, bounds: Bounds, left: bool = False) -> str:
+    """Why the run is stopped for its disk use (``left``: what it left once it ended), or ""."""
+    if found.entries > MAX_ENTRIES:
+        return (f"stopped: the run made more than {MAX_ENTRIES} files and folders in its folders, or folders more "
+                f"than {MAX_DEPTH} deep (its disk use could not be counted)")
+    if found.why:
+        return (f"stopped: the run's disk use could not be counted whole ({found.why}); what cannot be counted is "
+                "not bounded")
+    if found.bytes > bounds.disk:
+        return (f"stopped: the run {'left' if left else 'held'} {found.bytes / GiB:.2f} GiB on disk (allocated "
+                f"blocks), over its disk budget of {bounds.disk / GiB:.2f} GiB ({LIMIT_VARIABLES['disk']} sets it)")
+    return ""
 
 
 def _watch(child: subprocess.Popen, status: Status, bounds: Bounds, watched: list[str],
@@ -263,13 +378,8 @@ def _watch(child: subprocess.Popen, status: Status, bounds: Bounds, watched: lis
                         f"{bounds.rss / GiB:.2f} GiB ({bounds.why_rss})"), None
             if now - last_disk > 5:
                 last_disk = now
-                used, entries = disk(watched)
-                if entries > MAX_ENTRIES:
-                    return (f"stopped: the run made more than {MAX_ENTRIES} files and folders in its folders, or "
-                            f"folders more than {MAX_DEPTH} deep (its disk use could not be counted)"), None
-                if used > bounds.disk:
-                    return (f"stopped: the run wrote {used / GiB:.2f} GiB, over its disk budget of "
-                            f"{bounds.disk / GiB:.2f} GiB ({LIMIT_VARIABLES['disk']} sets it)"), None
+                if why := over_disk(usage(watched, processes(child.pid, group)), bounds):
+                    return why, None
         except KeyboardInterrupt as err:
             if grace is not None:  # a second Ctrl-C: now
                 return None, err

@@ -19,7 +19,7 @@ from lit_memory.sandbox import bounds, guard
 from lit_memory import files
 from lit_memory.cli import resolve
 from lit_memory.config.arguments import ImportRefused
-from lit_memory.errors import UserError
+from lit_memory.errors import UserError, shown
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
 from lit_memory.memory.hardware.margin import Fit
 from lit_memory.memory.measure.footprint import format_bytes
@@ -249,7 +249,7 @@ def check(path: Path, trusted: bool) -> None:
     try:
         tree = bounds.read_yaml(path)
     except bounds.BoundExceeded as err:  # a bomb: nothing more is read of it, trusted or not
-        print(f"  {'problem' if trusted else 'REFUSED'}  {str(err).removeprefix('refusing ')}")
+        _say(f"  {'problem' if trusted else 'REFUSED'}  {str(err).removeprefix('refusing ')}")
         verdict = "1 problem(s)" if trusted else f"1 refused; pass {TRUST_FLAG} only if you trust its source"
         raise UserError(f"{path}: {verdict}") from None
     refused: list[str] = []
@@ -279,17 +279,23 @@ def check(path: Path, trusted: bool) -> None:
         refused += [] if trusted else later_refusals(run.settings, [os.getcwd(), str(path.resolve().parent)])
         problems += run.problems
         imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in leaves(run.settings) if k.endswith("class_path")]
-        print(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
+        _say(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
     for line in refused:
-        print(f"  REFUSED  {line}")
+        _say(f"  REFUSED  {line}")
     for line in problems:
-        print(f"  problem  {line}")
+        _say(f"  problem  {line}")
     if (refused and not trusted) or problems:
         verdict = [f"{len(refused)} refused"] if refused and not trusted else []
         verdict += [f"{len(problems)} problem(s)"] if problems else []
         hint = f"; pass {TRUST_FLAG} only if you trust its source" if refused and not trusted else ""
         raise UserError(f"{path}: {', '.join(verdict)}{hint}")
-    print(f"ok: {path} parses against the `fit` schema" + ("" if refused else " and needs no " + TRUST_FLAG))
+    _say(f"ok: {path} parses against the `fit` schema" + ("" if refused else " and needs no " + TRUST_FLAG))
+
+
+def _say(line: str) -> None:
+    """A line of the check's report: the recipe's values in it (keys, refused values, class paths, its file name)
+    with their escape sequences shown, never acted on by the terminal (an OSC 52 clipboard write, hidden text)."""
+    print(shown(line))
 
 
 def trust_status(path: Path) -> str:
@@ -434,7 +440,7 @@ def main(argv: list[str]) -> None:
             check(args.file, args.trusted)
         finally:  # what a stranger's would refuse, then how a run of it is judged now
             if _is_file(args.file):
-                print(trust_status(args.file))
+                _say(trust_status(args.file))
     elif args.command in ("trust", "untrust", "trusted"):
         trusted_files.main([args.command, *map(str, getattr(args, "files", []))])
     elif args.command == "headers":
