@@ -203,7 +203,8 @@ os._exit(0 if status != "fail" else 1)  # no interpreter teardown to wait on (CU
 # The child's boot: `child.main` as every confined run's (`lit_memory.sandbox.child.BOOT`), its last step (running
 # ``python -m lit_memory``) replaced by the probe.
 PRELUDE = ("import runpy\n"
-           "runpy.run_module = lambda *a, **k: exec(compile({code!r}, '<probe>', 'exec'), {{'__name__': '__probe__'}})\n")
+           "runpy.run_module = lambda *a, **k: exec(compile({code!r}, '<probe>', 'exec'),"
+           " {{'__name__': '__probe__'}})\n")
 
 
 class Tee:
@@ -402,7 +403,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--probes", default=",".join(PROBES), help=f"comma-separated, of {', '.join(PROBES)}")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="each probe's bound, from its child's start")
     parser.add_argument("--fits", action="store_true",
-                        help="then README's main job (shipped: unconfined) and a 2-step fit of its sent copy (confined)")
+                        help="then README's main job (shipped: unconfined) and a 2-step fit of its sent copy "
+                        "(confined)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds for all of it: a step gets at most what is left, and none starts with under 10")
     args = parser.parse_args(argv)
@@ -421,7 +423,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     record = Record(args.out / RECORD, {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "mode": mode,
-        "command": shlex.join(["python", "examples/gpu_sandbox_probe.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": shlex.join(["python", "examples/gpu_sandbox_probe.py",
+                               *(argv if argv is not None else sys.argv[1:])]),
         "seconds_per_probe": args.seconds, "machine": machine(device)})
     print(f"sandbox probe: {mode}; landlock abi {record.data['machine']['landlock_abi']}, "
           f"GPU devices {record.data['machine']['gpu_devices']}", flush=True)
