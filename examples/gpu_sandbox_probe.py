@@ -133,7 +133,7 @@ def bnb():
 RANK = """
 import datetime, sys, torch, torch.distributed as dist
 backend, rank = sys.argv[1], int(sys.argv[2])
-dist.init_process_group(backend, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+dist.init_process_group(backend, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
 where = f"cuda:{rank}" if backend == "nccl" else "cpu"
 value = torch.full((4,), float(rank + 1), device=where)
 dist.all_reduce(value)
@@ -148,22 +148,27 @@ def group():
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     backend = "nccl" if gpus >= 2 else "gloo"  # NCCL refuses two ranks on one GPU
     # as Lightning's launcher starts its ranks: a fresh Python each, the run's environment (MASTER_ADDR/PORT)
+    env = dict(os.environ)  # a one-rank run's plan sets no rendezvous: the ranks then try a port of their own
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29533")
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, backend, str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    out = []
-    try:
-        for r in ranks:
-            out.append(r.communicate(timeout=35)[0])
-    finally:
-        for r in ranks:
-            if r.poll() is None:
-                r.kill()
+                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    ends = time.monotonic() + 30
+    while time.monotonic() < ends and any(r.poll() is None for r in ranks):
+        if any(r.poll() for r in ranks):  # one rank failed: the other would wait for it until its timeout
+            break
+        time.sleep(0.1)
+    for r in ranks:
+        if r.poll() is None:
+            r.kill()
+    out = [r.communicate()[0] for r in ranks]
     codes = [r.returncode for r in ranks]
     if any(codes):
         print("".join(out), flush=True)
-        raise RuntimeError(f"ranks ended {codes}: " + " | ".join(o.strip().splitlines()[-1] for o in out if o.strip()))
+        said = [[line for line in o.splitlines() if "Error" in line] or o.strip().splitlines()[-1:] for o in out]
+        raise RuntimeError(f"ranks ended {codes}: " + " | ".join(lines[-1].strip() for lines in said if lines))
     why = "" if backend == "nccl" else f" ({gpus} GPU: NCCL needs one per rank)" if device == "cuda" else ""
-    return f"2 ranks, {backend}{why}, all_reduce over {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return f"2 ranks, {backend}{why}, all_reduce over {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
 
 
 def profiled():
@@ -446,10 +451,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             finally:
                 os.chdir(here)
         if args.fits:
-            fits = [("main job", readme_main_job() + ([] if mode == "gpu" else [
-                        *REHEARSAL_FIT, f"--trainer.default_root_dir={work / 'main'}"]), ROOT, False),
-                    ("confined fit", ["fit", "--config", "sent/sent.yaml", *TINY_FIT,
-                                      *([] if mode == "gpu" else REHEARSAL_FIT[1:2])], work, True)]
+            # the confined fit first: a GPU run of ours confined is what no lent machine has shown yet
+            fits = [("confined fit", ["fit", "--config", "sent/sent.yaml", *TINY_FIT,
+                                      *([] if mode == "gpu" else REHEARSAL_FIT[1:2])], work, True),
+                    ("main job", readme_main_job() + ([] if mode == "gpu" else [
+                        *REHEARSAL_FIT, f"--trainer.default_root_dir={work / 'main'}"]), ROOT, False)]
             for name, fit_args, cwd, confined in fits:
                 bound = left(FIT_SECONDS[name])
                 if mode == "no CUDA" or bound < 10:
@@ -460,6 +466,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 record.add("fits", run_fit(name, fit_args, cwd, bound, confined))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    record.data["seconds"] = round(time.monotonic() - start, 1)
+    record.save()
     rows = record.data["probes"] + record.data["fits"]
     print(f"sandbox probe: {sum(r['status'] == 'ok' for r in rows)} ok, {sum(r['status'] == 'fail' for r in rows)} "
           f"failed of {len(rows)}, {time.monotonic() - start:.0f} s; record {record.path}", flush=True)
