@@ -359,8 +359,15 @@ def run_fit(name: str, args: list[str], cwd: Path, seconds: float, confined: boo
                            "seconds": round(took, 1), "exit": code, "confined": said,
                            "val": next((line for line in lines if line.startswith("val:")), None)}
     errors = [line for line in lines if line.startswith("error:")]
-    if code != 0 or exported is None:
-        row.update(status="fail", error=(errors or lines or [f"exit status {code}"])[-1][:500])
+    last = (errors or lines or [f"exit status {code}"])[-1][:500]
+    if confined and launch_unsupported():  # without Landlock the untrusted fit must be refused in one line
+        refusal = "error: an untrusted run is confined by the kernel"
+        if code == 2 and len(errors) == 1 and errors[0].startswith(refusal):
+            row.update(status="ok", detail="refused: " + errors[0][:300])
+        else:
+            row.update(status="fail", error=last)
+    elif code != 0 or exported is None:
+        row.update(status="fail", error=last)
     elif said != confined:
         row.update(status="fail", error=f"expected {'a' if confined else 'no'} '{CONFINED}' line")
     else:
@@ -385,6 +392,13 @@ class Record:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2) + "\n", encoding="utf-8")
         tmp.replace(self.path)
+
+
+def launch_unsupported() -> Optional[str]:
+    """Why this machine cannot confine an untrusted run (`lit_memory.confine.launch.unsupported`), or None."""
+    from lit_memory.confine import launch
+
+    return launch.unsupported()
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -437,9 +451,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     here = os.getcwd()
     try:
         sent = sent_recipe(work)
+        unconfinable = launch_unsupported()  # no Landlock: an untrusted run is refused in one line, none probed
         for name in names:
-            if mode == "no CUDA":
-                record.add("probes", {"probe": name, "status": "skipped", "detail": "skipped: no CUDA"})
+            if mode == "no CUDA" or unconfinable:
+                why = "no CUDA" if mode == "no CUDA" else unconfinable
+                record.add("probes", {"probe": name, "status": "skipped", "detail": f"skipped: {why}"})
                 continue
             bound = left(args.seconds)
             if bound < 10:
