@@ -232,12 +232,11 @@ class Tee:
 @contextlib.contextmanager
 def captured() -> Iterator[Tee]:
     out, err = Tee(sys.stdout), Tee(sys.stderr)
-    both = Tee(sys.stdout)
-    both.parts = out.parts = err.parts  # one transcript, in the order written
+    err.parts = out.parts  # one transcript, in the order written
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = out, err
     try:
-        yield both
+        yield out
     finally:
         sys.stdout, sys.stderr = saved
 
