@@ -102,3 +102,12 @@ def test_without_landlock_no_probe_starts_and_the_record_says_why(tmp_path, monk
     details = {r["detail"] for r in record["probes"]}
     [detail] = details
     assert detail.startswith("skipped: an untrusted run is confined by the kernel (Landlock")
+
+
+def test_call_one_runs_the_probe_first_then_the_proofs_rows_but_its_own_probe_row():
+    from lit_memory.tools import proof
+
+    script = (REPO / "examples" / "gpu_speed.sh").read_text()
+    [rows] = [line.split("=", 1)[1] for line in script.splitlines() if line.strip().startswith("CALL1_ROWS=")]
+    assert rows.split(",") == [row for row in proof.CALLS["call1"] if row != proof.PROBE]
+    assert script.index("examples/gpu_sandbox_probe.py --fits") < script.index("-m lit_memory bench --gpu-proof")
