@@ -166,8 +166,9 @@ class TextClassificationData(L.LightningDataModule):
         super().__init__()
         if num_labels is not None and num_labels < 1:
             raise UserError(f"num_labels must be at least 1 (1: regression), got {num_labels}")
-        if problem_type is not None:
-            task_.kind_of(problem_type, "problem_type")
+        # The setting read once (one error line for a name no kind has); None: the labels decide (`task_.infer`).
+        self.kind_set: Optional[task_.ProblemKind] = (
+            task_.kind_of(problem_type, "problem_type") if problem_type is not None else None)
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
         check_shape(batch_size, max_length)
@@ -320,7 +321,7 @@ class TextClassificationData(L.LightningDataModule):
         ]
         if isinstance(feature, datasets.ClassLabel):
             values = [row for row in values if row[columns.label[0]] is None or row[columns.label[0]] >= 0]
-        return task_.infer(values, columns, self.hparams.problem_type, self.hparams.num_labels, names, self.where)
+        return task_.infer(values, columns, self.kind_set, self.hparams.num_labels, names, self.where)
 
     def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, Counter]:
         """The rows with texts and a label, the label as the model takes it: a class id, a value, or one 0/1 per
@@ -502,12 +503,12 @@ class TextClassificationData(L.LightningDataModule):
                    + f" truncated at max_length {max_length}")
         unknown = unknown_words(unknown_share(self.splits["train"], tokenizer), tokenizer)
         self.splits.set_format("torch")
-        self.label_counts = weights_.count(self.splits["train"]["labels"][:], self.task.problem_type, self.task.num_labels)
+        self.label_counts = weights_.count(self.splits["train"]["labels"][:], self.task.kind, self.task.num_labels)
         names = label_names_or_default(self.resolved_label_names or self.hparams.label_names, self.task.num_labels)
         setting = self.hparams.class_weights
         weighed = weights_.describe(
-            setting, weights_.resolve(setting, self.label_counts, self.task.problem_type, self.task.num_labels),
-            self.label_counts, names, self.task.problem_type,
+            setting, weights_.resolve(setting, self.label_counts, self.task.kind, self.task.num_labels),
+            self.label_counts, names, self.task.kind,
         )
         self.summary = "; ".join(p for p in (self.summary or "", cut, unknown, weighed, self._length()) if p)
         counts = ", ".join(f"{name} {len(self.splits[name])}" for name in SPLITS)
@@ -559,12 +560,12 @@ class TextClassificationData(L.LightningDataModule):
             names = label_names_or_default(self.hparams.label_names, self.hparams.num_labels)
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         module = getattr(trainer, "lightning_module", None)
-        problem = getattr(module, "problem_type", None)
+        kind = getattr(module, "kind", None)
         rows = self.predict_rows(rank, world_size)
         columns, id_, encoded = self._predict_columns
         chunk = self.hparams.long_texts == "chunk"
         collate = predict_file.Collate(
-            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded,
+            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, kind, encoded,
             stride=self.hparams.stride if chunk else None,
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)
