@@ -71,7 +71,8 @@ def test_the_problem_type_and_labels_come_from_the_labels():
 @pytest.mark.parametrize("values, kwargs, message", [
     ([0.5, 1.0], {"kind": SINGLE},
      r"^label 0.5 in column 'label' of the data is not a class: problem_type single_label_classification expects"),
-    (["x", "y"], {"kind": REGRESSION}, r"^label 'x' in column 'label' of the data is not a number: problem_type regression"),
+    (["x", "y"], {"kind": REGRESSION},
+     r"^label 'x' in column 'label' of the data is not a number: problem_type regression"),
     ([["a"], ["z"]], {"label_names": ["a", "b"]},
      r"^a row of the data names label 'z' in column 'label', which data.label_names \['a', 'b'\] does not list"),
     (["a", "b"], {"kind": MULTI}, r"^label 'a' in column 'label' of the data is not a list: problem_type multi_label"),

@@ -23,8 +23,8 @@ def load_config(
     name_or_path: str, num_labels: Optional[int], overrides: Optional[dict[str, Any]] = None,
     kind: Optional[task_.ProblemKind] = None,
 ):
-    """The Hugging Face config with the head's size and problem type (``kind``'s name): those given, else the config's own (a
-    fine-tuned folder's), else transformers' rule (one output: regression; else single-label)."""
+    """The Hugging Face config with the head's size and problem type (``kind``'s name): those given, else the config's
+    own (a fine-tuned folder's), else transformers' rule (one output: regression; else single-label)."""
     path = bundled.resolve_model(name_or_path)
     if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
         guard.check_model_folder(path, f"model {name_or_path!r}")

@@ -90,7 +90,8 @@ def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> s
 
 
 def _task(module: Any, kind: task_.ProblemKind, names: list[str]) -> list[str]:
-    lines = ["## Task", "", f"- problem type: `{kind.name}` ({kind.title}), base model: `{module.hparams.model_name_or_path}`"]
+    lines = ["## Task", "",
+             f"- problem type: `{kind.name}` ({kind.title}), base model: `{module.hparams.model_name_or_path}`"]
     if kind.has_classes:
         lines.append(f"- labels ({len(names)}, in id order): " + ", ".join(f"`{n}`" for n in names))
     found = module.decision_thresholds
