@@ -7,7 +7,7 @@
 3. `read_data` (``fit``): the run's data module, built from its settings and read once; what the labels show
    (``num_labels``, ``problem_type``, the label names) and the epochs a small file needs are written into the
    settings, so that the saved config and every checkpoint hold them. Lightning is handed this module
-   (`data_module`): nothing reads the data a second time.
+   (`LitMemoryCLI._data_module`): nothing reads the data a second time.
 4. `plan`: ``auto`` settings (activation checkpointing, offload) resolved for the card the run trains on.
 5. The model, the trainer and their callbacks: LightningCLI instantiates them from the settings as they now are.
 6. The fit: the command line's preflight (the guard's checks of the run folder), Lightning's ``fit``.
@@ -43,6 +43,7 @@ from lit_memory.settings import Precision, leaves, plain
 
 # Every step takes the run's `lit_memory.cli.LitMemoryCLI` (``cli``: its settings, notes and memory settings); typed
 # `Any`: the command line imports this module, not the other way.
+
 LENGTH_SETTINGS = {"trainer.max_epochs", "trainer.max_steps"}
 
 
