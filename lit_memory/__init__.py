@@ -40,7 +40,7 @@ LAYERS = (
     ("run", ("lit_memory.run",)),  # a training run's machinery: checkpoints, resume, the monitor, predictions written
     ("runtime", ("lit_memory",)),  # model, data, strategies, Fabric
     ("memory above the runtime", ("lit_memory.planning",)),  # predictions and plans: they build the configured model
-    ("config", ("lit_memory.config", "lit_memory.cli")),  # from argv to a checked run
+    ("config", ("lit_memory.config", "lit_memory.cli", "lit_memory.fine_tune")),  # from argv to a checked run, told
     ("tools", ("lit_memory.tools", "lit_memory.confine")),  # the tools; a sent recipe's run, confined
     ("entry", ("lit_memory.__main__",)),  # python -m lit_memory
 )

@@ -17,37 +17,31 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-import torch
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 
-from lit_memory.sandbox import bounds, guard
-from lit_memory.run import checks, confined_logs, environment, resume
-from lit_memory import console
-from lit_memory.config import arguments, option_names, recipes
+from lit_memory import console, fine_tune
+from lit_memory.config import arguments, option_names, recipes, trust
 from lit_memory.config.arguments import LINKS, config_files, named_files, stubs_without_a_subprocess
-from lit_memory.optim import optimizers, precision
-from lit_memory.run import predict_file, training_length
-from lit_memory.config import trust
-from lit_memory.run.best import best_of
-from lit_memory.console import say
-from lit_memory.data import BUNDLED, TextClassificationData, read_training, training_rows_at_most
-from lit_memory.errors import UserError
-from lit_memory.memory.hardware.allocator import recipe_settings
-from lit_memory.memory.hardware import gpus, nccl
-from lit_memory.memory.hardware.budget import MemorySettings
-from lit_memory.planning.hooks import run_hooks
-from lit_memory.planning.recompute import plan_run
-from lit_memory.planning.prediction.step import Step, ranks
-from lit_memory.model import SequenceClassifier
-from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
-from lit_memory.optim.precision import cpu_fallback, fp16_under_fsdp2, runs_on_cpu
-from lit_memory.run.run_memory import Advise, Predict, memory_callbacks
-from lit_memory.hf.lora import LoRA
-from lit_memory.settings import Precision, assign, at, key_of as settings_key_of, leaves, plain
 from lit_memory.config.shipped import TRUST_FLAG, recipe_help
+from lit_memory.console import say
+from lit_memory.data import TextClassificationData
+from lit_memory.errors import UserError
+from lit_memory.memory.hardware import gpus
+from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim import precision
+from lit_memory.optim.precision import fp16_under_fsdp2
+from lit_memory.planning.hooks import run_hooks
+from lit_memory.planning.prediction.step import Step
+from lit_memory.run import confined_logs, environment, resume
+from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
+from lit_memory.run.run_memory import Advise, Predict, memory_callbacks
+from lit_memory.sandbox import bounds, guard
+from lit_memory.settings import assign, at, leaves, plain
+from lit_memory.settings import key_of as settings_key_of
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
 
@@ -83,7 +77,7 @@ class LitMemoryCLI(LightningCLI):
             argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
-        self._epochs_raised_from: Optional[int] = None  # `_read_training_data`: max_epochs raised from this
+        self._data_read: Optional[TextClassificationData] = None  # the fit's data module, read (`fine_tune.read_data`)
         self._seeded = False
         quiet_known_noise()
         self._deferred = defer
@@ -155,7 +149,7 @@ class LitMemoryCLI(LightningCLI):
             self.decision = dataclasses.replace(self.decision, typed=self._typed_alone)
         elif self.argv is not None and not self.decision.trusted:  # trusted configs: every value they give is the user's
             self.decision = dataclasses.replace(self.decision, typed=self.settings_of(self.config).clone())
-        self._check_values()
+        self.check_values()
         self._problem(self._parse_memory)
         self._problem(self._follow_device)  # before resuming compares the precision a checkpoint was made with
         self.decision.confine(self.settings)  # the settings the user typed, for the guard
@@ -230,7 +224,7 @@ class LitMemoryCLI(LightningCLI):
             super()._parse_ckpt_path()
         if not subcommand or self.config[subcommand].get("ckpt_path") is None:
             return
-        self._check_values()  # a checkpoint someone sent is refused for what it holds before it is compared
+        self.check_values()  # a checkpoint someone sent is refused for what it holds before it is compared
         ckpt_path = str(self.config[subcommand].ckpt_path)
         back: dict[str, Any] = {}
         for key, typed in self.typed_settings.items():
@@ -384,7 +378,7 @@ class LitMemoryCLI(LightningCLI):
         """This run's resolved settings (the subcommand's part of the config)."""
         return self.settings_of(self.config)
 
-    def _check_values(self) -> None:
+    def check_values(self) -> None:
         self.refusals = self.decision.refusals(self.settings)
         if self.refusals and not self._collect:
             first, rest = self.refusals[0], self.refusals[1:]
@@ -392,21 +386,7 @@ class LitMemoryCLI(LightningCLI):
             raise UserError(f"{first}{more}")
 
     def before_instantiate_classes(self) -> None:
-        settings = self.settings
-        self._check_values()  # again: a resumed checkpoint's hyper-parameters are merged in by now
-        # As configured, before the CPU fallback below may change the precision.
-        checks.check_trainer(settings.trainer)
-        checks.check_compile(settings.model, settings.data)
-        optimizers.check_settings(settings.model.optimizer, settings.trainer.precision, not runs_on_cpu(settings.trainer.accelerator))
-        if self.config.get("subcommand") == "predict":  # the file, beside the model unless --output names one
-            settings.predictions.output, settings.predictions.format = map(str, predict_file.destination_of(settings))
-        if settings.cpu_bf16_fallback:
-            settings.trainer.precision, warning = cpu_fallback(settings.trainer.precision, settings.trainer.accelerator)
-            if warning:  # said when the run is built (`_prepare`): a confined run is parsed here twice
-                self.notes.append(warning)
-        lora, trains_with = settings.model.get("lora"), Precision.known(settings.trainer.precision)
-        if lora is not None and trains_with is not None:  # a LoRA base the precision cannot train, before anything is built
-            LoRA(**plain(lora)).check_precision(trains_with)
+        fine_tune.check_settings(self)
 
     # -- building and running ------------------------------------------------------------------
 
@@ -419,73 +399,32 @@ class LitMemoryCLI(LightningCLI):
         super()._set_seed()
 
     def _prepare(self) -> None:
-        """Before anything is instantiated: the seed, the recipe's allocator settings on CUDA (before anything
-        allocates, and before the checkpointing plan predicts with them), the task, and ``auto`` planned."""
-        self._set_seed()
-        for line in self.notes:  # said here, not while parsing: a confined run is parsed twice (judged, then run)
-            say(line)
-        self.notes = []
-        if not runs_on_cpu(self.settings.trainer.accelerator):
-            warning = self._held.enter_context(recipe_settings(self.memory.allocator))
-            if warning:
-                say(warning)
-            # a small tier's NCCL buffers, before any process group starts (the run's own processes inherit them)
-            setting, line = nccl.for_run(self.memory.limit, world_size(self.settings.trainer))
-            if setting:
-                self._held.enter_context(nccl.run_settings(setting))
-                say(line)
+        """Before anything is instantiated: the process set up, the data read (``fit``), ``auto`` planned
+        (`lit_memory.fine_tune`, steps 2 to 4)."""
+        fine_tune.enter_run(self, self._held)
         training = self.config.get("subcommand") in (None, "fit")
         if training:
-            self._read_training_data()
-        for key, value in plan_run(self.settings, self.memory, training, self.step, lambda: self.read_card()).items():
-            self.settings[key] = value  # the plan in place of auto, so the saved config and checkpoints hold it
+            self._data_read = fine_tune.read_data(self, self._build_data)
+        fine_tune.plan(self, training)
 
-    def _read_training_data(self) -> None:
-        """``fit``: where ``model.num_labels`` or ``model.problem_type`` are unset, what the training labels show; where
-        the run's length is not the user's and the data is theirs, enough epochs for `training_length.MIN_STEPS`
-        optimizer steps. Both written into the settings, so that the saved config and every checkpoint hold them."""
-        model, data, trainer = self.settings.model, self.settings.data, self.settings.trainer
-        task_unset = model.num_labels is None or model.problem_type is None
-        floor = data.source != BUNDLED and self.settings.get("ckpt_path") is None and not self._length_is_users()
-        accumulate = trainer.accumulate_grad_batches if isinstance(trainer.accumulate_grad_batches, int) else 1
-        world = world_size(trainer) if floor else 1
+    def _build_data(self, settings: Namespace) -> TextClassificationData:
+        """The run's data module, made from the settings as Lightning makes it (its hyper-parameters the config's)."""
+        made = _InstantiatorFn(self, "data")(TextClassificationData, applied_instantiation_links={},
+                                             **settings.as_dict())
+        self.__dict__.pop("config_dump", None)  # dumped again for the model: with what the data showed, and the plan
+        return made
 
-        def length(rows: int) -> training_length.Length:
-            return training_length.floor(rows, data.batch_size, accumulate, world, trainer.max_epochs)
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        # The data module `read_data` built and read is the one the run gets: the data is not read a second time.
+        self.parser.add_instantiator(self._data_module, TextClassificationData, subclasses=False, prepend=True)
 
-        if floor and not task_unset and length(training_rows_at_most(data.as_dict())).raised_from is None:
-            return  # a file large enough: not read (encoded and split) twice
-        if not (task_unset or floor):
-            return
-        found, splits = read_training(data.as_dict(), model.num_labels, model.problem_type)
-        if task_unset:
-            model.num_labels = data.num_labels = found.num_labels
-            model.problem_type = data.problem_type = found.problem_type
-            if found.label_names and not data.label_names:
-                data.label_names = list(found.label_names)
-        if floor:
-            needed = length(len(splits["train"]))
-            if needed.raised_from is not None:
-                trainer.max_epochs, self._epochs_raised_from = needed.epochs, needed.raised_from
-
-    def _length_is_users(self) -> bool:
-        """Whether the user set how long to train: ``trainer.max_epochs`` or ``trainer.max_steps`` on the command line
-        or in a config file of their own (a shipped recipe's one epoch is sized for the bundled demo)."""
-        if self.argv is None:
-            return True  # a config object: its values are its author's
-        if {"trainer.max_epochs", "trainer.max_steps"} & set(self.typed_settings):
-            return True
-        shipped = {recipes.recipes_dir().resolve()}
-        for path in config_files(self.argv):
-            if Path(path).resolve().parent in shipped or not Path(path).is_file():
-                continue
-            try:
-                values = dict(leaves(bounds.read_yaml(Path(path)), depth=2))
-            except UserError:
-                return True  # unreadable here: the parse will say why; nothing is decided for it
-            if {"trainer.max_epochs", "trainer.max_steps"} & set(values):
-                return True
-        return False
+    def _data_module(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        made, self._data_read = self._data_read, None
+        if made is not None:
+            return made
+        return _InstantiatorFn(self, "data")(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                                             **kwargs)
 
     def instantiate_classes(self) -> None:
         if not self._deferred:
@@ -575,7 +514,6 @@ class LitMemoryCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._preflight()
-        self.datamodule.epochs_raised_from = self._epochs_raised_from  # said in its data: line
 
     def before_validate(self) -> None:
         self._preflight()
@@ -587,7 +525,7 @@ class LitMemoryCLI(LightningCLI):
         self._preflight()
 
     def after_fit(self) -> None:
-        console.print_fit_metrics(self.trainer, self.model, best_of(self.trainer))
+        fine_tune.after_fit(self)
 
     def after_validate(self) -> None:
         console.print_metrics(self.trainer, "val")
@@ -609,10 +547,3 @@ def resolve(argv: list[str], **kwargs: Any) -> LitMemoryCLI:
         return LitMemoryCLI(args=list(argv), defer=True, **kwargs)
     finally:
         seed_log.setLevel(level)
-
-
-def world_size(trainer: Any) -> int:
-    """The processes a run's trainer settings start: devices per node (``auto`` or -1 on CUDA: every GPU this
-    machine has, counted without starting CUDA) times nodes."""
-    available = None if runs_on_cpu(trainer.accelerator) else torch.cuda.device_count()  # as its plan counts (`gpus.target`)
-    return ranks(trainer.devices, available) * int(trainer.num_nodes or 1)

@@ -53,33 +53,6 @@ def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
     return datasets.load_dataset(name, subset)
 
 
-# The last source read (its settings, its splits as read): `resolve_task` reads it before the module is built, and the
-# data module built next reads the same source without reading it again.
-_LAST_READ: dict[tuple, Any] = {}
-
-
-def read_training(settings: dict[str, Any], num_labels: Optional[int],
-                  problem_type: Optional[str]) -> tuple["task_.Task", datasets.DatasetDict]:
-    """The task a data module's training data asks for (`lit_memory.task.infer`) and its splits of rows as read,
-    checked and split (not tokenised), from its settings (a config's ``data:`` block) with the model's
-    ``num_labels`` and ``problem_type`` where set."""
-    given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
-    module = TextClassificationData(**{**given, "num_labels": num_labels, "problem_type": problem_type})
-    splits = module.load_splits()
-    return module.task, splits
-
-
-def training_rows_at_most(settings: dict[str, Any]) -> int:
-    """`TextClassificationData.rows_at_most` of a data module's settings (a config's ``data:`` block)."""
-    given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
-    return TextClassificationData(**given).rows_at_most()
-
-
-def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_type: Optional[str]) -> "task_.Task":
-    """The task a data module's training data asks for (`read_training`)."""
-    return read_training(settings, num_labels, problem_type)[0]
-
-
 def check_shape(batch_size: int, max_length: int) -> None:
     """The batch shape every step has: checked by the data module, and before a plan is sized for it."""
     if max_length < 2 or batch_size < 1:
@@ -166,8 +139,9 @@ class TextClassificationData(L.LightningDataModule):
         super().__init__()
         if num_labels is not None and num_labels < 1:
             raise UserError(f"num_labels must be at least 1 (1: regression), got {num_labels}")
-        if problem_type is not None:
-            task_.kind_of(problem_type, "problem_type")
+        # The setting read once (one error line for a name no kind has); None: the labels decide (`task_.infer`).
+        self.kind_set: Optional[task_.ProblemKind] = (
+            task_.kind_of(problem_type, "problem_type") if problem_type is not None else None)
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
         check_shape(batch_size, max_length)
@@ -215,6 +189,8 @@ class TextClassificationData(L.LightningDataModule):
         # What the run was started with: untrusted, nothing may raise these during the run (a batch-size
         # finder scaling ``num_workers``), beyond this machine's cores for the workers.
         self._bounded = {"num_workers": max(num_workers, os.cpu_count() or 1), "max_length": max_length}
+        self._raw: Optional[datasets.DatasetDict] = None  # the source as read (`_load_raw`)
+        self._loaded: Optional[datasets.DatasetDict] = None  # its splits, checked and encoded (`load_splits`)
         self.splits: Optional[datasets.DatasetDict] = None
         self.tokenizer = None
         self.task: Optional[task_.Task] = None  # what the labels ask for (`load_splits`)
@@ -237,13 +213,10 @@ class TextClassificationData(L.LightningDataModule):
         return data_file.local_file(source)
 
     def _load_raw(self) -> datasets.DatasetDict:
-        key = (self.hparams.source, self.hparams.subset, str(self._local_file), self.hparams.encoding,
-               self.hparams.encoding_errors)
-        if key not in _LAST_READ:
-            _LAST_READ.clear()
-            _LAST_READ[key] = (self._read(), self._decoding)
-        raw, self._decoding = _LAST_READ[key]
-        return raw
+        """The source as read, once per module (`rows_at_most` and `load_splits` both ask)."""
+        if self._raw is None:
+            self._raw = self._read()
+        return self._raw
 
     def _read(self) -> datasets.DatasetDict:
         if self._local_file is None:
@@ -320,7 +293,7 @@ class TextClassificationData(L.LightningDataModule):
         ]
         if isinstance(feature, datasets.ClassLabel):
             values = [row for row in values if row[columns.label[0]] is None or row[columns.label[0]] >= 0]
-        return task_.infer(values, columns, self.hparams.problem_type, self.hparams.num_labels, names, self.where)
+        return task_.infer(values, columns, self.kind_set, self.hparams.num_labels, names, self.where)
 
     def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, Counter]:
         """The rows with texts and a label, the label as the model takes it: a class id, a value, or one 0/1 per
@@ -354,7 +327,20 @@ class TextClassificationData(L.LightningDataModule):
         return min(rows, limit) if limit is not None else rows
 
     def load_splits(self) -> datasets.DatasetDict:
-        """Read, check, encode, split and sub-sample the source (untokenised); `task` and `summary` say what."""
+        """Read, check, encode, split and sub-sample the source (untokenised), once; `task` and `summary` say what."""
+        if self._loaded is None:
+            self._loaded = self._load_splits()
+        return self._loaded
+
+    def take_task(self, task: task_.Task) -> None:
+        """What the labels showed (`load_splits`) as this module's own settings, as if it had been built with them:
+        the fit writes them into the run's settings too (`lit_memory.fine_tune.read_data`)."""
+        self.kind_set = task.kind
+        self.hparams.update(num_labels=task.num_labels, problem_type=task.kind.name)
+        if task.label_names and not self.hparams.label_names:
+            self.hparams.label_names = list(task.label_names)
+
+    def _load_splits(self) -> datasets.DatasetDict:
         raw = self._load_raw()
         named = self._named_splits(raw)
         columns = self._columns(named)
@@ -502,12 +488,12 @@ class TextClassificationData(L.LightningDataModule):
                    + f" truncated at max_length {max_length}")
         unknown = unknown_words(unknown_share(self.splits["train"], tokenizer), tokenizer)
         self.splits.set_format("torch")
-        self.label_counts = weights_.count(self.splits["train"]["labels"][:], self.task.problem_type, self.task.num_labels)
+        self.label_counts = weights_.count(self.splits["train"]["labels"][:], self.task.kind, self.task.num_labels)
         names = label_names_or_default(self.resolved_label_names or self.hparams.label_names, self.task.num_labels)
         setting = self.hparams.class_weights
         weighed = weights_.describe(
-            setting, weights_.resolve(setting, self.label_counts, self.task.problem_type, self.task.num_labels),
-            self.label_counts, names, self.task.problem_type,
+            setting, weights_.resolve(setting, self.label_counts, self.task.kind, self.task.num_labels),
+            self.label_counts, names, self.task.kind,
         )
         self.summary = "; ".join(p for p in (self.summary or "", cut, unknown, weighed, self._length()) if p)
         counts = ", ".join(f"{name} {len(self.splits[name])}" for name in SPLITS)
@@ -559,12 +545,12 @@ class TextClassificationData(L.LightningDataModule):
             names = label_names_or_default(self.hparams.label_names, self.hparams.num_labels)
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         module = getattr(trainer, "lightning_module", None)
-        problem = getattr(module, "problem_type", None)
+        kind = getattr(module, "kind", None)
         rows = self.predict_rows(rank, world_size)
         columns, id_, encoded = self._predict_columns
         chunk = self.hparams.long_texts == "chunk"
         collate = predict_file.Collate(
-            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, problem, encoded,
+            self.tokenizer, self.hparams.max_length, self.hparams.padding, columns, id_, names, kind, encoded,
             stride=self.hparams.stride if chunk else None,
         )
         return DataLoader(rows, batch_size=self.hparams.eval_batch_size, collate_fn=collate)

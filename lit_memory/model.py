@@ -127,8 +127,10 @@ class SequenceClassifier(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         if num_labels is not None and (isinstance(num_labels, bool) or num_labels < 1):
             raise UserError(f"model.num_labels must be at least 1 (1: regression), got {num_labels}")
-        if problem_type is not None:
-            task_.kind_of(problem_type).check_num_labels(num_labels)
+        # The setting read once (the YAML's and the command line's string); None: the config's own, or the rule.
+        given = task_.kind_of(problem_type) if problem_type is not None else None
+        if given is not None:
+            given.check_num_labels(num_labels)
         if threshold is not None and not 0.0 < threshold < 1.0:
             raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
         configure.check_schedule(lr_scheduler_type, warmup_ratio)
@@ -160,12 +162,15 @@ class SequenceClassifier(L.LightningModule):
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
         if self.lora is not None:
             self.lora.check()
-        self.hf_config = load_config(model_name_or_path, num_labels, config_overrides, problem_type)
+        self.hf_config = load_config(model_name_or_path, num_labels, config_overrides, given)
         # Read now: building the model writes the dtype it is built in over the config's (transformers' from_config).
         self.checkpoint_dtype: Optional[torch.dtype] = saved_dtype(self.hf_config, model_name_or_path)
         # Resolved: what checkpoints and the saved hyper-parameters hold (the config's own where none was given).
-        num_labels, problem_type = self.hf_config.num_labels, self.hf_config.problem_type
-        self.hparams.update(num_labels=num_labels, problem_type=problem_type)
+        num_labels = self.hf_config.num_labels
+        # The kind the module is from here on: the config's problem type (Hugging Face's field), read once.
+        self.kind: task_.ProblemKind = task_.kind_of(self.hf_config.problem_type)
+        kind = self.kind
+        self.hparams.update(num_labels=num_labels, problem_type=kind.name)
         _check_freeze(freeze, self.hf_config.num_hidden_layers)
         if plan is not None:
             modes = plan.modes(self.hf_config.num_hidden_layers)  # counts beyond the model's layers: one error line
@@ -190,19 +195,18 @@ class SequenceClassifier(L.LightningModule):
         # The precision the module is built for where no trainer says it (the memory model's builds): `precision`.
         self.built_for: Optional[Precision] = None
         # What decides (`lit_memory.task.thresholds`) and what the loss weighs (`lit_memory.task.class_weights`): checked here.
-        self.tuning = thresholds_.tuning(problem_type, num_labels, tune_threshold, threshold, threshold_metric)
-        weights_.check(class_weights, problem_type, num_labels)
+        self.tuning = thresholds_.tuning(kind, num_labels, tune_threshold, threshold, threshold_metric)
+        weights_.check(class_weights, kind, num_labels)
         self.loss_weights: Optional[torch.Tensor] = None  # resolved in `setup` (balanced: the training labels')
         # Metrics of the problem type (`lit_memory.task.evaluation`), fed with the model's decisions; per-label F1 and the
         # confusion counts beside them; where thresholds decide, the same metrics at 0.5 and the sweep that tunes.
         # (Fed 0/1 decisions, any threshold of theirs in (0, 1) reads them alike: they carry the one set, for the eye.)
         metric_threshold = threshold if threshold is not None else thresholds_.DEFAULT
-        self.val_metrics = evaluation.task_metrics(problem_type, num_labels, metric_threshold).clone(prefix="val_")
+        self.val_metrics = evaluation.task_metrics(kind, num_labels, metric_threshold).clone(prefix="val_")
         self.test_metrics = self.val_metrics.clone(prefix="test_")
-        kind = task_.kind_of(problem_type)
         self.sweep = thresholds_.Sweep(kind.threshold_count(num_labels)) if self.tuning else None
         self.per_label_f1 = kind.per_label_f1(num_labels, metric_threshold)
-        self.class_counts = (evaluation.ClassCounts(problem_type, num_labels, metric_threshold)
+        self.class_counts = (evaluation.ClassCounts(kind, num_labels, metric_threshold)
                              if kind.has_classes else None)
         self.degenerate: dict[int, str] = {}  # step -> the line saying its validation predicted one class (or none)
         self.predict_metrics: Optional[MetricCollection] = None  # made at predict (not in a fit's model summary)
@@ -220,7 +224,7 @@ class SequenceClassifier(L.LightningModule):
         self._label_names: Optional[list[str]] = config_label_names(self.hf_config)
         saved, where = getattr(self.hf_config, thresholds_.CONFIG_KEY, None), f"{model_name_or_path}'s config.json"
         self.decision_thresholds: Optional[thresholds_.Thresholds] = thresholds_.first(
-            problem_type, num_labels, threshold, saved, self.label_names, where)
+            kind, num_labels, threshold, saved, self.label_names, where)
         # The metrics at 0.5 beside those at the thresholds in use, where thresholds are tuned or may differ from it.
         beside = self.decision_thresholds is not None or self.tuning is not None
         at_default = f"_at_{thresholds_.DEFAULT:g}"
@@ -259,10 +263,10 @@ class SequenceClassifier(L.LightningModule):
         elif self._label_names is None:  # else the model's own, then the data's (a checkpoint's come later)
             self.set_label_names(resolved or getattr(data, "hparams", {}).get("label_names"))
         if stage == "fit" and self.hparams.threshold is None:  # a new fine-tune: a base folder's thresholds are stale
-            self.decision_thresholds = thresholds_.default_for(self.problem_type, self.hparams.num_labels, None)
+            self.decision_thresholds = thresholds_.default_for(self.kind, self.hparams.num_labels, None)
         counts = getattr(data, "label_counts", None)
         if counts is not None or self.hparams.class_weights not in (None, "none", "balanced"):
-            self.loss_weights = weights_.resolve(self.hparams.class_weights, counts, self.problem_type,
+            self.loss_weights = weights_.resolve(self.hparams.class_weights, counts, self.kind,
                                                  self.hparams.num_labels)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -395,7 +399,7 @@ class SequenceClassifier(L.LightningModule):
                 loss = self.model(**batch).loss
             else:
                 logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                loss = weights_.loss(logits, batch["labels"], self.problem_type, self.loss_weights)
+                loss = weights_.loss(logits, batch["labels"], self.kind, self.loss_weights)
         self.running_loss.add(loss)  # read on the logging steps only (`on_train_batch_end`): no device sync per step
         self.progress_loss.add(loss)  # read when a progress line is written
         return loss
@@ -416,11 +420,8 @@ class SequenceClassifier(L.LightningModule):
 
     @property
     def problem_type(self) -> str:
-        return self.hparams.problem_type
-
-    @property
-    def kind(self) -> task_.ProblemKind:
-        return task_.kind_of(self.hparams.problem_type)
+        """Hugging Face's name of the module's kind (the saved hyper-parameter)."""
+        return self.kind.name
 
     @property
     def main_metric(self) -> str:
@@ -495,7 +496,7 @@ class SequenceClassifier(L.LightningModule):
                 f"{export.dtype_words(self)} to {path} (loads with AutoModelForSequenceClassification.from_pretrained; "
                 "model card: README.md)")
             if self.decision_thresholds is not None:
-                say(self.decision_thresholds.describe(self.label_names, self.problem_type)
+                say(self.decision_thresholds.describe(self.label_names, self.kind)
                     + f"; saved in {path / 'config.json'} ({thresholds_.CONFIG_KEY}) and used by predict")
         best = best_of(self.trainer)
         step = best.best_step() if best is not None and which else self.trainer.global_step

@@ -213,10 +213,11 @@ def test_predictions_are_written_at_fp32_not_at_the_autocast_precision():
 def test_the_spearman_caution_is_said_once_and_only_where_an_evaluation_feeds_it(capsys, recwarn):
     from lit_memory.task import evaluation
 
-    evaluation.task_metrics("regression", 1)
-    evaluation.task_metrics("regression", 1)
-    assert not [w for w in recwarn if "SpearmanCorrcoef" in str(w.message)]  # building the metrics: nothing said
     from lit_memory.task import kind_of
+
+    evaluation.task_metrics(kind_of("regression"), 1)
+    evaluation.task_metrics(kind_of("regression"), 1)
+    assert not [w for w in recwarn if "SpearmanCorrcoef" in str(w.message)]  # building the metrics: nothing said
     from lit_memory.task.regression import Regression
 
     Regression._buffer_said = False
@@ -392,13 +393,14 @@ def test_a_weighted_loss_trains_where_class_weights_are_set():
     from lit_memory.task.class_weights import loss
 
     module = minilm(num_labels=2, class_weights=[1.0, 3.0])
+    assert module.kind.name == "single_label_classification"
     module.setup("fit")  # no data module: the weights as set
     module.model.eval()  # no dropout: the same logits twice
     data = batch()
     data["labels"] = torch.tensor([0, 0, 0, 1])
     with torch.no_grad():
         expected = loss(module.model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"],
-                        "single_label_classification", torch.tensor([1.0, 3.0]))
+                        module.kind, torch.tensor([1.0, 3.0]))
         plain = module.model(**data).loss
         torch.testing.assert_close(module.training_step(data, 0), expected)
     assert abs(float(expected) - float(plain)) > 1e-4

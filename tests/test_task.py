@@ -16,7 +16,7 @@ import torch
 
 from conftest import REPO, RECIPES
 from lit_memory.errors import UserError
-from lit_memory.task import MULTI, REGRESSION, SINGLE, Columns, find_columns, infer
+from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE, Columns, find_columns, infer
 
 # -- the columns ---------------------------------------------------------------------------------
 
@@ -65,21 +65,23 @@ def test_the_problem_type_and_labels_come_from_the_labels():
     columns = Columns(("t",), ("toxic", "insult"))
     hot = infer([{"toxic": 1, "insult": 0}, {"toxic": 0, "insult": 0}], columns)
     assert (hot.problem_type, hot.label_names) == (MULTI, ("toxic", "insult"))
-    assert infer(rows_of([1, 4]), Columns(("t",), ("label",)), problem_type=REGRESSION).num_labels == 1  # as set
+    assert infer(rows_of([1, 4]), Columns(("t",), ("label",)), kind=KINDS[REGRESSION]).num_labels == 1  # as set
 
 
 @pytest.mark.parametrize("values, kwargs, message", [
-    ([0.5, 1.0], {"problem_type": SINGLE},
+    ([0.5, 1.0], {"kind": SINGLE},
      r"^label 0.5 in column 'label' of the data is not a class: problem_type single_label_classification expects"),
-    (["x", "y"], {"problem_type": REGRESSION}, r"^label 'x' in column 'label' of the data is not a number: problem_type regression"),
+    (["x", "y"], {"kind": REGRESSION},
+     r"^label 'x' in column 'label' of the data is not a number: problem_type regression"),
     ([["a"], ["z"]], {"label_names": ["a", "b"]},
      r"^a row of the data names label 'z' in column 'label', which data.label_names \['a', 'b'\] does not list"),
-    (["a", "b"], {"problem_type": MULTI}, r"^label 'a' in column 'label' of the data is not a list: problem_type multi_label"),
+    (["a", "b"], {"kind": MULTI}, r"^label 'a' in column 'label' of the data is not a list: problem_type multi_label"),
     ([0, 5], {"num_labels": 3}, r"^label 5 in column 'label' of the data is outside num_labels=3 \(expected 0..2\)"),
 ])
 def test_a_label_the_problem_type_cannot_take_is_one_line(values, kwargs, message):
     with pytest.raises(UserError, match=message):
-        infer(rows_of(values), Columns(("text",), ("label",)), **kwargs)
+        kind = {"kind": KINDS[kwargs["kind"]]} if "kind" in kwargs else {}
+        infer(rows_of(values), Columns(("text",), ("label",)), **{**kwargs, **kind})
 
 
 # -- every problem type, end to end ------------------------------------------------------------------

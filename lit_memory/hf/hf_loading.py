@@ -21,15 +21,15 @@ from lit_memory.hf.tokenizing import pad_token_id
 
 def load_config(
     name_or_path: str, num_labels: Optional[int], overrides: Optional[dict[str, Any]] = None,
-    problem_type: Optional[str] = None,
+    kind: Optional[task_.ProblemKind] = None,
 ):
-    """The Hugging Face config with the head's size and problem type: those given, else the config's own (a
-    fine-tuned folder's), else transformers' rule (one output: regression; else single-label)."""
+    """The Hugging Face config with the head's size and problem type (``kind``'s name): those given, else the config's
+    own (a fine-tuned folder's), else transformers' rule (one output: regression; else single-label)."""
     path = bundled.resolve_model(name_or_path)
     if not str(name_or_path).startswith("bundled:"):  # untrusted: the folder's files, before transformers reads them
         guard.check_model_folder(path, f"model {name_or_path!r}")
     given = {"num_labels": num_labels} if num_labels is not None else {}
-    fixed = task_.kind_of(problem_type).fixed_outputs() if problem_type is not None else None
+    fixed = kind.fixed_outputs() if kind is not None else None
     if fixed is not None:
         given["num_labels"] = fixed
     try:
@@ -37,7 +37,7 @@ def load_config(
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
     guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build
-    config.problem_type = task_.head_problem_type(problem_type, getattr(config, "problem_type", None), config.num_labels)
+    config.problem_type = task_.head_kind(kind, getattr(config, "problem_type", None), config.num_labels).name
     return config
 
 

@@ -16,13 +16,15 @@ windows of ``max_length`` tokens, consecutive windows sharing ``stride`` tokens 
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from lit_memory.errors import UserError
-from lit_memory.task import kind_of
+
+if TYPE_CHECKING:
+    from lit_memory.task import ProblemKind
 
 LongTexts = Literal["truncate", "chunk"]
 LONG_TEXTS = ("truncate", "chunk")
@@ -182,13 +184,13 @@ class GroupCollate:
         return batch
 
 
-def aggregate(logits: torch.Tensor, doc: torch.Tensor, problem_type: str) -> torch.Tensor:
+def aggregate(logits: torch.Tensor, doc: torch.Tensor, kind: ProblemKind) -> torch.Tensor:
     """Each document's logits from its windows' (``doc``: the window's document, numbered from 0), as the problem
     kind's ``window_reduce`` says: the maximum (multi-label: a label any window finds), else the mean."""
     docs = int(doc.max()) + 1 if doc.numel() else 0
     out = torch.zeros(docs, logits.shape[-1], dtype=logits.dtype, device=logits.device)
     index = doc.to(logits.device)
-    if kind_of(problem_type).window_reduce == "amax":
+    if kind.window_reduce == "amax":
         return out.scatter_reduce_(0, index.unsqueeze(-1).expand_as(logits), logits, "amax", include_self=False)
     counts = torch.zeros(docs, dtype=logits.dtype, device=logits.device).index_add_(
         0, index, torch.ones_like(index, dtype=logits.dtype))

@@ -31,15 +31,15 @@ def logits(module: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[t
     inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in ("labels", "known", "doc")}
     found = module.model(**inputs).logits
     if doc is not None:
-        found = windows.aggregate(found, doc, module.problem_type)
+        found = windows.aggregate(found, doc, module.kind)
     if not isinstance(labels, torch.Tensor) or "known" in batch:
         return found, None
-    return found, weights_.loss(found, labels, module.problem_type, module.loss_weights)
+    return found, weights_.loss(found, labels, module.kind, module.loss_weights)
 
 
 def say_thresholds(module: Any, trainer: Any) -> None:
     if module.decision_thresholds is not None and trainer is not None and trainer.is_global_zero:
-        say(module.decision_thresholds.describe(module.label_names, module.problem_type))
+        say(module.decision_thresholds.describe(module.label_names, module.kind))
 
 
 def tuning_now(module: Any, trainer: Any) -> bool:
@@ -50,7 +50,7 @@ def tuning_now(module: Any, trainer: Any) -> bool:
 def step(module: Any, batch: dict[str, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
     """A validation or test batch: its decisions into the metrics (or the sweep, while tuning), its loss logged."""
     found, loss = logits(module, batch)
-    problem, kind = module.problem_type, module.kind
+    kind = module.kind
     labels = kind.metric_targets(batch["labels"])
     kind.before_evaluation()
     tuning = tuning_now(module, module.trainer)
@@ -58,7 +58,7 @@ def step(module: Any, batch: dict[str, torch.Tensor], metrics: MetricCollection,
         module.sweep.update(kind.probabilities(found), kind.sweep_targets(labels))
     else:
         limits = module.decision_thresholds.tensor if module.decision_thresholds is not None else None
-        predicted = thresholds_.decide(found, problem, limits)
+        predicted = thresholds_.decide(found, kind, limits)
         metrics.update(predicted, labels)
         if module.per_label_f1 is not None:
             module.per_label_f1.update(predicted, labels)
@@ -68,7 +68,7 @@ def step(module: Any, batch: dict[str, torch.Tensor], metrics: MetricCollection,
     at_default = module.val_at_default if stage == "val" else module.test_at_default
     if at_default is not None and (tuning or thresholds_.differ_from_default(module.decision_thresholds)):
         default = torch.full((kind.threshold_count(found.shape[-1]),), thresholds_.DEFAULT)
-        at_default.update(thresholds_.decide(found, problem, default), labels)
+        at_default.update(thresholds_.decide(found, kind, default), labels)
         module.log_dict(at_default)
     # Averaged over the ranks at the epoch's end (the metric objects synchronise themselves).
     module.log(f"{stage}_loss", loss, prog_bar=True, batch_size=labels.shape[0], sync_dist=True)
@@ -80,26 +80,26 @@ def tune(module: Any, stage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]
     trainer, hparams = module.trainer, module.hparams
     counts = module.sweep.compute()  # a collective under several processes: every rank computes
     module.sweep.reset()
-    problem, num_labels = module.problem_type, hparams.num_labels
-    index = thresholds_.choose(counts, module.tuning, problem, hparams.threshold_metric)
+    kind, num_labels = module.kind, hparams.num_labels
+    index = thresholds_.choose(counts, module.tuning, kind, hparams.threshold_metric)
     chosen = thresholds_.at(counts, index)
-    preds, targets = thresholds_.replay(chosen, problem)  # counts summed over the ranks already: no sync
-    metrics = evaluation.task_metrics(problem, num_labels, sync_on_compute=False).clone(prefix=f"{stage}_")
+    preds, targets = thresholds_.replay(chosen, kind)  # counts summed over the ranks already: no sync
+    metrics = evaluation.task_metrics(kind, num_labels, sync_on_compute=False).clone(prefix=f"{stage}_")
     metrics.update(preds, targets)
     for name, value in metrics.compute().items():
         module.log(name, float(value), prog_bar=True)
     per_label = None
-    f1 = module.kind.per_label_f1(num_labels, sync_on_compute=False)
+    f1 = kind.per_label_f1(num_labels, sync_on_compute=False)
     if f1 is not None:
         f1.update(preds, targets)
         per_label = f1.compute()
     if not trainer.sanity_checking:
         values = tuple(round(v, 2) for v in thresholds_.GRID[index.cpu()].tolist())
         how = "each label's F1" if module.tuning == "per_label" else (
-            module.kind.tuned_for(module.tuning, hparams.threshold_metric))
+            kind.tuned_for(module.tuning, hparams.threshold_metric))
         origin = f"tuned on validation at step {trainer.global_step} for {how}"
         module.decision_thresholds = thresholds_.Thresholds(values, origin)
-    return thresholds_.confusion(chosen, problem), per_label
+    return thresholds_.confusion(chosen, kind), per_label
 
 
 def end(module: Any, stage: str, trainer: Any) -> None:
@@ -124,7 +124,7 @@ def end(module: Any, stage: str, trainer: Any) -> None:
     if stage == "val":
         module.validation_counts = counts  # the best-model record keeps its best's (`lit_memory.run.best`)
     if trainer.state.fn == "fit" and stage == "val":
-        found = evaluation.one_sided(counts, module.label_names, module.problem_type, module.loss_weights is not None)
+        found = evaluation.one_sided(counts, module.label_names, module.kind, module.loss_weights is not None)
         if found:
             module.degenerate[trainer.global_step] = found
     if trainer.state.fn not in ("validate", "test"):
@@ -141,7 +141,7 @@ def report(module: Any, stage: str, counts: torch.Tensor, trainer: Any, title: s
     if not trainer.is_global_zero:
         return
     weights = module.loss_weights.tolist() if module.loss_weights is not None else None
-    print(evaluation.report(stage, counts, module.label_names, module.problem_type, title, weights=weights))
+    print(evaluation.report(stage, counts, module.label_names, module.kind, title, weights=weights))
     if module.kind.draws_confusion and run_dir and Path(run_dir).is_dir():
         path = Path(run_dir) / f"confusion_matrix_{stage}.png"
         drawn = evaluation.draw_confusion(counts, module.label_names, path, f"{stage}{title}: confusion matrix")
@@ -167,14 +167,14 @@ def predict_step(module: Any, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     with fp32_output(module.model):  # what is written is fp32, not a 16-bit autocast's (1.609375)
         found, _ = logits(module, batch)
     found = found.float()
-    problem, kind = module.problem_type, module.kind
+    kind = module.kind
     labels = batch.get("labels")
     if labels is not None and module.predict_metrics is not None:  # (made by Lightning's predict loop)
         known = batch["known"] if "known" in batch else labels >= 0
         module.predict_labelled = True
         if known.any():
             limits = module.decision_thresholds.tensor if module.decision_thresholds is not None else None
-            predicted = thresholds_.decide(found[known], problem, limits)
+            predicted = thresholds_.decide(found[known], kind, limits)
             targets = labels[known]
             kind.before_evaluation()
             module.predict_metrics.update(predicted, kind.metric_targets(targets))

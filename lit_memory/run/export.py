@@ -62,7 +62,7 @@ def _save_on_rank_zero(module: Any, trainer: Any, path: Path, state: dict[str, t
     built = model.config.dtype
     found = module.decision_thresholds
     if found is not None:  # read back when the module starts from this folder (predict)
-        setattr(model.config, thresholds_.CONFIG_KEY, found.to_config(module.label_names, module.problem_type))
+        setattr(model.config, thresholds_.CONFIG_KEY, found.to_config(module.label_names, module.kind))
     elif hasattr(model.config, thresholds_.CONFIG_KEY):  # a base folder's, stale
         delattr(model.config, thresholds_.CONFIG_KEY)
     card = model_card.build(module, trainer, Path(run_dir) if run_dir else None)

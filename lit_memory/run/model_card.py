@@ -58,7 +58,7 @@ def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> s
     module exported outside a run: what the model itself knows) in ``run_dir`` (its memory record; asked of the
     trainer by every rank before: ``trainer.log_dir`` is a collective under several processes)."""
     hp = module.hparams
-    problem, names = module.problem_type, list(module.label_names)
+    kind, names = module.kind, list(module.label_names)
     data = getattr(trainer, "datamodule", None) if trainer is not None else None
     step, metrics = validation_metrics(trainer)
     source = str(data.hparams.source) if data is not None else None
@@ -75,28 +75,28 @@ def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> s
             ))
     base = _hub_name(str(hp.model_name_or_path))
     card = ModelCardData(
-        library_name="transformers", pipeline_tag="text-classification", tags=TAGS + [task_.kind_of(problem).title.replace(" ", "-")],
+        library_name="transformers", pipeline_tag="text-classification", tags=TAGS + [kind.title.replace(" ", "-")],
         base_model=base, datasets=[dataset] if dataset else None, model_name="hf_model",
         eval_results=results or None,
     )
-    lines = [f"# A {task_.kind_of(problem).title} model fine-tuned with lit_memory", ""]
-    lines += _task(module, problem, names)
+    lines = [f"# A {kind.title} model fine-tuned with lit_memory", ""]
+    lines += _task(module, kind, names)
     if data is not None:
         lines += _data(data)
     lines += _results(step, metrics)
     lines += _training(module, trainer, data, run_dir)
-    lines += _usage(module, problem)
+    lines += _usage(module, kind)
     return str(ModelCard(f"---\n{card.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
 
 
-def _task(module: Any, problem: str, names: list[str]) -> list[str]:
-    kind = task_.kind_of(problem)
-    lines = ["## Task", "", f"- problem type: `{problem}` ({kind.title}), base model: `{module.hparams.model_name_or_path}`"]
+def _task(module: Any, kind: task_.ProblemKind, names: list[str]) -> list[str]:
+    lines = ["## Task", "",
+             f"- problem type: `{kind.name}` ({kind.title}), base model: `{module.hparams.model_name_or_path}`"]
     if kind.has_classes:
         lines.append(f"- labels ({len(names)}, in id order): " + ", ".join(f"`{n}`" for n in names))
     found = module.decision_thresholds
     if found is not None:
-        lines.append(f"- {found.describe(names, problem)}; in `config.json` as `thresholds` "
+        lines.append(f"- {found.describe(names, kind)}; in `config.json` as `thresholds` "
                      "(a label is predicted where its probability is at least its threshold)")
     if module.loss_weights is not None:
         lines.append(f"- loss {kind.weight_name} ({module.hparams.class_weights if isinstance(module.hparams.class_weights, str) else 'as set'}): "
@@ -143,12 +143,12 @@ def _training(module: Any, trainer: Any, data: Any, run_dir: Optional[Path]) -> 
     return lines + [""]
 
 
-def _usage(module: Any, problem: str) -> list[str]:
+def _usage(module: Any, kind: task_.ProblemKind) -> list[str]:
     names = module.label_names
     lines = ["## How to use", "", "```python", "from transformers import pipeline", "",
              'texts = ["your first text", "your second text"]',
              'classifier = pipeline("text-classification", model="path/to/hf_model", top_k=None)']
-    lines += task_.kind_of(problem).usage(names, module.decision_thresholds is not None)
+    lines += kind.usage(names, module.decision_thresholds is not None)
     lines += ["```", "", "or `python -m lit_memory predict --config RUN/config.yaml --model.model_name_or_path "
               "RUN/hf_model --data.predict_path texts.csv`, which applies the thresholds itself."]
     return lines + [""]

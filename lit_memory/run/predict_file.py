@@ -233,14 +233,15 @@ class Collate:
 
     def __init__(
         self, tokenizer: Any, max_length: int, padding: str, columns: Any, id_: Optional[str],
-        label_names: Sequence[str], problem_type: Optional[str] = None, encoded: bool = False,
+        label_names: Sequence[str], kind: Optional[task_.ProblemKind] = None, encoded: bool = False,
         stride: Optional[int] = None,
     ) -> None:
         self.tokenizer, self.max_length, self.padding, self.stride = tokenizer, max_length, padding, stride
         self.texts, self.labels, self.id = tuple(columns.text), tuple(columns.label), id_
         self.label_names = list(label_names)
         self.ids = {name: i for i, name in enumerate(self.label_names)}
-        self.kind, self.encoded = task_.kind_of(problem_type), encoded
+        self.kind = kind if kind is not None else task_.kind_of(None)  # no model to ask: the default kind
+        self.encoded = encoded
 
     def label_id(self, value: Any) -> int:
         """A given label as the model's id: its name, or an id in range (as an int or its digits)."""
@@ -365,11 +366,11 @@ class PredictionWriter(BasePredictionWriter):
     def _header_of(self, pl_module: Any, rows: dict[str, Any], labelled: bool) -> list[str]:
         names = pl_module.label_names
         key = [rows.get("id_column") or ("text" if len(rows.get("text_columns") or ()) < 2 else "pair")]
-        out = task_.kind_of(pl_module.problem_type).header(names)
+        out = pl_module.kind.header(names)
         return key + out + (["given_label"] if labelled else [])
 
     def _write(self, rows: list, pl_module: Any, batch_rows: dict[str, Any], labelled: bool) -> None:
-        names, kind = pl_module.label_names, task_.kind_of(pl_module.problem_type)
+        names, kind = pl_module.label_names, pl_module.kind
         # The model's thresholds (`lit_memory.task.thresholds`), as float32 like the probabilities they are compared with.
         found = getattr(pl_module, "decision_thresholds", None)
         limits = found.tensor.tolist() if found is not None else None

@@ -408,7 +408,7 @@ def check_resume(settings: Namespace, compare: bool = True) -> None:
         )
 
 
-# Settings a fit reads from the data's labels where they are not set (`lit_memory.cli.LitMemoryCLI._read_training_data`).
+# Settings a fit reads from the data's labels where they are not set (`lit_memory.fine_tune.read_data`).
 INFERRED = ("model.num_labels", "model.problem_type", "data.label_names")
 
 

@@ -70,15 +70,14 @@ def __getattr__(name: str) -> Any:
 
 
 def infer(
-    rows: Iterable[Mapping[str, Any]], columns: Columns, problem_type: Optional[str] = None,
+    rows: Iterable[Mapping[str, Any]], columns: Columns, kind: Optional[ProblemKind] = None,
     num_labels: Optional[int] = None, label_names: Optional[Sequence[str]] = None, where: str = "the data",
 ) -> Task:
     """The task of labelled ``rows`` (every split's: a class seen only in validation is a class): the
-    ``problem_type`` set or the one its labels show (a list of names per row, or several label columns:
+    ``kind`` set or the one its labels show (a list of names per row, or several label columns:
     multi-label; a number with a fraction: regression; else single-label), ``num_labels`` and the class names
     set or read from the labels. A label the problem type cannot take is one error line."""
     _load()
-    kind = kind_of(problem_type) if problem_type is not None else None
     labels = columns.label
     if not labels:
         raise UserError(f"{where} has no label column to learn from (set data.label_column)")
@@ -96,13 +95,14 @@ def infer(
     return kind.task(present, columns, num_labels, label_names, where)
 
 
-def head_problem_type(given: Optional[str], own: Optional[str], num_labels: int) -> str:
-    """The problem type a model config ends with: the one ``given``, else the config's ``own`` where its head
-    (``num_labels`` outputs) can still be of it, else transformers' rule (one output: regression; else
+def head_kind(given: Optional[ProblemKind], own: Optional[str], num_labels: int) -> ProblemKind:
+    """The problem kind a model config ends with: the one ``given``, else the config's ``own`` problem type where its
+    head (``num_labels`` outputs) can still be of it, else transformers' rule (one output: regression; else
     single-label)."""
     _load()
     if given is not None:
         return given
     if own is not None and (KINDS[own].fits_head(num_labels) if own in KINDS else num_labels != 1):
-        return own  # else a head resized from the config's own: its problem type no longer applies
-    return REGRESSION if num_labels == 1 else SINGLE
+        # else a head resized from the config's own: its problem type no longer applies
+        return kind_of(own)  # one error line for a problem type no kind has
+    return KINDS[REGRESSION if num_labels == 1 else SINGLE]

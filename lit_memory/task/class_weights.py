@@ -20,7 +20,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from lit_memory.errors import UserError
-from lit_memory.task.kind import kind_of
+from lit_memory.task.kind import ProblemKind
 
 ClassWeights = Union[Literal["none", "balanced"], list[float]]
 
@@ -33,16 +33,15 @@ class LabelCounts:
     per_label: tuple[int, ...]
 
 
-def count(labels: torch.Tensor, problem_type: str, num_labels: int) -> LabelCounts:
+def count(labels: torch.Tensor, kind: ProblemKind, num_labels: int) -> LabelCounts:
     """The counts of a split's ``labels`` column (class ids, or one 0/1 per label)."""
-    return LabelCounts(int(labels.shape[0]), kind_of(problem_type).count(labels, num_labels))
+    return LabelCounts(int(labels.shape[0]), kind.count(labels, num_labels))
 
 
-def check(setting: Optional[ClassWeights], problem_type: str, num_labels: int) -> None:
+def check(setting: Optional[ClassWeights], kind: ProblemKind, num_labels: int) -> None:
     """One error line for a setting the task cannot take."""
     if setting is None or setting == "none":
         return
-    kind = kind_of(problem_type)
     kind.check_weights(setting)
     if isinstance(setting, str):
         if setting != "balanced":
@@ -57,10 +56,10 @@ def check(setting: Optional[ClassWeights], problem_type: str, num_labels: int) -
         raise UserError(f"model.class_weights {list(setting)}: weights are finite numbers >= 0, not all 0")
 
 
-def resolve(setting: Optional[ClassWeights], counts: Optional[LabelCounts], problem_type: str,
+def resolve(setting: Optional[ClassWeights], counts: Optional[LabelCounts], kind: ProblemKind,
             num_labels: int) -> Optional[torch.Tensor]:
     """The weights the loss takes (None: unweighted), ``balanced`` computed from ``counts``."""
-    check(setting, problem_type, num_labels)
+    check(setting, kind, num_labels)
     if setting is None or setting == "none":
         return None
     if setting != "balanced":
@@ -68,23 +67,22 @@ def resolve(setting: Optional[ClassWeights], counts: Optional[LabelCounts], prob
     if counts is None:
         raise UserError("model.class_weights balanced needs the training labels' counts: fit with a data module")
     per = torch.tensor(counts.per_label, dtype=torch.float64)
-    return kind_of(problem_type).balanced(counts.rows, per, num_labels).float()
+    return kind.balanced(counts.rows, per, num_labels).float()
 
 
-def loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str,
+def loss(logits: torch.Tensor, labels: torch.Tensor, kind: ProblemKind,
          weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The batch's mean loss, weighted where ``weights`` are given: what Hugging Face's heads compute otherwise."""
     if weights is not None:
         weights = weights.to(logits.device)
-    return kind_of(problem_type).loss(logits, labels, weights)
+    return kind.loss(logits, labels, weights)
 
 
 def describe(setting: Optional[ClassWeights], weights: Optional[torch.Tensor], counts: Optional[LabelCounts],
-             names: Sequence[str], problem_type: str) -> Optional[str]:
+             names: Sequence[str], kind: ProblemKind) -> Optional[str]:
     """For the ``data:`` line: each class's (label's) weight with the count it comes from."""
     if weights is None:
         return None
-    kind = kind_of(problem_type)
     how = "balanced" if setting == "balanced" else "as set"
     parts = [
         f"{name} {w:.3g}" + (f" ({counts.per_label[i]:,})" if counts is not None else "")

@@ -21,7 +21,7 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_memory import files
-from lit_memory.task.kind import kind_of
+from lit_memory.task.kind import ProblemKind
 
 
 def metric_name(label: str) -> str:
@@ -29,19 +29,19 @@ def metric_name(label: str) -> str:
     return re.sub(r"\W+", "_", str(label)).strip("_") or "label"
 
 
-def task_metrics(problem_type: str, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MetricCollection:
+def task_metrics(kind: ProblemKind, num_labels: int, threshold: float = 0.5, **kwargs: Any) -> MetricCollection:
     """The metrics of a problem type (module docstring; the kind's), the per-label F1 beside them (multi-label).
     ``kwargs`` go to every metric (``sync_on_compute=False``: counts already summed over the ranks)."""
-    return kind_of(problem_type).metrics(num_labels, threshold, **kwargs)
+    return kind.metrics(num_labels, threshold, **kwargs)
 
 
 class ClassCounts(torch.nn.Module):
     """Confusion counts over an evaluation: a class x class matrix (single-label), a 2 x 2 per label (multi-label)."""
 
-    def __init__(self, problem_type: str, num_labels: int, threshold: float = 0.5) -> None:
+    def __init__(self, kind: ProblemKind, num_labels: int, threshold: float = 0.5) -> None:
         super().__init__()
-        self.problem_type = problem_type
-        self.matrix = kind_of(problem_type).class_counts(num_labels, threshold)
+        self.kind = kind
+        self.matrix = kind.class_counts(num_labels, threshold)
 
     def update(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
         self.matrix.update(predicted, labels)
@@ -53,12 +53,11 @@ class ClassCounts(torch.nn.Module):
         self.matrix.reset()
 
 
-def report(stage: str, counts: torch.Tensor, names: Sequence[str], problem_type: str, title: str = "", *,
+def report(stage: str, counts: torch.Tensor, names: Sequence[str], kind: ProblemKind, title: str = "", *,
            weights: Optional[Sequence[float]] = None) -> str:
     """Precision, recall, F1 and support per class (or label), the loss weight of each where class weights are set
     (multi-label: its positives' ``pos_weight``), and for single-label the confusion matrix; ``title`` follows the
     stage (`` at step 56, exported to hf_model``)."""
-    kind = kind_of(problem_type)
     rows = kind.report_rows(counts, names)
     header = f"{stage} per {kind.label_word}:"
     width = max(len(header) + 1, *(len(shown_name(r[0])) + 4 for r in rows))  # "  name  ", every name whole
@@ -90,11 +89,10 @@ def shown_name(name: Any) -> str:
     return text if len(text) <= NAME_WIDTH else text[: NAME_WIDTH - 1] + "\u2026"
 
 
-def one_sided(counts: torch.Tensor, names: Sequence[str], problem_type: str, weighted: bool = False) -> Optional[str]:
+def one_sided(counts: torch.Tensor, names: Sequence[str], kind: ProblemKind, weighted: bool = False) -> Optional[str]:
     """One line where an evaluation's predictions are all one class (single-label) or the same labels for every row
     (multi-label: every label, or none), with what to try (``weighted``: class weights are set already); None
     otherwise."""
-    kind = kind_of(problem_type)
     found = kind.one_sided(counts, names)
     if found is None:
         return None

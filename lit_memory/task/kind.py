@@ -26,18 +26,19 @@ DEFAULT_THRESHOLD = 0.5
 
 @dataclass(frozen=True)
 class Task:
-    """A sequence classification task: Hugging Face's ``problem_type``, the number of outputs (1 for regression),
-    the class names in id order (labels given as ids are named as the file writes them, ``0``, ``1``; None for
-    regression), where the columns are."""
+    """A sequence classification task: its problem kind, the number of outputs (1 for regression), the class names
+    in id order (labels given as ids are named as the file writes them, ``0``, ``1``; None for regression), where
+    the columns are."""
 
-    problem_type: str
+    kind: "ProblemKind"
     num_labels: int
     label_names: Optional[tuple[str, ...]]
     columns: "Columns"
 
     @property
-    def kind(self) -> "ProblemKind":
-        return kind_of(self.problem_type)
+    def problem_type(self) -> str:
+        """Hugging Face's name of the kind (``config.problem_type``, the ``model.problem_type`` setting)."""
+        return self.kind.name
 
     @property
     def main_metric(self) -> str:

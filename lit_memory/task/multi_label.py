@@ -46,7 +46,7 @@ class MultiLabel(ProblemKind):
             names = tuple(label_names) if label_names else labels
             if len(names) != len(labels):
                 raise UserError(f"data.label_names has {len(names)} names for {len(labels)} label columns {list(labels)}")
-            return checked_count(Task(self.name, len(names), names, columns), num_labels)
+            return checked_count(Task(self, len(names), names, columns), num_labels)
         column = labels[0]
         seen: list[Any] = []
         for value in present:
@@ -69,12 +69,12 @@ class MultiLabel(ProblemKind):
             if min(seen) < 0:
                 raise UserError(f"label id {min(seen)} in column {column!r} of {where}: ids start at 0")
             total = max(num_labels or 0, max(seen) + 1)
-            return checked_count(Task(self.name, total, tuple(str(i) for i in range(total)), columns), None)
+            return checked_count(Task(self, total, tuple(str(i) for i in range(total)), columns), None)
         else:
             names = tuple(sorted({str(v) for v in seen}))
         if not names:
             raise UserError(f"column {column!r} of {where} names no label in any row")
-        return checked_count(Task(self.name, len(names), names, columns), num_labels)
+        return checked_count(Task(self, len(names), names, columns), num_labels)
 
     def outputs_words(self, num_labels: int) -> str:
         return f"{num_labels} labels, any number per row"

@@ -46,7 +46,7 @@ class Regression(ProblemKind):
                     "expects numbers (set model.problem_type single_label_classification for classes)"
                 )
         self.check_num_labels(num_labels)
-        return Task(self.name, 1, None, columns)
+        return Task(self, 1, None, columns)
 
     def check_num_labels(self, num_labels: Optional[int], setting: str = "model.num_labels") -> None:
         if num_labels not in (None, 1):

@@ -55,7 +55,7 @@ class SingleLabel(ProblemKind):
                 )
         if label_names:
             names = tuple(str(n) for n in label_names)
-            return checked_count(Task(self.name, max(len(names), num_labels or 0), names, columns), None)
+            return checked_count(Task(self, max(len(names), num_labels or 0), names, columns), None)
         if all(integral(v) for v in present):
             ids = [int(v) for v in present]
             if min(ids) < 0:
@@ -69,9 +69,9 @@ class SingleLabel(ProblemKind):
                     f"0..{num_labels - 1}); set model.num_labels or data.label_names"
                 )
             total = max(num_labels or 2, count)
-            return Task(self.name, total, tuple(str(i) for i in range(total)), columns)  # the ids as the file writes them
+            return Task(self, total, tuple(str(i) for i in range(total)), columns)  # the ids as the file writes them
         names = tuple(sorted({str(v) for v in present}))  # like datasets' class_encode_column
-        return checked_count(Task(self.name, max(len(names), 2), names, columns), num_labels)
+        return checked_count(Task(self, max(len(names), 2), names, columns), num_labels)
 
     def outputs_words(self, num_labels: int) -> str:
         return f"{num_labels} classes"

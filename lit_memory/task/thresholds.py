@@ -29,7 +29,7 @@ from torchmetrics import Metric
 
 from lit_memory.errors import UserError
 from lit_memory.task.kind import DEFAULT_THRESHOLD as DEFAULT
-from lit_memory.task.kind import kind_of
+from lit_memory.task.kind import ProblemKind
 
 CONFIG_KEY = "thresholds"  # in hf_model/config.json: {label name: threshold}
 GRID = torch.arange(1, 100, dtype=torch.float32) / 100  # 0.01 ... 0.99: 0.5 on it
@@ -39,12 +39,12 @@ TUNE_CHOICES = ("auto", "per_label", "global", "off")
 OBJECTIVES = ("f1", "mcc", "acc", "f1_macro")
 
 
-def uses_thresholds(problem_type: str, num_labels: int) -> bool:
+def uses_thresholds(kind: ProblemKind, num_labels: int) -> bool:
     """Whether a threshold can decide this task: multi-label, or single-label with two classes."""
-    return kind_of(problem_type).uses_thresholds(num_labels)
+    return kind.uses_thresholds(num_labels)
 
 
-def tuning(problem_type: str, num_labels: int, tune: str, threshold: Optional[float], objective: str) -> Optional[str]:
+def tuning(kind: ProblemKind, num_labels: int, tune: str, threshold: Optional[float], objective: str) -> Optional[str]:
     """What ``fit`` tunes (``per_label``, ``global`` or None), checked against the task: one error line for a
     threshold asked of a task that has none, or two settings that contradict each other."""
     if tune not in TUNE_CHOICES:
@@ -53,7 +53,6 @@ def tuning(problem_type: str, num_labels: int, tune: str, threshold: Optional[fl
         raise UserError(f"model.threshold_metric {objective!r} is not one of: {', '.join(OBJECTIVES)}")
     if threshold is not None and not 0.0 < threshold < 1.0:
         raise UserError(f"model.threshold must be in (0, 1), got {threshold}")
-    kind = kind_of(problem_type)
     asked = threshold is not None or tune in ("per_label", "global")
     if asked and not kind.uses_thresholds(num_labels):
         what = kind.no_threshold(num_labels)
@@ -73,16 +72,16 @@ def tuning(problem_type: str, num_labels: int, tune: str, threshold: Optional[fl
     return tune
 
 
-def probabilities(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, kind: ProblemKind) -> torch.Tensor:
     """What a threshold is compared with, one column per label: each label's probability (multi-label), or class 1's
     (binary)."""
-    return kind_of(problem_type).probabilities(logits)
+    return kind.probabilities(logits)
 
 
-def decide(logits: torch.Tensor, problem_type: str, thresholds: Optional[torch.Tensor]) -> torch.Tensor:
+def decide(logits: torch.Tensor, kind: ProblemKind, thresholds: Optional[torch.Tensor]) -> torch.Tensor:
     """Predictions as the metrics take them: class ids (single-label: class 1 where its probability reaches the
     threshold, else the most probable class), 0/1 per label (multi-label: probability >= its threshold), values."""
-    return kind_of(problem_type).decide(logits, thresholds)
+    return kind.decide(logits, thresholds)
 
 
 class Sweep(Metric):
@@ -127,7 +126,7 @@ def binary_scores(tp: torch.Tensor, fp: torch.Tensor, fn: torch.Tensor, tn: torc
     return {"acc": (tp + tn) / total, "f1": f1, "f1_macro": (f1 + f1_negative) / 2, "mcc": mcc}
 
 
-def choose(counts: torch.Tensor, mode: str, problem_type: str, objective: str = "f1",
+def choose(counts: torch.Tensor, mode: str, kind: ProblemKind, objective: str = "f1",
            default: float = DEFAULT) -> torch.Tensor:
     """The grid index of each label's threshold (``per_label``: each label's best F1) or of the one for all
     (``global``: micro-F1 for multi-label, ``objective`` for binary). Of equal scores, the threshold nearest
@@ -135,7 +134,7 @@ def choose(counts: torch.Tensor, mode: str, problem_type: str, objective: str = 
     tp, fp, fn, tn = counts.double()
     if mode == "per_label":
         score = _f1(tp, fp, fn)  # (thresholds, labels)
-    elif kind_of(problem_type).thresholds_per_label:  # several labels: their micro-F1
+    elif kind.thresholds_per_label:  # several labels: their micro-F1
         score = _f1(tp.sum(-1), fp.sum(-1), fn.sum(-1)).unsqueeze(-1).expand_as(tp)
     else:
         score = binary_scores(tp, fp, fn, tn)[objective]
@@ -151,7 +150,7 @@ def at(counts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return counts.gather(1, index.view(1, 1, -1).expand(4, 1, -1)).squeeze(1)
 
 
-def replay(chosen: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def replay(chosen: torch.Tensor, kind: ProblemKind) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictions and targets with exactly the counts (4, labels) at the chosen thresholds, in the form the metrics
     take (multi-label: rows x labels of 0/1; binary: class ids): every metric at the chosen thresholds is then
     torchmetrics' own, as at any other threshold."""
@@ -162,16 +161,16 @@ def replay(chosen: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, torch
         columns_p.append(torch.repeat_interleave(torch.tensor([1, 1, 0, 0]), torch.tensor(counts)))
         columns_t.append(torch.repeat_interleave(torch.tensor([1, 0, 1, 0]), torch.tensor(counts)))
     preds, targets = torch.stack(columns_p, -1), torch.stack(columns_t, -1)
-    if kind_of(problem_type).thresholds_per_label:
+    if kind.thresholds_per_label:
         return preds.float(), targets
     return preds[:, 0], targets[:, 0]
 
 
-def confusion(chosen: torch.Tensor, problem_type: str) -> torch.Tensor:
+def confusion(chosen: torch.Tensor, kind: ProblemKind) -> torch.Tensor:
     """The counts at the chosen thresholds as `lit_memory.task.evaluation.ClassCounts` holds them: (labels, 2, 2) as
     [[tn, fp], [fn, tp]] (multi-label), or the 2 x 2 confusion matrix, rows the true class (binary)."""
     tp, fp, fn, tn = chosen
-    if kind_of(problem_type).thresholds_per_label:
+    if kind.thresholds_per_label:
         return torch.stack([torch.stack([tn, fp], -1), torch.stack([fn, tp], -1)], -2)
     return torch.tensor([[int(tn[0]), int(fp[0])], [int(fn[0]), int(tp[0])]])
 
@@ -187,22 +186,22 @@ class Thresholds:
     def tensor(self) -> torch.Tensor:
         return torch.tensor(self.values, dtype=torch.float32)
 
-    def describe(self, names: Sequence[str], problem_type: str) -> str:
-        shown = kind_of(problem_type).describe_thresholds(self.values, names)
+    def describe(self, names: Sequence[str], kind: ProblemKind) -> str:
+        shown = kind.describe_thresholds(self.values, names)
         return f"thresholds ({self.origin}): {shown}"
 
-    def to_config(self, names: Sequence[str], problem_type: str) -> dict[str, float]:
+    def to_config(self, names: Sequence[str], kind: ProblemKind) -> dict[str, float]:
         """`CONFIG_KEY`'s value: each label's threshold by name (binary: class 1's)."""
-        keys = kind_of(problem_type).threshold_keys(names)
+        keys = kind.threshold_keys(names)
         return {str(k): float(v) for k, v in zip(keys, self.values)}
 
 
-def from_config(saved: object, names: Sequence[str], problem_type: str, where: str) -> Optional[tuple[float, ...]]:
+def from_config(saved: object, names: Sequence[str], kind: ProblemKind, where: str) -> Optional[tuple[float, ...]]:
     """`CONFIG_KEY`'s value read back as one threshold per label (in the model's label order); None where it
     holds none, or thresholds for other labels (a warning: a head resized for another task)."""
     if not saved:
         return None
-    keys = kind_of(problem_type).threshold_keys(names)
+    keys = kind.threshold_keys(names)
     try:
         values = tuple(float(saved[k]) for k in keys)  # type: ignore[index]
         fits = isinstance(saved, dict) and len(saved) == len(keys) and all(0.0 < v < 1.0 for v in values)
@@ -215,9 +214,8 @@ def from_config(saved: object, names: Sequence[str], problem_type: str, where: s
     return values
 
 
-def default_for(problem_type: str, num_labels: int, threshold: Optional[float]) -> Optional[Thresholds]:
+def default_for(kind: ProblemKind, num_labels: int, threshold: Optional[float]) -> Optional[Thresholds]:
     """``model.threshold`` where set, else 0.5 for every label (multi-label) or none (the most probable class)."""
-    kind = kind_of(problem_type)
     count = kind.threshold_count(num_labels)
     if threshold is not None:
         return Thresholds((float(threshold),) * count, "model.threshold, as set")
@@ -226,17 +224,17 @@ def default_for(problem_type: str, num_labels: int, threshold: Optional[float]) 
     return None
 
 
-def first(problem_type: str, num_labels: int, threshold: Optional[float], saved: object, names: Sequence[str],
+def first(kind: ProblemKind, num_labels: int, threshold: Optional[float], saved: object, names: Sequence[str],
           where: str) -> Optional[Thresholds]:
     """The thresholds a model starts with: those set, else those its config saved (``saved``, read from ``where``:
     an exported folder's), else `default_for`'s."""
-    if not uses_thresholds(problem_type, num_labels):
+    if not uses_thresholds(kind, num_labels):
         return None
     if threshold is None:
-        found = from_config(saved, names, problem_type, where)
+        found = from_config(saved, names, kind, where)
         if found is not None:
             return Thresholds(found, f"saved in {where}")
-    return default_for(problem_type, num_labels, threshold)
+    return default_for(kind, num_labels, threshold)
 
 
 def differ_from_default(found: Optional[Thresholds]) -> bool:

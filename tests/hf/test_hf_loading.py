@@ -11,6 +11,7 @@ from transformers.utils import logging as hf_logging
 from lit_memory.errors import UserError
 from lit_memory.hf.hf_loading import config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, set_pad_token
 from lit_memory.hf.tokenizing import pad_token_id
+from lit_memory.task import kind_of
 
 TINY_BERT = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 
@@ -19,9 +20,9 @@ def test_the_head_size_and_problem_type_follow_what_is_given_else_transformers_r
     assert load_config("bundled:minilm", 3).problem_type == "single_label_classification"
     one = load_config("bundled:minilm", 1)
     assert (one.num_labels, one.problem_type) == (1, "regression")
-    regression = load_config("bundled:minilm", None, problem_type="regression")
+    regression = load_config("bundled:minilm", None, kind=kind_of("regression"))
     assert regression.num_labels == 1  # regression predicts one value
-    multi = load_config("bundled:minilm", 4, problem_type="multi_label_classification")
+    multi = load_config("bundled:minilm", 4, kind=kind_of("multi_label_classification"))
     assert (multi.num_labels, multi.problem_type) == (4, "multi_label_classification")
     assert load_config("bundled:bert-large", 2, TINY_BERT).num_hidden_layers == 1  # overrides
 

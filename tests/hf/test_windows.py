@@ -12,8 +12,10 @@ from conftest import write_csv
 from lit_memory.hf import windows
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
-from lit_memory.task import MULTI, REGRESSION, SINGLE
+from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
 from lit_memory.hf.tokenizing import load_tokenizer
+
+SINGLE, MULTI, REGRESSION = (KINDS[name] for name in (SINGLE, MULTI, REGRESSION))  # the kinds, as passed
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from lit_memory.data import FILE_FORMATS
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.hf.tokenizing import load_tokenizer
+from lit_memory.task import kind_of
 
 ROWS = [
     {"id": "a1", "text": "great hotel, friendly staff", "label": "positive"},
@@ -339,7 +340,7 @@ def test_the_writer_gathers_every_ranks_rows_in_input_order(tmp_path, monkeypatc
     writer = predictions.PredictionWriter("csv")
     trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path), world_size=2, is_global_zero=True)
     module = SimpleNamespace(label_names=["negative", "positive"], predict_step=lambda batch, batch_idx: None,
-                             problem_type="single_label_classification")
+                             kind=kind_of("single_label_classification"))
     writer.setup(trainer, module, "predict")
     writer.on_predict_start(trainer, module)
     for n, batch in enumerate(batches[0]):

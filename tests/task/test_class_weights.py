@@ -9,7 +9,9 @@ import torch
 from lit_memory.task import class_weights as weights
 from lit_memory.errors import UserError
 from lit_memory.task.evaluation import report
-from lit_memory.task import MULTI, REGRESSION, SINGLE
+from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
+
+SINGLE, MULTI, REGRESSION = (KINDS[name] for name in (SINGLE, MULTI, REGRESSION))  # the kinds, as passed
 
 
 def test_balanced_single_label_weights_are_scikit_learns():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from lit_memory.task import kind_of
 from lit_memory.task.evaluation import NAME_WIDTH, one_sided, report
 
-SINGLE, MULTI = "single_label_classification", "multi_label_classification"
+SINGLE, MULTI = kind_of("single_label_classification"), kind_of("multi_label_classification")  # the kinds passed
 
 
 def test_the_report_shows_class_names_whole_up_to_a_cap_in_aligned_columns():

@@ -7,7 +7,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from lit_memory.errors import UserError
-from lit_memory.task import KINDS, PROBLEM_TYPES, Columns, head_problem_type, infer, kind_of
+from lit_memory.task import KINDS, PROBLEM_TYPES, Columns, head_kind, infer, kind_of
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -46,7 +46,7 @@ def test_an_unknown_problem_type_is_one_error_line_naming_every_kind():
 
 
 def test_a_config_s_own_problem_type_is_kept_only_where_its_head_fits():
-    assert head_problem_type(None, "regression", 1) == "regression"
-    assert head_problem_type(None, "regression", 3) == "single_label_classification"  # a resized head
-    assert head_problem_type(None, "multi_label_classification", 1) == "regression"
-    assert head_problem_type("multi_label_classification", None, 4) == "multi_label_classification"
+    assert head_kind(None, "regression", 1).name == "regression"
+    assert head_kind(None, "regression", 3).name == "single_label_classification"  # a resized head
+    assert head_kind(None, "multi_label_classification", 1).name == "regression"
+    assert head_kind(kind_of("multi_label_classification"), None, 4).name == "multi_label_classification"

@@ -12,7 +12,9 @@ from torchmetrics.functional.classification import multilabel_f1_score
 from lit_memory.task import evaluation
 from lit_memory.task import thresholds as th
 from lit_memory.errors import UserError
-from lit_memory.task import MULTI, REGRESSION, SINGLE, kind_of
+from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
+
+SINGLE, MULTI, REGRESSION = (KINDS[name] for name in (SINGLE, MULTI, REGRESSION))  # the kinds, as passed
 
 
 def multi_label_data(rows: int = 400):
@@ -43,7 +45,7 @@ def test_per_label_thresholds_are_each_labels_best_and_beat_one_half():
     counts = sweep.compute()
     index = th.choose(counts, "per_label", MULTI)
     chosen = th.at(counts, index)
-    f1 = kind_of(MULTI).per_label_f1(3)
+    f1 = MULTI.per_label_f1(3)
     f1.update(*th.replay(chosen, MULTI))
     tuned = f1.compute()
     # the same F1 as torchmetrics computes from the probabilities at those thresholds, and the best of the grid
