@@ -37,7 +37,7 @@ from lit_memory.data import BUNDLED, TextClassificationData, read_training, trai
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.memory.hardware import gpus, nccl
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.planning.hooks import run_hooks
 from lit_memory.planning.recompute import plan_run
 from lit_memory.planning.prediction.step import Step, ranks

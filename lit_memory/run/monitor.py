@@ -30,7 +30,7 @@ from lit_memory.hf.anatomy import find_layers
 from lit_memory.console import logging_step
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import process_memory_used
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.measure.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown

@@ -374,7 +374,7 @@ ACTIVATION_SHAPES = ((4, 32), (2, 64))
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_analytic_activation_model_holds_every_family_within_15_percent(folders, family):
-    """What each family's layers keep (`lit_memory.memory.hardware.layers.LayerSpec`: GQA, q/k norms, rotary, the
+    """What each family's layers keep (`lit_memory.memory.model.layers.LayerSpec`: GQA, q/k norms, rotary, the
     activation's saved tensors, pre-norm and sandwich norms, DeBERTa's relative terms) against the same step
     on real tensors, tracked (`measure`): the peak, and the activations at the forward phase's peak.
     docs/memory.md shows the ratios (examples/family_ratios.py)."""

@@ -16,7 +16,7 @@ from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.planning.recompute import flops, layer_costs, plan_run, resolve as plan_for
 from lit_memory.planning.prediction.simulate import simulate
-from lit_memory.memory.hardware.margin import Limit, usable
+from lit_memory.memory.model.margin import Limit, usable
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
 
 L, H, F, HEADS = 4, 64, 256, 4
@@ -258,7 +258,7 @@ def test_plan_run_returns_the_plan_and_leaves_the_parsed_settings_as_they_were()
 def test_under_a_cap_a_plan_leaves_the_allocators_room_and_for_a_tier_it_need_not(monkeypatch):
     """``memory.budget`` caps the allocator, whose check counts a request's whole segment (`Replay.room`): the plan
     fits the device total and that room; ``memory.tier`` is a card, uncapped, where the device total alone fits."""
-    from lit_memory.memory.hardware.budget import MemorySettings
+    from lit_memory.memory.settings import MemorySettings
     from lit_memory.planning import recompute
 
     full = device_total(tiny("cuda", gradient_checkpointing=True))

@@ -26,8 +26,8 @@ from lit_memory.memory.measure import nvml as nvml_module
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
 from transformers import AutoModelForSequenceClassification
-from lit_memory.memory.hardware.budget import MemorySettings
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.settings import MemorySettings
+from lit_memory.memory.model.margin import Limit
 from lit_memory.run.monitor import MemoryMonitor, device_memory_used
 from lit_memory.run.run_memory import BudgetCap, MemoryPredictions, MemoryTable
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from conftest import CONFIGS, RECIPES
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.planning.choose import mode_of
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.model.margin import Limit
 from lit_memory.tools.cards import README_MARKERS, Cell, embed, plan_cards, table
 from lit_memory.tools.plan import choose, load_recipe
 from test_plan import MODE_RECIPES, WIDE, base_setup

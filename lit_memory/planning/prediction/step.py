@@ -38,11 +38,11 @@ from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
 from lit_memory.hf.lora import apply_lora
 from lit_memory.memory.hardware import nccl
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVICES: the tools' choices)
-from lit_memory.memory.hardware.loops import LOOPS, Loop, loop  # noqa: F401  (re-exported: a step's loop)
+from lit_memory.memory.model.loops import LOOPS, Loop, loop  # noqa: F401  (re-exported: a step's loop)
 from lit_memory.memory.measure.footprint import Footprint
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
+from lit_memory.memory.model.margin import DEFAULT_MARGIN
 from lit_memory.run.checkpointing import CheckpointPlan, is_auto
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import DEFAULT_OPTIMIZER
@@ -397,7 +397,7 @@ class Prediction:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     attention: str = ""  # the attention kernel, in words
-    # The steady-state step point by point (`lit_memory.memory.hardware.program.timeline`), where asked for.
+    # The steady-state step point by point (`lit_memory.memory.model.program.timeline`), where asked for.
     timeline: Optional[list[dict]] = None
 
 

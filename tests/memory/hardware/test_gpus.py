@@ -153,7 +153,7 @@ def reading(free: float, context=300 * MiB, total=GPUS["rtx3050-4gb"].memory):
 
 def test_auto_plans_for_the_smaller_of_the_budget_and_what_the_card_has_free():
     from lit_memory.memory.hardware.gpus import BARE_CONTEXT, planning_limit
-    from lit_memory.memory.hardware.margin import Limit
+    from lit_memory.memory.model.margin import Limit
 
     tier = Limit(GPUS["rtx3050-4gb"].memory, "memory.tier rtx3050-4gb (3.81 GiB)", 0.1)
     # a desktop beside the run holds memory: less free than the tier, the card's limit applies, with the margin
