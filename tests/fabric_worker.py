@@ -36,7 +36,7 @@ from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
 from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
 from lit_memory.fused import hooks as fused_module  # noqa: E402
 from lit_memory.errors import UserError  # noqa: E402
-from lit_memory.hf.hf_loading import load_config  # noqa: E402
+from lit_memory.hf.config import load_config  # noqa: E402
 from lit_memory.run.export import full_state_dict  # noqa: E402
 from lit_memory.optim.configure import weight_decay_groups  # noqa: E402
 from lit_memory.strategies import hugging_face_models, shard  # noqa: E402

@@ -58,7 +58,7 @@ from jsonargparse._optionals import _get_config_read_mode
 from lit_memory.sandbox import bounds, checkpoint_reading, guard
 from lit_memory.optim.optimizers import IMPORTABLE
 from lit_memory.errors import UserError
-from lit_memory.settings import assign, leaves
+from lit_memory.settings import assign, dotted_leaves as leaves
 
 TRUST_FLAG = guard.TRUST_FLAG
 HINT = guard.HINT
@@ -79,7 +79,7 @@ DENYLIST = (
     "lit_memory.cli", "lit_memory.config.arguments",
     "lit_memory.__main__",
     "lit_memory.config.trust",
-    "lit_memory.config.recipes.SaveRecipe",
+    "lit_memory.config.shared_recipe.SaveRecipe",
     "lit_memory.sandbox.guard", "lit_memory.sandbox.checkpoint_reading",
     "lit_memory.files",
     "lit_memory.tools",

@@ -47,7 +47,7 @@ from lit_memory.sandbox import cgroup, child, landlock, roots, rules, stage, wat
 from lit_memory.confine import hub
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
 from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
-from lit_memory.settings import leaves
+from lit_memory.settings import dotted_leaves as leaves
 
 GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_memory.hf.anatomy import find_layers
-from lit_memory.run.checkpointing import CheckpointPlan, is_auto
+from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.console import say
 from lit_memory.data import check_shape
 from lit_memory.errors import UserError
@@ -322,7 +322,7 @@ def planned(step: Step, limit: Optional[Limit] = None) -> Step:
     return replace(step, model=model, planned=found.line())
 
 
-def plan_run(
+def resolve_auto(
     settings: Any, memory: MemorySettings, training: bool, step_for: Callable[[Any], Step], read_card: Callable[[], Any]
 ) -> dict[str, Any]:
     """What a run trains with in place of ``model.gradient_checkpointing: auto`` and ``offload_activations: auto``

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from lit_memory import files
-from lit_memory.config import recipes
+from lit_memory.config import shipped
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import format_bytes
@@ -118,7 +118,7 @@ def embed(text: str, block: str) -> Optional[str]:
 def main(argv: list[str]) -> None:
     parser = arguments.cards()
     ours, rest = parser.parse_known_args(argv)
-    if ours.update_readme and recipes.recipes_dir() != recipes.CHECKOUT:
+    if ours.update_readme and shipped.recipes_dir() != shipped.CHECKOUT:
         raise UserError("--update-readme writes into a checkout's README.md: run it from a clone (pip install -e .)")
     unknown = [c for c in ours.cards if c not in GPUS]
     if unknown:
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> None:
     text = table(rows, parameters, command, margin)
     print(text)
     if ours.update_readme:
-        readme = recipes.CHECKOUT.parent / "README.md"
+        readme = shipped.CHECKOUT.parent / "README.md"
         embedded = embed(readme.read_text(encoding="utf-8"), text)
         if embedded is None:
             raise UserError(f"README.md has no place for the table: {README_MARKERS[0]} ... {README_MARKERS[1]}")

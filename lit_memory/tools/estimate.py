@@ -32,7 +32,7 @@ from lit_memory.memory.hardware.gpus import GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.model.margin import Fit, Limit
-from lit_memory.config.recipes import recipes_dir
+from lit_memory.config.shipped import recipes_dir
 from lit_memory.config.shipped import RECIPE_FLAG
 from lit_memory.planning.prediction.predict import level, predict
 from lit_memory.planning.choose import mode_of

@@ -52,8 +52,8 @@ from lit_memory.memory.measure.report import breakdown
 from lit_memory.planning.prediction.predict import simulate_or_decline
 from lit_memory.planning.prediction.step import Prediction, Step
 from lit_memory.run.monitor import StepTimer
-from lit_memory.config.recipes import recipes_dir
-from lit_memory.settings import key_of, leaves, locate, plain
+from lit_memory.config.shipped import recipes_dir
+from lit_memory.settings import dotted_leaves, key_of, locate, to_plain
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import MEASURED
 from lit_memory.tools.estimate import step_of
@@ -79,7 +79,7 @@ class Block:
     @functools.cached_property  # read for every combination of every candidate: once per block
     def plain(self) -> Any:
         """The value as plain dicts, lists and scalars (what the CLI parses)."""
-        return plain(self.value)
+        return to_plain(self.value)
 
 
 @dataclass
@@ -100,7 +100,7 @@ def load_recipe(path: Path) -> Recipe:
     the bounds a stranger's recipe is read with: `lit_memory.sandbox.bounds.read_yaml`)."""
     data = read_yaml(path, round_trip=True)
     blocks = {}
-    for key, value in leaves(data, depth=2):
+    for key, value in dotted_leaves(data, depth=2):
         container, name = locate(data, key)
         token = getattr(container, "ca", None) and container.ca.items.get(name, [None] * 3)[2]
         comment = token.value.strip().lstrip("#").strip() if token else None

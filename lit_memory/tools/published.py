@@ -26,7 +26,7 @@ from lit_memory.memory.model.margin import DEFAULT_MARGIN
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.planning.recompute import planned
 from lit_memory.planning.prediction.step import Loop, LOOPS, Step
-from lit_memory.config.recipes import recipe_path
+from lit_memory.config.shipped import recipe_path
 from lit_memory.tools.proof import MODEL
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"

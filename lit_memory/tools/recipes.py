@@ -26,11 +26,11 @@ from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.recompute import flops, planned
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.step import Step
-from lit_memory.config.recipes import names, recipe_path, recipes_dir
+from lit_memory.config.shipped import names, recipe_path, recipes_dir
 from lit_memory.config import trusted as trusted_files
 from lit_memory.config.shipped import listing
 from lit_memory.sandbox import roots, rules
-from lit_memory.settings import leaves, locate
+from lit_memory.settings import dotted_leaves as leaves, locate
 from lit_memory.config.trust import HINT, TRUST_FLAG
 from lit_memory.tools import arguments
 

@@ -59,7 +59,7 @@ LORA_TARGETS = {
     "gemma3": {"q_proj", "v_proj"},
 }
 # fake tensors meet a scalar read back (ModernBERT). DeBERTa's head took its `nonzero` loss path only while the
-# config's problem_type was unset; the module now always sets it (`lit_memory.hf.hf_loading.load_config`), and it simulates.
+# config's problem_type was unset; the module now always sets it (`lit_memory.hf.config.load_config`), and it simulates.
 SIMULATION_DECLINES = {"modernbert"}
 # 2gb: torchao compiles per shape; the compiled recipes are their parents compiled (tests/run/test_compiling.py)
 RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "2gb" and p.stem not in COMPILED)

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from conftest import CONFIGS
-from lit_memory.run.checkpointing import CheckpointPlan
+from lit_memory.run.activation_checkpointing import CheckpointPlan
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.gpus import Target
-from lit_memory.planning.recompute import flops, layer_costs, plan_run, resolve as plan_for
+from lit_memory.planning.recompute import flops, layer_costs, resolve_auto, resolve as plan_for
 from lit_memory.planning.prediction.simulate import simulate
 from lit_memory.memory.model.margin import Limit, usable
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
@@ -237,20 +237,20 @@ def test_a_fused_step_that_measures_first_plans_and_allows_no_selective_layer(ca
         resolve([*args, "--trainer.gradient_clip_val=1.0"]).build(trainer=False)
 
 
-def test_plan_run_returns_the_plan_and_leaves_the_parsed_settings_as_they_were():
+def test_resolve_auto_returns_the_plan_and_leaves_the_parsed_settings_as_they_were():
     args = ["fit", "--model.model_name_or_path=bundled:bert-large", f"--model.config_overrides={TINY}",
             "--model.pretrained=false", "--model.gradient_checkpointing=auto", "--model.offload_activations=auto",
             f"--data.batch_size={BATCH}", f"--data.max_length={LENGTH}", "--trainer.accelerator=cpu"]
     none = analytic(tiny()).footprint.peak
     cli = resolve([*args, f"--memory.tier={int(none * 0.8)}"])
     before = cli.settings.clone()
-    found = plan_run(cli.settings, cli.memory, True, cli.step, lambda: None)
+    found = resolve_auto(cli.settings, cli.memory, True, cli.step, lambda: None)
     assert cli.settings == before  # decided, not written: the CLI writes what comes back
     assert set(found) == {"model.gradient_checkpointing", "model.offload_activations"}
     assert CheckpointPlan.parse(found["model.gradient_checkpointing"]).recomputes
     assert found["model.offload_activations"] is False  # offloading is a no-op on a CPU run
     # outside training nothing is recomputed, and nothing is predicted to decide it
-    assert plan_run(cli.settings, cli.memory, False, None, None) == {
+    assert resolve_auto(cli.settings, cli.memory, False, None, None) == {
         "model.gradient_checkpointing": False, "model.offload_activations": False,
     }
 

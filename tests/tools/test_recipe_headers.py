@@ -9,7 +9,7 @@ import yaml
 
 from conftest import RECIPES
 from lit_memory.memory.measure.footprint import parse_bytes
-from lit_memory.config.recipes import header
+from lit_memory.config.shipped import header
 from lit_memory.tools import recipes as commands
 
 

@@ -41,7 +41,8 @@ class LayerRun:
     tensors: list[Tensor]  # per token, in forward order
     trains: bool  # has a backward (at or above the first trainable layer)
     input_kept: bool  # the layer's input is among what it keeps (no autocast)
-    checkpoint: Optional[str] = None  # "full", "selective" (`lit_memory.run.checkpointing.CheckpointPlan`) or None
+    # "full", "selective" (`lit_memory.run.activation_checkpointing.CheckpointPlan`) or None
+    checkpoint: Optional[str] = None
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lit_memory.run.checkpointing import OffloadActivations
+from lit_memory.run.activation_checkpointing import OffloadActivations
 from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.memory.hardware.allocator import replay

@@ -43,12 +43,12 @@ from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVI
 from lit_memory.memory.model.loops import LOOPS, Loop, loop  # noqa: F401  (re-exported: a step's loop)
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.model.margin import DEFAULT_MARGIN
-from lit_memory.run.checkpointing import CheckpointPlan, is_auto
+from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.optim.optimizers import Library, library_of
 from lit_memory.optim.precision import trains_on
-from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, plain, section
+from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, to_plain, section
 
 # The sections of a run's settings a step reads, by the class LightningCLI builds from each: what they hold and
 # their defaults are those classes' signatures (`lit_memory.settings.section`).
@@ -70,7 +70,7 @@ class OptimizerSpec:
             return cls(value)
         if not isinstance(value, Mapping) or "class_path" not in value:
             raise UserError(f"model.optimizer must be a class_path with init_args, got {value!r}")
-        return cls(str(value["class_path"]), plain(value.get("init_args") or {}))
+        return cls(str(value["class_path"]), to_plain(value.get("init_args") or {}))
 
     @property
     def name(self) -> str:
@@ -144,7 +144,7 @@ class Step:
     ) -> "Step":
         """The step a run's resolved settings (``model``, ``trainer``, ``data`` sections, plain data) trains;
         ``memory``: their ``memory`` block where a run has built it already (else built here)."""
-        return cls._of_plain(plain(settings), target, loop, memory)
+        return cls._of_plain(to_plain(settings), target, loop, memory)
 
     @classmethod
     def _of_plain(
@@ -206,7 +206,7 @@ class Step:
         the ones it was made from, with its own fields written over them, so a step made in Python, or one a field
         of was replaced, is laid over as it is. A strategy is written only where the one it was made with does not
         give its fusion, sharding or bucket."""
-        return plain(self._stated)  # a copy: the cached one is never handed out
+        return to_plain(self._stated)  # a copy: the cached one is never handed out
 
     @functools.cached_property  # a step is frozen; plan lays hundreds of combinations over one
     def _stated(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import torch
 from lit_memory.memory.hardware.kernels import Kernel, attention_bytes, attention_tensors
 from lit_memory.planning.prediction.activation_model import layer_spec
 from lit_memory.memory.model.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
-from lit_memory.hf.hf_loading import load_config
+from lit_memory.hf.config import load_config
 from lit_memory.settings import PRECISIONS
 
 DTYPE = {2: torch.float16, 4: torch.float32, 8: torch.float64}  # the inputs' dtype by its bytes
