@@ -53,7 +53,7 @@ def load_hub_dataset(name: str, subset: Optional[str]) -> Any:
     return datasets.load_dataset(name, subset)
 
 
-# The last source read (its settings, its splits as read): `resolve_task` reads it before the module is built, and the
+# The last source read (its settings, its splits as read): `read_training` reads it before the module is built, and the
 # data module built next reads the same source without reading it again.
 _LAST_READ: dict[tuple, Any] = {}
 
@@ -73,11 +73,6 @@ def training_rows_at_most(settings: dict[str, Any]) -> int:
     """`TextClassificationData.rows_at_most` of a data module's settings (a config's ``data:`` block)."""
     given = {k: v for k, v in settings.items() if k in TextClassificationData.ARGUMENTS}
     return TextClassificationData(**given).rows_at_most()
-
-
-def resolve_task(settings: dict[str, Any], num_labels: Optional[int], problem_type: Optional[str]) -> "task_.Task":
-    """The task a data module's training data asks for (`read_training`)."""
-    return read_training(settings, num_labels, problem_type)[0]
 
 
 def check_shape(batch_size: int, max_length: int) -> None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # The kinds import torch and torchmetrics: they load with the first name that needs them (`__getattr__`), so that
 # finding a file's columns (the check `python -m lit_memory` makes before importing torch) costs none of it.
 KIND_NAMES = ("IGNORE", "KINDS", "ProblemKind", "Task", "kind_of", "register")  # `lit_memory.task.kind`'s
-MADE_NAMES = ("PROBLEM_TYPES", "ProblemType", "SINGLE", "MULTI", "REGRESSION", "MAIN_METRIC")
+MADE_NAMES = ("PROBLEM_TYPES", "ProblemType", "SINGLE", "MULTI", "REGRESSION")
 
 
 def _load() -> None:
@@ -57,8 +57,6 @@ def _load() -> None:
         PROBLEM_TYPES=problem_types,
         ProblemType=Literal[problem_types],  # the settings' choices: every registered kind
         SINGLE=ours[0], MULTI=ours[1], REGRESSION=ours[2],
-        # The metric each problem type keeps its best checkpoint by (higher is better for all).
-        MAIN_METRIC={name: found.main_metric for name, found in kind.KINDS.items()},
     )
 
 

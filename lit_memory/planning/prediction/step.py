@@ -271,11 +271,6 @@ class Step:
         return self.optimizer.stochastic_rounding
 
     @property
-    def attn_implementation(self) -> Optional[str]:
-        """The one the config asks for (``model.config_overrides.attn_implementation``), else None (the model's default)."""
-        return (self.model.get("config_overrides") or {}).get("attn_implementation")
-
-    @property
     def scaled(self) -> bool:
         """fp16 autocast with torch's GradScaler (``16-mixed``: Lightning gives it one)."""
         return self.precision.scaled
