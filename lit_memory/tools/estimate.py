@@ -31,6 +31,7 @@ from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.memory.hardware.gpus import GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
+from lit_memory.memory.model.loops import loop
 from lit_memory.memory.model.margin import Fit, Limit
 from lit_memory.config.shipped import recipes_dir
 from lit_memory.config.shipped import RECIPE_FLAG
@@ -38,7 +39,7 @@ from lit_memory.planning.prediction.predict import level, predict
 from lit_memory.planning.choose import mode_of
 from lit_memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
-from lit_memory.planning.prediction.step import Prediction, Step, build, loop
+from lit_memory.planning.prediction.step import Prediction, Step, build
 from lit_memory.optim.optimizer_state import unquantised_extra
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import add_target_arguments  # noqa: F401  (plan, cards and tests take it from here)

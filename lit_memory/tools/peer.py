@@ -160,7 +160,7 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
     `NoTrainerEquivalent` without a budget, or where nothing fits."""
     from lit_memory.memory.hardware.gpus import target as this_target
     from lit_memory.planning.prediction.analytic import capped_total
-    from lit_memory.planning.prediction.step import loop
+    from lit_memory.memory.model.loops import loop
 
     config = cli.settings
     budget = cli.memory.limit if cli.memory is not None else None

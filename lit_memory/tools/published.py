@@ -22,10 +22,11 @@ from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.memory.hardware.gpus import GPUS, MiB, Target, match
+from lit_memory.memory.model.loops import LOOPS, Loop
 from lit_memory.memory.model.margin import DEFAULT_MARGIN
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.planning.recompute import planned
-from lit_memory.planning.prediction.step import Loop, LOOPS, Step
+from lit_memory.planning.prediction.step import Step
 from lit_memory.config.shipped import recipe_path
 from lit_memory.tools.proof import MODEL
 

@@ -162,7 +162,7 @@ def _upcast(fn: Callable) -> Callable:
 def cuda_stand_ins(step: Step):
     """CUDA's kernels where their memory differs from the CPU's (see the module docstring)."""
     functional = torch.nn.functional
-    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+    sdpa = functional.scaled_dot_product_attention
     capability = step.target.gpu.capability
     chosen: list[str] = []
 

@@ -36,11 +36,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
-from lit_memory.hf.lora import apply_lora
 from lit_memory.memory.hardware import nccl
 from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVICES: the tools' choices)
-from lit_memory.memory.model.loops import LOOPS, Loop, loop  # noqa: F401  (re-exported: a step's loop)
+from lit_memory.memory.model.loops import Loop
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.model.margin import DEFAULT_MARGIN
 from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto

@@ -14,8 +14,9 @@ from lit_memory.errors import UserError
 from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.planning.prediction.state_model import meta_build
 from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target
+from lit_memory.memory.model.loops import LOOPS, Loop
 from lit_memory.planning.prediction.simulate import simulate
-from lit_memory.planning.prediction.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
+from lit_memory.planning.prediction.step import OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
 
