@@ -73,7 +73,8 @@ class MemoryMonitor(L.Callback):
         self.timeline: Optional[list[dict]] = None  # the last tracked micro-batch, point by point
         self.timeline_shape: Optional[tuple[int, int]] = None  # its (rows, tokens)
         self.timeline_what = "the last micro-batch tracked"
-        # (shape, points): the analytic step point by point at that shape, handed in (`run_memory.MemoryPredictions`)
+        # (shape, points): the analytic step point by point at that shape, handed in
+        # (`memory_callbacks.MemoryPredictions`)
         self.predicted_timeline: Optional[tuple[Optional[tuple[int, int]], Optional[list[dict]]]] = None
         self._phase: Optional[str] = None
         self._batch_idx = 0
