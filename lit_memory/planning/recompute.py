@@ -38,7 +38,7 @@ from lit_memory.errors import UserError
 from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import planning_limit, target
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.model.margin import Fit, Limit
+from lit_memory.memory.margin import Fit, Limit
 from lit_memory.planning.prediction.analytic import analytic, capped_total, device_total
 from lit_memory.planning.prediction.simulate import fake_batch
 from lit_memory.planning.prediction.step import Step, build, clips_by_norm, is_fused
@@ -238,7 +238,7 @@ class Resolved:
 
 def resolve(step: Step, limit: Limit) -> Resolved:
     """The plan with the least modelled time whose predicted device total fits ``limit`` with its margin kept
-    free (`lit_memory.memory.model.margin`): the fewest
+    free (`lit_memory.memory.margin`): the fewest
     counted FLOPs, unless ``offload_activations: auto`` lets offloading the checkpointed layers' inputs buy
     room for less recompute where its copies cost less time than that recompute (`seconds`; CUDA only).
 

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
 from lit_memory.memory.settings import MemorySettings
-from lit_memory.memory.model.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
 from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
 from lit_memory.memory.measure import picture

@@ -21,8 +21,8 @@ from lit_memory import files
 from lit_memory.config import shipped
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.model.margin import Limit
 from lit_memory.planning.choose import mode_of
 from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.planning.prediction.step import Step

@@ -32,7 +32,7 @@ from lit_memory.memory.hardware.gpus import GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
 from lit_memory.memory.model.loops import loop
-from lit_memory.memory.model.margin import Fit, Limit
+from lit_memory.memory.margin import Fit, Limit
 from lit_memory.config.shipped import recipes_dir
 from lit_memory.config.shipped import RECIPE_FLAG
 from lit_memory.planning.prediction.predict import level, predict
@@ -172,7 +172,7 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
 
 
 def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
-    """Whether the step fits the card asked about, with the margin kept (`lit_memory.memory.model.margin`): its
+    """Whether the step fits the card asked about, with the margin kept (`lit_memory.memory.margin`): its
     predicted device total against the card's capacity, or against ``memory.budget`` where that caps the card lower
     (the allocator is capped there), named with the card; ``memory.tier`` is what the plan was made for, not a limit
     on this card. On a CPU target, the tensors against the budget or tier (None without one)."""

@@ -46,7 +46,7 @@ from lit_memory.planning.recompute import resolve as plan_layers
 from lit_memory.memory.settings import Size
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
-from lit_memory.memory.model.margin import Limit, usable
+from lit_memory.memory.margin import Limit, usable
 from lit_memory.planning.prediction.predict import device_total, level
 from lit_memory.memory.measure.report import breakdown
 from lit_memory.planning.prediction.predict import simulate_or_decline
@@ -455,7 +455,7 @@ def choose(
     everything: list[Candidate] = []
     ordered = ranked(base, recipes, refused, everything)
     overhead = base.outside_allocator  # the CUDA context and NCCL's communicators
-    room = limit.with_margin(base.margin).usable  # the margin kept free (`lit_memory.memory.model.margin`)
+    room = limit.with_margin(base.margin).usable  # the margin kept free (`lit_memory.memory.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
     wanted = MEASURED if measured else 1
     confirmed: list[tuple[Candidate, Optional[Prediction]]] = []

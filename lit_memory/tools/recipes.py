@@ -21,7 +21,7 @@ from lit_memory.cli import resolve
 from lit_memory.config.arguments import ImportRefused
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
-from lit_memory.memory.model.margin import Fit
+from lit_memory.memory.margin import Fit
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.recompute import flops, planned
 from lit_memory.planning.prediction.analytic import analytic
@@ -75,7 +75,7 @@ PLANNED = "# planned-for: "
 
 def planned_line(path: Path) -> Optional[str]:
     """The header line of a recipe with a ``memory.tier``: what it is planned for and what BERT-large at the
-    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.model.margin`); None without a tier."""
+    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.margin`); None without a tier."""
     step = header_step(path)
     limit = step.memory.limit
     if limit is None:

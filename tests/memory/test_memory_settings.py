@@ -11,7 +11,7 @@ from lit_memory.__main__ import main
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import capacity
-from lit_memory.memory.model.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.settings import MemorySettings, Size
 
 

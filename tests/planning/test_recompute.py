@@ -16,7 +16,7 @@ from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.planning.recompute import flops, layer_costs, resolve_auto, resolve as plan_for
 from lit_memory.planning.prediction.simulate import simulate
-from lit_memory.memory.model.margin import Limit, usable
+from lit_memory.memory.margin import Limit, usable
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
 
 L, H, F, HEADS = 4, 64, 256, 4

@@ -27,7 +27,7 @@ from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
 from transformers import AutoModelForSequenceClassification
 from lit_memory.memory.settings import MemorySettings
-from lit_memory.memory.model.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.run.monitor import MemoryMonitor, device_memory_used
 from lit_memory.run.memory_callbacks import BudgetCap, MemoryPredictions, MemoryTable
 

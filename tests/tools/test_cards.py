@@ -9,7 +9,7 @@ from conftest import CONFIGS, RECIPES
 from test_plan import MODE_RECIPES, WIDE, base_setup
 
 from lit_memory.memory.hardware.gpus import GPUS
-from lit_memory.memory.model.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.planning.choose import mode_of
 from lit_memory.tools.bench_table import embed
 from lit_memory.tools.cards import README_MARKERS, Cell, plan_cards, table

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Optional
 
 from lit_memory.errors import UserError
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.model.margin import Limit
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 NCCL_STEPS = 8  # src/include/device.h

@@ -41,7 +41,7 @@ from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVICES: the tools' choices)
 from lit_memory.memory.model.loops import Loop
 from lit_memory.memory.measure.footprint import Footprint
-from lit_memory.memory.model.margin import DEFAULT_MARGIN
+from lit_memory.memory.margin import DEFAULT_MARGIN
 from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import DEFAULT_OPTIMIZER

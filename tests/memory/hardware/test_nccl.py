@@ -8,7 +8,7 @@ import pytest
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware import nccl
 from lit_memory.memory.hardware.nccl import Communicator, NcclSettings, communicators, for_run, nccl_memory
-from lit_memory.memory.model.margin import Limit
+from lit_memory.memory.margin import Limit
 
 MiB = 2**20
 LIGHTNING = ("data_parallel", "tensor_parallel")  # ModelParallelStrategy's mesh
