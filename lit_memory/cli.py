@@ -532,8 +532,8 @@ class LitMemoryCLI(LightningCLI):
         hooks = dict(self._memory_hooks)
         if None in hooks.values() and self.subcommand in (None, "fit"):
             try:
-                hooks = run_hooks(self.step(), shared_recipe.shipped_settings)
-                defaults = dict(zip(("predict", "advise", "timeline"), hooks))
+                made = run_hooks(self.step(), shared_recipe.shipped_settings)
+                defaults = dict(zip(("predict", "advise", "timeline"), made))
             except UserError as err:  # settings the memory model does not cover: measure only
                 say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
