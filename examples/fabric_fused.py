@@ -30,7 +30,7 @@ from lightning.fabric.plugins import MixedPrecision
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
 from lit_memory import FusedFabricStrategy
-from lit_memory.hf.hf_loading import load_config
+from lit_memory.hf.config import load_config
 from lit_memory.model import weight_decay_groups
 
 TINY_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForSequenceClassification
 
 from lit_memory import fsdp_overlap_step_with_backward  # was: from lightning.fabric.strategies.fsdp import ...
-from lit_memory.hf.hf_loading import load_config
+from lit_memory.hf.config import load_config
 from lit_memory.model import full_state_dict
 
 TINY_BERT = {

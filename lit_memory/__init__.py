@@ -35,7 +35,7 @@ for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 # longest name that holds it; the runtime holds the rest.
 LAYERS = (
     ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.settings", "lit_memory.sandbox")),  # + the trust guard
-    ("memory below the runtime", ("lit_memory.memory",)),  # what a run measures; models of the device
+    ("memory below the runtime", ("lit_memory.memory",)),  # what a run measures; the device and the memory model
     ("parts", ("lit_memory.task", "lit_memory.console", "lit_memory.hf", "lit_memory.optim", "lit_memory.fused")),
     ("run", ("lit_memory.run",)),  # a training run's machinery: checkpoints, resume, the monitor, predictions written
     ("runtime", ("lit_memory",)),  # model, data, strategies, Fabric

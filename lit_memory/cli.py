@@ -23,24 +23,24 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _InstantiatorFn
 
 from lit_memory import console, fine_tune
-from lit_memory.config import arguments, option_names, recipes, trust
+from lit_memory.config import arguments, option_names, shared_recipe, trust
 from lit_memory.config.arguments import LINKS, config_files, named_files, stubs_without_a_subprocess
-from lit_memory.config.shipped import TRUST_FLAG, recipe_help
+from lit_memory.config.shipped import TRUST_FLAG, expand_recipes, recipe_help
 from lit_memory.console import say
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware import gpus
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim import precision
 from lit_memory.optim.precision import fp16_under_fsdp2
-from lit_memory.planning.hooks import run_hooks
+from lit_memory.planning.run_predictions import run_hooks
 from lit_memory.planning.prediction.step import Step
 from lit_memory.run import confined_logs, environment, resume
 from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
-from lit_memory.run.run_memory import Advise, Predict, memory_callbacks
+from lit_memory.run.memory_callbacks import Advise, Predict, memory_callbacks
 from lit_memory.sandbox import bounds, guard
-from lit_memory.settings import assign, at, leaves, plain
+from lit_memory.settings import assign, dotted_leaves, get_dotted, to_plain
 from lit_memory.settings import key_of as settings_key_of
 
 THIS_GPU = "this machine's"  # `LitMemoryCLI(gpu=...)`'s default: the GPU the run itself trains on
@@ -74,7 +74,7 @@ class LitMemoryCLI(LightningCLI):
         else:
             self.command = shlex.join(["python", "-m", "lit_memory", *map(str, argv)])
             self.decision = trust.Decision.of(argv, trust_configs)  # ``--trust-recipe``, or its configs by content
-            argv = self.argv = recipes.expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
+            argv = self.argv = expand_recipes([a for a in map(str, argv) if a != TRUST_FLAG])
         self._typed_files = [] if self.argv is None else named_files(self.argv)
         self._held: Optional[contextlib.ExitStack] = None
         self._data_read: Optional[TextClassificationData] = None  # the fit's data module, read (`fine_tune.read_data`)
@@ -94,9 +94,10 @@ class LitMemoryCLI(LightningCLI):
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
-        kwargs.setdefault("save_config_callback", recipes.SaveRecipe)
+        kwargs.setdefault("save_config_callback", shared_recipe.SaveRecipe)
         kwargs.setdefault("parser_class", arguments.Parser)
-        if kwargs["save_config_callback"] is recipes.SaveRecipe:  # a trusted run's config.yaml is as trusted as it
+        # a trusted run's config.yaml is as trusted as it
+        if kwargs["save_config_callback"] is shared_recipe.SaveRecipe:
             kwargs["save_config_kwargs"] = {"command": self.command, "trusted": not self.decision.confined,
                                             **(kwargs.get("save_config_kwargs") or {})}
         stubs_without_a_subprocess()
@@ -185,16 +186,16 @@ class LitMemoryCLI(LightningCLI):
             try:
                 if key in in_files:
                     raise KeyError(key)
-                value = at(alone, key)
+                value = get_dotted(alone, key)
             except KeyError:  # a file named, or an option that needs what a file names to parse: as the run has it
                 try:
-                    value = at(self.settings, key)
+                    value = get_dotted(self.settings, key)
                 except KeyError:
                     continue
                 found[key] = value
                 continue
             try:
-                now = at(self.settings, key)
+                now = get_dotted(self.settings, key)
             except KeyError:
                 now = None
             if settings_key_of(now) == settings_key_of(value):
@@ -241,7 +242,7 @@ class LitMemoryCLI(LightningCLI):
     def _typed_wins(self, key: str, typed: Any, ckpt_path: str, back: dict[str, Any]) -> None:
         """``key`` as typed goes ``back`` over the checkpoint's (said in one line), unless the weights fix it."""
         try:
-            saved = at(self.settings, key)
+            saved = get_dotted(self.settings, key)
         except KeyError:  # the checkpoint's value has no such part (a dict where a value was typed inside)
             saved = None
         name = key.split(".")[1]
@@ -284,13 +285,13 @@ class LitMemoryCLI(LightningCLI):
             if any(key == t or key.startswith(t + ".") or t.startswith(key + ".") for t in self.typed_settings):
                 continue
             try:
-                saved = at(after, name)
+                saved = get_dotted(after, name)
             except KeyError:
                 continue
             default = self._command_defaults(self.config.get("subcommand")).get(key)
             if value == "auto" or settings_key_of(value) in (settings_key_of(saved), settings_key_of(default)):
                 continue  # the checkpoint's, the default, or ``auto`` (a plan asked for; the checkpoint holds its run's)
-            shown = json.dumps(plain(value)) if not isinstance(value, str) else value
+            shown = json.dumps(to_plain(value)) if not isinstance(value, str) else value
             how = f"type --{key} {shlex.quote(shown)} to use it"
             if key in self._typed_over:
                 how = f"--{key} {self._typed_over[key]!r} was typed before that file: type it after to use it"
@@ -306,7 +307,7 @@ class LitMemoryCLI(LightningCLI):
                 continue
             for tree in (data, data.get(self.config.get("subcommand")) if isinstance(data, dict) else None):
                 try:
-                    if settings_key_of(at(tree, key)) == settings_key_of(value):
+                    if settings_key_of(get_dotted(tree, key)) == settings_key_of(value):
                         return path
                 except (KeyError, TypeError):
                     continue
@@ -468,7 +469,8 @@ class LitMemoryCLI(LightningCLI):
         hooks = dict(self._memory_hooks)
         if None in hooks.values() and self.subcommand in (None, "fit"):
             try:
-                defaults = dict(zip(("predict", "advise", "timeline"), run_hooks(self.step(), recipes.shipped_settings)))
+                made = run_hooks(self.step(), shared_recipe.shipped_settings)
+                defaults = dict(zip(("predict", "advise", "timeline"), made))
             except UserError as err:  # settings the memory model does not cover: measure only
                 say(f"warning: no memory predictions for this run: {err}")
                 defaults = {}
@@ -509,7 +511,8 @@ class LitMemoryCLI(LightningCLI):
             quiet_evaluation_noise()
         if self.settings.get("ckpt_path") is not None:
             self.model.report_new_head = False  # the checkpoint's head replaces the one built first
-        typed = [v for k, v in leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
+        typed = [v for k, v in dotted_leaves(self.decision.typed)
+                 if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed), self.model)
 
     def before_fit(self) -> None:

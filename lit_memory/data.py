@@ -26,7 +26,7 @@ from lit_memory import task as task_
 from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
 from lit_memory.errors import UserError
-from lit_memory.hf.hf_loading import label_names_or_default
+from lit_memory.hf.config import label_names_or_default
 from lit_memory.hf.local_data import load_local
 from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType

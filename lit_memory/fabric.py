@@ -39,9 +39,8 @@ from torch.optim import Optimizer
 from lit_memory.optim import eightbit_shards
 from lit_memory import fused
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware import nccl
 from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling
-from lit_memory.strategies import AcceleratorDevice, FusedStep, hugging_face_models, shard
+from lit_memory.strategies import AcceleratorDevice, FSDP2Mesh, FusedStep, shard_hugging_face
 UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
     "add it to one, or set its requires_grad to False"
@@ -338,7 +337,7 @@ class FusedFabricStrategy(_FusedFabricStep, AcceleratorDevice, SingleDeviceStrat
         self._device_given = device is not None
 
 
-class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
+class FusedFabricFSDPStrategy(_FusedFabricStep, FSDP2Mesh, ModelParallelStrategy):
     """Fabric with FSDP2 on every device, sharding each transformer layer as `lit_memory.FSDP2Strategy` does,
     with the fused step on each rank's shards. Set up the module before creating its optimizer (docs/fused.md).
 
@@ -364,17 +363,6 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-
-    def setup_environment(self) -> None:
-        # One data-parallel dimension over all processes (ModelParallelStrategy's default is one per node).
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()
-
-    def _get_process_group_backend(self) -> str:
-        # One rank needs no NCCL communicator (FSDP2 then neither gathers nor reduces), whose memory the plan would
-        # have to leave room for (`lit_memory.memory.hardware.nccl`): gloo for the rendezvous and small objects.
-        return self._process_group_backend or nccl.backend(self.world_size) or super()._get_process_group_backend()
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         held = {id(p) for p in self._module.parameters()} if self._module is not None else set()
@@ -432,6 +420,5 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, ModelParallelStrategy):
 
 
 def _shard_hugging_face(module: nn.Module, device_mesh: Any) -> nn.Module:
-    for model in hugging_face_models(module, FusedFabricFSDPStrategy.__name__):
-        shard(model, device_mesh["data_parallel"])
+    shard_hugging_face(module, device_mesh["data_parallel"], FusedFabricFSDPStrategy.__name__)
     return module

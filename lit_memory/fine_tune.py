@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 
 from lit_memory import console
-from lit_memory.config import recipes
 from lit_memory.config.arguments import config_files
+from lit_memory.config.shipped import recipes_dir
 from lit_memory.console import say
 from lit_memory.data import BUNDLED, TextClassificationData
 from lit_memory.errors import UserError
@@ -35,11 +35,11 @@ from lit_memory.memory.hardware.allocator import recipe_settings
 from lit_memory.optim import optimizers
 from lit_memory.optim.precision import cpu_fallback, runs_on_cpu
 from lit_memory.planning.prediction.step import ranks
-from lit_memory.planning.recompute import plan_run
+from lit_memory.planning.recompute import resolve_auto
 from lit_memory.run import checks, predict_file, training_length
 from lit_memory.run.best import best_of
 from lit_memory.sandbox import bounds
-from lit_memory.settings import Precision, leaves, plain
+from lit_memory.settings import Precision, dotted_leaves, to_plain
 
 # Every step takes the run's `lit_memory.cli.LitMemoryCLI` (``cli``: its settings, notes and memory settings); typed
 # `Any`: the command line imports this module, not the other way.
@@ -67,7 +67,7 @@ def check_settings(cli: Any) -> None:
             cli.notes.append(warning)
     lora, trains_with = settings.model.get("lora"), Precision.known(settings.trainer.precision)
     if lora is not None and trains_with is not None:  # a LoRA base the precision cannot train, before anything is built
-        LoRA(**plain(lora)).check_precision(trains_with)
+        LoRA(**to_plain(lora)).check_precision(trains_with)
 
 
 # -- 2. the process ------------------------------------------------------------------------------------------
@@ -139,12 +139,12 @@ def length_is_users(cli: Any) -> bool:
         return True  # a config object: its values are its author's
     if LENGTH_SETTINGS & set(cli.typed_settings):
         return True
-    shipped = {recipes.recipes_dir().resolve()}
+    shipped = {recipes_dir().resolve()}
     for path in config_files(cli.argv):
         if Path(path).resolve().parent in shipped or not Path(path).is_file():
             continue
         try:
-            values = dict(leaves(bounds.read_yaml(Path(path)), depth=2))
+            values = dict(dotted_leaves(bounds.read_yaml(Path(path)), depth=2))
         except UserError:
             return True  # unreadable here: the parse will say why; nothing is decided for it
         if LENGTH_SETTINGS & set(values):
@@ -157,7 +157,7 @@ def length_is_users(cli: Any) -> bool:
 
 def plan(cli: Any, training: bool) -> None:
     """``auto`` settings planned, the plan written in their place: the saved config and checkpoints hold it."""
-    for key, value in plan_run(cli.settings, cli.memory, training, cli.step, lambda: cli.read_card()).items():
+    for key, value in resolve_auto(cli.settings, cli.memory, training, cli.step, lambda: cli.read_card()).items():
         cli.settings[key] = value
 
 

@@ -32,9 +32,12 @@ from lit_memory.task import thresholds as thresholds_
 from lit_memory.run.best import best_of, restore_best
 from lit_memory.console import RunningLoss, logging_step, say
 from lit_memory.sandbox.rules import phase
-from lit_memory.run.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
+from lit_memory.run.activation_checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
 from lit_memory.hf.anatomy import Anatomy, find_layers, skeleton, unwrap
-from lit_memory.hf.hf_loading import DTYPES, config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, saved_dtype, set_pad_token
+from lit_memory.hf.config import (
+    DTYPES, config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading,
+    saved_dtype, set_pad_token,
+)
 from lit_memory.optim.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding
 from lit_memory.errors import UserError
 from lit_memory.hf.lora import LoRA, apply_lora, lora_targets
@@ -50,7 +53,8 @@ log = logging.getLogger(__name__)
 
 Freeze = Optional[Union[Literal["body", "embeddings"], int]]
 # true is "full" (every layer's forward recomputed in backward), as it always was; counts are a per-layer plan
-# (`lit_memory.run.checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is built.
+# (`lit_memory.run.activation_checkpointing.CheckpointPlan`); auto is resolved for a device budget before the module is
+# built.
 Checkpointing = Union[bool, Literal["full", "selective", "auto"], dict[str, int]]
 SaveDtype = Literal["checkpoint", "fp32", "bf16", "fp16"]
 

@@ -3,8 +3,8 @@
 - `Precision`: a trainer precision parsed once from what Lightning accepts (``"bf16-mixed"``, its aliases
   ``"bf16"``, ``16``, ``"32"``...), with what it means for tensors (the weights' dtype, the compute dtype, autocast,
   loss scaling). Everything below the edge asks it, never the string.
-- `plain`: jsonargparse namespaces, ruamel maps and tuples as plain dicts, lists and scalars.
-- Dotted keys (``model.optimizer.init_args.lr``, ``trainer.callbacks.0.init_args.x``): `leaves` walks a tree,
+- `to_plain`: jsonargparse namespaces, ruamel maps and tuples as plain dicts, lists and scalars.
+- Dotted keys (``model.optimizer.init_args.lr``, ``trainer.callbacks.0.init_args.x``): `dotted_leaves` walks a tree,
   `locate` finds one key, `assign` sets it, `overlay` lays dotted values over a copy.
 - `key_of`: the one cache key of settings and typed values (JSON with sorted keys).
 - `arguments`: a class's constructor arguments with their defaults, read from its signature as LightningCLI
@@ -112,24 +112,26 @@ def _unified(value: Any) -> str:
 _SCALARS = (str, int, float, bool, type(None))
 
 
-def plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     """Plain dicts, lists and scalars (jsonargparse namespaces, ruamel's maps and scalars included), in new containers."""
     if type(value) in _SCALARS:  # most leaves: no typing-ABC checks (plan reads settings thousands of times)
         return value
     if type(value) is dict:
-        return {k if type(k) is str else str(k): plain(v) for k, v in value.items()}
+        return {k if type(k) is str else str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (str, int, float)):  # ruamel's round-trip scalars (ScalarFloat, ...): their base type
         return next(base for base in (str, float, int) if isinstance(value, base))(value)
     if hasattr(value, "as_dict"):
         value = value.as_dict()
     if isinstance(value, (dict, abc.Mapping)):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [to_plain(v) for v in value]
     return value
 
 
-def leaves(tree: Any, key: str = "", depth: Optional[int] = None, lists: bool = True) -> Iterator[tuple[str, Any]]:
+def dotted_leaves(
+    tree: Any, key: str = "", depth: Optional[int] = None, lists: bool = True
+) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of every leaf: a Namespace flattened by jsonargparse (``items(branches=False)``), then the
     dicts and lists it keeps as values (``model.config_overrides.x``, ``trainer.callbacks.0.init_args.y``).
     ``depth``: stop that many keys down (2: a recipe's ``section.setting`` blocks); ``lists=False``: a list is a leaf."""
@@ -140,26 +142,26 @@ def leaves(tree: Any, key: str = "", depth: Optional[int] = None, lists: bool = 
         yield key, tree
     elif isinstance(tree, Namespace):  # whole (its dotted leaves), or a level at a time
         for k, v in (tree.items(branches=False) if depth is None else vars(tree).items()):
-            yield from leaves(v, f"{key}.{k}" if key else k, below, lists)
+            yield from dotted_leaves(v, f"{key}.{k}" if key else k, below, lists)
     elif isinstance(tree, (dict, abc.Mapping)):
         for k, v in tree.items():
-            yield from leaves(v, f"{key}.{k}" if key else str(k), below, lists)
+            yield from dotted_leaves(v, f"{key}.{k}" if key else str(k), below, lists)
     elif lists and isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            yield from leaves(v, f"{key}.{i}" if key else str(i), below, lists)
+            yield from dotted_leaves(v, f"{key}.{i}" if key else str(i), below, lists)
     else:
         yield key, tree
 
 
-def at(tree: Any, key: str) -> Any:
+def get_dotted(tree: Any, key: str) -> Any:
     """The value at a dotted key (`locate`); KeyError if it is not there."""
     container, last = locate(tree, key)
     return container[last]
 
 
 def locate(tree: Any, key: str) -> tuple[Any, Any]:
-    """(container, key or index in it) of a dotted key named by `leaves`: through Namespaces by jsonargparse's own
-    dotted access, then into dicts and lists. KeyError if it is not there."""
+    """(container, key or index in it) of a dotted key named by `dotted_leaves`: through Namespaces by jsonargparse's
+    own dotted access, then into dicts and lists. KeyError if it is not there."""
     from jsonargparse import Namespace  # deferred: a base module, no jsonargparse at import
 
     parts = key.split(".")
@@ -203,9 +205,9 @@ def assign(tree: Any, key: str, value: Any, create: bool = False) -> None:
 def overlay(settings: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """``settings`` as plain data with dotted values laid over it (a value that is a dict replaces the whole key, as a
     recipe's block does: ``model.optimizer`` names the optimizer and all its arguments). Nothing given is changed."""
-    out = plain(settings)  # new containers all the way down: the caller's stay as they are
+    out = to_plain(settings)  # new containers all the way down: the caller's stay as they are
     for key, value in values.items():
-        assign(out, key, plain(value), create=True)
+        assign(out, key, to_plain(value), create=True)
     return out
 
 

@@ -218,7 +218,30 @@ class FusedSingleDeviceStrategy(_FusedTrainerStep, AcceleratorDevice, SingleDevi
             optimizer.load_state_dict(state)
 
 
-class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
+class FSDP2Mesh:
+    """FSDP2's process setup, shared by the Trainer's and Fabric's strategies (`FSDP2Strategy`,
+    `lit_memory.fabric.FusedFabricFSDPStrategy`), placed before Lightning's ``ModelParallelStrategy`` in their bases:
+    one data-parallel dimension over every process, and no NCCL on one rank."""
+
+    def setup_environment(self) -> None:
+        # One data-parallel dimension over all processes (ModelParallelStrategy's default is one per node).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def _get_process_group_backend(self) -> str:
+        # One rank needs no NCCL communicator (FSDP2 then neither gathers nor reduces), whose memory the plan would
+        # have to leave room for (`lit_memory.memory.hardware.nccl`): gloo for the rendezvous and small objects.
+        return self._process_group_backend or nccl.backend(self.world_size) or super()._get_process_group_backend()
+
+
+def shard_hugging_face(module: nn.Module, mesh: Any, strategy: str) -> None:
+    """FSDP2 on each Hugging Face model ``module`` holds (`hugging_face_models`), layer by layer (`shard`)."""
+    for model in hugging_face_models(module, strategy):
+        shard(model, mesh)
+
+
+class FSDP2Strategy(_FusedTrainerStep, FSDP2Mesh, ModelParallelStrategy):
     """FSDP2 on every device: ``fully_shard`` on each transformer layer, then the model, with the fused
     step on each rank's shards when ``fused`` (bitsandbytes' state kept sharded: `lit_memory.optim.eightbit_shards`).
 
@@ -245,21 +268,8 @@ class FSDP2Strategy(_FusedTrainerStep, ModelParallelStrategy):
             timeout=timeout,
         )
 
-    def setup_environment(self) -> None:
-        # One data-parallel dimension over all processes (ModelParallelStrategy's default is one per node).
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()
-
-    def _get_process_group_backend(self) -> str:
-        # One rank needs no NCCL communicator (FSDP2 then neither gathers nor reduces), whose memory the plan would
-        # have to leave room for (`lit_memory.memory.hardware.nccl`): gloo for the rendezvous and small objects.
-        return self._process_group_backend or nccl.backend(self.world_size) or super()._get_process_group_backend()
-
     def setup(self, trainer: Trainer) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for model in hugging_face_models(self.lightning_module, type(self).__name__):
-            shard(model, mesh)
+        shard_hugging_face(self.lightning_module, self.device_mesh["data_parallel"], type(self).__name__)
         super().setup(trainer)
 
     def connect(self, model: LightningModule) -> None:

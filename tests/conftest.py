@@ -189,9 +189,9 @@ class HostReads(TorchDispatchMode):
 
 def flatten(tree: dict) -> dict[str, object]:
     """Dotted keys down to the values a recipe writes (a list is one value)."""
-    from lit_memory.settings import leaves
+    from lit_memory.settings import dotted_leaves
 
-    return dict(leaves(tree, lists=False))
+    return dict(dotted_leaves(tree, lists=False))
 
 
 def deflate_bomb(path: Path, size: int = 300 << 20) -> Path:

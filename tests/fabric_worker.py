@@ -36,10 +36,10 @@ from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
 from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
 from lit_memory.fused import hooks as fused_module  # noqa: E402
 from lit_memory.errors import UserError  # noqa: E402
-from lit_memory.hf.hf_loading import load_config  # noqa: E402
+from lit_memory.hf.config import load_config  # noqa: E402
 from lit_memory.run.export import full_state_dict  # noqa: E402
 from lit_memory.optim.configure import weight_decay_groups  # noqa: E402
-from lit_memory.strategies import hugging_face_models, shard  # noqa: E402
+from lit_memory.strategies import shard_hugging_face  # noqa: E402
 from streams import Recording  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
@@ -69,8 +69,7 @@ def launched(strategy, plugins=None) -> L.Fabric:
 
 
 def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
-    for hf in hugging_face_models(model, "parallelize"):
-        shard(hf, device_mesh["data_parallel"])
+    shard_hugging_face(model, device_mesh["data_parallel"], "parallelize")
     return model
 
 

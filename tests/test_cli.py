@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from conftest import COMPILED, CONFIGS, FAST, RECIPES, the_error
-from lit_memory.config import recipes
+from lit_memory.config import shared_recipe
 from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
@@ -115,7 +115,7 @@ def resolved(run_dir: Path) -> dict:
 
 
 def test_a_fit_writes_a_shareable_recipe_that_reproduces_its_settings(shared_run, tmp_path):
-    text = (shared_run / recipes.SHARED_RECIPE).read_text()
+    text = (shared_run / shared_recipe.SHARED_RECIPE).read_text()
     header = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("# ") and ": " in line)
     assert header["command"].startswith("python -m lit_memory fit --recipe adafactor --config ")
     assert header["machine"].startswith("1 node(s) x 1 cpu device(s);")
@@ -129,7 +129,7 @@ def test_a_fit_writes_a_shareable_recipe_that_reproduces_its_settings(shared_run
     assert settings["model"]["optimizer"]["class_path"] == "transformers.Adafactor"
 
     # someone else runs it as is, from their own folder
-    shared = str(shared_run / recipes.SHARED_RECIPE)
+    shared = str(shared_run / shared_recipe.SHARED_RECIPE)
     rerun = LitMemoryCLI(args=["fit", "--config", shared, f"--trainer.default_root_dir={tmp_path}"])
     assert rerun.trainer.global_step == 2
     assert resolved(Path(rerun.trainer.log_dir)) == resolved(shared_run)
@@ -142,7 +142,7 @@ def test_resume_restores_optimizer_and_loop_state_with_weights_only(shared_run, 
     cli = LitMemoryCLI(
         args=[
             "fit",
-            "--config", str(shared_run / recipes.SHARED_RECIPE),
+            "--config", str(shared_run / shared_recipe.SHARED_RECIPE),
             f"--ckpt_path={ckpt}",
             "--trainer.max_steps=4",
             "--trainer.max_epochs=2",  # the checkpoint was taken at the end of epoch 0
@@ -156,7 +156,7 @@ def test_resume_restores_optimizer_and_loop_state_with_weights_only(shared_run, 
 
 def test_resuming_with_other_settings_is_one_line_naming_them(shared_run, tmp_path, capsys):
     [ckpt] = (shared_run / "checkpoints").glob("*.ckpt")
-    argv = ["fit", "--config", str(shared_run / recipes.SHARED_RECIPE), f"--ckpt_path={ckpt}",
+    argv = ["fit", "--config", str(shared_run / shared_recipe.SHARED_RECIPE), f"--ckpt_path={ckpt}",
             "--model.optimizer=torch.optim.AdamW", "--data.batch_size=8", f"--trainer.default_root_dir={tmp_path}"]
     with pytest.raises(SystemExit) as exit_:
         main(argv)

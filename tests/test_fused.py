@@ -14,7 +14,7 @@ from lit_memory.hf.anatomy import parameter_units
 from lit_memory import fused as fused_module
 from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
-from lit_memory.run.checkpointing import enable_gradient_checkpointing
+from lit_memory.run.activation_checkpointing import enable_gradient_checkpointing
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import weight_decay_groups
 

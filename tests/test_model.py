@@ -314,7 +314,7 @@ def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_t
     trained model predicts with its weights so rounded; a plain reload (bf16) agrees within bf16's rounding."""
     import json
 
-    from lit_memory.hf.hf_loading import quiet_transformers
+    from lit_memory.hf.config import quiet_transformers
 
     module, optimizer = built_by_lightning("32-true", model_name_or_path=saved["qwen3", torch.bfloat16],
                                            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
@@ -346,7 +346,7 @@ def test_the_bundled_demo_model_loads_as_transformers_loads_it():
     """The demo's quality table stands: MiniLM is saved in fp32 (its config names no dtype; the safetensors header
     says), and the module's weights are what transformers' own default loads, bit for bit; exported in fp32."""
     from lit_memory.hf import bundled
-    from lit_memory.hf.hf_loading import quiet_transformers
+    from lit_memory.hf.config import quiet_transformers
 
     module = minilm(num_labels=2)
     with quiet_transformers():

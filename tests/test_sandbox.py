@@ -240,7 +240,6 @@ def test_the_child_is_held_by_more_than_paths(tmp_path):
     and System V shared memory (seccomp, the IPC namespace), the host's /dev/shm (a private one), text pushed into a
     terminal with TIOCSTI (seccomp: EPERM, where /dev/null answers ENOTTY) and, as root, a raw socket and any
     capability left (all dropped). Unconfined, the same code reaches each."""
-    import ctypes
     import socket
     import uuid
 

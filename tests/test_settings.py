@@ -16,7 +16,7 @@ from lit_memory.fused import Bucketing, parse_bucket
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
 from lit_memory.model import SequenceClassifier
 from lit_memory.settings import (
-    PRECISIONS, Precision, arguments, assign, key_of, leaves, locate, overlay, patched, plain, section,
+    PRECISIONS, Precision, arguments, assign, dotted_leaves, key_of, locate, overlay, patched, section, to_plain,
 )
 
 
@@ -49,10 +49,10 @@ def test_a_precision_not_modelled_is_one_line_or_none():
 
 def test_dotted_keys_walk_namespaces_dicts_and_lists():
     tree = Namespace(model=Namespace(lr=0.1, config_overrides={"a": {"b": 1}}), trainer=Namespace(callbacks=[{"x": 2}]))
-    found = dict(leaves(tree))
+    found = dict(dotted_leaves(tree))
     assert found == {"model.lr": 0.1, "model.config_overrides.a.b": 1, "trainer.callbacks.0.x": 2}
-    assert dict(leaves(tree, lists=False))["trainer.callbacks"] == [{"x": 2}]
-    assert dict(leaves(plain(tree), depth=2)) == {"model.lr": 0.1, "model.config_overrides": {"a": {"b": 1}},
+    assert dict(dotted_leaves(tree, lists=False))["trainer.callbacks"] == [{"x": 2}]
+    assert dict(dotted_leaves(to_plain(tree), depth=2)) == {"model.lr": 0.1, "model.config_overrides": {"a": {"b": 1}},
                                                    "trainer.callbacks": [{"x": 2}]}
     container, last = locate(tree, "trainer.callbacks.0.x")
     assert container == {"x": 2} and last == "x"

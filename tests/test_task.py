@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, RECIPES
+from conftest import RECIPES
 from lit_memory.errors import UserError
 from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE, Columns, find_columns, infer
 

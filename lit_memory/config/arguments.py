@@ -14,7 +14,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lit_memory.config import short_help, trust
 from lit_memory.console import LogProgress
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.run.best import EarlyStop
 from lit_memory.run.predict_file import PredictionWriter

@@ -25,7 +25,7 @@ GROUPS = {
     "trainer": ("lightning.pytorch.trainer.trainer", "Trainer", "__init__"),
     "model": ("lit_memory.model", "SequenceClassifier", "__init__"),
     "data": ("lit_memory.data", "TextClassificationData", "__init__"),
-    "memory": ("lit_memory.memory.hardware.budget", "MemorySettings", None),
+    "memory": ("lit_memory.memory.settings", "MemorySettings", None),
     "progress": ("lit_memory.console", "LogProgress", "__init__"),
     "early_stopping": ("lit_memory.run.best", "EarlyStop", "__init__"),
 }

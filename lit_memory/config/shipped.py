@@ -3,8 +3,8 @@ Lightning or transformers, so that ``python -m lit_memory --help``, ``recipes li
 in a second.
 
 The recipes live in the repo's ``recipes/`` and are installed with the package (``lit_memory/assets/recipes`` in the
-wheel), so ``--recipe NAME`` works from anywhere (`expand_recipes`). `lit_memory.config.recipes` holds the rest: the recipe
-every run shares, and the settings the memory advice lays over a run.
+wheel), so ``--recipe NAME`` works from anywhere (`expand_recipes`). `lit_memory.config.shared_recipe` holds the
+recipe every run shares, and the settings the memory advice lays over a run.
 """
 
 from __future__ import annotations

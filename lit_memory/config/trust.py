@@ -58,7 +58,7 @@ from jsonargparse._optionals import _get_config_read_mode
 from lit_memory.sandbox import bounds, checkpoint_reading, guard
 from lit_memory.optim.optimizers import IMPORTABLE
 from lit_memory.errors import UserError
-from lit_memory.settings import assign, leaves
+from lit_memory.settings import assign, dotted_leaves
 
 TRUST_FLAG = guard.TRUST_FLAG
 HINT = guard.HINT
@@ -79,7 +79,7 @@ DENYLIST = (
     "lit_memory.cli", "lit_memory.config.arguments",
     "lit_memory.__main__",
     "lit_memory.config.trust",
-    "lit_memory.config.recipes.SaveRecipe",
+    "lit_memory.config.shared_recipe.SaveRecipe",
     "lit_memory.sandbox.guard", "lit_memory.sandbox.checkpoint_reading",
     "lit_memory.files",
     "lit_memory.tools",
@@ -393,7 +393,7 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
     """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
     code = code_refusals(settings.get("model.config_overrides") if isinstance(settings, Namespace) else None)
     refusals = list(code)
-    for key, value in leaves(settings):
+    for key, value in dotted_leaves(settings):
         name = key.rsplit(".", 1)[-1]
         parent = key.rsplit(".", 2)[-2] if key.count(".") else ""
         if name == "trust_remote_code" and value:
@@ -544,14 +544,14 @@ class Decision:
         if self.trusted or self.confined:  # trusted: nothing; untrusted: the run's own policy holds already
             yield
             return
-        named = [v for k, v in leaves(settings) if k.endswith("class_path") and isinstance(v, str)]
+        named = [v for k, v in dotted_leaves(settings) if k.endswith("class_path") and isinstance(v, str)]
         with import_policy(extra=named):
             yield
 
     def confine(self, settings: Namespace) -> None:
         """Tell the guard which settings the user typed (theirs: a checkpoint Lightning finds in a folder they
         typed is theirs too)."""
-        guard.set_typed(dict(leaves(self.typed)))
+        guard.set_typed(dict(dotted_leaves(self.typed)))
 
     def typed_callbacks(self, settings: Namespace, callbacks: list[Any]) -> set[int]:
         """Ids of ``callbacks`` (built from ``settings``' ``trainer.callbacks``) whose class spec the user typed on
@@ -562,13 +562,13 @@ class Decision:
 
     def is_typed(self, key: str, value: Any) -> bool:
         """Whether the user typed ``value`` for ``key`` (a parse of the command line alone gives it)."""
-        return _same(dict(leaves(self.typed)).get(key), value)
+        return _same(dict(dotted_leaves(self.typed)).get(key), value)
 
     def refusals(self, settings: Namespace) -> list[Refusal]:
         """Everything in ``settings`` that needs ``--trust-recipe`` and was not typed by the user."""
         if self.trusted:
             return []
-        typed = dict(leaves(self.typed))
+        typed = dict(dotted_leaves(self.typed))
         refusals = [r for r in value_refusals(settings) if not (r.key in typed and _same(typed[r.key], r.value))]
         ckpt_path = settings.get("ckpt_path")
         typed_ckpt = _same(typed.get("ckpt_path"), ckpt_path)

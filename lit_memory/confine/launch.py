@@ -49,7 +49,7 @@ from lit_memory.sandbox import cgroup, child, environment, landlock, namespaces,
 from lit_memory.confine import gpu, hub
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
 from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
-from lit_memory.settings import leaves
+from lit_memory.settings import dotted_leaves
 
 GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step
@@ -129,7 +129,7 @@ def make_plan(run: Any) -> Plan:
     before every check has passed."""
     settings = run.settings
     typed = run.decision  # which values the user typed (`lit_memory.config.trust.Decision.is_typed`)
-    chosen = {k: v for k, v in leaves(settings) if not typed.is_typed(k, v)}  # what the recipe chose
+    chosen = {k: v for k, v in dotted_leaves(settings) if not typed.is_typed(k, v)}  # what the recipe chose
     rules.check_templates(chosen)
     rules.check_free_kwargs(chosen)
     roots.check_components(chosen.items())
@@ -273,7 +273,7 @@ def run_folders(
             _check_new(os.path.join(work, "checkpoints"))
     else:
         named.append(("trainer.default_root_dir", str(root), decision.is_typed("trainer.default_root_dir", root)))
-    for key, value in leaves(settings):
+    for key, value in dotted_leaves(settings):
         if key.rsplit(".", 1)[-1] in ("save_dir", "dirpath", "log_dir", "output_dir") and isinstance(value, str) and value:
             named.append((key, value, decision.is_typed(key, value)))
     if predict:  # the folder its file goes into

@@ -20,7 +20,7 @@ run that ran out of memory prints (the lightest shipped recipe predicted to fit)
 
 Whether a setup fits is decided on its device total (`lit_memory.planning.prediction.predict.device_total`: tensors,
 the allocator's reserve and the CUDA context), the number ``nvidia-smi`` shows and a budget means, with the
-margin ``memory.margin`` kept free (`lit_memory.memory.hardware.margin`).
+margin ``memory.margin`` kept free (`lit_memory.memory.margin`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Optional
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.prediction.analytic import analytic, device_total
-from lit_memory.memory.hardware.margin import Fit, Limit
+from lit_memory.memory.margin import Fit, Limit
 from lit_memory.planning.recompute import planned, recompute_ratio
 from lit_memory.planning.prediction.step import Prediction, Step
 
@@ -79,7 +79,7 @@ def rank(step: Step, prediction: Prediction, longest: int) -> tuple:
 
 def lightest_fitting(base: Step, limit: Limit, recipes: list[tuple[str, dict[str, Any]]]) -> Optional[tuple[str, Fit]]:
     """Of ``recipes`` ((name, dotted settings) pairs) laid over ``base``'s settings, the one the rule prefers
-    among those predicted to fit ``limit`` (device total) with the margin kept (`lit_memory.memory.hardware.margin`):
+    among those predicted to fit ``limit`` (device total) with the margin kept (`lit_memory.memory.margin`):
     (its name, its fit). A recipe's ``auto`` plans for the smaller of its own budget and ``limit``."""
     fitting = []
     for name, values in recipes:

@@ -31,14 +31,14 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_memory.hf.anatomy import find_layers
-from lit_memory.run.checkpointing import CheckpointPlan, is_auto
+from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.console import say
 from lit_memory.data import check_shape
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import planning_limit, target
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.hardware.margin import Fit, Limit
+from lit_memory.memory.margin import Fit, Limit
 from lit_memory.planning.prediction.analytic import analytic, capped_total, device_total
 from lit_memory.planning.prediction.simulate import fake_batch
 from lit_memory.planning.prediction.step import Step, build, clips_by_norm, is_fused
@@ -238,7 +238,7 @@ class Resolved:
 
 def resolve(step: Step, limit: Limit) -> Resolved:
     """The plan with the least modelled time whose predicted device total fits ``limit`` with its margin kept
-    free (`lit_memory.memory.hardware.margin`): the fewest
+    free (`lit_memory.memory.margin`): the fewest
     counted FLOPs, unless ``offload_activations: auto`` lets offloading the checkpointed layers' inputs buy
     room for less recompute where its copies cost less time than that recompute (`seconds`; CUDA only).
 
@@ -312,7 +312,7 @@ def resolved_setting(step: Step, limit: Optional[Limit]) -> tuple[Any, Resolved]
 
 def planned(step: Step, limit: Optional[Limit] = None) -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``limit``
-    (default: the run's, `lit_memory.memory.hardware.budget.MemorySettings.limit`): the plan with the fewest FLOPs
+    (default: the run's, `lit_memory.memory.settings.MemorySettings.limit`): the plan with the fewest FLOPs
     predicted to fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
@@ -322,7 +322,7 @@ def planned(step: Step, limit: Optional[Limit] = None) -> Step:
     return replace(step, model=model, planned=found.line())
 
 
-def plan_run(
+def resolve_auto(
     settings: Any, memory: MemorySettings, training: bool, step_for: Callable[[Any], Step], read_card: Callable[[], Any]
 ) -> dict[str, Any]:
     """What a run trains with in place of ``model.gradient_checkpointing: auto`` and ``offload_activations: auto``

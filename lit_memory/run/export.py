@@ -11,7 +11,7 @@ from torch import nn
 
 from lit_memory import files
 from lit_memory.hf import qlora
-from lit_memory.hf.hf_loading import dtype_name, quiet_transformers
+from lit_memory.hf.config import dtype_name, quiet_transformers
 from lit_memory.hf.lora import is_lora
 from lit_memory.hf.tokenizing import load_tokenizer
 from lit_memory.run import model_card

@@ -4,7 +4,7 @@
 (`lit_memory.memory.measure.tracker.Tracker`, per category and phase), on CUDA the three levels (the allocator's
 allocated and reserved peaks, and the device total ``nvidia-smi`` shows for the process), the process's
 peak, on every rank; it writes ``memory.json``, with the predictions it is given. Beside it, each with one job
-and composed by the command line (`lit_memory.run.run_memory`): the budget's cap on CUDA, the predictions, the
+and composed by the command line (`lit_memory.run.memory_callbacks`): the budget's cap on CUDA, the predictions, the
 end-of-fit table and the out-of-memory report with its advice.
 
 `StepTimer` is the one step timer: wall time of each optimizer step (bench, plan ``--measure``).
@@ -30,7 +30,7 @@ from lit_memory.hf.anatomy import find_layers
 from lit_memory.console import logging_step
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import process_memory_used
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.measure.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
@@ -73,7 +73,8 @@ class MemoryMonitor(L.Callback):
         self.timeline: Optional[list[dict]] = None  # the last tracked micro-batch, point by point
         self.timeline_shape: Optional[tuple[int, int]] = None  # its (rows, tokens)
         self.timeline_what = "the last micro-batch tracked"
-        # (shape, points): the analytic step point by point at that shape, handed in (`run_memory.MemoryPredictions`)
+        # (shape, points): the analytic step point by point at that shape, handed in
+        # (`memory_callbacks.MemoryPredictions`)
         self.predicted_timeline: Optional[tuple[Optional[tuple[int, int]], Optional[list[dict]]]] = None
         self._phase: Optional[str] = None
         self._batch_idx = 0
@@ -457,7 +458,7 @@ ALLOCATOR_COUNTS = {
 
 
 def allocator_cap(device: torch.device) -> Optional[int]:
-    """The caching allocator's cap now (``set_per_process_memory_fraction``: `lit_memory.run.run_memory.BudgetCap`
+    """The caching allocator's cap now (``set_per_process_memory_fraction``: `lit_memory.run.memory_callbacks.BudgetCap`
     sets it from memory.budget), bytes; None where none is set. Its cap less ``max_reserved_bytes`` is the room the
     allocator never used: a request is refused, the cache released and the request retried, only where the reserve
     plus the request's segment passes it (`lit_memory.memory.hardware.allocator`)."""

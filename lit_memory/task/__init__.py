@@ -31,7 +31,10 @@ if TYPE_CHECKING:
 # The kinds import torch and torchmetrics: they load with the first name that needs them (`__getattr__`), so that
 # finding a file's columns (the check `python -m lit_memory` makes before importing torch) costs none of it.
 KIND_NAMES = ("IGNORE", "KINDS", "ProblemKind", "Task", "kind_of", "register")  # `lit_memory.task.kind`'s
-MADE_NAMES = ("PROBLEM_TYPES", "ProblemType", "SINGLE", "MULTI", "REGRESSION", "MAIN_METRIC")
+MADE_NAMES = ("PROBLEM_TYPES", "ProblemType")
+# Hugging Face's names of its three problem types (``config.problem_type``), which the kinds here take as theirs:
+# plain strings, so naming one imports no kind.
+SINGLE, MULTI, REGRESSION = "single_label_classification", "multi_label_classification", "regression"
 
 
 def _load() -> None:
@@ -42,12 +45,11 @@ def _load() -> None:
 
     # Each module registers its kind on import; this order is the settings' and the error lines' (a new kind: its
     # line), kept also where a kind's module was imported on its own first.
-    from lit_memory.task import single_label  # isort: skip
-    from lit_memory.task import multi_label  # isort: skip
-    from lit_memory.task import regression  # isort: skip
+    from lit_memory.task import single_label  # noqa: F401  # isort: skip
+    from lit_memory.task import multi_label  # noqa: F401  # isort: skip
+    from lit_memory.task import regression  # noqa: F401  # isort: skip
 
-    ours = [single_label.SingleLabel.name, multi_label.MultiLabel.name, regression.Regression.name]
-    ordered = {name: kind.KINDS[name] for name in [*ours, *kind.KINDS]}
+    ordered = {name: kind.KINDS[name] for name in [SINGLE, MULTI, REGRESSION, *kind.KINDS]}
     kind.KINDS.clear()
     kind.KINDS.update(ordered)
     names = {name: getattr(kind, name) for name in KIND_NAMES}
@@ -56,9 +58,6 @@ def _load() -> None:
         names,
         PROBLEM_TYPES=problem_types,
         ProblemType=Literal[problem_types],  # the settings' choices: every registered kind
-        SINGLE=ours[0], MULTI=ours[1], REGRESSION=ours[2],
-        # The metric each problem type keeps its best checkpoint by (higher is better for all).
-        MAIN_METRIC={name: found.main_metric for name, found in kind.KINDS.items()},
     )
 
 

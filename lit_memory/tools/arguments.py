@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lit_memory.config import shipped
 from lit_memory.memory.hardware.gpus import ALIASES, DEFAULT_GPU, DEVICES, GPUS
-from lit_memory.memory.hardware.loops import LOOPS
+from lit_memory.memory.model.loops import LOOPS
 
 MEASURED = 3  # plan --measure: the candidates timed
 # cards: the published configs shipped in the package, and 4, 8, 12 and 24 GB cards of the catalogue.

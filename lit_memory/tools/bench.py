@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from lit_memory import files
-from lit_memory.config import recipes, shipped
+from lit_memory.config import shipped
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.run.environment import for_new_job
 from lit_memory.errors import UserError
@@ -75,8 +75,8 @@ class BenchRun:
 def ordered(names: str) -> list[str]:
     """``all`` or ``a,b``: shipped recipes, the reference post's tiers first in its order, then ours; then
     recipe files given by a path (``dir/mine.yaml``: a variant to compare in the same run), as given."""
-    order = [n for n in REFERENCE_TIERS if n in recipes.names()]
-    order += [n for n in recipes.tier_order() if n not in order]
+    order = [n for n in REFERENCE_TIERS if n in shipped.names()]
+    order += [n for n in shipped.tier_order() if n not in order]
     if names.strip() == "all":
         return order
     entries = [n.strip() for n in names.split(",") if n.strip()]
@@ -84,7 +84,7 @@ def ordered(names: str) -> list[str]:
     for path in files:
         if not Path(path).is_file():
             raise UserError(f"recipe file not found: {path}")
-    wanted = {recipes.recipe_path(n).stem for n in entries if n not in files}  # UserError if unknown
+    wanted = {shipped.recipe_path(n).stem for n in entries if n not in files}  # UserError if unknown
     if not entries:
         raise UserError("--recipes is empty: give `all` or recipe names separated by commas")
     chosen = [n for n in order if n in wanted] + files
@@ -101,7 +101,7 @@ def _is_file_entry(entry: str) -> bool:
 
 def recipe_file(entry: str) -> Path:
     """The YAML file of a `ordered` entry: a shipped recipe's, or the file it names."""
-    return Path(entry) if _is_file_entry(entry) else recipes.recipe_path(entry)
+    return Path(entry) if _is_file_entry(entry) else shipped.recipe_path(entry)
 
 
 def bench_overrides(

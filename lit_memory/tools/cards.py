@@ -18,16 +18,17 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from lit_memory import files
-from lit_memory.config import recipes
+from lit_memory.config import shipped
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.choose import mode_of
 from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.planning.prediction.step import Step
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import CARDS, MODELS
+from lit_memory.tools.bench_table import embed
 from lit_memory.tools.estimate import step_of
 from lit_memory.tools.plan import Candidate, Recipe, ranked, refine, shipped_recipes
 
@@ -106,19 +107,10 @@ def table(rows: dict[str, dict[str, Cell]], parameters: dict[str, int], command:
     return "\n".join(lines) + "\n"
 
 
-def embed(text: str, block: str) -> Optional[str]:
-    """``text`` with ``block`` between the `README_MARKERS`, or None when it has no such place."""
-    start, end = README_MARKERS
-    if start not in text or end not in text.split(start, 1)[1]:
-        return None
-    head, rest = text.split(start, 1)
-    return f"{head}{start}\n{block}{end}{rest.split(end, 1)[1]}"
-
-
 def main(argv: list[str]) -> None:
     parser = arguments.cards()
     ours, rest = parser.parse_known_args(argv)
-    if ours.update_readme and recipes.recipes_dir() != recipes.CHECKOUT:
+    if ours.update_readme and shipped.recipes_dir() != shipped.CHECKOUT:
         raise UserError("--update-readme writes into a checkout's README.md: run it from a clone (pip install -e .)")
     unknown = [c for c in ours.cards if c not in GPUS]
     if unknown:
@@ -135,8 +127,8 @@ def main(argv: list[str]) -> None:
     text = table(rows, parameters, command, margin)
     print(text)
     if ours.update_readme:
-        readme = recipes.CHECKOUT.parent / "README.md"
-        embedded = embed(readme.read_text(encoding="utf-8"), text)
+        readme = shipped.CHECKOUT.parent / "README.md"
+        embedded = embed(readme.read_text(encoding="utf-8"), text, README_MARKERS)
         if embedded is None:
             raise UserError(f"README.md has no place for the table: {README_MARKERS[0]} ... {README_MARKERS[1]}")
         files.write_text(readme, embedded)

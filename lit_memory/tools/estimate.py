@@ -31,14 +31,15 @@ from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.memory.hardware.gpus import GPUS, Target, target
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
-from lit_memory.memory.hardware.margin import Fit, Limit
-from lit_memory.config.recipes import recipes_dir
+from lit_memory.memory.model.loops import loop
+from lit_memory.memory.margin import Fit, Limit
+from lit_memory.config.shipped import recipes_dir
 from lit_memory.config.shipped import RECIPE_FLAG
 from lit_memory.planning.prediction.predict import level, predict
 from lit_memory.planning.choose import mode_of
 from lit_memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
-from lit_memory.planning.prediction.step import Prediction, Step, build, loop
+from lit_memory.planning.prediction.step import Prediction, Step, build
 from lit_memory.optim.optimizer_state import unquantised_extra
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import add_target_arguments  # noqa: F401  (plan, cards and tests take it from here)
@@ -171,7 +172,7 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
 
 
 def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
-    """Whether the step fits the card asked about, with the margin kept (`lit_memory.memory.hardware.margin`): its
+    """Whether the step fits the card asked about, with the margin kept (`lit_memory.memory.margin`): its
     predicted device total against the card's capacity, or against ``memory.budget`` where that caps the card lower
     (the allocator is capped there), named with the card; ``memory.tier`` is what the plan was made for, not a limit
     on this card. On a CPU target, the tensors against the budget or tier (None without one)."""

@@ -37,7 +37,7 @@ from lit_memory.errors import UserError
 from lit_memory.planning.prediction.step import is_fused
 from lit_memory.settings import Precision
 from lit_memory.memory.measure.tracker import Tracker
-from lit_memory.run.checkpointing import CheckpointPlan
+from lit_memory.run.activation_checkpointing import CheckpointPlan
 from lit_memory.run.monitor import Stamps, device_memory_used
 from lit_memory.optim.optimizers import compiles_its_step, library_of
 from lit_memory.run.step_profile import HostOps
@@ -160,7 +160,7 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
     `NoTrainerEquivalent` without a budget, or where nothing fits."""
     from lit_memory.memory.hardware.gpus import target as this_target
     from lit_memory.planning.prediction.analytic import capped_total
-    from lit_memory.planning.prediction.step import loop
+    from lit_memory.memory.model.loops import loop
 
     config = cli.settings
     budget = cli.memory.limit if cli.memory is not None else None
@@ -281,7 +281,7 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
     """Train `warmup + steps` optimizer steps with `transformers.Trainer` (and step `count_step`, whose host operators
     are counted, where it comes after them); return the measurements. ``best``: the Trainer's best configuration
     within the recipe's budget (`best_under_budget`) instead of the recipe's own settings. A budget caps the
-    Trainer's process as it caps ours (`lit_memory.run.run_memory.BudgetCap`, the same code)."""
+    Trainer's process as it caps ours (`lit_memory.run.memory_callbacks.BudgetCap`, the same code)."""
     # deferred: transformers.Trainer needs accelerate (optional) and takes ~4 s to import; only a peer run uses it
     from transformers import Trainer, TrainingArguments
 
@@ -402,7 +402,7 @@ def capped(cli: LitMemoryCLI, cuda: bool) -> Optional[Any]:
     budget = cli.memory.cap if cli.memory is not None else None
     if not cuda or budget is None:
         return None
-    from lit_memory.run.run_memory import BudgetCap  # deferred: only a capped peer needs it
+    from lit_memory.run.memory_callbacks import BudgetCap  # deferred: only a capped peer needs it
 
     cap = BudgetCap(budget)
     precision = "bf16-mixed" if cli.settings.trainer.precision is None else cli.settings.trainer.precision

@@ -43,17 +43,17 @@ from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.choose import MODES, RULE, mode_of, quality_class, rank
 from lit_memory.planning.recompute import planned
 from lit_memory.planning.recompute import resolve as plan_layers
-from lit_memory.memory.hardware.budget import Size
+from lit_memory.memory.settings import Size
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
-from lit_memory.memory.hardware.margin import Limit, usable
+from lit_memory.memory.margin import Limit, usable
 from lit_memory.planning.prediction.predict import device_total, level
 from lit_memory.memory.measure.report import breakdown
 from lit_memory.planning.prediction.predict import simulate_or_decline
 from lit_memory.planning.prediction.step import Prediction, Step
 from lit_memory.run.monitor import StepTimer
-from lit_memory.config.recipes import recipes_dir
-from lit_memory.settings import key_of, leaves, locate, plain
+from lit_memory.config.shipped import recipes_dir
+from lit_memory.settings import dotted_leaves, key_of, locate, to_plain
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import MEASURED
 from lit_memory.tools.estimate import step_of
@@ -79,7 +79,7 @@ class Block:
     @functools.cached_property  # read for every combination of every candidate: once per block
     def plain(self) -> Any:
         """The value as plain dicts, lists and scalars (what the CLI parses)."""
-        return plain(self.value)
+        return to_plain(self.value)
 
 
 @dataclass
@@ -100,7 +100,7 @@ def load_recipe(path: Path) -> Recipe:
     the bounds a stranger's recipe is read with: `lit_memory.sandbox.bounds.read_yaml`)."""
     data = read_yaml(path, round_trip=True)
     blocks = {}
-    for key, value in leaves(data, depth=2):
+    for key, value in dotted_leaves(data, depth=2):
         container, name = locate(data, key)
         token = getattr(container, "ca", None) and container.ca.items.get(name, [None] * 3)[2]
         comment = token.value.strip().lstrip("#").strip() if token else None
@@ -455,7 +455,7 @@ def choose(
     everything: list[Candidate] = []
     ordered = ranked(base, recipes, refused, everything)
     overhead = base.outside_allocator  # the CUDA context and NCCL's communicators
-    room = limit.with_margin(base.margin).usable  # the margin kept free (`lit_memory.memory.hardware.margin`)
+    room = limit.with_margin(base.margin).usable  # the margin kept free (`lit_memory.memory.margin`)
     fitting = (c for c in ordered if c.prediction.footprint.peak + overhead <= room and c.total <= room)
     wanted = MEASURED if measured else 1
     confirmed: list[tuple[Candidate, Optional[Prediction]]] = []

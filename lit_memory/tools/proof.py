@@ -264,7 +264,8 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
         row["within_budget"] = measured["device"] <= limit
         row["spare"] = round(1 - measured["device"] / limit, 4)
         row.update(every_step(cuda.get("device_bytes_by_step") or [], memory.get("optimizer_steps"), limit))
-    snapshot = run_dir / "memory_snapshot.pickle"  # the 4gb-snapshot variant's (`lit_memory.run.run_memory.MemorySnapshot`)
+    # the 4gb-snapshot variant's (`lit_memory.run.memory_callbacks.MemorySnapshot`)
+    snapshot = run_dir / "memory_snapshot.pickle"
     if snapshot.is_file():
         row["snapshot"] = {"file": str(snapshot), "bytes": snapshot.stat().st_size}
     profile = run_dir / "profile.json"

@@ -22,11 +22,12 @@ from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.memory.hardware.gpus import GPUS, MiB, Target, match
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
+from lit_memory.memory.model.loops import LOOPS, Loop
+from lit_memory.memory.margin import DEFAULT_MARGIN
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.planning.recompute import planned
-from lit_memory.planning.prediction.step import Loop, LOOPS, Step
-from lit_memory.config.recipes import recipe_path
+from lit_memory.planning.prediction.step import Step
+from lit_memory.config.shipped import recipe_path
 from lit_memory.tools.proof import MODEL
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
@@ -285,7 +286,7 @@ def results() -> list[Result]:
 
 def margin_row(found: list[Result]) -> Result:
     """The worst under-prediction on a strictly comparable row (one run's settings, from a source that states its
-    environment): what ``memory.margin``'s default must cover (`lit_memory.memory.hardware.margin`)."""
+    environment): what ``memory.margin``'s default must cover (`lit_memory.memory.margin`)."""
     strict = [r for r in found if r.row.unmatched is None and r.row.source.strict and r.ratio is not None]
     return min(strict, key=lambda r: r.ratio)
 
@@ -298,7 +299,7 @@ def margin_text(found: list[Result]) -> str:
         f"predicted at {worst.ratio:.3f} of the measurement, which was {100 * (1 / worst.ratio - 1):.1f} % above "
         f"the prediction. A plan keeping {100 * (1 - worst.ratio):.1f} % of its limit free would have fitted that "
         f"run exactly; every \"fits\" decision keeps `memory.margin` free, default {100 * DEFAULT_MARGIN:g} % "
-        "(`lit_memory/memory/hardware/margin.py`; `tests/tools/test_published.py` fails if a row's error outgrows it)."
+        "(`lit_memory/memory/margin.py`; `tests/tools/test_published.py` fails if a row's error outgrows it)."
     )
 
 

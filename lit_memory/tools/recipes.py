@@ -21,16 +21,16 @@ from lit_memory.cli import resolve
 from lit_memory.config.arguments import ImportRefused
 from lit_memory.errors import UserError, shown
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
-from lit_memory.memory.hardware.margin import Fit
+from lit_memory.memory.margin import Fit
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.recompute import flops, planned
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.step import Step
-from lit_memory.config.recipes import names, recipe_path, recipes_dir
+from lit_memory.config.shipped import names, recipe_path, recipes_dir
 from lit_memory.config import trusted as trusted_files
 from lit_memory.config.shipped import listing
 from lit_memory.sandbox import roots, rules
-from lit_memory.settings import leaves, locate
+from lit_memory.settings import dotted_leaves, locate
 from lit_memory.config.trust import HINT, TRUST_FLAG
 from lit_memory.tools import arguments
 
@@ -75,7 +75,7 @@ PLANNED = "# planned-for: "
 
 def planned_line(path: Path) -> Optional[str]:
     """The header line of a recipe with a ``memory.tier``: what it is planned for and what BERT-large at the
-    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.hardware.margin`); None without a tier."""
+    recipe's batch leaves free there, with the margin kept (`lit_memory.memory.margin`); None without a tier."""
     step = header_step(path)
     limit = step.memory.limit
     if limit is None:
@@ -278,7 +278,7 @@ def check(path: Path, trusted: bool) -> None:
         refused += [f"{r.key}={r.value!r}  ({r.reason})" for r in run.refusals]
         refused += [] if trusted else later_refusals(run.settings, [os.getcwd(), str(path.resolve().parent)])
         problems += run.problems
-        imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in leaves(run.settings) if k.endswith("class_path")]
+        imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in dotted_leaves(run.settings) if k.endswith("class_path")]
         _say(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
     for line in refused:
         _say(f"  REFUSED  {line}")
@@ -338,14 +338,14 @@ def later_refusals(settings: Namespace, folders: Optional[list[str]] = None) -> 
         value = settings.get(key)
         if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
             found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
-    chosen = [(key, value) for key, value in leaves(settings)
+    chosen = [(key, value) for key, value in dotted_leaves(settings)
               if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and value]
     work = os.path.realpath(os.getcwd())
     named = chosen + ([] if settings.get("trainer.default_root_dir") else [("trainer.default_root_dir", "lightning_logs")])
     plain = settings.as_dict()
     checks = [lambda: rules.check_roots(chosen, os.getcwd(), rules.owned_folders()),
               lambda: rules.check_templates(plain), lambda: rules.check_free_kwargs(plain),
-              lambda: roots.check_components(leaves(settings))]
+              lambda: roots.check_components(dotted_leaves(settings))]
     checks += [lambda key=key, value=value: roots.make(value, work, key, create=False)
                for key, value in named if roots.relative_to_work(value, work) is not None]
     for key in ("data.source", "data.predict_path", "ckpt_path", "model.model_name_or_path",
@@ -367,7 +367,7 @@ def later_refusals(settings: Namespace, folders: Optional[list[str]] = None) -> 
     if kept > guard.MAX_KEPT_CHECKPOINTS:
         found.append(f"trainer.callbacks: the checkpoint callbacks together keep {kept} checkpoints, more than "
                      f"{guard.MAX_KEPT_CHECKPOINTS}")
-    for key, value in leaves(settings):
+    for key, value in dotted_leaves(settings):
         if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN:
             found.append(f"{key}: {value!r} would be scaled during the run past the bound that holds for data.{value}")
     return list(dict.fromkeys(found))
@@ -377,7 +377,7 @@ def leaves_of_class(settings: Namespace, base: type) -> list[tuple[str, Namespac
     """(key, class spec) of every class spec in the settings naming a subclass of ``base`` (already
     imported by the parse that produced them)."""
     found = []
-    for key, value in leaves(settings):
+    for key, value in dotted_leaves(settings):
         if not key.endswith("class_path") or not isinstance(value, str) or "." not in value:
             continue
         module, _, name = value.rpartition(".")
@@ -398,7 +398,7 @@ def _unknown_keys(tree: Any, schema: Namespace) -> list[str]:
     """Keys of `tree` (a recipe's YAML) that have no place in `schema` (the parsed defaults). What sits
     inside a class spec (``class_path`` + ``init_args``), a dict or a list is left to the parser's type check."""
     unknown: list[str] = []
-    for key, _ in leaves(tree):
+    for key, _ in dotted_leaves(tree):
         parts = key.split(".")
         known = next((n for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in schema), 0)
         if known == len(parts):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import RECIPES, REPO, flatten
-from lit_memory.config import recipes
+from lit_memory.config import shipped
 from lit_memory.memory.measure import records
 from lit_memory.__main__ import main
 
@@ -61,7 +61,7 @@ def test_seed_tiers_form_one_cumulative_chain():
     assert [header(n)["parent"] for n in SEED_TIERS] == ["none", *SEED_TIERS[:-1]]
 
 
-# -- recipes as named, packaged artefacts (lit_memory/config/recipes.py) --------------------------------
+# -- recipes as named, packaged artefacts (lit_memory/config/shipped.py) --------------------------------
 
 
 def run_main(argv, capsys):
@@ -76,8 +76,8 @@ def run_main(argv, capsys):
 
 
 def test_shipped_recipes_resolve_by_name_from_a_checkout():
-    assert recipes.names() == ALL
-    assert recipes.recipe_path("4gb") == recipes.recipe_path("4gb.yaml") == RECIPES / "4gb.yaml"
+    assert shipped.names() == ALL
+    assert shipped.recipe_path("4gb") == shipped.recipe_path("4gb.yaml") == RECIPES / "4gb.yaml"
 
 
 def test_an_unknown_name_is_one_line_naming_the_recipes(tmp_path, capsys):
@@ -100,7 +100,8 @@ def test_the_wheel_ships_the_recipes_and_finds_them_by_name_from_anywhere(tmp_pa
         archive.extractall(tmp_path / "site")  # a pure-Python wheel installs by unpacking
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = "from lit_memory.config import recipes; from lit_memory.tools import recipes as c; print(recipes.recipe_path('4gb')); c.main([])"
+    code = ("from lit_memory.config import shipped; from lit_memory.tools import recipes as c; "
+            "print(shipped.recipe_path('4gb')); c.main([])")
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=elsewhere,

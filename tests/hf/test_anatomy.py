@@ -59,7 +59,7 @@ LORA_TARGETS = {
     "gemma3": {"q_proj", "v_proj"},
 }
 # fake tensors meet a scalar read back (ModernBERT). DeBERTa's head took its `nonzero` loss path only while the
-# config's problem_type was unset; the module now always sets it (`lit_memory.hf.hf_loading.load_config`), and it simulates.
+# config's problem_type was unset; the module now always sets it (`lit_memory.hf.config.load_config`), and it simulates.
 SIMULATION_DECLINES = {"modernbert"}
 # 2gb: torchao compiles per shape; the compiled recipes are their parents compiled (tests/run/test_compiling.py)
 RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "2gb" and p.stem not in COMPILED)
@@ -374,7 +374,7 @@ ACTIVATION_SHAPES = ((4, 32), (2, 64))
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_analytic_activation_model_holds_every_family_within_15_percent(folders, family):
-    """What each family's layers keep (`lit_memory.memory.hardware.layers.LayerSpec`: GQA, q/k norms, rotary, the
+    """What each family's layers keep (`lit_memory.memory.model.layers.LayerSpec`: GQA, q/k norms, rotary, the
     activation's saved tensors, pre-norm and sandwich norms, DeBERTa's relative terms) against the same step
     on real tensors, tracked (`measure`): the peak, and the activations at the forward phase's peak.
     docs/memory.md shows the ratios (examples/family_ratios.py)."""

@@ -14,7 +14,7 @@ from transformers import AutoModelForSequenceClassification
 import families as fam
 from lit_memory.hf import qlora
 from lit_memory.errors import UserError
-from lit_memory.hf.hf_loading import quiet_transformers
+from lit_memory.hf.config import quiet_transformers
 from lit_memory.hf.lora import LoRA
 from lit_memory.run import export
 from lit_memory.settings import Precision

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lit_memory.planning.prediction.analytic import device_total
 from lit_memory.planning.choose import advise, lightest_fitting
 from lit_memory.memory.hardware.gpus import Target
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
 
 TINY = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256, "vocab_size": 512}

@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 
 from conftest import CONFIGS
-from lit_memory.run.checkpointing import CheckpointPlan
+from lit_memory.run.activation_checkpointing import CheckpointPlan
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
 from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.gpus import Target
-from lit_memory.planning.recompute import flops, layer_costs, plan_run, resolve as plan_for
+from lit_memory.planning.recompute import flops, layer_costs, resolve_auto, resolve as plan_for
 from lit_memory.planning.prediction.simulate import simulate
-from lit_memory.memory.hardware.margin import Limit, usable
+from lit_memory.memory.margin import Limit, usable
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
 
 L, H, F, HEADS = 4, 64, 256, 4
@@ -237,20 +237,20 @@ def test_a_fused_step_that_measures_first_plans_and_allows_no_selective_layer(ca
         resolve([*args, "--trainer.gradient_clip_val=1.0"]).build(trainer=False)
 
 
-def test_plan_run_returns_the_plan_and_leaves_the_parsed_settings_as_they_were():
+def test_resolve_auto_returns_the_plan_and_leaves_the_parsed_settings_as_they_were():
     args = ["fit", "--model.model_name_or_path=bundled:bert-large", f"--model.config_overrides={TINY}",
             "--model.pretrained=false", "--model.gradient_checkpointing=auto", "--model.offload_activations=auto",
             f"--data.batch_size={BATCH}", f"--data.max_length={LENGTH}", "--trainer.accelerator=cpu"]
     none = analytic(tiny()).footprint.peak
     cli = resolve([*args, f"--memory.tier={int(none * 0.8)}"])
     before = cli.settings.clone()
-    found = plan_run(cli.settings, cli.memory, True, cli.step, lambda: None)
+    found = resolve_auto(cli.settings, cli.memory, True, cli.step, lambda: None)
     assert cli.settings == before  # decided, not written: the CLI writes what comes back
     assert set(found) == {"model.gradient_checkpointing", "model.offload_activations"}
     assert CheckpointPlan.parse(found["model.gradient_checkpointing"]).recomputes
     assert found["model.offload_activations"] is False  # offloading is a no-op on a CPU run
     # outside training nothing is recomputed, and nothing is predicted to decide it
-    assert plan_run(cli.settings, cli.memory, False, None, None) == {
+    assert resolve_auto(cli.settings, cli.memory, False, None, None) == {
         "model.gradient_checkpointing": False, "model.offload_activations": False,
     }
 
@@ -258,7 +258,7 @@ def test_plan_run_returns_the_plan_and_leaves_the_parsed_settings_as_they_were()
 def test_under_a_cap_a_plan_leaves_the_allocators_room_and_for_a_tier_it_need_not(monkeypatch):
     """``memory.budget`` caps the allocator, whose check counts a request's whole segment (`Replay.room`): the plan
     fits the device total and that room; ``memory.tier`` is a card, uncapped, where the device total alone fits."""
-    from lit_memory.memory.hardware.budget import MemorySettings
+    from lit_memory.memory.settings import MemorySettings
     from lit_memory.planning import recompute
 
     full = device_total(tiny("cuda", gradient_checkpointing=True))

@@ -15,7 +15,7 @@ from conftest import COMPILED, RECIPES
 from lit_memory.__main__ import main
 from lit_memory.run.checks import check_optimizer, check_trainer
 from lit_memory.errors import UserError
-from lit_memory.settings import leaves
+from lit_memory.settings import dotted_leaves
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_check_trainer(trainer, message):
 
 
 def _leaves(node: dict):
-    return ((key, value) for key, value in leaves(node, lists=False) if not key.endswith("class_path"))
+    return ((key, value) for key, value in dotted_leaves(node, lists=False) if not key.endswith("class_path"))
 
 
 def _fuzz_cases() -> list[tuple[str, str, str]]:

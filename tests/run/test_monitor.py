@@ -26,10 +26,10 @@ from lit_memory.memory.measure import nvml as nvml_module
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
 from transformers import AutoModelForSequenceClassification
-from lit_memory.memory.hardware.budget import MemorySettings
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.settings import MemorySettings
+from lit_memory.memory.margin import Limit
 from lit_memory.run.monitor import MemoryMonitor, device_memory_used
-from lit_memory.run.run_memory import BudgetCap, MemoryPredictions, MemoryTable
+from lit_memory.run.memory_callbacks import BudgetCap, MemoryPredictions, MemoryTable
 
 # the compiled recipes' layers are tracked eagerly, as their parents' (tests/run/test_compiling.py trains them)
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in COMPILED)
@@ -351,7 +351,7 @@ def test_the_cap_measures_the_context_once_every_nccl_communicator_is_warmed_up(
     all-reduce, an all-gather and a reduce-scatter before the context is read; a one-rank dimension (Lightning's
     idle tensor_parallel under FSDP2) none, nor a gloo group."""
     from lit_memory.memory.hardware.gpus import CardReading
-    from lit_memory.run.run_memory import collective_groups, warm_up
+    from lit_memory.run.memory_callbacks import collective_groups, warm_up
 
     dist = torch.distributed
     world, solo, cpu_side = (SimpleNamespace(name=n) for n in ("world", "solo", "gloo"))

@@ -7,7 +7,6 @@ import json
 import os
 import time
 import tracemalloc
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -11,7 +11,6 @@ import shutil
 import pytest
 from conftest import RECIPES
 
-from lit_memory.config import recipes
 from lit_memory.config import shipped as shipped_files
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
@@ -190,7 +189,7 @@ def test_update_readme_refuses_an_installed_package_before_anything_runs(tmp_pat
 def test_all_runs_the_reference_tiers_in_their_order_then_ours():
     order = bench.ordered("all")
     assert order[:6] == list(bench.REFERENCE_TIERS)
-    assert sorted(order) == recipes.names()
+    assert sorted(order) == shipped_files.names()
     assert bench.ordered("4gb,baseline, freeze.yaml") == ["baseline", "freeze", "4gb"]
 
 

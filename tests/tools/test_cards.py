@@ -6,12 +6,14 @@ import json
 from dataclasses import replace
 
 from conftest import CONFIGS, RECIPES
-from lit_memory.memory.hardware.gpus import GPUS
-from lit_memory.planning.choose import mode_of
-from lit_memory.memory.hardware.margin import Limit
-from lit_memory.tools.cards import README_MARKERS, Cell, embed, plan_cards, table
-from lit_memory.tools.plan import choose, load_recipe
 from test_plan import MODE_RECIPES, WIDE, base_setup
+
+from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.memory.margin import Limit
+from lit_memory.planning.choose import mode_of
+from lit_memory.tools.bench_table import embed
+from lit_memory.tools.cards import README_MARKERS, Cell, plan_cards, table
+from lit_memory.tools.plan import choose, load_recipe
 
 
 def test_each_card_gets_what_plan_chooses_for_it_and_the_table_lands_between_the_markers():
@@ -30,5 +32,6 @@ def test_each_card_gets_what_plan_chooses_for_it_and_the_table_lands_between_the
     assert "| wide (0.00 B) | full, " in text and "| no: needs 5.00 GiB |" in text
     start, end = README_MARKERS
     readme = f"# title\n{start}\nold table\n{end}\nafter\n"
-    assert embed(readme, text) == f"# title\n{start}\n{text}{end}\nafter\n"
-    assert embed("# no markers\n", text) is None
+    assert embed(readme, text, README_MARKERS) == f"# title\n{start}\n{text}{end}\nafter\n"
+    assert embed("# no markers\n", text, README_MARKERS) is None
+    assert embed(readme, text) is None  # the bench table's markers are not there

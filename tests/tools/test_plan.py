@@ -18,7 +18,7 @@ from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.choose import rank
 from lit_memory.memory.hardware.gpus import Target
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.planning.prediction.predict import device_total
 from lit_memory.planning.prediction.step import Step
 from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes

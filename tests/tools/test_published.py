@@ -36,10 +36,10 @@ def test_the_docs_show_the_generated_table():
 
 
 def test_the_default_margin_covers_the_worst_under_prediction_on_a_strict_row():
-    """`memory.margin`'s default (lit_memory/memory/hardware/margin.py) is derived from this table: no smaller than the
+    """`memory.margin`'s default (lit_memory/memory/margin.py) is derived from this table: no smaller than the
     worst under-prediction on a strictly comparable row, whichever way it is counted (the share of the limit a
     plan must leave free, 1 - ratio; or how far the measurement ran above the prediction, 1 / ratio - 1)."""
-    from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
+    from lit_memory.memory.margin import DEFAULT_MARGIN
 
     worst = published.margin_row(RESULTS)
     assert worst.row.source.strict and worst.row.unmatched is None and worst.ratio < 1

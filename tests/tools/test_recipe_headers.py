@@ -9,7 +9,7 @@ import yaml
 
 from conftest import RECIPES
 from lit_memory.memory.measure.footprint import parse_bytes
-from lit_memory.config.recipes import header
+from lit_memory.config.shipped import header
 from lit_memory.tools import recipes as commands
 
 
@@ -22,11 +22,12 @@ def predicted(text: str) -> dict[str, int]:
 def test_every_header_states_the_prediction_the_command_makes(capsys):
     commands.headers(check=True)  # raises if any header differs from what the command writes now
     lines = capsys.readouterr().out.splitlines()
-    estimates = [l for c in (RECIPES.parent / "configs").glob("*.yaml") for l in c.read_text().splitlines() if l.startswith(commands.ESTIMATE)]
+    estimates = [line for c in (RECIPES.parent / "configs").glob("*.yaml") for line in c.read_text().splitlines()
+                 if line.startswith(commands.ESTIMATE)]
     tiers = [p for p in RECIPES.glob("*.yaml") if "tier" in (yaml.safe_load(p.read_text()).get("memory") or {})]
     # memory and FLOPs, what a tier is planned for; the configs' lines
     assert len(lines) == 2 * len(list(RECIPES.glob("*.yaml"))) + len(tiers) + len(estimates)
-    assert len(estimates) >= 8 and all(commands.ARROW in l and "x 128" in l for l in estimates)
+    assert len(estimates) >= 8 and all(commands.ARROW in line and "x 128" in line for line in estimates)
     for path in RECIPES.glob("*.yaml"):
         line = header(path)["predicted"]
         tier = (yaml.safe_load(path.read_text()).get("memory") or {}).get("tier")
@@ -73,7 +74,7 @@ def test_a_stale_header_is_found_and_rewritten_in_place():
     stale = text.replace(line, "BERT-large 32 x 128: tensors 1 B, reserved 1 B, device 1 B")
     assert stale != text
     assert commands.with_predicted_line(stale, commands.PREDICTED + line) == text
-    without = "\n".join(l for l in text.splitlines() if not l.startswith(commands.PREDICTED)) + "\n"
+    without = "\n".join(line for line in text.splitlines() if not line.startswith(commands.PREDICTED)) + "\n"
     assert commands.with_predicted_line(without, commands.PREDICTED + line) == text  # added after `# shrinks:`
 
 
@@ -92,8 +93,9 @@ def test_a_decoder_full_fine_tune_is_predicted_within_4_gib_of_device_memory():
     """Issue 22's bar, as configs/qwen3-0.6b.yaml states it (its estimate lines are generated, and checked above):
     nothing frozen, no LoRA, at batch 32 x 128, on the documented default GPU."""
     config = RECIPES.parent / "configs" / "qwen3-0.6b.yaml"
-    lines = [l[len(commands.ESTIMATE):] for l in config.read_text().splitlines() if l.startswith(commands.ESTIMATE)]
-    args, result = next(l.split(commands.ARROW) for l in lines if "--memory.tier 4GiB" in l)
+    lines = [line[len(commands.ESTIMATE):] for line in config.read_text().splitlines()
+             if line.startswith(commands.ESTIMATE)]
+    args, result = next(line.split(commands.ARROW) for line in lines if "--memory.tier 4GiB" in line)
     assert "freeze" not in args and "lora" not in args and "recipes/2gb.yaml" in args
     assert result.startswith("32 x 128 on A100 80GB")
     device = parse_bytes(re.search(r"device ([0-9.]+ GiB)", result).group(1).replace(" ", ""))

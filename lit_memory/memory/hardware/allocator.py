@@ -57,7 +57,8 @@ def env_names(torch_version: Optional[str] = None) -> tuple[str, ...]:
     (then ROCm's ``PYTORCH_HIP_ALLOC_CONF``, then the unified one: tests/memory/hardware/test_allocator.py checks the installed
     torch's order against this one); before 2.8 only the CUDA name existed."""
     if torch_version is None:
-        import torch  # deferred: the allocator's settings are read and checked without torch (`budget`, the CLI)
+        # deferred: the allocator's settings are read and checked without torch (`memory.settings`, the CLI)
+        import torch
 
         torch_version = torch.__version__
     match = re.match(r"(\d+)\.(\d+)", str(torch_version))

@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, environment_conf
-from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.nccl import NcclSettings
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes, parse_bytes
 
 DEVICES = ("cuda", "cpu")  # the devices a prediction is for (`Target.type`)
@@ -452,7 +452,7 @@ def allocator_limit(budget: int, card: CardReading) -> tuple[int, str]:
     process's CUDA context measured at start (`set_per_process_memory_fraction` limits the allocator only,
     pytorch#58466). A context not measured is taken as everything the card holds outside the allocator at
     start (other processes' memory too), so that the cap errs low. Kernels loaded later in the run (lazy
-    loading) come on top; the margin of the plan (`lit_memory.memory.hardware.margin`) is what leaves room for them.
+    loading) come on top; the margin of the plan (`lit_memory.memory.margin`) is what leaves room for them.
     Returns (bytes, one line)."""
     context = card.context if card.context is not None else max(card.total - card.free, 0)
     how = card.source if card.context is not None else "not measured: all the card holds at start"

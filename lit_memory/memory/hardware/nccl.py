@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Optional
 
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure.footprint import format_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30

@@ -3,7 +3,7 @@
 x: the step in order (forward layer by layer, the loss, backward layer by layer, the fused step's buckets, each named
 by the layers it holds, or the optimizer step); y: GiB. Stacked areas are the predicted tensors per category (weights, gradients, optimizer state,
 activations, other) from the analytic model's step written out event by event
-(`lit_memory.memory.hardware.program.timeline`); the line over them is the measured total at the same points
+(`lit_memory.memory.model.program.timeline`); the line over them is the measured total at the same points
 (torch's MemTracker over the last tracked micro-batch, and on CUDA ``torch.cuda.memory_allocated``): both are
 ``memory.json``'s ``timeline``. Horizontal lines: the budget, the card less the margin every plan keeps, the
 predicted device total (tensors, the allocator's reserve and the CUDA context) on CUDA, and the peaks with the point

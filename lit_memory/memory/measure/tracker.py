@@ -86,7 +86,7 @@ class Tracker(MemTracker):
         self._mod_tracker = _ForwardCalls()
         self._seen_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         # The step point by point, for the picture of a step (`watch_layers`): each layer's forward and backward,
-        # the phases' edges, as the analytic model's timeline names them (`lit_memory.memory.hardware.program`).
+        # the phases' edges, as the analytic model's timeline names them (`lit_memory.memory.model.program`).
         self.timeline: Optional[list[dict]] = None
         self._layer_index: dict[int, int] = {}
         self._layer_of_param: dict[int, int] = {}

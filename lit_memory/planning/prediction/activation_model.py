@@ -1,5 +1,5 @@
 """What a training step's activations take, layer by layer: `activations(step, model)` reads each layer's
-description (`lit_memory.memory.hardware.layers.LayerSpec`) from the model built on the ``meta`` device and the
+description (`lit_memory.memory.model.layers.LayerSpec`) from the model built on the ``meta`` device and the
 attention kernel torch picks (`lit_memory.memory.hardware.kernels`), and gives what the step keeps for backward
 and makes while it computes, per checkpointing mode, with the embeddings and what runs after the layers, a
 forward without autograd, and the figures the allocator's replay writes out (`Activations`)."""
@@ -15,7 +15,7 @@ from transformers.activations import ACT2FN
 
 from lit_memory.hf.anatomy import ACTIVATION_NAMES, FFN_NAMES, config_dropouts, config_value, in_out, linear_types, mlp_kind
 from lit_memory.memory.hardware.kernels import Kernel
-from lit_memory.memory.hardware.layers import (
+from lit_memory.memory.model.layers import (
     NORM_STATS,
     LayerSpec,
     Shape,
@@ -353,7 +353,7 @@ class Activations:
     backward_temp: int  # gradients w.r.t. activations in flight early in backward
     batch: int  # the batch's tensors
     inference: int  # a forward pass without autograd: the batch and one layer's working set (weights excluded)
-    # The step layer by layer, as the allocator's replay writes it out (`lit_memory.memory.hardware.program`):
+    # The step layer by layer, as the allocator's replay writes it out (`lit_memory.memory.model.program`):
     first: int  # the first layer with a backward (the number of layers where none has)
     modes: tuple[Optional[str], ...]  # each layer's checkpointing mode, input side first
     layer_tensors: tuple[Tensor, ...]  # per token, what a trained layer makes in forward order

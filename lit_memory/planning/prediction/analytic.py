@@ -9,7 +9,7 @@ temporaries, the loss scaler, FSDP2's share, the fused step's buckets) and its a
 loop keeps them), backward, the optimizer step (after which `SequenceClassifier.optimizer_step` frees the
 gradients), and gives the bytes per category at the peak of each phase.
 
-**Allocator** (``max_memory_reserved``): the step's allocations and frees in order (`lit_memory.memory.hardware.program`)
+**Allocator** (``max_memory_reserved``): the step's allocations and frees in order (`lit_memory.memory.model.program`)
 replayed through a model of PyTorch's caching allocator (`lit_memory.memory.hardware.allocator.replay`); what it
 reserves beyond the tensors it holds is added to the tensors' peak.
 
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import time
 
-from lit_memory.memory.hardware import program
 from lit_memory.memory.hardware.allocator import replay
 from lit_memory.memory.hardware.gpus import add_levels
 from lit_memory.memory.measure.footprint import Footprint
+from lit_memory.memory.model import program
 from lit_memory.planning.prediction.activation_model import Activations, activations
 from lit_memory.planning.prediction.state_model import State, meta_build, nbytes, state
 from lit_memory.planning.prediction.step import Prediction, Step
@@ -149,7 +149,7 @@ def analytic(step: Step, levels: bool = True, timeline: bool = False) -> Predict
 
 
 def step_model(step: Step, model, kept: State, act: Activations) -> program.StepModel:
-    """The step as `lit_memory.memory.hardware.program` writes it out for the allocator's replay, from its
+    """The step as `lit_memory.memory.model.program` writes it out for the allocator's replay, from its
     sub-models' results over ``model`` (the meta build's)."""
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}

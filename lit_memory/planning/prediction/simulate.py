@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lit_memory.run.checkpointing import OffloadActivations
+from lit_memory.run.activation_checkpointing import OffloadActivations
 from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
 from lit_memory.memory.hardware.allocator import replay
@@ -162,7 +162,7 @@ def _upcast(fn: Callable) -> Callable:
 def cuda_stand_ins(step: Step):
     """CUDA's kernels where their memory differs from the CPU's (see the module docstring)."""
     functional = torch.nn.functional
-    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+    sdpa = functional.scaled_dot_product_attention
     capability = step.target.gpu.capability
     chosen: list[str] = []
 

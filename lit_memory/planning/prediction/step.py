@@ -36,19 +36,18 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
-from lit_memory.hf.lora import apply_lora
 from lit_memory.memory.hardware import nccl
-from lit_memory.memory.hardware.budget import MemorySettings
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVICES: the tools' choices)
-from lit_memory.memory.hardware.loops import LOOPS, Loop, loop  # noqa: F401  (re-exported: a step's loop)
+from lit_memory.memory.model.loops import Loop
 from lit_memory.memory.measure.footprint import Footprint
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN
-from lit_memory.run.checkpointing import CheckpointPlan, is_auto
+from lit_memory.memory.margin import DEFAULT_MARGIN
+from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.optim.optimizers import Library, library_of
 from lit_memory.optim.precision import trains_on
-from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, plain, section
+from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, to_plain, section
 
 # The sections of a run's settings a step reads, by the class LightningCLI builds from each: what they hold and
 # their defaults are those classes' signatures (`lit_memory.settings.section`).
@@ -70,7 +69,7 @@ class OptimizerSpec:
             return cls(value)
         if not isinstance(value, Mapping) or "class_path" not in value:
             raise UserError(f"model.optimizer must be a class_path with init_args, got {value!r}")
-        return cls(str(value["class_path"]), plain(value.get("init_args") or {}))
+        return cls(str(value["class_path"]), to_plain(value.get("init_args") or {}))
 
     @property
     def name(self) -> str:
@@ -144,7 +143,7 @@ class Step:
     ) -> "Step":
         """The step a run's resolved settings (``model``, ``trainer``, ``data`` sections, plain data) trains;
         ``memory``: their ``memory`` block where a run has built it already (else built here)."""
-        return cls._of_plain(plain(settings), target, loop, memory)
+        return cls._of_plain(to_plain(settings), target, loop, memory)
 
     @classmethod
     def _of_plain(
@@ -206,7 +205,7 @@ class Step:
         the ones it was made from, with its own fields written over them, so a step made in Python, or one a field
         of was replaced, is laid over as it is. A strategy is written only where the one it was made with does not
         give its fusion, sharding or bucket."""
-        return plain(self._stated)  # a copy: the cached one is never handed out
+        return to_plain(self._stated)  # a copy: the cached one is never handed out
 
     @functools.cached_property  # a step is frozen; plan lays hundreds of combinations over one
     def _stated(self) -> dict[str, Any]:
@@ -269,11 +268,6 @@ class Step:
     @property
     def stochastic_rounding(self) -> bool:
         return self.optimizer.stochastic_rounding
-
-    @property
-    def attn_implementation(self) -> Optional[str]:
-        """The one the config asks for (``model.config_overrides.attn_implementation``), else None (the model's default)."""
-        return (self.model.get("config_overrides") or {}).get("attn_implementation")
 
     @property
     def scaled(self) -> bool:
@@ -397,7 +391,7 @@ class Prediction:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     attention: str = ""  # the attention kernel, in words
-    # The steady-state step point by point (`lit_memory.memory.hardware.program.timeline`), where asked for.
+    # The steady-state step point by point (`lit_memory.memory.model.program.timeline`), where asked for.
     timeline: Optional[list[dict]] = None
 
 

@@ -118,8 +118,9 @@ def test_a_real_card_is_matched_by_name_and_keeps_its_own_numbers(name, key):
 def test_an_unknown_card_keeps_what_torch_reports(monkeypatch):
     """`target` on a machine with a GPU (torch's answers faked): a known card keeps the catalogue's speeds
     (before, `_this_gpu` replaced them with defaults), an unknown one what torch says."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from lit_memory.memory.hardware.gpus import match
 
@@ -153,7 +154,7 @@ def reading(free: float, context=300 * MiB, total=GPUS["rtx3050-4gb"].memory):
 
 def test_auto_plans_for_the_smaller_of_the_budget_and_what_the_card_has_free():
     from lit_memory.memory.hardware.gpus import BARE_CONTEXT, planning_limit
-    from lit_memory.memory.hardware.margin import Limit
+    from lit_memory.memory.margin import Limit
 
     tier = Limit(GPUS["rtx3050-4gb"].memory, "memory.tier rtx3050-4gb (3.81 GiB)", 0.1)
     # a desktop beside the run holds memory: less free than the tier, the card's limit applies, with the margin

@@ -1,5 +1,5 @@
 """Which attention kernel torch runs (lit_memory.memory.hardware.kernels) and what each keeps, and what one layer keeps
-(lit_memory.memory.hardware.layers) as a function of its description."""
+(lit_memory.memory.model.layers) as a function of its description."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from lit_memory.memory.hardware.kernels import Kernel, attention_bytes, attention_tensors
 from lit_memory.planning.prediction.activation_model import layer_spec
-from lit_memory.memory.hardware.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
-from lit_memory.hf.hf_loading import load_config
+from lit_memory.memory.model.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
+from lit_memory.hf.config import load_config
 from lit_memory.settings import PRECISIONS
 
 DTYPE = {2: torch.float16, 4: torch.float32, 8: torch.float64}  # the inputs' dtype by its bytes
@@ -123,7 +123,7 @@ def test_distilbert_reads_as_one_residual_dropout_per_layer():
 def test_an_activation_keeps_what_autograd_saves_for_it():
     from transformers.activations import ACT2FN
 
-    from lit_memory.memory.hardware.layers import activation_saves
+    from lit_memory.memory.model.layers import activation_saves
 
     # fused kernels keep their input; GPT-2's tanh GELU, written out, its input, tanh's output, 0.5x and 1 + tanh
     assert {name: activation_saves(ACT2FN[name]) for name in ("gelu", "gelu_pytorch_tanh", "silu", "gelu_new")} == {

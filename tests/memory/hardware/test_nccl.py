@@ -7,8 +7,8 @@ import pytest
 
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware import nccl
-from lit_memory.memory.hardware.margin import Limit
 from lit_memory.memory.hardware.nccl import Communicator, NcclSettings, communicators, for_run, nccl_memory
+from lit_memory.memory.margin import Limit
 
 MiB = 2**20
 LIGHTNING = ("data_parallel", "tensor_parallel")  # ModelParallelStrategy's mesh
@@ -88,8 +88,8 @@ def test_devices_auto_counts_the_same_processes_for_the_run_and_its_plan():
     """``devices: auto`` (configs/fsdp.yaml's) on a machine with two GPUs: the run starts two ranks and sets NCCL's
     small buffers (`cli.world_size`); its plan, made for this machine (`gpus.target` reads its device count), counts
     the same two ranks and their communicators. For another machine (`estimate`) auto counts one."""
-    from lit_memory.memory.hardware.budget import MemorySettings
     from lit_memory.memory.hardware.gpus import Target
+    from lit_memory.memory.settings import MemorySettings
     from lit_memory.planning.prediction.step import Step
 
     settings = {"trainer": {"devices": "auto", "strategy": "lit_memory.strategies.FSDP2Strategy"}}

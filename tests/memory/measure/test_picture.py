@@ -20,7 +20,7 @@ from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.measure import picture, records
 from lit_memory.memory.measure.footprint import CATEGORIES
 from lit_memory.planning.prediction.analytic import analytic
-from lit_memory.run.run_memory import MemorySnapshot
+from lit_memory.run.memory_callbacks import MemorySnapshot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MEASURE = ["--data.padding=max_length", "--trainer.limit_val_batches=0", "--model.save_pretrained=false"]

@@ -14,8 +14,9 @@ from lit_memory.errors import UserError
 from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.planning.prediction.state_model import meta_build
 from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target
+from lit_memory.memory.model.loops import LOOPS, Loop
 from lit_memory.planning.prediction.simulate import simulate
-from lit_memory.planning.prediction.step import LOOPS, Loop, OptimizerSpec, Step, build, is_fused
+from lit_memory.planning.prediction.step import OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
 
@@ -204,9 +205,9 @@ def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(ca
 
 
 def test_the_allocator_replay_holds_the_tensors_the_analytic_model_predicts():
-    """The analytic model's event program (lit_memory.memory.hardware.program) allocates what its phases hold: the
+    """The analytic model's event program (lit_memory.memory.model.program) allocates what its phases hold: the
     replay's peak of allocated bytes is the analytic peak, within the rounding and the workspaces."""
-    from lit_memory.memory.hardware import program
+    from lit_memory.memory.model import program
     from lit_memory.memory.hardware.allocator import replay
     from lit_memory.planning.prediction.activation_model import activations
     from lit_memory.planning.prediction.analytic import step_model

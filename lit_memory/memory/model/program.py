@@ -4,7 +4,7 @@ The analytic model (`lit_memory.planning.prediction.analytic`) knows each phase'
 memory depends on the order and sizes in which they come and go. `events` writes them out: the parameters
 and buffers as the model is moved to the device, then two optimizer steps (the first creates the optimizer
 state lazily, as torch's optimizers do, so it lands in whatever the first step's activations freed), each
-a forward pass layer by layer (`lit_memory.memory.hardware.layers.layer_tensors`: kept tensors and temporaries),
+a forward pass layer by layer (`lit_memory.memory.model.layers.layer_tensors`: kept tensors and temporaries),
 backward layer by layer in reverse (saved tensors released, gradient temporaries, parameter gradients
 allocated or accumulated, the fused step's buckets stepped and freed), and the optimizer step with its
 temporaries. `lit_memory.memory.hardware.allocator.replay` then replays it.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lit_memory.memory.hardware.allocator import Event
-from lit_memory.memory.hardware.layers import Tensor
+from lit_memory.memory.model.layers import Tensor
 
 
 @dataclass
@@ -41,7 +41,8 @@ class LayerRun:
     tensors: list[Tensor]  # per token, in forward order
     trains: bool  # has a backward (at or above the first trainable layer)
     input_kept: bool  # the layer's input is among what it keeps (no autocast)
-    checkpoint: Optional[str] = None  # "full", "selective" (`lit_memory.run.checkpointing.CheckpointPlan`) or None
+    # "full", "selective" (`lit_memory.run.activation_checkpointing.CheckpointPlan`) or None
+    checkpoint: Optional[str] = None
 
 
 @dataclass

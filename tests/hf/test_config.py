@@ -9,7 +9,9 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from lit_memory.errors import UserError
-from lit_memory.hf.hf_loading import config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, set_pad_token
+from lit_memory.hf.config import (
+    config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, set_pad_token,
+)
 from lit_memory.hf.tokenizing import pad_token_id
 from lit_memory.task import kind_of
 
@@ -74,7 +76,7 @@ def test_the_saved_dtype_is_the_configs_else_the_safetensors_headers_else_none(t
     import torch
     from transformers import BertConfig
 
-    from lit_memory.hf.hf_loading import saved_dtype
+    from lit_memory.hf.config import saved_dtype
 
     config = BertConfig(vocab_size=50, **TINY_BERT)
     model = AutoModelForSequenceClassification.from_config(config).to(torch.bfloat16)

@@ -11,7 +11,7 @@
 - `OutOfMemoryReport`: on an out-of-memory error, the breakdown at the failure, the predicted step's picture with where
   it crosses the limit, and what to run instead.
 
-`memory_callbacks` composes them for a run's ``memory:`` block (`lit_memory.memory.hardware.budget.MemorySettings`).
+`memory_callbacks` composes them for a run's ``memory:`` block (`lit_memory.memory.settings.MemorySettings`).
 Predictions and advice come in as hooks (``predict``, ``advise``, ``timeline``), so nothing here imports the memory
 model.
 """
@@ -28,8 +28,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.budget import MemorySettings
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.settings import MemorySettings
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
 from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
 from lit_memory.memory.measure import picture
@@ -41,7 +41,7 @@ from lit_memory.run.monitor import MemoryMonitor, batch_shape, padding
 Predict = Callable[[L.Trainer, L.LightningModule, bool, Optional[tuple[int, int]]], dict[str, Footprint]]
 # (trainer, limit in bytes) -> one line: what to run instead
 Advise = Callable[[L.Trainer, int], str]
-# (trainer, shape) -> the analytic step point by point (`lit_memory.memory.hardware.program.timeline`), or None
+# (trainer, shape) -> the analytic step point by point (`lit_memory.memory.model.program.timeline`), or None
 Timeline = Callable[[L.Trainer, Optional[tuple[int, int]]], Optional[list[dict]]]
 
 

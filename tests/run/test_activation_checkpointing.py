@@ -9,7 +9,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lit_memory.hf.anatomy import parameter_units
-from lit_memory.run.checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing, selective_policy
+from lit_memory.run.activation_checkpointing import (
+    CheckpointPlan, OffloadActivations, enable_gradient_checkpointing, selective_policy,
+)
 from lit_memory.errors import UserError
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers

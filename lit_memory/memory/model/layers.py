@@ -284,7 +284,7 @@ def layer_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[t
 
 def selective_bytes_per_token(spec: LayerSpec, x: Shape, k: Kernel, lora: Optional[tuple[int, int]] = None) -> int:
     """Bytes selective checkpointing keeps per layer per token besides the layer's input
-    (`lit_memory.run.checkpointing.selective_policy`): the outputs of the six linear layers (Q, K, V,
+    (`lit_memory.run.activation_checkpointing.selective_policy`): the outputs of the six linear layers (Q, K, V,
     attention output, FFN in and out), ``(5h + f) * c`` for BERT (q, k, v at their widths; gated FFN: one
     more ``f*c``), and, where a fused attention kernel runs without dropout, its output and log-sum-exp. An
     attention kernel with dropout is recomputed (it draws random numbers), as is eager or math attention.

@@ -1,11 +1,11 @@
-"""The margin every "fits" decision keeps (lit_memory.memory.hardware.margin): what fits, and what each decision says."""
+"""The margin every "fits" decision keeps (lit_memory.memory.margin): what fits, and what each decision says."""
 
 from __future__ import annotations
 
 import pytest
 
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Fit, check_margin, usable
+from lit_memory.memory.margin import DEFAULT_MARGIN, Fit, check_margin, usable
 
 GiB = 2**30
 

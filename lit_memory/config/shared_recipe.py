@@ -1,9 +1,7 @@
-"""The shipped recipes' settings, and the recipe every run shares.
+"""The recipe every run shares, and the shipped recipes' settings the memory advice lays over a run.
 
-A recipe is one YAML file for `LightningCLI`. The shipped ones live in the repo's `recipes/`
-and are installed with the package (``lit_memory/assets/recipes`` in the wheel), so
-``--recipe NAME`` works from anywhere (`expand_recipes`; the files are found in `lit_memory.config.shipped`, which imports
-nothing heavy). Every fit writes its fully resolved settings
+A recipe is one YAML file for `LightningCLI`; the shipped ones are found, listed and expanded in
+`lit_memory.config.shipped`. Every fit writes its fully resolved settings
 back out as ``recipe.yaml`` in its run folder (`SaveRecipe`, `shared_recipe`): that file is what people
 share, and ``python -m lit_memory recipes check FILE`` (`lit_memory.tools.recipes`) is how a receiver
 inspects one (`lit_memory.config.trust` says what is refused).
@@ -28,10 +26,8 @@ from lit_memory.run import resume
 from lit_memory.config import trust, trusted
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
-from lit_memory.settings import leaves
-from lit_memory.config.shipped import (  # noqa: F401  (the shipped recipes' files, re-exported where they were)
-    CHECKOUT, PACKAGED, RECIPE_FLAG, _tier_order, expand_recipes, header, names, recipe_path, recipes_dir, tier_order,
-)
+from lit_memory.settings import dotted_leaves
+from lit_memory.config.shipped import names, recipe_path
 
 MEASURED = records.BENCH_JSON  # the latest bench run's rows, beside the recipes (bench --update-readme)
 SHARED_RECIPE = "recipe.yaml"  # written into every fit's run folder
@@ -50,7 +46,7 @@ def shipped_settings() -> list[tuple[str, dict[str, Any]]]:
     out-of-memory advice lays over a run's own settings. Read as plain data (`lit_memory.sandbox.bounds.read_yaml`)."""
     found = []
     for name in names():
-        values = dict(leaves(bounds.read_yaml(recipe_path(name)), depth=2))
+        values = dict(dotted_leaves(bounds.read_yaml(recipe_path(name)), depth=2))
         found.append((f"recipes/{name}.yaml", values))
     return found
 

@@ -1,4 +1,4 @@
-"""The ``memory:`` block as one typed value (lit_memory.memory.hardware.budget.MemorySettings)."""
+"""The ``memory:`` block as one typed value (lit_memory.memory.settings.MemorySettings)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import yaml
 from lit_memory.__main__ import main
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.hardware.budget import MemorySettings, Size
 from lit_memory.memory.hardware.gpus import capacity
-from lit_memory.memory.hardware.margin import Limit
+from lit_memory.memory.margin import Limit
+from lit_memory.memory.settings import MemorySettings, Size
 
 
 def test_sizes_and_cards_are_read_once_into_sizes():

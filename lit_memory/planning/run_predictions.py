@@ -1,6 +1,6 @@
-"""The hooks a run's memory callbacks take for a fit of one step (`lit_memory.run.run_memory.Predict`, `Advise`,
-`Timeline`): its predictions for the device it runs on, advice when it runs out of memory, and the analytic step
-point by point for the picture of a step. Every hook leaves the run training when the models do not cover it."""
+"""What a run's memory callbacks take from the models for a fit of one step
+(`lit_memory.run.memory_callbacks.Predict`, `Advise`, `Timeline`): its predictions for the device it runs on, advice
+when it runs out of memory, and the analytic step point by point for the picture of a step. Every hook leaves the run training when the models do not cover it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lit_memory.planning.choose import advise
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.predict import simulate_or_decline
 from lit_memory.planning.prediction.step import Step
-from lit_memory.run.run_memory import Advise, Predict, Timeline
+from lit_memory.run.memory_callbacks import Advise, Predict, Timeline
 
 
 def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]]) -> tuple[Predict, Advise, Timeline]:

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Optional, Union
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.allocator import AllocatorConfig, check_recipe_conf
 from lit_memory.memory.hardware.gpus import capacity, gpu_key, is_gpu_name
+from lit_memory.memory.margin import DEFAULT_MARGIN, Limit, check_margin
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.memory.hardware.margin import DEFAULT_MARGIN, Limit, check_margin
 
 
 @dataclass(frozen=True)
