@@ -35,24 +35,23 @@ from typing import Any, Optional, Sequence
 
 from huggingface_hub import constants
 
-from lit_memory.sandbox import guard
 from lit_memory.config import trust
+from lit_memory.confine import hub
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
-from lit_memory.run import predict_file
-from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
-from lit_memory.sandbox import cgroup, child, landlock, roots, rules, stage, watchdog
-from lit_memory.confine import hub
+from lit_memory.planning.prediction.analytic import analytic
+from lit_memory.policy.reads import INPUTS
+from lit_memory.run import predict_file
+from lit_memory.sandbox import cgroup, child, guard, landlock, roots, rules, stage, watchdog
 from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
-from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
+from lit_memory.sandbox.watchdog import LIMIT_VARIABLES
+from lit_memory.sandbox.watchdog import Bounds as Limits
 from lit_memory.settings import leaves
 
 GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step
-# Settings that name files a run reads.
-INPUTS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path")
 # The child's own folders, in its private one (its temporary folder and caches).
 PRIVATE = ("tmp", "datasets", "inductor", "triton", "matplotlib", "hub", "cache")
 DEFAULT_ROOT = "trainer.default_root_dir (unset: the working folder's lightning_logs)"

@@ -27,5 +27,5 @@ does not start; each other missing layer is one warning line.
 """
 
 # The flag that lifts the trust decision, here because every check that refuses names it (`guard`, `bounds`) and
-# the light helps print it (`lit_memory.config.shipped`): this package's root imports nothing.
-TRUST_FLAG = "--trust-recipe"
+# the light helps print it (`lit_memory.config.shipped`): this package's root imports only the policy's light base.
+from lit_memory.policy.refusal import TRUST_FLAG  # noqa: E402, F401

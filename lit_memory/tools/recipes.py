@@ -15,23 +15,23 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lit_memory.sandbox import bounds, guard
 from lit_memory import files
 from lit_memory.cli import resolve
+from lit_memory.config import trusted as trusted_files
 from lit_memory.config.arguments import ImportRefused
+from lit_memory.config.recipes import names, recipe_path, recipes_dir
+from lit_memory.config.shipped import listing
+from lit_memory.config.trust import HINT, TRUST_FLAG
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
 from lit_memory.memory.hardware.margin import Fit
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.planning.recompute import flops, planned
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.step import Step
-from lit_memory.config.recipes import names, recipe_path, recipes_dir
-from lit_memory.config import trusted as trusted_files
-from lit_memory.config.shipped import listing
-from lit_memory.sandbox import roots, rules
+from lit_memory.planning.recompute import flops, planned
+from lit_memory.policy import writes
+from lit_memory.sandbox import bounds, guard, roots, rules
 from lit_memory.settings import leaves, locate
-from lit_memory.config.trust import HINT, TRUST_FLAG
 from lit_memory.tools import arguments
 
 
@@ -305,7 +305,7 @@ def trust_status(path: Path) -> str:
 
 
 # Keys whose value is a place a run writes into (the run folder, loggers', checkpoints', a profiler's, ...).
-WRITE_FOLDER_KEYS = guard.WRITE_KEYS
+WRITE_FOLDER_KEYS = writes.ROOT_KEYS
 # Settings a batch-size finder may scale (`batch_arg_name`) that the bounds hold for the whole run.
 BOUNDED_DURING_RUN = ("num_workers", "max_length")
 
