@@ -53,10 +53,10 @@ from jsonargparse._optionals import _get_config_read_mode
 
 from lit_memory.errors import UserError
 from lit_memory.optim.optimizers import IMPORTABLE
-from lit_memory.policy import imports
+from lit_memory.policy import imports, phases
 from lit_memory.policy.checkpoints import SPECIAL_CKPT, checkpoint_refusals  # noqa: F401  (the policy's, named here)
 from lit_memory.policy.code import code_refusals  # noqa: F401
-from lit_memory.policy.refusal import HINT, TRUST_FLAG, Refusal
+from lit_memory.policy.refusal import HINT, TRUST_FLAG, Context, Refusal
 from lit_memory.policy.typed import (  # noqa: F401  what the user typed (callers name them here)
     _is_file,
     _same,
@@ -72,7 +72,6 @@ from lit_memory.policy.values import (  # noqa: F401
     MAX_LENGTH,
     MIN_CHECKPOINT_SECONDS,
     MIN_CHECKPOINT_STEPS,
-    value_refusals,
 )
 from lit_memory.sandbox import bounds, checkpoint_reading, guard
 from lit_memory.settings import assign, leaves
@@ -408,11 +407,9 @@ class Decision:
         if self.trusted:
             return []
         typed = dict(leaves(self.typed))
-        refusals = [r for r in value_refusals(settings) if not (r.key in typed and _same(typed[r.key], r.value))]
-        ckpt_path = settings.get("ckpt_path")
-        typed_ckpt = _same(typed.get("ckpt_path"), ckpt_path)
-        return refusals + checkpoint_refusals(ckpt_path, typed=typed_ckpt, approved=guard.approved,
-                                              problem=_checkpoint_problem)
+        context = Context(settings, typed=lambda key, value: key in typed and _same(typed[key], value),
+                          approved=guard.approved, checkpoint_problem=_checkpoint_problem)
+        return phases.refusals("parse", context)
 
 
 def sanitize(settings: Namespace) -> Namespace:
@@ -427,3 +424,9 @@ def sanitize(settings: Namespace) -> Namespace:
 
 def _checkpoint_problem(path: Any) -> Optional[str]:
     return checkpoint_reading.checkpoint_problem(path, files_too=False)
+
+
+def value_refusals(settings: Namespace) -> list[Refusal]:
+    """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at: the parse phase's rules that
+    judge values alone (`lit_memory.policy`), a value the user typed included."""
+    return phases.refusals("parse", Context(settings), only=lambda rule: not rule.reads)

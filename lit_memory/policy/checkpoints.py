@@ -4,12 +4,13 @@ many a run's checkpoint callbacks together may save (`checkpoint_load`, `save_bu
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lit_memory.errors import UserError
 from lit_memory.policy.reads import is_remote
-from lit_memory.policy.refusal import Refusal
+from lit_memory.policy.refusal import NOTHING, Context, Refusal, register
 
 # Lightning's own names for checkpoints it finds itself.
 SPECIAL_CKPT = ("last", "best", "hpc")
@@ -27,7 +28,8 @@ def checkpoint_load(trainer: Any, exempt: Callable[[Any], bool] = lambda c: Fals
     if not callbacks:
         return None
     batches = trainer.num_training_batches
-    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if batches not in (None, float("inf")) else None
+    finite = batches not in (None, float("inf"))
+    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if finite else None
     if trainer.max_steps and trainer.max_steps > 0:
         total = trainer.max_steps
     elif per_epoch is not None and trainer.max_epochs is not None and trainer.max_epochs >= 0:
@@ -52,7 +54,8 @@ def checkpoint_load(trainer: Any, exempt: Callable[[Any], bool] = lambda c: Fals
     if rate * MIN_CHECKPOINT_STEPS > 1 and saves > allowed:
         return (f"the checkpoint callbacks together save a checkpoint every {1 / rate:.1f} optimizer steps "
                 f"({'endlessly' if total is None else f'{saves:.0f} times in {total} steps'}), more often than every "
-                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over trainer.callbacks)")
+                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over "
+                "trainer.callbacks)")
     return None
 
 
@@ -83,7 +86,8 @@ def checkpoint_refusals(
     if ckpt_path.startswith("registry:"):
         return [Refusal("ckpt_path", ckpt_path, "it downloads a model from Lightning's model registry")]
     if is_remote(ckpt_path):
-        return [Refusal("ckpt_path", ckpt_path, "it is not a local file or folder: download it and pass the local path")]
+        return [Refusal("ckpt_path", ckpt_path,
+                        "it is not a local file or folder: download it and pass the local path")]
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint not found: {ckpt_path} (a relative path is read from {Path.cwd()})")
@@ -92,3 +96,75 @@ def checkpoint_refusals(
     if problem := problem(path):
         return [Refusal("ckpt_path", ckpt_path, problem)]
     return []
+
+
+@register("parse", exempt_typed=False, reads=True)
+def checkpoint(context: Context) -> list[Refusal]:
+    """The ``ckpt_path`` a run loads (`checkpoint_refusals`): what a path points at is judged wherever it was set."""
+    ckpt_path = context.get("ckpt_path")
+    return checkpoint_refusals(ckpt_path, typed=context.typed("ckpt_path", ckpt_path), approved=context.approved,
+                               problem=context.checkpoint_problem)
+
+
+@register("run")
+def cadence(context: Context) -> list[Refusal]:
+    """How often and how many the run's checkpoint callbacks together save: the running trainer's
+    (`checkpoint_load`, ``context.exempt``: the user's callbacks and lit_memory's own), or from the settings alone how
+    many the recipe's ModelCheckpoints keep together."""
+    if context.trainer is not None:
+        problem = checkpoint_load(context.trainer, context.exempt)
+        return [Refusal("trainer.callbacks", NOTHING, problem, head="")] if problem else []
+    if context.settings is None:
+        return []
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kept = 0
+    for _, spec in leaves_of_class(context, ModelCheckpoint):
+        init = spec.get("init_args") or {}
+        top_k = init.get("save_top_k", 1) if init.get("monitor") is not None else min(init.get("save_top_k", 1), 1)
+        kept += (top_k if top_k >= 0 else MAX_KEPT_CHECKPOINTS + 1) + (1 if init.get("save_last") is True else 0)
+    if kept > MAX_KEPT_CHECKPOINTS:
+        return [Refusal("trainer.callbacks", NOTHING, f"the checkpoint callbacks together keep {kept} checkpoints, "
+                                                      f"more than {MAX_KEPT_CHECKPOINTS}")]
+    return []
+
+
+@register("run")
+def picked_by_lightning(context: Context) -> list[Refusal]:
+    """A checkpoint Lightning would resume from by itself in a folder the recipe chose: an OnExceptionCheckpoint's
+    file, SLURM's ``hpc_ckpt_N.ckpt`` in the run's root folder. From the settings alone; in the running trainer the
+    guard refuses the one Lightning picks (`lit_memory.sandbox.guard.install`)."""
+    if context.settings is None or context.trainer is not None:
+        return []
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    found = []
+    for key, callback in leaves_of_class(context, OnExceptionCheckpoint):
+        init = callback.get("init_args") or {}
+        file = Path(str(init.get("dirpath") or ".")) / f"{init.get('filename') or 'on_exception'}.ckpt"
+        if file.exists():
+            found.append(Refusal(key, NOTHING, f"{file} exists: fit would resume from it by itself (pass --ckpt_path "
+                                               "to choose a checkpoint)"))
+    root = Path(str(context.get("trainer.default_root_dir") or "."))
+    for file in sorted(root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []:
+        found.append(Refusal("trainer.default_root_dir", NOTHING,
+                             f"{file} exists: under SLURM, fit would resume from it by itself"))
+    return found
+
+
+def leaves_of_class(context: Context, base: type) -> list[tuple[str, Any]]:
+    """(key, class spec) of every class spec in the settings naming a subclass of ``base`` (already
+    imported by the parse that produced them)."""
+    from lit_memory.settings import locate  # (torch: loaded by whoever has settings)
+
+    found = []
+    for key, value in context.leaves():
+        if not key.endswith("class_path") or not isinstance(value, str) or "." not in value:
+            continue
+        module, _, name = value.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+        if isinstance(cls, type) and issubclass(cls, base):
+            spec_key = key.removesuffix(".class_path")
+            container, last = locate(context.settings, spec_key)
+            found.append((spec_key, container[last]))
+    return found

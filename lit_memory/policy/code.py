@@ -9,11 +9,12 @@ from typing import Any, Optional
 
 from jsonargparse import Namespace
 
-from lit_memory.policy.refusal import Refusal
+from lit_memory.policy.refusal import NOTHING, Context, Refusal, register
 
 # Hugging Face settings that fetch or run code (config.json, config overrides, from_pretrained options).
 KERNEL_SETTINGS = ("attn_implementation", "experts_implementation")
-KERNEL_PATTERN = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")  # transformers' `is_kernel`: org/name[@rev][:fn]
+# transformers' `is_kernel`: org/name[@rev][:fn]
+KERNEL_PATTERN = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 CODE_SETTINGS = {
     "quantization_config": "transformers picks a quantizer by it, which imports (and can download) code of its own",
     "use_kernels": "it makes transformers download kernels from the Hugging Face Hub and import them",
@@ -44,7 +45,8 @@ def config_code_problems(config: Any, where: str, depth: int = 0) -> list[str]:
     """`code_setting` over a config as a dict (config.json) or a transformers config, with its sub-configs."""
     found = []
     items = config.items() if isinstance(config, dict) else [
-        (name, getattr(config, name, None)) for name in ("_attn_implementation", "_experts_implementation", "quantization_config")
+        (name, getattr(config, name, None))
+        for name in ("_attn_implementation", "_experts_implementation", "quantization_config")
     ]
     for name, value in items:
         if isinstance(name, str) and (reason := code_setting(name, value)):
@@ -71,4 +73,25 @@ def code_refusals(overrides: Any, key: str = "model.config_overrides", depth: in
             found.append(Refusal(f"{key}.{name}", value, reason))
         elif isinstance(value, dict):
             found += code_refusals(value, f"{key}.{name}", depth + 1)
+    return found
+
+
+@register("parse")
+def settings(context: Context) -> list[Refusal]:
+    """Config overrides that would make transformers fetch or run code (`code_refusals`)."""
+    return code_refusals(context.get("model.config_overrides"))
+
+
+@register("run")
+def model_config(context: Context) -> list[Refusal]:
+    """A loaded Hugging Face config (its file, the Hub's or a folder's, with the overrides) that would fetch or run code
+    when the model is built (`config_code_problems`); an override the user typed is theirs."""
+    if context.config is None:
+        return []
+    typed = {k.rsplit(".", 1)[-1] for k in context.typed_keys if k.startswith("model.config_overrides.")}
+    found = []
+    for problem in config_code_problems(context.config, "the model config"):
+        where, name, reason = problem.split(": ", 2)
+        if name not in typed and f"_{name}" not in typed:
+            found.append(Refusal(name, NOTHING, reason, head=f"{where}: {name}"))
     return found

@@ -9,12 +9,16 @@ from __future__ import annotations
 from typing import Callable
 
 from lit_memory.policy import checkpoints, code, reads, templates, values, writes  # noqa: F401  they register
-from lit_memory.policy.refusal import NOTHING, RULES, Context, Refusal, Rule
+from lit_memory.policy.refusal import NOTHING, RULES, Context, Refusal, Rule, refuse_first  # noqa: F401  (runners)
+
+# The order a phase's refusals are listed in: by subject, then as each module registers its rules.
+ORDER = ("code", "values", "checkpoints", "reads", "writes", "templates")
 
 
 def rules_of(phase: str) -> list[Rule]:
-    """The rules of ``phase``, in the order their modules register them."""
-    return [r for r in RULES if r.phase == phase]
+    """The rules of ``phase``: by subject (`ORDER`), then in the order each module registers them."""
+    chosen = [r for r in RULES if r.phase == phase]
+    return sorted(chosen, key=lambda r: ORDER.index(r.name.split(".")[0]))
 
 
 def refusals(phase: str, context: Context, only: Callable[[Rule], bool] = lambda rule: True) -> list[Refusal]:
@@ -30,10 +34,3 @@ def refusals(phase: str, context: Context, only: Callable[[Rule], bool] = lambda
             found.append(refusal)
     return found
 
-
-def refuse_first(found: list[Refusal]) -> None:
-    """Raise the first refusal as one ``error:`` line (`lit_memory.errors.UserError`)."""
-    from lit_memory.errors import UserError
-
-    if found:
-        raise UserError(str(found[0]))

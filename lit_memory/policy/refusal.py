@@ -3,8 +3,10 @@ that returns refusals, tagged with the phase that runs it) and the registry (`re
 
 Phases, in the order a run meets them:
 
-- ``parse``: the parsed settings of one subcommand, in the process that parsed them (`lit_memory.config.trust.Decision`);
-- ``launch``: what only a confined run needs judged, in its parent before the child starts (`lit_memory.confine.launch`);
+- ``parse``: the parsed settings of one subcommand, in the process that parsed them
+  (`lit_memory.config.trust.Decision`);
+- ``launch``: what only a confined run needs judged, in its parent before the child starts
+  (`lit_memory.confine.launch`);
 - ``run``: what only the running trainer shows (`lit_memory.sandbox.guard`); from the settings alone, ``recipes check``
   says what a run would refuse then (a rule's ``Context.trainer`` is None there).
 
@@ -14,7 +16,7 @@ Phases, in the order a run meets them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # The flag that lifts the trust decision: every refusal names it (`lit_memory.sandbox` re-exports it).
 TRUST_FLAG = "--trust-recipe"
@@ -34,17 +36,26 @@ class Refusal:
     reason: str
     safe: Any = None  # what a shared recipe.yaml writes instead (None: left as it is)
     hint: str = HINT
-    head: str = ""
+    head: Optional[str] = None  # what the line names before the reason ("": nothing), where not `key=value`
 
     def shown(self) -> str:
         """``key=value`` (or the rule's own ``head``): the refused setting as the line names it."""
-        if self.head:
+        if self.head is not None:
             return self.head
         return self.key if self.value is NOTHING else f"{self.key}={self.value!r}"
 
     def line(self) -> str:
         """The refusal without its advice, as ``recipes check`` lists it."""
-        return f"{self.shown()}: {self.reason}"
+        return f"{self.shown()}: {self.reason}" if self.shown() else self.reason
+
+    @classmethod
+    def of_error(cls, key: str, text: str) -> "Refusal":
+        """A refusal from the one line a lower layer's check raised (``refusing HEAD: REASON; ADVICE``)."""
+        text = text.removeprefix("refusing ")
+        head, _, rest = text.partition(": ")
+        for advice in (f"; {PASS}", "; type --", "; check the file"):
+            rest = rest.split(advice)[0]
+        return cls(key, NOTHING, rest, head=head, hint=PASS)
 
     def __str__(self) -> str:
         return f"refusing {self.line()}; {self.hint}"
@@ -79,9 +90,11 @@ class Context:
     _leaves: Optional[list[tuple[str, Any]]] = field(default=None, repr=False)
 
     def leaves(self) -> list[tuple[str, Any]]:
-        """(dotted key, value) of every leaf of the settings (a list's items keyed ``[i]``)."""
+        """(dotted key, value) of every leaf of the settings (`lit_memory.settings.leaves`: a list's items by index)."""
         if self._leaves is None:
-            self._leaves = list(_leaves(self.settings))
+            from lit_memory.settings import leaves  # torch: loaded by whoever has settings to judge
+
+            self._leaves = [] if self.settings is None else list(leaves(self.settings))
         return self._leaves
 
     def chosen(self) -> dict[str, Any]:
@@ -99,29 +112,6 @@ class Context:
                 node = node[part]
             return node
         return self.settings.get(key, default)
-
-
-def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if tree is None:
-        return
-    if not isinstance(tree, (dict, list)):
-        from lit_memory.settings import leaves  # a Namespace: the settings' own walk (torch is loaded by then)
-
-        yield from leaves(tree)
-        return
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _leaves_of(value, f"{prefix}.{key}" if prefix else str(key))
-    else:
-        for i, value in enumerate(tree):
-            yield from _leaves_of(value, f"{prefix}[{i}]")
-
-
-def _leaves_of(value: Any, key: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, (dict, list)):
-        yield from _leaves(value, key)
-    else:
-        yield key, value
 
 
 @dataclass(frozen=True)
@@ -154,3 +144,11 @@ def register(phase: str, exempt_typed: bool = True, reads: bool = False) -> Call
         return check
 
     return add
+
+
+def refuse_first(found: list[Refusal]) -> None:
+    """Raise the first refusal as one ``error:`` line (`lit_memory.errors.UserError`)."""
+    from lit_memory.errors import UserError
+
+    if found:
+        raise UserError(str(found[0]))

@@ -14,7 +14,7 @@ from jsonargparse import Namespace
 from lit_memory.policy.checkpoints import MAX_KEPT_CHECKPOINTS, MIN_CHECKPOINT_STEPS
 from lit_memory.policy.code import code_refusals
 from lit_memory.policy.reads import is_remote
-from lit_memory.policy.refusal import Refusal
+from lit_memory.policy.refusal import Context, Refusal, register
 
 # Hugging Face loading options that `model.config_overrides` would hand to `from_pretrained` along with
 # the config's attributes: where to download from and to, what code to run.
@@ -72,13 +72,12 @@ BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
 )
 
 
-def value_refusals(settings: Namespace) -> list[Refusal]:
-    """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
-    from lit_memory.settings import leaves  # (torch: loaded by whoever has settings)
-
-    code = code_refusals(settings.get("model.config_overrides") if isinstance(settings, Namespace) else None)
-    refusals = list(code)
-    for key, value in leaves(settings):
+@register("parse")
+def values(context: Context) -> list[Refusal]:
+    """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at, and the `BOUNDS`."""
+    code = code_refusals(context.get("model.config_overrides"))  # listed by `lit_memory.policy.code.settings`
+    refusals: list[Refusal] = []
+    for key, value in context.leaves():
         name = key.rsplit(".", 1)[-1]
         parent = key.rsplit(".", 2)[-2] if key.count(".") else ""
         if name == "trust_remote_code" and value:
@@ -86,10 +85,12 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
         elif key == "weights_only" and value is not True:
             refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
         elif parent == "config_overrides" and name == "auto_map":
-            refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
+            refusals.append(Refusal(key, value,
+                                    "it names Python code to load the model with (for whoever loads its export)"))
         elif any(_under_key(key, r.key) for r in code):
             continue  # inside a refused config override (a quantization config's fields)
-        elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
+        elif parent == "config_overrides" and name != "trust_remote_code" and (
+                name in HF_LOADING_OPTIONS or name[:1] == "_"):
             refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
         elif isinstance(value, str) and is_remote(value) and key != "ckpt_path":
             refusals.append(Refusal(key, value, "it names a remote location: a recipe may name local files only "
@@ -97,14 +98,33 @@ def value_refusals(settings: Namespace) -> list[Refusal]:
         for bound, refused, reason in BOUNDS:
             if name == bound and refused(value):
                 refusals.append(Refusal(key, value, reason(value)))
-    devices = settings.get("trainer.devices")
-    if (_device_count(devices) or 0) > _cpus() and _on_cpu(settings.get("trainer.accelerator")):
-        refusals.append(Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} cores"))
     return refusals
+
+
+@register("parse")
+def devices(context: Context) -> list[Refusal]:
+    """A process per CPU device: no more than this machine's cores."""
+    devices = context.get("trainer.devices")
+    if (_device_count(devices) or 0) > _cpus() and _on_cpu(context.get("trainer.accelerator")):
+        return [Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} "
+                                                    "cores")]
+    return []
+
+
+# Settings a batch-size finder may scale (`batch_arg_name`) that the bounds hold for the whole run.
+BOUNDED_DURING_RUN = ("num_workers", "max_length")
+
+
+@register("parse")
+def scaled_bounds(context: Context) -> list[Refusal]:
+    """A batch-size finder told to scale a bounded setting would take it past its bound during the run."""
+    return [Refusal(key, value, f"it would be scaled during the run past the bound that holds for data.{value}")
+            for key, value in context.leaves() if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN]
 
 
 def _under_key(key: str, parent: str) -> bool:
     return key == parent or key.startswith(parent + ".")
+
 
 def _on_cpu(accelerator: Any) -> bool:
     """Whether Lightning would run on CPU processes (on GPUs it refuses more devices than exist)."""

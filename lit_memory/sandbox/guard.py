@@ -63,6 +63,7 @@ from transformers import CONFIG_MAPPING
 
 from lit_memory import files
 from lit_memory.errors import UserError
+from lit_memory.policy import phases
 from lit_memory.policy.checkpoints import (  # noqa: F401  (the policy's; callers name them here)
     MAX_KEPT_CHECKPOINTS,
     MIN_CHECKPOINT_STEPS,
@@ -78,7 +79,7 @@ from lit_memory.policy.code import (  # noqa: F401
     config_code_problems,
 )
 from lit_memory.policy.reads import is_remote
-from lit_memory.policy.refusal import HINT
+from lit_memory.policy.refusal import HINT, Context
 from lit_memory.sandbox import TRUST_FLAG, bounds
 from lit_memory.sandbox.checkpoint_reading import checkpoint_problem, load_metadata
 
@@ -262,8 +263,8 @@ class RunBounds(Callback):
             self._count_saves(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if restricted() and (problem := checkpoint_load(trainer, self.exempt)):
-            raise UserError(f"refusing {problem}; {HINT}")
+        if restricted():  # the run phase's rules of the policy, over the running trainer
+            phases.refuse_first(phases.refusals("run", Context(trainer=trainer, exempt=self.exempt)))
 
     def _count_saves(self, trainer: Any) -> None:
         strategy = trainer.strategy
@@ -397,11 +398,8 @@ def check_config(config: Any, overrides: Optional[dict[str, Any]] = None) -> Non
     the user typed is theirs."""
     if not restricted():
         return
+    phases.refuse_first(phases.refusals("run", Context(config=config, typed_keys=tuple(_typed))))
     typed = {k.rsplit(".", 1)[-1] for k in _typed if k.startswith("model.config_overrides.")}
-    for problem in config_code_problems(config, "the model config"):
-        name = problem.split(": ", 2)[1]
-        if name not in typed and f"_{name}" not in typed:
-            raise UserError(f"refusing {problem}; {HINT}")
     if problem := bounds.model_size_problem(config, exempt=tuple(typed)):
         raise UserError(f"refusing the model config: {problem}; {HINT}")
 

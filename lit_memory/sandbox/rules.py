@@ -8,9 +8,9 @@ distributed launch's own), bounds (memory, processes, file size, disk, preparati
 it to itself (`lit_memory.sandbox.child`; `enter`: limits and Landlock), before anything of the run is imported. The
 child's environment holds no secret (`scrubbed`).
 
-The value rules judge what the kernel cannot: a run folder a recipe chooses (`check_roots`), templates that
-Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`),
-a file a recipe names outside its folder and the working folder (`check_input`).
+The value rules that judge what the kernel cannot (a run folder a recipe chooses, templates, free-form keyword
+dictionaries, a file a recipe names outside its folder and the working folder) are the policy's (`lit_memory.policy`:
+`writes`, `templates`, `reads`); their names here are the policy's own.
 """
 
 from __future__ import annotations
