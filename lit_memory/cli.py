@@ -24,6 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_memory.sandbox import bounds, guard
+from lit_memory.policy import checkpoints
 from lit_memory.run import checks, environment, resume
 from lit_memory import console
 from lit_memory.config import arguments, option_names, recipes
@@ -570,7 +571,7 @@ class LitMemoryCLI(LightningCLI):
             quiet_evaluation_noise()
         if self.settings.get("ckpt_path") is not None:
             self.model.report_new_head = False  # the checkpoint's head replaces the one built first
-        typed = [v for k, v in leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
+        typed = [v for k, v in leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in checkpoints.PICKED_FROM]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed), self.model)
 
     def before_fit(self) -> None:

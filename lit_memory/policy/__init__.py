@@ -1,7 +1,7 @@
 """The policy for a sent recipe: every rule that judges what a recipe someone sent may make a run do, in one package.
 
-A rule is data that returns refusals, tagged with the phase that runs it (`refusal`: `Refusal`, `Rule`, `register`,
-`refusals`). Each rule's module is one subject:
+A rule is data that returns refusals, tagged with the phase that runs it (`refusal`: `Refusal`, `Rule`, `Context`,
+`register`); `phases` runs a phase's rules (`phases.refusals`). Each rule's module is one subject:
 
 - `values`: settings a recipe may not have whatever they point at, and `values.BOUNDS`, the rows that bound the machine;
 - `code`: Hugging Face settings that fetch or run code;

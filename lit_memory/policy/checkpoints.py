@@ -14,6 +14,9 @@ from lit_memory.policy.refusal import NOTHING, Context, Refusal, register
 
 # Lightning's own names for checkpoints it finds itself.
 SPECIAL_CKPT = ("last", "best", "hpc")
+# Settings naming a folder Lightning picks a checkpoint from by itself (SLURM's hpc checkpoint in the root folder, an
+# OnExceptionCheckpoint's in its dirpath): one the user typed is theirs (`lit_memory.sandbox.guard.preflight`).
+PICKED_FROM = ("default_root_dir", "dirpath")
 MIN_CHECKPOINT_STEPS = 50  # on average, over every callback: at most one checkpoint per this many optimizer steps
 MAX_KEPT_CHECKPOINTS = 10  # kept at once, over every callback
 

@@ -1,5 +1,6 @@
 """The shape of the policy: a `Refusal` (one value a sent recipe may not have, with its key and why), a `Rule` (a check
-that returns refusals, tagged with the phase that runs it) and the registry (`register`, `refusals`).
+that returns refusals, tagged with the phase that runs it) and the registry (`register`; run by
+`lit_memory.policy.phases`).
 
 Phases, in the order a run meets them:
 
