@@ -14,7 +14,7 @@ from jsonargparse import Namespace
 from lit_memory.policy.checkpoints import MAX_KEPT_CHECKPOINTS, MIN_CHECKPOINT_STEPS
 from lit_memory.policy.code import code_refusals
 from lit_memory.policy.reads import is_remote
-from lit_memory.policy.refusal import Context, Refusal, register
+from lit_memory.policy.refusal import NOTHING, Context, Refusal, register
 
 # Hugging Face loading options that `model.config_overrides` would hand to `from_pretrained` along with
 # the config's attributes: where to download from and to, what code to run.
@@ -115,10 +115,15 @@ def devices(context: Context) -> list[Refusal]:
 BOUNDED_DURING_RUN = ("num_workers", "max_length")
 
 
-@register("parse")
+@register("run")
 def scaled_bounds(context: Context) -> list[Refusal]:
-    """A batch-size finder told to scale a bounded setting would take it past its bound during the run."""
-    return [Refusal(key, value, f"it would be scaled during the run past the bound that holds for data.{value}")
+    """A batch-size finder told to scale a bounded setting would take it past its bound during the run. From the
+    settings alone; in the running process the data module refuses the value it is changed to
+    (`lit_memory.data.TextClassificationData`)."""
+    if context.trainer is not None:
+        return []
+    return [Refusal(key, NOTHING, f"{value!r} would be scaled during the run past the bound that holds for "
+                                  f"data.{value}")
             for key, value in context.leaves() if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN]
 
 
