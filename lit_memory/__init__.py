@@ -34,7 +34,9 @@ for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 # imports itself back through others (tests/test_layers.py checks every import). A module falls in the layer of the
 # longest name that holds it; the runtime holds the rest.
 LAYERS = (
-    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.settings", "lit_memory.sandbox")),  # + the trust guard
+    ("base", ("lit_memory.errors", "lit_memory.files", "lit_memory.settings")),
+    ("policy", ("lit_memory.policy",)),  # every rule that judges a sent recipe
+    ("sandbox", ("lit_memory.sandbox",)),  # the kernel's layers and the trust guard at the sinks
     ("memory below the runtime", ("lit_memory.memory",)),  # what a run measures; the device and the memory model
     ("parts", ("lit_memory.task", "lit_memory.console", "lit_memory.hf", "lit_memory.optim", "lit_memory.fused")),
     ("run", ("lit_memory.run",)),  # a training run's machinery: checkpoints, resume, the monitor, predictions written

@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _Instan
 
 from lit_memory import console, fine_tune
 from lit_memory.config import arguments, option_names, shared_recipe, trust
+from lit_memory.policy import checkpoints
 from lit_memory.config.arguments import LINKS, config_files, named_files, stubs_without_a_subprocess
 from lit_memory.config.shipped import TRUST_FLAG, expand_recipes, recipe_help
 from lit_memory.console import say
@@ -511,8 +512,7 @@ class LitMemoryCLI(LightningCLI):
             quiet_evaluation_noise()
         if self.settings.get("ckpt_path") is not None:
             self.model.report_new_head = False  # the checkpoint's head replaces the one built first
-        typed = [v for k, v in dotted_leaves(self.decision.typed)
-                 if k.rsplit(".", 1)[-1] in ("default_root_dir", "dirpath")]
+        typed = [v for k, v in dotted_leaves(self.decision.typed) if k.rsplit(".", 1)[-1] in checkpoints.PICKED_FROM]
         guard.preflight(self.trainer, self.subcommand, self.settings.get("ckpt_path"), tuple(typed), self.model)
 
     def before_fit(self) -> None:

@@ -39,52 +39,47 @@ it. Inside an untrusted run nothing can be trusted; after it, the process is as 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jsonargparse
-import torch
 import yaml
-from jsonargparse import Namespace
+from jsonargparse import Namespace, _common
 from jsonargparse import Path as ConfigPath
-from jsonargparse import _common
 from jsonargparse._optionals import _get_config_read_mode
 
-from lit_memory.sandbox import bounds, checkpoint_reading, guard
-from lit_memory.optim.optimizers import IMPORTABLE
 from lit_memory.errors import UserError
+from lit_memory.optim.optimizers import IMPORTABLE
+from lit_memory.policy import imports, phases
+from lit_memory.policy.checkpoints import SPECIAL_CKPT, checkpoint_refusals  # noqa: F401  (the policy's, named here)
+from lit_memory.policy.code import code_refusals  # noqa: F401
+from lit_memory.policy.refusal import HINT, TRUST_FLAG, Context, Refusal
+from lit_memory.policy.typed import (  # noqa: F401  what the user typed (callers name them here)
+    _is_file,
+    _same,
+    command_line_only,
+    recipe_folders,
+    typed_option,
+    typed_values,
+)
+from lit_memory.policy.values import (  # noqa: F401
+    BOUNDS,
+    HF_LOADING_OPTIONS,
+    MAX_KEPT_CHECKPOINTS,
+    MAX_LENGTH,
+    MIN_CHECKPOINT_SECONDS,
+    MIN_CHECKPOINT_STEPS,
+)
+from lit_memory.sandbox import bounds, checkpoint_reading, guard
 from lit_memory.settings import assign, dotted_leaves
 
-TRUST_FLAG = guard.TRUST_FLAG
-HINT = guard.HINT
-# Import paths a recipe may name: optimizers (those of the libraries lit_memory knows: `lit_memory.optim.optimizers`),
-# Lightning's own callbacks/loggers/strategies/plugins, this package and peft. An entry allows itself and everything
-# under it.
-ALLOWLIST = (
-    *IMPORTABLE,
-    "lightning",
-    "lit_memory",
-    "peft",
-)
-# Inside allowed packages: entry points that would parse a command line of their own (including the
-# trust flag), and the guard's own machinery. The most specific entry decides.
-DENYLIST = (
-    "lightning.pytorch.cli",
-    "lightning.fabric.cli",
-    "lit_memory.cli", "lit_memory.config.arguments",
-    "lit_memory.__main__",
-    "lit_memory.config.trust",
-    "lit_memory.config.shared_recipe.SaveRecipe",
-    "lit_memory.sandbox.guard", "lit_memory.sandbox.checkpoint_reading",
-    "lit_memory.files",
-    "lit_memory.tools",
-)
-SPECIAL_CKPT = guard.SPECIAL_CKPT
+# Import paths a recipe may name: optimizers (those of the libraries lit_memory knows: `lit_memory.optim.optimizers`)
+# and the policy's packages (`lit_memory.policy.imports`); inside them, the policy's denylist.
+ALLOWLIST = (*IMPORTABLE, *imports.PACKAGES)
+DENYLIST = imports.DENYLIST
 
 # jsonargparse's settings the import policy changes (in its private `_common.parsing_settings`)
 POLICY_SETTINGS = ("import_path_verdicts", "import_paths_enforced", "instantiate_subclass_spec_in_any")
@@ -319,163 +314,6 @@ def remote_config_refusal(url: str) -> str:
 
 
 @dataclass(frozen=True)
-class Refusal:
-    """A value that would make us run or unpickle code from elsewhere, reach elsewhere, or overload the machine."""
-
-    key: str
-    value: Any
-    reason: str
-    safe: Any = None  # what a shared recipe.yaml writes instead (None: left as it is)
-
-    def __str__(self) -> str:
-        return f"refusing {self.key}={self.value!r}: {self.reason}; {HINT}"
-
-
-# Hugging Face loading options that `model.config_overrides` would hand to `from_pretrained` along with
-# the config's attributes: where to download from and to, what code to run.
-HF_LOADING_OPTIONS = frozenset({
-    "trust_remote_code", "cache_dir", "proxies", "token", "use_auth_token", "revision", "code_revision",
-    "subfolder", "force_download", "local_files_only", "gguf_file", "user_agent",
-})
-MIN_CHECKPOINT_STEPS = guard.MIN_CHECKPOINT_STEPS  # a checkpoint every step of a large model fills a disk and starves training
-MAX_KEPT_CHECKPOINTS = guard.MAX_KEPT_CHECKPOINTS
-MIN_CHECKPOINT_SECONDS = 60
-MAX_LENGTH = 131072  # tokens: the longest context of the families lit_memory knows
-
-
-def _seconds(value: Any) -> Optional[float]:
-    """A ``train_time_interval`` as jsonargparse leaves it (a timedelta, or its fields), in seconds."""
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if isinstance(value, (dict, Namespace)):
-        try:
-            return datetime.timedelta(**dict(value)).total_seconds()
-        except TypeError:
-            return None
-    return None
-
-
-def _cpus() -> int:
-    return os.cpu_count() or 1
-
-
-def _device_count(devices: Any) -> Optional[int]:
-    if isinstance(devices, bool):
-        return None
-    if isinstance(devices, int):
-        return devices
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        return int(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    return None  # "auto", -1: Lightning picks what the machine has
-
-
-# (key's last part, refused when, reason): settings that can take the machine down however little
-# the run trains. Checked wherever the key appears (a ModelCheckpoint's, a subclass's).
-BOUNDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = (
-    ("num_workers", lambda v: isinstance(v, int) and v > _cpus(),
-     lambda v: f"more DataLoader worker processes than this machine's {_cpus()} CPU cores"),
-    ("every_n_train_steps", lambda v: isinstance(v, int) and 0 < v < MIN_CHECKPOINT_STEPS,
-     lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_STEPS} optimizer steps"),
-    ("save_top_k", lambda v: isinstance(v, int) and (v < 0 or v > MAX_KEPT_CHECKPOINTS),
-     lambda v: f"keeps {'every' if v < 0 else v} checkpoint{'s' if v != 1 else ''}, more than {MAX_KEPT_CHECKPOINTS}"),
-    ("max_length", lambda v: isinstance(v, int) and v > MAX_LENGTH,
-     lambda v: f"sequences of more than {MAX_LENGTH} tokens (memory while tokenising and padding grows with it)"),
-    ("train_time_interval", lambda v: _seconds(v) is not None and _seconds(v) < MIN_CHECKPOINT_SECONDS,
-     lambda v: f"a checkpoint more often than every {MIN_CHECKPOINT_SECONDS} seconds"),
-)
-
-
-def value_refusals(settings: Namespace) -> list[Refusal]:
-    """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at."""
-    code = code_refusals(settings.get("model.config_overrides") if isinstance(settings, Namespace) else None)
-    refusals = list(code)
-    for key, value in dotted_leaves(settings):
-        name = key.rsplit(".", 1)[-1]
-        parent = key.rsplit(".", 2)[-2] if key.count(".") else ""
-        if name == "trust_remote_code" and value:
-            refusals.append(Refusal(key, value, "it runs Python files shipped with the model or tokenizer", safe=False))
-        elif key == "weights_only" and value is not True:
-            refusals.append(Refusal(key, value, "unpickling a checkpoint runs any code it names", safe=True))
-        elif parent == "config_overrides" and name == "auto_map":
-            refusals.append(Refusal(key, value, "it names Python code to load the model with (for whoever loads its export)"))
-        elif any(_under_key(key, r.key) for r in code):
-            continue  # inside a refused config override (a quantization config's fields)
-        elif parent == "config_overrides" and name != "trust_remote_code" and (name in HF_LOADING_OPTIONS or name[:1] == "_"):
-            refusals.append(Refusal(key, value, "a Hugging Face loading option, not a model setting"))
-        elif isinstance(value, str) and guard.is_remote(value) and key != "ckpt_path":
-            refusals.append(Refusal(key, value, "it names a remote location: a recipe may name local files only "
-                                                "(nothing is fetched from or sent to where it says)"))
-        for bound, refused, reason in BOUNDS:
-            if name == bound and refused(value):
-                refusals.append(Refusal(key, value, reason(value)))
-    devices = settings.get("trainer.devices")
-    if (_device_count(devices) or 0) > _cpus() and _on_cpu(settings.get("trainer.accelerator")):
-        refusals.append(Refusal("trainer.devices", devices, f"a process per CPU device, more than this machine's {_cpus()} cores"))
-    return refusals
-
-
-def code_refusals(overrides: Any, key: str = "model.config_overrides", depth: int = 0) -> list[Refusal]:
-    """Config overrides that would make transformers fetch or run code (`guard.code_setting`): at the top or
-    in a sub-config's dict (``text_config: {attn_implementation: org/kernel}``)."""
-    if isinstance(overrides, Namespace):
-        overrides = overrides.as_dict()
-    if not isinstance(overrides, dict) or depth > 4:
-        return []
-    found = []
-    for name, value in overrides.items():
-        if reason := guard.code_setting(str(name), value):
-            found.append(Refusal(f"{key}.{name}", value, reason))
-        elif isinstance(value, dict):
-            found += code_refusals(value, f"{key}.{name}", depth + 1)
-    return found
-
-
-def _under_key(key: str, parent: str) -> bool:
-    return key == parent or key.startswith(parent + ".")
-
-
-def _on_cpu(accelerator: Any) -> bool:
-    """Whether Lightning would run on CPU processes (on GPUs it refuses more devices than exist)."""
-    if isinstance(accelerator, str) and accelerator not in ("auto", "cpu"):
-        return False
-    if accelerator == "cpu":
-        return True
-    return not torch.cuda.is_available()
-
-
-def checkpoint_refusals(ckpt_path: Any, typed: bool = False, approved: Mapping[str, str] = {}) -> list[Refusal]:
-    """Refusals for a ``ckpt_path`` as Lightning resolves it: a path relative to the working folder,
-    a URL or fsspec chain, a model registry name, or one of Lightning's special names. What a path
-    points at is never the user's: checked wherever it was set, unless a config the user trusted named it (its content
-    approved with the config: ``approved``). A single file is read by the resume check
-    (`lit_memory.run.resume.check_resume`), weights-only."""
-    if ckpt_path is None:
-        return []
-    ckpt_path = str(ckpt_path)
-    if ckpt_path in SPECIAL_CKPT:
-        if typed:
-            return []  # the user's own choice: what Lightning finds is checked then (`guard.preflight`)
-        return [Refusal("ckpt_path", ckpt_path, "Lightning would pick the checkpoint itself, in folders the recipe "
-                        f"chose: name one with --ckpt_path PATH (or type --ckpt_path {ckpt_path} yourself)")]
-    if ckpt_path.startswith("registry:"):
-        return [Refusal("ckpt_path", ckpt_path, "it downloads a model from Lightning's model registry")]
-    if guard.is_remote(ckpt_path):
-        return [Refusal("ckpt_path", ckpt_path, "it is not a local file or folder: download it and pass the local path")]
-    path = Path(ckpt_path).expanduser()
-    if not path.exists():
-        raise UserError(f"checkpoint not found: {ckpt_path} (a relative path is read from {Path.cwd()})")
-    if guard.approved(path):  # named by a config the user trusted, whose content they approved with it
-        return []
-    if problem := checkpoint_reading.checkpoint_problem(path, files_too=False):
-        return [Refusal("ckpt_path", ckpt_path, problem)]
-    return []
-
-
-@dataclass(frozen=True)
 class Decision:
     """One run's trust decision: ``trusted`` (``--trust-recipe`` given: nothing is checked), ``configs_trusted`` (every
     config the run reads is shipped or trusted by the user by content, `lit_memory.config.trusted`: the run is not
@@ -569,119 +407,9 @@ class Decision:
         if self.trusted:
             return []
         typed = dict(dotted_leaves(self.typed))
-        refusals = [r for r in value_refusals(settings) if not (r.key in typed and _same(typed[r.key], r.value))]
-        ckpt_path = settings.get("ckpt_path")
-        typed_ckpt = _same(typed.get("ckpt_path"), ckpt_path)
-        return refusals + checkpoint_refusals(ckpt_path, typed=typed_ckpt, approved=self.pinned)
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
-
-
-def command_line_only(argv: list[str]) -> list[str]:
-    """``argv`` without what reads files: ``--config FILE`` and any ``--key VALUE`` whose value is an
-    existing file (jsonargparse loads it as that key's config). URLs stay: with remote reading off
-    they are strings, or an error."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token in ("--config", "-c"):
-            i += 2
-            continue
-        if token.startswith(("--config=", "-c=", "--print_config")) or token in ("-h", "--help", TRUST_FLAG):
-            i += 1
-            continue
-        if token.startswith("--"):
-            _, eq, value = token.partition("=")
-            width = 1
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, width = argv[i + 1], 2
-            if not _is_file(value):
-                out += argv[i : i + width]
-            i += width
-            continue
-        out.append(token)  # the subcommand
-        i += 1
-    return out
-
-
-def typed_values(argv: list[str], parse: Callable[[list[str]], Namespace], subcommand: Optional[str]) -> Namespace:
-    """What a parse of the command line alone produces (`command_line_only`), for one subcommand: the
-    user's own values. Where the whole line does not parse alone (an override of a strategy or callback whose
-    class only a file names), each option is parsed on its own and those that parse count: the others are
-    exempt from nothing."""
-    line = command_line_only(argv)
-    try:
-        return _of(parse(line), subcommand)
-    except Exception:  # noqa: BLE001  parsed option by option below
-        pass
-    try:
-        base = _of(parse(line[:1]), subcommand)
-    except Exception:  # noqa: BLE001  not even the subcommand alone: nothing typed is trusted
-        return Namespace()
-    merged, defaults = base.clone(), dict(base.items(branches=False))
-    for option in _options(line[1:]):
-        try:
-            alone = _of(parse([*line[:1], *option]), subcommand)
-        except Exception:  # noqa: BLE001  this option needs what a file names
-            continue
-        for key, value in alone.items(branches=False):  # jsonargparse's leaves: a dict value is one
-            if not _same(defaults.get(key), value):
-                merged[key] = value
-    return merged
-
-
-def _of(parsed: Namespace, subcommand: Optional[str]) -> Namespace:
-    return parsed.get(subcommand, Namespace()) if subcommand else parsed
-
-
-def _options(tokens: list[str]) -> list[list[str]]:
-    """``--key=value`` / ``--key value`` / ``--flag`` tokens, one list per option."""
-    options: list[list[str]] = []
-    for token in tokens:
-        if token.startswith("-") or not options:
-            options.append([token])
-        else:
-            options[-1].append(token)
-    return options
-
-
-def typed_option(argv: list[str], key: str) -> Optional[str]:
-    """The value the user typed for ``--KEY`` (the last one), or None. A file named on the command line is the user's,
-    though the parse of the command line alone leaves it out (`command_line_only`: jsonargparse would read it as that
-    key's config): what a run reads is judged by this."""
-    value = None
-    for i, token in enumerate(argv):
-        if token == f"--{key}" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif token.startswith(f"--{key}="):
-            value = token.split("=", 1)[1]
-    return value
-
-
-def recipe_folders(argv: list[str]) -> list[str]:
-    """The folders a recipe's own files may lie in: the working folder and the folders of the configs the user named
-    (``--config FILE``, ``--recipe NAME`` once expanded). A file a recipe names elsewhere is the user's, read only when
-    they type it (`lit_memory.sandbox.rules.check_input`, `bounded_config_reading`)."""
-    folders = [os.getcwd()]
-    for i, token in enumerate(argv):
-        value = argv[i + 1] if token in ("--config", "-c") and i + 1 < len(argv) else None
-        if token.startswith(("--config=", "-c=")):
-            value = token.split("=", 1)[1]
-        if value and _is_file(value):
-            folders.append(os.path.dirname(os.path.realpath(os.path.expanduser(re.sub(r"^file:///?", "/", value)))))
-    return list(dict.fromkeys(os.path.realpath(f) for f in folders))
-
-
-def _is_file(value: str) -> bool:
-    """Whether jsonargparse would read ``value`` as a file: a path, or a ``file://`` URL it strips itself."""
-    value = re.sub(r"^file:///?", "/", value)
-    try:
-        return bool(value) and Path(value).expanduser().is_file()
-    except (OSError, ValueError):  # too long or too odd to be a path
-        return False
+        context = Context(settings, typed=lambda key, value: key in typed and _same(typed[key], value),
+                          approved=guard.approved, checkpoint_problem=_checkpoint_problem)
+        return phases.refusals("parse", context)
 
 
 def sanitize(settings: Namespace) -> Namespace:
@@ -692,3 +420,13 @@ def sanitize(settings: Namespace) -> Namespace:
         if refusal.safe is not None:
             assign(out, refusal.key, refusal.safe)
     return out
+
+
+def _checkpoint_problem(path: Any) -> Optional[str]:
+    return checkpoint_reading.checkpoint_problem(path, files_too=False)
+
+
+def value_refusals(settings: Namespace) -> list[Refusal]:
+    """Settings (one subcommand's) that need ``--trust-recipe`` whatever they point at: the parse phase's rules that
+    judge values alone (`lit_memory.policy`), a value the user typed included."""
+    return phases.refusals("parse", Context(settings), only=lambda rule: not rule.reads)

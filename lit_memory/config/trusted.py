@@ -38,6 +38,7 @@ from typing import Any, Iterator, Optional
 from lit_memory import files
 from lit_memory.config import shipped
 from lit_memory.errors import UserError
+from lit_memory.policy.writes import names_a_write
 from lit_memory.sandbox import bounds
 
 STORE_VARIABLE = "LIT_MEMORY_CONFIG_DIR"  # moves the user's lit_memory config folder (CI, tests, a shared account)
@@ -47,8 +48,6 @@ COMMAND = "python -m lit_memory recipes trust"
 # named by any other option is read by jsonargparse as that option's config, so it must be trusted too.
 NOT_CONFIGS = ("data.source", "data.predict_path", "ckpt_path", "model.model_name_or_path",
                "model.tokenizer_name_or_path", "trainer.default_root_dir", "output", "memory.snapshot")
-# Keys whose value is a place a run writes: never part of a recipe's content.
-WRITE_KEYS = re.compile(r"(^|\.)(default_root_dir|save_dir|dirpath|log_dir|output_dir|root_dir|snapshot)$")
 MAX_NAMED_FILES = 10_000  # files recorded for one recipe (a model folder's files included)
 NAMED_DEPTH = 4  # nested configs followed from a recipe
 
@@ -276,7 +275,7 @@ def listing() -> str:
 def named_files(config: Path) -> list[str]:
     """Every regular file beneath ``config``'s folder that it names, by a path relative to that folder or absolute
     (a data file, a nested config and what that one names, every file of a model folder), run folders excluded
-    (`WRITE_KEYS`): their content is part of what the user trusts."""
+    (`lit_memory.policy.writes.names_a_write`): their content is part of what the user trusts."""
     folder = config.parent
     found: dict[str, None] = {}
     queue, seen = [(config, 0)], {str(config)}
@@ -287,7 +286,7 @@ def named_files(config: Path) -> list[str]:
         except UserError:
             continue  # not YAML (a data file): its bytes are hashed, nothing inside is followed
         for key, value in _leaves(tree):
-            if not isinstance(value, str) or not value or WRITE_KEYS.search(key) or "://" in value:
+            if not isinstance(value, str) or not value or names_a_write(key) or "://" in value:
                 continue
             target = (current.parent / os.path.expanduser(value)).resolve()
             if not _under(target, folder) or target == folder:

@@ -3,10 +3,11 @@
 ``python -m lit_memory fit|validate|test|predict`` without ``--trust-recipe`` comes here (`lit_memory.__main__`):
 
 1. the command is parsed and its values judged in this process, as every run is (`lit_memory.config.trust`: the import
-   allowlist, code-running values, bounds), plus the rules only a confined run needs (`lit_memory.sandbox.rules`:
-   run folders a recipe chooses, templates, free-form keyword dictionaries, logger names that are one path component);
+   allowlist, code-running values, bounds), plus the rules only a confined run needs, the policy's launch phase
+   (`lit_memory.policy`: run folders a recipe chooses, write paths, templates, free-form keyword dictionaries, logger
+   names that are one path component);
 2. what the child will read is fixed here: every file a recipe names lies beneath the recipe's folder or the working
-   folder unless the user typed it (`lit_memory.sandbox.rules.check_input`), and is checked as regular files beneath
+   folder unless the user typed it (`lit_memory.policy.reads.inputs`), and is checked as regular files beneath
    its folder (`lit_memory.sandbox.stage`); what it names on the Hugging Face Hub is sized and fetched here into the
    run's private folder (`lit_memory.confine.hub`);
 3. every folder the run writes below (the default ``lightning_logs`` too) is made beneath the working folder without
@@ -37,24 +38,25 @@ from typing import Any, Optional, Sequence
 
 from huggingface_hub import constants
 
-from lit_memory.sandbox import guard
 from lit_memory.config import trust
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
-from lit_memory.run import predict_file
-from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.optim.precision import runs_on_cpu
-from lit_memory.sandbox import cgroup, child, environment, landlock, namespaces, roots, rules, stage, watchdog
 from lit_memory.confine import gpu, hub
-from lit_memory.sandbox.rules import scrubbed  # noqa: F401  (what the child's environment leaves out)
-from lit_memory.sandbox.watchdog import LIMIT_VARIABLES, Bounds as Limits
+from lit_memory.planning.prediction.analytic import analytic
+from lit_memory.policy import phases
+from lit_memory.policy.reads import INPUTS
+from lit_memory.policy.refusal import Context
+from lit_memory.policy.writes import is_root
+from lit_memory.run import predict_file
+from lit_memory.sandbox import cgroup, child, environment, guard, landlock, namespaces, roots, rules, stage, watchdog
+from lit_memory.sandbox.watchdog import LIMIT_VARIABLES
+from lit_memory.sandbox.watchdog import Bounds as Limits
 from lit_memory.settings import dotted_leaves
 
 GiB = 2**30
 PREPARE_SECONDS = 900.0  # tokenizer load, data read and tokenisation, before the first step
-# Settings that name files a run reads.
-INPUTS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path")
 # The child's own folders, in its private one (its temporary folder and caches).
 PRIVATE = ("tmp", "datasets", "inductor", "triton", "cuda", "matplotlib", "hub", "cache")
 DEFAULT_ROOT = "trainer.default_root_dir (unset: the working folder's lightning_logs)"
@@ -129,12 +131,14 @@ def make_plan(run: Any) -> Plan:
     before every check has passed."""
     settings = run.settings
     typed = run.decision  # which values the user typed (`lit_memory.config.trust.Decision.is_typed`)
-    chosen = {k: v for k, v in dotted_leaves(settings) if not typed.is_typed(k, v)}  # what the recipe chose
-    rules.check_templates(chosen)
-    rules.check_free_kwargs(chosen)
-    roots.check_components(chosen.items())
+    argv = run.argv or []
+    work = os.path.realpath(os.getcwd())
+    # The launch phase of the policy (`lit_memory.policy`): run folders, write paths, templates, files read.
+    context = Context(settings, typed=lambda key, value: users(typed, argv, key, value), work=work,
+                      folders=trust.recipe_folders(argv), roots=run_folders(settings, typed, create=False, argv=argv),
+                      walk=lambda path, key: roots.make(path, work, key, create=False))
+    phases.refuse_first(phases.refusals("launch", context))
     reads, fetches = inputs(run)
-    rules.check_write_paths(chosen, run_folders(settings, typed, create=False, argv=run.argv or []))
     env = environment.allowed(os.environ)  # what a run needs, nothing else (class D: no secret by another name)
     check_one_machine(settings, os.environ, distributed=_many(settings))
     connect, bind = _ports(settings, env)
@@ -193,23 +197,25 @@ def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
     for path in sorted(trust.files_read()):  # the configs the command names, as its parse read them
         if os.path.lexists(path):
             reads.append(str(stage.check(Path(path), "a config")))
-    folders = trust.recipe_folders(argv)
     fetches: list[hub.Fetch] = []
     for key in INPUTS:
         value = settings.get(key)
         if key == "data.source" and isinstance(value, str) and value:
             TextClassificationData.local_file(value)  # the data module's rule: a file suffix names a local file
         local = stage.local_path(value) if isinstance(value, str) and value not in ("last", "hpc", "best") else None
-        users = typed.is_typed(key, value) or (value is not None and trust.typed_option(argv, key) == str(value))
-        if local is not None:
-            if not users:
-                rules.check_input(key, value, local, folders)
+        if local is not None:  # beneath the recipe's folder or the working folder: the policy's `reads.inputs`
             reads.append(str(stage.check(local, f"{key}={value}")))
         elif key == "data.source" and isinstance(value, str) and value and value != "bundled":
-            fetches.append(hub.Fetch(key, value, "dataset", users, settings.get("data.subset")))
+            fetches.append(hub.Fetch(key, value, "dataset", users(typed, argv, key, value), settings.get("data.subset")))
         elif key.startswith("model.") and isinstance(value, str) and value and not value.startswith("bundled:"):
-            fetches.append(hub.Fetch(key, value, "model", users))
+            fetches.append(hub.Fetch(key, value, "model", users(typed, argv, key, value)))
     return reads, fetches
+
+
+def users(decision: Any, argv: Sequence[str], key: str, value: Any) -> bool:
+    """Whether the user typed ``value`` for ``key``: a parse of the command line alone gives it, or they named that
+    file on it (`lit_memory.policy.typed`)."""
+    return decision.is_typed(key, value) or (value is not None and trust.typed_option(list(argv), key) == str(value))
 
 
 def child_environment(env: dict[str, str], private: Path, distributed: bool) -> dict[str, str]:
@@ -274,7 +280,7 @@ def run_folders(
     else:
         named.append(("trainer.default_root_dir", str(root), decision.is_typed("trainer.default_root_dir", root)))
     for key, value in dotted_leaves(settings):
-        if key.rsplit(".", 1)[-1] in ("save_dir", "dirpath", "log_dir", "output_dir") and isinstance(value, str) and value:
+        if is_root(key) and key != "trainer.default_root_dir" and isinstance(value, str) and value:
             named.append((key, value, decision.is_typed(key, value)))
     if predict:  # the folder its file goes into
         named.append(predictions_folder(settings, decision, list(argv)))

@@ -6,9 +6,8 @@ process and runs it in a child that confines itself first thing (`lit_memory.con
 the runtime; `child`, the child's). This package is the base layer: the runtime imports it, it imports none of it.
 
 - `rules`: the confinement a run gets (`rules.Spec`: read roots, write roots, TCP ports, bounds, the child's path
-  and status pipe), the child's environment without secrets, and the values a recipe may not choose (run folders
-  outside the working folder or that exist, format templates that walk Python's objects, free-form keyword
-  dictionaries, files outside the recipe's folder and the working folder);
+  and status pipe) and the child's environment without secrets; the values a recipe may not choose are the policy's
+  (`lit_memory.policy`, the layer below this one);
 - `roots`: the run's folders made beneath the working folder without following a link, logger names of one component;
 - `stage`: every file a recipe names, checked as a regular file beneath its folder with no link on the way
   (``openat2``), an index's shards included;
@@ -27,5 +26,5 @@ does not start; each other missing layer is one warning line.
 """
 
 # The flag that lifts the trust decision, here because every check that refuses names it (`guard`, `bounds`) and
-# the light helps print it (`lit_memory.config.shipped`): this package's root imports nothing.
-TRUST_FLAG = "--trust-recipe"
+# the light helps print it (`lit_memory.config.shipped`): this package's root imports only the policy's light base.
+from lit_memory.policy.refusal import TRUST_FLAG  # noqa: E402, F401

@@ -47,7 +47,6 @@ import io
 import json
 import os
 import pickle
-import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -64,14 +63,28 @@ from transformers import CONFIG_MAPPING
 
 from lit_memory import files
 from lit_memory.errors import UserError
+from lit_memory.policy import phases
+from lit_memory.policy.checkpoints import (  # noqa: F401  (the policy's; callers name them here)
+    MAX_KEPT_CHECKPOINTS,
+    MIN_CHECKPOINT_STEPS,
+    SPECIAL_CKPT,
+    checkpoint_load,
+    save_budget,
+)
+from lit_memory.policy.code import (  # noqa: F401
+    CODE_SETTINGS,
+    KERNEL_PATTERN,
+    KERNEL_SETTINGS,
+    code_setting,
+    config_code_problems,
+)
+from lit_memory.policy.reads import is_remote
+from lit_memory.policy.refusal import HINT, Context
 from lit_memory.sandbox import TRUST_FLAG, bounds
 from lit_memory.sandbox.checkpoint_reading import checkpoint_problem, load_metadata
 
-HINT = f"check the file with `python -m lit_memory recipes check FILE`; pass {TRUST_FLAG} only if you trust its source"
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.serialization reads it at every torch.load
 NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
-# Lightning's own names for checkpoints it finds itself.
-SPECIAL_CKPT = ("last", "best", "hpc")
 
 _trusted: Optional[bool] = None  # None: no run's decision holds now (library use)
 _own_folders: list[Path] = []  # folders the user typed: what Lightning finds there by itself is theirs
@@ -127,14 +140,6 @@ def approved(path: Any) -> bool:
 
 
 # -- paths -------------------------------------------------------------------------------------
-
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_remote(value: str) -> bool:
-    """A URL, an fsspec chain (``simplecache::s3://...``) or Lightning's model registry: not a local path."""
-    return bool(_SCHEME.match(value)) or "::" in value or value.startswith("registry:")
-
 
 # -- the unpicklers that bypass torch.load ---------------------------------------------------
 
@@ -244,58 +249,6 @@ def install(trainer: Any) -> None:
     connector._lit_memory_guarded = True
 
 
-# -- checkpoint cadence and count over all callbacks ------------------------------------------------
-
-MIN_CHECKPOINT_STEPS = 50  # on average, over every callback: at most one checkpoint per this many optimizer steps
-MAX_KEPT_CHECKPOINTS = 10  # kept at once, over every callback
-
-
-def checkpoint_load(trainer: Any, exempt: Callable[[Any], bool] = lambda c: False) -> Optional[str]:
-    """Why the run's checkpoint callbacks, together, would save too often or keep too many, or None.
-    Each callback's interval in optimizer steps (``every_n_train_steps``, or ``every_n_epochs`` times the
-    optimizer steps of an epoch, known once the training data is loaded); the saves over the run
-    (``max_steps``, else ``max_epochs`` epochs) may exceed one per callback by at most one per
-    `MIN_CHECKPOINT_STEPS` steps. ``exempt``: callbacks the user typed, and lit_memory's own."""
-    callbacks = [c for c in trainer.checkpoint_callbacks if not exempt(c)]
-    if not callbacks:
-        return None
-    batches = trainer.num_training_batches
-    per_epoch = max(1, int(batches) // max(1, trainer.accumulate_grad_batches)) if batches not in (None, float("inf")) else None
-    if trainer.max_steps and trainer.max_steps > 0:
-        total = trainer.max_steps
-    elif per_epoch is not None and trainer.max_epochs is not None and trainer.max_epochs >= 0:
-        total = per_epoch * trainer.max_epochs
-    else:
-        total = None  # endless: every cadence counts
-    saves, kept, rate = 0.0, 0, 0.0
-    for c in callbacks:
-        steps = getattr(c, "_every_n_train_steps", 0) or 0
-        epochs = getattr(c, "_every_n_epochs", 0) or 0
-        interval = steps if steps > 0 else (epochs * per_epoch if epochs > 0 and per_epoch else None)
-        copies = 2 if c.save_last is True else 1  # last.ckpt written again beside each save (a link costs nothing)
-        if interval:
-            rate += copies / interval
-            saves += copies * (total // interval if total is not None else float("inf"))
-        top_k = c.save_top_k if c.monitor is not None else min(c.save_top_k, 1)
-        kept += (top_k if top_k >= 0 else MAX_KEPT_CHECKPOINTS + 1) + (1 if c.save_last is True else 0)
-    if kept > MAX_KEPT_CHECKPOINTS:
-        return (f"the checkpoint callbacks together keep {kept} checkpoints, more than {MAX_KEPT_CHECKPOINTS} "
-                "(save_top_k and save_last summed over trainer.callbacks)")
-    allowed = len(callbacks) + (total // MIN_CHECKPOINT_STEPS if total is not None else 0)
-    if rate * MIN_CHECKPOINT_STEPS > 1 and saves > allowed:
-        return (f"the checkpoint callbacks together save a checkpoint every {1 / rate:.1f} optimizer steps "
-                f"({'endlessly' if total is None else f'{saves:.0f} times in {total} steps'}), more often than every "
-                f"{MIN_CHECKPOINT_STEPS} (every_n_train_steps, every_n_epochs x steps per epoch, summed over trainer.callbacks)")
-    return None
-
-
-def save_budget(step: int, callbacks: int) -> int:
-    """How many checkpoints a run may have saved by optimizer step ``step`` over its ``callbacks`` counted
-    checkpoint callbacks: two per callback (a save and last.ckpt's copy) and two more (a batch-size finder's, an
-    exception's), plus two per `MIN_CHECKPOINT_STEPS` steps."""
-    return 2 * callbacks + 2 + 2 * (step // MIN_CHECKPOINT_STEPS)
-
-
 class RunBounds(Callback):
     """The bounds that hold for a fit's whole length, untrusted: checkpoints over all callbacks, judged once the
     training data is loaded (`checkpoint_load`) and counted at every save the strategy makes, whichever callback asks
@@ -310,8 +263,8 @@ class RunBounds(Callback):
             self._count_saves(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if restricted() and (problem := checkpoint_load(trainer, self.exempt)):
-            raise UserError(f"refusing {problem}; {HINT}")
+        if restricted():  # the run phase's rules of the policy, over the running trainer
+            phases.refuse_first(phases.refusals("run", Context(trainer=trainer, exempt=self.exempt)))
 
     def _count_saves(self, trainer: Any) -> None:
         strategy = trainer.strategy
@@ -394,10 +347,6 @@ def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
         raise UserError(f"refusing ckpt_path={str(found)!r}: {problem}; {HINT}")
 
 
-# Settings that name where a run writes (the user's own when typed: `lit_memory.config.trust.Decision`).
-WRITE_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "root_dir", "exclude_batches_path", "output_dir")
-
-
 def pretrained_kwargs(**kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face ``from_pretrained``: untrusted, ``trust_remote_code=False``
     unless given (only a value the user typed gets here: `lit_memory.config.trust` refuses it from files), so
@@ -416,53 +365,6 @@ def hugging_face_error(err: Exception) -> Optional[str]:
 
 
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-# Hugging Face settings that fetch or run code (config.json, config overrides, from_pretrained options).
-KERNEL_SETTINGS = ("attn_implementation", "experts_implementation")
-KERNEL_PATTERN = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")  # transformers' `is_kernel`: org/name[@rev][:fn]
-CODE_SETTINGS = {
-    "quantization_config": "transformers picks a quantizer by it, which imports (and can download) code of its own",
-    "use_kernels": "it makes transformers download kernels from the Hugging Face Hub and import them",
-    "kernel_config": "it makes transformers download kernels from the Hugging Face Hub and import them",
-    "allow_all_kernels": "it lets transformers import kernels from any Hub repository",
-    "custom_pipelines": "it names Python code to run the model with",
-}
-
-
-def code_setting(name: str, value: Any) -> Optional[str]:
-    """Why a Hugging Face config setting (a config.json key, a config override, a config attribute) would
-    make transformers fetch or run code, or None: an attention or experts implementation naming a kernel
-    on the Hub (``kernels-community/flash-attn``: downloaded and imported where the ``kernels`` package
-    is installed), a quantization config, kernel options."""
-    bare = name.lstrip("_").removesuffix("_internal")
-    if bare in KERNEL_SETTINGS:
-        values = value.values() if isinstance(value, dict) else [value]
-        kernels = [v for v in values if isinstance(v, str) and KERNEL_PATTERN.match(v)]
-        if kernels:
-            return f"{kernels[0]!r} names a kernel on the Hugging Face Hub that transformers downloads and imports"
-        return None
-    if bare in CODE_SETTINGS and value not in (None, False, {}):
-        return CODE_SETTINGS[bare]
-    return None
-
-
-def config_code_problems(config: Any, where: str, depth: int = 0) -> list[str]:
-    """`code_setting` over a config as a dict (config.json) or a transformers config, with its sub-configs."""
-    found = []
-    items = config.items() if isinstance(config, dict) else [
-        (name, getattr(config, name, None)) for name in ("_attn_implementation", "_experts_implementation", "quantization_config")
-    ]
-    for name, value in items:
-        if isinstance(name, str) and (reason := code_setting(name, value)):
-            found.append(f"{where}: {name.lstrip('_').removesuffix('_internal')}: {reason}")
-    if depth < 4:
-        subs = [v for v in config.values() if isinstance(v, dict)] if isinstance(config, dict) else [
-            getattr(config, n, None) for n in (getattr(config, "sub_configs", None) or {})]
-        for sub in subs:
-            if sub is not None and sub is not config:
-                found += config_code_problems(sub, where, depth + 1)
-    return found
 
 
 _typed: frozenset[str] = frozenset()  # dotted keys the user typed (`set_typed`)
@@ -496,11 +398,8 @@ def check_config(config: Any, overrides: Optional[dict[str, Any]] = None) -> Non
     the user typed is theirs."""
     if not restricted():
         return
+    phases.refuse_first(phases.refusals("run", Context(config=config, typed_keys=tuple(_typed))))
     typed = {k.rsplit(".", 1)[-1] for k in _typed if k.startswith("model.config_overrides.")}
-    for problem in config_code_problems(config, "the model config"):
-        name = problem.split(": ", 2)[1]
-        if name not in typed and f"_{name}" not in typed:
-            raise UserError(f"refusing {problem}; {HINT}")
     if problem := bounds.model_size_problem(config, exempt=tuple(typed)):
         raise UserError(f"refusing the model config: {problem}; {HINT}")
 

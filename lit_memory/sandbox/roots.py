@@ -18,15 +18,14 @@ import contextlib
 import errno
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from lit_memory.errors import UserError
+from lit_memory.policy.writes import COMPONENT_KEYS, check_components  # noqa: F401  (the policy's)
 
 HINT = "pass --trust-recipe only if you trust its source"
 # The confined child's logger version: the ``version_N`` folder the parent made for it (`new_version`).
 VERSION_VARIABLE = "LIT_MEMORY_RUN_VERSION"
-# Settings whose value becomes one folder below a logger's save_dir (``save_dir/name/version``, TensorBoard's sub_dir).
-COMPONENT_KEYS = ("name", "version", "sub_dir")
 
 
 @dataclass
@@ -160,19 +159,3 @@ def remove_empty(folders: Iterable[str]) -> None:
             if not os.path.islink(folder):
                 os.rmdir(folder)
 
-
-def check_components(chosen: Iterable[tuple[str, Any]]) -> None:
-    """Values a recipe chose (``(key, value)``) that become folders or file names below a run root: a logger's
-    ``name``/``version``/``sub_dir`` one path component each; a checkpoint's ``filename`` without ``..`` or a leading
-    ``/``. One error line naming the key otherwise."""
-    for key, value in chosen:
-        if not isinstance(value, str) or not key.startswith(("trainer.logger", "trainer.callbacks")):
-            continue
-        last = key.rsplit(".", 1)[-1]
-        if key.startswith("trainer.logger") and last in COMPONENT_KEYS:
-            if value in (".", "..") or "/" in value or os.sep in value or "\0" in value:
-                raise UserError(f"refusing {key}={value!r}: a logger's {last} becomes one folder below its save_dir, "
-                                f"so it is one path component (no '/', not '..'); {HINT}")
-        elif last == "filename" and (value.startswith("/") or ".." in value.split("/")):
-            raise UserError(f"refusing {key}={value!r}: a checkpoint's file name stays in its folder (no leading '/', "
-                            f"no '..'); {HINT}")

@@ -8,9 +8,9 @@ distributed launch's own), bounds (memory, processes, file size, disk, preparati
 it to itself (`lit_memory.sandbox.child`; `enter`: limits and Landlock), before anything of the run is imported. The
 child's environment holds no secret (`scrubbed`).
 
-The value rules judge what the kernel cannot: a run folder a recipe chooses (`check_roots`), templates that
-Python formats (`check_templates`: a checkpoint's file name), free-form keyword dictionaries (`check_free_kwargs`),
-a file a recipe names outside its folder and the working folder (`check_input`).
+The value rules that judge what the kernel cannot (a run folder a recipe chooses, templates, free-form keyword
+dictionaries, a file a recipe names outside its folder and the working folder) are the policy's (`lit_memory.policy`:
+`writes`, `templates`, `reads`); their names here are the policy's own.
 """
 
 from __future__ import annotations
@@ -20,13 +20,31 @@ import os
 import re
 import resource
 import site
-import string
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-from lit_memory.errors import UserError
+from lit_memory.errors import UserError  # noqa: F401
+from lit_memory.policy.reads import READ_KEYS, check_input  # noqa: F401  (the policy's; callers name them here)
+from lit_memory.policy.templates import (  # noqa: F401
+    FREE_KWARGS,
+    TEMPLATE_FIELD,
+    TEMPLATE_KEYS,
+    TEMPLATE_SPEC,
+    check_free_kwargs,
+    check_template,
+    check_templates,
+    leaves,
+)
+from lit_memory.policy.writes import (  # noqa: F401
+    IN_RUN,
+    ROOT_KEYS,
+    WRITE_PATH,
+    check_roots,
+    check_write_paths,
+    owned_folders,
+)
 from lit_memory.sandbox.landlock import Ruleset
 
 ENV = "LIT_MEMORY_SANDBOX"  # the child's Spec, as JSON
@@ -184,140 +202,4 @@ def phase(name: str) -> None:
         pass  # the parent stopped reading: it is ending the run
 
 
-# -- what a recipe may choose ---------------------------------------------------------------------------
 
-
-def _under(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
-
-
-def check_roots(chosen: Iterable[tuple[str, str]], work: str, owned: Iterable[str]) -> None:
-    """Run folders a recipe chose (``(setting, path)``): each a new or empty folder under the working folder
-    ``work``, neither holding nor inside a folder the user owns (``owned``: the caches, the home folder's
-    configuration), nor holding another run folder. One error line naming the setting otherwise."""
-    chosen = [(key, os.path.realpath(os.path.expanduser(str(path)))) for key, path in chosen]
-    owned = [os.path.realpath(os.path.expanduser(p)) for p in owned]
-    work = os.path.realpath(work)
-    for key, path in chosen:
-        where = f"{key}={path}"
-        if not _under(path, work) or path == work:
-            raise UserError(f"refusing {where}: a run folder a recipe chooses must be a new folder under the working "
-                            f"folder {work}; {HINT}")
-        for folder in owned:
-            if _under(path, folder) or _under(folder, path):
-                raise UserError(f"refusing {where}: it {'is inside' if _under(path, folder) else 'holds'} {folder}, "
-                                f"a folder of yours a run does not write; {HINT}")
-        if os.path.lexists(path) and (not os.path.isdir(path) or os.path.islink(path) or os.listdir(path)):
-            raise UserError(f"refusing {where}: a run folder a recipe chooses must be new or empty, and it holds "
-                            f"files; {HINT}")
-    for key, path in chosen:
-        for other_key, other in chosen:
-            if other != path and _under(other, path) and key != other_key and os.path.lexists(other):
-                raise UserError(f"refusing {key}={path}: it holds {other_key}'s folder; {HINT}")
-
-
-# Settings naming a folder a run writes into (its roots), and any other setting that names a place to write.
-ROOT_KEYS = ("default_root_dir", "save_dir", "dirpath", "log_dir", "output_dir", "root_dir")
-WRITE_PATH = re.compile(r"(_dir|_path|filepath|dirpath|snapshot)$")
-IN_RUN = ("memory.snapshot",)  # a relative value is in the run's own folder
-READ_KEYS = ("model.model_name_or_path", "model.tokenizer_name_or_path", "data.source", "data.predict_path", "ckpt_path",
-             "tokenizer_name_or_path")
-
-
-def check_write_paths(chosen: dict[str, Any], roots: list[str]) -> None:
-    """Places a recipe names for writing that are not a run root (a callback's ``exclude_batches_path``, a
-    profiler's file): each must lie below the run's folders, which are all a confined run may write; said before
-    the run starts, not when the kernel refuses the write mid-run."""
-    real = [os.path.realpath(r) for r in roots]
-    for key, value in chosen.items():
-        name = key.rsplit(".", 1)[-1]
-        if name in ROOT_KEYS or name == "class_path" or key in READ_KEYS or name in READ_KEYS or not WRITE_PATH.search(name):
-            continue
-        if not isinstance(value, str) or not value or "://" in value:
-            continue
-        if key in IN_RUN and not os.path.isabs(os.path.expanduser(value)):
-            if os.path.normpath(value).split(os.sep)[0] != os.pardir:
-                continue
-        path = os.path.realpath(os.path.expanduser(value))
-        if not any(_under(path, r) for r in real):
-            raise UserError(f"refusing {key}={value}: it is outside the run's folders ({', '.join(real)}), where a "
-                            f"sent recipe's run writes; {HINT}")
-
-
-TEMPLATE_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_/-]{0,63}")
-TEMPLATE_SPEC = re.compile(r"[<>^=]?[+ -]?0?\d{0,2}(\.\d{1,2})?[dfegs%]?")
-
-
-def check_template(key: str, value: str) -> None:
-    """A value Python formats with the run's metrics (a checkpoint's ``filename``): plain ``{metric}`` or
-    ``{metric:spec}`` fields with bounded widths; no attribute or item walk (``{epoch.__class__...}``)."""
-    try:
-        parts = list(string.Formatter().parse(value))
-    except ValueError as err:
-        raise UserError(f"refusing {key}={value!r}: it is not a plain {{metric}} or {{metric:spec}} template ({err}); "
-                        f"{HINT}") from None
-    for _, name, spec, conversion in parts:
-        if name is None:
-            continue
-        if not TEMPLATE_FIELD.fullmatch(name) or conversion or not TEMPLATE_SPEC.fullmatch(spec or ""):
-            raise UserError(
-                f"refusing {key}={value!r}: its field {{{name}{'!' + conversion if conversion else ''}"
-                f"{':' + spec if spec else ''}}} is not a plain {{metric}} or {{metric:spec}}; {HINT}"
-            )
-
-
-TEMPLATE_KEYS = ("filename", "name", "version", "sub_dir", "prefix", "log_model_name")
-
-
-def leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(tree, list):
-        for i, value in enumerate(tree):
-            yield from leaves(value, f"{prefix}[{i}]")
-    else:
-        yield prefix, tree
-
-
-def check_templates(settings: dict[str, Any]) -> None:
-    for key, value in leaves(settings):
-        if isinstance(value, str) and "{" in value and key.rsplit(".", 1)[-1] in TEMPLATE_KEYS:
-            check_template(key, value)
-
-
-FREE_KWARGS = re.compile(r"(^|\.)(dict_kwargs|kwargs|\w+_kwargs)(\.|\[|$)")
-
-
-def check_free_kwargs(settings: dict[str, Any]) -> None:
-    """Free-form keyword dictionaries of allowlisted classes (jsonargparse's ``dict_kwargs``, a profiler's
-    ``**kwargs``): refused from a sent recipe, whose values they pass on unchecked."""
-    for key, value in leaves(settings):
-        if FREE_KWARGS.search(key) and value not in (None, {}, []):
-            raise UserError(f"refusing {key.split('.dict_kwargs')[0]}.dict_kwargs: free-form keyword arguments from a "
-                            f"recipe reach the class unchecked ({key}={value!r}); {HINT}")
-
-
-def owned_folders() -> list[str]:
-    """The user's folders no run folder may hold or sit in: the caches and the home folder's configuration."""
-    home = os.path.expanduser("~")
-    found = [os.path.join(home, name) for name in (".cache", ".config", ".local", ".ssh", ".bashrc.d", ".gnupg")]
-    for variable in ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME",
-                     "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
-        if os.environ.get(variable):
-            found.append(os.environ[variable])
-    return found
-
-
-def check_input(key: str, value: str, path: Any, folders: Iterable[str]) -> None:
-    """A file a recipe names for the run to read (data, the texts to predict, a model or tokenizer folder, a
-    checkpoint): it lies beneath one of ``folders`` (the recipe's own folders and the working folder), judged by where
-    it really is. A file of the user's elsewhere (``~/.config/gcloud/...json`` as the texts to predict) is read only
-    when the user types it. One error line naming the key otherwise."""
-    real = os.path.realpath(os.path.expanduser(str(path)))
-    places = list(dict.fromkeys(os.path.realpath(f) for f in folders))
-    if not any(_under(real, folder) for folder in places):
-        raise UserError(
-            f"refusing {key}={value}: a file a recipe names is read only from beneath the recipe's folder or the working "
-            f"folder ({', '.join(places)}), and it is {real}; type --{key} {value} on the command line if you mean it, "
-            f"or {HINT}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import re
 import tempfile
@@ -13,25 +12,24 @@ from typing import Any, Optional
 
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lit_memory.sandbox import bounds, guard
 from lit_memory import files
 from lit_memory.cli import resolve
+from lit_memory.config import trusted as trusted_files
 from lit_memory.config.arguments import ImportRefused
+from lit_memory.config.shipped import listing, names, recipe_path, recipes_dir
+from lit_memory.config.trust import HINT, TRUST_FLAG
 from lit_memory.errors import UserError, shown
 from lit_memory.memory.hardware.gpus import Target, gpu, gpu_key, is_gpu_name
 from lit_memory.memory.margin import Fit
 from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.planning.recompute import flops, planned
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.step import Step
-from lit_memory.config.shipped import names, recipe_path, recipes_dir
-from lit_memory.config import trusted as trusted_files
-from lit_memory.config.shipped import listing
-from lit_memory.sandbox import roots, rules
+from lit_memory.planning.recompute import flops, planned
+from lit_memory.policy import phases
+from lit_memory.policy.refusal import Context
+from lit_memory.sandbox import bounds, guard, roots
 from lit_memory.settings import dotted_leaves, locate
-from lit_memory.config.trust import HINT, TRUST_FLAG
 from lit_memory.tools import arguments
 
 
@@ -310,83 +308,17 @@ def trust_status(path: Path) -> str:
     return f"trust: {path} {what}: a run of it is not confined"
 
 
-# Keys whose value is a place a run writes into (the run folder, loggers', checkpoints', a profiler's, ...).
-WRITE_FOLDER_KEYS = guard.WRITE_KEYS
-# Settings a batch-size finder may scale (`batch_arg_name`) that the bounds hold for the whole run.
-BOUNDED_DURING_RUN = ("num_workers", "max_length")
-
-
 def later_refusals(settings: Namespace, folders: Optional[list[str]] = None) -> list[str]:
-    """What an untrusted run of these settings would refuse once its Trainer exists (`lit_memory.sandbox.guard.preflight`,
-    `lit_memory.sandbox.guard.RunBounds`) or before its confined child starts (`lit_memory.sandbox`), found from the settings
-    alone: a checkpoint Lightning would resume from by itself (an OnExceptionCheckpoint's file; SLURM's
-    ``hpc_ckpt_N.ckpt`` in the run's root folder), a local model folder that cannot load without running its code or
-    unpickling more than weights, a run folder the recipe chooses that is not new under the working folder, a link on
-    the way to a run folder (the default ``lightning_logs`` included), a logger name that is not one path component, a
-    file the recipe names outside ``folders`` (its own folder and the working folder), checkpoint callbacks that
-    together keep more than 10, a template walking Python's objects, free-form keyword dictionaries."""
-    found = []
-    for key, callback in leaves_of_class(settings, OnExceptionCheckpoint):
-        init = callback.get("init_args") or Namespace()
-        file = Path(str(init.get("dirpath") or ".")) / f"{init.get('filename') or 'on_exception'}.ckpt"
-        if file.exists():
-            found.append(f"{key}: {file} exists: fit would resume from it by itself (pass --ckpt_path to choose a checkpoint)")
-    root = Path(str(settings.get("trainer.default_root_dir") or "."))
-    for file in sorted(root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []:
-        found.append(f"trainer.default_root_dir: {file} exists: under SLURM, fit would resume from it by itself")
-    for key in ("model.model_name_or_path", "model.tokenizer_name_or_path"):
-        value = settings.get(key)
-        if isinstance(value, str) and not value.startswith("bundled:") and Path(value).is_dir():
-            found += [f"{key}: {problem}" for problem in guard.model_folder_problems(Path(value))]
-    chosen = [(key, value) for key, value in dotted_leaves(settings)
-              if key.rsplit(".", 1)[-1] in WRITE_FOLDER_KEYS and isinstance(value, str) and value]
+    """What an untrusted run of these settings would refuse before its confined child starts and once its Trainer
+    exists, found from the settings alone: the launch and run phases of the policy (`lit_memory.policy`), every rule
+    of each, with what they ask of the layers above them (a run folder's way from the working folder, a model folder's
+    problems). ``folders``: where the recipe's own files may lie (its folder and the working folder)."""
     work = os.path.realpath(os.getcwd())
-    named = chosen + ([] if settings.get("trainer.default_root_dir") else [("trainer.default_root_dir", "lightning_logs")])
-    plain = settings.as_dict()
-    checks = [lambda: rules.check_roots(chosen, os.getcwd(), rules.owned_folders()),
-              lambda: rules.check_templates(plain), lambda: rules.check_free_kwargs(plain),
-              lambda: roots.check_components(dotted_leaves(settings))]
-    checks += [lambda key=key, value=value: roots.make(value, work, key, create=False)
-               for key, value in named if roots.relative_to_work(value, work) is not None]
-    for key in ("data.source", "data.predict_path", "ckpt_path", "model.model_name_or_path",
-                "model.tokenizer_name_or_path"):
-        value = settings.get(key)
-        local = isinstance(value, str) and value and not value.startswith("bundled:")
-        if local and os.path.lexists(os.path.expanduser(value)):
-            checks.append(lambda key=key, value=value: rules.check_input(key, value, value, folders or [os.getcwd()]))
-    for check in checks:
-        try:
-            check()
-        except UserError as err:
-            found.append(str(err).split("; pass --trust-recipe")[0].split("; type --")[0].removeprefix("refusing "))
-    kept = 0
-    for _, spec in leaves_of_class(settings, ModelCheckpoint):
-        init = spec.get("init_args") or Namespace()
-        top_k = init.get("save_top_k", 1) if init.get("monitor") is not None else min(init.get("save_top_k", 1), 1)
-        kept += (top_k if top_k >= 0 else guard.MAX_KEPT_CHECKPOINTS + 1) + (1 if init.get("save_last") is True else 0)
-    if kept > guard.MAX_KEPT_CHECKPOINTS:
-        found.append(f"trainer.callbacks: the checkpoint callbacks together keep {kept} checkpoints, more than "
-                     f"{guard.MAX_KEPT_CHECKPOINTS}")
-    for key, value in dotted_leaves(settings):
-        if key.endswith(".batch_arg_name") and value in BOUNDED_DURING_RUN:
-            found.append(f"{key}: {value!r} would be scaled during the run past the bound that holds for data.{value}")
+    context = Context(settings, work=work, folders=folders or [os.getcwd()],
+                      walk=lambda path, key: roots.make(path, work, key, create=False),
+                      model_folder_problems=lambda path: guard.model_folder_problems(Path(path)))
+    found = [refusal.line() for phase in ("launch", "run") for refusal in phases.refusals(phase, context)]
     return list(dict.fromkeys(found))
-
-
-def leaves_of_class(settings: Namespace, base: type) -> list[tuple[str, Namespace]]:
-    """(key, class spec) of every class spec in the settings naming a subclass of ``base`` (already
-    imported by the parse that produced them)."""
-    found = []
-    for key, value in dotted_leaves(settings):
-        if not key.endswith("class_path") or not isinstance(value, str) or "." not in value:
-            continue
-        module, _, name = value.rpartition(".")
-        cls = getattr(importlib.import_module(module), name, None)
-        if isinstance(cls, type) and issubclass(cls, base):
-            spec_key = key.removesuffix(".class_path")
-            container, last = locate(settings, spec_key)
-            found.append((spec_key, container[last]))
-    return found
 
 
 def _fit_schema() -> Namespace:
