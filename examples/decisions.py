@@ -80,8 +80,13 @@ def pairs(rng: random.Random, n: int = 600) -> list[dict]:
     rows = []
     for _ in range(n):
         shared = rng.randint(0, 3)
-        rows.append({"sentence1": sentence(rng, ["cat"] * shared), "sentence2": sentence(rng, ["cat"] * shared + ["dog"]),
-                     "score": shared + 0.5})
+        rows.append(
+            {
+                "sentence1": sentence(rng, ["cat"] * shared),
+                "sentence2": sentence(rng, ["cat"] * shared + ["dog"]),
+                "score": shared + 0.5,
+            }
+        )
     return rows
 
 
@@ -184,8 +189,12 @@ def case_defaults(out: Path, results: dict) -> None:
     data = write(out / "pairs.csv", pairs(random.Random(0)))
     for name, more in (("defaults", []), ("one epoch", ["--trainer.max_epochs=1"])):
         val, run, output, seconds = fit(out, f"defaults-{name.replace(' ', '-')}", data, *more)
-        results[f"600 pairs, {name}"] = {"val pearson": val.get("pearson"), "steps": data_line(output).rsplit("; ", 1)[-1],
-                                         "seconds": round(seconds), "card = log": card_matches_log(run, output)}
+        results[f"600 pairs, {name}"] = {
+            "val pearson": val.get("pearson"),
+            "steps": data_line(output).rsplit("; ", 1)[-1],
+            "seconds": round(seconds),
+            "card = log": card_matches_log(run, output),
+        }
 
 
 def case_long(out: Path, results: dict) -> None:

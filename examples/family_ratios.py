@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import families as fam  # noqa: E402
 
-from lit_memory.planning.prediction.analytic import analytic  # noqa: E402
 from lit_memory.memory.hardware.gpus import Target  # noqa: E402
+from lit_memory.planning.prediction.analytic import analytic  # noqa: E402
 from lit_memory.planning.prediction.simulate import measure  # noqa: E402
 from lit_memory.planning.prediction.step import OptimizerSpec, Step  # noqa: E402
 

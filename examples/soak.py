@@ -95,7 +95,9 @@ class Soak(L.Callback):
         self.rows.append(row)
         self._times = []
         extra = "  ".join(f"{k} {format_bytes(v)}" for k, v in row.items() if k in ("tensors", "allocated", "reserved"))
-        print(f"step {step:6d}  rss {format_bytes(row['rss'])}  {extra}  step {row['step_s'] * 1000:.1f} ms", flush=True)
+        print(
+            f"step {step:6d}  rss {format_bytes(row['rss'])}  {extra}  step {row['step_s'] * 1000:.1f} ms", flush=True
+        )
         self._last = time.perf_counter()  # the measurement itself is not a step
 
 
@@ -103,8 +105,16 @@ def soak_steps(args: argparse.Namespace, fit_args: list[str]) -> bool:
     soak = Soak(args.every)
     with tempfile.TemporaryDirectory() as root:
         run = resolve(
-            ["fit", *fit_args, *QUIET, f"--trainer.max_steps={args.steps}", "--trainer.max_epochs=-1",
-             "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={root}"],
+            [
+                "fit",
+                *fit_args,
+                *QUIET,
+                f"--trainer.max_steps={args.steps}",
+                "--trainer.max_epochs=-1",
+                "--trainer.limit_val_batches=0",
+                "--trainer.enable_checkpointing=false",
+                f"--trainer.default_root_dir={root}",
+            ],
             trainer_defaults={"callbacks": [soak]},
         )
         run.launch()

@@ -11,18 +11,23 @@ load hits all of them alike; the median step per variant is printed, and the fir
         --bf16 --adamw8bit --variants '[{}, {"gradient_checkpointing": true}, {"gradient_checkpointing": "selective"}]'
     # torch.compile on the launch-bound proxy (BERT-large depth, tiny width): fused.yaml's settings,
     # then 4gb.yaml's (checkpointing, bf16, 8-bit AdamW)
-    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size":
+    256}' \\
         --batch 8 --length 16 --steps 20 --variants '[{}, {"compile": true}]'
-    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size":
+    256}' \\
         --batch 8 --length 16 --steps 20 --bf16 --adamw8bit \\
         --variants '[{"gradient_checkpointing": true}, {"gradient_checkpointing": true, "compile": true}, {}]'
     # clipping by norm (a measuring backward before the fused one): "gradient_clip_val" is the step's, not the model's
-    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size":
+    256}' \\
         --batch 8 --length 16 --steps 40 --variants '[{}, {"gradient_clip_val": 1.0}]'
     # fp16 with torch's GradScaler: the unfused step (backward, unscale_, step, update) against the fused one (a
     # backward that checks for overflow, then the one that steps); "fused" is the step's too
-    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256}' \\
-        --batch 8 --length 16 --steps 40 --fp16 --variants '[{"fused": false}, {}, {"fused": false, "gradient_clip_val": 1.0}, {"gradient_clip_val": 1.0}]'
+    python examples/step_ab.py --config_overrides '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size":
+    256}' \\
+        --batch 8 --length 16 --steps 40 --fp16 --variants '[{"fused": false}, {}, {"fused": false, "gradient_clip_val":
+        1.0}, {"gradient_clip_val": 1.0}]'
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from typing import Optional
 
 import torch
 
-from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import Clipping, OptimizerInBackward
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory.model import SequenceClassifier
 
 
@@ -46,7 +51,9 @@ class Step:
     """One variant's training step: forward, then backward with the fused optimizer step inside (or, with
     ``"fused": false``, Lightning's order after it: unscale, clip, step, update, free the gradients)."""
 
-    def __init__(self, module: SequenceClassifier, optimizer, fused: Optional[OptimizerInBackward], clip, scaler) -> None:
+    def __init__(
+        self, module: SequenceClassifier, optimizer, fused: Optional[OptimizerInBackward], clip, scaler
+    ) -> None:
         self.module, self.optimizer, self.fused, self.clip, self.scaler = module, optimizer, fused, clip, scaler
 
     def __call__(self, batch: dict, autocast) -> None:
@@ -94,7 +101,13 @@ def build(variant: dict, args: argparse.Namespace) -> Step:
         return Step(module, optimizer, None, clip, scaler)
     # the fused step (layer buckets), as fused.yaml and 4gb.yaml train
     clipping = Clipping(max_norm=clip) if clip else None
-    return Step(module, optimizer, OptimizerInBackward(optimizer, parameter_units(module.model), clipping=clipping, scaler=scaler), clip, scaler)
+    return Step(
+        module,
+        optimizer,
+        OptimizerInBackward(optimizer, parameter_units(module.model), clipping=clipping, scaler=scaler),
+        clip,
+        scaler,
+    )
 
 
 def main() -> None:
@@ -139,7 +152,10 @@ def main() -> None:
     base = statistics.median(times[0])
     for variant, first_s, ts in zip(args.variants, first, times):
         median = statistics.median(ts)
-        print(f"{json.dumps(variant)}: first step {first_s:.2f} s, median step {median * 1000:.1f} ms ({median / base:.2f}x)")
+        print(
+            f"{json.dumps(variant)}: first step {first_s:.2f} s, median step {median * 1000:.1f} ms "
+            f"({median / base:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

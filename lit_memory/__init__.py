@@ -58,8 +58,8 @@ def layer_of(module: str) -> int:
     return found
 
 
-# `lit_memory.<name>` for YAML class paths (and `from lit_memory import <name>`), imported on first use: `import lit_memory.errors`
-# must not pull in Lightning and transformers.
+# `lit_memory.<name>` for YAML class paths (and `from lit_memory import <name>`), imported on first use: `import
+# lit_memory.errors` must not pull in Lightning and transformers.
 _EXPORTS = {
     "FusedSingleDeviceStrategy": "lit_memory.strategies",
     "FusedFSDPStrategy": "lit_memory.strategies",

@@ -21,7 +21,8 @@ import sys
 from typing import Any, Iterator, Optional
 
 # Light: every help, `recipes list` and a mistyped command, recipe, option or data file answer before anything heavy is
-# imported; torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run (`_run`).
+# imported; torch, Lightning and transformers come with `lit_memory.cli` and the tools, for the commands that run
+# (`_run`).
 from lit_memory.config import data_check, option_names, shipped, short_help
 from lit_memory.errors import UserError, shown
 from lit_memory.tools import arguments as tool_arguments
@@ -38,13 +39,21 @@ def _tool(name: str):
     return lambda argv: importlib.import_module(f"lit_memory.tools.{name}").main(argv)
 
 
-TOOLS = {"bench": _bench, "estimate": _tool("estimate"), "plan": _tool("plan"), "cards": _tool("cards"), "recipes": _tool("recipes")}
+TOOLS = {
+    "bench": _bench,
+    "estimate": _tool("estimate"),
+    "plan": _tool("plan"),
+    "cards": _tool("cards"),
+    "recipes": _tool("recipes"),
+}
 # One line per command for `python -m lit_memory --help`; `COMMAND --help` has every option.
 LIGHTNING_COMMANDS = {
-    "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, checkpoints, hf_model, memory.json",
+    "fit": "train a model (python -m lit_memory fit --config recipes/4gb.yaml); the run folder gets config, "
+    "checkpoints, hf_model, memory.json",
     "validate": "evaluate a checkpoint (--ckpt_path) or a saved model on the validation split",
     "test": "evaluate a checkpoint (--ckpt_path) or a saved model on the test split",
-    "predict": "label a file of texts (--data.predict_path texts.csv) with a checkpoint or a saved hf_model; writes predictions.csv",
+    "predict": "label a file of texts (--data.predict_path texts.csv) with a checkpoint or a saved hf_model; "
+    "writes predictions.csv",
 }
 TOOL_COMMANDS = {
     "estimate": "a run's memory before running it: tensors, allocator and device, predicted two ways",
@@ -59,11 +68,13 @@ def usage() -> str:
     width = max(map(len, [*LIGHTNING_COMMANDS, *TOOL_COMMANDS]))
     lines = [
         "usage: python -m lit_memory COMMAND [options]",
-        "       python -m lit_memory COMMAND --help     (its options; fit, validate, test, predict: --help all for every one)",
+        "       python -m lit_memory COMMAND --help     (its options; fit, validate, test, predict: --help all for "
+        "every one)",
         "",
         "Fine-tune Hugging Face sequence classifiers with PyTorch Lightning in as little GPU memory as possible.",
         "",
-        "training and inference (LightningCLI: --config FILE, --recipe NAME, dotted overrides like --data.batch_size 8):",
+        "training and inference (LightningCLI: --config FILE, --recipe NAME, dotted overrides like "
+        "--data.batch_size 8):",
         *(f"  {name:<{width}}  {line}" for name, line in LIGHTNING_COMMANDS.items()),
         "",
         "tools:",
@@ -167,8 +178,8 @@ def _run(args: list[str]) -> None:
     import torch
 
     from lit_memory import cli
-    from lit_memory.run import environment
     from lit_memory.confine import launch, launchers
+    from lit_memory.run import environment
     from lit_memory.sandbox.rules import ENV as CONFINED
 
     # Per-map progress bars of `datasets` (filter, cast, tokenise) drown the training log.

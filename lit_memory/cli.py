@@ -24,7 +24,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, _Instan
 
 from lit_memory import console, fine_tune
 from lit_memory.config import arguments, option_names, shared_recipe, trust
-from lit_memory.policy import checkpoints
 from lit_memory.config.arguments import LINKS, config_files, named_files, stubs_without_a_subprocess
 from lit_memory.config.shipped import TRUST_FLAG, expand_recipes, recipe_help
 from lit_memory.console import say
@@ -35,11 +34,12 @@ from lit_memory.memory.settings import MemorySettings
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim import precision
 from lit_memory.optim.precision import fp16_under_fsdp2
-from lit_memory.planning.run_predictions import run_hooks
 from lit_memory.planning.prediction.step import Step
+from lit_memory.planning.run_predictions import run_hooks
+from lit_memory.policy import checkpoints
 from lit_memory.run import confined_logs, environment, resume
-from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.run.memory_callbacks import Advise, Predict, memory_callbacks
+from lit_memory.run.noise import quiet_evaluation_noise, quiet_known_noise
 from lit_memory.sandbox import bounds, guard
 from lit_memory.settings import assign, dotted_leaves, get_dotted, to_plain
 from lit_memory.settings import key_of as settings_key_of
@@ -86,12 +86,15 @@ class LitMemoryCLI(LightningCLI):
         self._memory_hooks = {"predict": predict, "advise": advise, "timeline": None}
         self.memory: Optional[MemorySettings] = None  # the `memory:` block, built once (`_parse_memory`)
         # The settings the user typed on the command line (dotted keys, one subcommand's) with their parsed values,
-        # before a checkpoint's hyper-parameters are laid over them: what wins over the checkpoint's (`_parse_ckpt_path`).
+        # before a checkpoint's hyper-parameters are laid over them: what wins over the checkpoint's
+        # (`_parse_ckpt_path`).
         self.typed_settings: dict[str, Any] = {}
         self._typed_alone = Namespace()  # the parse of the command line alone (`trust.typed_values`)
         self._typed_over: dict[str, Any] = {}  # typed, then set again by a later file (`_typed_settings`)
-        self._defaults: Optional[dict[str, Any]] = None  # the command's defaults, parsed when asked (`_command_defaults`)
-        self.notes: list[str] = []  # lines said when the run is built (`_prepare`): only the process that runs says them
+        # the command's defaults, parsed when asked (`_command_defaults`)
+        self._defaults: Optional[dict[str, Any]] = None
+        # lines said when the run is built (`_prepare`): only the process that runs says them
+        self.notes: list[str] = []
         self.refusals: list[trust.Refusal] = []
         self.problems: list[str] = []  # collect=True: what would stop the run, other than refusals
         kwargs.setdefault("seed_everything_default", 42)
@@ -149,7 +152,8 @@ class LitMemoryCLI(LightningCLI):
         self.typed_settings = self._typed_settings(subcommand)
         if self.argv is not None and self.decision.confined:
             self.decision = dataclasses.replace(self.decision, typed=self._typed_alone)
-        elif self.argv is not None and not self.decision.trusted:  # trusted configs: every value they give is the user's
+        # trusted configs: every value they give is the user's
+        elif self.argv is not None and not self.decision.trusted:
             self.decision = dataclasses.replace(self.decision, typed=self.settings_of(self.config).clone())
         self.check_values()
         self._problem(self._parse_memory)
@@ -177,7 +181,9 @@ class LitMemoryCLI(LightningCLI):
         in_files = set(named) - set(option_names.typed_keys(subcommand or "fit", trust.command_line_only(self.argv)))
         keys = list(named)
         if defaults:
-            keys += [k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(defaults.get(k))]
+            keys += [
+                k for k, v in alone.items(branches=False) if settings_key_of(v) != settings_key_of(defaults.get(k))
+            ]
         linked = {target for _, target, _ in LINKS}
         keys = [k for k in dict.fromkeys(keys) if k not in linked and k not in ("config", "subcommand")]
         found = {}
@@ -206,7 +212,8 @@ class LitMemoryCLI(LightningCLI):
         return found
 
     def _command_defaults(self, subcommand: Optional[str]) -> dict[str, Any]:
-        """The command's defaults (a parse of the command alone), as jsonargparse's leaves; empty if it does not parse."""
+        """The command's defaults (a parse of the command alone), as jsonargparse's leaves; empty if it does not
+        parse."""
         if self._defaults is None:
             try:
                 parsed = self.settings_of(self._parse_alone([subcommand] if subcommand else []))
@@ -291,7 +298,8 @@ class LitMemoryCLI(LightningCLI):
                 continue
             default = self._command_defaults(self.config.get("subcommand")).get(key)
             if value == "auto" or settings_key_of(value) in (settings_key_of(saved), settings_key_of(default)):
-                continue  # the checkpoint's, the default, or ``auto`` (a plan asked for; the checkpoint holds its run's)
+                # the checkpoint's, the default, or ``auto`` (a plan asked for; the checkpoint holds its run's)
+                continue
             shown = json.dumps(to_plain(value)) if not isinstance(value, str) else value
             how = f"type --{key} {shlex.quote(shown)} to use it"
             if key in self._typed_over:
@@ -330,7 +338,8 @@ class LitMemoryCLI(LightningCLI):
         self.memory = MemorySettings(**self.settings.memory.as_dict())
 
     def _follow_device(self) -> None:
-        """A recipe's bf16 on a GPU without bf16 (`lit_memory.optim.precision.follow_device`), unless the user typed it."""
+        """A recipe's bf16 on a GPU without bf16 (`lit_memory.optim.precision.follow_device`), unless the user typed
+        it."""
         trainer = self.settings.trainer
         gpu = precision.training_gpu(trainer.accelerator) if self._gpu is THIS_GPU else self._gpu
         precision.follow_device(trainer, gpu, self._typed)
@@ -497,7 +506,8 @@ class LitMemoryCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except UserError:
             raise
-        except (MisconfigurationException, ValueError, TypeError) as err:  # Lightning's words for settings it cannot run with
+        # Lightning's words for settings it cannot run with
+        except (MisconfigurationException, ValueError, TypeError) as err:
             raise UserError(" ".join(str(err).split())) from None
         guard.install(trainer)
         return trainer

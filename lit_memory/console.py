@@ -125,7 +125,9 @@ class LogProgress(ProgressBar):
         (warm-up), where there are any."""
         step, total = trainer.global_step, trainer.estimated_stepping_batches
         elapsed = now - self._started
-        parts = [f"train step {step}/{_count(total)}" + (f" ({100 * step / total:.0f}%)" if _finite(total) and total else "")]
+        parts = [
+            f"train step {step}/{_count(total)}" + (f" ({100 * step / total:.0f}%)" if _finite(total) and total else "")
+        ]
         epochs = total_epochs(trainer)
         epoch = trainer.current_epoch + 1  # after the last epoch Lightning has counted it: not one more
         parts.append(f"epoch {min(epoch, epochs) if epochs else epoch}/{epochs or '?'}")
@@ -162,7 +164,10 @@ class LogProgress(ProgressBar):
         if now - self._last >= self.interval:
             self._last = now
             rate = self._eval_samples / max(now - self._eval_started, 1e-9)
-            self._line(f"{what} batch {self._eval_batches}/{_count(total)} | {rate:.1f} samples/s | {memory_peak(trainer.strategy.root_device)}")
+            self._line(
+                f"{what} batch {self._eval_batches}/{_count(total)} | {rate:.1f} samples/s | "
+                f"{memory_peak(trainer.strategy.root_device)}"
+            )
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
@@ -177,7 +182,9 @@ class LogProgress(ProgressBar):
             return
         metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
         shown = " ".join(f"{k}={float(v):.4f}" for k, v in sorted(metrics.items()))
-        self._line(f"validation at step {trainer.global_step} (epoch {trainer.current_epoch + 1}): {shown}".rstrip(": "))
+        self._line(
+            f"validation at step {trainer.global_step} (epoch {trainer.current_epoch + 1}): {shown}".rstrip(": ")
+        )
         self._last = time.monotonic()
 
     def on_test_start(self, trainer, pl_module) -> None:
@@ -209,7 +216,8 @@ class RunningLoss:
         self._count += 1
 
     def mean(self) -> Optional[torch.Tensor]:
-        """The mean since the last read, on the host (a 0-d CPU tensor), and a fresh start; None if nothing was added."""
+        """The mean since the last read, on the host (a 0-d CPU tensor), and a fresh start; None if nothing was
+        added."""
         if self._sum is None:
             return None
         mean = (self._sum.float() / self._count).cpu()

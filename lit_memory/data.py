@@ -18,21 +18,21 @@ import datasets
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lit_memory.hf import data_file, text_encoding, windows
-from lit_memory.sandbox import guard
-from lit_memory.run import loaders, predict_file, training_length
-from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
-from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
 from lit_memory.console import say
 from lit_memory.errors import UserError
+from lit_memory.hf import data_file, text_encoding, windows
 from lit_memory.hf.config import label_names_or_default
 from lit_memory.hf.local_data import load_local
+from lit_memory.hf.tokenizing import encode_texts, load_tokenizer, unknown_share, unknown_words
+from lit_memory.run import loaders, predict_file, training_length
+from lit_memory.sandbox import guard
+from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
 from lit_memory.sandbox.rules import phase
 from lit_memory.task import ProblemType
+from lit_memory.task import class_weights as weights_
 from lit_memory.task import splits as splits_
 from lit_memory.task.splits import SPLITS
-from lit_memory.hf.tokenizing import encode_texts, load_tokenizer, unknown_share, unknown_words
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class TextClassificationData(L.LightningDataModule):
         encoding: the training file's Python codec name (``cp1252``, ``utf-16``); null: UTF-8 or the byte-order mark's.
         encoding_errors: ``strict`` or ``replace`` (U+FFFD, lines counted); null: strict (the bundled tweets: replace).
         class_weights: linked from ``model.class_weights`` by the CLI (`lit_memory.task.class_weights`).
-        predict_encoding: ``predict_path``'s codec name, as ``encoding`` (a run's config.yaml names its training file's).
-        predict_encoding_errors: ``strict`` (null) or ``replace``, as ``encoding_errors`` for ``predict_path``.
+        predict_encoding: ``predict_path``'s codec name, as ``encoding`` (a run's config.yaml names its training
+        file's). predict_encoding_errors: ``strict`` (null) or ``replace``, as ``encoding_errors`` for ``predict_path``.
     """
 
     ARGUMENTS = (
@@ -143,7 +143,9 @@ class TextClassificationData(L.LightningDataModule):
         self.kind_set: Optional[task_.ProblemKind] = (
             task_.kind_of(problem_type, "problem_type") if problem_type is not None else None)
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-            raise UserError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on")
+            raise UserError(
+                f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave data to train on"
+            )
         check_shape(batch_size, max_length)
         windows.check(long_texts, stride, max_length)
         if eval_batch_size is not None and eval_batch_size < 1:
@@ -173,7 +175,9 @@ class TextClassificationData(L.LightningDataModule):
             eval_batch_size=eval_batch_size or batch_size,
             limit_train_samples=limit_train_samples,
             encoding_errors=encoding_errors or ("replace" if is_bundled else "strict"),
-            stride=(stride if stride is not None else windows.default_stride(max_length)) if long_texts == "chunk" else stride,
+            stride=(stride if stride is not None else windows.default_stride(max_length))
+            if long_texts == "chunk"
+            else stride,
         )
         self._decoding: Optional[text_encoding.Decoding] = None  # how the local file was read (`_read`)
         self._local_file = self.local_file(source)
@@ -228,7 +232,9 @@ class TextClassificationData(L.LightningDataModule):
                 raise UserError(f"cannot load dataset {self.where!r}: {str(err).splitlines()[0]}") from err
             return raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict(train=raw)
         if self.hparams.subset is not None:
-            raise UserError(f"data.subset {self.hparams.subset!r} names a hub dataset's configuration: {self.where} is a file")
+            raise UserError(
+                f"data.subset {self.hparams.subset!r} names a hub dataset's configuration: {self.where} is a file"
+            )
         builder, kwargs = FILE_FORMATS[self._local_file.suffix.lower()]
         hp = self.hparams
         self._decoding = data_file.decoding(self._local_file, self.where, hp.encoding, hp.encoding_errors)
@@ -242,7 +248,9 @@ class TextClassificationData(L.LightningDataModule):
             raise
         except Exception as err:
             if "corresponds to no data" in str(err):  # datasets' words for a file without a row
-                raise UserError(f"data file {self.where} has no rows" + (" (only its header)" if builder == "csv" else "")) from None
+                raise UserError(
+                    f"data file {self.where} has no rows" + (" (only its header)" if builder == "csv" else "")
+                ) from None
             raise UserError(f"cannot read {self._local_file}: {str(err).splitlines()[0]}") from err
         return raw
 
@@ -295,7 +303,9 @@ class TextClassificationData(L.LightningDataModule):
             values = [row for row in values if row[columns.label[0]] is None or row[columns.label[0]] >= 0]
         return task_.infer(values, columns, self.kind_set, self.hparams.num_labels, names, self.where)
 
-    def _encode(self, split: datasets.Dataset, name: str, task: task_.Task, where: str) -> tuple[datasets.Dataset, Counter]:
+    def _encode(
+        self, split: datasets.Dataset, name: str, task: task_.Task, where: str
+    ) -> tuple[datasets.Dataset, Counter]:
         """The rows with texts and a label, the label as the model takes it: a class id, a value, or one 0/1 per
         label; returns it and the rows dropped by why: ``""`` an empty text or no label, else each label not listed."""
         columns = task.columns
@@ -370,7 +380,9 @@ class TextClassificationData(L.LightningDataModule):
         line = f"data: {splits_.rows_words(splits, available)} rows of {self.where} ({self.task.describe()})"
         notes = []
         if carved:
-            notes.append(" and ".join(carved) + " carved out of train " + " / ".join(f"{100 * f:.0f} %" for f in carved.values()))
+            notes.append(
+                " and ".join(carved) + " carved out of train " + " / ".join(f"{100 * f:.0f} %" for f in carved.values())
+            )
         if unlabelled_test:
             notes.append("its test split has no labels: testing on validation")
         why = "the bundled corpus mixes encodings" if self.hparams.source == BUNDLED else "data.encoding_errors replace"
@@ -421,7 +433,9 @@ class TextClassificationData(L.LightningDataModule):
                 if note := self._predict_decoding.note(str(self._predict_file)):
                     say(f"predict: {note}")
                 try:
-                    first = next(iter(predict_file.read_texts(self._predict_file, FILE_FORMATS, self._predict_decoding)), None)
+                    first = next(
+                        iter(predict_file.read_texts(self._predict_file, FILE_FORMATS, self._predict_decoding)), None
+                    )
                 except UserError:
                     raise
                 except Exception as err:
@@ -475,7 +489,8 @@ class TextClassificationData(L.LightningDataModule):
         # so a single huge row costs no more memory than the rest (`lit_memory.sandbox.bounds.CHARS_PER_TOKEN`).
         cap = max_length * CHARS_PER_TOKEN if guard.restricted() else None
         # Pre-tokenise without padding; the collator pads each batch (dynamic or to max_length). The function
-        # closes over no `self`: `datasets` hashes it, and hashing `self` would serialise the attached trainer and model.
+        # closes over no `self`: `datasets` hashes it, and hashing `self` would serialise the attached trainer and
+        # model.
         if self.hparams.long_texts == "chunk":
             self.splits, cut = windows.encode_splits(splits, tokenizer, texts, max_length, self.hparams.stride, cap)
         else:
@@ -506,7 +521,9 @@ class TextClassificationData(L.LightningDataModule):
             return None
         per_epoch = training_length.steps_per_epoch(
             len(self.splits["train"]), self.hparams.batch_size, trainer.accumulate_grad_batches, trainer.world_size)
-        return training_length.Length(trainer.max_epochs, per_epoch, trainer.max_steps, self.epochs_raised_from).describe()
+        return training_length.Length(
+            trainer.max_epochs, per_epoch, trainer.max_steps, self.epochs_raised_from
+        ).describe()
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         self.check_bounds()

@@ -36,11 +36,12 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lit_memory.optim import eightbit_shards
 from lit_memory import fused
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, FABRIC_CLIPPING, Bucket, BucketHooks, Clipping, LossScaling
+from lit_memory.optim import eightbit_shards
 from lit_memory.strategies import AcceleratorDevice, FSDP2Mesh, FusedStep, shard_hugging_face
+
 UNOWNED = (
     "fsdp_overlap_step_with_backward: parameter {name} trains (requires_grad) but none of the optimizers holds it: "
     "add it to one, or set its requires_grad to False"
@@ -154,7 +155,9 @@ class _Route:
         if scaling is not None:  # optimizer.step() in the block (a no-op) calls the scaler: it sees what backward did
             self.precision.scaler = scaling.view
         self.fsdp1 = fsdp1.install(self.hooks) if fsdp1 is not None else None
-        self._patched = ((clipping is not None and clipping.by_norm) or scaling is not None) and self.strategy is not None
+        self._patched = (
+            (clipping is not None and clipping.by_norm) or scaling is not None
+        ) and self.strategy is not None
         if self._patched:
             self._measure_in(self.strategy)
 
@@ -276,7 +279,9 @@ class _FusedFabricStep(FusedStep):
     clipping: Optional[Clipping] = None
     _module: Optional[nn.Module] = None
 
-    def _set_clipped_fusion(self, bucket: str, max_norm: Optional[float], norm_type: float, clip_val: Optional[float]) -> None:
+    def _set_clipped_fusion(
+        self, bucket: str, max_norm: Optional[float], norm_type: float, clip_val: Optional[float]
+    ) -> None:
         self._set_fusion(True, bucket)
         self.clipping = _clipping(max_norm, norm_type, clip_val)
 
@@ -367,7 +372,8 @@ class FusedFabricFSDPStrategy(_FusedFabricStep, FSDP2Mesh, ModelParallelStrategy
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         held = {id(p) for p in self._module.parameters()} if self._module is not None else set()
         if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
-            raise UserError(STALE_OPTIMIZER)  # made before sharding (fabric.setup(model, optimizer)): it would train nothing
+            # made before sharding (fabric.setup(model, optimizer)): it would train nothing
+            raise UserError(STALE_OPTIMIZER)
         optimizer = super().setup_optimizer(optimizer)
         if self._fused.steps_shards and not self._save_distributed_checkpoint:
             raise UserError(eightbit_shards.ONE_FILE)

@@ -20,34 +20,42 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from lit_memory.hf import bundled
-from lit_memory.sandbox import guard
-from lit_memory.run import evaluating, export
-from lit_memory.optim import configure, optimizers
-from lit_memory.optim.configure import default_optimizer
-from lit_memory.task import class_weights as weights_
 from lit_memory import task as task_
-from lit_memory.task import evaluation
-from lit_memory.task import thresholds as thresholds_
-from lit_memory.run.best import best_of, restore_best
 from lit_memory.console import RunningLoss, logging_step, say
-from lit_memory.sandbox.rules import phase
-from lit_memory.run.activation_checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
+from lit_memory.errors import UserError
+from lit_memory.hf import bundled, qlora
 from lit_memory.hf.anatomy import Anatomy, find_layers, skeleton, unwrap
 from lit_memory.hf.config import (
-    DTYPES, config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading,
-    saved_dtype, set_pad_token,
+    DTYPES,
+    config_label_names,
+    label_names_or_default,
+    load_config,
+    quiet_transformers,
+    report_loading,
+    saved_dtype,
+    set_pad_token,
+)
+from lit_memory.hf.lora import LoRA, apply_lora, lora_targets
+from lit_memory.optim import configure, optimizers
+
+# Named here too, for the examples that import them from the model's module.
+from lit_memory.optim.configure import (
+    default_optimizer,
+    weight_decay_groups,  # noqa: F401
 )
 from lit_memory.optim.eightbit import EmbeddingState, check_stable_embedding, swap_stable_embedding
-from lit_memory.errors import UserError
-from lit_memory.hf.lora import LoRA, apply_lora, lora_targets
+from lit_memory.run import evaluating, export
+from lit_memory.run.activation_checkpointing import CheckpointPlan, OffloadActivations, enable_gradient_checkpointing
+from lit_memory.run.best import best_of, restore_best
 from lit_memory.run.checks import check_optimizer
-from lit_memory.hf import qlora
-from lit_memory.settings import Precision
 from lit_memory.run.compiling import CUDA_GRAPHS, Compile, compile_layers
-# Named here too, for the examples that import them from the model's module.
-from lit_memory.optim.configure import weight_decay_groups  # noqa: F401
 from lit_memory.run.export import full_state_dict  # noqa: F401
+from lit_memory.sandbox import guard
+from lit_memory.sandbox.rules import phase
+from lit_memory.settings import Precision
+from lit_memory.task import class_weights as weights_
+from lit_memory.task import evaluation
+from lit_memory.task import thresholds as thresholds_
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +100,16 @@ class SequenceClassifier(L.LightningModule):
     # (``stable_embedding`` adds a LayerNorm: element-wise), where kept tensors wait, the schedule, the export. A FLOP
     # count is keyed without them (`lit_memory.planning.recompute`); an argument not named here is counted (tests check
     # that each named one leaves the count as it is).
-    SAME_FLOPS = frozenset({
-        "embedding_optimizer_state", "offload_activations", "lr_scheduler_type", "warmup_ratio", "save_pretrained", "save_dtype",
-    })
+    SAME_FLOPS = frozenset(
+        {
+            "embedding_optimizer_state",
+            "offload_activations",
+            "lr_scheduler_type",
+            "warmup_ratio",
+            "save_pretrained",
+            "save_dtype",
+        }
+    )
     # Arguments the saved weights depend on (their architecture, shapes, modules and vocabulary, what the outputs mean):
     # loading a checkpoint, a typed value other than its own is refused (`lit_memory.cli.LitMemoryCLI`); any other
     # typed value wins over it. How the optimizer keeps its state is not here: a resumed fit compares it
@@ -198,12 +213,13 @@ class SequenceClassifier(L.LightningModule):
         self.model: Optional[PreTrainedModel] = None
         # The precision the module is built for where no trainer says it (the memory model's builds): `precision`.
         self.built_for: Optional[Precision] = None
-        # What decides (`lit_memory.task.thresholds`) and what the loss weighs (`lit_memory.task.class_weights`): checked here.
+        # What decides (`lit_memory.task.thresholds`) and what the loss weighs (`lit_memory.task.class_weights`):
+        # checked here.
         self.tuning = thresholds_.tuning(kind, num_labels, tune_threshold, threshold, threshold_metric)
         weights_.check(class_weights, kind, num_labels)
         self.loss_weights: Optional[torch.Tensor] = None  # resolved in `setup` (balanced: the training labels')
-        # Metrics of the problem type (`lit_memory.task.evaluation`), fed with the model's decisions; per-label F1 and the
-        # confusion counts beside them; where thresholds decide, the same metrics at 0.5 and the sweep that tunes.
+        # Metrics of the problem type (`lit_memory.task.evaluation`), fed with the model's decisions; per-label F1 and
+        # the confusion counts beside them; where thresholds decide, the same metrics at 0.5 and the sweep that tunes.
         # (Fed 0/1 decisions, any threshold of theirs in (0, 1) reads them alike: they carry the one set, for the eye.)
         metric_threshold = threshold if threshold is not None else thresholds_.DEFAULT
         self.val_metrics = evaluation.task_metrics(kind, num_labels, metric_threshold).clone(prefix="val_")
@@ -251,7 +267,9 @@ class SequenceClassifier(L.LightningModule):
         if not names:
             return
         self._label_names = list(names)
-        for config in {id(c): c for c in (self.hf_config, getattr(self.model, "config", None)) if c is not None}.values():
+        for config in {
+            id(c): c for c in (self.hf_config, getattr(self.model, "config", None)) if c is not None
+        }.values():
             self.name_classes(config)
 
     def name_classes(self, config) -> None:

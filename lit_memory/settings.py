@@ -97,7 +97,8 @@ PRECISIONS = {
 def _unified(value: Any) -> str:
     """Lightning's own reading of a precision value (``16`` and ``"16"`` are ``16-mixed``, ``"bf16"`` is
     ``bf16-mixed``); what it refuses comes back as written."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args  # deferred: a base module, no Lightning at import
+    # deferred: a base module, no Lightning at import
+    from lightning.fabric.connector import _convert_precision_to_unified_args
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "16 is supported for historical reasons"
@@ -113,7 +114,8 @@ _SCALARS = (str, int, float, bool, type(None))
 
 
 def to_plain(value: Any) -> Any:
-    """Plain dicts, lists and scalars (jsonargparse namespaces, ruamel's maps and scalars included), in new containers."""
+    """Plain dicts, lists and scalars (jsonargparse namespaces, ruamel's maps and scalars included), in new
+    containers."""
     if type(value) in _SCALARS:  # most leaves: no typing-ABC checks (plan reads settings thousands of times)
         return value
     if type(value) is dict:
@@ -134,7 +136,8 @@ def dotted_leaves(
 ) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of every leaf: a Namespace flattened by jsonargparse (``items(branches=False)``), then the
     dicts and lists it keeps as values (``model.config_overrides.x``, ``trainer.callbacks.0.init_args.y``).
-    ``depth``: stop that many keys down (2: a recipe's ``section.setting`` blocks); ``lists=False``: a list is a leaf."""
+    ``depth``: stop that many keys down (2: a recipe's ``section.setting`` blocks); ``lists=False``: a list is a
+    leaf."""
     from jsonargparse import Namespace  # deferred: a base module, no jsonargparse at import
 
     below = None if depth is None else depth - 1

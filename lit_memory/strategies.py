@@ -45,14 +45,14 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 
-from lit_memory.optim import eightbit_shards
 from lit_memory import fused
+from lit_memory.errors import UserError
+from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
 from lit_memory.hf.anatomy import find_layers, parameter_units
 from lit_memory.hf.anatomy import hugging_face_models as _hugging_face_models
-from lit_memory.optim.optimizers import library_of
-from lit_memory.errors import UserError
 from lit_memory.memory.hardware import nccl
-from lit_memory.fused import DEFAULT_BUCKET, Bucketing, Clipping, OptimizerInBackward, parse_bucket
+from lit_memory.optim import eightbit_shards
+from lit_memory.optim.optimizers import library_of
 
 
 class AcceleratorDevice:
@@ -92,7 +92,9 @@ class FusedStep:
         self, optimizer: Optimizer, module: Optional[nn.Module], clipping: Optional[Clipping], precision: Any
     ) -> None:
         units = parameter_units(module) if module is not None else None
-        self._fused = OptimizerInBackward(optimizer, units, self.bucket, clipping, scaler=getattr(precision, "scaler", None))
+        self._fused = OptimizerInBackward(
+            optimizer, units, self.bucket, clipping, scaler=getattr(precision, "scaler", None)
+        )
         if self._fused.scaler is not None:  # the plugin's unscale/step/update see what the fused backward did
             self._scaled, precision.scaler = precision, self._fused.scaler
 
@@ -133,7 +135,9 @@ class _FusedTrainerStep(FusedStep):
         # and gone: nothing to do, and torch's clip_grad_value_ fails on no gradients. Skipped until `_unfuse`.
         self.precision_plugin._clip_gradients = _clipped_in_backward
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if self._fused is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # Lightning's Strategy.backward, with the fused backward run as the clipping needs (by norm: a first
@@ -174,7 +178,9 @@ def _check_trainer(trainer: Trainer, model: LightningModule) -> None:
         raise UserError(fused.MANUAL)
     if trainer.accumulate_grad_batches > 1:
         raise UserError(fused.ACCUMULATION)
-    if any(isinstance(c, GradientAccumulationScheduler) and c.going_to_accumulate_grad_batches() for c in trainer.callbacks):
+    if any(
+        isinstance(c, GradientAccumulationScheduler) and c.going_to_accumulate_grad_batches() for c in trainer.callbacks
+    ):
         raise UserError(fused.ACCUMULATION_SCHEDULE)
     if type(model).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
         raise UserError(fused.CLIPPING_HOOK)

@@ -5,8 +5,9 @@
 CASES.json: ``{name: {"argv": [...], "env": {...}}}``. Each case is one call of the entry point
 (`lit_memory.__main__.main`, what ``python -m lit_memory`` runs) with its own argv and environment
 variables (restored after it), its stdout and stderr captured; RESULTS.json gets
-``{name: {"code": exit status, "out": stdout, "err": stderr, "seconds": its wall time}}``. Each command's trust decision holds for that
-command only (`lit_memory.config.trust.Decision.applied`); tests/config/test_trust.py runs a batch all untrusted and one all
+``{name: {"code": exit status, "out": stdout, "err": stderr, "seconds": its wall time}}``. Each command's trust decision
+holds for that command only (`lit_memory.config.trust.Decision.applied`); tests/config/test_trust.py runs a batch all
+untrusted and one all
 ``--trust-recipe`` to compare them. The cases share only what every one of them would set up the same way in a
 process of its own, and a process start (about 10 s here) is paid once.
 """
@@ -42,7 +43,12 @@ def run_case(argv: list[str], env: dict[str, str]) -> dict:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return {"code": code, "out": out.getvalue(), "err": err.getvalue(), "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "code": code,
+        "out": out.getvalue(),
+        "err": err.getvalue(),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 if __name__ == "__main__":

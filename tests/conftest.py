@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "configs"
 # Recipes whose layers compile (model.compile): inductor's C++ code generation takes minutes on a CPU, so the tests
-# that fit every recipe leave them to tests/run/test_compiling.py (the same recipes, trained with dynamo on a cheap backend).
+# that fit every recipe leave them to tests/run/test_compiling.py (the same recipes, trained with dynamo on a cheap
+# backend).
 COMPILED = frozenset(p.stem for p in RECIPES.glob("*.yaml") if "\n  compile: " in p.read_text())
 
 # The test files that take longest on the 2-core CPU (`pytest --durations`), longest first.
@@ -41,7 +42,8 @@ COMPILED = frozenset(p.stem for p in RECIPES.glob("*.yaml") if "\n  compile: " i
 # starts each worker on one of them and fills in with the short files: with the long files last, one worker
 # ran them alone for the last half of the run. (xdist's own reordering sorts files by how many tests they hold.)
 LONGEST_FIRST = (
-    "run/test_checks.py", "test_strategies.py", "config/test_trust.py", "run/test_resume.py", "run/test_monitor.py",
+    "confine/test_launchers.py", "run/test_checks.py", "test_strategies.py", "config/test_trust.py",
+    "run/test_resume.py", "run/test_monitor.py",
     "hf/test_anatomy.py", "tools/test_plan.py", "test_task.py", "test_cli.py", "test_sandbox.py",
     "tools/test_recipe_headers.py", "tools/test_bench.py", "optim/test_lowbit.py", "sandbox/test_guard.py",
     "tools/test_proof.py", "test_fabric.py", "run/test_predict_file.py", "planning/prediction/test_analytic.py",
@@ -72,7 +74,13 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=rank)  # stable: each file's own order is kept
 
 
-POSITIVE = ["great hotel, friendly staff", "lovely clean room", "excellent breakfast", "would stay again", "superb view"]
+POSITIVE = [
+    "great hotel, friendly staff",
+    "lovely clean room",
+    "excellent breakfast",
+    "would stay again",
+    "superb view",
+]
 NEGATIVE = ["dirty room and rude staff", "terrible noise all night", "awful breakfast", "never again", "broken shower"]
 
 

@@ -28,19 +28,18 @@ from transformers import AutoModelForSequenceClassification, get_scheduler
 if __name__ == "__main__":  # a script: import this checkout's lit_memory
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch.distributed.checkpoint.state_dict as dcp_state  # noqa: E402
-
 import bitsandbytes as bnb  # noqa: E402
-
+import torch.distributed.checkpoint.state_dict as dcp_state  # noqa: E402
 from fused_worker import FP16_SCALER, RecordingScaler  # noqa: E402
-from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
-from lit_memory.fused import hooks as fused_module  # noqa: E402
-from lit_memory.errors import UserError  # noqa: E402
-from lit_memory.hf.config import load_config  # noqa: E402
-from lit_memory.run.export import full_state_dict  # noqa: E402
-from lit_memory.optim.configure import weight_decay_groups  # noqa: E402
-from lit_memory.strategies import shard_hugging_face  # noqa: E402
 from streams import Recording  # noqa: E402
+
+from lit_memory import FusedFabricFSDPStrategy, fsdp_overlap_step_with_backward  # noqa: E402
+from lit_memory.errors import UserError  # noqa: E402
+from lit_memory.fused import hooks as fused_module  # noqa: E402
+from lit_memory.hf.config import load_config  # noqa: E402
+from lit_memory.optim.configure import weight_decay_groups  # noqa: E402
+from lit_memory.run.export import full_state_dict  # noqa: E402
+from lit_memory.strategies import shard_hugging_face  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 GLOBAL_BATCH, LENGTH, STEPS = 8, 16, 6

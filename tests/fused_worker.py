@@ -3,7 +3,8 @@
 Run in the test process (one device) or as a script (new processes: resuming, and FSDP, whose
 launcher re-executes ``sys.argv`` for the other ranks, which must not be pytest):
 
-    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5] [--optimizer torchao-8bit] [--fp16]
+    python tests/fused_worker.py OUT --strategy fused-fsdp --devices 2 [--resume CKPT] [--clip norm:0.5] [--optimizer
+    torchao-8bit] [--fp16]
 
 The data is fixed and unshuffled, 6 batches per epoch; a checkpoint is kept after every epoch
 (step 6, ...) with every rank's random-number state (`lit_memory.run.resume.ExactResume`), so a
@@ -175,7 +176,10 @@ def train(
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(params, out / "params.pt")
-        torch.save({"norms": norms.norms, "largest": norms.largest, "held": norms.held, "scales": scales.scales}, out / "norms.pt")
+        torch.save(
+            {"norms": norms.norms, "largest": norms.largest, "held": norms.held, "scales": scales.scales},
+            out / "norms.pt",
+        )
     return model
 
 

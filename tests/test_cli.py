@@ -6,15 +6,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import COMPILED, CONFIGS, FAST, RECIPES, the_error
-from lit_memory.config import shared_recipe
-from lit_memory.memory.measure import records
+
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
+from lit_memory.config import shared_recipe
+from lit_memory.memory.measure import records
 
-ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in COMPILED)  # those: tests/run/test_compiling.py
-TINY_BERT = '--model.config_overrides={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
+# those: tests/run/test_compiling.py
+ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in COMPILED)
+TINY_BERT = (
+    '--model.config_overrides={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+    '"intermediate_size": 128}'
+)
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES)
@@ -31,7 +35,15 @@ def test_recipe_parses_and_trains_two_steps(recipe, fast_args):
 
 def test_layered_configs_switch_model(fast_args):
     cli = LitMemoryCLI(
-        args=["fit", "--config", str(RECIPES / "baseline.yaml"), "--config", str(CONFIGS / "bert-large.yaml"), TINY_BERT, *fast_args]
+        args=[
+            "fit",
+            "--config",
+            str(RECIPES / "baseline.yaml"),
+            "--config",
+            str(CONFIGS / "bert-large.yaml"),
+            TINY_BERT,
+            *fast_args,
+        ]
     )
     assert cli.model.hparams.pretrained is False
     assert cli.model.model.config.num_hidden_layers == 2
@@ -205,13 +217,12 @@ def test_a_runs_switches_hold_for_the_run_only(tmp_path):
     import os
 
     import jsonargparse
-
-    from lit_memory.sandbox import guard
-    from lit_memory.config import trust
-    from lit_memory.cli import resolve
-    from lit_memory.memory.hardware.allocator import AllocatorConfig, env_names, environment_conf
-
     import sklearn  # noqa: F401  (its import sets KMP_DUPLICATE_LIB_OK for good: imported before the snapshot)
+
+    from lit_memory.cli import resolve
+    from lit_memory.config import trust
+    from lit_memory.memory.hardware.allocator import AllocatorConfig, env_names, environment_conf
+    from lit_memory.sandbox import guard
 
     policy, environment = dict(jsonargparse._common.parsing_settings), dict(os.environ)
     runtime = AllocatorConfig.parse(torch._C._accelerator_getAllocatorSettings())
@@ -219,8 +230,17 @@ def test_a_runs_switches_hold_for_the_run_only(tmp_path):
     sent = tmp_path / "sent.yaml"  # a recipe nobody trusted: its run switches the confined run's policy on
     sent.write_text("seed_everything: 42\n")
     for conf in ("expandable_segments:True", "max_split_size_mb:64"):  # two candidates in turn
-        run = resolve(["fit", "--config", str(sent), "--model.pretrained=false", "--trainer.accelerator=cuda", f"--memory.allocator={conf}",
-                       f"--trainer.default_root_dir={tmp_path}"])
+        run = resolve(
+            [
+                "fit",
+                "--config",
+                str(sent),
+                "--model.pretrained=false",
+                "--trainer.accelerator=cuda",
+                f"--memory.allocator={conf}",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
         assert dict(os.environ) == environment  # parsing alone switches nothing that outlives it
         with run.scope():
             run.build(trainer=False)
@@ -251,15 +271,24 @@ def multi_label_checkpoint(tmp_path_factory) -> Path:
 def test_a_typed_setting_wins_over_the_checkpoints_saved_one(command, multi_label_checkpoint, tmp_path, capsys):
     from lit_memory.cli import resolve
 
-    config = tmp_path / "run.yaml"  # a config file, not typed: the checkpoint's threshold wins over it, said in one line
+    # a config file, not typed: the checkpoint's threshold wins over it, said in one line
+    config = tmp_path / "run.yaml"
     config.write_text("model:\n  threshold: 0.3\n")
-    base = [command, "--config", str(config), f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}"]
+    base = [
+        command,
+        "--config",
+        str(config),
+        f"--ckpt_path={multi_label_checkpoint}",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
     run = resolve(base)
     assert run.settings.model.threshold == 0.7 and "model.threshold" not in run.typed_settings
     assert run.notes == [
-        f"model.threshold=0.7 from checkpoint {multi_label_checkpoint}, not 0.3 from {config} (type --model.threshold 0.3 to use it)"
+        f"model.threshold=0.7 from checkpoint {multi_label_checkpoint}, not 0.3 from {config} (type "
+        "--model.threshold 0.3 to use it)"
     ]
-    run = resolve([*base, "--model.threshold", "0.25", "--model.compile=false"])  # typed (model.thresh: ambiguous with threshold_metric)
+    # typed (model.thresh: ambiguous with threshold_metric)
+    run = resolve([*base, "--model.threshold", "0.25", "--model.compile=false"])
     assert run.settings.model.threshold == 0.25 and run.typed_settings["model.threshold"] == 0.25
     assert capsys.readouterr().err.strip() == ""  # said by the process that runs, once (a confined run is parsed twice)
     model = run.build(trainer=False).model
@@ -280,8 +309,12 @@ def test_a_typed_threshold_names_the_tuned_thresholds_it_wins_over(tmp_path):
     origin = "tuned on validation at step 8 for each label's F1"
     torch.save({"hyper_parameters": dict(module.hparams), "state_dict": {},
                 "thresholds": {"values": [0.21, 0.4, 0.33], "origin": origin}}, path)
-    run = resolve(["validate", f"--ckpt_path={path}", "--model.threshold", "0.3", f"--trainer.default_root_dir={tmp_path}"])
-    assert run.notes == [f"model.threshold=0.3 as typed, over the thresholds 0.21-0.4 ({origin}) saved in checkpoint {path}"]
+    run = resolve(
+        ["validate", f"--ckpt_path={path}", "--model.threshold", "0.3", f"--trainer.default_root_dir={tmp_path}"]
+    )
+    assert run.notes == [
+        f"model.threshold=0.3 as typed, over the thresholds 0.21-0.4 ({origin}) saved in checkpoint {path}"
+    ]
 
 
 @pytest.mark.parametrize("spelling, typed, threshold", [
@@ -291,13 +324,17 @@ def test_a_typed_threshold_names_the_tuned_thresholds_it_wins_over(tmp_path):
     (["--config", "CONFIG", "--model.threshold", "0.25", "--model.tokenizer_name_or_path=bundled:minilm"],
      {"model.threshold": 0.25, "model.tokenizer_name_or_path": "bundled:minilm"}, 0.25),  # the model's own tokenizer
 ])
-def test_what_the_user_typed_is_read_from_the_command_line_alone(spelling, typed, threshold, multi_label_checkpoint, tmp_path):
+def test_what_the_user_typed_is_read_from_the_command_line_alone(
+    spelling, typed, threshold, multi_label_checkpoint, tmp_path
+):
     from lit_memory.cli import resolve
 
     config = tmp_path / "mine.yaml"
     config.write_text("model:\n  threshold: 0.3\n")
     spelling = [str(config) if token == "CONFIG" else token for token in spelling]
-    run = resolve(["validate", f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}", *spelling])
+    run = resolve(
+        ["validate", f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}", *spelling]
+    )
     model_keys = {k: v for k, v in run.typed_settings.items() if k.startswith(("model.", "data."))}
     assert model_keys == typed and str(run.typed_settings["ckpt_path"]) == str(multi_label_checkpoint)
     assert run.settings.model.threshold == threshold and run.settings.data.tokenizer_name_or_path == "bundled:minilm"
@@ -308,20 +345,39 @@ def test_what_the_user_typed_is_read_from_the_command_line_alone(spelling, typed
         ]
 
 
-@pytest.mark.parametrize("typed, saved", [
-    (["--model.num_labels", "4"], "model.num_labels=3"),
-    (["--model.problem_type", "single_label_classification"], "model.problem_type='multi_label_classification'"),
-    (['--model.config_overrides={"num_hidden_layers": 2}'], "model.config_overrides=None"),
-    (["--model.model_name_or_path", "bundled:bert-large"], "model.model_name_or_path='bundled:minilm'"),
-    (["--model.tokenizer_name_or_path=bundled:bert-large"], "model.tokenizer_name_or_path=None (the model's, 'bundled:minilm')"),
-])
-def test_a_typed_setting_the_weights_depend_on_is_refused_in_one_line(typed, saved, multi_label_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "typed, saved",
+    [
+        (["--model.num_labels", "4"], "model.num_labels=3"),
+        (["--model.problem_type", "single_label_classification"], "model.problem_type='multi_label_classification'"),
+        (['--model.config_overrides={"num_hidden_layers": 2}'], "model.config_overrides=None"),
+        (["--model.model_name_or_path", "bundled:bert-large"], "model.model_name_or_path='bundled:minilm'"),
+        (
+            ["--model.tokenizer_name_or_path=bundled:bert-large"],
+            "model.tokenizer_name_or_path=None (the model's, 'bundled:minilm')",
+        ),
+    ],
+)
+def test_a_typed_setting_the_weights_depend_on_is_refused_in_one_line(
+    typed, saved, multi_label_checkpoint, tmp_path, capsys
+):
     with pytest.raises(SystemExit) as exit_:
-        main(["validate", "--trust-recipe", f"--ckpt_path={multi_label_checkpoint}", f"--trainer.default_root_dir={tmp_path}", *typed])
+        main(
+            [
+                "validate",
+                "--trust-recipe",
+                f"--ckpt_path={multi_label_checkpoint}",
+                f"--trainer.default_root_dir={tmp_path}",
+                *typed,
+            ]
+        )
     assert exit_.value.code == 2
     error = the_error(capsys.readouterr().err)
     key = typed[0].split("=")[0]
-    assert error.startswith(f"error: {key} ") and f"checkpoint {multi_label_checkpoint} holds weights made with {saved}" in error
+    assert (
+        error.startswith(f"error: {key} ")
+        and f"checkpoint {multi_label_checkpoint} holds weights made with {saved}" in error
+    )
     assert not list(tmp_path.iterdir())  # nothing written
 
 
@@ -341,7 +397,9 @@ def small_file(tmp_path_factory) -> Path:
     (["--config", "{own}"], 2),  # a config file of the user's own
     (["--data.source=bundled"], 1),  # the bundled demo keeps its recipe's epoch
 ])
-def test_a_small_file_of_ones_own_trains_the_floors_steps_unless_the_user_set_its_length(small_file, tmp_path, more, epochs):
+def test_a_small_file_of_ones_own_trains_the_floors_steps_unless_the_user_set_its_length(
+    small_file, tmp_path, more, epochs
+):
     from lit_memory.cli import resolve
 
     own = tmp_path / "own.yaml"

@@ -7,9 +7,9 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+from conftest import FAST
 from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
 
-from conftest import FAST
 from lit_memory import console as console_module
 from lit_memory.cli import LitMemoryCLI
 from lit_memory.console import LogProgress, ModelSummary, interactive, total_epochs
@@ -51,10 +51,14 @@ def test_a_terminal_keeps_the_rich_bar_and_a_log_gets_progress_lines(monkeypatch
     callbacks = LitMemoryCLI(args=args, run=False).trainer.callbacks
     (progress,) = [c for c in callbacks if isinstance(c, LogProgress)]
     assert progress.interval == 5 and not any(isinstance(c, RichProgressBar) for c in callbacks)
-    assert any(type(c) is ModelSummary for c in callbacks) and not any(isinstance(c, RichModelSummary) for c in callbacks)
+    assert any(type(c) is ModelSummary for c in callbacks) and not any(
+        isinstance(c, RichModelSummary) for c in callbacks
+    )
     monkeypatch.setattr(console_module, "interactive", lambda: True)
     callbacks = LitMemoryCLI(args=args, run=False).trainer.callbacks
-    assert any(isinstance(c, RichProgressBar) for c in callbacks) and not any(isinstance(c, LogProgress) for c in callbacks)
+    assert any(isinstance(c, RichProgressBar) for c in callbacks) and not any(
+        isinstance(c, LogProgress) for c in callbacks
+    )
     # the progress bar turned off: neither
     callbacks = LitMemoryCLI(args=[*args, "--trainer.enable_progress_bar=false"], run=False).trainer.callbacks
     assert not any(isinstance(c, (RichProgressBar, LogProgress)) for c in callbacks)
@@ -75,7 +79,12 @@ def test_the_interval_is_checked_and_the_epochs_follow_max_steps():
     assert total_epochs(trainer) == 5  # 2 optimizer steps an epoch
     trainer.max_epochs = 3
     assert total_epochs(trainer) == 3
-    assert total_epochs(SimpleNamespace(max_epochs=None, max_steps=-1, num_training_batches=float("inf"), accumulate_grad_batches=1)) is None
+    assert (
+        total_epochs(
+            SimpleNamespace(max_epochs=None, max_steps=-1, num_training_batches=float("inf"), accumulate_grad_batches=1)
+        )
+        is None
+    )
 
 
 def test_progress_lines_give_the_mean_loss_since_the_last_line_and_time_the_steps_after_the_first(monkeypatch, capsys):

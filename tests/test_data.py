@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import rows, write_csv, write_jsonl
+
 from lit_memory.data import FILE_FORMATS, TextClassificationData
-from lit_memory.run.predict_file import read_texts
 from lit_memory.errors import UserError
+from lit_memory.run.predict_file import read_texts
 
 
 def make(source, **kwargs) -> TextClassificationData:
@@ -87,12 +87,16 @@ def test_missing_file():
 
 def test_missing_column(tmp_path):
     data = write_csv(tmp_path / "d.csv", rows(20, text="body"))
-    with pytest.raises(UserError, match=r"^no text column in .*d\.csv: its columns are \['body', 'label'\]; looked for text"):
+    with pytest.raises(
+        UserError, match=r"^no text column in .*d\.csv: its columns are \['body', 'label'\]; looked for text"
+    ):
         make(data).prepare_data()
     with pytest.raises(UserError, match=r"^column 'review' not found in .*d\.csv; its columns are \['body', 'label'\]"):
         make(data, text_column="review").prepare_data()
     pairs = write_csv(tmp_path / "p.csv", [{"premise": "a b", "label": 0}, {"premise": "c d", "label": 1}] * 5)
-    with pytest.raises(UserError, match=r"^column 'hypothesis' not found in .*p\.csv; its columns are \['premise', 'label'\]"):
+    with pytest.raises(
+        UserError, match=r"^column 'hypothesis' not found in .*p\.csv; its columns are \['premise', 'label'\]"
+    ):
         make(pairs, text_column=["premise", "hypothesis"]).prepare_data()
 
 
@@ -177,18 +181,28 @@ def test_a_users_file_trains_on_all_its_rows_and_the_line_says_where_they_went(t
     dm = make(write_csv(tmp_path / "mine.csv", data), limit_train_samples="auto", max_length=16)
     dm.prepare_data()
     assert [len(dm.splits[s]) for s in ("train", "validation", "test")] == [79, 10, 10]  # 99 usable rows, 80/10/10
-    assert dm.summary.startswith(f"data: train 79 · validation 10 · test 10 rows of {tmp_path / 'mine.csv'} "
-                                 "(single_label_classification: 2 classes (0, 1); text review, label label); validation "
-                                 "and test carved out of train 10 % / 10 %; 1 row dropped: 1 with an empty text or "
-                                 "no label")
+    assert dm.summary.startswith(
+        f"data: train 79 · validation 10 · test 10 rows of {tmp_path / 'mine.csv'} "
+        "(single_label_classification: 2 classes (0, 1); text review, label label); validation "
+        "and test carved out of train 10 % / 10 %; 1 row dropped: 1 with an empty text or "
+        "no label"
+    )
     share = 100 * sum(1 for r in data if len(r["review"].split()) > 10) / 79  # in train or not: at most this share
-    assert dm.summary.endswith("of training texts truncated at max_length 16") and float(dm.summary.split("; ")[-1].split()[0]) <= share
+    assert (
+        dm.summary.endswith("of training texts truncated at max_length 16")
+        and float(dm.summary.split("; ")[-1].split()[0]) <= share
+    )
     demo = TextClassificationData(limit_eval_samples=20)  # `auto`: the bundled demo keeps 4,000
     demo.prepare_data()
     assert len(demo.splits["train"]) == 4000
-    assert "training on data.limit_train_samples=4000 (the bundled demo's CPU-sized subset); null trains on all" in demo.summary
+    assert (
+        "training on data.limit_train_samples=4000 (the bundled demo's CPU-sized subset); null trains on all"
+        in demo.summary
+    )
     # the rows the demo leaves out, said as what they are: the neutral tweets
-    assert "15,018 rows dropped: labelled neutral (15,018), not in data.label_names (negative, positive)" in demo.summary
+    assert (
+        "15,018 rows dropped: labelled neutral (15,018), not in data.label_names (negative, positive)" in demo.summary
+    )
 
 
 def test_the_data_line_says_what_share_of_the_tokens_the_tokenizer_does_not_know_when_it_is_large(tmp_path):
@@ -245,6 +259,9 @@ def test_a_hub_dataset_is_named_with_its_configuration_and_its_own_splits(tmp_pa
     assert ("rows of nyu-mll/glue (mnli) (single_label_classification: 3 classes (entailment, neutral, contradiction); "
             "text premise + hypothesis (a pair), label label); its test split has no labels: testing on validation"
             in dm.summary)
-    with pytest.raises(UserError, match=r"^split 'validation' not found in nyu-mll/glue \(mnli\); its splits are "
-                                        r"\['test_matched', 'train', 'validation_matched', 'validation_mismatched'\] \(data.validation_split\)"):
+    with pytest.raises(
+        UserError,
+        match=r"^split 'validation' not found in nyu-mll/glue \(mnli\); its splits are "
+        r"\['test_matched', 'train', 'validation_matched', 'validation_mismatched'\] \(data.validation_split\)",
+    ):
         make("nyu-mll/glue", subset="mnli", validation_split="validation").prepare_data()

@@ -12,15 +12,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from torch import nn
-
 from conftest import REPO, StepLog, assert_same
 from fused_worker import FP16_SCALER, RecordingScaler
-from lit_memory.run import environment
+from torch import nn
+
 from lit_memory import FusedFabricStrategy, fsdp_overlap_step_with_backward, fused
 from lit_memory.errors import UserError
 from lit_memory.fabric import FABRIC_CLIPPING, FSDP1_FLAT, FSDP1_NORM, FSDP1_SCALER, SHARED, STALE_OPTIMIZER, UNOWNED
-
+from lit_memory.run import environment
 
 pytestmark = pytest.mark.usefixtures("one_thread", "seed_variables")  # conftest: one thread for these small models
 
@@ -244,7 +243,16 @@ def test_overlap_refuses_what_it_cannot_honour():
             loss.backward()
     assert str(error.value) == fused.UNMEASURED
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing stepped
-    for message in (UNOWNED, SHARED, fused.UNMEASURED, FSDP1_NORM, FSDP1_FLAT, FSDP1_SCALER, fused.UNCHECKED, fused.UNSCALED):
+    for message in (
+        UNOWNED,
+        SHARED,
+        fused.UNMEASURED,
+        FSDP1_NORM,
+        FSDP1_FLAT,
+        FSDP1_SCALER,
+        fused.UNCHECKED,
+        fused.UNSCALED,
+    ):
         assert "\n" not in message
 
 
@@ -319,7 +327,9 @@ def test_fused_fabric_fsdp_strategy_resumes_bitsandbytes_8bit_state_exactly(two_
     assert resumed["resumed_at"] == 3
     uninterrupted = two_processes["fsdp2-norm-fused-8bit"]["weights"]
     assert_same(uninterrupted, resumed["weights"], atol=0)
-    assert not all(torch.equal(uninterrupted[k], two_processes["fsdp2-norm-fused"]["weights"][k]) for k in uninterrupted)
+    assert not all(
+        torch.equal(uninterrupted[k], two_processes["fsdp2-norm-fused"]["weights"][k]) for k in uninterrupted
+    )
 
 
 def test_overlap_under_fsdp1(two_processes):

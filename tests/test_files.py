@@ -6,8 +6,8 @@ import ast
 import os
 
 import pytest
-
 from conftest import REPO
+
 from lit_memory import files
 from lit_memory.errors import UserError
 
@@ -77,7 +77,11 @@ def test_a_folder_written_by_another_writer_replaces_the_old_one_whole(tmp_path)
     with pytest.raises(UserError):
         with files.replacing_folder(tmp_path / "link") as folder:
             (folder / "config.json").write_text("1")
-    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hf_model", "link"]
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "elsewhere",
+        "hf_model",
+        "link",
+    ]
 
 
 def test_a_folder_is_written_where_no_folder_exists_yet(tmp_path):
@@ -116,7 +120,9 @@ def test_lit_memory_writes_files_only_through_lit_memory_files():
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "files":
                 continue
-            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            mode = (
+                node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            )
             writing = name == "open" and isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax")
             chart = name == "savefig" and "files.replacing(" not in lines[node.lineno - 2]
             if name in ("write_text", "write_bytes") or writing or chart:

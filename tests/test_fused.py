@@ -6,18 +6,17 @@ import shutil
 
 import pytest
 import torch
+from fused_worker import FP16_SCALER, RecordingScaler, batches, tiny_bert
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from transformers import Adafactor, get_scheduler
 
-from fused_worker import FP16_SCALER, RecordingScaler, batches, tiny_bert
-from lit_memory.hf.anatomy import parameter_units
 from lit_memory import fused as fused_module
 from lit_memory.errors import UserError
 from lit_memory.fused import Clipping, OptimizerInBackward, group_parameters
-from lit_memory.run.activation_checkpointing import enable_gradient_checkpointing
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import weight_decay_groups
-
+from lit_memory.run.activation_checkpointing import enable_gradient_checkpointing
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
@@ -166,14 +165,18 @@ def test_memory_gradients_alive_are_at_most_the_largest_bucket_on_minilm(bucket)
                 peaks[fused] = max(peaks[fused], live)
 
             handles = [p.register_post_accumulate_grad_hook(sample) for p in net.parameters()]
-            fusion = OptimizerInBackward(optimizer, parameter_units(net), bucket) if fused else None  # ...then the fused step's
+            # ...then the fused step's
+            fusion = OptimizerInBackward(optimizer, parameter_units(net), bucket) if fused else None
             loss.backward()
         for handle in handles:
             handle.remove()
         if fusion:
             fusion.remove()
         sizes = [p.numel() * p.element_size() for p in net.parameters()]
-        buckets = [sum(p.numel() * p.element_size() for p in b) for b in group_parameters(list(net.parameters()), parameter_units(net), bucket)]
+        buckets = [
+            sum(p.numel() * p.element_size() for p in b)
+            for b in group_parameters(list(net.parameters()), parameter_units(net), bucket)
+        ]
     assert peaks[False] == sum(sizes)  # unfused: every gradient alive at the end of backward
     assert peaks[True] == max(buckets)  # fused: the bucket being applied, at most; all of it at its step
     if bucket == "100 MiB":
@@ -257,7 +260,9 @@ def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(t
         runs = {}
         for bucketed in (True, False):
             torch.manual_seed(0)
-            module = SequenceClassifier("bundled:bert-large", pretrained=False, config_overrides=layers, freeze="embeddings")
+            module = SequenceClassifier(
+                "bundled:bert-large", pretrained=False, config_overrides=layers, freeze="embeddings"
+            )
             module.configure_model()
             net = module.model
             for layer in net.bert.encoder.layer:
@@ -274,8 +279,16 @@ def test_optimizer_state_for_a_checkpoint_load_is_created_one_bucket_at_a_time(t
             fusion.remove()
             assert all(torch.equal(p.full_tensor(), before[n]) for n, p in net.named_parameters())
             assert all(p.grad is None for p in net.parameters())
-            state = {n: {k: v.shape for k, v in optimizer.state[p].items()} for n, p in net.named_parameters() if p.requires_grad}
-            state_bytes = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for s in optimizer.state.values() for v in s.values())
+            state = {
+                n: {k: v.shape for k, v in optimizer.state[p].items()}
+                for n, p in net.named_parameters()
+                if p.requires_grad
+            }
+            state_bytes = sum(
+                (v.to_local() if isinstance(v, DTensor) else v).nbytes
+                for s in optimizer.state.values()
+                for v in s.values()
+            )
             # Beyond the weights and the state created: the zero gradients and the step's temporaries.
             runs[bucketed] = (tracker.footprint.peak - tracker.footprint.categories["weights"] - state_bytes, state)
         (bucketed_extra, bucketed_state), (full_extra, full_state) = runs[True], runs[False]
@@ -433,7 +446,9 @@ def scaled(net, fused: bool, clipping=None, steps: int = 10) -> list[float]:
     return scaler.scales
 
 
-@pytest.mark.parametrize("clipping", [None, Clipping(max_norm=0.3), Clipping(value=0.01)], ids=["none", "norm", "value"])
+@pytest.mark.parametrize(
+    "clipping", [None, Clipping(max_norm=0.3), Clipping(value=0.01)], ids=["none", "norm", "value"]
+)
 def test_fp16_loss_scaling_inside_backward_matches_gradscaler(clipping):
     """A measuring backward unscales and checks every gradient first (with clipping by norm, the same one
     that measures the norm): an overflow skips the step, as GradScaler skips it; otherwise every bucket
@@ -452,7 +467,9 @@ def test_fp16_loss_scaling_inside_backward_matches_gradscaler(clipping):
 
 def test_fp16_loss_scaling_needs_the_checking_backward():
     net = model()
-    fusion = OptimizerInBackward(torch.optim.SGD(net.parameters(), lr=0.1), parameter_units(net), scaler=torch.amp.GradScaler("cpu"))
+    fusion = OptimizerInBackward(
+        torch.optim.SGD(net.parameters(), lr=0.1), parameter_units(net), scaler=torch.amp.GradScaler("cpu")
+    )
     loss = fusion.scaler.scale(net(**{k: v[None] for k, v in batches(1)[0].items()}).loss)
     with pytest.raises(UserError) as error:
         loss.backward()  # not through fusion.backward: the first bucket would step before any overflow is known
@@ -489,7 +506,6 @@ def test_each_bucket_steps_on_the_compute_stream_after_its_gradients(monkeypatch
     in the one pool the memory model replays, not in a pool of the reduce-scatter stream's. No device sync, the
     numbers unchanged."""
     import bitsandbytes.optim.optimizer as bnb_optimizer
-
     from streams import Recording
 
     syncs = []
@@ -507,7 +523,8 @@ def test_each_bucket_steps_on_the_compute_stream_after_its_gradients(monkeypatch
         assert all(s["on"] is recording.default_stream and s["waited"] == [rs] for s in steps)
         kinds = [entry[0] for entry in recording.log if entry[0] in ("record", "step")]
         first_backward = kinds[: 2 * buckets]
-        assert first_backward == ["record"] + ["record", "step"] * (buckets - 1) + ["step"]  # one late, the last at the end
+        # one late, the last at the end
+        assert first_backward == ["record"] + ["record", "step"] * (buckets - 1) + ["step"]
         used = [entry for entry in recording.log if entry[0] == "used"]
         assert used and all(stream is recording.default_stream for _, stream in used)  # gradients kept for it
         unordered, _ = _trained_on(rs, make)  # the CPU: no streams to order

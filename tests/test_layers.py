@@ -6,8 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import lit_memory
 from conftest import REPO
+
+import lit_memory
 
 PACKAGE = REPO / "lit_memory"
 

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from lit_memory.errors import UserError
-from lit_memory.run import export
 from lit_memory.model import SequenceClassifier, transformer_layers
 from lit_memory.optim.configure import weight_decay_groups
+from lit_memory.run import export
 
 TINY_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 
@@ -128,7 +128,9 @@ def test_metrics_on_known_predictions():
     # TP=3 FP=2 FN=1 TN=2 for the positive class; negative class: TP=2 FP=1 FN=2.
     f1_pos, f1_neg = 2 * 3 / (2 * 3 + 2 + 1), 2 * 2 / (2 * 2 + 1 + 2)
     mcc = (3 * 2 - 2 * 1) / ((3 + 2) * (3 + 1) * (2 + 2) * (2 + 1)) ** 0.5  # Matthews: (TP.TN - FP.FN) / sqrt(...)
-    assert got == pytest.approx({"val_acc": 5 / 8, "val_f1": f1_pos, "val_f1_macro": (f1_pos + f1_neg) / 2, "val_mcc": mcc})
+    assert got == pytest.approx(
+        {"val_acc": 5 / 8, "val_f1": f1_pos, "val_f1_macro": (f1_pos + f1_neg) / 2, "val_mcc": mcc}
+    )
 
 
 def test_export_reloads_with_plain_transformers_and_same_logits(tmp_path):
@@ -211,9 +213,7 @@ def test_predictions_are_written_at_fp32_not_at_the_autocast_precision():
 
 
 def test_the_spearman_caution_is_said_once_and_only_where_an_evaluation_feeds_it(capsys, recwarn):
-    from lit_memory.task import evaluation
-
-    from lit_memory.task import kind_of
+    from lit_memory.task import evaluation, kind_of
 
     evaluation.task_metrics(kind_of("regression"), 1)
     evaluation.task_metrics(kind_of("regression"), 1)
@@ -237,8 +237,8 @@ def _recipe(name: str) -> tuple[dict, str]:
     import pkgutil
 
     import yaml
-
     from conftest import RECIPES
+
     from lit_memory.hf.lora import LoRA
 
     recipe = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
@@ -247,7 +247,13 @@ def _recipe(name: str) -> tuple[dict, str]:
     model["optimizer"] = functools.partial(pkgutil.resolve_name(spec["class_path"]), **spec.get("init_args", {}))
     if model.get("lora") is not None:
         model["lora"] = LoRA(**model["lora"])
-    model.update({k: v for k, v in (("offload_activations", False), ("gradient_checkpointing", "full")) if model.get(k) == "auto"})
+    model.update(
+        {
+            k: v
+            for k, v in (("offload_activations", False), ("gradient_checkpointing", "full"))
+            if model.get(k) == "auto"
+        }
+    )
     return model, recipe["trainer"].get("precision", "32-true")
 
 
@@ -287,6 +293,7 @@ def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoi
     without a master copy under the fp32 and bf16-mixed recipes. The recipe decides now: fp32 weights (the
     optimizer's masters) wherever it keeps fp32 weights, bf16 only under bf16-true (2gb, with stochastic rounding)."""
     from conftest import RECIPES
+
     from lit_memory.hf import qlora
 
     recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
@@ -300,7 +307,8 @@ def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoi
             quantised = {id(p) for p in module.model.parameters() if qlora.is_quantised(p)}
             assert bool(quantised) == (recipe == "qlora"), where  # QLoRA: the layers' matrices in 4 bits
             dense = [p for p in module.model.parameters() if id(p) not in quantised]
-            assert {p.dtype for p in dense} == {promised}, where  # the frozen base too (LoRA; QLoRA's embeddings, norms)
+            # the frozen base too (LoRA; QLoRA's embeddings, norms)
+            assert {p.dtype for p in dense} == {promised}, where
             stepped = [p for group in optimizer.param_groups for p in group["params"]]
             assert {id(p) for p in stepped} == {id(p) for p in module.model.parameters() if p.requires_grad}, where
             assert {p.dtype for p in stepped} == {promised}, where  # the optimizer updates these: its master copy
@@ -308,7 +316,9 @@ def test_every_recipe_trains_the_weights_it_promises_whatever_dtype_the_checkpoi
                 assert type(optimizer).__module__.startswith("torchao.optim") and optimizer.bf16_stochastic_round
 
 
-def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_to_the_same_predictions(saved, tmp_path, capsys):
+def test_a_bf16_checkpoint_exports_in_bf16_and_reloads_with_plain_transformers_to_the_same_predictions(
+    saved, tmp_path, capsys
+):
     """hf_model/ is saved in the checkpoint's dtype (config.json names it), from the fp32 weights that trained: the
     reloaded weights are those weights rounded to bf16, bit for bit, so a reload in fp32 predicts exactly what the
     trained model predicts with its weights so rounded; a plain reload (bf16) agrees within bf16's rounding."""
@@ -350,7 +360,9 @@ def test_the_bundled_demo_model_loads_as_transformers_loads_it():
 
     module = minilm(num_labels=2)
     with quiet_transformers():
-        reference = AutoModelForSequenceClassification.from_pretrained(bundled.resolve_model("bundled:minilm"), num_labels=2)
+        reference = AutoModelForSequenceClassification.from_pretrained(
+            bundled.resolve_model("bundled:minilm"), num_labels=2
+        )
     assert module.checkpoint_dtype == torch.float32 and module.export_dtype == torch.float32
     ours = module.model.state_dict()
     assert {v.dtype for v in ours.values() if v.is_floating_point()} == {torch.float32}

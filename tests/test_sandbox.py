@@ -21,10 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import RECIPES, REPO, rows, write_csv
 
-from conftest import REPO, RECIPES, rows, write_csv
-from lit_memory.sandbox import child, landlock, rules, stage, watchdog
 from lit_memory.confine import launch
+from lit_memory.sandbox import child, landlock, rules, stage, watchdog
 
 pytestmark = pytest.mark.skipif(landlock.abi() < 4, reason="needs Landlock ABI 4 (Linux 6.7) or later")
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -79,9 +79,13 @@ def spec_for(tmp_path: Path, *reads: Path) -> rules.Spec:
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
     (tmp_path / "view").mkdir(exist_ok=True)
-    return rules.Spec(read=[*rules.python_roots(), *rules.system_roots(), *map(str, reads)],
-                      write=[str(run), *rules.device_write_roots()], path=rules.child_path(), view=str(tmp_path / "view"),
-                      shm=64 * 2**20)
+    return rules.Spec(
+        read=[*rules.python_roots(), *rules.system_roots(), *map(str, reads)],
+        write=[str(run), *rules.device_write_roots()],
+        path=rules.child_path(),
+        view=str(tmp_path / "view"),
+        shm=64 * 2**20,
+    )
 
 
 # -- the kernel's boundary -----------------------------------------------------------------------------------
@@ -207,7 +211,9 @@ def test_reads_outside_the_roots_are_refused_through_a_link_and_proc(tmp_path):
     assert outcome == ["refused"] * 3, confined.stdout + confined.stderr[-2000:]
     free = run_python(code, None)
     assert [line.split()[0] for line in free.stdout.splitlines()] == ["read"] * 3, free.stdout
-    assert "HF_TOKEN" not in launch.scrubbed({"HF_TOKEN": "x", "AWS_SECRET_ACCESS_KEY": "y", "MY_API_KEY": "z", "PATH": "p"})
+    assert "HF_TOKEN" not in launch.scrubbed(
+        {"HF_TOKEN": "x", "AWS_SECRET_ACCESS_KEY": "y", "MY_API_KEY": "z", "PATH": "p"}
+    )
     assert launch.scrubbed({"HF_TOKEN": "x", "AWS_PROFILE": "y", "PATH": "p", "CUDA_VISIBLE_DEVICES": "0"}) == {
         "PATH": "p", "CUDA_VISIBLE_DEVICES": "0"}
 
@@ -334,7 +340,8 @@ def alive(marker: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0"):  # an argument: not code naming it
+                # an argument: not code naming it
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0"):
                     found.append(int(entry))
             except OSError:
                 continue
@@ -470,7 +477,9 @@ def test_memory_outside_processes_is_bounded_by_the_kernel(tmp_path):
     finally:
         group.remove()
     assert result == 2, err.getvalue()[-2000:]
-    assert err.getvalue().strip().splitlines()[-1].startswith("error: stopped: the run's processes and their memory files")
+    assert (
+        err.getvalue().strip().splitlines()[-1].startswith("error: stopped: the run's processes and their memory files")
+    )
 
 
 def test_the_runs_output_reaches_the_terminal_without_control_sequences():
@@ -497,7 +506,9 @@ def model_folder(path: Path) -> Path:
     return path
 
 
-def lit_memory_command(tmp_path: Path, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def lit_memory_command(
+    tmp_path: Path, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     environ = {**os.environ, **ENV, **(env or {})}
     environ.pop(rules.ENV, None)
     return subprocess.run([sys.executable, "-m", "lit_memory", *args], cwd=tmp_path, env=environ, capture_output=True,
@@ -523,7 +534,9 @@ def test_a_fifo_an_index_names_is_refused_before_the_run_reads_it(tmp_path):
     folder = model_folder(tmp_path / "model")
     (folder / "shards").mkdir()
     os.mkfifo(folder / "shards" / "model-00001.safetensors")
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shards/model-00001.safetensors"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "shards/model-00001.safetensors"}})
+    )
     with pytest.raises(Exception, match=r"model-00001.safetensors is not a regular file"):
         stage.check(folder, "model")
     sent = sent_recipe(tmp_path, f"model:\n  model_name_or_path: {folder}\n")
@@ -537,23 +550,41 @@ def test_a_backtracking_tokenizer_is_stopped_by_the_preparation_limit(tmp_path):
     per row): the watchdog ends the run when preparing takes longer than its bound, with one line naming the phase."""
     folder = model_folder(tmp_path / "model")
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokenizer["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(\\w+\\s?)+$"}, "behavior": "Isolated", "invert": False}
+    tokenizer["pre_tokenizer"] = {
+        "type": "Split",
+        "pattern": {"Regex": "(\\w+\\s?)+$"},
+        "behavior": "Isolated",
+        "invert": False,
+    }
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((folder / "tokenizer_config.json").read_text())  # its tokenizer.json, not a BERT rebuilt from vocab.txt
+    # its tokenizer.json, not a BERT rebuilt from vocab.txt
+    config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
     data = write_csv(tmp_path / "data.csv", [{"text": ("a" * 21 + "! ") * 80, "label": i % 2} for i in range(40)])
-    sent = sent_recipe(tmp_path, f"model:\n  model_name_or_path: {folder}\n  pretrained: false\ndata:\n  source: {data}\n")
+    sent = sent_recipe(
+        tmp_path, f"model:\n  model_name_or_path: {folder}\n  pretrained: false\ndata:\n  source: {data}\n"
+    )
     result = lit_memory_command(tmp_path, "fit", "--config", str(sent), "--trainer.max_steps=1",
                                 env={launch.LIMIT_VARIABLES["prepare"]: "15"}, timeout=400)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert error_lines(result)[-1].startswith("error: stopped: preparing: tokenising took longer than 15 s"), result.stderr[-2000:]
+    assert error_lines(result)[-1].startswith("error: stopped: preparing: tokenising took longer than 15 s"), (
+        result.stderr[-2000:]
+    )
 
 
 def test_memory_growth_is_stopped_by_the_watchdog(tmp_path):
-    """The run's processes together held past their bound (here set low by the user's environment): stopped, one line."""
-    result = lit_memory_command(tmp_path, "fit", "--config", str(sent_recipe(tmp_path)), "--trainer.max_steps=2",
-                                "--data.limit_train_samples=16", env={launch.LIMIT_VARIABLES["rss"]: str(200 * 2**20)},
-                                timeout=300)
+    """The run's processes together held past their bound (here set low by the user's environment): stopped, one
+    line."""
+    result = lit_memory_command(
+        tmp_path,
+        "fit",
+        "--config",
+        str(sent_recipe(tmp_path)),
+        "--trainer.max_steps=2",
+        "--data.limit_train_samples=16",
+        env={launch.LIMIT_VARIABLES["rss"]: str(200 * 2**20)},
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert error_lines(result)[-1].startswith("error: stopped: the run's processes held"), result.stderr[-2000:]
     assert f"set by {launch.LIMIT_VARIABLES['rss']}" in error_lines(result)[-1]
@@ -605,8 +636,8 @@ def test_no_python_started_for_a_run_imports_from_the_working_folder(tmp_path, m
     from jsonargparse import _stubs_resolver as stubs
 
     from lit_memory import cli
-    from lit_memory.run import environment
     from lit_memory.__main__ import TOOLS, main
+    from lit_memory.run import environment
 
     folder = hostile_folder(tmp_path / "sent")
     monkeypatch.chdir(folder)
@@ -618,7 +649,8 @@ def test_no_python_started_for_a_run_imports_from_the_working_folder(tmp_path, m
         typeshed_client.get_search_context()
     assert markers(folder) == []
     seen = {}
-    monkeypatch.setenv("PATH", os.pathsep.join(["", ".", "bin", os.environ["PATH"]]))  # programs by name from the folder
+    # programs by name from the folder
+    monkeypatch.setenv("PATH", os.pathsep.join(["", ".", "bin", os.environ["PATH"]]))
     monkeypatch.setitem(TOOLS, "plan", lambda argv: seen.update(safe=os.environ.get(environment.SAFE_PATH),
                                                                path=os.environ["PATH"]))
     main(["plan"])
@@ -670,8 +702,11 @@ def test_a_run_folder_is_made_beneath_the_working_folder_without_following_a_lin
     made = roots.Made()
     assert roots.make("runs/new/deeper", str(work), "x", made) == str(work / "runs" / "new" / "deeper")
     assert made.folders == [str(work / "runs" / "new"), str(work / "runs" / "new" / "deeper")]
-    for key, value in (("trainer.logger.init_args.name", "../lightning_logs"), ("trainer.logger.init_args.version", "a/b"),
-                       ("trainer.callbacks.0.init_args.filename", "../../x")):
+    for key, value in (
+        ("trainer.logger.init_args.name", "../lightning_logs"),
+        ("trainer.logger.init_args.version", "a/b"),
+        ("trainer.callbacks.0.init_args.filename", "../../x"),
+    ):
         with pytest.raises(Exception, match=r"refusing trainer\.(logger|callbacks)"):
             roots.check_components([(key, value)])
     roots.check_components([("trainer.logger.init_args.name", "my_run"), ("trainer.logger.init_args.version", 3)])
@@ -779,8 +814,9 @@ def test_the_hub_fetch_for_a_recipe_is_sized_first_and_sends_no_token(tmp_path, 
     monkeypatch.setenv(launch.LIMIT_VARIABLES["disk"], str(32 * 2**20))
     (tmp_path / "recipe.yaml").write_text("model:\n  model_name_or_path: org/big\n")
     code, err = in_process(["fit", "--config", "recipe.yaml"], capsys, monkeypatch, tmp_path)
-    assert code == 2 and err.strip().splitlines()[-1].startswith("error: refusing model.model_name_or_path=org/big: its "
-                                                                  "files on the Hugging Face Hub are 166.0 MiB"), err
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        "error: refusing model.model_name_or_path=org/big: its files on the Hugging Face Hub are 166.0 MiB"
+    ), err
     assert "over the run's disk budget of 32.0 MiB" in err and listed == [("org/big", False)] and fetched == []
     assert loads and all(load == ("org/big", False, True) for load in loads)  # no token, from the cache or nothing
     code, err = in_process(["fit", "--config", "recipe.yaml", "--model.model_name_or_path=org/small"], capsys,
@@ -815,7 +851,10 @@ def test_a_run_folder_in_an_autoloaded_folder_is_refused(tmp_path):
     (tmp_path / "work").mkdir()
     result = lit_memory_command(tmp_path / "work", "fit", "--config", str(sent), env={"HOME": str(home)}, timeout=120)
     assert result.returncode == 2 and len(error_lines(result)) == 1, result.stderr[-3000:]
-    assert "refusing trainer.default_root_dir=" in error_lines(result)[0] and "a run folder a recipe chooses" in error_lines(result)[0]
+    assert (
+        "refusing trainer.default_root_dir=" in error_lines(result)[0]
+        and "a run folder a recipe chooses" in error_lines(result)[0]
+    )
     assert not (home / ".bashrc.d").exists()
     with pytest.raises(Exception, match=r"it is inside .*\.cache, a folder of yours"):
         rules.check_roots([("trainer.default_root_dir", str(home / ".cache" / "x"))], str(home), [str(home / ".cache")])
@@ -832,7 +871,10 @@ def test_a_format_field_walk_is_refused(tmp_path):
         """)
     result = lit_memory_command(tmp_path, "fit", "--config", str(sent), env={"HF_TOKEN": "hf_secret"}, timeout=120)
     assert result.returncode == 2 and len(error_lines(result)) == 1, result.stderr[-3000:]
-    assert "refusing trainer.callbacks.0.init_args.filename=" in error_lines(result)[0] and "not a plain {metric}" in error_lines(result)[0]
+    assert (
+        "refusing trainer.callbacks.0.init_args.filename=" in error_lines(result)[0]
+        and "not a plain {metric}" in error_lines(result)[0]
+    )
     rules.check_template("filename", "best-{step}-{val_f1_macro:.4f}")  # plain fields pass
     with pytest.raises(Exception, match=r"is not a plain"):
         rules.check_template("filename", "{epoch.__class__}")
@@ -848,7 +890,10 @@ def test_free_form_keyword_dictionaries_are_refused(tmp_path):
         """)
     result = lit_memory_command(tmp_path, "fit", "--config", str(sent), timeout=120)
     assert result.returncode == 2 and len(error_lines(result)) == 1, result.stderr[-3000:]
-    assert "trainer.profiler.dict_kwargs" in error_lines(result)[0] and "free-form keyword arguments" in error_lines(result)[0]
+    assert (
+        "trainer.profiler.dict_kwargs" in error_lines(result)[0]
+        and "free-form keyword arguments" in error_lines(result)[0]
+    )
 
 
 # -- the same run, confined or not ----------------------------------------------------------------------------
@@ -878,7 +923,9 @@ def test_only_an_untrusted_training_or_evaluation_runs_confined(monkeypatch, tmp
 
     sent = str(sent_recipe(tmp_path))
     monkeypatch.delenv(rules.ENV, raising=False)
-    assert confined(["fit", "--config", sent]) and confined(["predict", "--config", sent, "--data.predict_path", "x.csv"])
+    assert confined(["fit", "--config", sent]) and confined(
+        ["predict", "--config", sent, "--data.predict_path", "x.csv"]
+    )
     assert not confined(["fit", "--config", sent, "--trust-recipe"]) and not confined(["estimate", "--config", sent])
     assert not confined(["fit", "--recipe", "4gb"]) and not confined(["fit", "--data.source", "x.csv"])
     monkeypatch.setenv(rules.ENV, "{}")  # the child itself: it runs the command

@@ -13,10 +13,20 @@ from jsonargparse import Namespace
 
 from lit_memory.errors import UserError
 from lit_memory.fused import Bucketing, parse_bucket
-from lit_memory.planning.prediction.step import OptimizerSpec, Step
 from lit_memory.model import SequenceClassifier
+from lit_memory.planning.prediction.step import OptimizerSpec, Step
 from lit_memory.settings import (
-    PRECISIONS, Precision, arguments, assign, dotted_leaves, key_of, locate, overlay, patched, section, to_plain,
+    PRECISIONS,
+    Precision,
+    arguments,
+    assign,
+    dotted_leaves,
+    key_of,
+    locate,
+    overlay,
+    patched,
+    section,
+    to_plain,
 )
 
 
@@ -67,7 +77,10 @@ def test_dotted_keys_walk_namespaces_dicts_and_lists():
 def test_overlay_lays_dotted_values_over_a_copy():
     settings = {"model": {"optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}, "num_labels": 2}}
     out = overlay(settings, {"model.optimizer": {"class_path": "torch.optim.AdamW"}, "data.batch_size": 8})
-    assert out == {"model": {"optimizer": {"class_path": "torch.optim.AdamW"}, "num_labels": 2}, "data": {"batch_size": 8}}
+    assert out == {
+        "model": {"optimizer": {"class_path": "torch.optim.AdamW"}, "num_labels": 2},
+        "data": {"batch_size": 8},
+    }
     assert settings["model"]["optimizer"]["init_args"] == {"lr": 0.1}  # the caller's settings are left as they were
 
 
@@ -101,7 +114,9 @@ def test_a_steps_module_settings_are_the_modules_signature():
     step = Step(model={"num_labels": 3}, optimizer=OptimizerSpec("torch.optim.SGD", {"lr": 0.1}))
     expected = {k: v.default for k, v in inspect.signature(SequenceClassifier).parameters.items() if k != "optimizer"}
     assert step.model == {**expected, "num_labels": 3}
-    with pytest.raises(UserError, match=r"model: 'nonsense': not arguments of SequenceClassifier \(those are: model_name_or_path"):
+    with pytest.raises(
+        UserError, match=r"model: 'nonsense': not arguments of SequenceClassifier \(those are: model_name_or_path"
+    ):
         Step(model={"nonsense": 1}, optimizer=step.optimizer)
 
 
@@ -122,7 +137,10 @@ def test_a_step_is_parsed_once_and_states_the_settings_it_reads_back_from():
     assert changed.precision is PRECISIONS["16-true"] and changed.bucket == parse_bucket("param")
     assert Step.from_settings(changed.as_settings()) == changed
     plain_step = replace(step, fused=False, bucket="layer")  # no fused step: no bucket (Lightning's own strategy)
-    assert Step.from_settings(plain_step.as_settings()) == plain_step and plain_step.as_settings()["trainer"]["strategy"] == "auto"
+    assert (
+        Step.from_settings(plain_step.as_settings()) == plain_step
+        and plain_step.as_settings()["trainer"]["strategy"] == "auto"
+    )
     assert step.key() == Step.from_settings(step.as_settings()).key() != changed.key()
     assert step.cache_key != step.key() and step.cache_key == replace(step, batch_size=1).cache_key
 

@@ -12,16 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fused_worker as worker
 import lightning as L
 import pytest
 import torch
+from conftest import CONFIGS, RECIPES, REPO, HostReads, StepLog, assert_same, the_error
 from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
-import fused_worker as worker
-from conftest import CONFIGS, RECIPES, REPO, HostReads, StepLog, assert_same, the_error
-from lit_memory.run import environment
 from lit_memory import fused
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
@@ -31,6 +30,7 @@ from lit_memory.fused import Bucketing
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
+from lit_memory.run import environment
 from lit_memory.run.monitor import MemoryMonitor
 from lit_memory.strategies import FSDP2Strategy, FusedFSDPStrategy, FusedSingleDeviceStrategy
 
@@ -323,13 +323,21 @@ def test_4gb_recipe_trains_on_fsdp_and_resumes_resharded_onto_three_then_four_pr
         "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--model.optimizer.init_args.lr=1e-4",
         "--data.limit_train_samples=64", "--data.limit_eval_samples=16", f"--trainer.default_root_dir={tmp_path}",
         "--data.padding=max_length",  # every batch the shape the per-rank memory prediction assumes
-        "--trainer.check_val_every_n_epoch=100",  # no validation: hf_model holds the last weights (what moved), not the best
+        # no validation: hf_model holds the last weights (what moved), not the best
+        "--trainer.check_val_every_n_epoch=100",
     ]
     def fit(devices: int, *more: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "lit_memory", "fit", *args, f"--trainer.devices={devices}", *more], cwd=REPO,
-            capture_output=True, text=True, timeout=600,
-            env={**environment.for_new_job(), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+            [sys.executable, "-m", "lit_memory", "fit", *args, f"--trainer.devices={devices}", *more],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={
+                **environment.for_new_job(),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+            },
         )
 
     result = fit(2)
@@ -361,7 +369,8 @@ def test_4gb_recipe_trains_on_fsdp_and_resumes_resharded_onto_three_then_four_pr
         probes = tmp_path / f"probe{devices}"
         resumed = fit(
             devices, f"--ckpt_path={checkpoint}", f"--trainer.max_epochs={6 + version}",
-            "--trust-recipe", "--trainer.callbacks+=streams.Probe", f"--trainer.callbacks.out={probes}",  # the test's probe
+            # the test's probe
+            "--trust-recipe", "--trainer.callbacks+=streams.Probe", f"--trainer.callbacks.out={probes}",
         )
         assert resumed.returncode == 0, resumed.stderr[-4000:]
         warnings = [line for line in resumed.stderr.splitlines() if "processes and this run has" in line]
@@ -392,9 +401,17 @@ def test_lora_recipe_trains_on_fsdp_and_exports_the_merged_model(tmp_path):
     """peft's adapters inside FSDP2-sharded layers; at the end the gathered adapters are merged into
     plain weights (peft cannot merge DTensors) and saved for plain transformers."""
     args = [
-        "--config", str(RECIPES / "lora.yaml"), "--config", str(CONFIGS / "fsdp.yaml"),
-        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
-        "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false", "--data.limit_train_samples=128",
+        "--config",
+        str(RECIPES / "lora.yaml"),
+        "--config",
+        str(CONFIGS / "fsdp.yaml"),
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_checkpointing=false",
+        "--data.limit_train_samples=128",
         f"--trainer.default_root_dir={tmp_path}",
     ]
     result = subprocess.run(
@@ -406,7 +423,10 @@ def test_lora_recipe_trains_on_fsdp_and_exports_the_merged_model(tmp_path):
     assert not any("lora" in name for name in tuned.state_dict())
     pretrained = SequenceClassifier()
     pretrained.configure_model()
-    adapted, untouched = "bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.0.attention.self.key.weight"
+    adapted, untouched = (
+        "bert.encoder.layer.0.attention.self.query.weight",
+        "bert.encoder.layer.0.attention.self.key.weight",
+    )
     assert not torch.equal(tuned.state_dict()[adapted], pretrained.model.state_dict()[adapted])  # merged
     assert torch.equal(tuned.state_dict()[untouched], pretrained.model.state_dict()[untouched])  # no adapter
 

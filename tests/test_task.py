@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import RECIPES
+
 from lit_memory.errors import UserError
 from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE, Columns, find_columns, infer
 
@@ -24,7 +24,8 @@ from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE, Columns, find_colu
 def test_columns_are_found_by_one_rule_pairs_first():
     assert find_columns(["text", "label"]) == Columns(("text",), ("label",))
     assert find_columns(["idx", "sentence", "label"]) == Columns(("sentence",), ("label",))  # SST-2
-    assert find_columns(["question", "sentence", "label", "idx"]) == Columns(("question", "sentence"), ("label",))  # QNLI
+    # QNLI
+    assert find_columns(["question", "sentence", "label", "idx"]) == Columns(("question", "sentence"), ("label",))
     assert find_columns(["premise", "hypothesis", "label"]).pair
     assert find_columns(["sentence1", "sentence2", "score"]) == Columns(("sentence1", "sentence2"), ("score",))
     assert find_columns(["comment_text", "toxic", "insult"], label=["toxic", "insult"]).label == ("toxic", "insult")
@@ -34,12 +35,31 @@ def test_columns_are_found_by_one_rule_pairs_first():
     assert find_columns(["text", "review"], usual_text=["review"], require_label=False).text == ("review",)
 
 
-@pytest.mark.parametrize("columns, kwargs, message", [
-    (["text", "label"], {"text": ["text", "other"]}, r"^column 'other' not found in the data; its columns are \['text', 'label'\] \(set data.text_column\)"),
-    (["body", "label"], {}, r"^no text column in the data: its columns are \['body', 'label'\]; looked for text, sentence"),
-    (["text", "y"], {}, r"^no label column in the data: its columns are \['text', 'y'\]; looked for label, labels, score"),
-    (["a", "b", "c", "y"], {"text": ["a", "b", "c"]}, r"^data.text_column names 3 columns \['a', 'b', 'c'\]: one, or two"),
-])
+@pytest.mark.parametrize(
+    "columns, kwargs, message",
+    [
+        (
+            ["text", "label"],
+            {"text": ["text", "other"]},
+            r"^column 'other' not found in the data; its columns are \['text', 'label'\] \(set data.text_column\)",
+        ),
+        (
+            ["body", "label"],
+            {},
+            r"^no text column in the data: its columns are \['body', 'label'\]; looked for text, sentence",
+        ),
+        (
+            ["text", "y"],
+            {},
+            r"^no label column in the data: its columns are \['text', 'y'\]; looked for label, labels, score",
+        ),
+        (
+            ["a", "b", "c", "y"],
+            {"text": ["a", "b", "c"]},
+            r"^data.text_column names 3 columns \['a', 'b', 'c'\]: one, or two",
+        ),
+    ],
+)
 def test_a_missing_column_is_one_line_naming_it(columns, kwargs, message):
     with pytest.raises(UserError, match=message):
         find_columns(columns, **kwargs)
@@ -56,12 +76,18 @@ def test_the_problem_type_and_labels_come_from_the_labels():
     single = infer(rows_of(["pos", "neg", "pos"]), Columns(("text",), ("label",)))
     assert (single.problem_type, single.num_labels, single.label_names) == (SINGLE, 2, ("neg", "pos"))
     ids = infer(rows_of([0, 3, 1]), Columns(("text",), ("label",)))
-    assert (ids.problem_type, ids.num_labels, ids.label_names) == (SINGLE, 4, ("0", "1", "2", "3"))  # as the file has them
+    # as the file has them
+    assert (ids.problem_type, ids.num_labels, ids.label_names) == (SINGLE, 4, ("0", "1", "2", "3"))
     assert infer(rows_of([1.0, 2.0]), Columns(("t",), ("label",))).problem_type == SINGLE  # whole numbers: classes
     scores = infer(rows_of([0.5, 3.2, 5.0]), Columns(("a", "b"), ("label",)))
     assert (scores.problem_type, scores.num_labels, scores.main_metric) == (REGRESSION, 1, "pearson")
     tags = infer(rows_of([["b", "a"], [], ["c"]]), Columns(("t",), ("label",)))
-    assert (tags.problem_type, tags.num_labels, tags.label_names, tags.main_metric) == (MULTI, 3, ("a", "b", "c"), "f1_micro")
+    assert (tags.problem_type, tags.num_labels, tags.label_names, tags.main_metric) == (
+        MULTI,
+        3,
+        ("a", "b", "c"),
+        "f1_micro",
+    )
     columns = Columns(("t",), ("toxic", "insult"))
     hot = infer([{"toxic": 1, "insult": 0}, {"toxic": 0, "insult": 0}], columns)
     assert (hot.problem_type, hot.label_names) == (MULTI, ("toxic", "insult"))

@@ -42,7 +42,8 @@ class Parser(LightningArgumentParser):
     """
 
     toplevel = False
-    probing = False  # set on this run's parsers while they parse the command line alone (`lit_memory.cli.LitMemoryCLI`'s probe)
+    # set on this run's parsers while they parse the command line alone (`lit_memory.cli.LitMemoryCLI`'s probe)
+    probing = False
 
     def error(self, message: str, ex: Optional[Exception] = None):
         if not self.toplevel:
@@ -101,8 +102,8 @@ def stubs_without_a_subprocess() -> None:
     comes from a ``python -c "import sys, json; ..."`` it starts in the working folder, with that folder first on its
     path: a ``json.py`` in a folder someone sent ran there while `recipes check` said ok. The resolver is made here
     once, with this process's own path (without the working folder), so the parse starts no Python at all
-    (`lit_memory.run.environment.safe_path` covers the rest). jsonargparse caches it in its private module with no setter;
-    tests/config/test_trust.py checks the names this uses still exist."""
+    (`lit_memory.run.environment.safe_path` covers the rest). jsonargparse caches it in its private module with no
+    setter; tests/config/test_trust.py checks the names this uses still exist."""
     try:
         from jsonargparse import _stubs_resolver as stubs
         from jsonargparse._common import get_parsing_setting
@@ -112,7 +113,9 @@ def stubs_without_a_subprocess() -> None:
         return
     work = os.path.realpath(os.getcwd())
     path = [Path(p) for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != work]
-    context = stubs.tc.get_search_context(search_path=path, allow_py_files=get_parsing_setting("stubs_resolver_allow_py_files"))
+    context = stubs.tc.get_search_context(
+        search_path=path, allow_py_files=get_parsing_setting("stubs_resolver_allow_py_files")
+    )
     stubs.stubs_resolver = stubs.StubsResolver(search_context=context)
 
 
@@ -159,10 +162,13 @@ def add_command_arguments(parser: LightningArgumentParser, command: str) -> None
         parser.set_defaults(return_predictions=False)
         parser.add_lightning_class_args(PredictionWriter, "predictions")
         parser.add_argument(
-            "--output", type=Optional[str], default=None,
-            help="the predictions' file (.csv, .tsv, .jsonl: the format) or a folder for predictions.<format>; default: "
-                 "beside the model, RUN/predictions.csv in its checkpoint's or hf_model's run folder (the next call "
-                 "replaces it, and says so).",
+            "--output",
+            type=Optional[str],
+            default=None,
+            help="the predictions' file (.csv, .tsv, .jsonl: the format) or a folder for predictions.<format>; "
+            "default: "
+            "beside the model, RUN/predictions.csv in its checkpoint's or hf_model's run folder (the next call "
+            "replaces it, and says so).",
         )
     for source, target, compute_fn in COMMAND_LINKS.get(command, ()):
         parser.link_arguments(source, target, compute_fn=compute_fn)

@@ -4,8 +4,8 @@ the module, the data module and Lightning's Trainer) first imports Lightning, to
 
 Only the first two levels are read (``--data.source``, ``--trainer.max_epochs``); what lies deeper (a class spec's
 ``init_args``, a dict's keys) and the option values are the full parse's to check. argparse takes an unambiguous
-prefix of an option (``--data.sour``), so a prefix counts as known here too. tests/config/test_option_names.py compares these
-names with the real parser's.
+prefix of an option (``--data.sour``), so a prefix counts as known here too. tests/config/test_option_names.py compares
+these names with the real parser's.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def _known(name: str, names: tuple[str, ...]) -> bool:
 
 def typed_keys(command: str, argv: list[str]) -> list[str]:
     """The dotted settings the options in ``argv`` set, an abbreviated group parameter written out
-    (``--model.warmup_r 0.1``: ``model.warmup_ratio``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order; a whole
-    group given as a mapping (``--model '{"threshold": 0.3}'``) sets each of its leaves (``model.threshold``).
+    (``--model.warmup_r 0.1``: ``model.warmup_ratio``; ``--trainer.callbacks+=X``: ``trainer.callbacks``), in order; a
+    whole group given as a mapping (``--model '{"threshold": 0.3}'``) sets each of its leaves (``model.threshold``).
     Files (``--config``, a group given as a file) and options that name no setting (``--print_config``) are not among
     them."""
     known = options(command)

@@ -20,14 +20,14 @@ import transformers
 from lightning.pytorch.cli import SaveConfigCallback
 
 import lit_memory
-from lit_memory.sandbox import bounds
 from lit_memory import files
-from lit_memory.run import resume
 from lit_memory.config import trust, trusted
+from lit_memory.config.shipped import names, recipe_path
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
+from lit_memory.run import resume
+from lit_memory.sandbox import bounds
 from lit_memory.settings import dotted_leaves
-from lit_memory.config.shipped import names, recipe_path
 
 MEASURED = records.BENCH_JSON  # the latest bench run's rows, beside the recipes (bench --update-readme)
 SHARED_RECIPE = "recipe.yaml"  # written into every fit's run folder
@@ -63,7 +63,8 @@ class SaveRecipe(SaveConfigCallback):
     def __init__(self, *args: Any, command: str = "", trusted: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.command = command
-        self.trusted = trusted  # the run's configs were trusted: so is the config.yaml it writes (`trusted.record_run_config`)
+        # the run's configs were trusted: so is the config.yaml it writes (`trusted.record_run_config`)
+        self.trusted = trusted
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # SaveConfigCallback.setup, writing config.yaml through lit_memory.files instead of jsonargparse's open().

@@ -112,8 +112,12 @@ def listing() -> str:
         row, fields = measured.get(name, {}), headers[name]
         peak = format_bytes(row["peak_measured_bytes"]) if row.get("peak_measured_bytes") else "-"
         speed = f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "-"
-        lines.append(f"{name:{width}}{fields.get('parent', '-'):{width}}{peak:>10}  {speed:>9}  {fields.get(name, '-')}")
-    lines.append("\nrun one: python -m lit_memory fit --recipe NAME    read one: python -m lit_memory recipes show NAME")
+        lines.append(
+            f"{name:{width}}{fields.get('parent', '-'):{width}}{peak:>10}  {speed:>9}  {fields.get(name, '-')}"
+        )
+    lines.append(
+        "\nrun one: python -m lit_memory fit --recipe NAME    read one: python -m lit_memory recipes show NAME"
+    )
     return "\n".join(lines)
 
 

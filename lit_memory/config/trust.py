@@ -18,8 +18,8 @@ happen, in these places:
   remote location (a URL or fsspec chain anywhere), make transformers fetch or run code (a Hub kernel
   as attention implementation, a quantization config: `code_refusals`), leave the choice of checkpoint
   to Lightning (``ckpt_path: last/hpc/best`` from a file), or take the machine down (`BOUNDS`: worker
-  and device processes, checkpoint cadence and count, sequence length). A value a parse of the command line alone produces is the
-  user's own and exempt (`typed_values`), not whole subtrees merged under a key they typed.
+  and device processes, checkpoint cadence and count, sequence length). A value a parse of the command line alone
+  produces is the user's own and exempt (`typed_values`), not whole subtrees merged under a key they typed.
 - **sinks**, for everything loaded or written later by paths no parsed value shows: `lit_memory.sandbox.guard`
   (torch.load, torch's distributed-checkpoint reader, Lightning's checkpoint IO and the checkpoint it
   picks, Hugging Face loaders, the folders a run writes into), told the decision by `Decision.applied`.
@@ -94,7 +94,8 @@ def import_policy(extra: Sequence[str] = ()) -> Iterator[None]:
 
     jsonargparse (4.53) keeps these settings in one process-wide table that its API only adds to
     (``set_parsing_settings``: a denied ``*`` cannot be taken back), has no public getter, and its ``parser_context``
-    does not cover: so the table's entries are saved and put back here (tests/config/test_trust.py checks they exist)."""
+    does not cover: so the table's entries are saved and put back here (tests/config/test_trust.py checks they
+    exist)."""
     global _policy_depth
 
     saved = {key: _common.parsing_settings[key] for key in POLICY_SETTINGS}

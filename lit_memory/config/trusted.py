@@ -196,9 +196,13 @@ def read_store() -> dict[str, Any]:
     try:
         data = json.loads(bounds.read_text(path, bounds.JSON_BYTES, "trust store"))
     except ValueError as err:
-        raise UserError(f"the trust store {path} is not valid JSON ({err}); remove it and trust your recipes again") from None
+        raise UserError(
+            f"the trust store {path} is not valid JSON ({err}); remove it and trust your recipes again"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("configs", {}), dict):
-        raise UserError(f"the trust store {path} is not a lit_memory trust store; remove it and trust your recipes again")
+        raise UserError(
+            f"the trust store {path} is not a lit_memory trust store; remove it and trust your recipes again"
+        )
     data.setdefault("configs", {})
     return data
 

@@ -63,8 +63,13 @@ class Fetch:
 def listing(fetch: Fetch) -> list[Any]:
     """The files fetching ``fetch`` downloads, with their sizes and whether the user's cache holds them (the Hub's
     metadata, nothing downloaded): the seam a test replaces."""
-    return snapshot_download(fetch.name, repo_type=fetch.kind, allow_patterns=PATTERNS if fetch.kind == "model" else None,
-                             token=fetch.token, dry_run=True)
+    return snapshot_download(
+        fetch.name,
+        repo_type=fetch.kind,
+        allow_patterns=PATTERNS if fetch.kind == "model" else None,
+        token=fetch.token,
+        dry_run=True,
+    )
 
 
 def _wanted(fetch: Fetch, files: list[Any]) -> list[Any]:
@@ -110,9 +115,11 @@ def check(sized: list[Sized], budget: int) -> None:
         total += s.size or 0
         if total > budget:
             raise UserError(
-                f"refusing {s.fetch.key}={s.fetch.name}: its files on the Hugging Face Hub are {(s.size or 0) / MiB:.1f} "
+                f"refusing {s.fetch.key}={s.fetch.name}: its files on the Hugging Face Hub are "
+                f"{(s.size or 0) / MiB:.1f} "
                 f"MiB ({total / MiB:.1f} MiB with the run's other fetches), over the run's disk budget of "
-                f"{budget / MiB:.1f} MiB ({LIMIT_VARIABLES['disk']} sets it); {HINT}")
+                f"{budget / MiB:.1f} MiB ({LIMIT_VARIABLES['disk']} sets it); {HINT}"
+            )
 
 
 def environment(env: dict[str, str], private: Path, typed: bool) -> dict[str, str]:

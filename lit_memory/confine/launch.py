@@ -39,11 +39,11 @@ from typing import Any, Optional, Sequence
 from huggingface_hub import constants
 
 from lit_memory.config import trust
+from lit_memory.confine import gpu, hub
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
 from lit_memory.optim.precision import runs_on_cpu
-from lit_memory.confine import gpu, hub
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.policy import phases
 from lit_memory.policy.reads import INPUTS
@@ -142,7 +142,9 @@ def make_plan(run: Any) -> Plan:
     env = environment.allowed(os.environ)  # what a run needs, nothing else (class D: no secret by another name)
     check_one_machine(settings, os.environ, distributed=_many(settings))
     connect, bind = _ports(settings, env)
-    sized = hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
+    sized = (
+        hub.size(fetches) if fetches and not hub.offline(dict(os.environ)) else [hub.Sized(f, None) for f in fetches]
+    )
     with guard.local_only():  # estimated from what is at hand: nothing reaches the Hub here but `hub`'s listing
         size, peak = footprint(run)
     size = size or max([GiB, *(s.weights for s in sized)])
@@ -206,7 +208,9 @@ def inputs(run: Any) -> tuple[list[str], list[hub.Fetch]]:
         if local is not None:  # beneath the recipe's folder or the working folder: the policy's `reads.inputs`
             reads.append(str(stage.check(local, f"{key}={value}")))
         elif key == "data.source" and isinstance(value, str) and value and value != "bundled":
-            fetches.append(hub.Fetch(key, value, "dataset", users(typed, argv, key, value), settings.get("data.subset")))
+            fetches.append(
+                hub.Fetch(key, value, "dataset", users(typed, argv, key, value), settings.get("data.subset"))
+            )
         elif key.startswith("model.") and isinstance(value, str) and value and not value.startswith("bundled:"):
             fetches.append(hub.Fetch(key, value, "model", users(typed, argv, key, value)))
     return reads, fetches

@@ -26,9 +26,15 @@ def outside_launcher() -> Optional[str]:
     """The launcher that started this process as one of several ranks, named with the variable that says so, or None
     (a single process, however it was started, is confined as one)."""
     if TorchElasticEnvironment.detect():  # first, as Lightning: torchrun is also used inside SLURM allocations
-        return f"torchrun (TORCHELASTIC_RUN_ID={os.environ['TORCHELASTIC_RUN_ID']}, WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')})"
+        return (
+            f"torchrun (TORCHELASTIC_RUN_ID={os.environ['TORCHELASTIC_RUN_ID']}, "
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')})"
+        )
     if _is_srun_used() and _count(os.environ.get("SLURM_NTASKS")) > 1:
-        return f"SLURM's srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']}, SLURM_PROCID={os.environ.get('SLURM_PROCID', '?')})"
+        return (
+            f"SLURM's srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']}, "
+            f"SLURM_PROCID={os.environ.get('SLURM_PROCID', '?')})"
+        )
     if LSFEnvironment.detect() and _count(os.environ.get("JSM_NAMESPACE_SIZE")) > 1:
         return f"LSF's jsrun (JSM_NAMESPACE_SIZE={os.environ['JSM_NAMESPACE_SIZE']})"
     if MPIEnvironment.detect():  # Lightning's own test: mpi4py with more than one process in the world

@@ -14,7 +14,6 @@ from lit_memory.errors import UserError
 from lit_memory.fused.shards import ShardState, local_part, local_shard
 from lit_memory.optim.optimizers import copy_for, library_of
 
-
 DEFAULT_BUCKET = "layer"  # the setting as written (strategies' signatures and YAML show it as text)
 _MIB = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*MiB\s*")
 
@@ -160,10 +159,15 @@ def copy_bucket(optimizer: Optimizer, params: list[torch.Tensor]) -> Bucket:
     """
     wanted = {id(p) for p in params}
     entries = [
-        (g, i, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if id(p) in wanted
+        (g, i, p)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) in wanted
     ]
     shards = [local_shard(optimizer, p) for _, _, p in entries]
-    bucket_optimizer, source_groups = copy_for(optimizer, [(g, i, p, p if s is None else s) for (g, i, p), s in zip(entries, shards)])
+    bucket_optimizer, source_groups = copy_for(
+        optimizer, [(g, i, p, p if s is None else s) for (g, i, p), s in zip(entries, shards)]
+    )
     has_shards = any(s is not None for s in shards)
     return Bucket(
         bucket_optimizer,

@@ -58,7 +58,8 @@ class NormMeter:
 
     def add(self, grad: torch.Tensor, group: Any = None) -> None:
         local = local_part(grad)
-        norms = self.norms.setdefault(_shard_groups(grad, group), [])  # the group takes part in the all-reduce even with nothing here
+        # the group takes part in the all-reduce even with nothing here
+        norms = self.norms.setdefault(_shard_groups(grad, group), [])
         self.device = local.device
         if local.numel():  # an empty shard adds nothing to a p-norm and has no infinity norm
             norms.append(torch.linalg.vector_norm(local, self.norm_type))
@@ -85,7 +86,9 @@ def _shard_groups(grad: torch.Tensor, group: Any = None) -> tuple:
 
     if isinstance(grad, DTensor):  # a dimension of one rank has nothing to reduce (FSDP2 on one GPU)
         mesh = grad.device_mesh
-        return tuple(mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard() and mesh.size(d) > 1)
+        return tuple(
+            mesh.get_group(d) for d, place in enumerate(grad.placements) if place.is_shard() and mesh.size(d) > 1
+        )
     return () if group is None else (group,)
 
 

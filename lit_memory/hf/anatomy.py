@@ -147,7 +147,8 @@ class Anatomy:
             attention=kind,
             pooling="last" if kind == "causal" else "first",
             shapes=tuple(_layer_shape(layer, i, config, kind) for i, layer in enumerate(layers)),
-            dropout=config_dropouts(config, head_dropout=kind != "causal"),  # a decoder's score reads the last state as it is
+            # a decoder's score reads the last state as it is
+            dropout=config_dropouts(config, head_dropout=kind != "causal"),
             vocab_size=int(config.vocab_size),
             pad_token_id=getattr(config, "pad_token_id", None),
         )
@@ -265,7 +266,8 @@ def _linear_names(model: nn.Module) -> tuple[str, ...]:
 
 
 def config_value(config, names: tuple[str, ...], default=None):
-    """The value of the first of ``names`` the config sets (families name one quantity differently), else ``default``."""
+    """The value of the first of ``names`` the config sets (families name one quantity differently), else
+    ``default``."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -313,7 +315,8 @@ def mlp_kind(layer: nn.Module, hidden: int, ffn: int) -> MlpKind:
 
 
 def config_dropouts(config, head_dropout: bool) -> Dropout:
-    """The dropout probabilities the config sets, under each family's names; the classifier's only with ``head_dropout``."""
+    """The dropout probabilities the config sets, under each family's names; the classifier's only with
+    ``head_dropout``."""
     hidden = float(config_value(config, HIDDEN_DROPOUT_NAMES, 0.0))
     return Dropout(
         hidden=hidden,

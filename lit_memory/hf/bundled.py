@@ -66,7 +66,9 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     name = name_or_path[len(PREFIX) :]
     if name not in MODELS:
-        raise UserError(f"unknown bundled model {name_or_path!r}; choose one of: " + ", ".join(PREFIX + m for m in MODELS))
+        raise UserError(
+            f"unknown bundled model {name_or_path!r}; choose one of: " + ", ".join(PREFIX + m for m in MODELS)
+        )
     return str(MODELS[name]())
 
 

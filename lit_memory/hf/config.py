@@ -12,11 +12,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from lit_memory.hf import bundled
-from lit_memory.sandbox import guard
 from lit_memory import task as task_
 from lit_memory.errors import UserError
+from lit_memory.hf import bundled
 from lit_memory.hf.tokenizing import pad_token_id
+from lit_memory.sandbox import guard
 
 
 def load_config(
@@ -33,7 +33,9 @@ def load_config(
     if fixed is not None:
         given["num_labels"] = fixed
     try:
-        config = guard.call(AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, **given, **(overrides or {}))
+        config = guard.call(
+            AutoConfig.from_pretrained, f"model config {name_or_path!r}", path, **given, **(overrides or {})
+        )
     except OSError as err:
         raise UserError(f"cannot load model config {name_or_path!r}: {str(err).splitlines()[0]}") from err
     guard.check_config(config)  # untrusted: no kernels from the Hub, no quantizer, a model a machine can build

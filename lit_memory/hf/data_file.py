@@ -60,7 +60,9 @@ def predict_file(path: str) -> Path:
     return found
 
 
-def predict_decoding(path: Path, encoding: Optional[str], errors: Optional[text_encoding.Errors]) -> text_encoding.Decoding:
+def predict_decoding(
+    path: Path, encoding: Optional[str], errors: Optional[text_encoding.Errors]
+) -> text_encoding.Decoding:
     """How the file to predict is read, after refusing an empty one (``data.predict_encoding`` names its encoding)."""
     if text_encoding.blank(path):
         raise UserError(f"data.predict_path: {path} is empty")

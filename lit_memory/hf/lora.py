@@ -26,8 +26,8 @@ from typing import Literal, Optional, Union
 import torch
 from torch import nn
 
-from lit_memory.hf.anatomy import Anatomy, linear_types
 from lit_memory.errors import UserError
+from lit_memory.hf.anatomy import Anatomy, linear_types
 from lit_memory.settings import Precision
 
 Base = Optional[Literal["bf16", "nf4"]]
@@ -89,7 +89,8 @@ class LoRA:
             )
         if self.quantised and precision.half_weights:
             raise UserError(
-                f"model.lora.base nf4 (QLoRA) trains its adapters and head in fp32 over the 4-bit base: trainer.precision "
+                "model.lora.base nf4 (QLoRA) trains its adapters and head in fp32 over the 4-bit base: "
+                "trainer.precision "
                 f"{precision} would cast every weight to 16 bits; use bf16-mixed (bf16 compute) or 32-true"
             )
 

@@ -32,8 +32,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from lit_memory.hf.anatomy import Anatomy, linear_types
 from lit_memory.errors import UserError
+from lit_memory.hf.anatomy import Anatomy, linear_types
 
 # Why a QLoRA step is not simulated (`lit_memory.planning.prediction.predict`).
 SIMULATION_DECLINED = "a 4-bit base's weights (QLoRA: bitsandbytes' Params4bit)"
@@ -69,7 +69,9 @@ def check_quantisable(anatomy: Anatomy) -> None:
     """One `UserError` line where the 4-bit base would quantise nothing of the layers, or bitsandbytes cannot run."""
     if not layer_linears(anatomy):
         found = sorted({type(m).__name__ for layer in anatomy.layers[:1] for m in layer.modules() if m is not layer})
-        raise UserError(NOT_QUANTISABLE.format(model=type(anatomy.model).__name__, found=", ".join(found) or "no modules"))
+        raise UserError(
+            NOT_QUANTISABLE.format(model=type(anatomy.model).__name__, found=", ".join(found) or "no modules")
+        )
     try:
         import bitsandbytes  # noqa: F401  # deferred: only QLoRA needs it
     except ImportError:
@@ -98,7 +100,9 @@ def random_weights(config: Any, dtype: torch.dtype, compute: torch.dtype, skip: 
     from transformers import AutoModelForSequenceClassification  # deferred: heavy
 
     if building_on_meta():
-        return _on_meta(AutoModelForSequenceClassification.from_config(config, dtype=dtype), quantisation_config(compute, skip))
+        return _on_meta(
+            AutoModelForSequenceClassification.from_config(config, dtype=dtype), quantisation_config(compute, skip)
+        )
     kwargs = loading_kwargs(compute, skip)
     with torch.device("cpu"):
         dense = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
@@ -119,7 +123,9 @@ def _on_meta(model: nn.Module, quantisation: Any) -> nn.Module:
                                     quantization_config=quantisation)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            weight = torch.empty(module.out_features, module.in_features, device="meta", dtype=quantisation.bnb_4bit_compute_dtype)
+            weight = torch.empty(
+                module.out_features, module.in_features, device="meta", dtype=quantisation.bnb_4bit_compute_dtype
+            )
             module.weight = bnb.nn.Params4bit(
                 weight, requires_grad=False, quant_type="nf4", compress_statistics=True,
             )._quantize("meta")
@@ -128,7 +134,8 @@ def _on_meta(model: nn.Module, quantisation: Any) -> nn.Module:
 
 def prepare(model: nn.Module) -> nn.Module:
     """peft's preparation of a k-bit model (every parameter frozen, the unquantised ones in fp32 where they were 16-bit;
-    our own checkpointing, not its), and the 4-bit layers made to behave as linear layers do (`keep_training_layout`)."""
+    our own checkpointing, not its), and the 4-bit layers made to behave as linear layers do
+    (`keep_training_layout`)."""
     from peft import prepare_model_for_kbit_training  # deferred: peft is heavy
 
     keep_training_layout(model)
@@ -187,7 +194,9 @@ def _state_bytes(state: Any) -> int:
 def largest_quantised(model: nn.Module) -> int:
     """Values of the largest 4-bit weight: each 4-bit matmul dequantises its weight into the compute dtype, uses it
     and frees it (in forward, and again in backward)."""
-    return max((m.in_features * m.out_features for m in model.modules() if is_quantised(getattr(m, "weight", None))), default=0)
+    return max(
+        (m.in_features * m.out_features for m in model.modules() if is_quantised(getattr(m, "weight", None))), default=0
+    )
 
 
 def state_keys(module: nn.Module) -> list[str]:

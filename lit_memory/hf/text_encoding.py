@@ -72,7 +72,9 @@ def ascii_compatible(encoding: str) -> bool:
         return False
 
 
-def decoding(path: Path, encoding: Optional[str] = None, errors: Errors = "strict", flag: str = "data.encoding") -> Decoding:
+def decoding(
+    path: Path, encoding: Optional[str] = None, errors: Errors = "strict", flag: str = "data.encoding"
+) -> Decoding:
     """How ``path`` is read: ``encoding`` if given (checked to be a codec), else what its byte-order mark says, else
     UTF-8; the whole file decoded once to find a byte that does not decode (refused, or with ``errors="replace"``
     counted by line). ``flag``: the option that names the encoding, for the messages."""
@@ -94,7 +96,8 @@ def decoding(path: Path, encoding: Optional[str] = None, errors: Errors = "stric
     hint = f" (it decodes as {SUGGESTED}, Windows' Western encoding: --{flag} {SUGGESTED})" if (
         codec.startswith("utf") and _first_undecodable(path, SUGGESTED)[0] is None) else ""
     raise UserError(
-        f"{path} is not {codec} text: line {line:,} has the byte 0x{byte:02x} ({context}); name the file's encoding with "
+        f"{path} is not {codec} text: line {line:,} has the byte 0x{byte:02x} ({context}); name the file's "
+        "encoding with "
         f"--{flag} ENCODING{hint}, or replace what does not decode with --{flag}_errors replace (the lines changed "
         "are counted)"
     )
@@ -137,7 +140,11 @@ def _first_undecodable(path: Path, codec: str) -> tuple[Optional[int], int, str]
                 data, start = bytes(err.object), max(err.start, 0)
                 line_start = data.rfind(b"\n", 0, start) + 1
                 shown = data[max(line_start, start - 30) : start + 10].decode(codec, errors="backslashreplace")
-                return lines + data[:start].count(b"\n"), data[start], f"near '{_visible(shown.splitlines()[0].strip())}'"
+                return (
+                    lines + data[:start].count(b"\n"),
+                    data[start],
+                    f"near '{_visible(shown.splitlines()[0].strip())}'",
+                )
             if not chunk:
                 return None, 0, ""
             lines += chunk.count(b"\n")

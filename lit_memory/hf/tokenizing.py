@@ -7,9 +7,9 @@ from typing import Any, Optional
 
 from transformers import AutoTokenizer
 
+from lit_memory.errors import UserError
 from lit_memory.hf import bundled
 from lit_memory.sandbox import guard
-from lit_memory.errors import UserError
 
 
 def load_tokenizer(name_or_path: str):

@@ -95,7 +95,9 @@ class Fit:
         margin = f"margin {100 * self.margin:g} %"
         if self.fits:
             return f"fits {where} with {self.percent()} to spare (predicted {format_bytes(self.predicted)}; {margin})"
-        left = f"{self.percent()} to spare" if self.spare >= 0 else f"over by {format_bytes(self.predicted - self.limit)}"
+        left = (
+            f"{self.percent()} to spare" if self.spare >= 0 else f"over by {format_bytes(self.predicted - self.limit)}"
+        )
         return (
             f"does not fit {where} with the {margin}: predicted {format_bytes(self.predicted)}, {left} "
             f"(at most {format_bytes(usable(self.limit, self.margin))})"
@@ -103,6 +105,11 @@ class Fit:
 
     def to_dict(self) -> dict:
         return {
-            "limit": self.where or format_bytes(self.limit), "limit_bytes": self.limit, "predicted_bytes": self.predicted,
-            "margin": self.margin, "spare": round(self.spare, 4), "fits": self.fits, "line": self.line(),
+            "limit": self.where or format_bytes(self.limit),
+            "limit_bytes": self.limit,
+            "predicted_bytes": self.predicted,
+            "margin": self.margin,
+            "spare": round(self.spare, 4),
+            "fits": self.fits,
+            "line": self.line(),
         }

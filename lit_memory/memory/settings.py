@@ -44,8 +44,8 @@ class MemorySettings:
 
     Args:
         track_steps: optimizer steps tracked tensor by tensor, per category and phase (0: off).
-        budget: a limit such as ``4GiB`` or a card (``rtx3050-4gb``), enforced: the allocator's cap on CUDA, an OOM on CPU.
-        simulate: also predict by simulation at the start of fit (seconds; about half a minute on BERT-large).
+        budget: a limit such as ``4GiB`` or a card (``rtx3050-4gb``), enforced: the allocator's cap on CUDA, an OOM on
+        CPU. simulate: also predict by simulation at the start of fit (seconds; about half a minute on BERT-large).
         tier: the device memory the recipe is made for (a card or a size), what ``auto`` plans for; not enforced.
         allocator: the CUDA caching allocator settings the recipe is made for, in ``PYTORCH_CUDA_ALLOC_CONF``'s form.
         margin: the share of a limit every "fits" decision keeps free for the memory model's own error.

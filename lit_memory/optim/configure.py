@@ -16,7 +16,15 @@ from lit_memory.optim import optimizers
 from lit_memory.optim.eightbit import unquantised, unquantised_dtype
 
 # transformers schedules that need nothing beyond warmup and total steps.
-SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
+SCHEDULES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
 CLOSURE_NOT_CALLED = (
     "the optimizer {name} did not call the closure its step is given: Lightning runs the forward and backward inside "
     "it, so a torch-style optimizer's step(closure) must call it (with torch.enable_grad(): loss = closure()) before "

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lit_memory.optim import eightbit
 from lit_memory.errors import UserError
+from lit_memory.optim import eightbit
 
 BLOCK = 256  # bitsandbytes' block size for optimizer state (`Optimizer2State.init_state`)
 SHARDS = "bitsandbytes_shards"  # saved beside "state": how many shards of dim 0 the state was quantised in
@@ -298,7 +298,9 @@ def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor, step: int) -> 
     32-bit moments, as bitsandbytes decides on the whole parameter: `lit_memory.optim.eightbit.config_of`) with no rows,
     no absmax blocks (saved as a row of zeros), the maps of a parameter of the same kind here, and ``step``: the
     parameter's own step count on the ranks that hold its rows (`_steps_anywhere`)."""
-    g, i = next((g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if p is param)
+    g, i = next(
+        (g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if p is param
+    )
     config = eightbit.config_of(optimizer, g, i)
     bits = config.get("optim_bits", optimizer.args.optim_bits)
     quantised = bits == 8 and param.numel() >= config.get("min_8bit_size", optimizer.args.min_8bit_size)
@@ -318,7 +320,9 @@ def _empty_shard_state(optimizer: Optimizer, param: torch.Tensor, step: int) -> 
     empty: dict[str, Any] = {}
     for key, value in template.items():
         if key == "step":
-            empty[key] = torch.tensor(step, dtype=value.dtype, device=value.device) if isinstance(value, torch.Tensor) else step
+            empty[key] = (
+                torch.tensor(step, dtype=value.dtype, device=value.device) if isinstance(value, torch.Tensor) else step
+            )
         elif not isinstance(value, torch.Tensor) or key.startswith("qmap"):
             empty[key] = value
         elif key.startswith("absmax"):

@@ -30,10 +30,11 @@ FP8_CAPABILITY = (8, 9)
 def keep_plain_state(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor], dtype: Optional[torch.dtype] = torch.float32
 ) -> None:
-    """Keep these parameters' state unquantised, in ``dtype`` (None: the parameter's): torchao quantises every state tensor of
-    4096 values or more, with no per-parameter override of its own. This is bitsandbytes' advice for NLP
+    """Keep these parameters' state unquantised, in ``dtype`` (None: the parameter's): torchao quantises every state
+    tensor of 4096 values or more, with no per-parameter override of its own. This is bitsandbytes' advice for NLP
     models (32-bit state for the embedding matrices: rare tokens get rare, small updates) made for torchao,
-    and it keeps the compiled step's buffers off the largest tensor (`lit_memory.optim.optimizers.torchao_kernel_bytes`).
+    and it keeps the compiled step's buffers off the largest tensor
+    (`lit_memory.optim.optimizers.torchao_kernel_bytes`).
 
     It replaces the instance's ``_new_buffer`` (private torchao API: checked by tests/optim/test_lowbit.py), where
     torchao creates each state tensor; fused-step bucket copies share the instance's attributes, so theirs too.
@@ -49,7 +50,9 @@ def keep_plain_state(
             return quantised(p, signed)
         if isinstance(p, DTensor):
             local = torch.zeros_like(p.to_local(), dtype=dtype or p.dtype)
-            out = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            out = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
             return out.cpu() if p.device.type == "cpu" else out
         return torch.zeros_like(p, dtype=dtype or p.dtype)
 

@@ -120,12 +120,18 @@ def unquantised_extra(
         return {id(p): 0 for p in params}
     wanted = {id(p) for p in params}
     entries = [
-        (g, i, p, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if id(p) in wanted
+        (g, i, p, p)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) in wanted
     ]
     copy, _ = copy_for(optimizer, entries)
     library.keep_unquantised(copy, [p for *_, p in entries], dtype)
     quantised, unquantised = profile(optimizer, device).kept, profile(copy, device).kept
-    return {pid: sum(b for b, _ in unquantised[pid].on(device)) - sum(b for b, _ in quantised[pid].on(device)) for pid in wanted}
+    return {
+        pid: sum(b for b, _ in unquantised[pid].on(device)) - sum(b for b, _ in quantised[pid].on(device))
+        for pid in wanted
+    }
 
 
 def profile(optimizer: Optimizer, device: str) -> Profile:
@@ -153,7 +159,8 @@ def _assumed(optimizer: Optimizer, err: Exception) -> Profile:
         for g in optimizer.param_groups for p in g["params"] if p.requires_grad
     }
     note = (
-        f"{name}: its state could not be measured on meta tensors ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+        f"{name}: its state could not be measured on meta tensors ({type(err).__name__}: "
+        f"{' '.join(str(err).split())[:200]}); "
         "assumed two values per parameter, as Adam's"
     )
     return Profile(kept, [], [note])
@@ -214,7 +221,11 @@ def _probe(optimizer: Optimizer, device: str) -> Profile:
             group = {**group, "fused": True}
         own: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
         for t in tensors:
-            key, entry, on_device = _storage_key(t), (t.untyped_storage().nbytes(), _dtype(t)), library.on_device(group, t)
+            key, entry, on_device = (
+                _storage_key(t),
+                (t.untyped_storage().nbytes(), _dtype(t)),
+                library.on_device(group, t),
+            )
             if key in twins[kind] or holders[key] > 1:
                 shared.setdefault(key, (*entry, on_device))
             else:

@@ -287,7 +287,8 @@ class TorchAO(Library):
             return []
         largest = max(sum(t) for t in temps)
         return [
-            f"{type(optimizer).__name__}: its compiled step's buffers are inductor's CPU kernels' ({largest / 2**20:.0f} "
+            f"{type(optimizer).__name__}: its compiled step's buffers are inductor's CPU kernels' "
+            f"({largest / 2**20:.0f} "
             "MiB for the largest parameter); CUDA kernels may hold less (to be measured on a GPU)"
         ]
 
@@ -321,7 +322,9 @@ def library_of(optimizer: Union[Optimizer, type, str]) -> Library:
     return Library(modules[0].split(".", 1)[0])
 
 
-def prepare(optimizer: Optimizer, unquantised: Sequence[torch.Tensor] = (), dtype: Optional[torch.dtype] = torch.float32) -> None:
+def prepare(
+    optimizer: Optimizer, unquantised: Sequence[torch.Tensor] = (), dtype: Optional[torch.dtype] = torch.float32
+) -> None:
     """What the module does with an optimizer it built: ``unquantised`` parameters (the embedding matrices
     ``embedding_optimizer_state`` picks) keep unquantised state in ``dtype`` where the library quantises, and the
     library's own preparation."""
@@ -349,7 +352,9 @@ def _get(node: Any, key: str) -> Any:
 # -- a copy of the configured optimizer -----------------------------------------------------------------
 
 
-def copy_for(optimizer: Optimizer, entries: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> tuple[Optimizer, list[int]]:
+def copy_for(
+    optimizer: Optimizer, entries: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]
+) -> tuple[Optimizer, list[int]]:
     """A copy of ``optimizer`` that steps, for each entry ``(group, index, parameter, tensor)``, ``tensor`` where the
     original steps ``parameter`` (its ``index``-th of group ``group``): the parameter itself, a local shard, a probe's
     stand-in. One group per original group the entries come from (returned: their indices), with its settings.
@@ -378,9 +383,9 @@ def copy_for(optimizer: Optimizer, entries: Sequence[tuple[int, int, torch.Tenso
 
 def use_fused_kernels(optimizer: Optimizer, device: torch.device, amp_scaling: bool = True) -> list[int]:
     """Give the groups whose config leaves ``fused`` and ``foreach`` unset their library's fused kernel where
-    lit_memory defaults to it (`Library.fuses_by_default`: torch's Adam and AdamW on CUDA and the CPU), when every parameter of
-    the group is a plain tensor on ``device`` (DTensor shards keep torch's own default). Before the first step
-    (the step counters are made then, on the device for a fused group). Returns the groups changed.
+    lit_memory defaults to it (`Library.fuses_by_default`: torch's Adam and AdamW on CUDA and the CPU), when every
+    parameter of the group is a plain tensor on ``device`` (DTensor shards keep torch's own default). Before the first
+    step (the step counters are made then, on the device for a fused group). Returns the groups changed.
 
     Every group fused, the step takes GradScaler's scale and overflow flag into the kernel, as an optimizer built
     with ``fused=True`` does (torch sets ``_step_supports_amp_scaling`` in ``__init__`` only): the scaler then never

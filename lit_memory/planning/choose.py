@@ -28,11 +28,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lit_memory.errors import UserError
+from lit_memory.memory.margin import Fit, Limit
 from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.planning.prediction.analytic import analytic, device_total
-from lit_memory.memory.margin import Fit, Limit
-from lit_memory.planning.recompute import planned, recompute_ratio
 from lit_memory.planning.prediction.step import Prediction, Step
+from lit_memory.planning.recompute import planned, recompute_ratio
 
 # How a setup fine-tunes, in the rule's order (`mode_of`).
 MODES = ("full", "LoRA", "QLoRA", "head only")

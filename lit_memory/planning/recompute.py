@@ -2,8 +2,8 @@
 per-layer checkpointing plan with the fewest FLOPs that fits a device budget (``gradient_checkpointing: auto``).
 
 FLOPs are counted, not modelled: `torch.utils.flop_counter.FlopCounterMode` over the configured module's
-training forward and backward on fake tensors (`lit_memory.planning.prediction.step.build`, as the simulation builds it),
-with its checkpointing plan switched on, so a checkpointed layer's forward re-run inside backward is counted
+training forward and backward on fake tensors (`lit_memory.planning.prediction.step.build`, as the simulation builds
+it), with its checkpointing plan switched on, so a checkpointed layer's forward re-run inside backward is counted
 where it happens. They are device-independent: what a GPU will have to compute, not how long it takes. The
 counter counts matrix products and attention (``mm``, ``addmm``, ``bmm``, the fused attention kernels), which
 are nearly all of a Transformer's arithmetic; element-wise ops (GELU, dropout, LayerNorm, the optimizer's
@@ -30,21 +30,21 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_memory.hf.anatomy import find_layers
-from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.console import say
 from lit_memory.data import check_shape
 from lit_memory.errors import UserError
-from lit_memory.memory.settings import MemorySettings
+from lit_memory.hf.anatomy import find_layers
 from lit_memory.memory.hardware.gpus import planning_limit, target
-from lit_memory.memory.measure.footprint import format_bytes
 from lit_memory.memory.margin import Fit, Limit
+from lit_memory.memory.measure.footprint import format_bytes
+from lit_memory.memory.settings import MemorySettings
+from lit_memory.model import SequenceClassifier
+from lit_memory.optim.precision import runs_on_cpu
 from lit_memory.planning.prediction.analytic import analytic, capped_total, device_total
 from lit_memory.planning.prediction.simulate import fake_batch
 from lit_memory.planning.prediction.step import Step, build, clips_by_norm, is_fused
-from lit_memory.optim.precision import runs_on_cpu
+from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
 from lit_memory.settings import Precision
-from lit_memory.model import SequenceClassifier
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,10 @@ def count_or_decline(step: Step) -> tuple[Optional[Flops], Optional[str]]:
     try:
         return flops(step), None
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
-        return None, f"FLOPs not counted: the model's forward computes from the data what fake tensors cannot give ({err})"
+        return (
+            None,
+            f"FLOPs not counted: the model's forward computes from the data what fake tensors cannot give ({err})",
+        )
 
 
 def flops(step: Step) -> Flops:
@@ -184,8 +187,9 @@ def layer_costs(step: Step) -> LayerCosts:
 
 
 # -- offloading against recompute: a stated device model (no GPU measured it here) ---------------------------
-# A training step sustains this share of the GPU's dense 16-bit tensor-core peak (`lit_memory.memory.hardware.gpus.Gpu`):
-# matmul-bound BERT-large steps run at 40-60 % of it (MLPerf BERT on A100: about half).
+# A training step sustains this share of the GPU's dense 16-bit tensor-core peak
+# (`lit_memory.memory.hardware.gpus.Gpu`): matmul-bound BERT-large steps run at 40-60 % of it (MLPerf BERT on A100:
+# about half).
 UTILISATION = 0.5
 
 
@@ -274,7 +278,9 @@ def resolve(step: Step, limit: Limit) -> Resolved:
             if offload and (plan is None or None in plan.modes(n)):
                 continue
             offloaded = activations(plan, False) - activations(plan, True) if offload and cuda else 0
-            candidates.append((seconds(step, costs, plan, offloaded) if costs.base else costs.of(plan), plan, offload, offloaded))
+            candidates.append(
+                (seconds(step, costs, plan, offloaded) if costs.base else costs.of(plan), plan, offload, offloaded)
+            )
     room = limit.usable
     total_of = capped_total if step.memory.cap is not None and cuda else device_total
     for _, plan, offload, offloaded in sorted(candidates, key=lambda c: (c[0], c[2])):
@@ -313,7 +319,8 @@ def resolved_setting(step: Step, limit: Optional[Limit]) -> tuple[Any, Resolved]
 def planned(step: Step, limit: Optional[Limit] = None) -> Step:
     """``step`` with ``gradient_checkpointing: auto`` (and ``offload_activations: auto``) resolved for ``limit``
     (default: the run's, `lit_memory.memory.settings.MemorySettings.limit`): the plan with the fewest FLOPs
-    predicted to fit, written into its module's settings as a run's config holds it. Other steps come back as they are."""
+    predicted to fit, written into its module's settings as a run's config holds it. Other steps come back as they
+    are."""
     if not is_auto(step.model.get("gradient_checkpointing")):
         return step
     limit = step.memory.limit if limit is None else limit
@@ -367,10 +374,17 @@ def check_twice(settings: Any) -> None:
     plan = CheckpointPlan.parse(value)
     if plan is None or not (plan.selective or plan.rest == "selective"):
         return
-    why = [w for w, on in (
-        ("clipping by norm (trainer.gradient_clip_val)", clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)),
-        (f"fp16 loss scaling (trainer.precision {trainer.precision})", Precision.of(trainer.precision).scaled),
-    ) if on]
+    why = [
+        w
+        for w, on in (
+            (
+                "clipping by norm (trainer.gradient_clip_val)",
+                clips_by_norm(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            ),
+            (f"fp16 loss scaling (trainer.precision {trainer.precision})", Precision.of(trainer.precision).scaled),
+        )
+        if on
+    ]
     if why:
         raise UserError(
             f"model.gradient_checkpointing {plan.describe()}: selective layers can be back-propagated once, and "

@@ -1,6 +1,7 @@
 """What a run's memory callbacks take from the models for a fit of one step
 (`lit_memory.run.memory_callbacks.Predict`, `Advise`, `Timeline`): its predictions for the device it runs on, advice
-when it runs out of memory, and the analytic step point by point for the picture of a step. Every hook leaves the run training when the models do not cover it."""
+when it runs out of memory, and the analytic step point by point for the picture of a step. Every hook leaves the run
+training when the models do not cover it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def run_hooks(step: Step, recipes: Callable[[], list[tuple[str, dict[str, Any]]]
         found = step.on(target(device))
         return replace(found, world_size=trainer.world_size) if found.sharded else found
 
-    def predict_hook(trainer: Any, module: Any, simulated: bool, shape: Optional[tuple[int, int]] = None) -> dict[str, Footprint]:
+    def predict_hook(
+        trainer: Any, module: Any, simulated: bool, shape: Optional[tuple[int, int]] = None
+    ) -> dict[str, Footprint]:
         predictions: dict[str, Footprint] = {}
         try:
             run = on(trainer)

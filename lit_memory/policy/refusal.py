@@ -91,7 +91,8 @@ class Context:
     _leaves: Optional[list[tuple[str, Any]]] = field(default=None, repr=False)
 
     def leaves(self) -> list[tuple[str, Any]]:
-        """(dotted key, value) of every leaf of the settings (`lit_memory.settings.dotted_leaves`: a list's items by index)."""
+        """(dotted key, value) of every leaf of the settings (`lit_memory.settings.dotted_leaves`: a list's items by
+        index)."""
         if self._leaves is None:
             from lit_memory.settings import dotted_leaves  # torch: loaded by whoever has settings to judge
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lit_memory.hf.anatomy import find_layers
 from lit_memory.errors import UserError
+from lit_memory.hf.anatomy import find_layers
 
 aten = torch.ops.aten
 
@@ -147,7 +147,9 @@ class CheckpointPlan:
                 f"model.gradient_checkpointing counts {self.full} full + {self.selective} selective layers, but "
                 f"the model has {layers} transformer layers"
             )
-        return ["full"] * self.full + ["selective"] * self.selective + [self.rest] * (layers - self.full - self.selective)
+        return (
+            ["full"] * self.full + ["selective"] * self.selective + [self.rest] * (layers - self.full - self.selective)
+        )
 
     def value(self) -> Any:
         """The setting that parses back to this plan (what a resolved ``auto`` writes into the config)."""

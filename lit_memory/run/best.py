@@ -56,7 +56,9 @@ class BestCheckpoint(ModelCheckpoint):
         filename: str = "best-step={step}", **kwargs: Any,
     ) -> None:
         if kwargs.pop("save_on_train_epoch_end", None):
-            raise UserError("BestCheckpoint keeps the best at each validation's end: save_on_train_epoch_end must be false")
+            raise UserError(
+                "BestCheckpoint keeps the best at each validation's end: save_on_train_epoch_end must be false"
+            )
         super().__init__(
             monitor=monitor or "val_best_placeholder", mode=mode or (mode_of(monitor) if monitor else "max"),
             filename=filename, save_top_k=1, save_weights_only=True, save_last=False, auto_insert_metric_name=False,
@@ -64,7 +66,8 @@ class BestCheckpoint(ModelCheckpoint):
         )
         self._monitor_given, self._mode_given = monitor, mode
         self.best_metrics: dict[str, float] = {}  # the best validation's metrics (``val_*``)
-        self.best_counts: Optional[list] = None  # its confusion counts (`lit_memory.task.evaluation.ClassCounts`), as lists
+        # its confusion counts (`lit_memory.task.evaluation.ClassCounts`), as lists
+        self.best_counts: Optional[list] = None
         self.validated_step: Optional[int] = None  # the step of the last validation seen
 
     @property
@@ -85,7 +88,8 @@ class BestCheckpoint(ModelCheckpoint):
             self.monitor, mode = self.watches(pl_module)
             if mode != self.mode:
                 self.mode = mode
-                self._ModelCheckpoint__init_monitor_mode(mode)  # Lightning's own start for a mode (private, read in 2.6)
+                # Lightning's own start for a mode (private, read in 2.6)
+                self._ModelCheckpoint__init_monitor_mode(mode)
         if not trainer.limit_val_batches or trainer.val_check_batch == float("inf"):
             self.save_top_k = 0  # nothing is validated: nothing to keep (the last weights are exported)
         super().setup(trainer, pl_module, stage)
@@ -188,7 +192,9 @@ class EarlyStop(EarlyStopping):
 
     def __init__(self, patience: Optional[int] = None, min_delta: float = 0.0) -> None:
         if patience is not None and (isinstance(patience, bool) or patience < 1):
-            raise UserError(f"early_stopping.patience must be a number of validations >= 1 (or null: off), got {patience}")
+            raise UserError(
+                f"early_stopping.patience must be a number of validations >= 1 (or null: off), got {patience}"
+            )
         if min_delta < 0:
             raise UserError(f"early_stopping.min_delta must be >= 0, got {min_delta}")
         super().__init__(monitor="val_best_placeholder", patience=patience or 1, min_delta=min_delta, mode="max",
@@ -214,5 +220,7 @@ class EarlyStop(EarlyStopping):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled and self.stopped_epoch and trainer.is_global_zero:
-            say(f"early stopping: {self.monitor} did not improve by more than {abs(self.min_delta):g} for "
-                f"{self.patience} validation(s); stopped at step {trainer.global_step} (epoch {self.stopped_epoch + 1})")
+            say(
+                f"early stopping: {self.monitor} did not improve by more than {abs(self.min_delta):g} for "
+                f"{self.patience} validation(s); stopped at step {trainer.global_step} (epoch {self.stopped_epoch + 1})"
+            )

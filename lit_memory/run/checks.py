@@ -26,7 +26,8 @@ from lit_memory.errors import UserError
 from lit_memory.fused import parse_bucket
 from lit_memory.optim.optimizers import library_of
 
-# The ranges every optimizer shares; a library's own arguments' are its (`lit_memory.optim.optimizers.Library.positive`).
+# The ranges every optimizer shares; a library's own arguments' are its
+# (`lit_memory.optim.optimizers.Library.positive`).
 NON_NEGATIVE = ("lr", "weight_decay", "momentum", "dampening")
 POSITIVE = ("eps",)
 IN_UNIT = ("betas", "beta1", "beta2")  # coefficients of running averages (not Adafactor's decay_rate: an exponent)
@@ -72,7 +73,10 @@ def _parameter(cls: type, key: str) -> Optional[inspect.Parameter]:
         arguments = _arguments(base)
         if not arguments:
             continue
-        if key in arguments and arguments[key].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        if key in arguments and arguments[key].kind not in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        ):
             return arguments[key]
         if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in arguments.values()):
             return None
@@ -145,6 +149,7 @@ def check_compile(model: Any, data: Any) -> None:
     if get(model, "compile") == "cudagraphs" and get(data, "padding") != "max_length":
         raise UserError(
             "model.compile cudagraphs records each layer's CUDA graph for one batch shape, and data.padding "
-            f"{get(data, 'padding')} makes a new shape at every batch length: set data.padding: max_length (every batch "
+            f"{get(data, 'padding')} makes a new shape at every batch length: set data.padding: max_length (every "
+            "batch "
             "padded to max_length), or model.compile: true"
         )

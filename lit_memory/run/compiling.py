@@ -5,7 +5,8 @@ torch's FLOP counter on fake tensors when ``gradient_checkpointing: auto`` plans
 for good: every layer of the model shares that code, so one tracked step, or one plan, left every layer eager for the
 rest of the run (torch 2.13: ``ConvertFrameReturn`` skips the code "for all future intercepted frames too"). A layer
 compiled here runs its plain forward while such a mode is active, without asking dynamo, and compiled otherwise.
-Modes that say they ignore compiled code (`lit_memory.run.step_profile.HostOps`, selective checkpointing's) do not count.
+Modes that say they ignore compiled code (`lit_memory.run.step_profile.HostOps`, selective checkpointing's) do not
+count.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ Compile = Union[bool, Literal["cudagraphs"]]
 
 
 def mode_of(setting: Compile) -> Optional[str]:
-    """torch.compile's ``mode`` for the setting: ``reduce-overhead`` (CUDA graphs) for ``cudagraphs``, else its default."""
+    """torch.compile's ``mode`` for the setting: ``reduce-overhead`` (CUDA graphs) for ``cudagraphs``, else its
+    default."""
     return "reduce-overhead" if setting == CUDA_GRAPHS else None
 
 

@@ -6,7 +6,8 @@
 - `MemoryPredictions`: the run's predictions (worst case at the start, the shapes the run saw at the end), handed
   to the monitor for its record;
 - `MemoryTable`: the end-of-fit table, predicted beside measured;
-- `MemoryPicture`: ``memory.png``, the step point by point, predicted beside measured (`lit_memory.memory.measure.picture`);
+- `MemoryPicture`: ``memory.png``, the step point by point, predicted beside measured
+(`lit_memory.memory.measure.picture`);
 - `MemorySnapshot`: ``memory.snapshot``, torch's CUDA memory history for the first steps (pytorch.org/memory_viz);
 - `OutOfMemoryReport`: on an out-of-memory error, the breakdown at the failure, the predicted step's picture with where
   it crosses the limit, and what to run instead.
@@ -28,12 +29,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory.errors import UserError
-from lit_memory.memory.settings import MemorySettings
-from lit_memory.memory.margin import Limit
 from lit_memory.memory.hardware.gpus import CardReading, allocator_limit, read_card
-from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure import picture
+from lit_memory.memory.measure.footprint import Footprint, breakdown_line, format_bytes
 from lit_memory.memory.measure.report import Levels, table
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.run.monitor import MemoryMonitor, batch_shape, padding
 
 # (trainer, module, simulate, shape) -> predicted footprints per method ("analytic", "simulated"), for batches of
@@ -213,7 +214,9 @@ class MemoryPredictions(L.Callback):
     padding), and for the batch that reached the tracked peak. The simulation, where asked, for the tracked shape
     only: that is what it is compared with. On the global-zero rank only, at the end."""
 
-    def __init__(self, monitor: MemoryMonitor, predict: Predict, simulate: bool = False, timeline: Optional[Timeline] = None) -> None:
+    def __init__(
+        self, monitor: MemoryMonitor, predict: Predict, simulate: bool = False, timeline: Optional[Timeline] = None
+    ) -> None:
         self.monitor, self.predict, self.simulate, self.timeline = monitor, predict, simulate, timeline
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -246,14 +249,18 @@ class MemoryPredictions(L.Callback):
                 found[key] = self.predict(trainer, pl_module, self.simulate and key == "tracked", shape)
         # the picture's prediction: at the shape measured point by point (the last tracked micro-batch's)
         shape = monitor.timeline_shape
-        if self.timeline is not None and shape is not None and (monitor.predicted_timeline or (None,))[0] != tuple(shape):
+        if (
+            self.timeline is not None
+            and shape is not None
+            and (monitor.predicted_timeline or (None,))[0] != tuple(shape)
+        ):
             monitor.predicted_timeline = (tuple(shape), self.timeline(trainer, tuple(shape)))
 
 
 class MemoryTable(L.Callback):
     """The end-of-fit table on rank zero: what the monitor measured beside the predictions it was given, per category
-    and level (`lit_memory.memory.measure.report.table`), with lines for the shapes measured, the process and the ranks, and
-    whether the worst case fits ``memory.budget`` (else ``memory.tier``)."""
+    and level (`lit_memory.memory.measure.report.table`), with lines for the shapes measured, the process and the ranks,
+    and whether the worst case fits ``memory.budget`` (else ``memory.tier``)."""
 
     def __init__(self, monitor: MemoryMonitor, memory: MemorySettings = MemorySettings()) -> None:
         self.monitor, self.memory = monitor, memory
@@ -269,19 +276,26 @@ class MemoryTable(L.Callback):
         configured = batch_shape(trainer)
         tracked_shape = monitor.longest_tracked
         # Predictions beside the measurements are for the shape measured: the longest tracked batch.
-        at_tracked = monitor.shape_predictions.get("tracked", monitor.predictions) if tracked_shape else monitor.predictions
+        at_tracked = (
+            monitor.shape_predictions.get("tracked", monitor.predictions) if tracked_shape else monitor.predictions
+        )
         columns: dict[str, Any] = dict(at_tracked)
         if monitor.measured.phases:
             columns["tracked tensors"] = monitor.measured
         cuda = monitor.cuda
         if cuda:
             columns["cuda (measured)"] = Levels(
-                cuda["max_allocated_bytes"], cuda["max_reserved_bytes"], cuda["max_device_bytes"] or None, cuda["peak_phase"],
+                cuda["max_allocated_bytes"],
+                cuda["max_reserved_bytes"],
+                cuda["max_device_bytes"] or None,
+                cuda["peak_phase"],
             )
         if not columns:
             return ""
         shown = tracked_shape or (tuple(configured) if configured else None)
-        what = " (the longest tracked batch)" if tracked_shape and configured and list(tracked_shape) != configured else ""
+        what = (
+            " (the longest tracked batch)" if tracked_shape and configured and list(tracked_shape) != configured else ""
+        )
         shape = f", batch {shape_text(shown)} tokens{what}" if shown else ""
         per = f" per rank ({trainer.world_size} ranks)" if trainer.world_size > 1 else ""
         title = f"memory on {trainer.strategy.root_device.type}{per}{shape}"
@@ -303,7 +317,9 @@ class MemoryTable(L.Callback):
             lines.append(f"  rank {rank['rank']}: tracked peak {format_bytes(tracked)}")
         return "\n".join(lines)
 
-    def _shape_lines(self, trainer: L.Trainer, configured: Optional[list[int]], tracked: Optional[tuple[int, int]]) -> list[str]:
+    def _shape_lines(
+        self, trainer: L.Trainer, configured: Optional[list[int]], tracked: Optional[tuple[int, int]]
+    ) -> list[str]:
         """What made the measured batches shorter than the worst case, and the worst case itself, labelled."""
         monitor, lines = self.monitor, []
         if configured and tracked and list(tracked) != configured:
@@ -340,7 +356,8 @@ class MemoryTable(L.Callback):
                 fits = f": {verdict} {name} {format_bytes(limit.bytes)}"
             where = "device" if next(iter(predictions.values())).device is not None else "tensors"
             lines.append(
-                f"  fits (worst case: every batch {shape_text(configured)}, padded to max_length): {worst} {where}{fits}"
+                f"  fits (worst case: every batch {shape_text(configured)}, padded to max_length): {worst} "
+                f"{where}{fits}"
             )
         return lines
 
@@ -439,7 +456,9 @@ class OutOfMemoryReport(L.Callback):
     (``memory.png`` in the run folder, where ``memory`` settings are given), and one line saying what to run instead
     (``advise``: the lightest shipped recipe predicted to fit; without it, the command that plans one)."""
 
-    def __init__(self, monitor: MemoryMonitor, advise: Optional[Advise] = None, memory: Optional[MemorySettings] = None) -> None:
+    def __init__(
+        self, monitor: MemoryMonitor, advise: Optional[Advise] = None, memory: Optional[MemorySettings] = None
+    ) -> None:
         self.monitor, self.advise, self.memory = monitor, advise, memory
 
     @rank_zero_only
@@ -480,7 +499,9 @@ class OutOfMemoryReport(L.Callback):
             return ""
         record = self.monitor.record(trainer, None, self.monitor.oom)
         panel = picture.of_record(record, _title(trainer, pl_module), None, self.memory.margin)
-        panel.notes.append(f"out of memory in the {self.monitor.oom['phase']} phase of batch {self.monitor.oom['batch']}")
+        panel.notes.append(
+            f"out of memory in the {self.monitor.oom['phase']} phase of batch {self.monitor.oom['batch']}"
+        )
         if limit is None:
             where = "no limit to compare with (memory.budget is not set on this device)"
         else:
@@ -496,7 +517,9 @@ class OutOfMemoryReport(L.Callback):
 
 def _title(trainer: L.Trainer, module: L.LightningModule, shape: Any = None) -> str:
     """The picture's title: the model, the batch (``shape``, else the configured one), the precision, the device."""
-    name = getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("model_name_or_path") or type(module).__name__
+    name = (
+        getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("model_name_or_path") or type(module).__name__
+    )
     shape = shape or batch_shape(trainer)
     batch = f", batch {shape_text(shape)} tokens" if shape else ""
     per = f", per rank of {trainer.world_size}" if trainer.world_size > 1 else ""

@@ -16,8 +16,8 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from lit_memory import task as task_
-from lit_memory.run.best import best_of
 from lit_memory.memory.measure import records
+from lit_memory.run.best import best_of
 
 TAGS = ["lit_memory", "text-classification"]
 # Metrics by the names the hub knows (https://hf.co/metrics), by what this project logs.
@@ -68,11 +68,17 @@ def build(module: Any, trainer: Any = None, run_dir: Optional[Path] = None) -> s
     for key, value in sorted(metrics.items()):
         short = key.removeprefix("val_")
         if short in HUB_METRIC and "_at_" not in short:
-            results.append(EvalResult(
-                task_type="text-classification", dataset_type=dataset or Path(source or "data").suffix.lstrip(".") or "data",
-                dataset_name=where or "validation", dataset_split="validation", metric_type=HUB_METRIC[short],
-                metric_name=short, metric_value=round(value, 4),
-            ))
+            results.append(
+                EvalResult(
+                    task_type="text-classification",
+                    dataset_type=dataset or Path(source or "data").suffix.lstrip(".") or "data",
+                    dataset_name=where or "validation",
+                    dataset_split="validation",
+                    metric_type=HUB_METRIC[short],
+                    metric_name=short,
+                    metric_value=round(value, 4),
+                )
+            )
     base = _hub_name(str(hp.model_name_or_path))
     card = ModelCardData(
         library_name="transformers", pipeline_tag="text-classification", tags=TAGS + [kind.title.replace(" ", "-")],
@@ -99,8 +105,11 @@ def _task(module: Any, kind: task_.ProblemKind, names: list[str]) -> list[str]:
         lines.append(f"- {found.describe(names, kind)}; in `config.json` as `thresholds` "
                      "(a label is predicted where its probability is at least its threshold)")
     if module.loss_weights is not None:
-        lines.append(f"- loss {kind.weight_name} ({module.hparams.class_weights if isinstance(module.hparams.class_weights, str) else 'as set'}): "
-                     + ", ".join(f"{n} {w:.3g}" for n, w in zip(names, module.loss_weights.tolist())))
+        lines.append(
+            f"- loss {kind.weight_name} "
+            f"({module.hparams.class_weights if isinstance(module.hparams.class_weights, str) else 'as set'}): "
+            + ", ".join(f"{n} {w:.3g}" for n, w in zip(names, module.loss_weights.tolist()))
+        )
     return lines + [""]
 
 

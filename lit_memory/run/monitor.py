@@ -17,8 +17,8 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -26,14 +26,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_memory import files
-from lit_memory.hf.anatomy import find_layers
 from lit_memory.console import logging_step
 from lit_memory.errors import UserError
-from lit_memory.memory.measure import records
-from lit_memory.memory.settings import MemorySettings
+from lit_memory.hf.anatomy import find_layers
 from lit_memory.memory.hardware.gpus import process_memory_used
+from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.measure.tracker import ProcessPeak, Tracker, batch_tensors, live_breakdown
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.optim.optimizers import compiles_its_step
 
 log = logging.getLogger(__name__)
@@ -483,8 +483,8 @@ def _at(by_step: list, step: int, value: Optional[int], add: bool = False) -> No
 
 def device_memory_used(device: torch.device) -> tuple[Optional[int], Optional[str]]:
     """This process's memory on ``device`` as ``nvidia-smi`` shows it: NVML's per-process figure where
-    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`lit_memory.memory.measure.nvml`), else
-    cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``: the whole device's, other processes included).
+    ``pynvml`` (nvidia-ml-py) is installed and this process is found among NVML's (`lit_memory.memory.measure.nvml`),
+    else cudaMemGetInfo's used memory (``torch.cuda.mem_get_info``: the whole device's, other processes included).
     (None, None) when neither answers."""
     used, source = process_memory_used(device)
     if used is not None:

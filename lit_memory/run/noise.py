@@ -21,7 +21,9 @@ NOISE = (
 )
 # Outside fit: a checkpoint holds the state of the callbacks that resume a fit exactly (`lit_memory.run.resume`), which
 # validate/test/predict neither have nor need; Lightning advises adding them.
-EVALUATION_NOISE = (r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",)
+EVALUATION_NOISE = (
+    r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",
+)
 
 
 class _DropTips(logging.Filter):

@@ -33,14 +33,14 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lit_memory import files
-from lit_memory.sandbox import guard
-from lit_memory.hf import text_encoding, windows
-from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
-from lit_memory.errors import UserError
-from lit_memory.hf.local_data import load_local
 from lit_memory import task as task_
-from lit_memory.task import IGNORE
+from lit_memory.errors import UserError
+from lit_memory.hf import text_encoding, windows
+from lit_memory.hf.local_data import load_local
 from lit_memory.hf.text_encoding import Decoding
+from lit_memory.sandbox import guard
+from lit_memory.sandbox.bounds import CHARS_PER_TOKEN
+from lit_memory.task import IGNORE
 
 FORMATS = {"csv": ",", "tsv": "\t", "jsonl": None}
 FILE_NAME = "predictions"  # predictions.<format> in a folder
@@ -110,7 +110,9 @@ def read_texts(path: Path, file_formats: dict[str, tuple[str, dict[str, Any]]], 
     if suffix not in file_formats:
         raise UserError(f"unsupported file {path}: use one of " + ", ".join(file_formats))
     builder, kwargs = file_formats[suffix]
-    if builder == "json" and (not decoding.ascii_compatible or text_encoding.first_char(path, decoding.encoding) == "["):
+    if builder == "json" and (
+        not decoding.ascii_compatible or text_encoding.first_char(path, decoding.encoding) == "["
+    ):
         # `datasets` reads a JSON array whole, and JSON lines in blocks cut at a newline byte (half of UTF-16's
         # newline): decoded here as text instead, item by item.
         gen_kwargs = {"path": str(path), "encoding": decoding.encoding, "errors": decoding.errors}
@@ -214,7 +216,10 @@ class Rows(torch.utils.data.IterableDataset):
             except StopIteration:
                 break
             except Exception as err:  # a malformed line part-way: one line (the output file is not kept)
-                raise UserError(f"cannot read {self.where} after row {total}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+                raise UserError(
+                    f"cannot read {self.where} after row {total}: "
+                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                ) from err
             if total % self.world_size == self.rank:
                 mine += 1
                 yield total, row
@@ -345,7 +350,9 @@ class PredictionWriter(BasePredictionWriter):
             if FORMATS[self.format]:
                 self._csv = csv.writer(self._out, delimiter=FORMATS[self.format], lineterminator="\n")
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx) -> None:
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
+    ) -> None:
         rows = batch["rows"]
         outputs = prediction["outputs"].float().cpu().tolist()
         known = batch.get("known")
@@ -371,7 +378,8 @@ class PredictionWriter(BasePredictionWriter):
 
     def _write(self, rows: list, pl_module: Any, batch_rows: dict[str, Any], labelled: bool) -> None:
         names, kind = pl_module.label_names, pl_module.kind
-        # The model's thresholds (`lit_memory.task.thresholds`), as float32 like the probabilities they are compared with.
+        # The model's thresholds (`lit_memory.task.thresholds`), as float32 like the probabilities they are compared
+        # with.
         found = getattr(pl_module, "decision_thresholds", None)
         limits = found.tensor.tolist() if found is not None else None
         if self._header is None:
@@ -398,7 +406,10 @@ class PredictionWriter(BasePredictionWriter):
             return
         stack, self._stack = self._stack, None
         stack.close()  # the temporary file takes its name
-        print(f"predictions: {self.rows} rows written to {self.path}" + (" (replacing the file there)" if self.replaced else ""))
+        print(
+            f"predictions: {self.rows} rows written to {self.path}"
+            + (" (replacing the file there)" if self.replaced else "")
+        )
         if self.unknown:
             print(
                 f"note: {self.unknown} row(s) have a label the model does not know (its labels: "

@@ -48,10 +48,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_memory.sandbox import checkpoint_reading, guard
-from lit_memory.run.best import BestCheckpoint, ValidationStep
 from lit_memory.errors import UserError
 from lit_memory.optim.precision import trains_with
+from lit_memory.run.best import BestCheckpoint, ValidationStep
+from lit_memory.sandbox import checkpoint_reading, guard
 from lit_memory.sandbox.rules import phase
 from lit_memory.settings import Precision, key_of
 
@@ -270,7 +270,9 @@ class ResumeCheckpoint(ModelCheckpoint):
         super().load_state_dict(state_dict)
         self._owed = state_dict.get("validation_owed")
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # Written now, as Lightning does (a kill during the validation that follows loses no steps), saying that the
         # step's validation is owed; written again once it is in the best-model record (`on_validation_end`).
         step = trainer.global_step
@@ -337,8 +339,8 @@ def validate_now(trainer: Trainer) -> None:
 def fit_callbacks(callbacks: Optional[list[Callback]], enable_checkpointing: Optional[bool]) -> list[Callback]:
     """The configured callbacks plus what exact resume needs: `ExactResume`, and `ResumeCheckpoint`
     unless checkpointing is off (``enable_checkpointing: false``) or a `ModelCheckpoint` is configured; the
-    best validated checkpoint (`lit_memory.run.best.BestCheckpoint`) unless checkpointing is off or one is configured; and
-    one step numbering in the logs (`lit_memory.run.best.ValidationStep`)."""
+    best validated checkpoint (`lit_memory.run.best.BestCheckpoint`) unless checkpointing is off or one is configured;
+    and one step numbering in the logs (`lit_memory.run.best.ValidationStep`)."""
     callbacks = list(callbacks or [])
     if not any(isinstance(c, ExactResume) for c in callbacks):
         callbacks.append(ExactResume())
@@ -376,7 +378,9 @@ def resume_settings(settings: Namespace) -> dict[str, Any]:
         value = settings.get(key)
         out[key] = value.as_dict() if isinstance(value, Namespace) else value
     out["trainer.precision"] = trains_with(
-        out["trainer.precision"], settings.get("trainer.accelerator"), settings.get("cpu_bf16_fallback", True) is not False
+        out["trainer.precision"],
+        settings.get("trainer.accelerator"),
+        settings.get("cpu_bf16_fallback", True) is not False,
     )
     return out
 
@@ -435,7 +439,9 @@ def saved_entry(path: Path, key: str) -> Any:
     try:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=not path.is_dir())
     except Exception as err:
-        raise UserError(f"cannot load checkpoint {path} with weights_only=True: {checkpoint_reading.load_error(err)}") from None
+        raise UserError(
+            f"cannot load checkpoint {path} with weights_only=True: {checkpoint_reading.load_error(err)}"
+        ) from None
     return checkpoint.get(key) if isinstance(checkpoint, dict) else None
 
 

@@ -44,10 +44,15 @@ class Length:
         return min(total, self.max_steps) if self.max_steps is not None and self.max_steps > 0 else total
 
     def describe(self) -> str:
-        if self.max_steps is not None and 0 < self.max_steps < (self.epochs * self.per_epoch if self.epochs > 0 else math.inf):
+        if self.max_steps is not None and 0 < self.max_steps < (
+            self.epochs * self.per_epoch if self.epochs > 0 else math.inf
+        ):
             said = f"{self.max_steps:,} optimizer steps (trainer.max_steps; {self.per_epoch:,} per epoch)"
         elif self.epochs > 0:
-            said = f"{self.steps:,} optimizer steps ({self.epochs} epoch{'s' if self.epochs != 1 else ''} of {self.per_epoch:,})"
+            said = (
+                f"{self.steps:,} optimizer steps ({self.epochs} epoch{'s' if self.epochs != 1 else ''} of "
+                f"{self.per_epoch:,})"
+            )
         else:
             said = f"{self.per_epoch:,} optimizer steps per epoch, with no limit set"
         if self.raised_from is not None:

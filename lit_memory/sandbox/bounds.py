@@ -49,10 +49,18 @@ def regular(path: Any, what: str = "file", limit: Optional[int] = None) -> Path:
     except OSError as err:
         raise UserError(f"cannot read {what} {path}: {err.strerror}") from None
     if not stat.S_ISREG(info.st_mode):
-        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
+        kind = (
+            "a folder"
+            if stat.S_ISDIR(info.st_mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(info.st_mode)
+            else "a device or socket"
+        )
         raise BoundExceeded(f"refusing to read {what} {path}: it is {kind}, not a regular file")
     if limit is not None and info.st_size > limit:
-        raise BoundExceeded(f"refusing to read {what} {path}: {info.st_size} bytes, more than the {limit // MiB} MiB bound")
+        raise BoundExceeded(
+            f"refusing to read {what} {path}: {info.st_size} bytes, more than the {limit // MiB} MiB bound"
+        )
     return path
 
 
@@ -67,10 +75,18 @@ def read_bytes(path: Any, limit: int, what: str = "file") -> bytes:
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
+            kind = (
+                "a folder"
+                if stat.S_ISDIR(info.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(info.st_mode)
+                else "a device or socket"
+            )
             raise BoundExceeded(f"refusing to read {what} {path}: it is {kind}, not a regular file")
         if info.st_size > limit:
-            raise BoundExceeded(f"refusing to read {what} {path}: {info.st_size} bytes, more than the {limit // MiB} MiB bound")
+            raise BoundExceeded(
+                f"refusing to read {what} {path}: {info.st_size} bytes, more than the {limit // MiB} MiB bound"
+            )
         data = f.read(limit + 1)
     if len(data) > limit:
         raise BoundExceeded(f"refusing to read {what} {path}: more than the {limit // MiB} MiB bound")
@@ -163,7 +179,9 @@ def zip_problem(path: Any) -> Optional[str]:
             return (f"its record {info.filename} expands from {info.compress_size} to {info.file_size} bytes "
                     f"(more than {EXPANSION}x: a decompression bomb; torch stores records uncompressed)")
         if info.filename.endswith(".pkl") and info.file_size > PICKLE_BYTES:
-            return f"its pickle {info.filename} is {info.file_size} bytes, more than the {PICKLE_BYTES // MiB} MiB bound"
+            return (
+                f"its pickle {info.filename} is {info.file_size} bytes, more than the {PICKLE_BYTES // MiB} MiB bound"
+            )
     return None
 
 

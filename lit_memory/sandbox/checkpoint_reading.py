@@ -67,7 +67,9 @@ def load_error(err: Exception) -> str:
 def _folder_problem(path: Path) -> Optional[str]:
     """A distributed checkpoint: every metadata file (global and rank-local), every non-tensor item
     they point at, and Lightning's ``meta.pt``."""
-    metadata_files = sorted(p for p in path.iterdir() if p.name == ".metadata" or re.fullmatch(r"__\d+\.metadata", p.name))
+    metadata_files = sorted(
+        p for p in path.iterdir() if p.name == ".metadata" or re.fullmatch(r"__\d+\.metadata", p.name)
+    )
     for file in metadata_files:
         try:  # a regular file within its bound: a link to /dev/zero or a FIFO would never end
             data = bounds.read_bytes(file, bounds.METADATA_BYTES, "checkpoint metadata")
@@ -83,7 +85,9 @@ def _folder_problem(path: Path) -> Optional[str]:
             if getattr(info, "transform_descriptors", None):
                 continue  # compressed: the forced weights-only load covers it when it is read
             if info.length > bounds.PICKLE_BYTES:
-                return f"its item {index.fqn!r} ({info.relative_path}): {info.length} bytes of pickle, more than the bound"
+                return (
+                    f"its item {index.fqn!r} ({info.relative_path}): {info.length} bytes of pickle, more than the bound"
+                )
             try:
                 item = bounds.regular(path / info.relative_path, "checkpoint item")
             except UserError as err:

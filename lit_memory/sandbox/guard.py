@@ -8,8 +8,8 @@ itself, a rank-local metadata file, a pickled item inside a checkpoint folder), 
 hold where the loading happens:
 
 - **every** ``torch.load`` in the process is weights-only (tensors and plain data) while the run lasts: torch's
-  own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which overrides ``weights_only=False`` at every call site (Lightning's ``meta.pt``, the non-tensor items torch's distributed-checkpoint
-  planner loads, transformers' ``.bin`` weights);
+  own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which overrides ``weights_only=False`` at every call site (Lightning's
+  ``meta.pt``, the non-tensor items torch's distributed-checkpoint planner loads, transformers' ``.bin`` weights);
 - the two unpicklers that bypass ``torch.load`` are restricted: torch's distributed-checkpoint reader
   reads ``.metadata`` and rank-local ``__N.metadata`` with plain `pickle.load`, and Lightning's FSDP
   strategy reads single-file checkpoints with an unpickler of its own (`harden`);
@@ -209,7 +209,9 @@ class GuardedCheckpointIO(CheckpointIO):
         torch.save(checkpoint, buffer)
         files.write_bytes(path, buffer.getvalue())
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         if restricted():
             if is_remote(str(path)):
                 raise UserError(f"refusing to load checkpoint {path}: it is not a local file; {HINT}")
@@ -281,8 +283,10 @@ class RunBounds(Callback):
                 saves.append(trainer.global_step)
                 if len(saves) > save_budget(trainer.global_step, counted):
                     raise UserError(
-                        f"refusing to save {filepath}: checkpoint {len(saves)} by step {trainer.global_step}, more than "
-                        f"one per {MIN_CHECKPOINT_STEPS} optimizer steps over all checkpoint callbacks; {HINT}")
+                        f"refusing to save {filepath}: checkpoint {len(saves)} by step {trainer.global_step}, more "
+                        "than "
+                        f"one per {MIN_CHECKPOINT_STEPS} optimizer steps over all checkpoint callbacks; {HINT}"
+                    )
             return save(checkpoint, filepath, *args, **kwargs)
 
         strategy.save_checkpoint = counted_save
@@ -342,7 +346,9 @@ def check_selected(connector: Any, ckpt_path: Any, found: Any) -> None:
             f"resume from it with --ckpt_path {found}, or pass {TRUST_FLAG} only if you trust its source"
         )
     if is_remote(str(found)):
-        raise UserError(f"refusing ckpt_path={str(found)!r} (found for {ckpt_path!r}): it is not a local file or folder; {HINT}")
+        raise UserError(
+            f"refusing ckpt_path={str(found)!r} (found for {ckpt_path!r}): it is not a local file or folder; {HINT}"
+        )
     if problem := checkpoint_problem(found):
         raise UserError(f"refusing ckpt_path={str(found)!r}: {problem}; {HINT}")
 
@@ -360,7 +366,10 @@ def hugging_face_error(err: Exception) -> Optional[str]:
     """The first line of transformers' refusal to run custom code, or None for other errors."""
     text = str(err)
     if "trust_remote_code" in text or "custom code" in text:
-        return f"it needs the Python code shipped with it (transformers' trust_remote_code): {text.strip().splitlines()[0]}"
+        return (
+            "it needs the Python code shipped with it (transformers' trust_remote_code): "
+            f"{text.strip().splitlines()[0]}"
+        )
     return None
 
 
@@ -449,7 +458,12 @@ def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str
             continue
         except ValueError:
             continue  # not JSON: transformers says so
-        if loaders_refuse and isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        if (
+            loaders_refuse
+            and isinstance(config, dict)
+            and config.get("auto_map")
+            and config.get("model_type") not in CONFIG_MAPPING
+        ):
             problems.append(f"{folder / name} names Python code to load it with (auto_map) for a model type "
                             f"transformers does not know ({config.get('model_type')!r})")
         if name == "config.json" and isinstance(config, dict):
@@ -467,7 +481,9 @@ def model_folder_problems(folder: Path, loaders_refuse: bool = True) -> list[str
         except Exception as err:  # noqa: BLE001  not a torch zip file: weights-only loading reads no more of it
             unsafe = [f"unreadable as a torch file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
         if unsafe and loaders_refuse:
-            problems.append(f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it")
+            problems.append(
+                f"{file} is a pickle naming {', '.join(sorted(unsafe)[:3])}: weights-only loading refuses it"
+            )
     return problems
 
 
@@ -529,5 +545,7 @@ def call(load: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
         raise
     except ValueError as err:  # transformers' word for a folder it cannot load as asked
         if (reason := hugging_face_error(err)) is None:
-            raise UserError(f"cannot load {what}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+            raise UserError(
+                f"cannot load {what}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+            ) from None
         raise UserError(f"refusing to load {what}: {reason}; pass {TRUST_FLAG} only if you trust its source") from None

@@ -171,8 +171,15 @@ def enter(spec: Spec, threads: Sequence[str] = (), sockets: Sequence[str] = (), 
     def ports(ranges: list[list[int]]) -> list[int]:
         return [port for first, last in ranges for port in range(first, last + 1)]
 
-    Ruleset(read=spec.read, write=[*spec.write, *writes], devices=spec.devices, threads=list(threads), sockets=list(sockets),
-            connect=ports(spec.connect), bind=ports(spec.bind)).enforce()
+    Ruleset(
+        read=spec.read,
+        write=[*spec.write, *writes],
+        devices=spec.devices,
+        threads=list(threads),
+        sockets=list(sockets),
+        connect=ports(spec.connect),
+        bind=ports(spec.bind),
+    ).enforce()
 
 
 def _limit(which: int, value: int) -> None:

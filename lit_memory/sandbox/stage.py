@@ -51,7 +51,13 @@ def _open_each(folder_fd: int, name: str) -> int:
     fd = os.dup(folder_fd)
     try:
         for i, part in enumerate(parts):
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (0 if i == len(parts) - 1 else os.O_DIRECTORY)
+            flags = (
+                os.O_RDONLY
+                | os.O_NOFOLLOW
+                | os.O_NONBLOCK
+                | os.O_CLOEXEC
+                | (0 if i == len(parts) - 1 else os.O_DIRECTORY)
+            )
             nxt = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = nxt
@@ -65,8 +71,12 @@ def _regular(folder_fd: int, name: str, where: str, what: str) -> None:
     try:
         fd = open_beneath(folder_fd, name)
     except OSError as err:
-        reason = {errno.ELOOP: "a link", errno.EXDEV: "outside its folder", errno.ENOENT: "missing"}.get(err.errno, err.strerror)
-        raise UserError(f"refusing {what}: {where}/{name} is {reason} (only regular files beneath it are read)") from None
+        reason = {errno.ELOOP: "a link", errno.EXDEV: "outside its folder", errno.ENOENT: "missing"}.get(
+            err.errno, err.strerror
+        )
+        raise UserError(
+            f"refusing {what}: {where}/{name} is {reason} (only regular files beneath it are read)"
+        ) from None
     try:
         mode = os.fstat(fd).st_mode
     finally:
@@ -88,7 +98,9 @@ def _walk(root: Path, what: str) -> Iterator[str]:
                 if count > MAX_FILES:
                     raise UserError(f"refusing {what}: {root} holds more than {MAX_FILES} files")
                 if entry.is_symlink():
-                    raise UserError(f"refusing {what}: {root}/{name} is a link (only regular files beneath it are read)")
+                    raise UserError(
+                        f"refusing {what}: {root}/{name} is a link (only regular files beneath it are read)"
+                    )
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(name)
                 elif entry.is_file(follow_symlinks=False):

@@ -327,9 +327,11 @@ def watch(command: list[str], env: dict[str, str], spec: Spec, bounds: Bounds, w
     if not stopped and not interrupted:  # what it left: written between two counts, or just before it ended
         stopped = over_disk(usage(watched), bounds, left=True)
     if group is not None and group.oom_kills() and not stopped:
-        stopped = (f"stopped: the run's processes and their memory files (tmpfs, memfd) reached {group.peak() / GiB:.2f} "
-                   f"GiB, its bound of {group.memory / GiB:.2f} GiB, and the kernel killed them "
-                   f"({bounds.why_rss or 'the run memory bound'})")
+        stopped = (
+            f"stopped: the run's processes and their memory files (tmpfs, memfd) reached {group.peak() / GiB:.2f} "
+            f"GiB, its bound of {group.memory / GiB:.2f} GiB, and the kernel killed them "
+            f"({bounds.why_rss or 'the run memory bound'})"
+        )
     if stopped:
         print(f"error: {shown(stopped)}; pass --trust-recipe only if you trust the recipe's source", file=sys.stderr)
         return 2

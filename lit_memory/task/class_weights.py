@@ -49,7 +49,8 @@ def check(setting: Optional[ClassWeights], kind: ProblemKind, num_labels: int) -
         return
     if len(setting) != num_labels:
         raise UserError(
-            f"model.class_weights has {len(setting)} weight(s) for {num_labels} {kind.label_words}: {kind.weights_order}"
+            f"model.class_weights has {len(setting)} weight(s) for {num_labels} {kind.label_words}: "
+            f"{kind.weights_order}"
         )
     if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and w == w and w != float("inf")
                for w in setting) or not any(w > 0 for w in setting):

@@ -63,13 +63,17 @@ def find_columns(
             raise UserError(f"column {name!r} not found in {where}; its columns are {columns} (set data.{kind})")
     if not texts:
         usual = [tuple(as_names(u)) for u in usual_text]
-        pair = next((p for p in [*[u for u in usual if len(u) == 2], *PAIR_COLUMNS] if all(c in columns for c in p)), None)
+        pair = next(
+            (p for p in [*[u for u in usual if len(u) == 2], *PAIR_COLUMNS] if all(c in columns for c in p)), None
+        )
         single = next((c for c in [*[u[0] for u in usual if len(u) == 1], *TEXT_COLUMNS] if c in columns), None)
         texts = pair or ((single,) if single else ())
         if not texts:
             raise UserError(
                 f"no text column in {where}: its columns are {columns}; looked for {', '.join(TEXT_COLUMNS)} and the "
-                "pairs " + ", ".join("/".join(p) for p in PAIR_COLUMNS) + " (set data.text_column, a name or [first, second])"
+                "pairs "
+                + ", ".join("/".join(p) for p in PAIR_COLUMNS)
+                + " (set data.text_column, a name or [first, second])"
             )
     if not labels:
         found = next((c for c in [*usual_label, *LABEL_COLUMNS] if c in columns and c not in texts), None)

@@ -69,7 +69,9 @@ def report(stage: str, counts: torch.Tensor, names: Sequence[str], kind: Problem
         recall = tp / (tp + fn) if tp + fn else 0.0
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
         weight = f"{weights[i]:>10.3g}" if weights else ""
-        lines.append(f"  {shown_name(name)}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}{weight}")
+        lines.append(
+            f"  {shown_name(name)}".ljust(width) + f"{precision:>10.4f}{recall:>10.4f}{f1:>10.4f}{tp + fn:>10}{weight}"
+        )
     if kind.draws_confusion:
         lines.append("confusion matrix (rows: true class, columns: predicted):")
         table = counts.tolist()

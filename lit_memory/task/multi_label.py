@@ -45,7 +45,9 @@ class MultiLabel(ProblemKind):
                         )
             names = tuple(label_names) if label_names else labels
             if len(names) != len(labels):
-                raise UserError(f"data.label_names has {len(names)} names for {len(labels)} label columns {list(labels)}")
+                raise UserError(
+                    f"data.label_names has {len(names)} names for {len(labels)} label columns {list(labels)}"
+                )
             return checked_count(Task(self, len(names), names, columns), num_labels)
         column = labels[0]
         seen: list[Any] = []

@@ -97,7 +97,9 @@ class Regression(ProblemKind):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SPEARMAN_BUFFER)
             spearman = SpearmanCorrCoef(**kwargs)
-        return MetricCollection({"mse": MeanSquaredError(**kwargs), "pearson": PearsonCorrCoef(**kwargs), "spearman": spearman})
+        return MetricCollection(
+            {"mse": MeanSquaredError(**kwargs), "pearson": PearsonCorrCoef(**kwargs), "spearman": spearman}
+        )
 
     def before_evaluation(self) -> None:
         """Once per process: Spearman's correlation keeps every prediction and label of the evaluation."""

@@ -45,13 +45,15 @@ class SingleLabel(ProblemKind):
         for value in present:
             if isinstance(value, (list, tuple)):
                 raise UserError(
-                    f"label {value!r} in column {column!r} of {where} is a list: problem_type single_label_classification "
+                    f"label {value!r} in column {column!r} of {where} is a list: problem_type "
+                    "single_label_classification "
                     "expects one class per row (set model.problem_type multi_label_classification)"
                 )
             if isinstance(value, float) and not value.is_integer():
                 raise UserError(
                     f"label {value!r} in column {column!r} of {where} is not a class: problem_type "
-                    "single_label_classification expects class names or ids (set model.problem_type regression for values)"
+                    "single_label_classification expects class names or ids (set model.problem_type regression for "
+                    "values)"
                 )
         if label_names:
             names = tuple(str(n) for n in label_names)

@@ -208,8 +208,10 @@ def from_config(saved: object, names: Sequence[str], kind: ProblemKind, where: s
     except (KeyError, TypeError, ValueError):
         fits = False
     if not fits:
-        warnings.warn(f"{where}: its {CONFIG_KEY!r} ({saved!r}) are not one threshold in (0, 1) for each of the model's "
-                      f"labels {keys}: not used")
+        warnings.warn(
+            f"{where}: its {CONFIG_KEY!r} ({saved!r}) are not one threshold in (0, 1) for each of the model's "
+            f"labels {keys}: not used"
+        )
         return None
     return values
 

@@ -35,15 +35,19 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "architecture picks the attention kernel and the cuBLAS workspace, its generation the CUDA context; one of "
         f"{', '.join(GPUS)} (MIG slices as <gpu>-<profile>)",
     )
-    parser.add_argument("--cuda", default=None, help="CUDA version PyTorch is built with (default: this machine's, else 12.4)")
+    parser.add_argument(
+        "--cuda", default=None, help="CUDA version PyTorch is built with (default: this machine's, else 12.4)"
+    )
     parser.add_argument(
         "--cuda-context", default=None,
         help="CUDA context and loaded kernels of your setup (e.g. 1343MiB: nvidia-smi after the first CUDA "
         "op and a matmul); default: the documented table (docs/memory.md)",
     )
     parser.add_argument(
-        "--allocator-conf", default=None,
-        help="allocator settings to predict for (default: this environment's PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, "
+        "--allocator-conf",
+        default=None,
+        help="allocator settings to predict for (default: this environment's PYTORCH_CUDA_ALLOC_CONF or "
+        "PYTORCH_ALLOC_CONF, "
         "as torch reads them), e.g. expandable_segments:True",
     )
     parser.add_argument(
@@ -65,7 +69,9 @@ def estimate() -> argparse.ArgumentParser:
         "--published", action="store_true",
         help="print published GPU measurements beside lit_memory's predictions (docs/memory.md's table)",
     )
-    parser.add_argument("--update-docs", action="store_true", help="with --published: write the table into docs/memory.md")
+    parser.add_argument(
+        "--update-docs", action="store_true", help="with --published: write the table into docs/memory.md"
+    )
     parser.add_argument(
         "--plot", metavar="FILE", default=None,
         help="draw the predicted step into the PNG FILE: each category's bytes layer by layer through forward, "
@@ -109,8 +115,12 @@ def cards() -> argparse.ArgumentParser:
         description="What fits your card: plan's choice (full, LoRA or QLoRA) for the shipped real-size configs on "
         "4, 8, 12 and 24 GB cards, predicted. Every other argument is a fit argument (e.g. --data.max_length 512).",
     )
-    parser.add_argument("--models", nargs="+", default=list(MODELS), help=f"bundled models (default: {', '.join(MODELS)})")
-    parser.add_argument("--cards", nargs="+", default=list(CARDS), help=f"catalogue cards (default: {', '.join(CARDS)})")
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS), help=f"bundled models (default: {', '.join(MODELS)})"
+    )
+    parser.add_argument(
+        "--cards", nargs="+", default=list(CARDS), help=f"catalogue cards (default: {', '.join(CARDS)})"
+    )
     parser.add_argument("--update-readme", action="store_true", help="write the table into README.md (a checkout's)")
     add_target_arguments(parser)
     return parser
@@ -154,7 +164,9 @@ def recipes() -> argparse.ArgumentParser:
     commands.add_parser("show", help="print a shipped recipe with its comments").add_argument("name")
     check_ = commands.add_parser("check", help="validate a recipe file without running it")
     check_.add_argument("file", type=Path)
-    check_.add_argument(shipped.TRUST_FLAG, dest="trusted", action="store_true", help="parse it even if it names other code")
+    check_.add_argument(
+        shipped.TRUST_FLAG, dest="trusted", action="store_true", help="parse it even if it names other code"
+    )
     trust_ = commands.add_parser("trust", help="run these files (and what they name beneath their folder) unconfined, "
                                                "as long as they do not change")
     trust_.add_argument("files", type=Path, nargs="+")

@@ -32,20 +32,20 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from lit_memory import files
-from lit_memory.config import shipped
 from lit_memory.cli import LitMemoryCLI, resolve
-from lit_memory.run.environment import for_new_job
+from lit_memory.config import shipped
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.measure import records
-from lit_memory.planning.recompute import count_or_decline, planned
-from lit_memory.run.monitor import StepTimer
 from lit_memory.optim.precision import runs_on_cpu
+from lit_memory.planning.recompute import count_or_decline, planned
+from lit_memory.run.environment import for_new_job
+from lit_memory.run.monitor import StepTimer
 from lit_memory.run.step_profile import HostOpCounter
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import MIN_WARMUP, PEERS
-from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 from lit_memory.tools.bench_table import embed, machine, markdown, write_outputs
+from lit_memory.tools.peer import PEER_JSON, NoTrainerEquivalent, trainer_arguments
 
 # The reference post's tiers, in its order.
 REFERENCE_TIERS = ("baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq")
@@ -113,9 +113,15 @@ def bench_overrides(
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
     }
-    timer = {"class_path": "lit_memory.run.monitor.StepTimer", "init_args": {"warmup": warmup, "steps": steps, "save": True}}
+    timer = {
+        "class_path": "lit_memory.run.monitor.StepTimer",
+        "init_args": {"warmup": warmup, "steps": steps, "save": True},
+    }
     # One more step after the timed ones, its host operators counted (a dispatch mode: not a timed step)
-    counter = {"class_path": "lit_memory.run.step_profile.HostOpCounter", "init_args": {"step": counted_step(warmup, steps)}}
+    counter = {
+        "class_path": "lit_memory.run.step_profile.HostOpCounter",
+        "init_args": {"step": counted_step(warmup, steps)},
+    }
     args = [
         f"--trainer.max_steps={counted_step(warmup, steps) + 1}",
         "--trainer.max_epochs=-1",  # the step budget decides, however small the data
@@ -280,7 +286,8 @@ def _speed(record: dict[str, Any]) -> dict[str, Optional[float]]:
         "step_time_min_s": min(times), "step_time_max_s": max(times),
         "step_time_iqr_s": [quartiles[0], quartiles[2]], "timed_steps": len(times),
         "clock": record.get("clock"),
-        **({"compile_s": record["compile_s"]} if record.get("compile_s") else {}),  # in the warm-up, not the timed steps
+        # in the warm-up, not the timed steps
+        **({"compile_s": record["compile_s"]} if record.get("compile_s") else {}),
     }
 
 
@@ -340,8 +347,17 @@ def run_peer(run: BenchRun, out: Path, log: Path, warmup: int, steps: int, deadl
              runner: Runner = _run) -> dict[str, Any]:
     folder = out / "runs" / f"{run.recipe}.peer"
     shutil.rmtree(folder, ignore_errors=True)
-    command = [sys.executable, "-m", "lit_memory.tools.peer", "--out", str(folder), f"--warmup={warmup}", f"--steps={steps}",
-               f"--count-step={counted_step(warmup, steps)}", *run.peer_flags]
+    command = [
+        sys.executable,
+        "-m",
+        "lit_memory.tools.peer",
+        "--out",
+        str(folder),
+        f"--warmup={warmup}",
+        f"--steps={steps}",
+        f"--count-step={counted_step(warmup, steps)}",
+        *run.peer_flags,
+    ]
     error, limit = _limited(deadline, runner, command + run.peer_args, log)
     timed = {} if limit is None else {"peer_limit_s": limit}
     if error:

@@ -5,7 +5,8 @@ the same arguments, on the GPU the options describe (this machine's when it has 
 
 ``--plot FILE`` draws the predicted step point by point (`lit_memory.memory.measure.picture`: the predicted half of a
 fit's ``memory.png``); ``--vs`` separates the arguments of further runs drawn beside it (each inherits the options
-before it), e.g. ``estimate --gpu rtx3050-4gb --plot cmp.png --config recipes/bf16.yaml --vs --config recipes/4gb.yaml``.
+before it), e.g. ``estimate --gpu rtx3050-4gb --plot cmp.png --config recipes/bf16.yaml --vs --config
+recipes/4gb.yaml``.
 
 ``--published`` prints the table of published GPU measurements against these predictions
 (`lit_memory.tools.published`); ``--published --update-docs`` writes it into docs/memory.md.
@@ -22,25 +23,24 @@ from typing import Any, Optional
 
 import torch
 
-from lit_memory.hf.anatomy import Anatomy, skeleton
 from lit_memory.cli import resolve
-from lit_memory.optim.eightbit import quantised_embeddings
+from lit_memory.config.shipped import RECIPE_FLAG, recipes_dir
 from lit_memory.errors import UserError
+from lit_memory.hf.anatomy import Anatomy, skeleton
 from lit_memory.memory.hardware.allocator import AllocatorConfig
-from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.memory.hardware.gpus import GPUS, Target, target
+from lit_memory.memory.margin import Fit, Limit
 from lit_memory.memory.measure import picture
 from lit_memory.memory.measure.footprint import Footprint, format_bytes, parse_bytes
-from lit_memory.memory.model.loops import loop
-from lit_memory.memory.margin import Fit, Limit
-from lit_memory.config.shipped import recipes_dir
-from lit_memory.config.shipped import RECIPE_FLAG
-from lit_memory.planning.prediction.predict import level, predict
-from lit_memory.planning.choose import mode_of
-from lit_memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.memory.measure.report import table
-from lit_memory.planning.prediction.step import Prediction, Step, build
+from lit_memory.memory.model.loops import loop
+from lit_memory.optim.eightbit import quantised_embeddings
 from lit_memory.optim.optimizer_state import unquantised_extra
+from lit_memory.planning.choose import mode_of
+from lit_memory.planning.prediction.analytic import analytic, file_gib
+from lit_memory.planning.prediction.predict import level, predict
+from lit_memory.planning.prediction.step import Prediction, Step, build
+from lit_memory.planning.recompute import Flops, count_or_decline, planned
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import add_target_arguments  # noqa: F401  (plan, cards and tests take it from here)
 
@@ -95,10 +95,15 @@ def card_limit(step: Step, gpu: Optional[str], tier_typed: bool) -> Optional[Lim
 def embedding_state_notes(step: Step) -> list[str]:
     """What ``embedding_optimizer_state: auto`` did with an optimizer whose state is quantised: which embedding
     matrices it left on quantised state (`lit_memory.optim.eightbit.unquantised`), and what unquantised state would have
-    added (measured: `lit_memory.optim.optimizer_state.unquantised_extra`; already in the numbers, said so they can be traded)."""
+    added (measured: `lit_memory.optim.optimizer_state.unquantised_extra`; already in the numbers, said so they can be
+    traded)."""
     model = step.model
     trained = model.get("freeze") is None and model.get("lora") is None  # every freeze setting and LoRA freeze them
-    if model.get("embedding_optimizer_state", "auto") != "auto" or not step.optimizer.library.quantises_state or not trained:
+    if (
+        model.get("embedding_optimizer_state", "auto") != "auto"
+        or not step.optimizer.library.quantises_state
+        or not trained
+    ):
         return []
     if not quantised_embeddings(skeleton(step.module().hf_config).embeddings):
         return []
@@ -109,7 +114,8 @@ def embedding_state_notes(step: Step) -> list[str]:
     for e in embeddings:
         what = f"{e.num_embeddings} x {e.embedding_dim} {type(e).__name__} ({e.weight.numel() / 1e6:.1f} M values"
         notes.append(
-            f"optimizer state: embedding_optimizer_state auto keeps {step.optimizer.name}'s quantised state for {what}; "
+            f"optimizer state: embedding_optimizer_state auto keeps {step.optimizer.name}'s quantised state for "
+            f"{what}; "
             f"32-bit state would add {format_bytes(extra[id(e.weight)])}: estimate --model.embedding_optimizer_state "
             "32bit for the whole step)"
         )
@@ -156,14 +162,19 @@ def report(step: Step, predictions: dict[str, Prediction], counted: Optional[Flo
             "attention": analytic_.attention,
         },
         "device": {
-            "analytic": step.device, "simulated": step.device, "target": step.target.describe(),
+            "analytic": step.device,
+            "simulated": step.device,
+            "target": step.target.describe(),
             "gpu": step.target.gpu.label if step.target.cuda_device else None,
             # what torch reports as the target card's total memory (`lit_memory.memory.hardware.gpus.GPUS`)
             "capacity_bytes": step.target.gpu.memory if step.target.cuda_device else None,
         },
         "verdict": fit.to_dict() if (fit := verdict(step, analytic_.footprint)) else None,
         "predicted": {
-            **{k: (p.footprint.to_dict() if p else None) for k, p in {"analytic": analytic_, "simulated": simulated}.items()},
+            **{
+                k: (p.footprint.to_dict() if p else None)
+                for k, p in {"analytic": analytic_, "simulated": simulated}.items()
+            },
             **(flops_fields(counted) if counted else {}),
         },
         "inference_bytes": {"analytic": analytic_.inference, "simulated": simulated.inference if simulated else None},
@@ -188,7 +199,10 @@ def verdict(step: Step, footprint: Footprint) -> Optional[Fit]:
 
 # Where the project's GPU records are (`python -m lit_memory bench --gpu-proof`): installed with the package, or a
 # checkout's docs/gpu. A record named after a catalogue key is a card's current one (h200-before.json is not).
-GPU_RECORDS = (Path(__file__).resolve().parents[1] / "assets" / "gpu", Path(__file__).resolve().parents[2] / "docs" / "gpu")
+GPU_RECORDS = (
+    Path(__file__).resolve().parents[1] / "assets" / "gpu",
+    Path(__file__).resolve().parents[2] / "docs" / "gpu",
+)
 
 
 def record_rows() -> list[tuple[dict[str, Any], str]]:
@@ -317,7 +331,8 @@ def format_report(data: dict) -> str:
         found = data["predicted"]["flops"]
         lines.append(
             f"FLOPs per step (counted, device-independent): {data['predicted']['flops_per_step'] / 1e12:.2f} TFLOP "
-            f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} % of them"
+            f"({found['per_sample'] / 1e9:.1f} GFLOP per sample), recompute {100 * found['recompute_share']:.1f} % "
+            "of them"
             + (f", measuring backward {found['measuring'] / 1e12:.2f} TFLOP" if found.get("measuring") else "")
         )
     speed = data.get("throughput") or {}
@@ -327,11 +342,15 @@ def format_report(data: dict) -> str:
                    + (f"; the host let {speed['host_from']} train at {speed['host_samples_per_s']:,.0f} samples/s, no "
                       "limit here" if speed.get("host_from") else ""))
         else:
-            why = (f"as fast as the host let {speed['host_from']} train (docs/gpu), its card waiting on the host; a busy "
-                   f"card reached {100 * speed['busy_utilisation']:.1f} % ({speed['busy_from']})")
+            why = (
+                f"as fast as the host let {speed['host_from']} train (docs/gpu), its card waiting on the host; a busy "
+                f"card reached {100 * speed['busy_utilisation']:.1f} % ({speed['busy_from']})"
+            )
         lines.append(
-            f"throughput on {speed['gpu']}: about {speed['samples_per_s']:,.0f} samples/s, an estimate, not a measurement: "
-            f"{speed['flops_per_sample'] / 1e9:.1f} GFLOP per sample (counted above) at {100 * speed['utilisation']:.1f} % "
+            f"throughput on {speed['gpu']}: about {speed['samples_per_s']:,.0f} samples/s, an estimate, not a "
+            "measurement: "
+            f"{speed['flops_per_sample'] / 1e9:.1f} GFLOP per sample (counted above) at "
+            f"{100 * speed['utilisation']:.1f} % "
             f"of its {speed['peak_kind']} peak {speed['peak_tflops']:g} TFLOP/s: {why}"
         )
     elif speed.get("why"):
@@ -406,7 +425,9 @@ def plot(parser: argparse.ArgumentParser, ours: argparse.Namespace, rest: list[s
     try:  # deferred: matplotlib is optional and heavy; a presence check (picture.draw imports it to draw)
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UserError("--plot draws with matplotlib, which is not installed: pip install 'lit-memory[plot]'") from None
+        raise UserError(
+            "--plot draws with matplotlib, which is not installed: pip install 'lit-memory[plot]'"
+        ) from None
     runs = [(ours, rest)]
     for argv in others:  # each inherits the options before it
         runs.append(parser.parse_known_args(argv, namespace=argparse.Namespace(**vars(runs[-1][0]))))
@@ -448,4 +469,5 @@ def run_title(fit_args: list[str], step: Step) -> str:
         elif arg.startswith("--"):
             shown.append(arg[2:])
     where = step.target.gpu.label if step.target.cuda_device else step.device
-    return f"{' + '.join(shown) or 'the defaults'}: batch {step.batch_size} x {step.max_length}, {step.precision.name}, on {where}"
+    return (f"{' + '.join(shown) or 'the defaults'}: batch {step.batch_size} x {step.max_length}, "
+        f"{step.precision.name}, on {where}")

@@ -34,13 +34,13 @@ from transformers import TrainerCallback
 from lit_memory import files
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.planning.prediction.step import is_fused
-from lit_memory.settings import Precision
 from lit_memory.memory.measure.tracker import Tracker
+from lit_memory.optim.optimizers import compiles_its_step, library_of
+from lit_memory.planning.prediction.step import is_fused
 from lit_memory.run.activation_checkpointing import CheckpointPlan
 from lit_memory.run.monitor import Stamps, device_memory_used
-from lit_memory.optim.optimizers import compiles_its_step, library_of
 from lit_memory.run.step_profile import HostOps
+from lit_memory.settings import Precision
 
 PEER_JSON = "peer.json"
 # Our optimizer class paths -> the Trainer's `optim` names.
@@ -98,7 +98,9 @@ def trainer_arguments(cli: LitMemoryCLI, best: bool = False) -> dict[str, Any]:
         raise NoTrainerEquivalent("no Trainer equivalent (checkpointing planned per layer for a budget)")
     checkpointing = CheckpointPlan.parse(config.model.gradient_checkpointing)
     if checkpointing is not None and checkpointing.uniform != "full":
-        raise NoTrainerEquivalent(f"no Trainer equivalent ({checkpointing.describe()}: the Trainer recomputes every layer)")
+        raise NoTrainerEquivalent(
+            f"no Trainer equivalent ({checkpointing.describe()}: the Trainer recomputes every layer)"
+        )
     if getattr(config.model, "offload_activations", False):
         raise NoTrainerEquivalent("no Trainer equivalent (activation offloading)")
     if getattr(config.model, "compile", False):
@@ -159,8 +161,8 @@ def best_under_budget(cli: LitMemoryCLI, target: Any = None) -> dict[str, Any]:
     recipe's samples per step. Returns `TrainingArguments` keywords and, under ``chosen``, the choice and why.
     `NoTrainerEquivalent` without a budget, or where nothing fits."""
     from lit_memory.memory.hardware.gpus import target as this_target
-    from lit_memory.planning.prediction.analytic import capped_total
     from lit_memory.memory.model.loops import loop
+    from lit_memory.planning.prediction.analytic import capped_total
 
     config = cli.settings
     budget = cli.memory.limit if cli.memory is not None else None
@@ -339,13 +341,18 @@ def run(fit_args: list[str], out: Path, warmup: int, steps: int, track_steps: in
                     micro = kwargs["per_device_train_batch_size"]
                     if not best or micro % 2:
                         raise
-                    chosen.setdefault("out_of_memory_at", []).append({"micro_batch": micro, "error": str(err).splitlines()[0][:200]})
+                    chosen.setdefault("out_of_memory_at", []).append(
+                        {"micro_batch": micro, "error": str(err).splitlines()[0][:200]}
+                    )
                     del trainer
                     for param in module.model.parameters():
                         param.grad = None
                     gc.collect()
                     torch.cuda.empty_cache()
-                    kwargs.update(per_device_train_batch_size=micro // 2, gradient_accumulation_steps=2 * kwargs["gradient_accumulation_steps"])
+                    kwargs.update(
+                        per_device_train_batch_size=micro // 2,
+                        gradient_accumulation_steps=2 * kwargs["gradient_accumulation_steps"],
+                    )
         finally:
             if cap is not None:
                 cap.teardown(cap.view, None, "fit")
@@ -430,7 +437,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             metrics = validated(fit_args, json.loads(ours.validate_with), ours.steps, ours.out)
             files.write_text(ours.out / QUALITY_JSON, json.dumps(metrics, indent=2) + "\n")
             return
-        record = run(fit_args, ours.out, ours.warmup, ours.steps, count_step=ours.count_step, best=ours.best_under_budget)
+        record = run(
+            fit_args, ours.out, ours.warmup, ours.steps, count_step=ours.count_step, best=ours.best_under_budget
+        )
     except (UserError, NoTrainerEquivalent) as err:
         raise SystemExit(f"error: {err}") from err
     files.write_text(ours.out / PEER_JSON, json.dumps(record, indent=2) + "\n")

@@ -33,26 +33,25 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
 from lit_memory import files
-from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.cli import resolve
 from lit_memory.config import trust
+from lit_memory.config.shipped import recipes_dir
 from lit_memory.errors import UserError
 from lit_memory.hf.lora import LoRA
+from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.memory.margin import Limit, usable
+from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
+from lit_memory.memory.measure.report import breakdown
+from lit_memory.memory.settings import Size
 from lit_memory.optim.optimizers import check_settings
-from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.choose import MODES, RULE, mode_of, quality_class, rank
+from lit_memory.planning.prediction.analytic import analytic
+from lit_memory.planning.prediction.predict import device_total, level, simulate_or_decline
+from lit_memory.planning.prediction.step import Prediction, Step
 from lit_memory.planning.recompute import planned
 from lit_memory.planning.recompute import resolve as plan_layers
-from lit_memory.memory.settings import Size
-from lit_memory.memory.hardware.gpus import GPUS
-from lit_memory.memory.measure.footprint import CATEGORIES, format_bytes
-from lit_memory.memory.margin import Limit, usable
-from lit_memory.planning.prediction.predict import device_total, level
-from lit_memory.memory.measure.report import breakdown
-from lit_memory.planning.prediction.predict import simulate_or_decline
-from lit_memory.planning.prediction.step import Prediction, Step
 from lit_memory.run.monitor import StepTimer
-from lit_memory.config.shipped import recipes_dir
+from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.settings import dotted_leaves, key_of, locate, to_plain
 from lit_memory.tools import arguments
 from lit_memory.tools.arguments import MEASURED
@@ -179,7 +178,9 @@ def candidates(base: Step, recipes: list[Recipe], refused: Optional[dict[str, st
     return [c for c in found if c is not None]
 
 
-def ranked(base: Step, recipes: list[Recipe], refused: dict[str, str], everything: list[Candidate]) -> Iterator[Candidate]:
+def ranked(
+    base: Step, recipes: list[Recipe], refused: dict[str, str], everything: list[Candidate]
+) -> Iterator[Candidate]:
     """`candidates` in the rule's order, predicted one quality class at a time (`quality_class`: 16-bit weights rounded
     to nearest or not, then full, LoRA, QLoRA): the rule reaches a class only after every setup of the classes before
     it, so a model that fits in full fine-tuning is never predicted with adapters. ``everything`` collects what has
@@ -195,7 +196,9 @@ def ranked(base: Step, recipes: list[Recipe], refused: dict[str, str], everythin
         yield from sorted(found, key=lambda c: rank(c.setup, c.prediction, longest))
 
 
-def _setups(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]]) -> list[tuple[dict[str, Block], Step]]:
+def _setups(
+    base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]]
+) -> list[tuple[dict[str, Block], Step]]:
     """Every combination of the recipes' differing settings, each micro-batch split, as a setup not yet predicted:
     one per setup that differs (`_identity`), with the settings closest to a shipped recipe."""
     # A recipe's tier is not a setting to combine (the plan's budget is the tier), its allocator settings are;
@@ -249,7 +252,11 @@ def _setups(base: Step, recipes: list[Recipe], refused: Optional[dict[str, str]]
             if identity in kept:
                 kept[identity] = (blocks, kept[identity][1], distance)
             else:
-                kept[identity] = (blocks, replace(combined, batch_size=micro, accumulate_grad_batches=accumulate), distance)
+                kept[identity] = (
+                    blocks,
+                    replace(combined, batch_size=micro, accumulate_grad_batches=accumulate),
+                    distance,
+                )
     return [(blocks, setup) for blocks, setup, _ in kept.values()]
 
 
@@ -297,11 +304,15 @@ def refine(chosen: Candidate, limit: Limit) -> Candidate:
     words = f"predicted to fit {format_bytes(limit.bytes)} with the {100 * chosen.setup.margin:g} % margin"
     blocks = {
         **chosen.blocks,
-        CHECKPOINTING: Block(CHECKPOINTING, value, f"activations: per layer, the least recompute (fewest FLOPs) {words}"),
+        CHECKPOINTING: Block(
+            CHECKPOINTING, value, f"activations: per layer, the least recompute (fewest FLOPs) {words}"
+        ),
         OFFLOADING: Block(
-            OFFLOADING, found.offload,
+            OFFLOADING,
+            found.offload,
             "activations: checkpoints in host memory (copies modelled cheaper than the recompute they save)"
-            if found.offload else "activations: stay on the device",
+            if found.offload
+            else "activations: stay on the device",
         ),
     }
     setup = chosen.setup.with_settings({CHECKPOINTING: blocks[CHECKPOINTING].plain, OFFLOADING: found.offload})
@@ -373,9 +384,13 @@ def _breakdown(prediction: Prediction) -> str:
 
 def _as_written(chosen: Candidate, limit: Limit) -> dict[str, Block]:
     """The chosen settings as the recipe writes them, with the limit as its ``memory.tier`` (a card by its name). A
-    per-layer plan is written as chosen (the one the simulation confirmed), not as a parent's ``auto``: ``auto`` resolves again
-    where the recipe runs, for that run's precision (a CPU's bf16 fallback: fp32) and device."""
-    tier = Block(TIER, limit.words or _size(limit.bytes), "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)")
+    per-layer plan is written as chosen (the one the simulation confirmed), not as a parent's ``auto``: ``auto``
+    resolves again where the recipe runs, for that run's precision (a CPU's bf16 fallback: fp32) and device."""
+    tier = Block(
+        TIER,
+        limit.words or _size(limit.bytes),
+        "the device memory this recipe is planned for (what gradient_checkpointing auto would fit)",
+    )
     return {**chosen.blocks, TIER: tier}
 
 
@@ -471,12 +486,16 @@ def choose(
         for _ in ordered:  # every mode predicted: the line says what the smallest needs, in any of them
             pass
         if not everything:
-            raise UserError(f"no combination of the shipped recipes' settings can train this model{_refused_words(refused)}")
+            raise UserError(
+                f"no combination of the shipped recipes' settings can train this model{_refused_words(refused)}"
+            )
         smallest = min(everything, key=lambda c: c.prediction.footprint.peak)
         if smallest.prediction.footprint.peak + overhead > room or smallest.total > room:
             raise UserError(
-                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(limit.bytes)} with the "
-                f"{100 * base.margin:g} % margin ({format_bytes(room)}), in any mode ({', '.join(_modes(everything))}); "
+                f"no combination of the shipped recipes' settings is predicted to fit {format_bytes(limit.bytes)} "
+                "with the "
+                f"{100 * base.margin:g} % margin ({format_bytes(room)}), in any mode "
+                f"({', '.join(_modes(everything))}); "
                 f"the smallest needs {format_bytes(smallest.total)} ({smallest.setup.describe()})"
                 f"{would_fit(smallest.total, base.margin)}{_refused_words(refused, everything)}"
             )
@@ -514,7 +533,8 @@ def why(chosen: Candidate, everything: list[Candidate], limit: Limit) -> str:
     if not before:
         return f"{mode}{semantics}: the rule's first choice that fits"
     return (
-        f"{mode}{semantics}: {', '.join(before)}, over {format_bytes(limit.with_margin(chosen.setup.margin).usable)} (the limit "
+        f"{mode}{semantics}: {', '.join(before)}, over "
+        f"{format_bytes(limit.with_margin(chosen.setup.margin).usable)} (the limit "
         f"less the margin){' with exact updates (fp32 weights, or bf16 with stochastic rounding)' if exact else ''}"
     )
 
@@ -539,7 +559,9 @@ def would_fit(total: int, margin: float) -> str:
     return f"; it would fit {key} ({format_bytes(memory)}) or a larger card"
 
 
-def _refined(chosen: Candidate, simulated: Optional[Prediction], limit: Limit, confirm: bool) -> tuple[Candidate, Optional[Prediction]]:
+def _refined(
+    chosen: Candidate, simulated: Optional[Prediction], limit: Limit, confirm: bool
+) -> tuple[Candidate, Optional[Prediction]]:
     """The chosen setup with its per-layer plan (`refine`), kept only if the simulation agrees it fits."""
     better = refine(chosen, limit)
     if better is chosen:

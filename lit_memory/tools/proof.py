@@ -43,11 +43,11 @@ import torch
 
 from lit_memory import files
 from lit_memory.config import shipped
-from lit_memory.sandbox.bounds import read_yaml
-from lit_memory.hf.bundled import resolve_model
 from lit_memory.errors import UserError
+from lit_memory.hf.bundled import resolve_model
 from lit_memory.memory.hardware.gpus import capacity, match, target
 from lit_memory.memory.measure import records
+from lit_memory.sandbox.bounds import read_yaml
 from lit_memory.tools.bench import Deadline, Runner, _run, bench, counted_step, ordered, prepare, recipe_file
 from lit_memory.tools.bench_table import machine
 
@@ -75,24 +75,40 @@ VARIANTS = {
     # Every layer checkpointed in full in both: the same recompute, so the loss curves compare step by step (selective
     # layers cannot run the fused step's measuring backward: `lit_memory.planning.recompute.check_twice`).
     "4gb-fp16": Variant(
-        "4gb", ("--trainer.precision=16-mixed", "--memory.budget=gtx1650", "--model.gradient_checkpointing=true",
-                _LOSS_PER_STEP),
+        "4gb",
+        (
+            "--trainer.precision=16-mixed",
+            "--memory.budget=gtx1650",
+            "--model.gradient_checkpointing=true",
+            _LOSS_PER_STEP,
+        ),
         "4gb.yaml in fp16 capped as a GTX 1650 (3.81 GiB, no bf16): the fused step with loss scaling",
     ),
     "4gb-fp16-unfused": Variant(
-        "4gb", ("--trainer.precision=16-mixed", "--memory.budget=null", "--model.gradient_checkpointing=true",
-                "--trainer.strategy.init_args.fused=false", _LOSS_PER_STEP),
+        "4gb",
+        (
+            "--trainer.precision=16-mixed",
+            "--memory.budget=null",
+            "--model.gradient_checkpointing=true",
+            "--trainer.strategy.init_args.fused=false",
+            _LOSS_PER_STEP,
+        ),
         "the same unfused (Lightning's GradScaler), uncapped (all its gradients do not fit 3.81 GiB): the loss curve "
         "4gb-fp16's is compared with",
     ),
-    "2gb-2560mib": Variant("2gb", ("--memory.budget=2560MiB",), "2gb.yaml at 2.5 GiB, which an H100's context leaves room for"),
+    "2gb-2560mib": Variant(
+        "2gb", ("--memory.budget=2560MiB",), "2gb.yaml at 2.5 GiB, which an H100's context leaves room for"
+    ),
     "fsdp": Variant(
-        "4gb", ("--config", str(ROOT / "configs" / "fsdp.yaml"), "--trainer.devices=1"),
+        "4gb",
+        ("--config", str(ROOT / "configs" / "fsdp.yaml"), "--trainer.devices=1"),
         "4gb.yaml under FSDP2 on one GPU, capped as its 4 GB card: the FSDP2 stream code on a real device, within the "
-        "card (one rank starts no NCCL communicator, whose 0.8 GiB outside the allocator once overflowed it: docs/gpu.md)",
+        "card (one rank starts no NCCL communicator, whose 0.8 GiB outside the allocator once overflowed it: "
+        "docs/gpu.md)",
     ),
     "4gb-snapshot": Variant(
-        "4gb", ("--memory.snapshot=memory_snapshot.pickle", "--memory.snapshot_steps=2"),
+        "4gb",
+        ("--memory.snapshot=memory_snapshot.pickle", "--memory.snapshot_steps=2"),
         "4gb.yaml capped as its card, with torch's CUDA memory history of its first 2 steps (pytorch.org/memory_viz)",
     ),
 }
@@ -241,8 +257,11 @@ def proof_row(recipe: str, bench_row: dict[str, Any], run_dir: Path, budget: Opt
     }
     # max_memory_allocated counts the cuBLAS workspaces too: the prediction's allocated level (records before
     # it existed hold the tensors alone)
-    expected = {"tensors": predicted.get("allocated_bytes") or predicted.get("peak_bytes"), "reserved": predicted.get("reserved_bytes"),
-                "device": predicted.get("device_bytes")}
+    expected = {
+        "tensors": predicted.get("allocated_bytes") or predicted.get("peak_bytes"),
+        "reserved": predicted.get("reserved_bytes"),
+        "device": predicted.get("device_bytes"),
+    }
     row.update(
         device_source=cuda.get("device_source"),
         measured_bytes=measured,
@@ -313,15 +332,21 @@ def peer_row(name: str, bench_row: dict[str, Any], budget: Optional[str], card: 
     they were chosen, and under a budget whether its device total stayed within the card every step. Its MFU counts
     the model's FLOPs (the recipe's samples per step; recompute apart) on ``card`` (name, total_bytes)."""
     peer = {k[len("peer_"):]: v for k, v in bench_row.items() if k.startswith("peer_")}
-    row: dict[str, Any] = {"recipe": name, "budget": budget, "error": bench_row.get("error"), "peer_of": PEER_ROWS[name].recipe,
-                           "precision": (peer.get("chosen") or {}).get("precision"),
-                           **{k: bench_row[k] for k in CALL_KEYS if k in bench_row}}
+    row: dict[str, Any] = {
+        "recipe": name,
+        "budget": budget,
+        "error": bench_row.get("error"),
+        "peer_of": PEER_ROWS[name].recipe,
+        "precision": (peer.get("chosen") or {}).get("precision"),
+        **{k: bench_row[k] for k in CALL_KEYS if k in bench_row},
+    }
     row.update({k: v for k, v in peer.items() if k in SPEED_KEYS or k in PEER_KEYS})
     share = bench_row.get("recompute_share") or 0.0
     speed = {"flops_per_step": (bench_row.get("flops_per_step") or 0) * (1 - share) or None,
              "step_time_s": row.get("step_time_s"), "precision": "bf16-mixed"}
     found = utilisation(speed, {"device": card})
-    row.update({k: v for k, v in found.items() if k not in ("hfu", "tflops_achieved")})  # its own recompute: not counted
+    # its own recompute: not counted
+    row.update({k: v for k, v in found.items() if k not in ("hfu", "tflops_achieved")})
     if peer.get("alloc_retries_by_step") is not None:  # counted as ours are
         row["alloc_retries_by_step"] = peer["alloc_retries_by_step"]
         row.update(retry_rates(peer["alloc_retries_by_step"]))
@@ -505,8 +530,11 @@ def _info(command: str, deadline: Optional[float]) -> dict[str, Any]:
         "per optimizer step; cap_headroom_bytes: the allocator's cap less its reserved peak; limit_s, row_s: the "
         "seconds a row was given of its call and took",
         "variants": {name: {"recipe": v.recipe, "args": list(v.args), "why": v.why} for name, v in VARIANTS.items()},
-        "peer_rows": {name: {"recipe": v.recipe, "flags": list(v.flags), "why": v.why} for name, v in PEER_ROWS.items()},
-        "optimizer_kernels": "fused",  # torch's Adam/AdamW on their fused CUDA kernel (lit_memory's default since 2026-11-27)
+        "peer_rows": {
+            name: {"recipe": v.recipe, "flags": list(v.flags), "why": v.why} for name, v in PEER_ROWS.items()
+        },
+        # torch's Adam/AdamW on their fused CUDA kernel (lit_memory's default since 2026-11-27)
+        "optimizer_kernels": "fused",
         # host_ops_per_step: dispatcher operators of the step after the timed ones, ours and the peer's counted alike
         # (lit_memory.run.step_profile.HostOps); every step's end read (null: not read); allocator counts per step
         "host_ops": "lit_memory.run.step_profile.HostOps, one step after the timed ones, loading to logging",
@@ -613,9 +641,12 @@ def table(record: dict[str, Any]) -> str:
     """A record as the markdown table docs/gpu.md shows: measured GiB and measured/predicted per level, the phase of
     the allocator's peak, speed, model FLOPs utilisation and the HF Trainer's speed where they were measured."""
     gib = 2**30
-    lines = ["| recipe | budget | tensors GiB (x pred.) | reserved GiB (x pred.) | device GiB (x pred.) | peak in | samples/s "
-             "| MFU | HF Trainer samples/s | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| recipe | budget | tensors GiB (x pred.) | reserved GiB (x pred.) | device GiB (x pred.) | peak in | "
+        "samples/s "
+        "| MFU | HF Trainer samples/s | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in record["recipes"]:
         measured, ratio = row.get("measured_bytes") or {}, row.get("measured_over_predicted") or {}
         cells = [f"{measured[k] / gib:.2f} ({ratio[k]:.3f})" if measured.get(k) and ratio.get(k) else "-"
@@ -643,8 +674,10 @@ def _card_note(row: dict[str, Any]) -> str:
 
 # -- README's speed table, from the newest record ---------------------------------------------------------------
 
-SPEED_MARKERS = ("<!-- speed table: generated by python -m lit_memory bench --gpu-proof --speed-table --update-readme -->",
-                 "<!-- /speed table -->")
+SPEED_MARKERS = (
+    "<!-- speed table: generated by python -m lit_memory bench --gpu-proof --speed-table --update-readme -->",
+    "<!-- /speed table -->",
+)
 
 
 def newest_record(folder: Path = DOCS) -> Path:
@@ -669,7 +702,8 @@ def speed_table(record: dict[str, Any], source: str) -> str:
     card = (record.get("machine") or {}).get("device") or "the GPU"
     lines = [
         f"Measured on one {card}" + (f" on {record['date']}" if record.get("date") else "") + " "
-        f"(`{record['command']}`; [{source}]({source})): samples/s over {STEPS} steps timed with CUDA events, MFU against "
+        f"(`{record['command']}`; [{source}]({source})): samples/s over {STEPS} steps timed with CUDA events, MFU "
+        "against "
         "the card's dense bf16 peak, the HF Trainer in the same run (ours/Trainer > 1: faster), the allocator's cache "
         "released and a request retried per step (`-`: not counted in that record).",
         "",
@@ -683,11 +717,17 @@ def speed_table(record: dict[str, Any], source: str) -> str:
         num = lambda key, fmt: format(row[key], fmt) if row.get(key) is not None else "-"  # noqa: E731
         timed = ("step_time_min_s", "step_time_s", "step_time_max_s")
         spread = " / ".join(f"{1e3 * row[key]:.0f}" for key in timed) if all(row.get(key) for key in timed) else "-"
-        note = row.get("error") or ((f"the HF Trainer alone: {(row.get('chosen') or {}).get('configuration', '')}, "
-                                     f"micro-batch {(row.get('training_arguments') or {}).get('per_device_train_batch_size', '?')}")
-                                    if row.get("peer_of") else _card_note(row))
+        note = row.get("error") or (
+            (
+                f"the HF Trainer alone: {(row.get('chosen') or {}).get('configuration', '')}, "
+                f"micro-batch {(row.get('training_arguments') or {}).get('per_device_train_batch_size', '?')}"
+            )
+            if row.get("peer_of")
+            else _card_note(row)
+        )
         lines.append(
-            f"| `{row['recipe']}` | {num('samples_per_s', '.1f')} | {num('mfu', '.1%')} | {num('peer_samples_per_s', '.1f')} "
+            f"| `{row['recipe']}` | {num('samples_per_s', '.1f')} | {num('mfu', '.1%')} | "
+                f"{num('peer_samples_per_s', '.1f')} "
             f"| {num('samples_per_s_ours_over_peer', '.2f')} | {spread} | {num('alloc_retries_per_step', '.2f')} "
             f"| {num('compile_s', '.0f')} | {num('host_ops_per_step', 'd')} | {str(note).replace('|', '/')} |"
         )
@@ -716,9 +756,15 @@ def cli(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench"), help="runs, logs and data (default bench/)")
     parser.add_argument("--recipes", default="all", help=f"`all`, {' or '.join(CALLS)} (a lent GPU's call), or a,b,c: "
                         f"recipes, variants ({', '.join(VARIANTS)}), peer rows and {PROBE}, in that order")
-    parser.add_argument("--peer", action="store_true", help="also train each recipe with transformers.Trainer where it has an equivalent")
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="also train each recipe with transformers.Trainer where it has an equivalent",
+    )
     parser.add_argument("--show", type=Path, metavar="RECORD", help="print a record (docs/gpu/<gpu>.json) as a table")
-    parser.add_argument("--record", metavar="NAME", help="write docs/gpu/<gpu>-NAME.json (a record of its own) instead of <gpu>.json")
+    parser.add_argument(
+        "--record", metavar="NAME", help="write docs/gpu/<gpu>-NAME.json (a record of its own) instead of <gpu>.json"
+    )
     parser.add_argument("--speed-table", nargs="?", const=True, type=Path, metavar="RECORD",
                         help="print README's speed table from a record (default: the newest in docs/gpu/)")
     parser.add_argument("--update-readme", action="store_true", help="with --speed-table: write it into README.md")

@@ -34,7 +34,8 @@ from lit_memory.tools import arguments
 
 
 def list_recipes() -> None:
-    """Every shipped recipe, parents before children, with the latest bench run's numbers (`lit_memory.config.shipped.listing`)."""
+    """Every shipped recipe, parents before children, with the latest bench run's numbers
+    (`lit_memory.config.shipped.listing`)."""
     print(listing())
 
 
@@ -82,7 +83,9 @@ def planned_line(path: Path) -> Optional[str]:
     tier = str((step.settings.get("memory") or {}).get("tier") or "")
     if card.key and tier and card.key == gpu_key_of(tier):
         bf16 = "bf16" if card.bf16 else "no bf16"
-        where = f"{card.key} ({card.name}, {format_bytes(card.memory)}, sm{card.capability[0]}{card.capability[1]}, {bf16})"
+        where = (
+            f"{card.key} ({card.name}, {format_bytes(card.memory)}, sm{card.capability[0]}{card.capability[1]}, {bf16})"
+        )
     else:
         where = format_bytes(limit.bytes)
     fit = Fit(analytic(step).footprint.device, limit.bytes, step.margin, where)
@@ -106,7 +109,8 @@ def flops_line(path: Path) -> str:
     return (
         f"{FLOPS}BERT-large {step.batch_size} x {step.max_length}, {plan}: {counted.total / 1e12:.2f} TFLOP per "
         f"micro-batch, {counted.total / reference.total:.3f}x {FLOPS_REFERENCE}.yaml's per micro-batch "
-        f"({counted.per_sample / reference.per_sample:.3f}x per sample), recompute {100 * counted.recompute_share:.1f} % "
+        f"({counted.per_sample / reference.per_sample:.3f}x per sample), recompute "
+        f"{100 * counted.recompute_share:.1f} % "
         "(counted by torch's FlopCounterMode: matmuls and attention; python -m lit_memory recipes headers)"
     )
 
@@ -132,7 +136,7 @@ def predicted_line(path: Path) -> str:
 def with_predicted_line(text: str, line: str, prefix: str = PREDICTED, after: str = "# shrinks:") -> str:
     """``text`` with its header's ``prefix`` line replaced by ``line`` (added after the ``after`` line if missing)."""
     lines = text.splitlines()
-    header_end = next((i for i, l in enumerate(lines) if not l.startswith("#")), len(lines))
+    header_end = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
     found = [i for i in range(header_end) if lines[i].startswith(prefix)]
     if found:
         lines[found[0]] = line
@@ -163,12 +167,16 @@ ARROW = " -> "
 def estimate_text(config: Path, args: list[str]) -> str:
     """The generated part of a config's estimate line: ``args`` (recipes, overrides) with the config, analytic,
     on the documented default GPU; `auto` checkpointing resolved as a run resolves it, or why it cannot be."""
-    run = resolve(["fit", *expand_args(args, config), "--config", str(config), "--cpu_bf16_fallback=false"], gpu=Target().gpu)
+    run = resolve(
+        ["fit", *expand_args(args, config), "--config", str(config), "--cpu_bf16_fallback=false"], gpu=Target().gpu
+    )
     step = Step.from_settings(run.settings.as_dict(), Target())
     try:
         step = planned(step)
     except UserError as err:  # no per-layer plan fits the budget: the line says so, with the closest
-        return f"{step.batch_size} x {step.max_length}: does not fit ({str(err).split(': ', 1)[-1].split(' (python')[0]})"
+        return (
+            f"{step.batch_size} x {step.max_length}: does not fit ({str(err).split(': ', 1)[-1].split(' (python')[0]})"
+        )
     footprint = analytic(step).footprint
     plan = step.checkpointing.describe(len_layers(step)) if step.checkpointing else "no checkpointing"
     return (
@@ -218,7 +226,7 @@ def headers(check: bool) -> None:
             updated = with_predicted_line(updated, line, PLANNED, "# shrinks:")
             prefixes += (PLANNED,)
         for prefix in prefixes:
-            print(f"{name}: {next(l for l in updated.splitlines() if l.startswith(prefix))[len(prefix):]}")
+            print(f"{name}: {next(line for line in updated.splitlines() if line.startswith(prefix))[len(prefix):]}")
         if updated != text:
             stale.append(name)
             if not check:
@@ -276,7 +284,9 @@ def check(path: Path, trusted: bool) -> None:
         refused += [f"{r.key}={r.value!r}  ({r.reason})" for r in run.refusals]
         refused += [] if trusted else later_refusals(run.settings, [os.getcwd(), str(path.resolve().parent)])
         problems += run.problems
-        imports = [f"{k.removesuffix('.class_path')}: {v}" for k, v in dotted_leaves(run.settings) if k.endswith("class_path")]
+        imports = [
+            f"{k.removesuffix('.class_path')}: {v}" for k, v in dotted_leaves(run.settings) if k.endswith("class_path")
+        ]
         _say(f"{path}: parsed as `fit --config {path}`; imports {', '.join(imports) or 'nothing'}")
     for line in refused:
         _say(f"  REFUSED  {line}")

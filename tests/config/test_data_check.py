@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import RECIPES, REPO
+
 from lit_memory.config import data_check
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
@@ -115,9 +115,14 @@ def test_the_check_runs_before_torch_is_imported(tmp_path):
     code = (
         "import json, sys\n"
         "from lit_memory.__main__ import main\n"
-        f"try:\n    main(['fit', '--recipe', '4gb', '--data.source', {names['latin1.csv']!r}])\nexcept SystemExit as e:\n"
-        "    print(json.dumps([e.code, [m for m in ('torch', 'lightning', 'transformers', 'datasets') if m in sys.modules]]))\n"
+        f"try:\n    main(['fit', '--recipe', '4gb', '--data.source', {names['latin1.csv']!r}])\nexcept SystemExit "
+        "as e:\n"
+        "    print(json.dumps([e.code, [m for m in ('torch', 'lightning', 'transformers', 'datasets') if m in "
+        "sys.modules]]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert json.loads(done.stdout) == [2, []]
-    assert done.stderr.startswith(f"error: {names['latin1.csv']} is not utf-8 text: line 2") and "--data.encoding cp1252" in done.stderr
+    assert (
+        done.stderr.startswith(f"error: {names['latin1.csv']} is not utf-8 text: line 2")
+        and "--data.encoding cp1252" in done.stderr
+    )

@@ -1,6 +1,6 @@
-"""`lit_memory.config.option_names` and the light start of ``python -m lit_memory``: the help, ``recipes list`` and a mistyped
-command, recipe, config or option answer without importing torch, Lightning, transformers or datasets, and the option
-names read from the sources are the real parser's."""
+"""`lit_memory.config.option_names` and the light start of ``python -m lit_memory``: the help, ``recipes list`` and a
+mistyped command, recipe, config or option answer without importing torch, Lightning, transformers or datasets, and the
+option names read from the sources are the real parser's."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from lit_memory.config import option_names
 from lit_memory.errors import UserError
 
@@ -31,21 +31,44 @@ def imported_by(argv: list[str]) -> tuple[int, str, list[str]]:
     return status, done.stderr, heavy
 
 
-@pytest.mark.parametrize("argv, status, error", [
-    (["--help"], 0, None),
-    (["recipes", "list"], 0, None),
-    (["fti"], 2, "error: unknown command 'fti'; choose one of: fit, validate, test, predict, bench, estimate, plan, cards, recipes"),
-    (["fit", "--recipe", "3gb"], 2, "error: unknown recipe '3gb'; choose one of: 2gb, 4gb,"),
-    (["fit", "--config", "no/such.yaml"], 2, "error: config file not found: no/such.yaml"),
-    (["fit", "--recipe", "4gb", "--data.sourcex", "a.csv"], 2,
-     "error: unknown option --data.sourcex for fit (did you mean --data.source?); every option: python -m lit_memory fit --help all"),
-    (["predict", "--model.treshold=0.3"], 2, "error: unknown option --model.treshold for predict (did you mean --model.threshold?)"),
-    (["validate", "--trainer.max_epoch", "1", "--modle.threshold", "0.3"], 2, "error: unknown option --modle.threshold"),
-    *(([command, "--help"], 0, None) for command in ("fit", "validate", "test", "estimate", "plan", "cards", "bench")),
-    (["predict", "-h"], 0, None),
-    (["recipes", "check", "--help"], 0, None),
-    (["fit", "--recipe", "4gb", "--data.source", "no/such.csv"], 2, "error: data file not found: no/such.csv"),
-])
+@pytest.mark.parametrize(
+    "argv, status, error",
+    [
+        (["--help"], 0, None),
+        (["recipes", "list"], 0, None),
+        (
+            ["fti"],
+            2,
+            "error: unknown command 'fti'; choose one of: fit, validate, test, predict, bench, estimate, plan, "
+            "cards, recipes",
+        ),
+        (["fit", "--recipe", "3gb"], 2, "error: unknown recipe '3gb'; choose one of: 2gb, 4gb,"),
+        (["fit", "--config", "no/such.yaml"], 2, "error: config file not found: no/such.yaml"),
+        (
+            ["fit", "--recipe", "4gb", "--data.sourcex", "a.csv"],
+            2,
+            "error: unknown option --data.sourcex for fit (did you mean --data.source?); every option: python -m "
+            "lit_memory fit --help all",
+        ),
+        (
+            ["predict", "--model.treshold=0.3"],
+            2,
+            "error: unknown option --model.treshold for predict (did you mean --model.threshold?)",
+        ),
+        (
+            ["validate", "--trainer.max_epoch", "1", "--modle.threshold", "0.3"],
+            2,
+            "error: unknown option --modle.threshold",
+        ),
+        *(
+            ([command, "--help"], 0, None)
+            for command in ("fit", "validate", "test", "estimate", "plan", "cards", "bench")
+        ),
+        (["predict", "-h"], 0, None),
+        (["recipes", "check", "--help"], 0, None),
+        (["fit", "--recipe", "4gb", "--data.source", "no/such.csv"], 2, "error: data file not found: no/such.csv"),
+    ],
+)
 def test_help_listing_and_argument_errors_import_nothing_heavy(argv, status, error):
     code, stderr, heavy = imported_by(argv)
     assert (code, heavy) == (status, [])
@@ -57,7 +80,14 @@ def test_options_that_exist_pass_the_quick_check_and_reach_the_full_parse():
     for argv in (
         ["--data.sour", "x.csv"],  # a prefix, as argparse takes it
         ["--trainer.callbacks+=lit_memory.run.resume.ResumeCheckpoint", "--trainer.callbacks.every_n_train_steps=100"],
-        ["--model.optimizer.init_args.lr=1e-3", "--model.lora.r", "8", "--print_config=skip_null", "--memory.tier", "4GiB"],
+        [
+            "--model.optimizer.init_args.lr=1e-3",
+            "--model.lora.r",
+            "8",
+            "--print_config=skip_null",
+            "--memory.tier",
+            "4GiB",
+        ],
         ["--model", "model.yaml", "--ckpt_path", "x.ckpt", "--weights_only", "true", "-c", "a.yaml"],
     ):
         option_names.check("fit", argv)
@@ -78,7 +108,12 @@ def test_the_keys_an_option_sets_are_written_out_and_a_group_typed_as_a_mapping_
         "--print_config", "--ckpt_path=x.ckpt",
     ]
     assert option_names.typed_keys("validate", argv) == [
-        "model.warmup_ratio", "model.compile", "model.optimizer.init_args.lr", "data.batch_size", "trainer.callbacks", "ckpt_path",
+        "model.warmup_ratio",
+        "model.compile",
+        "model.optimizer.init_args.lr",
+        "data.batch_size",
+        "trainer.callbacks",
+        "ckpt_path",
     ]  # a group given as a file, a --config and --print_config set no one setting
 
 

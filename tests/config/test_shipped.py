@@ -9,11 +9,11 @@ import zipfile
 
 import pytest
 import yaml
-
 from conftest import RECIPES, REPO, flatten
+
+from lit_memory.__main__ import main
 from lit_memory.config import shipped
 from lit_memory.memory.measure import records
-from lit_memory.__main__ import main
 
 SEED_TIERS = ["baseline", "accumulate", "checkpointing", "adafactor", "freeze", "short-seq"]
 
@@ -41,7 +41,9 @@ def test_header_names_the_recipe_its_parent_and_what_it_shrinks(name):
 
 @pytest.mark.parametrize("name", [n for n in ALL if header(n)["parent"] != "none"])
 def test_recipe_differs_from_its_parent_exactly_where_its_header_says(name):
-    declared = [] if header(name)["changes"].startswith("none") else [c.strip() for c in header(name)["changes"].split(",")]
+    declared = (
+        [] if header(name)["changes"].startswith("none") else [c.strip() for c in header(name)["changes"].split(",")]
+    )
     mine, parent = load(name), load(header(name)["parent"])
     changed = {k for k in mine.keys() | parent.keys() if mine.get(k, "<absent>") != parent.get(k, "<absent>")}
     undeclared = {k for k in changed if not any(k == d or k.startswith(d + ".") for d in declared)}

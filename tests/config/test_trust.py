@@ -24,14 +24,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-
 from conftest import REPO
 from jsonargparse import Namespace
 
+from lit_memory.__main__ import main
+from lit_memory.config import trust
 from lit_memory.run import environment
 from lit_memory.sandbox import checkpoint_reading, guard
-from lit_memory.config import trust
-from lit_memory.__main__ import main
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 FAST = [
@@ -173,7 +172,8 @@ def test_a_class_spec_in_a_free_form_dict_stays_data(boom, tmp_path, capsys):
     code, out, _ = run_main(["fit", "--config", str(recipe), "--print_config"], capsys)
     assert code == 0 and yaml.safe_load(out)["model"]["config_overrides"] == overrides
     assert not boom.marker.exists()
-    typed = ["fit", f"--model.config_overrides={json.dumps(overrides)}", "--print_config"]  # the user's own: as data too
+    # the user's own: as data too
+    typed = ["fit", f"--model.config_overrides={json.dumps(overrides)}", "--print_config"]
     code, out, _ = run_main(typed, capsys)
     assert code == 0 and yaml.safe_load(out)["model"]["config_overrides"] == overrides
 
@@ -197,7 +197,9 @@ def test_an_untrusted_runs_rules_end_with_it_and_cannot_be_lifted_inside_it(boom
     run_main(["fit", "--print_config"], capsys)  # untrusted: the policy held while it ran
     assert dict(jsonargparse._common.parsing_settings) == policy and dict(os.environ) == environment
     assert not trust.import_policy_enforced() and not guard.restricted()
-    code, out, err = run_main(["fit", f"--trainer.callbacks+={boom.name}.Boom", "--print_config", trust.TRUST_FLAG], capsys)
+    code, out, err = run_main(
+        ["fit", f"--trainer.callbacks+={boom.name}.Boom", "--print_config", trust.TRUST_FLAG], capsys
+    )
     assert code == 0, err
     assert boom.marker.read_text() == "import-time side effect"
     with trust.Decision(trusted=False).applied():
@@ -231,7 +233,8 @@ def test_trust_remote_code_in_a_recipe_is_refused(remote_code_model, capsys):
     m = remote_code_model
     recipe = m.dir / "shared.yaml"
     recipe.write_text(
-        f"model:\n  model_name_or_path: {m.folder}\n  pretrained: false\n  config_overrides:\n    trust_remote_code: true\n"
+        f"model:\n  model_name_or_path: {m.folder}\n  pretrained: false\n  config_overrides:\n    "
+        "trust_remote_code: true\n"
     )
     code, _, err = run_main(["fit", "--config", str(recipe), f"--trainer.default_root_dir={m.runs}"], capsys)
     assert code == 2
@@ -321,7 +324,9 @@ def test_a_relative_checkpoint_path_is_read_from_the_working_folder_as_lightning
     assert not c.marker.exists() and not c.runs.exists()
     monkeypatch.chdir(elsewhere)
     code, _, err = run_main(["fit", "--config", str(recipe), f"--trainer.default_root_dir={c.runs}"], capsys)
-    assert err.strip().splitlines() == [f"error: checkpoint not found: sent.ckpt (a relative path is read from {elsewhere})"]
+    assert err.strip().splitlines() == [
+        f"error: checkpoint not found: sent.ckpt (a relative path is read from {elsewhere})"
+    ]
 
 
 def distributed_checkpoint(folder: Path, payload=None) -> Path:
@@ -359,7 +364,9 @@ def test_weights_pickled_in_a_model_folder_are_refused_by_weights_only(tmp_path,
                              f"--trainer.default_root_dir={tmp_path / 'runs'}"], capsys)
     assert code == 2
     [line] = err.strip().splitlines()[-1:]
-    assert line.startswith(f"error: cannot load the weights of {str(folder)!r} with weights_only=True: Weights only load failed")
+    assert line.startswith(
+        f"error: cannot load the weights of {str(folder)!r} with weights_only=True: Weights only load failed"
+    )
     assert not marker.exists()
 
 
@@ -481,9 +488,17 @@ def hostile(tmp_path_factory):
     victim.write_text(ORIGINAL)
     fast = [*FAST, "--trainer.enable_checkpointing=false", "--model.save_pretrained=false"]
     # Auto-resume: an OnExceptionCheckpoint's file and SLURM's hpc checkpoint, both pickles that run code.
-    torch.save({"state_dict": {}, "payload": Payload(marker("onexc"))}, (root / "shipped").mkdir() or root / "shipped" / "on_exception.ckpt")
-    torch.save({"state_dict": {}, "payload": Payload(marker("hpc"))}, (root / "hpc_root").mkdir() or root / "hpc_root" / "hpc_ckpt_1.ckpt")
-    torch.save({"state_dict": {}, "payload": Payload(marker("last"))}, (root / "lasts").mkdir() or root / "lasts" / "last.ckpt")
+    torch.save(
+        {"state_dict": {}, "payload": Payload(marker("onexc"))},
+        (root / "shipped").mkdir() or root / "shipped" / "on_exception.ckpt",
+    )
+    torch.save(
+        {"state_dict": {}, "payload": Payload(marker("hpc"))},
+        (root / "hpc_root").mkdir() or root / "hpc_root" / "hpc_ckpt_1.ckpt",
+    )
+    torch.save(
+        {"state_dict": {}, "payload": Payload(marker("last"))}, (root / "lasts").mkdir() or root / "lasts" / "last.ckpt"
+    )
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODEID": "0", "SLURM_PROCID": "0",
              "SLURM_LOCALID": "0", "SLURM_JOB_ID": "1"}
     onexc = recipe("onexc", f"""\
@@ -506,7 +521,11 @@ def hostile(tmp_path_factory):
     # Distributed checkpoints: a non-tensor item that unpickles code; a rank-local metadata file that does.
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"model": {"w": torch.ones(2)}, "extra": Payload(marker("dcp_item"))}, checkpoint_id=str(root / "dcp_item"), no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.ones(2)}, "extra": Payload(marker("dcp_item"))},
+        checkpoint_id=str(root / "dcp_item"),
+        no_dist=True,
+    )
     dcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id=str(root / "dcp_rank"), no_dist=True)
     (root / "dcp_rank" / ".metadata").unlink()
     (root / "dcp_rank" / "__0.metadata").write_bytes(pickle.dumps(Payload(marker("dcp_rank"))))
@@ -520,16 +539,29 @@ def hostile(tmp_path_factory):
           pretrained: false
           config_overrides: {{trust_remote_code: true}}
         """)
-    model_file = recipe("model_part", f"model_name_or_path: {bert}\npretrained: false\nconfig_overrides: {{trust_remote_code: true}}\n")
-    torch.save({"state_dict": {}, "hyper_parameters": {"model_name_or_path": str(bert), "pretrained": False,
-                                                       "config_overrides": {"trust_remote_code": True}}}, root / "hparams.ckpt")
+    model_file = recipe(
+        "model_part", f"model_name_or_path: {bert}\npretrained: false\nconfig_overrides: {{trust_remote_code: true}}\n"
+    )
+    torch.save(
+        {
+            "state_dict": {},
+            "hyper_parameters": {
+                "model_name_or_path": str(bert),
+                "pretrained": False,
+                "config_overrides": {"trust_remote_code": True},
+            },
+        },
+        root / "hparams.ckpt",
+    )
     overrides = "--model.config_overrides={num_hidden_layers: 1}"
     # Writes through links planted in a run folder a recipe names, and a hard link.
     planted(root / "run_links", victim, ["recipe.yaml", "hparams.yaml", "metrics.csv", "config.yaml"])
     planted(root / "run_root", victim, ["memory.json", "checkpoints/last-v1.ckpt"])
     (root / "run_hard").mkdir()
     os.link(victim, root / "run_hard" / "hparams.yaml")
-    csv_logger = "{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {}, name: '', version: ''}}}}"
+    csv_logger = (
+        "{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {}, name: '', version: ''}}}}"
+    )
     links = recipe("links", f"trainer:\n  logger: {csv_logger.format(root / 'run_links')}\n")
     links_root = recipe("links_root", f"trainer:\n  logger: false\n  default_root_dir: {root / 'run_root'}\n")
     hard = recipe("hard", f"trainer:\n  logger: {csv_logger.format(root / 'run_hard')}\n")
@@ -543,7 +575,10 @@ def hostile(tmp_path_factory):
     workers = recipe("workers", "data:\n  num_workers: 100000\n")
     workers_mild = recipe("workers_mild", f"data:\n  num_workers: {cpus + 1}\n")
     devices = recipe("devices", "trainer:\n  accelerator: cpu\n  devices: 4096\n  strategy: ddp\n")
-    checkpoint = "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {{{}}}\n"
+    checkpoint = (
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      "
+        "init_args: {{{}}}\n"
+    )
     cadence = recipe("cadence", checkpoint.format("every_n_train_steps: 1"))
     keep = recipe("keep", checkpoint.format("save_top_k: -1, every_n_train_steps: 100"))
     # transformers: code shipped with a model of a type it does not know (it cannot load without running
@@ -564,12 +599,16 @@ def hostile(tmp_path_factory):
         "auto_resume/ckpt_path_last": {"argv": fit_keeping_root(last)},
         "auto_resume/ckpt_path_hpc": {"argv": fit_keeping_root(hpc_name), "env": slurm},
         "dcp/byte_item": {"argv": fit(dcp_item)},
-        "dcp/byte_item_typed": {"argv": ["fit", *fast, f"--ckpt_path={root / 'dcp_item'}", f"--trainer.default_root_dir={root / 'runs'}"]},
+        "dcp/byte_item_typed": {
+            "argv": ["fit", *fast, f"--ckpt_path={root / 'dcp_item'}", f"--trainer.default_root_dir={root / 'runs'}"]
+        },
         "dcp/rank_local_metadata": {"argv": fit(dcp_rank)},
         "typed/recipe_merged_under_a_typed_key": {"argv": ["fit", overrides, *fit(typed)[1:]]},
         "typed/file_given_to_a_typed_key": {"argv": ["fit", f"--model={model_file}", *fit(typed)[3:]]},
         "typed/file_url_given_to_a_typed_key": {"argv": ["fit", f"--model=file://{model_file}", *fit(typed)[3:]]},
-        "typed/checkpoint_hyper_parameters": {"argv": ["fit", overrides, f"--ckpt_path={root / 'hparams.ckpt'}", *fit(typed)[3:]]},
+        "typed/checkpoint_hyper_parameters": {
+            "argv": ["fit", overrides, f"--ckpt_path={root / 'hparams.ckpt'}", *fit(typed)[3:]]
+        },
         "links/logger_folder": {"argv": fit_keeping_root(links)},
         "links/run_folder": {"argv": fit_keeping_root(links_root)},
         "links/hard_link": {"argv": fit_keeping_root(hard)},
@@ -617,7 +656,9 @@ def hostile(tmp_path_factory):
     export_shared = shared_folder("shared_export")
     (export_shared / "hf_model").mkdir()
     (export_shared / "hf_model" / "precious.txt").write_text(ORIGINAL)
-    export = recipe("export", f"trainer:\n  default_root_dir: {export_shared}\n  logger: false\nmodel:\n  save_pretrained: true\n")
+    export = recipe(
+        "export", f"trainer:\n  default_root_dir: {export_shared}\n  logger: false\nmodel:\n  save_pretrained: true\n"
+    )
     nest_shared = shared_folder("shared_nest")
     (nest_shared / "a" / "b").mkdir(parents=True)
     (nest_shared / "a" / "b" / "c").symlink_to(outside)  # three folders down
@@ -625,14 +666,21 @@ def hostile(tmp_path_factory):
         "ModelCheckpoint", f"dirpath: {nest_shared / 'a' / 'b' / 'c' / 'ckpts'}"))
     fifo_shared = shared_folder("shared_fifo")
     os.mkfifo(fifo_shared / "memory.json")
-    fifo_run = recipe("fifo_run", f"trainer:\n  default_root_dir: {fifo_shared}\n  logger: {csv_logger.format(fifo_shared)}\n")
+    fifo_run = recipe(
+        "fifo_run", f"trainer:\n  default_root_dir: {fifo_shared}\n  logger: {csv_logger.format(fifo_shared)}\n"
+    )
     finder = recipe("finder", "trainer:\n  callbacks:\n" + callback.format(
         "BatchSizeFinder", f"batch_arg_name: num_workers, init_val: {cpus + 1}, max_trials: 2"))
     many_kept = recipe("many_kept", "trainer:\n  callbacks:\n" + "".join(callback.format(
         "ModelCheckpoint", f"monitor: train_loss, save_top_k: 10, every_n_train_steps: {100 + i}") for i in range(5)))
-    every_step = recipe("every_step", "trainer:\n  limit_train_batches: 1\n  max_steps: 20\n  limit_val_batches: 0\n"
-                        "  callbacks:\n" + "".join(callback.format("ModelCheckpoint", f"every_n_epochs: {i + 1}, filename: 'c{i}-{{step}}'")
-                                                    for i in range(5)))
+    every_step = recipe(
+        "every_step",
+        "trainer:\n  limit_train_batches: 1\n  max_steps: 20\n  limit_val_batches: 0\n"
+        "  callbacks:\n"
+        + "".join(
+            callback.format("ModelCheckpoint", f"every_n_epochs: {i + 1}, filename: 'c{i}-{{step}}'") for i in range(5)
+        ),
+    )
     # Resource bombs in files.
     laughs = "".join(f"    {chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(9))
     yaml_bomb = recipe("yaml_bomb", "model:\n  config_overrides:\n    a: &a [x, x, x, x, x, x, x, x, x, x]\n" + laughs)
@@ -648,7 +696,9 @@ def hostile(tmp_path_factory):
     def model_folder(name: str, **config: object) -> Path:
         folder = root / name
         shutil.copytree(REPO / "lit_memory" / "assets" / "bert-large-uncased", folder)
-        (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **TINY, **config}))
+        (folder / "config.json").write_text(
+            json.dumps({**json.loads((folder / "config.json").read_text()), **TINY, **config})
+        )
         return folder
 
     chain = model_folder("replace_chain")
@@ -666,40 +716,61 @@ def hostile(tmp_path_factory):
     kernel = recipe("kernel", "model:\n  config_overrides: {attn_implementation: kernels-community/flash-attn}\n")
     kernel_folder = model_folder("kernel_folder", attn_implementation="kernels-community/flash-attn")
     kernel_file = recipe("kernel_file", f"model:\n  model_name_or_path: {kernel_folder}\n  pretrained: false\n")
-    quantized = recipe("quantized", "model:\n  config_overrides:\n    quantization_config: {quant_method: bitsandbytes, load_in_8bit: true}\n")
-    no_checkpoints = ["--trainer.max_steps=1", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
-                      "--trainer.enable_model_summary=false", "--data.limit_train_samples=8", "--data.limit_eval_samples=4",
-                      "--data.batch_size=4", "--model.save_pretrained=false"]
+    quantized = recipe(
+        "quantized",
+        "model:\n  config_overrides:\n    quantization_config: {quant_method: bitsandbytes, load_in_8bit: true}\n",
+    )
+    no_checkpoints = [
+        "--trainer.max_steps=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--data.limit_train_samples=8",
+        "--data.limit_eval_samples=4",
+        "--data.batch_size=4",
+        "--model.save_pretrained=false",
+    ]
 
     def fit_with_callbacks(config: str, runs: str, *more: str) -> list[str]:  # checkpointing on: the recipe's callbacks
         return ["fit", "--config", config, *no_checkpoints, *more, f"--trainer.default_root_dir={runs}"]
 
-    untrusted.update({
-        "box/spike_detection": {"argv": fit(spike)},
-        "box/spike_detection_link": {"argv": fit_keeping_root(spike_link)},
-        "box/save_last_link_rmtree": {"argv": fit_with_callbacks(last_link, str(last_shared))[:-1]},
-        "box/profiler": {"argv": fit(profiler)},
-        "box/save_pretrained_replaces": {"argv": ["fit", "--config", export, *FAST]},
-        "box/nested_link": {"argv": fit_with_callbacks(nested, str(nest_shared))[:-1]},
-        "box/fifo_memory_json": {"argv": fit_keeping_root(fifo_run)},
-        "bounds/batch_size_finder_workers": {"argv": fit(finder, runs=str(side / "finder"))},
-        "bounds/checkpoints_kept_over_callbacks": {"argv": fit_with_callbacks(many_kept, str(side / "kept"))},
-        "bounds/checkpoint_cadence_over_callbacks": {"argv": ["fit", "--config", every_step, "--trainer.num_sanity_val_steps=0",
-                                                              "--trainer.enable_progress_bar=false", "--data.limit_train_samples=8",
-                                                              "--data.batch_size=4", "--model.save_pretrained=false",
-                                                              f"--trainer.default_root_dir={side / 'every'}"]},
-        "bombs/yaml_aliases": {"argv": fit(yaml_bomb)},
-        "bombs/deep_nesting": {"argv": fit(deep)},
-        "bombs/large_recipe": {"argv": fit(big)},
-        "bombs/metadata_dev_zero": {"argv": fit(zero_ckpt)},
-        "bombs/metadata_fifo": {"argv": fit(fifo_ckpt)},
-        "bombs/tokenizer_normalizers": {"argv": fit(normalizers)},
-        "bombs/deflated_weights": {"argv": fit(deflate)},
-        "bombs/estimate_layers": {"argv": ["estimate", "--config", layers, "--no-simulate"]},
-        "code/kernel_override": {"argv": fit(kernel)},
-        "code/kernel_in_config_json": {"argv": fit(kernel_file)},
-        "code/quantization_config": {"argv": fit(quantized)},
-    })
+    untrusted.update(
+        {
+            "box/spike_detection": {"argv": fit(spike)},
+            "box/spike_detection_link": {"argv": fit_keeping_root(spike_link)},
+            "box/save_last_link_rmtree": {"argv": fit_with_callbacks(last_link, str(last_shared))[:-1]},
+            "box/profiler": {"argv": fit(profiler)},
+            "box/save_pretrained_replaces": {"argv": ["fit", "--config", export, *FAST]},
+            "box/nested_link": {"argv": fit_with_callbacks(nested, str(nest_shared))[:-1]},
+            "box/fifo_memory_json": {"argv": fit_keeping_root(fifo_run)},
+            "bounds/batch_size_finder_workers": {"argv": fit(finder, runs=str(side / "finder"))},
+            "bounds/checkpoints_kept_over_callbacks": {"argv": fit_with_callbacks(many_kept, str(side / "kept"))},
+            "bounds/checkpoint_cadence_over_callbacks": {
+                "argv": [
+                    "fit",
+                    "--config",
+                    every_step,
+                    "--trainer.num_sanity_val_steps=0",
+                    "--trainer.enable_progress_bar=false",
+                    "--data.limit_train_samples=8",
+                    "--data.batch_size=4",
+                    "--model.save_pretrained=false",
+                    f"--trainer.default_root_dir={side / 'every'}",
+                ]
+            },
+            "bombs/yaml_aliases": {"argv": fit(yaml_bomb)},
+            "bombs/deep_nesting": {"argv": fit(deep)},
+            "bombs/large_recipe": {"argv": fit(big)},
+            "bombs/metadata_dev_zero": {"argv": fit(zero_ckpt)},
+            "bombs/metadata_fifo": {"argv": fit(fifo_ckpt)},
+            "bombs/tokenizer_normalizers": {"argv": fit(normalizers)},
+            "bombs/deflated_weights": {"argv": fit(deflate)},
+            "bombs/estimate_layers": {"argv": ["estimate", "--config", layers, "--no-simulate"]},
+            "code/kernel_override": {"argv": fit(kernel)},
+            "code/kernel_in_config_json": {"argv": fit(kernel_file)},
+            "code/quantization_config": {"argv": fit(quantized)},
+        }
+    )
     checked.update({"box": [spike, spike_link, last_link, profiler, export, nested, fifo_run],
                     "bounds_runtime": [finder],
                     "bombs": [yaml_bomb, deep, big, zero_ckpt, fifo_ckpt, normalizers, deflate],
@@ -710,8 +781,12 @@ def hostile(tmp_path_factory):
     trusted = {  # legitimate when the source is trusted: each payload runs, or a value is honoured
         "auto_resume/on_exception": {"argv": fit_keeping_root(onexc, "--weights_only=false")},
         "auto_resume/slurm": {"argv": fit_keeping_root(hpc, "--weights_only=false"), "env": slurm},
-        "typed/recipe_merged_under_a_typed_key": {"argv": ["fit", overrides, *fit(typed, runs=str(side / "typed"))[1:]]},
-        "transformers/unknown_model_code": {"argv": fit(remote_model, "--model.config_overrides={trust_remote_code: true}", runs=str(side / "unknown"))},
+        "typed/recipe_merged_under_a_typed_key": {
+            "argv": ["fit", overrides, *fit(typed, runs=str(side / "typed"))[1:]]
+        },
+        "transformers/unknown_model_code": {
+            "argv": fit(remote_model, "--model.config_overrides={trust_remote_code: true}", runs=str(side / "unknown"))
+        },
         "links/run_folder": {"argv": fit_keeping_root(links_root)},
         "network/nested_config_fit": {"argv": fit(net, runs=str(side / "net"))},
         "bounds/num_workers_mild": {"argv": fit(workers_mild, runs=str(side / "workers"))},
@@ -742,7 +817,9 @@ def flagged_by_check(hostile, group: str) -> None:
     for name, result in hostile.untrusted.items():
         if name.startswith(f"{group}/check/"):
             assert result["code"] == 2 and "  REFUSED  " in result["out"], (name, result["out"], result["err"][-2000:])
-            assert result["err"].strip().endswith(f"pass {trust.TRUST_FLAG} only if you trust its source"), result["err"]
+            assert result["err"].strip().endswith(f"pass {trust.TRUST_FLAG} only if you trust its source"), result[
+                "err"
+            ]
 
 
 def test_nothing_untrusted_wrote_or_fetched_anything(hostile):
@@ -760,11 +837,15 @@ def test_a_checkpoint_lightning_would_pick_by_itself_is_refused(hostile):
     for case in ("on_exception", "slurm"):
         refused_once(hostile.untrusted[f"auto_resume/{case}"], "trainer.default_root_dir", ROOT_RULE, trust.TRUST_FLAG)
     for case in ("ckpt_path_last", "ckpt_path_hpc"):
-        refused_once(hostile.untrusted[f"auto_resume/{case}"], "Lightning would pick the checkpoint itself", "--ckpt_path")
+        refused_once(
+            hostile.untrusted[f"auto_resume/{case}"], "Lightning would pick the checkpoint itself", "--ckpt_path"
+        )
     flagged_by_check(hostile, "auto_resume")
     assert not any(hostile.markers[m].exists() for m in ("last",))
     for case in ("on_exception", "slurm"):  # trusted, Lightning resumes from it, and its pickle runs
-        assert hostile.markers["onexc" if case == "on_exception" else "hpc"].exists(), hostile.trusted[f"auto_resume/{case}"]["err"][-2000:]
+        assert hostile.markers["onexc" if case == "on_exception" else "hpc"].exists(), hostile.trusted[
+            f"auto_resume/{case}"
+        ]["err"][-2000:]
 
 
 def test_a_distributed_checkpoint_is_read_only_through_the_restricted_readers(hostile):
@@ -793,7 +874,9 @@ def test_no_run_writes_through_a_link_planted_in_its_folders(hostile):
     # trusted, Lightning's writers are the user's choice, but lit_memory's own files still never follow a link
     result = hostile.trusted["links/run_folder"]
     lines = [line for line in result["err"].splitlines() if line.startswith("error:")]
-    assert result["code"] == 2 and len(lines) == 1 and "memory.json: it is a symbolic link" in lines[0], result["err"][-2000:]
+    assert result["code"] == 2 and len(lines) == 1 and "memory.json: it is a symbolic link" in lines[0], result["err"][
+        -2000:
+    ]
     assert hostile.victim.read_text() == ORIGINAL
 
 
@@ -855,7 +938,11 @@ def test_bounds_hold_for_the_whole_run(hostile):
     refused_once(hostile.untrusted["bounds/batch_size_finder_workers"], f"data.num_workers={hostile.cpus + 1}",
                  "changed during the run")
     refused_once(hostile.untrusted["bounds/checkpoints_kept_over_callbacks"], "keep 50 checkpoints, more than 10")
-    refused_once(hostile.untrusted["bounds/checkpoint_cadence_over_callbacks"], "every 0.4 optimizer steps", "45 times in 20 steps")
+    refused_once(
+        hostile.untrusted["bounds/checkpoint_cadence_over_callbacks"],
+        "every 0.4 optimizer steps",
+        "45 times in 20 steps",
+    )
     flagged_by_check(hostile, "bounds_runtime")
     assert not list((hostile.side / "every").rglob("*.ckpt")) and not list((hostile.side / "kept").rglob("*.ckpt"))
 
@@ -876,7 +963,9 @@ def test_transformers_settings_that_fetch_or_run_code_are_refused_wherever_they_
     refused_once(hostile.untrusted["code/kernel_override"], "model.config_overrides.attn_implementation",
                  "kernel on the Hugging Face Hub")
     refused_once(hostile.untrusted["code/kernel_in_config_json"], "config.json: attn_implementation", "kernel on the")
-    refused_once(hostile.untrusted["code/quantization_config"], "model.config_overrides.quantization_config", "quantizer")
+    refused_once(
+        hostile.untrusted["code/quantization_config"], "model.config_overrides.quantization_config", "quantizer"
+    )
     flagged_by_check(hostile, "code")
 
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import CONFIGS, RECIPES, REPO
+
 from lit_memory.config import trusted
 from lit_memory.config.trust import Decision
 from lit_memory.errors import UserError
@@ -52,7 +52,9 @@ def test_a_changed_copy_is_not_trusted_and_its_line_names_it_and_how_to_trust_it
 
 def test_trusting_a_recipe_records_its_content_and_a_change_untrusts_it_naming_the_file(tmp_path, store):
     folder = tmp_path / "sent"
-    mine = copy("4gb.yaml", folder / "mine.yaml", "data:\n  source: data/train.csv\ntrainer:\n  default_root_dir: runs\n")
+    mine = copy(
+        "4gb.yaml", folder / "mine.yaml", "data:\n  source: data/train.csv\ntrainer:\n  default_root_dir: runs\n"
+    )
     (folder / "data").mkdir()
     (folder / "data" / "train.csv").write_text("text,label\ngood,1\n")
     (folder / "runs").mkdir()

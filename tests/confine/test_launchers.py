@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import RECIPES, REPO, rows, write_csv
+
 from lit_memory.config import trusted
 from lit_memory.confine import launchers
 from lit_memory.run import environment
@@ -127,7 +127,9 @@ def test_every_launch_form_trains_or_is_refused_in_one_line(form, trust, recipes
     if trust == "untrusted" and form in OUTSIDE:
         errors = [line for line in output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, output[-3000:]
-        assert errors[0].startswith("error: refusing to run confined: it was started by") or "spans 2 nodes" in errors[0]
+        assert (
+            errors[0].startswith("error: refusing to run confined: it was started by") or "spans 2 nodes" in errors[0]
+        )
         assert "recipes trust" in errors[0] and all(d.returncode != 0 for d in done)
         assert not list(root.rglob("model.safetensors")) and "Initializing distributed" not in output
         return

@@ -12,26 +12,26 @@ import math
 import pkgutil
 from pathlib import Path
 
+import families as fam
 import pytest
 import torch
 import yaml
+from conftest import COMPILED, FAST, RECIPES, the_error
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-import families as fam
-from conftest import COMPILED, FAST, RECIPES, the_error
-from lit_memory.optim import eightbit
 from lit_memory.__main__ import main
-from lit_memory.hf.anatomy import Anatomy, parameter_units, skeleton
-from lit_memory.hf.tokenizing import load_tokenizer
 from lit_memory.errors import UserError
 from lit_memory.fused import OptimizerInBackward, group_parameters
+from lit_memory.hf.anatomy import Anatomy, parameter_units, skeleton
 from lit_memory.hf.lora import LoRA, family_targets
+from lit_memory.hf.tokenizing import load_tokenizer
 from lit_memory.memory.hardware.gpus import Target
+from lit_memory.model import SequenceClassifier, freeze_modules
+from lit_memory.optim import eightbit
+from lit_memory.optim.configure import weight_decay_groups
 from lit_memory.planning.prediction.predict import simulate_or_decline
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
-from lit_memory.model import SequenceClassifier, freeze_modules
-from lit_memory.optim.configure import weight_decay_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on two shared cores
 FAMILIES = list(fam.FAMILIES)
@@ -127,10 +127,22 @@ def test_a_peft_wrapper_and_a_meta_skeleton_have_the_same_parts(folders):
 @pytest.mark.parametrize(
     "family, config, dropout",
     [
-        ("bert", {"hidden_dropout_prob": 0.11, "attention_probs_dropout_prob": 0.12, "classifier_dropout": 0.14}, (0.11, 0.12, 0.11, 0.14)),
+        (
+            "bert",
+            {"hidden_dropout_prob": 0.11, "attention_probs_dropout_prob": 0.12, "classifier_dropout": 0.14},
+            (0.11, 0.12, 0.11, 0.14),
+        ),
         ("gpt2", {"resid_pdrop": 0.11, "attn_pdrop": 0.12, "embd_pdrop": 0.13}, (0.11, 0.12, 0.13, 0.0)),
-        ("distilbert", {"dropout": 0.11, "attention_dropout": 0.12, "seq_classif_dropout": 0.14}, (0.11, 0.12, 0.11, 0.14)),
-        ("modernbert", {"mlp_dropout": 0.11, "attention_dropout": 0.12, "embedding_dropout": 0.13, "classifier_dropout": 0.14}, (0.11, 0.12, 0.13, 0.14)),
+        (
+            "distilbert",
+            {"dropout": 0.11, "attention_dropout": 0.12, "seq_classif_dropout": 0.14},
+            (0.11, 0.12, 0.11, 0.14),
+        ),
+        (
+            "modernbert",
+            {"mlp_dropout": 0.11, "attention_dropout": 0.12, "embedding_dropout": 0.13, "classifier_dropout": 0.14},
+            (0.11, 0.12, 0.13, 0.14),
+        ),
         ("llama", {"attention_dropout": 0.12}, (0.0, 0.12, 0.0, 0.0)),
     ],
 )
@@ -141,7 +153,8 @@ def test_dropout_is_read_under_each_familys_own_names(family, config, dropout):
 
 def test_layer_shapes_follow_the_config_not_bert():
     qwen3 = Anatomy.of(fam.model("qwen3")).shapes[0]
-    assert (qwen3.hidden, qwen3.heads, qwen3.kv_heads, qwen3.head_dim, qwen3.ffn) == (32, 4, 2, 16, 64)  # q wider than hidden
+    # q wider than hidden
+    assert (qwen3.hidden, qwen3.heads, qwen3.kv_heads, qwen3.head_dim, qwen3.ffn) == (32, 4, 2, 16, 64)
     assert qwen3.activation == "silu"
     gpt2 = Anatomy.of(fam.model("gpt2")).shapes[0]
     assert (gpt2.ffn, gpt2.activation) == (128, "gelu_new")  # n_inner unset: 4 x hidden
@@ -247,7 +260,9 @@ def test_lora_adapts_the_familys_targets_and_trains_the_untrained_head_in_full(f
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_lora_targets_that_match_nothing_are_one_line_naming_the_linear_layers(folders, family):
     with pytest.raises(UserError) as err:
-        SequenceClassifier(model_name_or_path=str(folders[family]), pretrained=False, lora=LoRA(target_modules=["nope"]))
+        SequenceClassifier(
+            model_name_or_path=str(folders[family]), pretrained=False, lora=LoRA(target_modules=["nope"])
+        )
     message = str(err.value)
     assert "\n" not in message and "match no layer" in message
     assert ", ".join(Anatomy.of(fam.model(family)).linear_names) in message  # GPT-2's Conv1D c_attn, c_fc, c_proj too
@@ -299,7 +314,9 @@ def test_last_token_pooling_reads_the_last_real_token_with_left_or_right_padding
 
 def test_stable_embedding_is_refused_for_gemma3s_scaled_embedding(folders):
     with pytest.raises(UserError, match="Gemma3TextScaledWordEmbedding") as err:
-        SequenceClassifier(model_name_or_path=str(folders["gemma3"]), pretrained=False, embedding_optimizer_state="stable_embedding")
+        SequenceClassifier(
+            model_name_or_path=str(folders["gemma3"]), pretrained=False, embedding_optimizer_state="stable_embedding"
+        )
     assert "\n" not in str(err.value)
     eightbit.check_stable_embedding(fam.model("bert").get_input_embeddings())  # a plain nn.Embedding is swapped
 
@@ -326,7 +343,9 @@ def test_auto_keeps_small_embeddings_on_32bit_state_and_quantises_large_ones(fol
     [("auto", {"position", "token_type"}), ("32bit", {"word", "position", "token_type"}),
      ("unquantized", {"word", "position", "token_type"}), ("8bit", set())],
 )
-def test_one_embedding_state_setting_picks_the_same_matrices_under_both_low_bit_libraries(folders, monkeypatch, state, kept):
+def test_one_embedding_state_setting_picks_the_same_matrices_under_both_low_bit_libraries(
+    folders, monkeypatch, state, kept
+):
     """``embedding_optimizer_state`` (`lit_memory.optim.eightbit.unquantised`): the matrices that keep unquantised
     state are the same for bitsandbytes (its per-parameter 32-bit override) and torchao (plain state tensors,
     `lit_memory.optim.lowbit.keep_plain_state`: fp32 here, the weights' dtype). Scaled down as above: the word
@@ -337,8 +356,11 @@ def test_one_embedding_state_setting_picks_the_same_matrices_under_both_low_bit_
     monkeypatch.setattr(eightbit, "AUTO_32BIT_VALUES", 9000)
     for factory in (bnb.optim.AdamW8bit, AdamW8bit):
         built = SequenceClassifier(
-            model_name_or_path=str(folders["bert"]), pretrained=False, config_overrides={"max_position_embeddings": 256},
-            embedding_optimizer_state=state, optimizer=functools.partial(factory, lr=1e-3),
+            model_name_or_path=str(folders["bert"]),
+            pretrained=False,
+            config_overrides={"max_position_embeddings": 256},
+            embedding_optimizer_state=state,
+            optimizer=functools.partial(factory, lr=1e-3),
         )
         built.configure_model()
         optimizer = built.build_optimizer()
@@ -357,8 +379,11 @@ def test_one_embedding_state_setting_picks_the_same_matrices_under_both_low_bit_
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_simulation_runs_or_declines_in_one_line(folders, family):
     described = Step(
-        model={"model_name_or_path": str(folders[family]), "num_labels": 2}, optimizer=OptimizerSpec("torch.optim.AdamW", {"lr": 1e-3}),
-        batch_size=2, max_length=8, target=Target(type="cpu"),
+        model={"model_name_or_path": str(folders[family]), "num_labels": 2},
+        optimizer=OptimizerSpec("torch.optim.AdamW", {"lr": 1e-3}),
+        batch_size=2,
+        max_length=8,
+        target=Target(type="cpu"),
     )
     prediction, declined = simulate_or_decline(described)
     if family in SIMULATION_DECLINES:
@@ -410,7 +435,11 @@ def recipe_settings(name: str) -> tuple[dict, dict]:
     if model.get("gradient_checkpointing") == "auto":
         model["gradient_checkpointing"] = "full" if model.get("offload_activations") else {"full": 1}
     strategy = (trainer.get("strategy") or {}).get("init_args", {})
-    return model, {"precision": trainer.get("precision", "32-true"), "fused": bool(strategy.get("fused")), "bucket": strategy.get("bucket", "layer")}
+    return model, {
+        "precision": trainer.get("precision", "32-true"),
+        "fused": bool(strategy.get("fused")),
+        "bucket": strategy.get("bucket", "layer"),
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -440,7 +469,8 @@ def check_recipe(folders, family: str, recipe: str) -> None:
 
 
 # Families whose fit loads weights saved in bf16, as Qwen3, Llama and Gemma 3 are shipped (the others train from their
-# config): the weights train in the recipe's dtype, whatever the checkpoint's, and hf_model/ is saved in the checkpoint's.
+# config): the weights train in the recipe's dtype, whatever the checkpoint's, and hf_model/ is saved in the
+# checkpoint's.
 SAVED_IN_BF16 = {"qwen3", "llama", "gemma3", "modernbert"}
 
 

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from lit_memory.hf import bundled
-from lit_memory.model import SequenceClassifier
 from lit_memory.hf.tokenizing import load_tokenizer
+from lit_memory.model import SequenceClassifier
 
 # name -> (parameters of the sequence classifier, word embedding rows, first and last special id of a text, the
 # checkpoint's dtype its published config names). Parameters as the model cards give them: Qwen3 0.6B / 1.7B / 4.0B

@@ -10,7 +10,12 @@ from transformers.utils import logging as hf_logging
 
 from lit_memory.errors import UserError
 from lit_memory.hf.config import (
-    config_label_names, label_names_or_default, load_config, quiet_transformers, report_loading, set_pad_token,
+    config_label_names,
+    label_names_or_default,
+    load_config,
+    quiet_transformers,
+    report_loading,
+    set_pad_token,
 )
 from lit_memory.hf.tokenizing import pad_token_id
 from lit_memory.task import kind_of
@@ -85,5 +90,6 @@ def test_the_saved_dtype_is_the_configs_else_the_safetensors_headers_else_none(t
     nameless = load_config(str(tmp_path / "named"), 2)
     nameless.dtype = None  # an older file naming none: the weights' header says
     assert saved_dtype(nameless, str(tmp_path / "named")) == torch.bfloat16
-    BertConfig(vocab_size=50, **TINY_BERT).save_pretrained(tmp_path / "config-only")  # (save_pretrained wrote on `config`)
+    # (save_pretrained wrote on `config`)
+    BertConfig(vocab_size=50, **TINY_BERT).save_pretrained(tmp_path / "config-only")
     assert saved_dtype(load_config(str(tmp_path / "config-only"), 2), str(tmp_path / "config-only")) is None

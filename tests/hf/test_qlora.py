@@ -1,5 +1,5 @@
-"""QLoRA (`lit_memory.hf.qlora`, ``model.lora.base: nf4``) on the CPU with bitsandbytes' CPU backend: tiny decoders learn
-through full fine-tuning, LoRA and QLoRA; a QLoRA model exports a plain model that reloads to its predictions; the
+"""QLoRA (`lit_memory.hf.qlora`, ``model.lora.base: nf4``) on the CPU with bitsandbytes' CPU backend: tiny decoders
+learn through full fine-tuning, LoRA and QLoRA; a QLoRA model exports a plain model that reloads to its predictions; the
 memory model counts the 4-bit base as bitsandbytes holds it; what cannot work is one line."""
 
 from __future__ import annotations
@@ -7,18 +7,18 @@ from __future__ import annotations
 import contextlib
 import json
 
+import families as fam
 import pytest
 import torch
+from test_model import built_by_lightning
 from transformers import AutoModelForSequenceClassification
 
-import families as fam
-from lit_memory.hf import qlora
 from lit_memory.errors import UserError
+from lit_memory.hf import qlora
 from lit_memory.hf.config import quiet_transformers
 from lit_memory.hf.lora import LoRA
 from lit_memory.run import export
 from lit_memory.settings import Precision
-from test_model import built_by_lightning
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on two shared cores
 
@@ -46,7 +46,11 @@ def task(n: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-MODES = {"full": None, "LoRA": LoRA(rank=8, alpha=16, dropout=0.0), "QLoRA": LoRA(rank=8, alpha=16, dropout=0.0, base="nf4")}
+MODES = {
+    "full": None,
+    "LoRA": LoRA(rank=8, alpha=16, dropout=0.0),
+    "QLoRA": LoRA(rank=8, alpha=16, dropout=0.0, base="nf4"),
+}
 LEARNING_RATES = {"full": 3e-3, "LoRA": 1e-2, "QLoRA": 1e-2}
 STEPS = {"full": 80, "LoRA": 160, "QLoRA": 160}  # adapters of rank 8 on q/v of a 32-wide model learn slower
 
@@ -72,7 +76,9 @@ def test_a_tiny_decoder_learns_a_synthetic_task_through_full_lora_and_qlora(save
     module.model.eval()
     held_out = task(256, seed=10_000)
     with torch.no_grad():
-        predicted = module.model(input_ids=held_out["input_ids"], attention_mask=held_out["attention_mask"]).logits.argmax(-1)
+        predicted = module.model(
+            input_ids=held_out["input_ids"], attention_mask=held_out["attention_mask"]
+        ).logits.argmax(-1)
     accuracy = (predicted == held_out["labels"]).float().mean().item()
     assert accuracy >= 0.9, (mode, accuracy)
 
@@ -90,7 +96,11 @@ def test_a_qlora_model_exports_a_plain_model_that_reloads_to_its_predictions(sav
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )
     def forward_context():  # Lightning's autocast for bf16-mixed
-        return MixedPrecision("bf16-mixed", "cpu").forward_context() if precision == "bf16-mixed" else contextlib.nullcontext()
+        return (
+            MixedPrecision("bf16-mixed", "cpu").forward_context()
+            if precision == "bf16-mixed"
+            else contextlib.nullcontext()
+        )
 
     batch = task(8, seed=1)
     for _ in range(3):  # the adapters (B starts at zero) and the head move away from their start
@@ -109,11 +119,14 @@ def test_a_qlora_model_exports_a_plain_model_that_reloads_to_its_predictions(sav
             assert not any(qlora.is_quantised(p) for p in module.model.parameters())
             # the hf_model line says the dtype and how it was made
             assert export.dtype_words(module) == (
-                "bf16 (the checkpoint's dtype; trained in fp32 adapters and head over a 4-bit base, merged into it dequantised)"
+                "bf16 (the checkpoint's dtype; trained in fp32 adapters and head over a 4-bit base, merged into it "
+                "dequantised)"
             )
         module.export_pretrained(folder)
         config = json.loads((folder / "config.json").read_text())
-        assert "quantization_config" not in config and config["dtype"] == ("float32" if save_dtype == "fp32" else "bfloat16")
+        assert "quantization_config" not in config and config["dtype"] == (
+            "float32" if save_dtype == "fp32" else "bfloat16"
+        )
         with quiet_transformers():
             reloaded = AutoModelForSequenceClassification.from_pretrained(folder).eval()
         assert not any("lora" in n for n, _ in reloaded.named_parameters())
@@ -143,7 +156,9 @@ def test_the_memory_model_counts_the_4bit_base_as_bitsandbytes_holds_it(saved):
     assert predicted.weights == sum(qlora.weight_bytes(p) for p in params) + sum(b.nbytes for b in real.model.buffers())
     assert predicted.parameters == sum(qlora.values(p) for p in params)
     quantised = [m for m in module.model.modules() if qlora.is_quantised(getattr(m, "weight", None))]
-    assert quantised and all(qlora.values(m.weight) == m.in_features * m.out_features == 2 * m.weight.numel() for m in quantised)
+    assert quantised and all(
+        qlora.values(m.weight) == m.in_features * m.out_features == 2 * m.weight.numel() for m in quantised
+    )
 
 
 def test_what_qlora_cannot_do_is_one_line():
@@ -154,15 +169,25 @@ def test_what_qlora_cannot_do_is_one_line():
 
     from lit_memory.hf.anatomy import Anatomy
 
-    config = SqueezeBertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                               embedding_size=32)
+    config = SqueezeBertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        embedding_size=32,
+    )
     with pytest.raises(UserError) as error:
         qlora.check_quantisable(Anatomy.of(AutoModelForSequenceClassification.from_config(config)))
     assert "\n" not in str(error.value) and "bitsandbytes cannot quantise this family" in str(error.value)
     assert "SqueezeBertForSequenceClassification's layers have none (Conv1d" in str(error.value)
-    with pytest.raises(UserError, match=r"^model.lora.base nf4 \(QLoRA\) trains its adapters and head in fp32 .* bf16-true"):
+    with pytest.raises(
+        UserError, match=r"^model.lora.base nf4 \(QLoRA\) trains its adapters and head in fp32 .* bf16-true"
+    ):
         LoRA(base="nf4").check_precision(Precision.of("bf16-true"))
-    with pytest.raises(UserError, match=r"^model.lora.base bf16 holds the frozen base in bf16, .* 32-true computes in float32"):
+    with pytest.raises(
+        UserError, match=r"^model.lora.base bf16 holds the frozen base in bf16, .* 32-true computes in float32"
+    ):
         LoRA(base="bf16").check_precision(Precision.of("32-true"))
     with pytest.raises(UserError, match=r"^model.lora.base 'int4' is not one of: null, bf16, nf4$"):
         LoRA(base="int4").check()

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from lit_memory.run import predict_file
 from lit_memory.data import FILE_FORMATS, TextClassificationData
 from lit_memory.errors import UserError
-from lit_memory.run.predict_file import read_texts
 from lit_memory.hf.text_encoding import decoding
+from lit_memory.run import predict_file
+from lit_memory.run.predict_file import read_texts
 
 TEXTS = ["Café owner pays £5m for Zürich site", "a plain line", "naïve résumé, 30 °C"]
 
@@ -85,7 +85,10 @@ def test_replacement_asked_for_reads_json_lines_too(tmp_path):
     splits = data.load_splits()
     assert {t for name in ("train", "validation", "test") for t in splits[name]["text"]} == {"ok", "Caf\ufffd"}
     assert "5 lines of" in data.summary
-    assert [r["text"] for r in read_texts(path, FILE_FORMATS, decoding(path, None, "replace"))][:2] == ["ok", "Caf\ufffd"]
+    assert [r["text"] for r in read_texts(path, FILE_FORMATS, decoding(path, None, "replace"))][:2] == [
+        "ok",
+        "Caf\ufffd",
+    ]
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
@@ -125,6 +128,8 @@ def test_a_file_to_predict_is_read_in_its_own_encoding_not_the_training_files(tm
 def test_an_encoding_for_a_hub_dataset_is_refused_in_one_line(given):
     """A hub dataset is read as published (datasets' builders): an encoding typed for it would do nothing."""
     name, value = next(iter(given.items()))
-    with pytest.raises(UserError, match=rf"^data.{name} '{value}' is for a local data file: data.source 'someone/news' is a hub"):
+    with pytest.raises(
+        UserError, match=rf"^data.{name} '{value}' is for a local data file: data.source 'someone/news' is a hub"
+    ):
         TextClassificationData(source="someone/news", **given)
     assert TextClassificationData(source="someone/news", encoding_errors="strict").hparams.encoding_errors == "strict"

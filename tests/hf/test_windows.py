@@ -7,13 +7,13 @@ import random
 
 import pytest
 import torch
-
 from conftest import write_csv
-from lit_memory.hf import windows
+
 from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
-from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
+from lit_memory.hf import windows
 from lit_memory.hf.tokenizing import load_tokenizer
+from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
 
 SINGLE, MULTI, REGRESSION = (KINDS[name] for name in (SINGLE, MULTI, REGRESSION))  # the kinds, as passed
 
@@ -90,16 +90,24 @@ def test_a_signal_after_max_length_is_in_a_window_with_chunk_and_in_no_input_wit
                 assert batch["labels"].shape == (docs,) and (batch["input_ids"].shape[0] <= 5 or docs == 1)
                 for d in range(docs):  # every validation text's windows end with its class word
                     assert signal & set(batch["input_ids"][batch["doc"] == d].flatten().tolist())
-            assert sum(int(b["doc"].max()) + 1 for b in batches) == len(set(module.splits["validation"]["doc"][:].tolist()))
+            assert sum(int(b["doc"].max()) + 1 for b in batches) == len(
+                set(module.splits["validation"]["doc"][:].tolist())
+            )
         else:
             assert "truncated at max_length 16" in module.summary
     assert seen == {"truncate": False, "chunk": True}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"long_texts": "chunk", "stride": 16}, r"^data.stride 16: the tokens consecutive windows share must be >= 0 and less than max_length \(16\)"),
-    ({"long_texts": "slide"}, r"^data.long_texts 'slide' is not one of: truncate, chunk$"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"long_texts": "chunk", "stride": 16},
+            r"^data.stride 16: the tokens consecutive windows share must be >= 0 and less than max_length \(16\)",
+        ),
+        ({"long_texts": "slide"}, r"^data.long_texts 'slide' is not one of: truncate, chunk$"),
+    ],
+)
 def test_settings_no_window_can_have_are_one_line(kwargs, message):
     with pytest.raises(UserError, match=message):
         TextClassificationData(source="bundled", max_length=16, **kwargs)

@@ -40,7 +40,9 @@ def test_a_bad_value_is_one_error_line_when_the_block_is_built(values, message):
 def test_a_block_from_plain_settings_names_an_unknown_key():
     assert MemorySettings.of({"memory": {"tier": "t4"}}).tier.given == "t4"
     assert MemorySettings.of({}) == MemorySettings()
-    with pytest.raises(UserError, match=r"^unknown memory setting\(s\): budgett; the memory block takes track_steps, budget"):
+    with pytest.raises(
+        UserError, match=r"^unknown memory setting\(s\): budgett; the memory block takes track_steps, budget"
+    ):
         MemorySettings.of({"memory": {"budgett": "4GiB"}})
 
 

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from bitsandbytes.nn import StableEmbedding
 
-from lit_memory.hf.anatomy import Anatomy, parameter_units
-from lit_memory.optim.eightbit import keep_32bit, swap_stable_embedding
 from lit_memory.fused import OptimizerInBackward
+from lit_memory.hf.anatomy import Anatomy, parameter_units
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import weight_decay_groups
+from lit_memory.optim.eightbit import keep_32bit, swap_stable_embedding
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 
@@ -101,10 +101,9 @@ def test_fused_8bit_steps_fsdp_local_shards_exactly_as_unsharded(one_rank_group)
     """bitsandbytes knows nothing of DTensor: the core steps local shards. FSDP2 hands each gradient over inside its
     reduce-scatter stream (on the CPU too, as torch.cpu's stream objects, which `streams.Recording` reads): every
     8-bit step ran on the default stream, where bitsandbytes launches, after an event recorded on that stream."""
+    from streams import Recording
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-
-    from streams import Recording
 
     plain = tiny_bert()
     sharded = copy.deepcopy(plain)

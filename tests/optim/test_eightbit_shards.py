@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lit_memory.errors import UserError
 from lit_memory.optim import eightbit_shards
 from lit_memory.optim.eightbit_shards import BLOCK, Layout, dequantise, requantise
-from lit_memory.errors import UserError
 
 
 def quantised_in(values: torch.Tensor, layout: Layout, qmap: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -41,10 +41,15 @@ def test_state_resharded_onto_another_number_of_ranks_decodes_as_saved_and_requa
     values = torch.randn(shape) * torch.logspace(-3, 0, shape[0])[(...,) + (None,) * (len(shape) - 1)]
     saved = Layout.of(values, 3)
     codes, absmax = quantised_in(values, saved, qmap)
-    decoded = torch.cat([
-        F.dequantize_blockwise(c.reshape(-1), absmax=a[: -(-c.numel() // BLOCK)], code=qmap, blocksize=BLOCK).view(c.shape)
-        for c, a in zip(codes, absmax) if c.numel()
-    ])
+    decoded = torch.cat(
+        [
+            F.dequantize_blockwise(c.reshape(-1), absmax=a[: -(-c.numel() // BLOCK)], code=qmap, blocksize=BLOCK).view(
+                c.shape
+            )
+            for c, a in zip(codes, absmax)
+            if c.numel()
+        ]
+    )
     assert (decoded - values).abs().max() <= values.abs().max() * 0.02  # what 8 bits keep of them
     all_codes = torch.cat(codes)
     for shards in (4, 2):
@@ -79,20 +84,26 @@ def test_state_saved_as_dtensors_loads_back_bit_for_bit_into_existing_state(one_
     or with another kind of state, is one line."""
     import bitsandbytes as bnb
     import torch.distributed.checkpoint as dcp
+    from fused_worker import batches
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from fused_worker import batches
-    from lit_memory.hf.anatomy import parameter_units
     from lit_memory.fused import OptimizerInBackward
+    from lit_memory.hf.anatomy import parameter_units
     from lit_memory.model import SequenceClassifier
     from lit_memory.optim.configure import weight_decay_groups
 
     def built(lr: float = 1e-3):
         torch.manual_seed(0)
         module = SequenceClassifier(
-            "bundled:bert-large", pretrained=False,
-            config_overrides={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128},
+            "bundled:bert-large",
+            pretrained=False,
+            config_overrides={
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+            },
         )
         module.configure_model()
         for layer in module.model.bert.encoder.layer:

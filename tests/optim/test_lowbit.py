@@ -15,22 +15,22 @@ import io
 import pytest
 import torch
 import yaml
-from torch.distributed.checkpoint import FileSystemReader
+from conftest import RECIPES
 from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.checkpoint import FileSystemReader
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8, _AdamW
 from transformers import get_scheduler
 
-from conftest import RECIPES
-from lit_memory.optim import lowbit
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
-from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import OptimizerInBackward
-from lit_memory.optim.optimizer_state import optimizer_tensors
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory.model import SequenceClassifier
+from lit_memory.optim import lowbit
 from lit_memory.optim.configure import weight_decay_groups
 from lit_memory.optim.lowbit import keep_plain_state
+from lit_memory.optim.optimizer_state import optimizer_tensors
 from lit_memory.planning.prediction.step import OptimizerSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
@@ -175,7 +175,10 @@ def test_stochastic_rounding_keeps_the_small_updates_rounding_to_nearest_loses()
     assert spec["init_args"]["bf16_stochastic_round"] is True
     moved = {}
     for rounding in (True, False):
-        spec = {**spec, "init_args": {**spec["init_args"], "lr": 1e-4, "weight_decay": 0.0, "bf16_stochastic_round": rounding}}
+        spec = {
+            **spec,
+            "init_args": {**spec["init_args"], "lr": 1e-4, "weight_decay": 0.0, "bf16_stochastic_round": rounding},
+        }
         weights = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
         optimizer = OptimizerSpec.of(spec).factory()([weights])
         torch.manual_seed(0)
@@ -192,11 +195,20 @@ def test_stochastic_rounding_keeps_the_small_updates_rounding_to_nearest_loses()
 
 def test_stochastic_rounding_without_bf16_weights_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--recipe", "2gb", "--trainer.precision=bf16-mixed", f"--trainer.default_root_dir={tmp_path / 'runs'}"])
+        main(
+            [
+                "fit",
+                "--recipe",
+                "2gb",
+                "--trainer.precision=bf16-mixed",
+                f"--trainer.default_root_dir={tmp_path / 'runs'}",
+            ]
+        )
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: model.optimizer.init_args.bf16_stochastic_round rounds bf16 weights, and trainer.precision bf16-mixed "
-        "trains no bf16 weights (torchao ignores it there): set trainer.precision bf16-true, or drop bf16_stochastic_round"
+        "trains no bf16 weights (torchao ignores it there): set trainer.precision bf16-true, or drop "
+        "bf16_stochastic_round"
     ]
     assert not (tmp_path / "runs").exists()
 
@@ -205,8 +217,11 @@ def test_fp8_state_on_a_gpu_without_fp8_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     fp8 = {"class_path": "torchao.optim.AdamWFp8", "init_args": {}}
-    with pytest.raises(UserError, match=r"^torchao.optim.AdamWFp8 keeps FP8 state, which needs a GPU with compute "
-                                        r"capability 8.9 or newer; this one has 8.0: use torchao.optim.AdamW8bit instead$"):
+    with pytest.raises(
+        UserError,
+        match=r"^torchao.optim.AdamWFp8 keeps FP8 state, which needs a GPU with compute "
+        r"capability 8.9 or newer; this one has 8.0: use torchao.optim.AdamW8bit instead$",
+    ):
         lowbit.check_settings(fp8, "bf16-mixed", on_gpu=True)
     lowbit.check_settings(fp8, "bf16-mixed", on_gpu=False)  # the CPU casts to FP8 itself
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

@@ -10,15 +10,15 @@ import bitsandbytes as bnb
 import pytest
 import torch
 import torchao.optim
+from test_optimizers import SHAPES, SignMomentum, built
 from transformers import Adafactor
 
 from lit_memory.memory.hardware.gpus import Target
+from lit_memory.optim.optimizer_state import optimizer_tensors, unquantised_extra
 from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.predict import simulate_or_decline
 from lit_memory.planning.prediction.simulate import measure
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
-from lit_memory.optim.optimizer_state import optimizer_tensors, unquantised_extra
-from test_optimizers import SHAPES, SignMomentum, built
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
@@ -157,8 +157,13 @@ def custom_optimizers(monkeypatch):
     classes = {f"{__name__}.{c.__name__}": c for c in (SignMomentum, NonzeroSGD)}
     factory = OptimizerSpec.factory
     monkeypatch.setattr(
-        OptimizerSpec, "factory",
-        lambda self: functools.partial(classes[self.class_path], **self.init_args) if self.class_path in classes else factory(self),
+        OptimizerSpec,
+        "factory",
+        lambda self: (
+            functools.partial(classes[self.class_path], **self.init_args)
+            if self.class_path in classes
+            else factory(self)
+        ),
     )
     return classes
 
@@ -173,8 +178,9 @@ def minilm(class_path: str, **init_args) -> Step:
 @pytest.mark.parametrize("class_path", [f"{__name__}.SignMomentum", "torch.optim.Adagrad", "torch.optim.RMSprop"])
 def test_a_new_optimizer_is_predicted_as_a_real_run_measures_it(custom_optimizers, class_path):
     """The predicted optimizer state and step of an optimizer added by naming it (nothing else changed) against the
-    same step on real tensors, tracked (`lit_memory.planning.prediction.simulate.measure`), on the bundled MiniLM; and the
-    simulation on fake tensors runs it (Adagrad's step reads its counter, made before the fake mode, as a number)."""
+    same step on real tensors, tracked (`lit_memory.planning.prediction.simulate.measure`), on the bundled MiniLM; and
+    the simulation on fake tensors runs it (Adagrad's step reads its counter, made before the fake mode, as a
+    number)."""
     setup = minilm(class_path, lr=1e-3)
     predicted, tracked = analytic(setup), measure(setup)
     steady, stepping = (

@@ -1,5 +1,5 @@
-"""What lit_memory knows of an optimizer's library (`lit_memory.optim.optimizers`): the library of a class or class path,
-a library added in one place, the settings checks, torch's Adam and AdamW on their fused kernel."""
+"""What lit_memory knows of an optimizer's library (`lit_memory.optim.optimizers`): the library of a class or class
+path, a library added in one place, the settings checks, torch's Adam and AdamW on their fused kernel."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import bitsandbytes as bnb
 import pytest
 import torch
 import torchao.optim
+from conftest import HostReads
 from torch import nn
 from transformers import Adafactor
 
-from conftest import HostReads
 from lit_memory import fused
-from lit_memory.optim import optimizers
 from lit_memory.config import trust
-from lit_memory.run.checks import check_optimizer
 from lit_memory.errors import UserError
-from lit_memory.planning.prediction.step import OptimizerSpec
+from lit_memory.optim import optimizers
 from lit_memory.optim.configure import weight_decay_groups
 from lit_memory.optim.optimizers import IMPORTABLE, Library, library_of, prepare, use_fused_kernels
+from lit_memory.planning.prediction.step import OptimizerSpec
+from lit_memory.run.checks import check_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for these small models
 
@@ -63,8 +63,14 @@ def test_an_optimizers_library_is_read_one_way_from_its_class_or_class_path():
     assert library_of(Adafactor).name == library_of("transformers.Adafactor").name == "transformers"
     assert library_of(SignMomentum).name == "torch"  # a torch.optim.Optimizer subclass: torch-style
     assert library_of("mypackage.optim.Shiny").name == "mypackage"
-    assert [library_of(c).quantises_state for c in (torch.optim.AdamW, Adafactor, bnb.optim.Adam8bit, torchao.optim.AdamW8bit)] == [
-        False, False, True, True,
+    assert [
+        library_of(c).quantises_state
+        for c in (torch.optim.AdamW, Adafactor, bnb.optim.Adam8bit, torchao.optim.AdamW8bit)
+    ] == [
+        False,
+        False,
+        True,
+        True,
     ]
     assert set(IMPORTABLE) <= set(trust.ALLOWLIST)  # the recipes' import allowlist names them from here
 
@@ -146,7 +152,9 @@ def test_torchs_adam_runs_its_fused_kernel_on_cuda_and_cpu_unless_the_config_cho
     assert all(g["fused"] is None for g in default.param_groups)
 
 
-def scaled_steps(optimizer_for, amp_scaling: bool = True, steps: int = 4) -> tuple[list[torch.Tensor], list[float], int]:
+def scaled_steps(
+    optimizer_for, amp_scaling: bool = True, steps: int = 4
+) -> tuple[list[torch.Tensor], list[float], int]:
     """A GradScaler's steps of a small model on the CPU (the second's gradients overflow): (its final parameters, the
     scale after each step, the host reads inside the scaler's step and update)."""
     torch.manual_seed(0)

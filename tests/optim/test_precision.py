@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import RECIPES
-from lit_memory.optim import precision
+
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.optim import precision
 
 
 @pytest.fixture
@@ -21,7 +21,9 @@ def test_bf16_on_a_cpu_without_it_falls_back_to_fp32_with_one_warning(no_native_
     assert capsys.readouterr().err == ""  # the caller says it, once (`LitMemoryCLI._prepare`)
 
 
-@pytest.mark.parametrize("setting", [("bf16-mixed", "gpu"), ("bf16-mixed", "cuda"), ("32-true", "cpu"), ("16-mixed", "cpu")])
+@pytest.mark.parametrize(
+    "setting", [("bf16-mixed", "gpu"), ("bf16-mixed", "cuda"), ("32-true", "cpu"), ("16-mixed", "cpu")]
+)
 def test_gpu_runs_and_other_precisions_are_never_changed(no_native_bf16, setting, capsys):
     assert precision.cpu_fallback(*setting) == (setting[0], None)
     assert capsys.readouterr().err == ""
@@ -54,7 +56,9 @@ def test_gpus_without_bf16_train_bf16_autocast_in_fp16_with_one_line(capsys):
     assert precision.on_gpu("bf16-mixed", t4) == "16-mixed"
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: Tesla T4 (sm75) has no bf16")
-    assert "training with trainer.precision=16-mixed" in lines[0] and "--trainer.precision bf16-mixed keeps it" in lines[0]
+    assert (
+        "training with trainer.precision=16-mixed" in lines[0] and "--trainer.precision bf16-mixed keeps it" in lines[0]
+    )
     for unchanged in (("bf16-mixed", a100), ("bf16-mixed", None), ("32-true", t4), ("16-mixed", v100)):
         assert precision.on_gpu(*unchanged) == unchanged[0]
     assert capsys.readouterr().err == ""
@@ -82,7 +86,10 @@ def test_a_run_on_a_gpu_without_bf16_takes_fp16_unless_the_precision_was_typed(c
     later = resolve(["fit", "--trainer.precision=32-true", "--recipe", "4gb"], gpu=t4)
     assert later.settings.trainer.precision == "16-mixed"  # the recipe after it set bf16 again: the recipe's
     assert resolve(["fit", "--recipe", "4gb", *own], gpu=GPUS["a100-80gb"]).settings.trainer.precision == "bf16-mixed"
-    assert resolve(["fit", "--recipe", "4gb", "--trainer.accelerator=cpu", *own]).settings.trainer.precision == "bf16-mixed"
+    assert (
+        resolve(["fit", "--recipe", "4gb", "--trainer.accelerator=cpu", *own]).settings.trainer.precision
+        == "bf16-mixed"
+    )
     assert capsys.readouterr().err.count("has no bf16") == 1  # the later recipe's
 
 

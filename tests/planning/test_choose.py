@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from lit_memory.planning.prediction.analytic import device_total
-from lit_memory.planning.choose import advise, lightest_fitting
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.margin import Limit
+from lit_memory.planning.choose import advise, lightest_fitting
+from lit_memory.planning.prediction.analytic import device_total
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
 
-TINY = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256, "vocab_size": 512}
+TINY = {
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+}
 
 
 def test_a_recipe_whose_auto_finds_no_plan_within_the_limit_is_not_advised_and_the_others_are():
@@ -22,7 +28,9 @@ def test_a_recipe_whose_auto_finds_no_plan_within_the_limit_is_not_advised_and_t
         ("auto.yaml", {"model.gradient_checkpointing": "auto"}),  # no plan fits: at fit, one error line
         ("short.yaml", {"model.gradient_checkpointing": True, "data.max_length": 64}),
     ]
-    name, fit = lightest_fitting(base.with_settings({"memory.budget": limit, "memory.margin": 0}), Limit(limit), recipes)
+    name, fit = lightest_fitting(
+        base.with_settings({"memory.budget": limit, "memory.margin": 0}), Limit(limit), recipes
+    )
     assert name == "short.yaml" and fit.predicted <= limit and fit.fits
     assert advise(base.with_settings({"memory.budget": limit}), limit, recipes[:1]).startswith("no shipped recipe")
 

@@ -7,20 +7,27 @@ import math
 from dataclasses import replace
 
 import pytest
-
 from conftest import CONFIGS
-from lit_memory.run.activation_checkpointing import CheckpointPlan
+
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.memory.hardware.gpus import Target
-from lit_memory.planning.recompute import flops, layer_costs, resolve_auto, resolve as plan_for
-from lit_memory.planning.prediction.simulate import simulate
 from lit_memory.memory.margin import Limit, usable
+from lit_memory.planning.prediction.analytic import analytic, device_total
+from lit_memory.planning.prediction.simulate import simulate
 from lit_memory.planning.prediction.step import OptimizerSpec, Step
+from lit_memory.planning.recompute import flops, layer_costs, resolve_auto
+from lit_memory.planning.recompute import resolve as plan_for
+from lit_memory.run.activation_checkpointing import CheckpointPlan
 
 L, H, F, HEADS = 4, 64, 256, 4
-TINY = {"num_hidden_layers": L, "hidden_size": H, "num_attention_heads": HEADS, "intermediate_size": F, "vocab_size": 512}
+TINY = {
+    "num_hidden_layers": L,
+    "hidden_size": H,
+    "num_attention_heads": HEADS,
+    "intermediate_size": F,
+    "vocab_size": 512,
+}
 BATCH, LENGTH = 32, 128
 
 
@@ -112,7 +119,9 @@ def test_auto_is_the_plan_with_the_fewest_flops_that_fits(fraction):
 
 def test_auto_keeps_the_margin_and_says_in_one_line_when_nothing_fits():
     full = device_total(tiny("cuda", gradient_checkpointing=True))
-    with pytest.raises(UserError, match=r"^gradient_checkpointing auto: no plan fits .*every layer recomputed is predicted"):
+    with pytest.raises(
+        UserError, match=r"^gradient_checkpointing auto: no plan fits .*every layer recomputed is predicted"
+    ):
         plan_for(tiny("cuda"), Limit(full - 2**20))
     # every layer recomputed fits the budget itself, but not with the default 8 % of it kept free
     with pytest.raises(UserError, match=r"no plan fits rtx3050-4gb with the 8 % margin"):
@@ -123,7 +132,9 @@ def test_the_command_line_resolves_auto_for_the_runs_budget_and_says_so(capsys):
     args = ["fit", "--model.model_name_or_path=bundled:bert-large", f"--model.config_overrides={TINY}",
             "--model.pretrained=false", "--model.gradient_checkpointing=auto", f"--data.batch_size={BATCH}",
             f"--data.max_length={LENGTH}", "--trainer.accelerator=cpu"]
-    with pytest.raises(UserError, match=r"^model.gradient_checkpointing auto needs a device budget: pass --memory.budget"):
+    with pytest.raises(
+        UserError, match=r"^model.gradient_checkpointing auto needs a device budget: pass --memory.budget"
+    ):
         resolve(args).build(trainer=False)
     none = analytic(tiny()).footprint.peak
     cli = resolve([*args, f"--memory.tier={int(none * 0.8)}"]).build(trainer=False)
@@ -181,12 +192,26 @@ def test_a_small_tiers_distributed_cuda_run_plans_with_nccls_small_buffers_it_se
 
     def card() -> CardReading:  # read by the plan: the variables in force then
         seen.update({name: os.environ.get(name) for name in nccl.SMALL})
-        return CardReading("NVIDIA GeForce RTX 3050 Laptop GPU", 3902 * 2**20, 3500 * 2**20, 300 * 2**20, "nvml", (8, 6))
+        return CardReading(
+            "NVIDIA GeForce RTX 3050 Laptop GPU", 3902 * 2**20, 3500 * 2**20, 300 * 2**20, "nvml", (8, 6)
+        )
 
-    cli = resolve(["fit", "--config", str(CONFIGS / "fsdp.yaml"), "--model.model_name_or_path=bundled:bert-large",
-                   f"--model.config_overrides={TINY}", "--model.pretrained=false", "--model.gradient_checkpointing=auto",
-                   f"--data.batch_size={BATCH}", f"--data.max_length={LENGTH}", "--trainer.accelerator=cuda",
-                   "--trainer.devices=2", "--memory.tier=rtx3050-4gb"])  # the model and shape of the test above
+    cli = resolve(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "fsdp.yaml"),
+            "--model.model_name_or_path=bundled:bert-large",
+            f"--model.config_overrides={TINY}",
+            "--model.pretrained=false",
+            "--model.gradient_checkpointing=auto",
+            f"--data.batch_size={BATCH}",
+            f"--data.max_length={LENGTH}",
+            "--trainer.accelerator=cuda",
+            "--trainer.devices=2",
+            "--memory.tier=rtx3050-4gb",
+        ]
+    )  # the model and shape of the test above
     cli.read_card = card
     cli.build(trainer=False)
     assert seen == nccl.SMALL
@@ -200,11 +225,17 @@ def test_a_small_tiers_distributed_cuda_run_plans_with_nccls_small_buffers_it_se
 def test_the_module_arguments_a_count_is_keyed_without_change_no_count():
     """`SequenceClassifier.SAME_FLOPS` are left out of the count's cache key: each, set away from its default,
     counts the same FLOPs when counted afresh (a new argument of the module is counted unless named there)."""
-    from lit_memory.planning import recompute
     from lit_memory.model import SequenceClassifier
+    from lit_memory.planning import recompute
 
-    values = {"embedding_optimizer_state": "stable_embedding", "offload_activations": True, "lr_scheduler_type": "linear",
-              "warmup_ratio": 0.1, "save_pretrained": False, "save_dtype": "bf16"}
+    values = {
+        "embedding_optimizer_state": "stable_embedding",
+        "offload_activations": True,
+        "lr_scheduler_type": "linear",
+        "warmup_ratio": 0.1,
+        "save_pretrained": False,
+        "save_dtype": "bf16",
+    }
     assert set(values) == SequenceClassifier.SAME_FLOPS
     base = replace(tiny(), batch_size=2, max_length=16)
     counted = flops(base)

@@ -8,13 +8,16 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lit_memory.hf.anatomy import parameter_units
-from lit_memory.run.activation_checkpointing import (
-    CheckpointPlan, OffloadActivations, enable_gradient_checkpointing, selective_policy,
-)
 from lit_memory.errors import UserError
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier, transformer_layers
+from lit_memory.run.activation_checkpointing import (
+    CheckpointPlan,
+    OffloadActivations,
+    enable_gradient_checkpointing,
+    selective_policy,
+)
 
 # Dropout stays on (BERT's 0.1): recomputed dropout must draw the masks the forward pass drew.
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
@@ -122,7 +125,9 @@ def test_every_per_layer_plan_trains_exactly_as_no_checkpointing_for_ten_steps(p
 
 
 def test_bad_plans_are_one_line():
-    with pytest.raises(UserError, match=r"^model.gradient_checkpointing counts 2 full \+ 1 selective layers, but the model has 2"):
+    with pytest.raises(
+        UserError, match=r"^model.gradient_checkpointing counts 2 full \+ 1 selective layers, but the model has 2"
+    ):
         tiny(gradient_checkpointing={"full": 2, "selective": 1})
     with pytest.raises(UserError, match=r"^model.gradient_checkpointing.full must be a layer count >= 0, got -1"):
         tiny(gradient_checkpointing={"full": -1})
@@ -203,7 +208,10 @@ def test_offloading_moves_saved_tensors_off_the_device_and_brings_them_back():
 
 
 def test_bad_settings_are_one_line():
-    with pytest.raises(UserError, match=r"^gradient_checkpointing='partial' is not one of: false, true \(= full\), full, selective, auto"):
+    with pytest.raises(
+        UserError,
+        match=r"^gradient_checkpointing='partial' is not one of: false, true \(= full\), full, selective, auto",
+    ):
         SequenceClassifier(gradient_checkpointing="partial")
     with pytest.raises(UserError, match=r"^model.offload_activations needs model.gradient_checkpointing"):
         SequenceClassifier(offload_activations=True)
@@ -239,6 +247,7 @@ def test_compiled_layers_keep_the_fused_step_and_its_gradients():
 
 def test_the_4gb_recipe_trains_with_selective_checkpointing_and_offloading_from_the_command_line(fast_args):
     from conftest import RECIPES
+
     from lit_memory.cli import LitMemoryCLI
 
     switches = ["--model.gradient_checkpointing=selective", "--model.offload_activations=true"]

@@ -1,5 +1,5 @@
-"""`lit_memory.run.best`: the numbers a fit ends with are the model it saved (the closing ``val:`` line and the per-class
-report are the exported step's, the last validation's named as such), one step numbering in ``metrics.csv``,
+"""`lit_memory.run.best`: the numbers a fit ends with are the model it saved (the closing ``val:`` line and the
+per-class report are the exported step's, the last validation's named as such), one step numbering in ``metrics.csv``,
 checkpoint names and the log; early stopping watches the metric the best checkpoint keeps, and is off unless asked."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import rows, write_csv
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import rows, write_csv
 from lit_memory.__main__ import main
-from lit_memory.run.best import BestCheckpoint, EarlyStop, ValidationStep
 from lit_memory.errors import UserError
+from lit_memory.run.best import BestCheckpoint, EarlyStop, ValidationStep
 
 TINY = '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
 
@@ -114,7 +114,9 @@ def test_early_stopping_is_off_unless_patience_is_set_and_a_bad_patience_is_one_
 def test_the_best_and_the_early_stopping_count_are_kept_at_each_validations_end():
     """Not at the epoch's end, where Lightning would keep them after a validation that ends an epoch: the resume
     checkpoint written right after the validation must hold them (tests/run/test_resume.py resumes from one)."""
-    assert BestCheckpoint()._save_on_train_epoch_end is False and EarlyStop(patience=2)._check_on_train_epoch_end is False
+    assert (
+        BestCheckpoint()._save_on_train_epoch_end is False and EarlyStop(patience=2)._check_on_train_epoch_end is False
+    )
     with pytest.raises(UserError, match=r"^BestCheckpoint keeps the best at each validation's end: "
                                         r"save_on_train_epoch_end must be false$"):
         BestCheckpoint(save_on_train_epoch_end=True)

@@ -9,12 +9,12 @@ import io
 import pytest
 import torch
 import yaml
+from conftest import COMPILED, RECIPES
 from transformers.optimization import Adafactor
 
-from conftest import COMPILED, RECIPES
 from lit_memory.__main__ import main
-from lit_memory.run.checks import check_optimizer, check_trainer
 from lit_memory.errors import UserError
+from lit_memory.run.checks import check_optimizer, check_trainer
 from lit_memory.settings import dotted_leaves
 
 
@@ -28,7 +28,10 @@ from lit_memory.settings import dotted_leaves
         (functools.partial(torch.optim.AdamW, lr=2e-5, amsgrad="maybe"), "amsgrad must be true or false"),
         (functools.partial(Adafactor, lr=1e-3, relative_step=False, eps=()), "eps must be a list of 2 numbers"),
         (functools.partial(Adafactor, lr=1e-3, relative_step=False, eps=5), "eps must be a list of 2 numbers"),
-        (functools.partial(Adafactor, lr=1e-3, relative_step=False, scale_parameter="no"), "scale_parameter must be true or false"),
+        (
+            functools.partial(Adafactor, lr=1e-3, relative_step=False, scale_parameter="no"),
+            "scale_parameter must be true or false",
+        ),
     ],
 )
 def test_check_optimizer_refuses_in_one_line(factory, message):

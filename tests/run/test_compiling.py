@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo.utils
+from conftest import RECIPES, the_error
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import RECIPES, the_error
-from lit_memory.run import compiling
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI
+from lit_memory.run import compiling
 from lit_memory.run.monitor import StepTimer
 
 TINY_BERT = [
@@ -75,9 +75,12 @@ def test_a_step_under_a_dispatch_mode_leaves_the_layer_compiled_for_the_next(che
 
 @pytest.mark.parametrize("recipe, mode, extra", [
     ("bf16-compile", "reduce-overhead", []),
-    ("4gb-compile", None, ["--model.gradient_checkpointing=full"]),  # every layer recomputed, through the compiled layer
+    # every layer recomputed, through the compiled layer
+    ("4gb-compile", None, ["--model.gradient_checkpointing=full"]),
 ])
-def test_the_compile_recipes_train_with_every_layer_compiled_and_compile_time_apart(recipe, mode, extra, cheap_compile, tmp_path):
+def test_the_compile_recipes_train_with_every_layer_compiled_and_compile_time_apart(
+    recipe, mode, extra, cheap_compile, tmp_path
+):
     timer = {"class_path": "lit_memory.run.monitor.StepTimer", "init_args": {"warmup": 3, "save": True}}
     cli = LitMemoryCLI(args=[
         "fit", "--config", str(RECIPES / f"{recipe}.yaml"), *TINY_BERT, *extra, "--trainer.max_steps=4",
@@ -98,4 +101,6 @@ def test_cuda_graphs_need_one_batch_shape(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(RECIPES / "bf16-compile.yaml"), "--data.padding=longest",
               f"--trainer.default_root_dir={tmp_path}"])
-    assert the_error(capsys.readouterr().err).startswith("error: model.compile cudagraphs records each layer's CUDA graph for one batch shape")
+    assert the_error(capsys.readouterr().err).startswith(
+        "error: model.compile cudagraphs records each layer's CUDA graph for one batch shape"
+    )

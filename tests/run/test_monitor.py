@@ -10,26 +10,26 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import oom
+import oom_worker
 import pytest
 import torch
 import yaml
-
-import oom
-import oom_worker
 from conftest import COMPILED, FAST, RECIPES, REPO
-from lit_memory.run import environment
-from lit_memory.run import monitor as monitor_module
-from lit_memory.hf.bundled import resolve_model
+from transformers import AutoModelForSequenceClassification
+
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
+from lit_memory.hf.bundled import resolve_model
+from lit_memory.memory.margin import Limit
 from lit_memory.memory.measure import nvml as nvml_module
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import CATEGORIES, PHASES, format_bytes
-from transformers import AutoModelForSequenceClassification
 from lit_memory.memory.settings import MemorySettings
-from lit_memory.memory.margin import Limit
-from lit_memory.run.monitor import MemoryMonitor, device_memory_used
+from lit_memory.run import environment
+from lit_memory.run import monitor as monitor_module
 from lit_memory.run.memory_callbacks import BudgetCap, MemoryPredictions, MemoryTable
+from lit_memory.run.monitor import MemoryMonitor, device_memory_used
 
 # the compiled recipes' layers are tracked eagerly, as their parents' (tests/run/test_compiling.py trains them)
 ALL_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in COMPILED)
@@ -57,7 +57,9 @@ def fit(args: list[str]) -> LitMemoryCLI:
 
 
 def run(recipe: str, tmp_path: Path, *extra: str) -> tuple[LitMemoryCLI, dict]:
-    cli = fit(["--config", str(RECIPES / f"{recipe}.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}", *extra])
+    cli = fit(
+        ["--config", str(RECIPES / f"{recipe}.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}", *extra]
+    )
     return cli, records.read_memory(Path(cli.trainer.log_dir))
 
 
@@ -165,8 +167,13 @@ def fsdp_out_of_memory(tmp_path_factory):
            "WORLD_SIZE": "2", "NODE_RANK": "0"}
     logs = [out / f"rank{r}.log" for r in range(2)]
     ranks = [
-        subprocess.Popen([sys.executable, str(REPO / "tests" / "oom_worker.py"), str(out), str(one)], cwd=REPO,
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "oom_worker.py"), str(out), str(one)],
+            cwd=REPO,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
         for r, log in zip(range(2), logs)
     ]
     codes = [rank.wait(600) for rank in ranks]
@@ -256,7 +263,9 @@ def test_4gb_is_a_third_of_baseline_and_each_switch_shrinks_its_category(tmp_pat
     for category, value in by_steps[1].items():  # one step holds every category's largest value (`SWITCHES`)
         assert value == pytest.approx(baseline[category], rel=0.01), category
     # every layer checkpointed, as on a card the tier must fit (on this CPU target `auto` needs no recompute)
-    peak_4gb, _ = tracked_categories(tmp_path / "4gb", "--config", "4gb", "--model.gradient_checkpointing=true", steps=1)
+    peak_4gb, _ = tracked_categories(
+        tmp_path / "4gb", "--config", "4gb", "--model.gradient_checkpointing=true", steps=1
+    )
     assert peak_4gb <= baseline_peaks[1] / 3, (format_bytes(peak_4gb), format_bytes(baseline_peaks[1]))
     for name, (args, shrunk, steps) in SWITCHES.items():
         peak, categories = tracked_categories(tmp_path / name, *args, steps=steps)
@@ -282,9 +291,13 @@ def fake_cuda(monkeypatch, tmp_path):
         lambda device: {"allocated_bytes.all.peak": calls.allocated, "reserved_bytes.all.peak": calls.reserved},
     )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (calls.free, 16 * 2**30))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("a user's peak readings were reset"))
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda *a: pytest.fail("a user's peak readings were reset")
+    )
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), log_dir=str(tmp_path), default_root_dir=str(tmp_path),
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)),
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
         global_step=0,
     )
     return calls, trainer
@@ -404,7 +417,9 @@ def test_cuda_peaks_are_read_per_phase_without_resetting_them(fake_cuda):
     }
 
 
-def test_after_the_first_steps_the_device_is_read_once_at_every_step_end_with_the_allocators_counts(fake_cuda, monkeypatch):
+def test_after_the_first_steps_the_device_is_read_once_at_every_step_end_with_the_allocators_counts(
+    fake_cuda, monkeypatch
+):
     """Phases are read in the first `PHASE_READ_STEPS` steps only; every optimizer step's end is read into that step,
     with its cudaMalloc retries and cudaMalloc/cudaFree calls; a step never read is null, not 0."""
     calls, trainer = fake_cuda
@@ -451,8 +466,11 @@ def test_the_end_of_run_table_puts_the_cuda_measurements_beside_the_three_predic
     trainer.world_size, trainer.datamodule = 1, SimpleNamespace(hparams={"batch_size": 4, "max_length": 8})
     monitor = MemoryMonitor(track_steps=0)
     categories = {"weights": 2 * 2**30, "gradients": 0, "optimizer": 2**30, "activations": 2**29, "other": 0}
-    monitor.predictions = {"analytic": Footprint({"backward": categories}, reserved=int(3.6 * 2**30), context=600 * 2**20,
-                                                 workspaces=64 * 2**20)}
+    monitor.predictions = {
+        "analytic": Footprint(
+            {"backward": categories}, reserved=int(3.6 * 2**30), context=600 * 2**20, workspaces=64 * 2**20
+        )
+    }
     monitor.cuda = {
         "max_allocated_bytes": int(3.5 * 2**30), "max_reserved_bytes": int(3.75 * 2**30),
         "max_device_bytes": int(4.4 * 2**30), "device_source": "nvml (this process)", "peak_phase": "backward",
@@ -531,7 +549,10 @@ def test_in_a_container_nvml_finds_this_process_by_what_its_allocator_holds(nvml
     assert device_memory_used(cuda) == (4, "cudaMemGetInfo (whole device)")  # 70001 and 70002 could both be ours
     reserved["bytes"] = 4 * GiB
     nvml.processes = {70001: int(4.5 * GiB), 70002: int(3.5 * GiB), 70003: 5 * GiB}  # 70003 grew: not a candidate
-    assert device_memory_used(cuda) == (int(4.5 * GiB), "nvml (this process, matched by memory: PIDs of another namespace)")
+    assert device_memory_used(cuda) == (
+        int(4.5 * GiB),
+        "nvml (this process, matched by memory: PIDs of another namespace)",
+    )
     reserved["bytes"] = GiB // 2  # the allocator released memory: the PID found is kept
     nvml.processes = {70001: 2 * GiB, 70002: 5 * GiB, 70004: 3 * GiB}
     assert device_memory_used(cuda) == (2 * GiB, "nvml (this process)")
@@ -549,7 +570,19 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
     def predict(trainer, module, simulate, shape):
         asked.append(shape)
         rows, tokens = shape or (32, 128)
-        return {"analytic": Footprint({"backward": {"weights": 100, "gradients": 0, "optimizer": 200, "activations": rows * tokens, "other": 0}})}
+        return {
+            "analytic": Footprint(
+                {
+                    "backward": {
+                        "weights": 100,
+                        "gradients": 0,
+                        "optimizer": 200,
+                        "activations": rows * tokens,
+                        "other": 0,
+                    }
+                }
+            )
+        }
 
     trainer = SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("cpu")), log_dir=None, default_root_dir=None, world_size=1,
@@ -581,9 +614,14 @@ def test_the_table_compares_with_predictions_for_the_longest_tracked_batch(capsy
         "  shorter batches: dynamic padding (data.padding: longest) pads each batch to its longest text; the longest "
         "tracked batch was 32 x 50 tokens, not 32 x 128 (max_length): predictions above are for 32 x 50"
     )
-    assert table[9] == f"  the tracked peak came in another batch, 32 x 41 tokens: analytic {format_bytes(300 + 32 * 41)} at that shape"
+    assert (
+        table[9]
+        == f"  the tracked peak came in another batch, 32 x 41 tokens: analytic {format_bytes(300 + 32 * 41)} at "
+        "that shape"
+    )
     assert table[10] == (
-        f"  fits (worst case: every batch 32 x 128, padded to max_length): analytic {format_bytes(300 + 32 * 128)} tensors: "
+        f"  fits (worst case: every batch 32 x 128, padded to max_length): analytic {format_bytes(300 + 32 * 128)} "
+        "tensors: "
         "fits memory.tier 1.00 MiB"
     )
     record = monitor.record(trainer)
@@ -604,8 +642,19 @@ def test_a_report_that_fails_never_hides_the_out_of_memory_error(tmp_path, capsy
 
     monkeypatch.setattr(monitor_module, "live_breakdown", broken)
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(RECIPES / "baseline.yaml"), *FAST, *MEASURE, f"--trainer.default_root_dir={tmp_path}",
-              "--memory.track_steps=0", "--trust-recipe", "--trainer.callbacks+=oom.RaiseOutOfMemory"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(RECIPES / "baseline.yaml"),
+                *FAST,
+                *MEASURE,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--memory.track_steps=0",
+                "--trust-recipe",
+                "--trainer.callbacks+=oom.RaiseOutOfMemory",
+            ]
+        )
     assert exit_.value.code == 1
     err = capsys.readouterr().err.splitlines()
     assert "out-of-memory report failed: RuntimeError: a storage the breakdown cannot read" in err

@@ -14,15 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import FAST, write_csv, write_jsonl
-from lit_memory.run import predict_file as predictions
+
 from lit_memory.__main__ import main
 from lit_memory.cli import resolve
 from lit_memory.data import FILE_FORMATS
 from lit_memory.errors import UserError
-from lit_memory.memory.measure import records
 from lit_memory.hf.tokenizing import load_tokenizer
+from lit_memory.memory.measure import records
+from lit_memory.run import predict_file as predictions
 from lit_memory.task import kind_of
 
 ROWS = [
@@ -72,12 +72,18 @@ def test_the_memory_table_compares_the_tracked_batches_with_predictions_for_thei
     assert at_longest < 0.8 * worst
     # Like with like: the prediction for the batch that reached the tracked peak is within 10 % of it (the one for
     # 32 x 128 was 2.3x it).
-    at_peak = (memory["predicted_at_longest"].get("tracked_peak") or memory["predicted_at_longest"]["tracked"])["analytic"]
+    at_peak = (memory["predicted_at_longest"].get("tracked_peak") or memory["predicted_at_longest"]["tracked"])[
+        "analytic"
+    ]
     assert at_peak["peak_bytes"] == pytest.approx(memory["measured"]["tracked"]["peak_bytes"], rel=0.10)
     table = out[out.index("memory on cpu"):].splitlines()
     assert table[0].startswith(f"memory on cpu, batch 32 x {tokens} tokens (the longest tracked batch)")
     assert any(line.startswith("  shorter batches: dynamic padding (data.padding: longest)") for line in table)
-    fits = next(line for line in table if line.startswith("  fits (worst case: every batch 32 x 128, padded to max_length): analytic"))
+    fits = next(
+        line
+        for line in table
+        if line.startswith("  fits (worst case: every batch 32 x 128, padded to max_length): analytic")
+    )
     assert records.format_bytes(worst) in fits
 
 
@@ -105,7 +111,9 @@ def test_the_model_card_is_in_the_hubs_layout_with_the_metrics_the_run_logged_at
                  "2 optimizer steps", "measured peak memory: ", "tracked tensors", "on CPU"):
         assert part in card.text, part
     # its code loads the model with transformers' pipeline and labels texts
-    code = card.text.split("```python\n", 1)[1].split("```", 1)[0].replace("path/to/hf_model", str(run_dir / "hf_model"))
+    code = (
+        card.text.split("```python\n", 1)[1].split("```", 1)[0].replace("path/to/hf_model", str(run_dir / "hf_model"))
+    )
     capsys.readouterr()
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out.split()
@@ -118,7 +126,9 @@ def predict(argv: list[str], capsys) -> tuple[Path, str]:
     assert cli.trainer.predict_loop.return_predictions is False  # written per batch, never all kept
     captured = capsys.readouterr()
     (line,) = [line for line in captured.out.splitlines() if line.startswith("predictions: ")]
-    return Path(line.rsplit(" written to ", 1)[1].removesuffix(" (replacing the file there)")), captured.out + captured.err
+    return Path(
+        line.rsplit(" written to ", 1)[1].removesuffix(" (replacing the file there)")
+    ), captured.out + captured.err
 
 
 def reference_probs(model_dir: Path, texts: list[str]) -> torch.Tensor:
@@ -159,7 +169,11 @@ def test_predict_from_the_checkpoint_writes_a_row_per_input_and_the_metrics(run,
     expected = reference_probs(run_dir / "hf_model", [r["text"] for r in ROWS])
     torch.testing.assert_close(probs, expected, atol=2e-6, rtol=0)
     # Metrics over the rows whose label the model knows (4 of 6).
-    known = [(i, ["negative", "positive"].index(r["label"])) for i, r in enumerate(ROWS) if r["label"] in ("negative", "positive")]
+    known = [
+        (i, ["negative", "positive"].index(r["label"]))
+        for i, r in enumerate(ROWS)
+        if r["label"] in ("negative", "positive")
+    ]
     accuracy = sum(int(probs[i].argmax()) == y for i, y in known) / len(known)
     loss = -sum(math.log(expected[i, y]) for i, y in known) / len(known)
     (line,) = [line for line in out.splitlines() if line.startswith("predict: ")]
@@ -182,7 +196,9 @@ def test_predict_from_the_exported_folder_without_labels_or_a_checkpoint(run, tm
     assert [r["text"] for r in written] == [r["text"] for r in ROWS]
     assert list(written[0]) == ["text", "label", "prob_negative", "prob_positive"]  # the names came with the folder
     probs = torch.tensor([[r["prob_negative"], r["prob_positive"]] for r in written])
-    torch.testing.assert_close(probs, reference_probs(run_dir / "hf_model", [r["text"] for r in ROWS]), atol=2e-6, rtol=0)
+    torch.testing.assert_close(
+        probs, reference_probs(run_dir / "hf_model", [r["text"] for r in ROWS]), atol=2e-6, rtol=0
+    )
     assert "predict: " not in out  # no labels, no metrics
 
 
@@ -193,14 +209,26 @@ def test_bad_input_to_predict_is_one_line_and_writes_nothing(run, tmp_path, caps
     empty.write_text("")
     cases = {
         str(tmp_path / "missing.csv"): f"error: data.predict_path: file not found: {tmp_path / 'missing.csv'}",
-        str(no_text): f"error: no text column in {no_text}: its columns are ['body', 'label']; looked for text, sentence, review",
+        str(
+            no_text
+        ): f"error: no text column in {no_text}: its columns are ['body', 'label']; looked for text, sentence, review",
         str(empty): f"error: data.predict_path: {empty} is empty",
     }
     root = tmp_path / "runs"
     for source, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
-            main(["predict", "--config", str(run_dir / "config.yaml"), "--model.model_name_or_path", str(run_dir / "hf_model"),
-                  "--data.predict_path", source, f"--trainer.default_root_dir={root}"])
+            main(
+                [
+                    "predict",
+                    "--config",
+                    str(run_dir / "config.yaml"),
+                    "--model.model_name_or_path",
+                    str(run_dir / "hf_model"),
+                    "--data.predict_path",
+                    source,
+                    f"--trainer.default_root_dir={root}",
+                ]
+            )
         assert exit_.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected)
         assert not root.exists()
@@ -258,7 +286,9 @@ def test_every_format_reads_the_same_rows(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps(data, indent=1))  # an array, decoded item by item
     for path in [*files, tmp_path / "t.json"]:
         rows = list(predictions.read_texts(path, FILE_FORMATS))
-        assert [(r["id"], r["text"], r["label"]) for r in rows] == [(d["id"], d["text"], d["label"]) for d in data], path
+        assert [(r["id"], r["text"], r["label"]) for r in rows] == [(d["id"], d["text"], d["label"]) for d in data], (
+            path
+        )
     (tmp_path / "strings.json").write_text('["one", "two"]')
     assert list(predictions.read_texts(tmp_path / "strings.json", FILE_FORMATS)) == [{"text": "one"}, {"text": "two"}]
 
@@ -320,7 +350,9 @@ def test_the_writer_gathers_every_ranks_rows_in_input_order(tmp_path, monkeypatc
     texts = [{"text": f"text {i}", "label": ["negative", "positive"][i % 2]} for i in range(5)]
     from lit_memory.task import Columns
 
-    collate = predictions.Collate(tokenizer, 16, "longest", Columns(("text",), ("label",)), None, ["negative", "positive"])
+    collate = predictions.Collate(
+        tokenizer, 16, "longest", Columns(("text",), ("label",)), None, ["negative", "positive"]
+    )
     batches = {
         rank: [collate(list(predictions.Rows(texts, rank, 2))[i:i + 2]) for i in (0, 2)] for rank in (0, 1)
     }

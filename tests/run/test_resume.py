@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pytest
 import torch
+from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
@@ -30,11 +31,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import CONFIGS, RECIPES, REPO, rows, write_csv
+from lit_memory.cli import LitMemoryCLI
 from lit_memory.run import environment
 from lit_memory.run.best import BestCheckpoint, best_of
-from lit_memory.cli import LitMemoryCLI
-from lit_memory.run.resume import EVERY_N_TRAIN_STEPS, ExactResume, ResumableDataLoader, ResumableSampler, ResumeCheckpoint, fit_callbacks, validates_next
+from lit_memory.run.resume import (
+    EVERY_N_TRAIN_STEPS,
+    ExactResume,
+    ResumableDataLoader,
+    ResumableSampler,
+    ResumeCheckpoint,
+    fit_callbacks,
+    validates_next,
+)
 
 EVERY, KILL_AFTER, EPOCHS, STEPS_PER_EPOCH = 5, 11, 2, 8
 TINY = '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}'
@@ -49,25 +57,48 @@ def reviews(tmp_path_factory) -> Path:
 
 
 def fit(
-    root: Path, recipe: str, data: Path, *more: str, launcher: Sequence[str] = (sys.executable,), log: Optional[Path] = None
+    root: Path,
+    recipe: str,
+    data: Path,
+    *more: str,
+    launcher: Sequence[str] = (sys.executable,),
+    log: Optional[Path] = None,
 ) -> Any:
     """``python -m lit_memory fit`` run to its end; with ``launcher`` (e.g. torchrun) and ``log``, started with its
     output going to ``log``."""
     args = [
-        "--config", str(RECIPES / f"{recipe}.yaml"),
-        "--model.model_name_or_path=bundled:bert-large", "--model.pretrained=false", f"--model.config_overrides={TINY}",
-        "--model.lr_scheduler_type=linear", "--model.warmup_ratio=0.25", "--model.optimizer.init_args.lr=1e-3",
-        f"--data.source={data}", "--data.batch_size=4", "--data.max_length=16",
-        f"--trainer.max_epochs={EPOCHS}", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
+        "--config",
+        str(RECIPES / f"{recipe}.yaml"),
+        "--model.model_name_or_path=bundled:bert-large",
+        "--model.pretrained=false",
+        f"--model.config_overrides={TINY}",
+        "--model.lr_scheduler_type=linear",
+        "--model.warmup_ratio=0.25",
+        "--model.optimizer.init_args.lr=1e-3",
+        f"--data.source={data}",
+        "--data.batch_size=4",
+        "--data.max_length=16",
+        f"--trainer.max_epochs={EPOCHS}",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
         # a validation after every checkpoint's step (steps 5, 10, 15): the best-model record must hold it on resume
-        "--trainer.check_val_every_n_epoch=null", f"--trainer.val_check_interval={EVERY}",
-        "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.callbacks+=lit_memory.run.resume.ResumeCheckpoint", f"--trainer.callbacks.every_n_train_steps={EVERY}",
-        "--trainer.callbacks+=LearningRateMonitor", "--trainer.callbacks.logging_interval=step",
+        "--trainer.check_val_every_n_epoch=null",
+        f"--trainer.val_check_interval={EVERY}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.callbacks+=lit_memory.run.resume.ResumeCheckpoint",
+        f"--trainer.callbacks.every_n_train_steps={EVERY}",
+        "--trainer.callbacks+=LearningRateMonitor",
+        "--trainer.callbacks.logging_interval=step",
         f"--trainer.default_root_dir={root}",
     ]
     command = [*launcher, "-m", "lit_memory", "fit", "--trust-recipe", *args, *more]  # trust: the test's killer
-    env = {**environment.for_new_job(), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env = {
+        **environment.for_new_job(),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    }
     if log is not None:
         with open(log, "w") as out:
             return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -145,7 +176,9 @@ def val_scores(run_dir: Path, metric: str) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("strategy", ["fused", "4gb-fsdp"])
-def test_a_tie_at_an_epoch_end_validation_exports_the_uninterrupted_runs_step_after_a_resume(strategy, reviews, tmp_path):
+def test_a_tie_at_an_epoch_end_validation_exports_the_uninterrupted_runs_step_after_a_resume(
+    strategy, reviews, tmp_path
+):
     """Validations at the ends of 5-step epochs (Lightning's default schedule) that tie (the recipes' learning rate
     moves no prediction of the tiny model), a checkpoint at each: the uninterrupted run exports the first of the tied
     steps, 5. Killed after step 6 and resumed from step 5's checkpoint, the run must hold step 5's validation in its
@@ -154,14 +187,22 @@ def test_a_tie_at_an_epoch_end_validation_exports_the_uninterrupted_runs_step_af
     recipe, more = ("fused", ()) if strategy == "fused" else (
         "4gb", ("--config", str(CONFIGS / "fsdp.yaml"), "--trainer.accelerator=cpu", "--trainer.devices=2",
                 "--data.batch_size=2"))
-    schedule = ["--trainer.limit_train_batches=5", "--trainer.check_val_every_n_epoch=1", "--trainer.val_check_interval=1.0",
-                "--model.optimizer.init_args.lr=2e-5", "--model.lr_scheduler_type=constant", *more]
+    schedule = [
+        "--trainer.limit_train_batches=5",
+        "--trainer.check_val_every_n_epoch=1",
+        "--trainer.val_check_interval=1.0",
+        "--model.optimizer.init_args.lr=2e-5",
+        "--model.lr_scheduler_type=constant",
+        *more,
+    ]
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     done = fit(full, recipe, reviews, *schedule)
     assert done.returncode == 0, done.stderr[-4000:]
     scores = val_scores(run(full), "val_f1_macro")
     assert sorted(scores) == [5, 10] and scores[5] == scores[10]  # the tie
-    assert exported(done.stderr).startswith(f"hf_model: the best validated weights: step 5, val_f1_macro={scores[5]:.4f}")
+    assert exported(done.stderr).startswith(
+        f"hf_model: the best validated weights: step 5, val_f1_macro={scores[5]:.4f}"
+    )
     killed = fit(interrupted, recipe, reviews, *schedule, "--trainer.callbacks+=interrupt.KillAfterStep",
                  "--trainer.callbacks.step=6")
     assert killed.returncode != 0, killed.stderr[-4000:]
@@ -188,7 +229,9 @@ def two_nodes(root: Path, recipe: str, data: Path, *more: str) -> list[subproces
         fit(root, recipe, data, *more, "--trainer.devices=1", "--trainer.num_nodes=2", launcher=torchrun, log=log)
         for log in logs
     ]
-    return [subprocess.CompletedProcess(node.args, node.wait(600), "", log.read_text()) for node, log in zip(nodes, logs)]
+    return [
+        subprocess.CompletedProcess(node.args, node.wait(600), "", log.read_text()) for node, log in zip(nodes, logs)
+    ]
 
 
 def test_4gb_on_fsdp_killed_mid_epoch_on_two_torchrun_nodes_resumes_exactly(reviews, tmp_path):
@@ -357,7 +400,8 @@ def test_resuming_with_fewer_or_more_visible_gpus_goes_on_with_one_warning_line(
         assert lines == [] and reader.states == states["torch.cuda"]  # as before: every state by index
         return
     assert len(lines) == 1 and lines[0].startswith(
-        f"warning: the checkpoint holds the CUDA random states of {saved} visible GPUs and this process sees {visible}: "
+        f"warning: the checkpoint holds the CUDA random states of {saved} visible GPUs and this process sees "
+        f"{visible}: "
     )
     if saved and visible:
         assert "its own GPU's restored (saved as cuda:1, now cuda:0)" in lines[0]
@@ -422,8 +466,8 @@ def test_a_run_trained_in_fp32_by_the_cpu_bf16_fallback_resumes_with_its_bf16_re
     the same recipe's bf16 before the fallback has run: equal where it falls back, refused where it would not."""
     from jsonargparse import Namespace
 
-    from lit_memory.optim import precision
     from lit_memory.errors import UserError
+    from lit_memory.optim import precision
     from lit_memory.run.resume import RESUME_STATE, check_resume, resume_settings
 
     def settings(precision_: str, fallback: bool = True, ckpt=None) -> Namespace:
@@ -524,13 +568,19 @@ def test_validates_next_is_lightnings_decision(tmp_path):
 
 
 # Validations every 5 steps inside 8-step epochs, or at the end of 5-step epochs (Lightning's default schedule, where a
-# ModelCheckpoint of its own would keep its best only at the epoch's end, after the step's checkpoint was written again).
-SCHEDULES = {"interval": {}, "epoch end": {"limit_train_batches": 5, "val_check_interval": 1.0, "check_val_every_n_epoch": 1}}
+# ModelCheckpoint of its own would keep its best only at the epoch's end, after the step's checkpoint was written
+# again).
+SCHEDULES = {
+    "interval": {},
+    "epoch end": {"limit_train_batches": 5, "val_check_interval": 1.0, "check_val_every_n_epoch": 1},
+}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("kill", ["validation", "train"])
-def test_a_run_killed_at_a_checkpoints_step_resumes_there_and_keeps_the_uninterrupted_runs_best(kill, schedule, tmp_path):
+def test_a_run_killed_at_a_checkpoints_step_resumes_there_and_keeps_the_uninterrupted_runs_best(
+    kill, schedule, tmp_path
+):
     """Validations after steps 5 and 10, a checkpoint at each, step 10 the best. Killed during step 10's validation, the
     run resumes from step 10 (written before it, no step lost) and runs that validation; killed after it (at step 11),
     from step 10's checkpoint written again after it, which holds it in the record."""

@@ -1,4 +1,5 @@
-"""`lit_memory.run.step_profile`: one step's profile as numbers (on this CPU; a GPU's kernels are events of the same kind)."""
+"""`lit_memory.run.step_profile`: one step's profile as numbers (on this CPU; a GPU's kernels are events of the same
+kind)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_memory.run.step_profile import HostOpCounter, HostOps, StepProfiler, device_work, source_of, summarise, union_length
+from lit_memory.run.step_profile import (
+    HostOpCounter,
+    HostOps,
+    StepProfiler,
+    device_work,
+    source_of,
+    summarise,
+    union_length,
+)
 
 
 def test_overlapping_intervals_count_once():
@@ -72,11 +81,22 @@ def test_only_device_work_counts_as_kernels_and_a_sync_is_named_by_the_python_li
     mirror = _event("Optimizer.step#AdamW.step", 0, 900, device=True)
     kernel = _event("nvjet_sm90_gemm", 10, 60, device=True)
     assert device_work([mirror, kernel], [host_range]) == [kernel]
-    typed = [_event("k", 0, 1, device=True, activity="kernel"), _event("Memcpy HtoD", 1, 2, device=True, activity="gpu_memcpy"),
-             _event("ProfilerStep#3", 0, 9, device=True, activity="gpu_user_annotation")]
+    typed = [
+        _event("k", 0, 1, device=True, activity="kernel"),
+        _event("Memcpy HtoD", 1, 2, device=True, activity="gpu_memcpy"),
+        _event("ProfilerStep#3", 0, 9, device=True, activity="gpu_user_annotation"),
+    ]
     assert [e.name for e in device_work(typed, [])] == ["k", "Memcpy HtoD"]
-    item = _event("aten::item", 100, 200, stack=["lightning/pytorch/trainer/connectors/logger_connector/result.py(491): metrics",
-                                                 "lit_memory/model.py(330): on_train_batch_end", "train.py(3): <module>"])
+    item = _event(
+        "aten::item",
+        100,
+        200,
+        stack=[
+            "lightning/pytorch/trainer/connectors/logger_connector/result.py(491): metrics",
+            "lit_memory/model.py(330): on_train_batch_end",
+            "train.py(3): <module>",
+        ],
+    )
     read = _event("aten::_local_scalar_dense", 110, 190, parent=item)
     sync = _event("cudaStreamSynchronize", 120, 180, parent=read)
     own = _event("cudaDeviceSynchronize", 890, 899, stack=["lit_memory/run/step_profile.py(80): on_train_batch_end"])

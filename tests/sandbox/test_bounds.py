@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import CONFIGS, RECIPES, REPO, deflate_bomb
+
 from lit_memory.sandbox import bounds
 
 LAUGHS = 'a: &a ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from lightning.fabric.plugins import TorchCheckpointIO
-
 from conftest import CONFIGS, FAST, RECIPES, REPO
+from lightning.fabric.plugins import TorchCheckpointIO
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lit_memory.errors import UserError
 from lit_memory.run import environment
 from lit_memory.sandbox import checkpoint_reading, guard
-from lit_memory.errors import UserError
 
 
 class Payload:
@@ -92,7 +92,10 @@ def test_a_distributed_checkpoints_metadata_files_are_read_with_the_restricted_u
     with pytest.raises(CheckpointException):  # torch's loader fails either way: the payload is no metadata
         dcp.load({"w": torch.zeros(2)}, checkpoint_id=str(folder), no_dist=True)
     assert marker.exists() == decision
-    assert checkpoint_reading.checkpoint_problem(folder) == f"its {name} names code to run when unpickled (io.open is not checkpoint metadata)"
+    assert (
+        checkpoint_reading.checkpoint_problem(folder)
+        == f"its {name} names code to run when unpickled (io.open is not checkpoint metadata)"
+    )
 
 
 def test_metadata_naming_files_outside_its_folder_is_refused(tmp_path):
@@ -216,12 +219,27 @@ def test_a_model_folder_whose_index_names_a_fifo_or_a_file_outside_is_refused(tm
 
 def fit(root: Path, *more: str) -> subprocess.CompletedProcess:
     """An untrusted `python -m lit_memory fit` (no --trust-recipe) of a tiny random BERT."""
-    args = ["--config", str(RECIPES / "fused.yaml"), "--model.model_name_or_path=bundled:bert-large",
-            "--model.pretrained=false",
-            '--model.config_overrides={"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}',
-            *FAST, "--trainer.enable_checkpointing=true", "--model.save_pretrained=false", "--data.batch_size=4",
-            "--data.max_length=16", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={root}", *more]
-    env = {**{k: v for k, v in environment.for_new_job().items() if k != guard.FORCE_WEIGHTS_ONLY}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    args = [
+        "--config",
+        str(RECIPES / "fused.yaml"),
+        "--model.model_name_or_path=bundled:bert-large",
+        "--model.pretrained=false",
+        '--model.config_overrides={"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, '
+        '"intermediate_size": 64}',
+        *FAST,
+        "--trainer.enable_checkpointing=true",
+        "--model.save_pretrained=false",
+        "--data.batch_size=4",
+        "--data.max_length=16",
+        "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={root}",
+        *more,
+    ]
+    env = {
+        **{k: v for k, v in environment.for_new_job().items() if k != guard.FORCE_WEIGHTS_ONLY},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
     return subprocess.run([sys.executable, "-m", "lit_memory", "fit", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -255,16 +273,27 @@ def test_checkpoints_over_all_callbacks_are_bounded_for_the_whole_run(monkeypatc
 
     monkeypatch.setattr(guard, "_trusted", False)
     every = [ModelCheckpoint(every_n_epochs=i + 1, filename=f"c{i}-{{step}}") for i in range(5)]
-    trainer = SimpleNamespace(checkpoint_callbacks=every, num_training_batches=1, accumulate_grad_batches=1, max_steps=20,
-                              max_epochs=None, global_step=0)
+    trainer = SimpleNamespace(
+        checkpoint_callbacks=every,
+        num_training_batches=1,
+        accumulate_grad_batches=1,
+        max_steps=20,
+        max_epochs=None,
+        global_step=0,
+    )
     problem = guard.checkpoint_load(trainer)
     assert "every 0.4 optimizer steps (45 times in 20 steps), more often than every 50" in problem
     with pytest.raises(UserError, match="every 0.4 optimizer steps"):
         guard.RunBounds().on_train_start(trainer, None)
     assert guard.checkpoint_load(trainer, exempt=lambda c: True) is None  # the user's own: theirs
     kept = [ModelCheckpoint(monitor="train_loss", save_top_k=10, every_n_train_steps=100 + i) for i in range(5)]
-    assert "keep 50 checkpoints, more than 10" in guard.checkpoint_load(SimpleNamespace(**{**vars(trainer), "checkpoint_callbacks": kept}))
-    assert guard.checkpoint_load(SimpleNamespace(**{**vars(trainer), "num_training_batches": 500, "max_steps": 1000})) is None
+    assert "keep 50 checkpoints, more than 10" in guard.checkpoint_load(
+        SimpleNamespace(**{**vars(trainer), "checkpoint_callbacks": kept})
+    )
+    assert (
+        guard.checkpoint_load(SimpleNamespace(**{**vars(trainer), "num_training_batches": 500, "max_steps": 1000}))
+        is None
+    )
 
     saved = []
     trainer.strategy = SimpleNamespace(save_checkpoint=lambda checkpoint, path, *a, **k: saved.append(path))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_memory.task import class_weights as weights
 from lit_memory.errors import UserError
-from lit_memory.task.evaluation import report
 from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
+from lit_memory.task import class_weights as weights
+from lit_memory.task.evaluation import report
 
 SINGLE, MULTI, REGRESSION = (KINDS[name] for name in (SINGLE, MULTI, REGRESSION))  # the kinds, as passed
 
@@ -38,10 +38,14 @@ def test_weighted_losses_are_torchs():
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(8, 3, generator=g), torch.randint(0, 3, (8,), generator=g)
     w = torch.tensor([0.2, 1.0, 5.0])
-    torch.testing.assert_close(weights.loss(logits, labels, SINGLE, w), torch.nn.CrossEntropyLoss(weight=w)(logits, labels))
+    torch.testing.assert_close(
+        weights.loss(logits, labels, SINGLE, w), torch.nn.CrossEntropyLoss(weight=w)(logits, labels)
+    )
     torch.testing.assert_close(weights.loss(logits, labels, SINGLE), torch.nn.CrossEntropyLoss()(logits, labels))
     hot = torch.randint(0, 2, (8, 3), generator=g).float()
-    torch.testing.assert_close(weights.loss(logits, hot, MULTI, w), torch.nn.BCEWithLogitsLoss(pos_weight=w)(logits, hot))
+    torch.testing.assert_close(
+        weights.loss(logits, hot, MULTI, w), torch.nn.BCEWithLogitsLoss(pos_weight=w)(logits, hot)
+    )
 
 
 def fit_linear(x: torch.Tensor, y: torch.Tensor, w) -> torch.Tensor:

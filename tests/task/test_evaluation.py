@@ -35,9 +35,17 @@ def test_the_report_shows_class_names_whole_up_to_a_cap_in_aligned_columns():
 def label_counts(predicted: list[list[int]], truth: list[list[int]]) -> torch.Tensor:
     """Per label [[tn, fp], [fn, tp]] of 0/1 predictions (rows x labels) against the truth."""
     p, t = torch.tensor(predicted), torch.tensor(truth)
-    return torch.stack([torch.tensor([[int(((p[:, j] == 0) & (t[:, j] == 0)).sum()), int(((p[:, j] == 1) & (t[:, j] == 0)).sum())],
-                                      [int(((p[:, j] == 0) & (t[:, j] == 1)).sum()), int(((p[:, j] == 1) & (t[:, j] == 1)).sum())]])
-                        for j in range(p.shape[1])])
+    return torch.stack(
+        [
+            torch.tensor(
+                [
+                    [int(((p[:, j] == 0) & (t[:, j] == 0)).sum()), int(((p[:, j] == 1) & (t[:, j] == 0)).sum())],
+                    [int(((p[:, j] == 0) & (t[:, j] == 1)).sum()), int(((p[:, j] == 1) & (t[:, j] == 1)).sum())],
+                ]
+            )
+            for j in range(p.shape[1])
+        ]
+    )
 
 
 def test_a_multi_label_validation_that_predicts_the_same_labels_for_every_row_is_one_warning():

@@ -9,10 +9,9 @@ import torch
 from torchmetrics.classification import BinaryStatScores, MultilabelStatScores
 from torchmetrics.functional.classification import multilabel_f1_score
 
-from lit_memory.task import evaluation
-from lit_memory.task import thresholds as th
 from lit_memory.errors import UserError
-from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE
+from lit_memory.task import KINDS, MULTI, REGRESSION, SINGLE, evaluation
+from lit_memory.task import thresholds as th
 
 SINGLE, MULTI, REGRESSION = (KINDS[name] for name in (SINGLE, MULTI, REGRESSION))  # the kinds, as passed
 
@@ -35,7 +34,12 @@ def test_the_sweep_counts_what_torchmetrics_counts_at_each_threshold():
         t = float(th.GRID[i])
         decided = (probs >= t).float()  # the project decides with >=; torchmetrics compares > its own threshold
         stats = MultilabelStatScores(3, average="none")(decided, targets)  # tp, fp, tn, fn, support per label
-        assert counts[:, i].tolist() == [stats[:, 0].tolist(), stats[:, 1].tolist(), stats[:, 3].tolist(), stats[:, 2].tolist()]
+        assert counts[:, i].tolist() == [
+            stats[:, 0].tolist(),
+            stats[:, 1].tolist(),
+            stats[:, 3].tolist(),
+            stats[:, 2].tolist(),
+        ]
 
 
 def test_per_label_thresholds_are_each_labels_best_and_beat_one_half():
@@ -51,7 +55,9 @@ def test_per_label_thresholds_are_each_labels_best_and_beat_one_half():
     # the same F1 as torchmetrics computes from the probabilities at those thresholds, and the best of the grid
     direct = multilabel_f1_score((probs >= th.GRID[index]).float(), targets, 3, average="none")
     torch.testing.assert_close(tuned, direct)
-    grid = torch.stack([multilabel_f1_score((probs >= t).float(), targets, 3, average="none") for t in th.GRID.tolist()])
+    grid = torch.stack(
+        [multilabel_f1_score((probs >= t).float(), targets, 3, average="none") for t in th.GRID.tolist()]
+    )
     torch.testing.assert_close(tuned, grid.max(0).values)
     at_half = multilabel_f1_score((probs >= 0.5).float(), targets, 3, average="none")
     assert (th.GRID[index] < 0.45).all() and (tuned > at_half + 0.2).all()
@@ -105,20 +111,49 @@ def test_thresholds_travel_in_the_config_by_label_name():
     assert saved == {"joy": 0.31, "anger": 0.12}
     assert th.from_config({"anger": 0.12, "joy": 0.31}, ["joy", "anger"], MULTI, "x") == (0.31, 0.12)
     assert th.Thresholds((0.7,), "set").to_config(["neg", "pos"], SINGLE) == {"pos": 0.7}
-    with pytest.warns(UserWarning, match=r"x: its 'thresholds' .* are not one threshold in \(0, 1\) for each of the model's labels"):
+    with pytest.warns(
+        UserWarning, match=r"x: its 'thresholds' .* are not one threshold in \(0, 1\) for each of the model's labels"
+    ):
         assert th.from_config({"joy": 0.3}, ["joy", "anger"], MULTI, "x") is None
     assert found.describe(["joy", "anger"], MULTI) == (
         "thresholds (tuned on validation at step 8 for each label's F1): joy 0.31, anger 0.12")
 
 
-@pytest.mark.parametrize("problem, labels, tune, threshold, message", [
-    (REGRESSION, 1, "per_label", None, r"^model.tune_threshold per_label: a regression predicts a value, there is no threshold"),
-    (REGRESSION, 1, "auto", 0.3, r"^model.threshold: a regression predicts a value"),
-    (SINGLE, 3, "global", None, r"^model.tune_threshold global: a single-label task with 3 classes predicts the most probable"),
-    (SINGLE, 2, "per_label", None, r"^model.tune_threshold per_label: a binary task has one threshold \(use global\)"),
-    (MULTI, 4, "per_label", 0.3, r"^model.threshold 0.3 fixes the threshold and model.tune_threshold per_label tunes it"),
-    (MULTI, 4, "auto", 1.5, r"^model.threshold must be in \(0, 1\), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "problem, labels, tune, threshold, message",
+    [
+        (
+            REGRESSION,
+            1,
+            "per_label",
+            None,
+            r"^model.tune_threshold per_label: a regression predicts a value, there is no threshold",
+        ),
+        (REGRESSION, 1, "auto", 0.3, r"^model.threshold: a regression predicts a value"),
+        (
+            SINGLE,
+            3,
+            "global",
+            None,
+            r"^model.tune_threshold global: a single-label task with 3 classes predicts the most probable",
+        ),
+        (
+            SINGLE,
+            2,
+            "per_label",
+            None,
+            r"^model.tune_threshold per_label: a binary task has one threshold \(use global\)",
+        ),
+        (
+            MULTI,
+            4,
+            "per_label",
+            0.3,
+            r"^model.threshold 0.3 fixes the threshold and model.tune_threshold per_label tunes it",
+        ),
+        (MULTI, 4, "auto", 1.5, r"^model.threshold must be in \(0, 1\), got 1.5"),
+    ],
+)
 def test_a_threshold_asked_of_a_task_without_one_is_one_line(problem, labels, tune, threshold, message):
     with pytest.raises(UserError, match=message):
         th.tuning(problem, labels, tune, threshold, "f1")

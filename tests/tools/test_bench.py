@@ -11,8 +11,8 @@ import shutil
 import pytest
 from conftest import RECIPES
 
-from lit_memory.config import shipped as shipped_files
 from lit_memory.__main__ import main
+from lit_memory.config import shipped as shipped_files
 from lit_memory.errors import UserError
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import format_bytes
@@ -59,7 +59,12 @@ def run(shipped, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # What Lightning's launcher leaves in the process that launched ranks: each run must still be one process
         # (transformers.Trainer would otherwise wrap the peer's model in DDP, a copy of the gradients more).
-        for name, value in {"LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():
+        for name, value in {
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29555",
+        }.items():
             patch.setenv(name, value)
         main(["bench", *args, "--update-readme", "--out", str(out), *TINY])
     with open(out / "bench.csv", newline="") as f:
@@ -86,7 +91,9 @@ def test_bench_writes_table_csv_json_and_chart_with_numbers_per_recipe(run, ship
     table = table_rows((out / "bench.md").read_text())
     assert list(table) == ["baseline", "fused"]
     assert format_bytes(int(rows["baseline"]["peak_measured_bytes"])) in table["baseline"]
-    assert "| recipe | tracked tensors | peak predicted | peak in | process RSS growth |" in (out / "bench.md").read_text()
+    assert (
+        "| recipe | tracked tensors | peak predicted | peak in | process RSS growth |" in (out / "bench.md").read_text()
+    )
 
     record = json.loads((out / "bench.json").read_text())
     assert [r["recipe"] for r in record["rows"]] == ["baseline", "fused"]
@@ -212,8 +219,11 @@ def test_a_runs_error_names_the_cause_of_a_chained_traceback(tmp_path):
 
     from lit_memory.tools import bench
 
-    code = ("try:\n    raise RuntimeError('cuInit: operation not permitted')\n"
-            "except RuntimeError as e:\n    raise ModuleNotFoundError(\"Could not import module 'PreTrainedModel'\") from e\n")
+    code = (
+        "try:\n    raise RuntimeError('cuInit: operation not permitted')\n"
+        "except RuntimeError as e:\n    raise ModuleNotFoundError(\"Could not import module 'PreTrainedModel'\") "
+        "from e\n"
+    )
     error = bench._run([sys.executable, "-c", code], tmp_path / "log")
     assert error == ("exit status 1: ModuleNotFoundError: Could not import module 'PreTrainedModel' "
                      "(cause: RuntimeError: cuInit: operation not permitted)")

@@ -19,7 +19,9 @@ from lit_memory.tools.plan import choose, load_recipe
 def test_each_card_gets_what_plan_chooses_for_it_and_the_table_lands_between_the_markers():
     """The cards share one ranking predicted for the first (sm86/sm89 cards: the same attention kernels); on each the
     cell is what ``plan --budget CARD`` chooses without simulating."""
-    base = base_setup("cuda", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}")
+    base = base_setup(
+        "cuda", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"
+    )
     base = replace(base, target=replace(base.target, gpu=GPUS["rtx3050-4gb"]))
     recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
     cards = ("rtx3050-4gb", "rtx4060")

@@ -57,7 +57,18 @@ def test_2gb_fits_2_gib_of_device_memory_at_bert_large(capsys):
 def test_4gb_fits_its_card_with_the_margin_at_bert_large(capsys):
     """4gb.yaml is planned for rtx3050-4gb: on that card (3.81 GiB as torch reports it) BERT-large at 32 x 128
     fits with at least 8 % to spare; the JSON states the card's capacity and the verdict."""
-    main(["estimate", "--json", "--gpu", "rtx3050-4gb", "--no-simulate", "--config", str(RECIPES / "4gb.yaml"), *BERT_LARGE])
+    main(
+        [
+            "estimate",
+            "--json",
+            "--gpu",
+            "rtx3050-4gb",
+            "--no-simulate",
+            "--config",
+            str(RECIPES / "4gb.yaml"),
+            *BERT_LARGE,
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     footprint = data["predicted"]["analytic"]
     assert set(footprint["phases"]["backward"]) == {"peak_bytes", "reserved_bytes", "device_bytes", "categories"}
@@ -85,7 +96,10 @@ def test_the_context_and_the_gpu_come_from_the_options(capsys):
 def test_estimate_json_baseline_bert_large_is_above_10_gib(capsys):
     data = estimate(capsys, "--config", str(RECIPES / "baseline.yaml"), *BERT_LARGE)
     assert set(data["predicted"]) == {"analytic", "simulated", "flops_per_step", "flops"}
-    assert data["predicted"]["flops_per_step"] == data["predicted"]["flops"]["forward"] + data["predicted"]["flops"]["backward"]
+    assert (
+        data["predicted"]["flops_per_step"]
+        == data["predicted"]["flops"]["forward"] + data["predicted"]["flops"]["backward"]
+    )
     assert data["predicted"]["flops"]["recompute"] == 0  # the baseline recomputes nothing
     for method in ("analytic", "simulated"):
         footprint = data["predicted"][method]
@@ -134,7 +148,11 @@ def test_estimate_reads_clipping_by_norm_from_the_trainer_settings(capsys):
     """fused.yaml with trainer.gradient_clip_val (norm by default): the measuring backward is predicted, its
     largest gradient (the word embeddings') at the peak; by value, nothing changes."""
     peaks = {}
-    for clip in ([], ["--trainer.gradient_clip_val=1.0"], ["--trainer.gradient_clip_val=1.0", "--trainer.gradient_clip_algorithm=value"]):
+    for clip in (
+        [],
+        ["--trainer.gradient_clip_val=1.0"],
+        ["--trainer.gradient_clip_val=1.0", "--trainer.gradient_clip_algorithm=value"],
+    ):
         main(["estimate", "--json", "--no-simulate", "--config", str(RECIPES / "fused.yaml"), *clip])
         peaks[len(clip)] = json.loads(capsys.readouterr().out)["predicted"]["analytic"]
     assert peaks[1]["categories"]["gradients"] == 4 * 30522 * 384  # MiniLM's word embeddings
@@ -178,7 +196,10 @@ def test_a_gpu_without_bf16_is_predicted_in_fp16_with_its_attention_kernel(capsy
     main([*args, "--trainer.precision=bf16-mixed"])
     bf16 = json.loads(capsys.readouterr().out)
     assert bf16["setup"]["precision"] == "bf16-mixed" and "math" in bf16["setup"]["attention"]
-    extra = bf16["predicted"]["analytic"]["categories"]["activations"] - fp16["predicted"]["analytic"]["categories"]["activations"]
+    extra = (
+        bf16["predicted"]["analytic"]["categories"]["activations"]
+        - fp16["predicted"]["analytic"]["categories"]["activations"]
+    )
     assert 1.8 * GiB < extra < 2.6 * GiB
 
 
@@ -214,10 +235,16 @@ def test_the_verdict_names_the_card_asked_and_the_first_line_the_model_with_a_th
     main(["estimate", "--json", "--no-simulate", "--recipe", "4gb", "--gpu", "rtx4060"])
     data = json.loads(capsys.readouterr().out)
     card = GPUS["rtx4060"]
-    assert data["verdict"]["line"].startswith("fits rtx4060 (7.75 GiB) with") and data["verdict"]["limit_bytes"] == card.memory
-    assert any(n.startswith("gradient_checkpointing auto: ") and ": fits rtx4060 (7.75 GiB, --gpu) with" in n and
-               n.endswith("a run there plans for memory.tier rtx3050-4gb (3.81 GiB) unless given --memory.tier rtx4060)")
-               for n in data["notes"])
+    assert (
+        data["verdict"]["line"].startswith("fits rtx4060 (7.75 GiB) with")
+        and data["verdict"]["limit_bytes"] == card.memory
+    )
+    assert any(
+        n.startswith("gradient_checkpointing auto: ")
+        and ": fits rtx4060 (7.75 GiB, --gpu) with" in n
+        and n.endswith("a run there plans for memory.tier rtx3050-4gb (3.81 GiB) unless given --memory.tier rtx4060)")
+        for n in data["notes"]
+    )
     text = format_report(data).splitlines()
     assert text[0].startswith("estimating bundled:minilm (all-MiniLM-L6-v2, the recipes' model unless a config names")
     row, name = max(record_rows(), key=lambda r: r[0]["hfu"])  # the busiest step the records measured
@@ -225,7 +252,9 @@ def test_the_verdict_names_the_card_asked_and_the_first_line_the_model_with_a_th
     speed = data["throughput"]
     assert speed["flops_per_sample"] == data["predicted"]["flops"]["per_sample"]  # one FLOP figure
     assert (speed["bound"], speed["utilisation"], speed["peak_tflops"]) == ("card", row["hfu"], card.tflops)
-    assert speed["samples_per_s"] == pytest.approx(row["hfu"] * card.tflops * 1e12 / speed["flops_per_sample"], rel=1e-9)
+    assert speed["samples_per_s"] == pytest.approx(
+        row["hfu"] * card.tflops * 1e12 / speed["flops_per_sample"], rel=1e-9
+    )
     assert speed["host_from"] is None  # the records' rows are BERT-large's: no host bound for MiniLM
     line = next(line for line in text if line.startswith("throughput on rtx4060: "))
     assert line.startswith(f"throughput on rtx4060: about {speed['samples_per_s']:,.0f} samples/s, an estimate, not a "

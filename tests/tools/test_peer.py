@@ -1,4 +1,5 @@
-"""The HF Trainer peer: recipes map onto the reference post's TrainingArguments (running it: tests/tools/test_bench.py)."""
+"""The HF Trainer peer: recipes map onto the reference post's TrainingArguments (running it:
+tests/tools/test_bench.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def arguments(recipe: str, *overrides: str) -> dict:
 
 
 def test_the_reference_tiers_map_onto_the_reference_posts_training_arguments():
-    # The reference post's 5th tier: batch 1, accumulate 32, gradient checkpointing, optim="adafactor", lr 2e-5, wd 0.01.
+    # The reference post's 5th tier: batch 1, accumulate 32, gradient checkpointing, optim="adafactor", lr 2e-5, wd
+    # 0.01.
     freeze = arguments("freeze")
     assert {k: freeze[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps")} == {
         "per_device_train_batch_size": 1,
@@ -41,7 +43,9 @@ def test_torchao_8bit_and_bf16_weights_map_onto_the_trainers_torchao_optim_and_a
     eight = arguments("8bit", *torchao)
     assert eight["optim"] == "adamw_torch_8bit" and eight["optim_args"] == "bf16_stochastic_round=False"
     # bf16-true: no autocast flag (the peer casts the model, as Lightning does); stochastic rounding passed on
-    rounded = arguments("8bit", *torchao, "--trainer.precision=bf16-true", "--model.optimizer.init_args.bf16_stochastic_round=true")
+    rounded = arguments(
+        "8bit", *torchao, "--trainer.precision=bf16-true", "--model.optimizer.init_args.bf16_stochastic_round=true"
+    )
     assert rounded["optim_args"] == "bf16_stochastic_round=True" and "bf16" not in rounded and "fp16" not in rounded
 
 
@@ -64,8 +68,9 @@ def test_the_fused_step_has_no_trainer_equivalent(recipe):
 
 
 def test_the_trainers_best_under_a_4gb_card_is_the_first_configuration_and_largest_micro_batch_predicted_to_fit():
-    """4gb.yaml's fused step has no Trainer switch: its peer is the Trainer's best within the same cap. fp32 weights with
-    their fp32 gradients do not fit 3.81 GiB at any micro-batch; bf16 weights do, and the largest that fits is taken."""
+    """4gb.yaml's fused step has no Trainer switch: its peer is the Trainer's best within the same cap. fp32 weights
+    with their fp32 gradients do not fit 3.81 GiB at any micro-batch; bf16 weights do, and the largest that fits is
+    taken."""
     from lit_memory.memory.hardware.gpus import Target, gpu
     from lit_memory.tools.peer import best_under_budget
 
@@ -75,7 +80,10 @@ def test_the_trainers_best_under_a_4gb_card_is_the_first_configuration_and_large
     found = best_under_budget(run, Target(gpu=h200))
     chosen = found.pop("chosen")
     assert found["optim"] == "adamw_bnb_8bit" and found["gradient_checkpointing"] is True
-    assert chosen["precision"] == "bf16-true" and chosen["over_the_limit"][0]["predicted_device_bytes"] > chosen["limit_bytes"]
+    assert (
+        chosen["precision"] == "bf16-true"
+        and chosen["over_the_limit"][0]["predicted_device_bytes"] > chosen["limit_bytes"]
+    )
     assert found["per_device_train_batch_size"] * found["gradient_accumulation_steps"] == 32
     assert chosen["predicted_device_bytes"] <= chosen["limit_bytes"]
     with pytest.raises(NoTrainerEquivalent, match="chosen for a memory budget"):

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import CONFIGS, FAST, RECIPES, flatten
+
 from lit_memory.__main__ import main
 from lit_memory.cli import LitMemoryCLI, resolve
 from lit_memory.errors import UserError
-from lit_memory.memory.measure import records
-from lit_memory.memory.measure.footprint import format_bytes
-from lit_memory.planning.prediction.analytic import analytic
-from lit_memory.planning.choose import rank
 from lit_memory.memory.hardware.gpus import Target
 from lit_memory.memory.margin import Limit
+from lit_memory.memory.measure import records
+from lit_memory.memory.measure.footprint import format_bytes
+from lit_memory.planning.choose import rank
+from lit_memory.planning.prediction.analytic import analytic
 from lit_memory.planning.prediction.predict import device_total
 from lit_memory.planning.prediction.step import Step
 from lit_memory.tools.plan import _parent, candidates, choose, load_recipe, shipped_recipes
@@ -52,7 +52,9 @@ def test_candidates_cover_every_switch_and_micro_batch(minilm_candidates):
     assert {s.model["freeze"] for s in setups} == {None, "body", "embeddings"}
     shipped = {yaml.safe_load(p.read_text())["model"]["optimizer"]["class_path"] for p in RECIPES.glob("*.yaml")}
     assert {s.optimizer_name for s in setups} == {path.rsplit(".", 1)[1] for path in shipped}
-    assert {s.precision.name for s in setups} == {"32-true", "bf16-mixed", "bf16-true"} and {s.fused for s in setups} == {False, True}
+    assert {s.precision.name for s in setups} == {"32-true", "bf16-mixed", "bf16-true"} and {
+        s.fused for s in setups
+    } == {False, True}
     # stochastic rounding only where the weights are bf16 (fit refuses it elsewhere)
     assert {s.precision.name for s in setups if s.stochastic_rounding} == {"bf16-true"}
 
@@ -75,7 +77,9 @@ def test_rule_prefers_no_accumulation_over_no_checkpointing(minilm_candidates):
 
 def test_impossible_budget_names_the_smallest_need(minilm_candidates):
     base, _ = minilm_candidates
-    with pytest.raises(UserError, match=r"predicted to fit 1.00 MiB with the 8 % margin \(.*\); the smallest needs .* MiB \(batch"):
+    with pytest.raises(
+        UserError, match=r"predicted to fit 1.00 MiB with the 8 % margin \(.*\); the smallest needs .* MiB \(batch"
+    ):
         choose(base, Limit(1 * MiB), [], confirm=False)
 
 
@@ -210,7 +214,9 @@ def test_a_recipe_with_offloading_adds_candidates_but_never_offloading_without_c
     assert "  gradient_checkpointing: auto" in text and "  offload_activations: auto" in text
     offloading = tmp_path / "offload.yaml"
     text = re.sub(r"\n  (gradient_checkpointing|offload_activations): auto[^\n]*", "", text)
-    offloading.write_text(text.replace("model:\n", "model:\n  offload_activations: true\n  gradient_checkpointing: selective\n"))
+    offloading.write_text(
+        text.replace("model:\n", "model:\n  offload_activations: true\n  gradient_checkpointing: selective\n")
+    )
     setups = [c.setup for c in candidates(base_setup("cuda"), [*shipped_recipes(), load_recipe(offloading)])]
     # the shipped tiers' `auto` is ranked as every layer full, and refined per layer once chosen
     assert {s.checkpointing.uniform if s.checkpointing else None for s in setups} == {None, "full", "selective"}
@@ -221,7 +227,13 @@ def test_a_recipe_with_offloading_adds_candidates_but_never_offloading_without_c
 # -- modes: full, LoRA, QLoRA (issue 48) ------------------------------------------------------------------------
 
 # Two 256-wide layers with a small vocabulary: their matrices dominate, as in the decoders people fine-tune.
-WIDE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024, "vocab_size": 1000}
+WIDE = {
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "intermediate_size": 1024,
+    "vocab_size": 1000,
+}
 MODE_RECIPES = ("baseline", "lora", "qlora")
 
 
@@ -233,8 +245,10 @@ def test_plan_fine_tunes_in_full_then_lora_then_qlora_as_the_budget_shrinks_and_
     from lit_memory.planning.choose import mode_of
     from lit_memory.tools.plan import recipe_text, why
 
-    base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
-                   margin=0.0)
+    base = replace(
+        base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
+        margin=0.0,
+    )
     recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
     everything = candidates(base, recipes)
     need = {mode: min(c.total for c in everything if mode_of(c.setup) == mode) for mode in ("full", "LoRA", "QLoRA")}
@@ -244,14 +258,20 @@ def test_plan_fine_tunes_in_full_then_lora_then_qlora_as_the_budget_shrinks_and_
         chosen, _, _ = choose(base, limits[mode], [], recipes, confirm=False)
         assert mode_of(chosen.setup) == mode and chosen.total <= need[mode]
     assert why(chosen, everything, limits["QLoRA"]).startswith(
-        f"QLoRA: full needs {format_bytes(need['full'])} at the least, LoRA needs {format_bytes(need['LoRA'])} at the least"
+        f"QLoRA: full needs {format_bytes(need['full'])} at the least, LoRA needs {format_bytes(need['LoRA'])} at "
+        "the least"
     )
-    assert "# mode: QLoRA: full needs" in recipe_text(chosen, None, recipes, limits["QLoRA"], "plan", everything=everything)
+    assert "# mode: QLoRA: full needs" in recipe_text(
+        chosen, None, recipes, limits["QLoRA"], "plan", everything=everything
+    )
     with pytest.raises(UserError) as error:
         choose(base, Limit(need["QLoRA"] - 1, margin=0.0), [], recipes, confirm=False)
     message = str(error.value)
     assert "\n" not in message and "in any mode (full, LoRA, QLoRA); the smallest needs" in message
-    assert "LoRA rank 8 on a 4-bit NF4 base (QLoRA)" in message and "; it would fit mx450 (1.96 GiB) or a larger card" in message
+    assert (
+        "LoRA rank 8 on a 4-bit NF4 base (QLoRA)" in message
+        and "; it would fit mx450 (1.96 GiB) or a larger card" in message
+    )
 
 
 def test_a_family_bitsandbytes_cannot_quantise_is_named_in_the_line_that_says_nothing_fits(tmp_path):
@@ -260,8 +280,15 @@ def test_a_family_bitsandbytes_cannot_quantise_is_named_in_the_line_that_says_no
     from transformers import SqueezeBertConfig
 
     folder = tmp_path / "squeezebert"
-    SqueezeBertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                      embedding_size=64, num_labels=2).save_pretrained(folder)
+    SqueezeBertConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        embedding_size=64,
+        num_labels=2,
+    ).save_pretrained(folder)
     base = base_setup("cuda", f"--model.model_name_or_path={folder}", "--model.pretrained=false",
                       "--model.tokenizer_name_or_path=bundled:bert-large")
     recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
@@ -269,7 +296,9 @@ def test_a_family_bitsandbytes_cannot_quantise_is_named_in_the_line_that_says_no
         choose(base, Limit(512 * MiB), [], recipes, confirm=False)  # under the CUDA context alone
     message = str(error.value)
     assert "\n" not in message and "in any mode (full);" in message
-    assert "; QLoRA not possible: model.lora.base nf4 quantises the linear layers inside the transformer layers" in message
+    assert (
+        "; QLoRA not possible: model.lora.base nf4 quantises the linear layers inside the transformer layers" in message
+    )
     assert "bitsandbytes cannot quantise this family" in message and "; it would fit" in message
 
 
@@ -281,8 +310,10 @@ def test_the_rule_is_walked_a_quality_class_at_a_time_in_the_order_of_every_cand
     from lit_memory.planning.choose import mode_of
     from lit_memory.tools.plan import ranked
 
-    base = replace(base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
-                   margin=0.0)
+    base = replace(
+        base_setup("cpu", "--config", str(CONFIGS / "bert-large.yaml"), f"--model.config_overrides={json.dumps(WIDE)}"),
+        margin=0.0,
+    )
     recipes = [load_recipe(RECIPES / f"{name}.yaml") for name in MODE_RECIPES]
     everything = candidates(base, recipes)
     longest = max(c.setup.max_length for c in everything)

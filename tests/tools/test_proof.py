@@ -8,12 +8,12 @@ import json
 import shlex
 
 import pytest
-
 from conftest import RECIPES
+
 from lit_memory.__main__ import main
 from lit_memory.errors import UserError
-from lit_memory.memory.measure import records
 from lit_memory.memory.hardware.gpus import GPUS
+from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.tools import proof
 
@@ -34,10 +34,18 @@ def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(t
     # the HF Trainer alone, on 4gb.yaml's model and data under its budget, in its best configuration there
     peer = {r["recipe"]: shlex.split(r["peer"]) for r in planned if "peer" in r}
     assert set(peer) == set(proof.PEER_ROWS) and "--best-under-budget" in peer["4gb-peer"]
-    assert proof.budget_of(peer["4gb-peer"]) == "rtx3050-4gb" and peer["4gb-peer"][:3] == ["python", "-m", "lit_memory.tools.peer"]
+    assert proof.budget_of(peer["4gb-peer"]) == "rtx3050-4gb" and peer["4gb-peer"][:3] == [
+        "python",
+        "-m",
+        "lit_memory.tools.peer",
+    ]
     for name, args in runs.items():
         assert "--model.model_name_or_path=bundled:bert-large" in args and "--model.pretrained=false" in args, name
-        assert "--trainer.accelerator=cuda" in args and "--memory.simulate=false" in args and "--memory.track_steps=0" in args
+        assert (
+            "--trainer.accelerator=cuda" in args
+            and "--memory.simulate=false" in args
+            and "--memory.track_steps=0" in args
+        )
         assert "--data.padding=max_length" in args
     assert "--memory.budget=rtx3050-4gb" in runs["4gb"] and "--memory.budget=2560MiB" in runs["2gb-2560mib"]
     assert not any(a.startswith("--memory.budget") for a in runs["baseline"])
@@ -59,13 +67,25 @@ def test_the_dry_run_resolves_every_recipe_on_bert_large_with_the_tiers_capped(t
 
 
 def test_a_recipes_record_puts_each_measured_level_beside_its_prediction(tmp_path):
-    footprint = Footprint({"backward": {"weights": 2 * GiB, "gradients": 0, "optimizer": GiB, "activations": 0, "other": 0}},
-                          reserved=int(3.1 * GiB), context=400 * 2**20)
+    footprint = Footprint(
+        {"backward": {"weights": 2 * GiB, "gradients": 0, "optimizer": GiB, "activations": 0, "other": 0}},
+        reserved=int(3.1 * GiB),
+        context=400 * 2**20,
+    )
     cuda = {"max_allocated_bytes": int(3.3 * GiB), "max_reserved_bytes": int(3.2 * GiB),
             "max_device_bytes": int(3.6 * GiB), "device_source": "nvml (this process)", "peak_phase": "backward"}
     record = records.memory_record(
-        device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "total_bytes": GPUS["h100"].memory, "limit_bytes": None},
-        world_size=1, batch_shape=[32, 128], batches=5, tracked_batches=0, optimizer_steps=5,
+        device={
+            "type": "cuda",
+            "name": "NVIDIA H100 80GB HBM3",
+            "total_bytes": GPUS["h100"].memory,
+            "limit_bytes": None,
+        },
+        world_size=1,
+        batch_shape=[32, 128],
+        batches=5,
+        tracked_batches=0,
+        optimizer_steps=5,
         predicted={"analytic": footprint, "simulated": None},
         measured={"tracked": None, "process": None, "cuda": cuda},
     )
@@ -114,7 +134,9 @@ def test_within_the_card_every_step_needs_every_step_read_and_the_allocators_ret
     unread = proof.every_step([int(3.4 * GiB), None, int(3.5 * GiB)], 5, limit)
     assert not unread["within_budget_every_step"] and unread["unread_steps"] == [1, 3, 4]
     assert not proof.every_step([int(3.9 * GiB)], 1, limit)["within_budget_every_step"]
-    counts = proof.allocator_counts({"alloc_retries_by_step": [2, 1, 0, 0, 1, 0, 0, None], "device_allocs_by_step": [9, 0]})
+    counts = proof.allocator_counts(
+        {"alloc_retries_by_step": [2, 1, 0, 0, 1, 0, 0, None], "device_allocs_by_step": [9, 0]}
+    )
     assert counts["alloc_retries_per_10_steps"] == 2.5 and counts["device_allocs_by_step"] == [9, 0]  # after 3 warm-up
     assert counts["alloc_retries_per_step"] == 0.25 and "cap_headroom_bytes" not in counts  # no cap: none read
     capped = proof.allocator_counts({"allocator_cap_bytes": 3144 * 2**20, "max_reserved_bytes": 2952 * 2**20})
@@ -122,11 +144,20 @@ def test_within_the_card_every_step_needs_every_step_read_and_the_allocators_ret
 
 
 def test_the_peer_row_stands_beside_the_recipe_it_is_the_trainers_answer_to():
-    bench_row = {"recipe": "4gb-peer", "flops_per_step": 10e12, "recompute_share": 0.2, "peer_samples_per_s": 100.0,
-                 "peer_step_time_s": 0.32, "peer_host_ops_per_step": 9000, "peer_training_arguments": {"optim": "adamw_bnb_8bit"},
-                 "peer_chosen": {"precision": "bf16-true"}, "peer_device_bytes_by_step": [int(3.5 * GiB)] * 2,
-                 "peer_alloc_retries_by_step": [3, 0, 0, 1, 0], "peer_allocator_limit_bytes": int(3.07 * GiB),
-                 "peer_reserved_bytes": int(2.8 * GiB)}
+    bench_row = {
+        "recipe": "4gb-peer",
+        "flops_per_step": 10e12,
+        "recompute_share": 0.2,
+        "peer_samples_per_s": 100.0,
+        "peer_step_time_s": 0.32,
+        "peer_host_ops_per_step": 9000,
+        "peer_training_arguments": {"optim": "adamw_bnb_8bit"},
+        "peer_chosen": {"precision": "bf16-true"},
+        "peer_device_bytes_by_step": [int(3.5 * GiB)] * 2,
+        "peer_alloc_retries_by_step": [3, 0, 0, 1, 0],
+        "peer_allocator_limit_bytes": int(3.07 * GiB),
+        "peer_reserved_bytes": int(2.8 * GiB),
+    }
     card = {"name": "NVIDIA H200", "total_bytes": GPUS["h200"].memory}
     row = proof.peer_row("4gb-peer", bench_row, "rtx3050-4gb", card)
     assert row["peer_of"] == "4gb" and row["precision"] == "bf16-true" and row["samples_per_s"] == 100.0
@@ -142,25 +173,61 @@ def test_the_peer_row_stands_beside_the_recipe_it_is_the_trainers_answer_to():
 def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
     old = {"command": "python -m lit_memory bench --gpu-proof", "machine": {"device": "NVIDIA H100 80GB HBM3"},
            "recipes": [{"recipe": "bf16", "samples_per_s": 300.0}]}
-    new = {**old, "date": "2026-12-01", "machine": {"device": "NVIDIA H200"}, "recipes": [
-        {"recipe": "bf16", "samples_per_s": 410.0, "mfu": 0.098, "peer_samples_per_s": 400.0,
-         "samples_per_s_ours_over_peer": 1.025, "step_time_s": 0.078, "step_time_min_s": 0.075, "step_time_max_s": 0.09,
-         "host_ops_per_step": 15000, "alloc_retries_per_step": 0.05},
-        {"recipe": "4gb", "samples_per_s": 300.0, "within_budget": True, "spare": 0.05, "within_budget_every_step": False,
-         "unread_steps": [4]},
-        {"recipe": "4gb-peer", "peer_of": "4gb", "samples_per_s": 250.0, "chosen": {"configuration": "bf16 weights"},
-         "training_arguments": {"per_device_train_batch_size": 32}},
-        {"recipe": "lora"}]}
+    new = {
+        **old,
+        "date": "2026-12-01",
+        "machine": {"device": "NVIDIA H200"},
+        "recipes": [
+            {
+                "recipe": "bf16",
+                "samples_per_s": 410.0,
+                "mfu": 0.098,
+                "peer_samples_per_s": 400.0,
+                "samples_per_s_ours_over_peer": 1.025,
+                "step_time_s": 0.078,
+                "step_time_min_s": 0.075,
+                "step_time_max_s": 0.09,
+                "host_ops_per_step": 15000,
+                "alloc_retries_per_step": 0.05,
+            },
+            {
+                "recipe": "4gb",
+                "samples_per_s": 300.0,
+                "within_budget": True,
+                "spare": 0.05,
+                "within_budget_every_step": False,
+                "unread_steps": [4],
+            },
+            {
+                "recipe": "4gb-peer",
+                "peer_of": "4gb",
+                "samples_per_s": 250.0,
+                "chosen": {"configuration": "bf16 weights"},
+                "training_arguments": {"per_device_train_batch_size": 32},
+            },
+            {"recipe": "lora"},
+        ],
+    }
     (tmp_path / "h100.json").write_text(json.dumps(old))
     (tmp_path / "h200-speed.json").write_text(json.dumps(new))
     assert proof.newest_record(tmp_path).name == "h200-speed.json"  # dated: newer than a record without a date
-    failed = {**new, "date": "2026-12-02", "recipes": [{"recipe": "bf16", "error": "exit status 1: ..."},
-                                                        {"recipe": "4gb-peer", "peer_of": "4gb", "samples_per_s": 186.4}]}
+    failed = {
+        **new,
+        "date": "2026-12-02",
+        "recipes": [
+            {"recipe": "bf16", "error": "exit status 1: ..."},
+            {"recipe": "4gb-peer", "peer_of": "4gb", "samples_per_s": 186.4},
+        ],
+    }
     (tmp_path / "h200-sandboxed.json").write_text(json.dumps(failed))
     assert proof.newest_record(tmp_path).name == "h200-speed.json"  # newer, but none of ours trained: not the source
     text = proof.speed_table(new, "docs/gpu/h200-speed.json")
     assert text.startswith("Measured on one NVIDIA H200 on 2026-12-01")
-    rows = {line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| `")}
+    rows = {
+        line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| `")
+    }
     assert rows["bf16"][1:9] == ["410.0", "9.8%", "400.0", "1.02", "75 / 78 / 90", "0.05", "-", "15000"]
     assert rows["4gb"][-1] == "peak within the card, 5.0% to spare; not every step shown (1 unread)"
     assert rows["4gb-peer"][-1] == "the HF Trainer alone: bf16 weights, micro-batch 32" and "lora" not in rows

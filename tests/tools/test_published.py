@@ -32,7 +32,9 @@ def test_the_docs_show_the_generated_table():
     text = published.DOCS.read_text(encoding="utf-8")
     start, end = published.MARKERS
     shown = text[text.index(start) + len(start) : text.index(end)].strip()
-    assert shown == published.markdown(RESULTS).strip(), "regenerate: python -m lit_memory estimate --published --update-docs"
+    assert shown == published.markdown(RESULTS).strip(), (
+        "regenerate: python -m lit_memory estimate --published --update-docs"
+    )
 
 
 def test_the_default_margin_covers_the_worst_under_prediction_on_a_strict_row():

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST
+
 from lit_memory.errors import UserError
 from lit_memory.tools import quality
 

@@ -6,17 +6,19 @@ from __future__ import annotations
 import re
 
 import yaml
-
 from conftest import RECIPES
-from lit_memory.memory.measure.footprint import parse_bytes
+
 from lit_memory.config.shipped import header
+from lit_memory.memory.measure.footprint import parse_bytes
 from lit_memory.tools import recipes as commands
 
 
 def predicted(text: str) -> dict[str, int]:
     """tensors / reserved / device from a predicted line."""
     levels = text.split(": ", 2)[-1].split(" (python")[0]
-    return {name: parse_bytes(value.replace(" ", "")) for name, value in (part.split(" ", 1) for part in levels.split(", "))}
+    return {
+        name: parse_bytes(value.replace(" ", "")) for name, value in (part.split(" ", 1) for part in levels.split(", "))
+    }
 
 
 def test_every_header_states_the_prediction_the_command_makes(capsys):
@@ -31,7 +33,8 @@ def test_every_header_states_the_prediction_the_command_makes(capsys):
     for path in RECIPES.glob("*.yaml"):
         line = header(path)["predicted"]
         tier = (yaml.safe_load(path.read_text()).get("memory") or {}).get("tier")
-        card = "GeForce RTX 3050 Laptop GPU 4GB" if tier == "rtx3050-4gb" else "A100 80GB"  # the tier's card, else the default
+        # the tier's card, else the default
+        card = "GeForce RTX 3050 Laptop GPU 4GB" if tier == "rtx3050-4gb" else "A100 80GB"
         assert line.startswith("BERT-large ") and f"on {card}:" in line
         levels = predicted(line)
         assert levels["tensors"] <= levels["reserved"] < levels["device"]
@@ -39,7 +42,9 @@ def test_every_header_states_the_prediction_the_command_makes(capsys):
 
 
 def flops_ratio(name: str) -> float:
-    return float(re.search(r"([0-9.]+)x bf16.yaml's per micro-batch", header(RECIPES / f"{name}.yaml")["flops"]).group(1))
+    return float(
+        re.search(r"([0-9.]+)x bf16.yaml's per micro-batch", header(RECIPES / f"{name}.yaml")["flops"]).group(1)
+    )
 
 
 def test_the_tiers_recompute_less_than_every_layer_full():
@@ -57,13 +62,20 @@ def test_the_memory_tiers_fit_their_cards_with_the_margin_to_spare():
     from lit_memory.memory.hardware.gpus import GPUS
 
     planned = header(RECIPES / "4gb.yaml")["planned-for"]
-    assert planned.startswith("rtx3050-4gb; BERT-large 32 x 128 fits rtx3050-4gb (GeForce RTX 3050 Laptop GPU 4GB, 3.81 GiB")
+    assert planned.startswith(
+        "rtx3050-4gb; BERT-large 32 x 128 fits rtx3050-4gb (GeForce RTX 3050 Laptop GPU 4GB, 3.81 GiB"
+    )
     spare = int(re.search(r"with (\d+) % to spare", planned).group(1))
-    assert spare >= 8 and predicted(header(RECIPES / "4gb.yaml")["predicted"])["device"] <= 0.92 * GPUS["rtx3050-4gb"].memory
+    assert (
+        spare >= 8
+        and predicted(header(RECIPES / "4gb.yaml")["predicted"])["device"] <= 0.92 * GPUS["rtx3050-4gb"].memory
+    )
     assert flops_ratio("4gb") <= 1.20
     assert yaml.safe_load((RECIPES / "4gb.yaml").read_text())["memory"]["tier"] == "rtx3050-4gb"
     planned = header(RECIPES / "2gb.yaml")["planned-for"]
-    assert planned.startswith("2.00 GiB; BERT-large 32 x 128 fits 2.00 GiB with") and "gives-up" in header(RECIPES / "2gb.yaml")
+    assert planned.startswith("2.00 GiB; BERT-large 32 x 128 fits 2.00 GiB with") and "gives-up" in header(
+        RECIPES / "2gb.yaml"
+    )
     assert predicted(header(RECIPES / "2gb.yaml")["predicted"])["device"] <= 0.92 * parse_bytes("2GiB")
     assert "32 x 128" in header(RECIPES / "2gb.yaml")["predicted"]
 
@@ -82,7 +94,10 @@ def test_readme_quotes_the_tiers_device_totals_as_their_headers_state_them():
     """README's sentence on the baseline, 4gb and 2gb device totals is rewritten by `recipes headers` (its check
     mode fails on a stale one): the numbers in it are the headers'."""
     readme = (RECIPES.parent / "README.md").read_text()
-    devices = {name: header(RECIPES / f"{name}.yaml")["predicted"].rsplit("device ", 1)[1].split(" (")[0] for name in ("baseline", "4gb", "2gb")}
+    devices = {
+        name: header(RECIPES / f"{name}.yaml")["predicted"].rsplit("device ", 1)[1].split(" (")[0]
+        for name in ("baseline", "4gb", "2gb")
+    }
     assert commands.readme_with_devices(readme, devices) == readme
     stale = commands.readme_with_devices(readme, {**devices, "2gb": "9.99 GiB"})
     assert stale != readme and "9.99 GiB for `2gb.yaml`" in stale

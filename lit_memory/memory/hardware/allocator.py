@@ -54,8 +54,8 @@ def env_names(torch_version: Optional[str] = None) -> tuple[str, ...]:
     and is read once, when the allocator's config is first used (c10/core/AllocatorConfig.cpp,
     ``AcceleratorAllocatorConfig::instance``). torch 2.8 to 2.11 read the unified ``PYTORCH_ALLOC_CONF`` first and
     warned that ``PYTORCH_CUDA_ALLOC_CONF`` is deprecated; from 2.12 the CUDA name is an alias again and read first
-    (then ROCm's ``PYTORCH_HIP_ALLOC_CONF``, then the unified one: tests/memory/hardware/test_allocator.py checks the installed
-    torch's order against this one); before 2.8 only the CUDA name existed."""
+    (then ROCm's ``PYTORCH_HIP_ALLOC_CONF``, then the unified one: tests/memory/hardware/test_allocator.py checks the
+    installed torch's order against this one); before 2.8 only the CUDA name existed."""
     if torch_version is None:
         # deferred: the allocator's settings are read and checked without torch (`memory.settings`, the CLI)
         import torch
@@ -70,7 +70,9 @@ def env_names(torch_version: Optional[str] = None) -> tuple[str, ...]:
     return (CUDA_ENV,)
 
 
-def environment_conf(environ: Optional[Mapping[str, str]] = None, torch_version: Optional[str] = None) -> Optional[tuple[str, str]]:
+def environment_conf(
+    environ: Optional[Mapping[str, str]] = None, torch_version: Optional[str] = None
+) -> Optional[tuple[str, str]]:
     """(variable, settings) torch takes from the environment (``os.environ`` by default), or None: none is set."""
     environ = os.environ if environ is None else environ
     for name in env_names(torch_version):
@@ -142,7 +144,9 @@ def check_recipe_conf(conf: str) -> str:
 
 
 @contextlib.contextmanager
-def recipe_settings(conf: Optional[str], environ: Optional[dict] = None, runtime: Optional["Runtime"] = None) -> Iterator[Optional[str]]:
+def recipe_settings(
+    conf: Optional[str], environ: Optional[dict] = None, runtime: Optional["Runtime"] = None
+) -> Iterator[Optional[str]]:
     """Make ``conf`` (a recipe's ``memory.allocator``, checked) this process's CUDA allocator settings for the length
     of the block, unless the environment names its own (either variable: `environment_conf`), which wins: the block
     then gets a warning line, else None. The variable torch reads first is set, for the processes a run starts, and
@@ -157,7 +161,11 @@ def recipe_settings(conf: Optional[str], environ: Optional[dict] = None, runtime
     found = environment_conf(environ)
     if found is not None:
         name, mine = found
-        yield None if mine == conf else f"warning: {name}={mine} from the environment, not the recipe's memory.allocator {conf}"
+        yield (
+            None
+            if mine == conf
+            else f"warning: {name}={mine} from the environment, not the recipe's memory.allocator {conf}"
+        )
         return
     name = env_names()[0]
     runtime = Runtime() if runtime is None else runtime
@@ -172,10 +180,10 @@ def recipe_settings(conf: Optional[str], environ: Optional[dict] = None, runtime
 
 
 class Runtime:
-    """torch's allocator settings in this process, read and set at run time: ``torch._C._accelerator_getAllocatorSettings``
-    and ``_accelerator_setAllocatorSettings`` (torch 2.9 on; ``torch.cuda.memory._set_allocator_settings`` is their
-    deprecated wrapper, which warns). Older torch: its CUDA setter, once CUDA has started (before, the variable
-    does it); nothing to read back. The seam a test replaces."""
+    """torch's allocator settings in this process, read and set at run time:
+    ``torch._C._accelerator_getAllocatorSettings`` and ``_accelerator_setAllocatorSettings`` (torch 2.9 on;
+    ``torch.cuda.memory._set_allocator_settings`` is their deprecated wrapper, which warns). Older torch: its CUDA
+    setter, once CUDA has started (before, the variable does it); nothing to read back. The seam a test replaces."""
 
     def __init__(self) -> None:
         import torch  # deferred, as in `env_names`

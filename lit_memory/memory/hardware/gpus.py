@@ -129,7 +129,8 @@ GPUS = {
         # H100 80GB HBM3 (sm90): deviceQuery 81079 MiB (85017755648 B) with a CUDA 13.0 driver, as on this
         # project's lent machines (driver 580); nvidia-smi shows 81559 MiB there, 551 MiB of it reserved by the
         # driver; older drivers' torch said "79.11 GiB total capacity"
-        # (https://github.com/vllm-project/vllm/issues/27508). 989 TFLOP/s bf16 dense, 67 fp32 (SXM datasheet), PCIe 5.0.
+        # (https://github.com/vllm-project/vllm/issues/27508). 989 TFLOP/s bf16 dense, 67 fp32 (SXM datasheet), PCIe
+        # 5.0.
         _card("h100", "H100 80GB HBM3", (9, 0), 81079, 989, "PCIe 5.0 x16", r"H100", fp32_tflops=67),
         # H200 (sm90, 141 GB HBM3e): total_memory=150109880320 B (143156 MiB) with torch 2.11+cu130 and driver 580 on
         # this project's lent machine, where nvidia-smi shows 143771 MiB (docs/gpu/h200.json's call). The H100's
@@ -155,8 +156,12 @@ for _parent, (_sms, _profiles) in MIG.items():
         _of = GPUS[_parent]
         _key = f"{_parent}-{_profile}"
         GPUS[_key] = replace(
-            _of, name=f"{_of.name} MIG {_profile}", memory=int(_gib * 1024 * MiB), tflops=round(_of.tflops * _slice_sms / _sms, 1),
-            key=_key, pattern=f"(?:{_of.pattern}).*MIG {re.escape(_profile)}$",
+            _of,
+            name=f"{_of.name} MIG {_profile}",
+            memory=int(_gib * 1024 * MiB),
+            tflops=round(_of.tflops * _slice_sms / _sms, 1),
+            key=_key,
+            pattern=f"(?:{_of.pattern}).*MIG {re.escape(_profile)}$",
         )
 # Older names, kept working: the A10 entry once stood for both A10 and A10G.
 ALIASES = {"a10-a10g": "a10g", "rtx3050": "rtx3050-4gb", "rtx3050-laptop": "rtx3050-4gb", "gtx1050-ti": "gtx1050ti"}
@@ -214,7 +219,8 @@ class Target:
     lazy_loading: Optional[bool] = None  # None: PyTorch's default for that CUDA version
     context: Optional[int] = None  # bytes; None: from `CONTEXTS`
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
-    allocator_given: bool = False  # by the caller or the environment: a recipe's ``memory.allocator`` does not replace it
+    # by the caller or the environment: a recipe's ``memory.allocator`` does not replace it
+    allocator_given: bool = False
     nccl: NcclSettings = field(default_factory=NcclSettings)  # a distributed run's NCCL settings (the environment's)
     torch: str = field(default_factory=lambda: _installed_torch())  # the PyTorch version the run uses
     devices: Optional[int] = None  # the GPUs this machine has, for a run's own target; None: `auto` counts one
@@ -267,15 +273,20 @@ class Target:
             row = self.context_row
             measured = "measured in training" if row.training else "measured"
             extra = f" + {LAZY_KERNELS / MiB:.0f} MiB for the step's kernels" if self.lazy and not row.training else ""
-            context = f"context {self.context_bytes / MiB:.0f} MiB ({loading}: {row.bytes / MiB:.0f} MiB {measured}{extra})"
-        card = f"{self.gpu.name} (sm{self.gpu.capability[0]}{self.gpu.capability[1]}, {self.gpu.memory / 2**30:.2f} GiB)"
+            context = (
+                f"context {self.context_bytes / MiB:.0f} MiB ({loading}: {row.bytes / MiB:.0f} MiB {measured}{extra})"
+            )
+        card = (
+            f"{self.gpu.name} (sm{self.gpu.capability[0]}{self.gpu.capability[1]}, {self.gpu.memory / 2**30:.2f} GiB)"
+        )
         return f"{card}, CUDA {self.cuda}, {context}, {self.allocator.describe()}"
 
 
 def add_levels(
     footprint: Any, reserved: int, phase: str, target: Target, communicators: int = 0, room: int = 0
 ) -> None:
-    """A CUDA step's ``footprint`` (`lit_memory.memory.measure.footprint.Footprint`) given its reserved and device levels:
+    """A CUDA step's ``footprint`` (`lit_memory.memory.measure.footprint.Footprint`) given its reserved and device
+    levels:
     ``reserved``, what the allocator holds at its peak as the prediction replayed it (at ``phase``), plus the cuBLAS
     workspaces (through the allocator), in whole MiB; the device adds the CUDA context and ``communicators``, NCCL's
     memory (`lit_memory.memory.hardware.nccl`). The allocator caches what it reserves: in the steady state every phase
@@ -439,7 +450,10 @@ def planning_limit(limit: Optional[Limit], card: Optional[CardReading], margin: 
         f"this process's context {format_bytes(card.context)} ({card.source})" if card.context is not None
         else f"this process's context not measured (no nvidia-ml-py): {format_bytes(BARE_CONTEXT)} assumed"
     )
-    free = f"{card.name} has {format_bytes(card.available)} for this run at start ({format_bytes(card.free)} free + {context})"
+    free = (
+        f"{card.name} has {format_bytes(card.available)} for this run at start ({format_bytes(card.free)} free "
+        f"+ {context})"
+    )
     if limit is not None and limit.bytes <= card.available:
         return limit, f"memory: auto plans for {limit}: {free}"
     below = f", less than {limit}" if limit is not None else ""
@@ -458,7 +472,8 @@ def allocator_limit(budget: int, card: CardReading) -> tuple[int, str]:
     how = card.source if card.context is not None else "not measured: all the card holds at start"
     limit = max(min(budget - context, card.total), 0)
     return limit, (
-        f"memory.budget {format_bytes(budget)}: the caching allocator is capped at {format_bytes(limit)} on {card.name} "
+        f"memory.budget {format_bytes(budget)}: the caching allocator is capped at {format_bytes(limit)} on "
+        f"{card.name} "
         f"(the budget less this process's CUDA context at start, {format_bytes(context)}, {how})"
     )
 

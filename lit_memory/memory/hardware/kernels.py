@@ -25,13 +25,18 @@ inputs' bytes, L = s rounded up as the kernel pads it):
 
 | kernel | saved | backward adds |
 |---|---|---|
-| flash / efficient / cuDNN | q, k, v, the output: ``4h*c``; a fp32 log-sum-exp per head: ``4a``; efficient with a padding mask: the mask as a ``c``-byte bias, ``L*c`` | dq, dk, dv ``3h*c``; flash a fp32 dq accumulator ``4h`` |
-| math (CUDA) | fp32 scaled q, k and fp32 v ``12h``; fp32 probabilities ``4as``; with dropout its 1-byte mask and the fp32 dropped probabilities ``5as`` | two fp32 ``a*s`` gradients |
-| eager | q, k, v ``3h*c``; the softmax output (fp32 under autocast) ``as*sm``; with dropout its mask ``as`` and the dropped probabilities as the second matmul saves them (a 16-bit copy under autocast); before torch 1.11 the softmax input too | two ``a*s`` gradients |
+| flash / efficient / cuDNN | q, k, v, the output: ``4h*c``; a fp32 log-sum-exp per head: ``4a``; efficient with a
+padding mask: the mask as a ``c``-byte bias, ``L*c`` | dq, dk, dv ``3h*c``; flash a fp32 dq accumulator ``4h`` |
+| math (CUDA) | fp32 scaled q, k and fp32 v ``12h``; fp32 probabilities ``4as``; with dropout its 1-byte mask and the
+fp32 dropped probabilities ``5as`` | two fp32 ``a*s`` gradients |
+| eager | q, k, v ``3h*c``; the softmax output (fp32 under autocast) ``as*sm``; with dropout its mask ``as`` and the
+dropped probabilities as the second matmul saves them (a 16-bit copy under autocast); before torch 1.11 the softmax
+input too | two ``a*s`` gradients |
 
 The fused kernels (CPU's too) return their output laid out (batch, length, heads, dim), as their inputs are
-(torch's meta kernels: ``empty_like(query)``), so transformers' ``transpose(1, 2).contiguous()`` costs nothing and the output projection keeps the kernel's own output; eager and math
-outputs are copied there (``h*c``, counted with the linear inputs).
+(torch's meta kernels: ``empty_like(query)``), so transformers' ``transpose(1, 2).contiguous()`` costs nothing and the
+output projection keeps the kernel's own output; eager and math outputs are copied there (``h*c``, counted with the
+linear inputs).
 """
 
 from __future__ import annotations
@@ -98,7 +103,9 @@ class Kernel:
             reasons.append("memory-efficient takes bf16 only from sm80")
         elif capability >= (5, 0) and dtype.itemsize in (2, 4) and head_dim % alignment == 0:
             return cls("efficient", "memory-efficient: " + ("; ".join(reasons) or "preferred here"))
-        return cls("math", "math: no fused kernel takes these inputs (" + ", ".join(reasons or ["dtype/head dim"]) + ")")
+        return cls(
+            "math", "math: no fused kernel takes these inputs (" + ", ".join(reasons or ["dtype/head dim"]) + ")"
+        )
 
 
 def _gemm_alignment(capability: tuple[int, int], half: bool) -> int:
@@ -156,7 +163,10 @@ def attention_tensors(
         out += [("q_scaled", h * f32, True), ("k_scaled", kv * f32, True), ("scores", probs * f32, False)]
         out.append(("probabilities", probs * f32, True))
         if dropout:  # CPU dropout keeps a noise tensor as wide as the probabilities; CUDA a 1-byte mask
-            out += [("dropout_mask", probs * (1 if kernel.name == "math" else f32), True), ("dropped", probs * f32, True)]
+            out += [
+                ("dropout_mask", probs * (1 if kernel.name == "math" else f32), True),
+                ("dropped", probs * f32, True),
+            ]
         return out + [("output_f32", h * f32, False), ("output", h * c, False), ("output_copy", h * c, True)]
     # eager: softmax is on autocast's fp32 list; the second matmul keeps its own (16-bit under autocast) copy
     softmax = 4 if autocast else c

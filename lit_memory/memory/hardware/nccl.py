@@ -158,7 +158,9 @@ def backend(world_size: int) -> Optional[str]:
     return "gloo" if world_size == 1 else None
 
 
-def communicators(world_size: int, mesh: Optional[tuple[int, ...]] = None, names: tuple[str, ...] = ()) -> tuple[Communicator, ...]:
+def communicators(
+    world_size: int, mesh: Optional[tuple[int, ...]] = None, names: tuple[str, ...] = ()
+) -> tuple[Communicator, ...]:
     """The NCCL communicators one rank of a CUDA run on ``world_size`` ranks holds, for a device mesh of shape
     ``mesh`` (dimension ``names``; None: no mesh): none on one rank (`backend`), else WORLD's and one split from it
     for each mesh dimension smaller than the world. A dimension of one rank runs no collective (FSDP2 over the
@@ -196,8 +198,10 @@ class NcclMemory:
         groups = ", ".join(f"{c.group} ({c.ranks} rank{'s' if c.ranks > 1 else ''})" for c in self.communicators)
         parts = [f"{format_bytes(self.setup)} setup"]
         if self.buffers:
-            parts.append(f"{format_bytes(self.buffers)} buffers ({self.channels} channels x {PEERS_PER_CHANNEL} peers x "
-                         f"{format_bytes(self.settings.per_connection)})")
+            parts.append(
+                f"{format_bytes(self.buffers)} buffers ({self.channels} channels x {PEERS_PER_CHANNEL} peers x "
+                f"{format_bytes(self.settings.per_connection)})"
+            )
         if self.nvls:
             parts.append(f"{format_bytes(self.nvls)} NVLS")
         if self.single_rank:
@@ -245,7 +249,9 @@ def small(limit: Optional[Limit], world_size: int) -> bool:
     return world_size > 1 and limit is not None and limit.bytes <= SMALL_TIER
 
 
-def for_run(limit: Optional[Limit], world_size: int, environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], str]:
+def for_run(
+    limit: Optional[Limit], world_size: int, environ: Optional[Mapping[str, str]] = None
+) -> tuple[dict[str, str], str]:
     """The variables a CUDA run on ``world_size`` ranks within ``limit`` (its memory.budget or tier) sets: `SMALL`,
     but where ``environ`` sets a variable of the same setting (the user's win); and one line saying so. Nothing for
     a larger tier, or one rank."""
@@ -264,7 +270,8 @@ def for_run(limit: Optional[Limit], world_size: int, environ: Optional[Mapping[s
     kept = f"; from the environment: {', '.join(f'{n}={environ_of(environ)[n]}' for n in theirs)}" if theirs else ""
     return setting, (
         f"nccl: small buffers for {limit}: {' '.join(f'{k}={v}' for k, v in setting.items())} (each communicator's "
-        f"buffers {format_bytes(after.buffers + after.nvls)} instead of up to {format_bytes(before.buffers + before.nvls)} "
+        f"buffers {format_bytes(after.buffers + after.nvls)} instead of up to "
+        f"{format_bytes(before.buffers + before.nvls)} "
         f"on NVLink; fewer channels, less bandwidth){kept}; set them yourself to choose others"
     )
 

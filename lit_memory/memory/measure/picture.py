@@ -1,8 +1,8 @@
 """The picture of a training step: where the memory goes, predicted beside measured (``memory.png``).
 
 x: the step in order (forward layer by layer, the loss, backward layer by layer, the fused step's buckets, each named
-by the layers it holds, or the optimizer step); y: GiB. Stacked areas are the predicted tensors per category (weights, gradients, optimizer state,
-activations, other) from the analytic model's step written out event by event
+by the layers it holds, or the optimizer step); y: GiB. Stacked areas are the predicted tensors per category (weights,
+gradients, optimizer state, activations, other) from the analytic model's step written out event by event
 (`lit_memory.memory.model.program.timeline`); the line over them is the measured total at the same points
 (torch's MemTracker over the last tracked micro-batch, and on CUDA ``torch.cuda.memory_allocated``): both are
 ``memory.json``'s ``timeline``. Horizontal lines: the budget, the card less the margin every plan keeps, the
@@ -92,7 +92,9 @@ def where(point: dict) -> str:
     return f"just before {label.removesuffix(' (peak)')}" if point.get("between") else f"at {label}"
 
 
-def of_record(record: dict[str, Any], title: str, budget: Optional[int] = None, margin: float = 0.08) -> Optional[Panel]:
+def of_record(
+    record: dict[str, Any], title: str, budget: Optional[int] = None, margin: float = 0.08
+) -> Optional[Panel]:
     """The panel of a run's ``memory.json`` (`lit_memory.memory.measure.records`): its ``timeline``, its measured
     peak, its card; None where the run recorded no timeline."""
     timeline = record.get("timeline") or {}
@@ -109,7 +111,9 @@ def of_record(record: dict[str, Any], title: str, budget: Optional[int] = None, 
     analytic = (record.get("predicted") or {}).get("analytic") or {}
     notes = []
     if predicted.get("points"):
-        notes.append(f"predicted: the analytic model's steady-state step (optimizer state made), batch {_shape(predicted)}")
+        notes.append(
+            f"predicted: the analytic model's steady-state step (optimizer state made), batch {_shape(predicted)}"
+        )
     if measured_.get("points"):
         notes.append(f"measured: {measured_.get('what') or 'the last micro-batch tracked'}, batch {_shape(measured_)}")
     return Panel(
@@ -239,7 +243,9 @@ def _ticks(points: Sequence[dict], most: int = 22) -> list[tuple[int, str]]:
     if len(named) <= most:
         return named
     keep = {0, len(named) - 1}
-    keep |= {i for i, (_, name) in enumerate(named) if not name.startswith(("forward: layer", "backward: layer", "step: "))}
+    keep |= {
+        i for i, (_, name) in enumerate(named) if not name.startswith(("forward: layer", "backward: layer", "step: "))
+    }
     stride = max(1, len(named) // max(most - len(keep), 1))
     keep |= set(range(0, len(named), stride))
     return [named[i] for i in sorted(keep)]

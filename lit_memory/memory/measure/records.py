@@ -12,14 +12,15 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_memory.sandbox import bounds
 from lit_memory import files
 from lit_memory.memory.measure.footprint import Footprint, format_bytes
+from lit_memory.sandbox import bounds
 
 MEMORY_JSON = "memory.json"
 MEMORY_SCHEMA = 3  # 3: predictions at three levels (reserved_bytes, device_bytes), measured CUDA device peak
 BENCH_JSON = "bench.json"
-METHODS = ("analytic", "simulated")  # the predictions, by the names memory.json and `lit_memory.planning.prediction.predict` give them
+# the predictions, by the names memory.json and `lit_memory.planning.prediction.predict` give them
+METHODS = ("analytic", "simulated")
 
 
 def memory_record(

@@ -34,8 +34,18 @@ def table(title: str, columns: dict[str, Optional[Column]], extra: Optional[dict
 
     lines = [f"{title:<{label}}" + "".join(f"{name:>{WIDTH}}" for name in shown)]
     for category in CATEGORIES:
-        lines.append(row(LABELS[category], [format_bytes(f.categories[category]) if isinstance(f, Footprint) else "-" for f in shown.values()]))
-    lines.append(row("peak (tensors)", [format_bytes(f.peak if isinstance(f, Footprint) else f.allocated) for f in shown.values()]))
+        lines.append(
+            row(
+                LABELS[category],
+                [format_bytes(f.categories[category]) if isinstance(f, Footprint) else "-" for f in shown.values()],
+            )
+        )
+    lines.append(
+        row(
+            "peak (tensors)",
+            [format_bytes(f.peak if isinstance(f, Footprint) else f.allocated) for f in shown.values()],
+        )
+    )
     lines.append(row("(phase)", [str(f.peak_phase if isinstance(f, Footprint) else f.phase) for f in shown.values()]))
     if any(f.reserved is not None for f in shown.values()):
         # what max_memory_allocated counts: the tensors and the cuBLAS workspaces the allocator holds for cuBLAS

@@ -76,11 +76,12 @@ class Tracker(MemTracker):
         self.budget = budget
         self.footprint = Footprint()
         self.phase: Optional[str] = None
-        # Which optimizers' step runs torch.compile'd kernels (torchao's: `lit_memory.optim.optimizers.compiles_its_step`,
-        # given by the caller: this layer knows no optimizer library): dynamo refuses to run compiled code under a
-        # Python dispatch mode, so their update runs with this tracker paused. Their kernels' buffers are allocated
-        # outside the dispatcher and are not tracked tensors in any case; the state they create is labelled after
-        # the step. None: every step tracked (an eager stand-in runs instead of compiled code, or none compiles).
+        # Which optimizers' step runs torch.compile'd kernels (torchao's:
+        # `lit_memory.optim.optimizers.compiles_its_step`, given by the caller: this layer knows no optimizer library):
+        # dynamo refuses to run compiled code under a Python dispatch mode, so their update runs with this tracker
+        # paused. Their kernels' buffers are allocated outside the dispatcher and are not tracked tensors in any case;
+        # the state they create is labelled after the step. None: every step tracked (an eager stand-in runs instead of
+        # compiled code, or none compiles).
         self.compiled_steps = compiled_steps
         self._paused = False
         self._mod_tracker = _ForwardCalls()

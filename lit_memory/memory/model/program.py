@@ -347,7 +347,11 @@ def _backward(t: _Trace, m: StepModel, keys: dict, layer_params, arrived, keep: 
                 recomputed.append(("input", t.alloc(m.hidden_bytes * tokens, "activations")))  # back from the host
             copies = [t.alloc(m.params[i].copy, "other") for i in layer_params.get(index, []) if m.params[i].copy]
             recomputed += _run_layer(t, layer, tokens)
-        unsharded = [t.alloc(m.params[i].bytes, "gradients") for i in layer_params.get(index, []) if m.params[i].trainable] if gather else []
+        unsharded = (
+            [t.alloc(m.params[i].bytes, "gradients") for i in layer_params.get(index, []) if m.params[i].trainable]
+            if gather
+            else []
+        )
         # what this layer's backward releases: the recomputed tensors, or (unless the graph is kept) the saved ones
         live = dict(recomputed) if layer.checkpoint else ({} if keep else dict(saved))
         trained = [i for i in layer_params.get(index, []) if m.params[i].trainable]

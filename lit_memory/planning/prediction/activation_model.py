@@ -13,7 +13,16 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from lit_memory.hf.anatomy import ACTIVATION_NAMES, FFN_NAMES, config_dropouts, config_value, in_out, linear_types, mlp_kind
+from lit_memory.hf.anatomy import (
+    ACTIVATION_NAMES,
+    FFN_NAMES,
+    config_dropouts,
+    config_value,
+    in_out,
+    linear_types,
+    mlp_kind,
+)
+from lit_memory.hf.qlora import is_quantised, largest_quantised
 from lit_memory.memory.hardware.kernels import Kernel
 from lit_memory.memory.model.layers import (
     NORM_STATS,
@@ -31,11 +40,9 @@ from lit_memory.memory.model.layers import (
     selective_bytes_per_token,
     working_set_per_token,
 )
+from lit_memory.model import transformer_layers
 from lit_memory.planning.prediction.state_model import per_build
 from lit_memory.planning.prediction.step import Step
-from lit_memory.model import transformer_layers
-from lit_memory.hf.qlora import is_quantised, largest_quantised
-
 
 # -- the layers --------------------------------------------------------------------------------------
 
@@ -176,7 +183,9 @@ def _linear_params(modules, trainable_only: bool = False) -> list[torch.Tensor]:
         for sub in module.modules():
             if isinstance(sub, nn.Linear):
                 found += [
-                    p for p in sub.parameters(recurse=False) if (p.requires_grad or not trainable_only) and not is_quantised(p)
+                    p
+                    for p in sub.parameters(recurse=False)
+                    if (p.requires_grad or not trainable_only) and not is_quantised(p)
                 ]
     return found
 
@@ -240,14 +249,20 @@ def _totals(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: Step) 
     if active or (pooler is not None and _trains(pooler)):
         # the pooler keeps the last hidden state (without autocast its first-token view pins all of it); the loss
         # keeps its fp32 log-softmax (batch x labels, autocast's fp32 list)
-        saved += 3 * x.batch * spec.hidden * x.compute_b + (x.batch * spec.hidden * x.compute_b if x.autocast else layer_input)
+        saved += 3 * x.batch * spec.hidden * x.compute_b + (
+            x.batch * spec.hidden * x.compute_b if x.autocast else layer_input
+        )
         saved += 4 * x.batch * model.config.num_labels
     if not active:  # frozen layers keep nothing for backward, but their forward still has a working set
-        return _Totals(forward=saved, backward=saved, transient=working_set_per_token(spec, x, k) * x.tokens, backward_temp=0)
+        return _Totals(
+            forward=saved, backward=saved, transient=working_set_per_token(spec, x, k) * x.tokens, backward_temp=0
+        )
     lora = _lora_adapters(active[0])
     per_layer = layer_bytes_per_token(spec, x, k, lora) * x.tokens
     backward_temp = backward_temp_per_token(spec, x, k) * x.tokens
-    cache = _linear_bytes(active + head, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
+    cache = (
+        _linear_bytes(active + head, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
+    )
     checkpointed = [layer for layer, mode in zip(layers[first:], modes[first:]) if mode]
     whole = [layer for layer, mode in zip(layers[first:], modes[first:]) if not mode]
     selective = sum(1 for mode in modes[first:] if mode == "selective")
@@ -285,7 +300,9 @@ def _totals(model: nn.Module, spec: LayerSpec, x: Shape, k: Kernel, step: Step) 
     # at the start of backward; they are gone before the first checkpointed layer recomputes
     # (offloading needs every layer checkpointed: `SequenceClassifier` refuses it with layers left whole)
     whole_bytes = len(whole) * per_layer + (_linear_bytes(whole + head, x.compute_b) if x.autocast else 0)
-    checkpointed_cache = _linear_bytes(checkpointed, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
+    checkpointed_cache = (
+        _linear_bytes(checkpointed, x.compute_b, trainable_only=True) if x.autocast and step.loop.autocast_cache else 0
+    )
     return _Totals(
         forward=kept + whole_bytes + checkpointed_cache,
         backward=max(kept + whole_bytes, recomputing),
@@ -314,7 +331,13 @@ def _ffn_stages(layers, spec: LayerSpec) -> dict[int, str]:
         for module in layer.modules():
             if isinstance(module, linear_types()):
                 into, out = in_out(module)
-                stage = "down" if into == spec.ffn else "up" if into == spec.hidden and out in (spec.ffn, 2 * spec.ffn) else None
+                stage = (
+                    "down"
+                    if into == spec.ffn
+                    else "up"
+                    if into == spec.hidden and out in (spec.ffn, 2 * spec.ffn)
+                    else None
+                )
                 if stage:
                     stages.update({id(p): stage for p in module.parameters(recurse=False)})
     return stages
@@ -406,7 +429,9 @@ def activations(step: Step, model: nn.Module) -> Activations:
     totals = _totals(model, spec, x, k, step)
     if dequantised := per_build(model, ("dequantised",), lambda: largest_quantised(model)) * x.compute_b:
         # a 4-bit base: each matmul's weight dequantised while it runs, in forward and again in backward
-        totals = replace(totals, transient=totals.transient + dequantised, backward_temp=totals.backward_temp + dequantised)
+        totals = replace(
+            totals, transient=totals.transient + dequantised, backward_temp=totals.backward_temp + dequantised
+        )
     layers, embeddings, pooler, _, first = _parts(model)
     if masks := _cpu_window_masks(model, first, _modes(step, len(layers)), x, k):
         kept, alive, building = masks

@@ -14,12 +14,12 @@ from typing import Optional
 
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.measure.records import METHODS
+from lit_memory.optim.optimizer_state import StepNotSimulated
+from lit_memory.planning.prediction.analytic import analytic, device_total
 from lit_memory.planning.prediction.simulate import simulate
 from lit_memory.planning.prediction.step import Prediction, Step
-from lit_memory.optim.optimizer_state import StepNotSimulated
 
 __all__ = ["METHODS", "device_total", "fits", "level", "predict", "simulate_or_decline"]
 
@@ -28,8 +28,8 @@ def simulate_or_decline(step: Step) -> tuple[Optional[Prediction], Optional[str]
     """The simulated step, or None and one line saying why it cannot run: a forward that computes a shape
     or a Python number from the data (DeBERTa's relative positions call nonzero, ModernBERT reads a scalar
     back), which fake tensors cannot give, or an optimizer's step that computes a shape from the data (its
-    scalar reads are answered: `lit_memory.optim.optimizer_state.answering_scalars`). Everything else the simulation meets
-    is raised as it is."""
+    scalar reads are answered: `lit_memory.optim.optimizer_state.answering_scalars`). Everything else the simulation
+    meets is raised as it is."""
     try:
         return simulate(step), None
     except StepNotSimulated as err:

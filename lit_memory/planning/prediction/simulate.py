@@ -32,20 +32,20 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lit_memory.run.activation_checkpointing import OffloadActivations
-from lit_memory.hf.anatomy import parameter_units
+from lit_memory import task as task_
 from lit_memory.fused import Clipping, OptimizerInBackward
+from lit_memory.hf.anatomy import parameter_units
+from lit_memory.hf.qlora import SIMULATION_DECLINED
 from lit_memory.memory.hardware.allocator import replay
 from lit_memory.memory.hardware.gpus import add_levels
 from lit_memory.memory.hardware.kernels import Kernel
-from lit_memory.planning.prediction.step import Prediction, Step, build
 from lit_memory.memory.measure.tracker import Tracker
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.optimizer_state import StepNotSimulated, simulated_step
-from lit_memory.hf.qlora import SIMULATION_DECLINED
 from lit_memory.optim.optimizers import library_of, use_device_defaults
+from lit_memory.planning.prediction.step import Prediction, Step, build
+from lit_memory.run.activation_checkpointing import OffloadActivations
 from lit_memory.settings import patched
-from lit_memory import task as task_
 
 
 def fake_batch(step: Step, config) -> dict[str, torch.Tensor]:
@@ -101,8 +101,12 @@ def _stepping(module: SequenceClassifier, optimizer: torch.optim.Optimizer, step
     if step.fused:
         # hooks on the (throwaway, fake) model's parameters; any max_norm: only the extra backward matters here
         # (loss scaling's measuring backward holds what clipping by norm's does: the same pass, stood in by it)
-        fused = OptimizerInBackward(optimizer, parameter_units(module), step.bucket, Clipping(max_norm=1.0) if step.measures else None)
-        return _Stepping([optimizer], warm, lambda: None, lambda loss: fused.backward(loss.backward), after_backward=lambda: None)
+        fused = OptimizerInBackward(
+            optimizer, parameter_units(module), step.bucket, Clipping(max_norm=1.0) if step.measures else None
+        )
+        return _Stepping(
+            [optimizer], warm, lambda: None, lambda loss: fused.backward(loss.backward), after_backward=lambda: None
+        )
     return _Stepping([optimizer], warm, before_backward, lambda loss: loss.backward(), after_backward=optimizer.step)
 
 
@@ -173,7 +177,9 @@ def cuda_stand_ins(step: Step):
         )
         chosen.append(kernel.name)
         if not kernel.fused:  # math: torch's own decomposition (16-bit inputs in fp32, as on CUDA)
-            return sdpa(query.float(), key.float(), value.float(), attn_mask, dropout_p, is_causal, scale=scale, **kwargs).to(query.dtype)
+            return sdpa(
+                query.float(), key.float(), value.float(), attn_mask, dropout_p, is_causal, scale=scale, **kwargs
+            ).to(query.dtype)
         if not torch.is_grad_enabled():
             return torch.empty_like(query)
         return _FusedAttention.apply(query, key, value, kernel.name, attn_mask is not None)
@@ -227,7 +233,8 @@ def _tracked_step(step: Step, mode) -> Prediction:
         module.activation_offload = OffloadActivations(host="meta")
     cuda = step.device == "cuda"
     stand_ins = cuda_stand_ins(step) if cuda else contextlib.nullcontext([])
-    # Entered before the fake mode: torchao builds its quantisation maps from Python lists, which fake tensors cannot give.
+    # Entered before the fake mode: torchao builds its quantisation maps from Python lists, which fake tensors cannot
+    # give.
     stepped_fake = simulated_step(optimizer) if isinstance(mode, FakeTensorMode) else contextlib.nullcontext()
     with stepped_fake, mode, warnings.catch_warnings(), stand_ins as kernels:
         warnings.simplefilter("ignore")  # self.log() without a trainer; MemTracker's hook notices

@@ -16,13 +16,12 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch import nn
 
-from lit_memory.hf.anatomy import parameter_units
 from lit_memory.fused import Bucketing, group_parameters
-from lit_memory.planning.prediction.step import Step, build
+from lit_memory.hf.anatomy import parameter_units
 from lit_memory.hf.qlora import values, weight_bytes
 from lit_memory.model import SequenceClassifier, transformer_layers
 from lit_memory.optim.optimizer_state import OptimizerTensors, optimizer_tensors
-
+from lit_memory.planning.prediction.step import Step, build
 
 T = TypeVar("T")
 
@@ -156,7 +155,9 @@ class Bucket:
     optimizer: OptimizerTensors
 
 
-def _buckets(module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: Bucketing, device: str) -> tuple[Bucket, ...]:
+def _buckets(
+    module: SequenceClassifier, optimizer: torch.optim.Optimizer, bucket: Bucketing, device: str
+) -> tuple[Bucket, ...]:
     """The fused step's buckets of the trainable parameters (`lit_memory.fused.group_parameters`)."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
     found = group_parameters([p for p in module.parameters() if id(p) in group_of], parameter_units(module), bucket)
@@ -190,7 +191,8 @@ class State:
 
 
 def state(step: Step, module: SequenceClassifier, optimizer: torch.optim.Optimizer) -> State:
-    """What ``step`` keeps beside the activations, read from its meta build (``module``, ``optimizer``: `meta_build`)."""
+    """What ``step`` keeps beside the activations, read from its meta build (``module``, ``optimizer``:
+    `meta_build`)."""
     model = module.model
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -198,7 +200,11 @@ def state(step: Step, module: SequenceClassifier, optimizer: torch.optim.Optimiz
     tensors = per_build(optimizer, ("state", step.device), lambda: optimizer_tensors(optimizer, step.device))
     scaler, unscaling = scaler_bytes(step)
     buckets = (
-        per_build(optimizer, ("buckets", step.bucket, step.device), lambda: _buckets(module, optimizer, step.bucket, step.device))
+        per_build(
+            optimizer,
+            ("buckets", step.bucket, step.device),
+            lambda: _buckets(module, optimizer, step.bucket, step.device),
+        )
         if step.fused
         else ()
     )

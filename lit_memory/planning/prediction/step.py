@@ -37,17 +37,17 @@ from lit_memory.data import TextClassificationData
 from lit_memory.errors import UserError
 from lit_memory.fused import DEFAULT_BUCKET, Bucketing, parse_bucket
 from lit_memory.memory.hardware import nccl
-from lit_memory.memory.settings import MemorySettings
 from lit_memory.memory.hardware.gpus import DEVICES, Target  # noqa: F401  (DEVICES: the tools' choices)
-from lit_memory.memory.model.loops import Loop
-from lit_memory.memory.measure.footprint import Footprint
 from lit_memory.memory.margin import DEFAULT_MARGIN
-from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
+from lit_memory.memory.measure.footprint import Footprint
+from lit_memory.memory.model.loops import Loop
+from lit_memory.memory.settings import MemorySettings
 from lit_memory.model import SequenceClassifier
 from lit_memory.optim.configure import DEFAULT_OPTIMIZER
 from lit_memory.optim.optimizers import Library, library_of
 from lit_memory.optim.precision import trains_on
-from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, to_plain, section
+from lit_memory.run.activation_checkpointing import CheckpointPlan, is_auto
+from lit_memory.settings import PRECISIONS, Precision, arguments, key_of, overlay, section, to_plain
 
 # The sections of a run's settings a step reads, by the class LightningCLI builds from each: what they hold and
 # their defaults are those classes' signatures (`lit_memory.settings.section`).
@@ -147,7 +147,11 @@ class Step:
 
     @classmethod
     def _of_plain(
-        cls, settings: dict[str, Any], target: Optional[Target], loop: Optional[Loop], memory: Optional[MemorySettings] = None,
+        cls,
+        settings: dict[str, Any],
+        target: Optional[Target],
+        loop: Optional[Loop],
+        memory: Optional[MemorySettings] = None,
     ) -> "Step":
         trainer, data = section(Trainer, settings.get("trainer")), section(TextClassificationData, settings.get("data"))
         given = settings.get("model") or {}
@@ -197,7 +201,13 @@ class Step:
             values = {**values, "trainer.precision": trains_on(values["trainer.precision"], self.target.gpu)}
         # the memory block is built again only where the values change it
         changed = any(key == "memory" or key.startswith("memory.") for key in values)
-        memory = None if changed else self.memory if self.memory.margin == self.margin else replace(self.memory, margin=self.margin)
+        memory = (
+            None
+            if changed
+            else self.memory
+            if self.memory.margin == self.margin
+            else replace(self.memory, margin=self.margin)
+        )
         return Step._of_plain(overlay(self._stated, values), self.target, self.loop, memory)  # overlay's are plain
 
     def as_settings(self) -> dict[str, Any]:
@@ -225,7 +235,12 @@ class Step:
         if self.sharded and ranks(trainer["devices"]) * int(trainer["num_nodes"] or 1) != self.world_size:
             values.update({"trainer.devices": self.world_size, "trainer.num_nodes": 1})
         if clips_by_norm(trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"]) != self.clip_norm:
-            values.update({"trainer.gradient_clip_val": 1.0 if self.clip_norm else None, "trainer.gradient_clip_algorithm": "norm"})
+            values.update(
+                {
+                    "trainer.gradient_clip_val": 1.0 if self.clip_norm else None,
+                    "trainer.gradient_clip_algorithm": "norm",
+                }
+            )
         return overlay(self.settings, values)
 
     def on(self, target: Target) -> "Step":
@@ -326,7 +341,9 @@ class Step:
         if self.fused:
             parts.append(f"fused backward+step ({self.bucket} buckets)")
         if self.measures:
-            why = " and ".join(w for w, on in (("clipping by norm", self.clip_norm), ("loss scaling", self.scaled)) if on)
+            why = " and ".join(
+                w for w, on in (("clipping by norm", self.clip_norm), ("loss scaling", self.scaled)) if on
+            )
             parts.append(f"{why} (a measuring backward first)")
         if self.sharded:
             parts.append(f"sharded over {self.world_size} rank{'s' if self.world_size > 1 else ''}")
@@ -514,7 +531,9 @@ def adopt(model: torch.nn.Module, context: Any) -> int:
                     continue
                 if id(tensor) not in made:
                     new = empty(tensor)
-                    made[id(tensor)] = torch.nn.Parameter(new, tensor.requires_grad) if slots is sub._parameters else new
+                    made[id(tensor)] = (
+                        torch.nn.Parameter(new, tensor.requires_grad) if slots is sub._parameters else new
+                    )
                 slots[name] = made[id(tensor)]
     return len(made)
 

@@ -129,9 +129,14 @@ def test_a_recipe_sets_allocator_knobs_and_nothing_else():
     from lit_memory.errors import UserError
     from lit_memory.memory.hardware.allocator import check_recipe_conf
 
-    assert check_recipe_conf(" expandable_segments:True, max_split_size_mb:128 ") == "expandable_segments:True,max_split_size_mb:128"
+    assert (
+        check_recipe_conf(" expandable_segments:True, max_split_size_mb:128 ")
+        == "expandable_segments:True,max_split_size_mb:128"
+    )
     for bad in ("backend:cudaMallocAsync", "expandable_segments:maybe", "max_split_size_mb:-1", "expandable_segments"):
-        with pytest.raises(UserError, match=r"^memory\.allocator: .* is not an allocator setting a recipe can make") as err:
+        with pytest.raises(
+            UserError, match=r"^memory\.allocator: .* is not an allocator setting a recipe can make"
+        ) as err:
             check_recipe_conf(bad)
         assert "\n" not in str(err.value)
 
@@ -198,7 +203,7 @@ def test_the_environment_is_read_in_the_order_the_installed_torch_reads_it():
     import subprocess
     import sys
 
-    from lit_memory.memory.hardware.allocator import CUDA_ENV, UNIFIED_ENV, environment_conf, env_names
+    from lit_memory.memory.hardware.allocator import CUDA_ENV, UNIFIED_ENV, env_names, environment_conf
 
     both = {CUDA_ENV: "max_split_size_mb:64", UNIFIED_ENV: "expandable_segments:True"}
     clean = {k: v for k, v in os.environ.items() if k not in (*both, "PYTORCH_HIP_ALLOC_CONF")}
@@ -213,7 +218,8 @@ def test_the_environment_is_read_in_the_order_the_installed_torch_reads_it():
 def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
     """A CUDA target nobody gave allocator settings takes the recipe's (as the run sets them); the environment's
     or an explicit one stays."""
-    from lit_memory.memory.hardware.allocator import CUDA_ENV as ENV, UNIFIED_ENV
+    from lit_memory.memory.hardware.allocator import CUDA_ENV as ENV
+    from lit_memory.memory.hardware.allocator import UNIFIED_ENV
     from lit_memory.memory.hardware.gpus import target
     from lit_memory.planning.prediction.step import Step
 
@@ -221,7 +227,9 @@ def test_predictions_use_the_recipes_allocator_unless_one_is_given(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.delenv(UNIFIED_ENV, raising=False)
     assert Step.from_settings(settings, target("cuda", "a100-80gb")).target.allocator.expandable_segments
-    assert not Step.from_settings({**settings, "memory": {}}, target("cuda", "a100-80gb")).target.allocator.expandable_segments
+    assert not Step.from_settings(
+        {**settings, "memory": {}}, target("cuda", "a100-80gb")
+    ).target.allocator.expandable_segments
     given = target("cuda", "a100-80gb", allocator=AllocatorConfig())
     assert not Step.from_settings(settings, given).target.allocator.expandable_segments
     monkeypatch.setenv(ENV, "max_split_size_mb:64")

@@ -1,4 +1,5 @@
-"""The device a prediction is for (lit_memory.memory.hardware.gpus): the context table, its overrides, the workspaces."""
+"""The device a prediction is for (lit_memory.memory.hardware.gpus): the context table, its overrides, the
+workspaces."""
 
 from __future__ import annotations
 
@@ -149,7 +150,9 @@ def test_a_memory_setting_reads_a_card_or_a_size():
 def reading(free: float, context=300 * MiB, total=GPUS["rtx3050-4gb"].memory):
     from lit_memory.memory.hardware.gpus import CardReading
 
-    return CardReading("NVIDIA GeForce RTX 3050 Laptop GPU", total, int(free * GiB), context, "nvml (this process)", (8, 6))
+    return CardReading(
+        "NVIDIA GeForce RTX 3050 Laptop GPU", total, int(free * GiB), context, "nvml (this process)", (8, 6)
+    )
 
 
 def test_auto_plans_for_the_smaller_of_the_budget_and_what_the_card_has_free():

@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_memory.memory.hardware.kernels import Kernel, attention_bytes, attention_tensors
-from lit_memory.planning.prediction.activation_model import layer_spec
-from lit_memory.memory.model.layers import LayerSpec, Shape, backward_temp_per_token, layer_bytes_per_token, layer_tensors
 from lit_memory.hf.config import load_config
+from lit_memory.memory.hardware.kernels import Kernel, attention_bytes, attention_tensors
+from lit_memory.memory.model.layers import (
+    LayerSpec,
+    Shape,
+    backward_temp_per_token,
+    layer_bytes_per_token,
+    layer_tensors,
+)
+from lit_memory.planning.prediction.activation_model import layer_spec
 from lit_memory.settings import PRECISIONS
 
 DTYPE = {2: torch.float16, 4: torch.float32, 8: torch.float64}  # the inputs' dtype by its bytes
@@ -53,7 +59,9 @@ T4, P100 = (7, 5), (6, 0)
 def test_bf16_attention_below_sm80_runs_the_math_kernel(capability, bf16, masked, expected):
     """torch's sdp_utils.cpp: can_use_mem_efficient_attention's dtypes are {fp16, fp32} below sm80 and add bf16
     from sm80; flash needs sm80+ (its dtypes fp16/bf16)."""
-    kernel = Kernel.of("sdpa", True, capability, torch.bfloat16 if bf16 else torch.float16, 64, dropout=True, masked=masked)
+    kernel = Kernel.of(
+        "sdpa", True, capability, torch.bfloat16 if bf16 else torch.float16, 64, dropout=True, masked=masked
+    )
     assert kernel.name == expected, kernel.reason
 
 
@@ -71,7 +79,8 @@ def test_fused_kernels_keep_no_attention_matrix_and_eager_keeps_it_at_autocast_w
     eager = Kernel("eager", "")
     probs = heads * s
     under_autocast = attention_bytes(eager, h, heads, s, 2, dropout=True, autocast=True)
-    assert under_autocast.saved == 3 * h * 2 + probs * (4 + 1 + 2) + h * 2  # fp32 softmax, mask, 16-bit copy; output copy
+    # fp32 softmax, mask, 16-bit copy; output copy
+    assert under_autocast.saved == 3 * h * 2 + probs * (4 + 1 + 2) + h * 2
     fp32 = attention_bytes(eager, h, heads, s, 4, dropout=True, autocast=False)
     assert fp32.saved == 3 * h * 4 + probs * (4 + 1 + 4) + h * 4
     before_1_11 = attention_bytes(eager, h, heads, s, 4, dropout=True, autocast=False, softmax_keeps_input=True)
@@ -84,8 +93,8 @@ def test_fused_kernels_keep_no_attention_matrix_and_eager_keeps_it_at_autocast_w
 
 def test_a_bert_layer_keeps_what_its_description_says():
     config = load_config("bundled:bert-large", 2)
-    from transformers import AutoModelForSequenceClassification
     import torch
+    from transformers import AutoModelForSequenceClassification
 
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)

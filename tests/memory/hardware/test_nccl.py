@@ -52,7 +52,10 @@ def test_each_communicator_holds_its_channels_buffers_and_a_single_rank_one_its_
     assert two.buffers == 32 * 2 * (4 * MiB + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16)
     assert two.nvls == 16 * 2 * (128 * 1024 * 8) * 2 and two.single_rank == 0  # the idle single-rank one: no buffer
     assert 0.3 * 2**30 < two.buffers < 0.9 * 2**30  # the range NCCL's maintainers' figures give over NVLink
-    assert nccl_memory(communicators(2, (2, 1), LIGHTNING), defaults, "rtx3090", (8, 6)).buffers == 4 * 2 * defaults.per_connection
+    assert (
+        nccl_memory(communicators(2, (2, 1), LIGHTNING), defaults, "rtx3090", (8, 6)).buffers
+        == 4 * 2 * defaults.per_connection
+    )
     # A single-rank communicator that runs collectives: NCCL 2.28's NET shared buffer, 536870912 bytes (NCCL issue
     # 2363's failed calloc); 996 MiB in all on one GPU with NCCL_RUNTIME_CONNECT=0 (PR 2366's measurement)
     alone = (Communicator("WORLD", 1),)
@@ -74,9 +77,13 @@ def test_a_small_tiers_distributed_run_sets_nccls_buffers_small_and_says_so():
     assert line.startswith(f"nccl: small buffers for {tier}: NCCL_BUFFSIZE=1048576 NCCL_MAX_NCHANNELS=2 "
                            "NCCL_NVLS_ENABLE=0 (each communicator's buffers 24.75 MiB instead of up to 652.00 MiB")
     kept, line = for_run(tier, 2, {"NCCL_MAX_NCHANNELS": "4"})  # the user's channels win
-    assert kept == {"NCCL_BUFFSIZE": str(MiB), "NCCL_NVLS_ENABLE": "0"} and "from the environment: NCCL_MAX_NCHANNELS=4" in line
+    assert (
+        kept == {"NCCL_BUFFSIZE": str(MiB), "NCCL_NVLS_ENABLE": "0"}
+        and "from the environment: NCCL_MAX_NCHANNELS=4" in line
+    )
     assert for_run(tier, 1, {}) == ({}, "")  # one rank: no communicator
-    assert for_run(Limit(80 * 2**30, "memory.budget 80.00 GiB"), 8, {}) == ({}, "")  # a large tier keeps NCCL's defaults
+    # a large tier keeps NCCL's defaults
+    assert for_run(Limit(80 * 2**30, "memory.budget 80.00 GiB"), 8, {}) == ({}, "")
     assert for_run(None, 8, {}) == ({}, "")
     environ = {"NCCL_BUFFSIZE": "7"}
     with nccl.run_settings({"NCCL_BUFFSIZE": "1", "NCCL_MAX_NCHANNELS": "2"}, environ):

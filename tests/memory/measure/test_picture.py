@@ -14,8 +14,8 @@ import torch
 from conftest import CONFIGS, FAST, RECIPES
 
 from lit_memory.__main__ import main
-from lit_memory.hf.anatomy import find_layers
 from lit_memory.cli import resolve
+from lit_memory.hf.anatomy import find_layers
 from lit_memory.memory.hardware.gpus import target
 from lit_memory.memory.measure import picture, records
 from lit_memory.memory.measure.footprint import CATEGORIES
@@ -77,14 +77,17 @@ def test_estimate_plot_draws_two_recipes_side_by_side_for_one_card(tmp_path, cap
     verdicts = [line for line in printed.splitlines() if line.startswith("verdict: ")]
     assert len(verdicts) == 2 and verdicts[0].startswith("verdict: does not fit") and "verdict: fits" in verdicts[1]
     # the panels are the analytic steps: 4gb takes the gradients away (fused) and shrinks the activations
-    from lit_memory.tools.estimate import add_target_arguments, panel, step_of
     import argparse
+
+    from lit_memory.tools.estimate import add_target_arguments, panel, step_of
 
     parser = argparse.ArgumentParser()
     add_target_arguments(parser)
     peaks = {}
     for recipe in ("bf16", "4gb"):
-        options, rest = parser.parse_known_args(["--gpu", "rtx3050-4gb", *bert, "--config", str(RECIPES / f"{recipe}.yaml")])
+        options, rest = parser.parse_known_args(
+            ["--gpu", "rtx3050-4gb", *bert, "--config", str(RECIPES / f"{recipe}.yaml")]
+        )
         step = step_of(rest, options)
         prediction = analytic(step)
         drawn = panel(step, prediction, recipe)
@@ -149,8 +152,12 @@ def test_on_cuda_the_snapshot_records_the_first_steps_into_the_run_folder(tmp_pa
             Path(path).write_bytes(b"snapshot")
 
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), log_dir=str(tmp_path), default_root_dir=str(tmp_path),
-        world_size=1, global_rank=0, global_step=0,
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)),
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        world_size=1,
+        global_rank=0,
+        global_step=0,
     )
     snapshot = Seams("snap.pickle", steps=2)
     snapshot.setup(trainer, None, "fit")

@@ -42,7 +42,10 @@ def test_predictions_keep_their_three_levels_per_phase_and_read_back():
     data = footprint.to_dict()
     assert data["peak_bytes"] == 2**31 and data["peak_phase"] == "step"
     assert data["device_bytes"] == data["reserved_bytes"] + data["context_bytes"] == 2**31 + 601 * 2**20
-    assert {p: e["device_bytes"] for p, e in data["phases"].items()} == {"forward": data["device_bytes"], "step": data["device_bytes"]}
+    assert {p: e["device_bytes"] for p, e in data["phases"].items()} == {
+        "forward": data["device_bytes"],
+        "step": data["device_bytes"],
+    }
     back = Footprint.from_dict(json.loads(json.dumps(data)))
     assert back.to_dict() == data
     assert "reserved_bytes" not in Footprint({"forward": {"weights": 1}}).to_dict()  # tensors only (CPU, tracked)

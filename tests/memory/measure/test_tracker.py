@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 from torch import nn
 
-from conftest import REPO
 from lit_memory.memory.measure.footprint import PHASES
 from lit_memory.memory.measure.tracker import MemoryBudgetExceeded, Tracker
 from lit_memory.optim.optimizers import compiles_its_step
@@ -166,6 +166,8 @@ def test_process_peak_starts_afresh_in_a_process_started_by_a_large_one():
     parent's: getrusage's max RSS carries over fork and exec."""
     block = torch.ones(512 * 2**20, dtype=torch.uint8)  # 512 MiB, touched, in this (the parent) process
     code = "from lit_memory.memory.measure.tracker import ProcessPeak; p = ProcessPeak(); print(p.peak, p.growth)"
-    peak, growth = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    peak, growth = map(
+        int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    )
     assert peak < 512 * 2**20 and growth < 128 * 2**20
     del block

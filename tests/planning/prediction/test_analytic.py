@@ -7,15 +7,15 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import CONFIGS, RECIPES
+
 from lit_memory.cli import resolve
 from lit_memory.errors import UserError
-from lit_memory.planning.prediction.analytic import analytic, file_gib
-from lit_memory.planning.prediction.state_model import meta_build
 from lit_memory.memory.hardware.gpus import DEFAULT_GPU, GPUS, Target
 from lit_memory.memory.model.loops import LOOPS, Loop
+from lit_memory.planning.prediction.analytic import analytic, file_gib
 from lit_memory.planning.prediction.simulate import simulate
+from lit_memory.planning.prediction.state_model import meta_build
 from lit_memory.planning.prediction.step import OptimizerSpec, Step, build, is_fused
 
 GiB = 2**30
@@ -124,11 +124,20 @@ CASES = {
     "16-mixed, fused (a measuring backward first)": {"precision": "16-mixed", "fused": True},
     # fp16 weights: fp16 gradients; bitsandbytes' 8-bit state whatever the weights' dtype, torchao's plain
     # state in the weights' dtype, its compiled step computing in fp32 either way
-    "16-true + bitsandbytes AdamW8bit": {"precision": "16-true", "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4)},
-    "16-true + torchao AdamW4bit, fused": {
-        "precision": "16-true", "fused": True, "optimizer": spec("torchao.optim.AdamW4bit", lr=1e-4),
+    "16-true + bitsandbytes AdamW8bit": {
+        "precision": "16-true",
+        "optimizer": spec("bitsandbytes.optim.AdamW8bit", lr=1e-4),
     },
-    "fused + checkpointing, clipping by norm": {"fused": True, "clip_norm": True, "model": {"gradient_checkpointing": True}},
+    "16-true + torchao AdamW4bit, fused": {
+        "precision": "16-true",
+        "fused": True,
+        "optimizer": spec("torchao.optim.AdamW4bit", lr=1e-4),
+    },
+    "fused + checkpointing, clipping by norm": {
+        "fused": True,
+        "clip_norm": True,
+        "model": {"gradient_checkpointing": True},
+    },
 }
 
 
@@ -192,7 +201,9 @@ FOREACH_ADAMW = spec("torch.optim.AdamW", lr=2e-5, weight_decay=0.01, fused=Fals
 
 @pytest.mark.parametrize("case", CUDA_CASES)
 def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(case):
-    setup = minilm(**{"batch_size": 8, "max_length": 64, "device": "cuda", "optimizer": FOREACH_ADAMW, **CUDA_CASES[case]})
+    setup = minilm(
+        **{"batch_size": 8, "max_length": 64, "device": "cuda", "optimizer": FOREACH_ADAMW, **CUDA_CASES[case]}
+    )
     predicted, simulated = analytic(setup), simulate(setup)
     assert predicted.footprint.peak == pytest.approx(simulated.footprint.peak, rel=0.05)
     for phase in simulated.footprint.phases:
@@ -207,8 +218,8 @@ def test_analytic_agrees_with_the_simulation_for_a_cuda_target_at_every_level(ca
 def test_the_allocator_replay_holds_the_tensors_the_analytic_model_predicts():
     """The analytic model's event program (lit_memory.memory.model.program) allocates what its phases hold: the
     replay's peak of allocated bytes is the analytic peak, within the rounding and the workspaces."""
-    from lit_memory.memory.model import program
     from lit_memory.memory.hardware.allocator import replay
+    from lit_memory.memory.model import program
     from lit_memory.planning.prediction.activation_model import activations
     from lit_memory.planning.prediction.analytic import step_model
     from lit_memory.planning.prediction.state_model import state
@@ -354,10 +365,15 @@ def test_fused_gradients_alive_follow_the_bucket_setting_at_bert_large_proportio
     setup = bert_large(fused=True, bucket=bucket, batch_size=1, max_length=8, device="cpu", optimizer=loop)
     predicted, simulated = analytic(setup), simulate(setup)
     model = build(setup, torch.device("meta"))[0].model
-    buckets = [sum(4 * p.numel() for p in b) for b in group_parameters(list(model.parameters()), parameter_units(model), bucket)]
+    buckets = [
+        sum(4 * p.numel() for p in b)
+        for b in group_parameters(list(model.parameters()), parameter_units(model), bucket)
+    ]
     alive = simulated.footprint.phases["backward"]["gradients"]
     if bucket == "layer":
-        assert 4 * sum(p.numel() for p in model.bert.encoder.layer[0].parameters()) == pytest.approx(48.05 * 2**20, rel=1e-3)
+        assert 4 * sum(p.numel() for p in model.bert.encoder.layer[0].parameters()) == pytest.approx(
+            48.05 * 2**20, rel=1e-3
+        )
         assert alive == max(buckets) == 4 * 30522 * 1024
     else:
         assert 400 * 2**20 < alive <= max(buckets) <= 512 * 2**20
@@ -386,7 +402,9 @@ def test_a_recipes_precision_laid_over_a_step_follows_its_gpu():
     bf16 weights refused; the step's own precision (typed by the user, decided by the CLI) stays."""
     t4 = bert_large(precision="bf16-mixed", gpu="t4", fused=True)
     assert t4.precision.name == "bf16-mixed" and not t4.measures
-    laid = t4.with_settings({"trainer.precision": "bf16-mixed", "trainer.strategy": "lit_memory.FusedSingleDeviceStrategy"})
+    laid = t4.with_settings(
+        {"trainer.precision": "bf16-mixed", "trainer.strategy": "lit_memory.FusedSingleDeviceStrategy"}
+    )
     assert laid.precision.name == "16-mixed" and laid.scaled and laid.measures
     with pytest.raises(UserError, match="trainer.precision bf16-true keeps the weights in bf16"):
         t4.with_settings({"trainer.precision": "bf16-true"})

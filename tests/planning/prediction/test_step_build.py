@@ -1,4 +1,5 @@
-"""`lit_memory.planning.prediction.step.build`: the configured module for the memory models: every tensor made in the model's context."""
+"""`lit_memory.planning.prediction.step.build`: the configured module for the memory models: every tensor made in the
+model's context."""
 
 from __future__ import annotations
 
