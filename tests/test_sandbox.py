@@ -24,7 +24,7 @@ import torch
 from conftest import RECIPES, REPO, rows, write_csv
 
 from lit_memory.confine import launch
-from lit_memory.sandbox import child, landlock, rules, stage, watchdog
+from lit_memory.sandbox import child, environment, landlock, rules, stage, watchdog
 
 pytestmark = pytest.mark.skipif(landlock.abi() < 4, reason="needs Landlock ABI 4 (Linux 6.7) or later")
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -211,10 +211,10 @@ def test_reads_outside_the_roots_are_refused_through_a_link_and_proc(tmp_path):
     assert outcome == ["refused"] * 3, confined.stdout + confined.stderr[-2000:]
     free = run_python(code, None)
     assert [line.split()[0] for line in free.stdout.splitlines()] == ["read"] * 3, free.stdout
-    assert "HF_TOKEN" not in launch.scrubbed(
-        {"HF_TOKEN": "x", "AWS_SECRET_ACCESS_KEY": "y", "MY_API_KEY": "z", "PATH": "p"}
-    )
-    assert launch.scrubbed({"HF_TOKEN": "x", "AWS_PROFILE": "y", "PATH": "p", "CUDA_VISIBLE_DEVICES": "0"}) == {
+    # the child's environment: an allowlist (`sandbox.environment`), so no secret reaches it by any name
+    assert environment.allowed({"HF_TOKEN": "x", "AWS_SECRET_ACCESS_KEY": "y", "MY_API_KEY": "z", "PATH": "p"}) == {
+        "PATH": "p"}
+    assert environment.allowed({"HF_TOKEN": "x", "AWS_PROFILE": "y", "PATH": "p", "CUDA_VISIBLE_DEVICES": "0"}) == {
         "PATH": "p", "CUDA_VISIBLE_DEVICES": "0"}
 
 
