@@ -15,7 +15,7 @@ from lit_memory.errors import UserError
 from lit_memory.memory.hardware.gpus import GPUS
 from lit_memory.memory.measure import records
 from lit_memory.memory.measure.footprint import Footprint
-from lit_memory.tools import proof
+from lit_memory.tools import proof, proof_tables
 
 GiB = 2**30
 
@@ -210,7 +210,7 @@ def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
     }
     (tmp_path / "h100.json").write_text(json.dumps(old))
     (tmp_path / "h200-speed.json").write_text(json.dumps(new))
-    assert proof.newest_record(tmp_path).name == "h200-speed.json"  # dated: newer than a record without a date
+    assert proof_tables.newest_record(tmp_path).name == "h200-speed.json"  # dated: newer than a record without a date
     failed = {
         **new,
         "date": "2026-12-02",
@@ -220,8 +220,9 @@ def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
         ],
     }
     (tmp_path / "h200-sandboxed.json").write_text(json.dumps(failed))
-    assert proof.newest_record(tmp_path).name == "h200-speed.json"  # newer, but none of ours trained: not the source
-    text = proof.speed_table(new, "docs/gpu/h200-speed.json")
+    # newer, but none of ours trained: not the source
+    assert proof_tables.newest_record(tmp_path).name == "h200-speed.json"
+    text = proof_tables.speed_table(new, "docs/gpu/h200-speed.json")
     assert text.startswith("Measured on one NVIDIA H200 on 2026-12-01")
     rows = {
         line.split("`")[1]: [c.strip() for c in line.strip("|").split("|")]
@@ -234,10 +235,12 @@ def test_readmes_speed_table_comes_from_the_newest_record(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("intro\n")
     with pytest.raises(UserError, match="no place for the speed table"):
-        proof.update_readme(text, readme)
-    readme.write_text(f"intro\n{proof.SPEED_MARKERS[0]}\nold\n{proof.SPEED_MARKERS[1]}\nrest\n")
-    proof.update_readme(text, readme)
-    assert readme.read_text() == f"intro\n{proof.SPEED_MARKERS[0]}\n{text}{proof.SPEED_MARKERS[1]}\nrest\n"
+        proof_tables.update_readme(text, readme)
+    readme.write_text(f"intro\n{proof_tables.SPEED_MARKERS[0]}\nold\n{proof_tables.SPEED_MARKERS[1]}\nrest\n")
+    proof_tables.update_readme(text, readme)
+    assert (
+        readme.read_text() == f"intro\n{proof_tables.SPEED_MARKERS[0]}\n{text}{proof_tables.SPEED_MARKERS[1]}\nrest\n"
+    )
 
 
 # -- a lent GPU's call: rows in order, the record after every row, each row within what is left ---------------------
@@ -347,12 +350,12 @@ def test_a_rehearsal_runs_a_calls_plumbing_on_this_cpu_and_a_process_past_its_li
 
 
 def test_readmes_speed_table_regenerates_from_the_newest_committed_record(capsys):
-    path = proof.newest_record()
+    path = proof_tables.newest_record()
     main(["bench", "--gpu-proof", "--speed-table", str(path)])
     text = capsys.readouterr().out
-    assert text == proof.speed_table(json.loads(path.read_text()), f"docs/gpu/{path.name}")
+    assert text == proof_tables.speed_table(json.loads(path.read_text()), f"docs/gpu/{path.name}")
     readme = (proof.ROOT / "README.md").read_text()
-    start, end = proof.SPEED_MARKERS
+    start, end = proof_tables.SPEED_MARKERS
     assert readme.split(start, 1)[1].split(end, 1)[0] == f"\n{text}", (
         "README's speed table is not the newest record's: "
         "python -m lit_memory bench --gpu-proof --speed-table --update-readme")
